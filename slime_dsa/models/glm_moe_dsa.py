@@ -1,0 +1,484 @@
+"""GLM-MoE-DSA (GLM-5) in plain PyTorch, numerically the same as transformers' GlmMoeDsaForCausalLM.
+
+Design choices, top to bottom:
+- MLA attention: low-rank q (q_a -> norm -> q_b) and a shared kv latent (kv_a -> norm) plus one rope key.
+  Attention runs in absorbed "MQA mode": kv_b_proj is folded into the query and the output, so every head
+  attends to the same (kv_lora_rank + rope) rows. That is what the KV cache stores and what kernels consume.
+- RoPE is interleaved on the rope slice (DeepSeek layout), with yarn mscale where configured.
+- DSA lightning indexer: ReLU scores from its own small q/k projections pick index_topk keys per query.
+- IndexShare: `shared` layers reuse the top-k of the nearest preceding `full` layer.
+- MoE: sigmoid router with e_score_correction_bias, group-limited top-k, a shared expert, routed scaling.
+  The first `first_k_dense_replace` layers use a dense MLP.
+- Optional MTP layers (DeepSeek-V3 style) stored as model.layers.{num_hidden_layers + i}.
+Every forward is over *packed* sequences (tokens concatenated, cu_seqlens marks boundaries, no padding);
+`forward(input_ids (B, T), attention_mask)` unpads, runs packed, and pads the logits back.
+Shapes: T tokens in the pack, H heads, Dn/Dr/Dl/Dv nope/rope/latent/value dims, K = index_topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slime_dsa import ops
+from slime_dsa.models.config import ModelConfig
+from slime_dsa.models.logprobs import chunked_token_logprobs
+from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+# ----------------------------------------------------------------------------------------------
+# The packed batch
+
+
+class KVCache(Protocol):
+    """What a decoding engine plugs in: per-layer storage of latent kv rows and indexer keys."""
+
+    def update(
+        self, layer_idx: int, kv: torch.Tensor, index_k: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store this step's rows (Tq, D) / (Tq, Di); return every key row of the batch in cu_seqlens_k layout."""
+
+
+@dataclass
+class PackedBatch:
+    """Where every token of a packed forward sits. Queries are the last rows of their sequence."""
+
+    positions: torch.Tensor  # (Tq,) position of each query token in its sequence
+    cu_seqlens_q: torch.Tensor  # (S+1,) query rows per sequence
+    cu_seqlens_k: torch.Tensor  # (S+1,) key rows per sequence (== cu_seqlens_q without a cache)
+    kv_cache: KVCache | None = None
+    key_start: torch.Tensor = field(init=False)  # (Tq,) first key row of each query's sequence
+
+    def __post_init__(self) -> None:
+        seq_id = torch.repeat_interleave(
+            torch.arange(len(self.cu_seqlens_q) - 1, device=self.cu_seqlens_q.device), self.cu_seqlens_q.diff()
+        )
+        self.key_start = self.cu_seqlens_k[seq_id]
+
+    @classmethod
+    def from_seqlens(cls, seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "PackedBatch":
+        """A batch of whole sequences (training / prefill without a cache)."""
+        lens = torch.as_tensor(seqlens, dtype=torch.long, device=device)
+        cu = F.pad(lens.cumsum(0), (1, 0))
+        positions = torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lens)
+        return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    def to_rows(self, local_indices: torch.Tensor) -> torch.Tensor:
+        """Sequence-local key positions (Tq, K) -> rows of the packed key tensor, -1 kept."""
+        return torch.where(local_indices >= 0, local_indices + self.key_start[:, None], local_indices)
+
+
+@dataclass
+class ModelOutput:
+    """What a forward returns; fields are None unless asked for."""
+
+    logits: torch.Tensor | None  # (B, T, V) for padded input, (T, V) for packed input
+    hidden_states: torch.Tensor  # (T, D) after the final norm, packed
+    topk_indices: torch.Tensor | None = None  # (n_full_layers, T, K) sequence-local positions, -1 padded
+    dsa_layers: list[dict] | None = None  # per layer: what the indexer loss needs (see MLAttention.forward)
+    mtp_hidden: list[torch.Tensor] | None = None  # per MTP layer (T, D), before the shared head
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: I[t, s] = sum_j w[t, j] relu(q_j[t] . k[s] / sqrt(Di)), w = weights_proj(x) / sqrt(Hi)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
+        self.index_topk = config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in float32
+        self.softmax_scale = self.head_dim**-0.5
+
+    def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Unlike MLA, the indexer puts its rope slice first.
+        x_rot, x_pass = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_interleaved_rope(x_rot, cos, sin), x_pass], dim=-1)
+
+    def project(
+        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Index queries (T, Hi, Di), keys (T, Di) and head weights (T, Hi) float32."""
+        T = x.shape[0]
+        q = self._rope_first(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, Hi, Di)
+        k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)  # (T, Di)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # (T, Hi)
+        return q, k, w
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with DSA sparse selection, computed in absorbed MQA mode."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads = c.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        self.index_topk = c.index_topk
+        self.scale = c.attention_scale()
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        is_full = layer_idx >= c.num_hidden_layers or c.indexer_types[layer_idx] == "full"  # MTP layers index for themselves
+        self.indexer = Indexer(c) if is_full else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PackedBatch,
+        shared_rows: torch.Tensor | None,
+        replay_local: torch.Tensor | None = None,
+        capture: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x (T, D) -> (out (T, D), this layer's local top-k or None if shared, key rows used (T, K))."""
+        T, H = x.shape[0], self.n_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # (T, Q)
+        q = self.q_b_proj(q_latent).view(T, H, self.nope_dim + self.rope_dim)  # (T, H, Dn+Dr)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (T, Dl), (T, Dr)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_rope = apply_interleaved_rope(q_rope, cos, sin)  # (T, H, Dr)
+        k_rope = apply_interleaved_rope(k_rope, cos, sin)  # (T, Dr)
+
+        w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # (H, Dn, Dl), (H, Dv, Dl)
+        q_mqa = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_rope], dim=-1)  # (T, H, Dl+Dr)
+        kv_new = torch.cat([c_kv, k_rope], dim=-1)  # (T, Dl+Dr)
+
+        index_q = index_k_new = index_w = None
+        if self.indexer is not None:
+            index_q, index_k_new, index_w = self.indexer.project(x, q_latent, cos, sin)
+        if batch.kv_cache is not None:
+            kv, index_k = batch.kv_cache.update(self.layer_idx, kv_new, index_k_new)
+        else:
+            kv, index_k = kv_new, index_k_new
+
+        local = None
+        if self.indexer is not None:
+            if replay_local is not None:
+                local = replay_local
+            else:
+                local = ops.indexer_topk(
+                    index_q.detach(), index_k.detach(), index_w.detach(), batch.cu_seqlens_q, batch.cu_seqlens_k,
+                    self.index_topk, self.indexer.softmax_scale,
+                )  # (T, K)
+            rows = batch.to_rows(local)
+        else:
+            if shared_rows is None:
+                raise ValueError(f"layer {self.layer_idx} is 'shared' but no preceding 'full' layer selected keys")
+            rows = shared_rows
+
+        out_latent, lse = ops.sparse_mla_attention(q_mqa, kv, rows, self.scale, self.kv_rank)  # (T, H, Dl), (T, H)
+        if capture is not None:
+            capture.append({
+                "layer": self.layer_idx, "q": q_mqa.detach(), "kv": kv.detach(), "lse": lse.detach(),
+                "scale": self.scale, "rows": rows, "index_q": index_q, "index_k": index_k, "index_weights": index_w,
+                "index_scale": self.indexer.softmax_scale if self.indexer is not None else None,
+            })
+        out = torch.einsum("thl,hvl->thv", out_latent, w_uv)  # (T, H, Dv)
+        return self.o_proj(out.reshape(T, H * self.v_dim)), local, rows
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with a load-balancing bias (selection only) and group-limited top-k. Runs in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.n_experts = config.num_experts_per_tok, config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.n_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D) -> routing weights (T, k) float32, expert ids (T, k)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
+        expert_ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, expert_ids
+
+
+class Experts(nn.ModuleList):
+    """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x (T, D), weights/expert_ids (T, k) -> (T, D): tokens grouped by expert, one matmul per expert hit."""
+        out = torch.zeros_like(x)
+        top_k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)  # (T*k,)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self)).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens, k = slots // top_k, slots % top_k
+            y = self[expert](x[tokens]) * weights[tokens, k, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.experts = Experts(config)
+        self.gate = Router(config)
+        self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.gate(x)
+        return self.experts(x, weights, expert_ids) + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(config, layer_idx)
+        is_moe = layer_idx >= config.num_hidden_layers or config.mlp_layer_types[layer_idx] == "sparse"
+        self.mlp = MoE(config) if is_moe else MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, shared_rows, replay_local=None, capture=None):
+        attn, local, rows = self.self_attn(self.input_layernorm(h), cos, sin, batch, shared_rows, replay_local, capture)
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, local, rows
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction (DeepSeek-V3): predicts token t+2 from h_t and the embedding of token t+1."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        n = config.num_hidden_layers
+        layers = [DecoderLayer(config, i) for i in range(n)]
+        layers += [MTPLayer(config, n + i) for i in range(config.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    """Causal LM over packed sequences. Parameter names equal transformers' GlmMoeDsaForCausalLM."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GlmMoeDsaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+        self._inv_freq, self._rope_scaling = rope_inv_freq(config)
+
+    # -- forwards ------------------------------------------------------------------------------
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> ModelOutput:
+        """input_ids (B, T) with an optional 0/1 attention_mask (any padding side), or packed (T,) with `batch=`."""
+        if input_ids.dim() == 1:
+            return self.forward_packed(input_ids, kwargs.pop("batch", None) or PackedBatch.from_seqlens([len(input_ids)], input_ids.device), **kwargs)
+        B, T = input_ids.shape
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        batch = PackedBatch.from_seqlens(mask.sum(1), input_ids.device)
+        out = self.forward_packed(input_ids[mask], batch, **kwargs)
+        if out.logits is not None:
+            padded = out.logits.new_zeros(B, T, out.logits.shape[-1])
+            padded[mask] = out.logits
+            out.logits = padded
+        return out
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        batch: PackedBatch,
+        *,
+        replay_topk: torch.Tensor | None = None,
+        return_logits: bool = True,
+        return_topk: bool = False,
+        capture_dsa: bool = False,
+        return_mtp: bool = False,
+    ) -> ModelOutput:
+        """Packed forward: input_ids (T,) -> ModelOutput. replay_topk (n_full_layers, T, K) replays a selection."""
+        h = self.model.embed_tokens(input_ids)  # (T, D)
+        cos, sin = rope_cos_sin(batch.positions, self._inv_freq, self._rope_scaling, h.dtype)
+        capture = [] if capture_dsa else None
+        full_ids = {layer: i for i, layer in enumerate(self.config.full_layer_ids)}
+        selections, shared_rows = [], None
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
+            idx = layer.self_attn.layer_idx
+            replay = replay_topk[full_ids[idx]] if replay_topk is not None and idx in full_ids else None
+            if self.gradient_checkpointing and torch.is_grad_enabled() and capture is None:  # recompute would capture twice
+                h, local, shared_rows = checkpoint(
+                    layer, h, cos, sin, batch, shared_rows, replay, capture, use_reentrant=False
+                )
+            else:
+                h, local, shared_rows = layer(h, cos, sin, batch, shared_rows, replay, capture)
+            if local is not None:
+                selections.append(local)
+        mtp_hidden = self._mtp_forward(h, input_ids, cos, sin, batch) if return_mtp else None
+        h = self.model.norm(h)
+        return ModelOutput(
+            logits=self.lm_head(h) if return_logits else None,
+            hidden_states=h,
+            topk_indices=torch.stack(selections) if return_topk else None,
+            dsa_layers=capture,
+            mtp_hidden=mtp_hidden,
+        )
+
+    def _mtp_forward(self, h, input_ids, cos, sin, batch) -> list[torch.Tensor]:
+        """Each MTP layer combines h_t with the embedding of token t+1 (0 past a sequence's end)."""
+        outs = []
+        next_ids = torch.roll(input_ids, -1)
+        last = batch.cu_seqlens_q[1:] - 1
+        for layer in self.model.layers[self.config.num_hidden_layers :]:
+            emb = self.model.embed_tokens(next_ids)
+            emb[last] = 0
+            x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
+            h, _, _ = layer(x, cos, sin, batch, None)
+            outs.append(layer.shared_head.norm(h))
+        return outs
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        batch: PackedBatch,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        return_entropy: bool = False,
+        **forward_kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(x_t | x_<t) for every packed token (0 at each sequence's first token), chunked over the vocab head.
+
+        Returns (logprobs (T,), entropy (T,) or None); entropy at row t is that of the distribution over x_t.
+        """
+        out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
+        starts = batch.cu_seqlens_q[:-1]
+        targets = torch.roll(input_ids, -1)  # row t predicts x_{t+1}
+        logp_next, ent_next = chunked_token_logprobs(
+            out.hidden_states, self.lm_head.weight, targets, temperature, chunk_size, return_entropy
+        )
+        logp = torch.roll(logp_next, 1)
+        logp[starts] = 0.0
+        ent = None
+        if ent_next is not None:
+            ent = torch.roll(ent_next, 1)
+            ent[starts] = 0.0
+        return logp, ent
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random initialisation, in one place: normal(0, initializer_range) matrices, unit norms, zero biases."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Router):
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+
+    def cast(self, dtype: torch.dtype) -> "GlmMoeDsaForCausalLM":
+        """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
+        self.to(dtype)
+        for name, module in self.named_modules():
+            if isinstance(module, Router) or name.endswith("indexer.weights_proj"):
+                module.float()
+        return self
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """Write an HF-format directory (config.json + safetensors)."""
+        from slime_dsa.checkpoint import save_pretrained  # noqa: PLC0415 (avoid an import cycle)
+
+        save_pretrained(self, directory, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype

@@ -1,0 +1,67 @@
+"""Rotary position embedding of GLM-MoE-DSA: inverse frequencies (default, yarn) and the interleaved rotation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slime_dsa.models.config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq (rope_dim/2,), attention_scaling), as transformers computes them for this config."""
+    rope = config.rope_parameters
+    dim, base = config.qk_rope_head_dim, rope.get("rope_theta", 10000.0)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
+    if rope.get("rope_type", "default") == "default":
+        return 1.0 / pos_freqs, 1.0
+    return _yarn_inv_freq(rope, dim, base, pos_freqs, config.max_position_embeddings)
+
+
+def _yarn_inv_freq(rope: dict, dim: int, base: float, pos_freqs: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): blend interpolated and extrapolated frequencies by a linear ramp."""
+    original_max = rope.get("original_max_position_embeddings", max_pos)
+    factor = rope.get("factor") or max_pos / original_max
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.get("beta_fast") or 32), correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, rope_dim/2) for integer positions (T,)."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)  # (T, R/2)
+    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... and lay the result out as [evens | odds].
+
+    x (T, ..., R); cos/sin (T, R/2). The output layout is transformers', so q·k products match it exactly.
+    """
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,57 @@
+"""DSA attention and indexer ops behind one interface: a torch reference (any device) and Triton kernels (CUDA).
+
+`set_backend("torch" | "triton" | "auto")` picks the path; "auto" uses Triton on CUDA tensors when the
+kernels import, the torch reference otherwise. Conventions (packing, causal alignment, tie rule) are
+documented in `slime_dsa/ops/reference.py` and hold for every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slime_dsa.ops import reference
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Force the op backend for the whole process."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"ops backend {name!r} is not one of {_BACKENDS}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def _kernels(device: torch.device):
+    """The Triton kernel module when it should run on this device, else None."""
+    if _backend == "torch" or device.type != "cuda":
+        if _backend == "triton" and device.type != "cuda":
+            raise RuntimeError("ops backend 'triton' needs CUDA tensors")
+        return None
+    try:
+        from slime_dsa.ops import triton_kernels  # noqa: PLC0415 (imported only on CUDA)
+    except ImportError:
+        if _backend == "triton":
+            raise
+        return None
+    return triton_kernels
+
+
+def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
+    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
+    impl = _kernels(q.device) or reference
+    return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
+
+
+def sparse_mla_attention(q, kv, indices, scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA attention of q (Tq, H, D) over kv rows `indices` (Tq, K): returns (out, lse)."""
+    impl = _kernels(q.device) or reference
+    return impl.sparse_mla_attention(q, kv, indices, scale, v_dim)
+
+
+__all__ = ["set_backend", "get_backend", "indexer_topk", "sparse_mla_attention", "reference"]
