@@ -1,0 +1,1 @@
+"""Generation and environments: the embedded engine, the SGLang-protocol server, SGLang launcher, client and router."""

@@ -1,0 +1,94 @@
+"""The typed boundary between the embedded engine and everything that talks to it (server, actors, tests).
+
+Field names follow SGLang's native protocol (shared/SGLANG_PROTOCOL.md), so the server maps them one to one.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestError(ValueError):
+    """A request field is invalid; the message names the field. The server turns it into HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's sampling_params. temperature < 1e-6 means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise RequestError naming the first invalid field."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise RequestError(f"sampling_params.max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"sampling_params.temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise RequestError(f"sampling_params.top_k must be -1 or a positive integer, got {self.top_k!r}")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"sampling_params.min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise RequestError(f"sampling_params.min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("sampling_params.stop must be a string or a list of non-empty strings")
+        for tok in self.stop_token_ids:
+            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise RequestError(f"sampling_params.stop_token_ids holds {tok!r}, not a token id in [0, {vocab_size})")
+        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
+            raise RequestError(f"sampling_params.sampling_seed must be an integer, got {self.sampling_seed!r}")
+        return self
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class GenerateRequest:
+    """One generation: token ids in, token ids out."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    return_indexer_topk: bool = False  # index replay: the top-k each full layer selected per generated token
+    session_id: str | None = None  # multi-turn affinity / prefix reuse hint
+
+
+@dataclass
+class GenerateOutput:
+    """The state of a request so far (cumulative, as SGLang streams it). finish_reason None until done.
+
+    finish_reason: {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", "message": s}
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_token_logprobs: list[float]  # log-prob of each output token under the distribution it was sampled from
+    output_token_versions: list[int]  # weight version that produced each output token
+    finish_reason: dict | None
+    prompt_tokens: int
+    cached_tokens: int = 0
+    weight_version: str = "0"
+    indexer_topk: Any = None  # int32 array (output tokens, n_full_layers, index_topk), -1 padded; None unless asked

@@ -1,0 +1,43 @@
+"""Test-wide setup: offline hubs and quiet libraries, and `gpu` tests skipped where CUDA is absent.
+
+Kept light: nothing heavy is imported here, so `pytest --collect-only` and small test files stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Set before any test module imports huggingface_hub / transformers / wandb, which read them at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download; anything they need is built locally
+os.environ["WANDB_MODE"] = "offline"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # avoids the fork-after-use warning and deadlocks in Ray workers
+
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (starting one costs seconds). Logical CPUs exceed the
+    machine's cores on purpose: actors of a tiny model mostly wait on each other."""
+    import ray  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` when torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when gpu tests were collected: importing torch costs seconds
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
