@@ -1,0 +1,67 @@
+"""`slime-dsa`: the command line.
+
+Each subcommand lives in a module listed in COMMANDS that defines `add_parser(subparsers)`, which registers
+its parser and sets `run` (a function `run(args) -> int`) as a default. Those modules must import heavy
+libraries (torch, ray) inside `run`, so that `--help` and `recipe check` answer at once.
+Errors meant for the user (UserError) print as one line with exit code 2; other exceptions are bugs and
+keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from slime_dsa import __version__
+from slime_dsa.config.errors import UserError
+
+COMMANDS = (
+    "slime_dsa.config.command",  # recipe explain | check
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every registered subcommand."""
+    parser = _Parser(prog="slime-dsa", description="RL post-training for DeepSeek-Sparse-Attention models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="level of log messages on stderr (default: INFO)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for a usage or recipe error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version and usage errors
+        return exit_.code if isinstance(exit_.code, int) else 2
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except UserError as err:
+        print(f"slime-dsa: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("slime-dsa: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

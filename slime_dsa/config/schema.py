@@ -1,0 +1,443 @@
+"""The recipe schema: one pydantic model per section. Every key is optional; the defaults train a tiny
+model on a laptop CPU. Section validators check one section; `RecipeConfig` checks keys across sections.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from slime_dsa.config.errors import RecipeValueError
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors and values are not coerced between types
+    (so `num_steps: 1.5` or `mixed_precision: "yes"` fail instead of being silently converted)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSection(Section):
+    """The policy model: where its weights and tokenizer come from and how it computes."""
+
+    path: str | None = Field(
+        None, description="Hugging Face model directory or hub id to start from; null builds a tiny "
+                          "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
+    tokenizer_path: str | None = Field(
+        None, description="Tokenizer directory or hub id; null = model.path (the built-in toy tokenizer when "
+                          "model.path is null too).")
+    ops_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Attention and indexer kernels: torch (reference, any device), triton (GPU), "
+                            "auto = triton on GPU, torch on CPU.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations during the backward pass to save trainer memory.")
+
+
+class TaskConfig(Section):
+    """One prompt source; `data.tasks` mixes several by weight."""
+
+    name: str | None = Field(
+        None, description="Name of the task in metrics and logs, unique within data.tasks; null = the kind.")
+    kind: Literal["arithmetic", "countdown", "dataset"] = Field(
+        "arithmetic", description="Where prompts come from: a built-in generator (arithmetic, countdown) or a "
+                                  "dataset at `path`.")
+    weight: float = Field(
+        1.0, ge=0, description="Relative share of this task in each step's prompts (normalised over all tasks).")
+    path: str | None = Field(
+        None, description="Hugging Face dataset id or local jsonl/json/parquet file or directory; required "
+                          "for kind dataset.")
+    split: str = Field("train", description="Dataset split that training prompts are drawn from (kind dataset).")
+    prompt_column: str = Field(
+        "prompt", description="Column holding the prompt, a string or a list of chat messages (kind dataset).")
+    answer_column: str = Field(
+        "answer", description="Column holding the reference answer given to the reward function (kind dataset).")
+    reward_fn: str | None = Field(
+        None, description="Reward function as 'package.module:function'; null = the task's built-in verifier.")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the task's prompts held out for evaluation; set at most one "
+                                     "of eval_fraction and eval_size.")
+    eval_size: int = Field(
+        0, ge=0, description="Number of the task's prompts held out for evaluation; set at most one of "
+                             "eval_fraction and eval_size.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        if self.name is None:
+            self.name = self.kind
+        if self.kind == "dataset" and not self.path:
+            raise RecipeValueError("kind 'dataset' needs a path (a dataset id, file or directory)", "path", "kind")
+        if self.kind != "dataset" and self.path is not None:
+            raise RecipeValueError(
+                f"path ('{self.path}') is only read by kind 'dataset', but kind is '{self.kind}'", "path", "kind")
+        if self.reward_fn is not None and not _IMPORT_PATH.match(self.reward_fn):
+            raise RecipeValueError(
+                f"reward_fn ('{self.reward_fn}') must look like 'package.module:function'", "reward_fn")
+        if self.eval_fraction > 0 and self.eval_size > 0:
+            raise RecipeValueError(
+                f"set at most one of eval_fraction ({self.eval_fraction}) and eval_size ({self.eval_size})",
+                "eval_fraction", "eval_size")
+        return self
+
+    @property
+    def has_eval_split(self) -> bool:
+        """Whether this task holds prompts out for evaluation."""
+        return self.eval_fraction > 0 or self.eval_size > 0
+
+
+def _default_tasks() -> list[TaskConfig]:
+    return [TaskConfig(name="arithmetic", kind="arithmetic")]
+
+
+class DataSection(Section):
+    """Prompts: the tasks to train on, mixed by weight, and how prompts are formatted."""
+
+    tasks: list[TaskConfig] = Field(
+        default_factory=_default_tasks, min_length=1,
+        description="Prompt sources; each step draws prompts from every task in proportion to its weight.")
+    apply_chat_template: bool = Field(
+        False, description="Wrap each prompt in the tokenizer's chat template (as a user turn) before tokenising.")
+    max_prompt_length: int = Field(
+        512, ge=1, description="Prompts longer than this many tokens are dropped (and counted in the logs).")
+    seed: int = Field(42, description="Seed for prompt shuffling, task mixing and the built-in generators.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSection:
+        names = [t.name for t in self.tasks]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise RecipeValueError(
+                f"task names must be unique, but {duplicates[0]!r} appears {names.count(duplicates[0])} times; "
+                "give each task a name", "tasks")
+        if sum(t.weight for t in self.tasks) <= 0:
+            raise RecipeValueError("the weights of data.tasks sum to 0; at least one task needs weight > 0", "tasks")
+        return self
+
+
+class SGLangSection(Section):
+    """SGLang server settings, used when `rollout.engine` is sglang."""
+
+    tp: int = Field(1, ge=1, description="Tensor-parallel size of each SGLang server (--tp-size).")
+    mem_fraction_static: float = Field(
+        0.8, gt=0, lt=1, description="Fraction of GPU memory SGLang takes for weights and KV cache "
+                                     "(--mem-fraction-static).")
+    kv_cache_dtype: str = Field(
+        "auto", description="KV cache dtype (--kv-cache-dtype), e.g. auto, fp8_e4m3, bf16.")
+    attention_backend: str = Field(
+        "nsa", description="SGLang attention backend (--attention-backend); nsa is its DeepSeek-Sparse-Attention "
+                           "backend.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra arguments passed verbatim to sglang.launch_server, e.g. "
+                                          "['--enable-dp-attention'].")
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = Field(
+        "auto", description="How new weights reach the servers: tensor (in memory, colocated only), distributed "
+                            "(NCCL broadcast), disk (safetensors, slowest); auto = tensor when colocated, else "
+                            "distributed.")
+
+
+class RolloutSection(Section):
+    """Generation: engines, sampling parameters, group size and concurrency."""
+
+    engine: Literal["embedded", "sglang", "external"] = Field(
+        "embedded", description="Generation engine: embedded (ours, in Ray actors, CPU or GPU), sglang (SGLang "
+                                "servers launched for the run), external (servers already running at engine_urls).")
+    num_engines: int = Field(
+        1, ge=1, description="Engines to start (embedded, sglang); engine external uses one per URL instead.")
+    engine_urls: list[str] = Field(
+        default_factory=list, description="Base URLs of running SGLang-compatible servers or of an SGLang router "
+                                          "(engine external only).")
+    n_samples_per_prompt: int = Field(
+        8, ge=1, description="Responses sampled per prompt: the group of group-normalised advantages.")
+    prompts_per_step: int = Field(
+        4, ge=1, description="Prompts per RL step; a step trains on prompts_per_step × n_samples_per_prompt "
+                             "samples.")
+    max_concurrency: int = Field(1000, ge=1, description="Most rollouts in flight at once, over all engines.")
+    max_response_length: int = Field(
+        512, ge=1, description="Most tokens generated per response (max_new_tokens); longer responses are cut "
+                               "and marked truncated.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens holding this much "
+                                     "probability; 1 = off.")
+    top_k: int = Field(-1, ge=-1, description="Sample from the k most likely tokens only; -1 = the whole vocabulary.")
+    stop: list[str] = Field(
+        default_factory=list, description="Strings that end a response when generated, besides the EOS token.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts "
+                           "until the step is full.")
+    oversample_factor: float = Field(
+        1.0, ge=1, description="With dynamic_sampling: draw this many times prompts_per_step prompts per "
+                               "sampling round.")
+    max_sampling_tries: int = Field(
+        4, ge=1, description="With dynamic_sampling: most sampling rounds per step before training on the "
+                             "groups collected so far.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
+    return_indexer_topk: bool = Field(
+        False, description="Ask engines for the DSA indexer's top-k key indices of every generated token "
+                           "(for algorithm.index_replay).")
+    sglang: SGLangSection = Field(
+        default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSection:
+        if self.top_k == 0:
+            raise RecipeValueError("top_k (0) must be -1 (off) or at least 1", "top_k")
+        if self.engine == "external" and not self.engine_urls:
+            raise RecipeValueError("engine 'external' needs engine_urls, the URLs of the running servers",
+                                   "engine", "engine_urls")
+        if self.engine != "external" and self.engine_urls:
+            raise RecipeValueError(
+                f"engine_urls ({len(self.engine_urls)} given) are only used by engine 'external', but engine is "
+                f"'{self.engine}'", "engine_urls", "engine")
+        if self.oversample_factor != 1.0 and not self.dynamic_sampling:
+            raise RecipeValueError(
+                f"oversample_factor ({self.oversample_factor}) only applies with dynamic_sampling: true",
+                "oversample_factor", "dynamic_sampling")
+        return self
+
+
+class AlgorithmSection(Section):
+    """The RL objective: advantages, clipping, importance-sampling corrections, KL, indexer training."""
+
+    name: Literal["grpo", "async_reinforce", "sao", "opd"] = Field(
+        "grpo", description="Algorithm: grpo (synchronous, clipped ratio), async_reinforce (asynchronous "
+                            "REINFORCE with double-sided IS), sao (single-rollout async with a value model), "
+                            "opd (on-policy distillation).")
+    advantage_std_normalize: bool = Field(
+        True, description="Divide group advantages by the group's reward std (GRPO); false = Dr. GRPO.")
+    eps_clip_low: float = Field(
+        0.2, ge=0, lt=1, description="PPO clip: the ratio π_θ/π_old is clipped below at 1 − eps_clip_low.")
+    eps_clip_high: float = Field(
+        0.28, ge=0, description="Clip-Higher (DAPO): the ratio π_θ/π_old is clipped above at 1 + eps_clip_high.")
+    dual_clip_c: float | None = Field(
+        None, gt=1, description="Dual clip for negative advantages: the loss of a token is bounded by c·|A| "
+                                "(typically 3.0); null = off.")
+    is_correction: Literal["none", "icepop", "tis"] = Field(
+        "none", description="Correction for the training–inference mismatch k = π_old/π_roll: icepop drops "
+                            "tokens with k outside [icepop_alpha, icepop_beta], tis weights by min(k, tis_cap).")
+    icepop_alpha: float = Field(
+        0.5, ge=0, le=1, description="IcePop: tokens with π_old/π_roll below this get no gradient.")
+    icepop_beta: float = Field(
+        2.0, ge=1, description="IcePop: tokens with π_old/π_roll above this get no gradient.")
+    tis_cap: float = Field(2.0, ge=1, description="TIS: cap C of the importance weight min(π_old/π_roll, C).")
+    loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean", description="How token losses make the batch loss: token_mean (over all masked tokens of "
+                                  "the batch, DAPO) or seq_mean (per response first, then over responses).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL penalty to the reference (initial) policy; 0 = off, and no "
+                               "reference model is kept.")
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = Field(
+        "k3", description="Estimator of the KL penalty: k1 (log ratio), k3 (unbiased, non-negative), low_var_kl "
+                          "(k3 clamped to [-10, 10]).")
+    use_rollout_logprobs: bool = Field(
+        False, description="Bypass mode: use the engine's log-probs as π_old instead of recomputing them on the "
+                           "trainer (saves a forward pass).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
+    dis_eps_low: float = Field(
+        0.3, ge=0, le=1, description="Double-sided IS (async_reinforce, sao): tokens with π_θ/π_roll at or below "
+                                     "1 − dis_eps_low get no gradient.")
+    dis_eps_high: float = Field(
+        5.0, gt=0, description="Double-sided IS (async_reinforce, sao): tokens with π_θ/π_roll at or above "
+                               "1 + dis_eps_high get no gradient.")
+    max_staleness: int = Field(
+        2, ge=0, description="Async algorithms: drop samples whose policy version lags the trainer's by more "
+                             "than this many versions; 0 = on-policy only.")
+    indexer_loss_coef: float = Field(
+        0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
+                               "added to the RL loss; 0 = the indexer is not trained.")
+    freeze_indexer: bool = Field(False, description="Keep the DSA indexer's parameters fixed during training.")
+    index_replay: bool = Field(
+        False, description="Train with the top-k indices the engine used during rollout, so that training "
+                           "attends to the same keys (needs rollout.return_indexer_topk).")
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmSection:
+        if self.icepop_alpha >= self.icepop_beta:
+            raise RecipeValueError(
+                f"icepop_alpha ({self.icepop_alpha}) must be below icepop_beta ({self.icepop_beta})",
+                "icepop_alpha", "icepop_beta")
+        if self.is_correction != "none" and self.name in ("async_reinforce", "sao"):
+            raise RecipeValueError(
+                f"is_correction ('{self.is_correction}') applies to grpo and opd; {self.name} already weights "
+                "tokens by π_θ/π_roll (dis_eps_low, dis_eps_high)", "is_correction", "name")
+        if self.is_correction != "none" and self.use_rollout_logprobs:
+            raise RecipeValueError(
+                f"is_correction ('{self.is_correction}') compares π_old with π_roll, which are the same with "
+                "use_rollout_logprobs: true", "is_correction", "use_rollout_logprobs")
+        if self.freeze_indexer and self.indexer_loss_coef > 0:
+            raise RecipeValueError(
+                f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
+                "indexer_loss_coef", "freeze_indexer")
+        return self
+
+
+class TrainerSection(Section):
+    """The training backend and the optimiser."""
+
+    backend: Literal["fsdp", "megatron", "deepspeed"] = Field(
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron "
+                            "(megatron-core, TP/PP/EP/CP), deepspeed (ZeRO-3 with offload).")
+    num_workers: int = Field(
+        1, ge=1, description="Trainer worker processes (Ray actors), one per device; the model is sharded "
+                             "across them.")
+    learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_betas: tuple[float, float] = Field(
+        (0.9, 0.999), strict=False, description="AdamW (beta1, beta2).")
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps of linear learning-rate warm-up from 0 to learning_rate.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="Learning rate after warm-up: constant, or cosine/linear decay to 0 at the last "
+                                "optimizer step.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip the global gradient norm to this value; 0 = no clipping.")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Token budget of one packed micro-batch (one forward/backward); sequences are "
+                                "packed without padding up to it.")
+    num_steps_per_rollout: int = Field(
+        1, ge=1, description="Optimizer steps per RL step: the step's samples are split into this many "
+                             "mini-batches.")
+    mixed_precision: bool = Field(
+        False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state.")
+    num_steps: int = Field(
+        100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
+                               "optimizer steps.")
+    seed: int = Field(42, description="Seed for random initialisation and trainer-side randomness.")
+    logprob_diff_warn_threshold: float = Field(
+        0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
+                                "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
+                                "error.")
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _check_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise RecipeValueError(f"both betas must be in [0, 1), got {list(betas)}")
+        return betas
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerSection:
+        total = self.num_steps * self.num_steps_per_rollout
+        if self.warmup_steps > total:
+            raise RecipeValueError(
+                f"warmup_steps ({self.warmup_steps}) exceeds the run's {total} optimizer steps (num_steps × "
+                "num_steps_per_rollout)", "warmup_steps", "num_steps")
+        return self
+
+
+class ClusterSection(Section):
+    """Where actors run: the Ray cluster, placement and resources per actor."""
+
+    address: str | None = Field(
+        None, description="Ray cluster: null starts a local one (ray.init()), auto joins the running cluster, "
+                          "or ray://host:port.")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: engines and trainers share devices and take turns; disaggregated: "
+                                 "separate devices, so generation overlaps training.")
+    num_gpus_per_engine: float = Field(
+        0.0, ge=0, description="GPUs per engine actor; 0 = CPU; fractions share one GPU.")
+    num_gpus_per_trainer: float = Field(
+        0.0, ge=0, description="GPUs per trainer worker; 0 = CPU; fractions share one GPU.")
+    num_cpus_per_actor: float = Field(
+        1.0, gt=0, description="CPU cores Ray reserves for each engine and trainer actor.")
+
+
+class LoggingSection(Section):
+    """Where a run writes its logs and metrics, and how often."""
+
+    run_dir: str | None = Field(
+        None, description="Directory of the run's logs, metrics.jsonl and resolved recipe; null = "
+                          "runs/<run_name>.")
+    project: str = Field("slime-dsa", description="W&B project name.")
+    run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = a timestamped name.")
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="W&B mode; auto = online when WANDB_API_KEY is set, else offline.")
+    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never.")
+
+
+class CheckpointSection(Section):
+    """Training checkpoints: how often, how many, and resuming."""
+
+    save_every: int = Field(
+        0, ge=0, description="Save a training checkpoint every this many RL steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=0, description="Keep the newest this many checkpoints; 0 = keep all.")
+    resume: bool = Field(
+        False, description="Resume from the newest checkpoint in checkpoint.dir; start fresh when there is none.")
+    dir: str | None = Field(None, description="Checkpoint directory; null = <run_dir>/checkpoints.")
+
+
+class RecipeConfig(Section):
+    """A whole recipe. An empty one is valid and trains a tiny random model on a laptop CPU."""
+
+    model: ModelSection = Field(default_factory=ModelSection, description="The policy model.")
+    data: DataSection = Field(default_factory=DataSection, description="Prompt tasks and their mixture.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Generation engines and sampling.")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="The RL objective.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="Training backend and optimiser.")
+    cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster and placement.")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Run directory, W&B, cadence.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Training checkpoints.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RecipeConfig:
+        alg, ro, cl = self.algorithm, self.rollout, self.cluster
+        if alg.name in ("grpo", "async_reinforce") and ro.n_samples_per_prompt < 2:
+            raise RecipeValueError(
+                f"rollout.n_samples_per_prompt ({ro.n_samples_per_prompt}) must be at least 2 for algorithm "
+                f"'{alg.name}': a group of one sample has zero advantage",
+                "rollout.n_samples_per_prompt", "algorithm.name")
+        if ro.dynamic_sampling and ro.n_samples_per_prompt < 2:
+            raise RecipeValueError(
+                f"rollout.dynamic_sampling drops groups whose rewards agree, which every group of "
+                f"rollout.n_samples_per_prompt ({ro.n_samples_per_prompt}) does",
+                "rollout.dynamic_sampling", "rollout.n_samples_per_prompt")
+        if alg.index_replay and not ro.return_indexer_topk:
+            raise RecipeValueError(
+                "algorithm.index_replay needs rollout.return_indexer_topk: true (the engines must return the "
+                "indices to replay)", "algorithm.index_replay", "rollout.return_indexer_topk")
+        longest = self.data.max_prompt_length + ro.max_response_length
+        if self.trainer.micro_batch_tokens < longest:
+            raise RecipeValueError(
+                f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold the longest sample, "
+                f"data.max_prompt_length + rollout.max_response_length = {longest}",
+                "trainer.micro_batch_tokens", "data.max_prompt_length", "rollout.max_response_length")
+        if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
+            raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
+                                   "rollout.engine", "cluster.num_gpus_per_engine")
+        if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer == 0:
+            raise RecipeValueError("trainer.backend 'megatron' needs GPUs: set cluster.num_gpus_per_trainer",
+                                   "trainer.backend", "cluster.num_gpus_per_trainer")
+        if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
+            raise RecipeValueError(
+                "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
+                "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
+        if ro.sglang.weight_sync == "tensor" and cl.placement != "colocated":
+            raise RecipeValueError(
+                f"rollout.sglang.weight_sync 'tensor' needs cluster.placement 'colocated', got '{cl.placement}'",
+                "rollout.sglang.weight_sync", "cluster.placement")
+        if self.logging.eval_every > 0 and not any(t.has_eval_split for t in self.data.tasks):
+            raise RecipeValueError(
+                f"logging.eval_every ({self.logging.eval_every}) needs held-out prompts: set eval_size or "
+                "eval_fraction on a task in data.tasks", "logging.eval_every")
+        if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
+            raise RecipeValueError(
+                "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
+                "logging.run_name (the default run name is new on every run)", "checkpoint.resume")
+        return self
+
+    def summary(self) -> str:
+        """One line that says what this recipe trains, on what, and how."""
+        tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in self.data.tasks)
+        ro, tr = self.rollout, self.trainer
+        engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
+        return (f"{self.algorithm.name} on {self.model.path or 'a tiny random model'} | tasks: {tasks} | "
+                f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples/step | "
+                f"{engines} {ro.engine} engine(s) | {tr.num_workers} {tr.backend} trainer(s) | {tr.num_steps} steps")

@@ -1,0 +1,131 @@
+"""The `slime-dsa` command line: recipe explain/check, one-line errors with exit code 2, a light `--help`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import slime_dsa
+from slime_dsa.cli import main
+from slime_dsa.config.introspect import sections
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "recipes" / "base.yaml")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m slime_dsa.cli ARGS` in a fresh interpreter, from the repository root."""
+    return subprocess.run([sys.executable, "-m", "slime_dsa.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    """Run main(argv) expecting a user error: exit code 2, nothing on stdout, one line on stderr."""
+    assert main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_recipe_check_ok(capsys):
+    assert main(["recipe", "check", BASE]) == 0
+    out, _ = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == f"ok: {BASE}"
+    assert len(lines) == 2 and lines[1].startswith("grpo on a tiny random model | tasks: arithmetic×1")
+
+
+def test_recipe_check_print_and_set(capsys):
+    assert main(["recipe", "check", BASE, "--set", "rollout.temperature=0.25", "--print"]) == 0
+    out, _ = capsys.readouterr()
+    resolved = yaml.safe_load(out.split("\n", 2)[2])
+    assert resolved["rollout"]["temperature"] == 0.25
+
+
+def test_misspelled_key(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  temprature: 0.7\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert err.startswith("slime-dsa: error: ") and err.endswith(
+        "r.yaml:2: rollout.temprature: unknown key, did you mean rollout.temperature?")
+
+
+def test_wrong_type_from_the_command_line(capsys):
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set", "rollout.temperature=hot")
+    assert err == ("slime-dsa: error: command line (--set rollout.temperature=hot): rollout.temperature: "
+                   "expected a number, got 'hot'")
+
+
+def test_missing_defaults_file(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("defaults: nowhere.yaml\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert "r.yaml:1: defaults: recipe file " in err and err.endswith("nowhere.yaml not found")
+
+
+def test_errors_in_a_subprocess_are_one_line_without_traceback(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  num_steps: many\n")
+    result = run_cli("recipe", "check", str(recipe))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.endswith("r.yaml:2: trainer.num_steps: expected an integer, got 'many'\n")
+    assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["recipe", "check"], ["trian"], ["recipe", "frobnicate"], ["--log-level", "LOUD"]])
+def test_usage_errors_are_one_line(capsys, argv):
+    assert one_line_error(capsys, *argv).endswith("--help)")
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "recipe" in capsys.readouterr().out
+
+
+def test_explain_lists_every_section(capsys):
+    assert main(["recipe", "explain"]) == 0
+    out = capsys.readouterr().out
+    for name in sections():
+        assert f"\n{name}: " in out, name
+
+
+def test_explain_one_section_and_unknown_section(capsys):
+    assert main(["recipe", "explain", "algorithm"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("algorithm: ") and "algorithm.icepop_alpha" in out and "\n  rollout." not in out
+    err = one_line_error(capsys, "recipe", "explain", "algoritm")
+    assert "unknown section 'algoritm'; did you mean algorithm?" in err
+
+
+def test_explain_yaml_is_a_valid_recipe(capsys, tmp_path):
+    assert main(["recipe", "explain", "--yaml"]) == 0
+    recipe = tmp_path / "all.yaml"
+    recipe.write_text(capsys.readouterr().out)
+    assert main(["recipe", "check", str(recipe)]) == 0
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"slime-dsa {slime_dsa.__version__}"
+
+
+def test_help_and_check_do_not_import_heavy_libraries():
+    # each in a fresh interpreter: what a user's `slime-dsa --help` or `recipe check` would load
+    probe = ("import sys; from slime_dsa.cli import main; code = main({argv!r}); "
+             "heavy = sorted(m for m in ('torch', 'ray', 'transformers', 'datasets', 'wandb') if m in sys.modules); "
+             "print('HEAVY', heavy); sys.exit(code)")
+    for argv in (["--help"], ["recipe", "check", BASE], ["recipe", "explain"]):
+        result = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "HEAVY []" in result.stdout, (argv, result.stdout[-200:])
+
+
+def test_module_entry_point():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "recipe" in result.stdout
