@@ -266,8 +266,8 @@ class Experts(nn.ModuleList):
         counts = torch.bincount(flat, minlength=len(self)).tolist()
         start = 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
+            if count == 0 and not torch.is_grad_enabled():
+                continue  # under autograd every expert runs (maybe on 0 rows) so every rank has a grad for it (FSDP)
             slots = order[start : start + count]
             start += count
             tokens, k = slots // top_k, slots % top_k

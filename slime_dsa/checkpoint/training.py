@@ -1,0 +1,82 @@
+"""Run checkpoints: written atomically (a temporary directory, then a rename), the last K kept, resumed exactly.
+
+A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
+config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointManager:
+    """Owns `<dir>/step_N` directories."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 2) -> None:
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first (temporary directories are never listed)."""
+        if not self.directory.exists():
+            return []
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:06d}"
+
+    def save(self, step: int, write: Callable[[Path], None], orchestrator_state: dict[str, Any]) -> Path:
+        """Run `write(tmp_dir)`, add orchestrator.json, then rename into place and prune old checkpoints."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
+        try:
+            write(tmp)
+            (tmp / "orchestrator.json").write_text(json.dumps({"step": step, **orchestrator_state}, indent=2))
+            final = self.path_for(step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self.checkpoints()[: -self.keep_last] if self.keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint written: %s", final)
+        return final
+
+
+def read_orchestrator_state(checkpoint: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint) / "orchestrator.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no orchestrator.json)")
+    return json.loads(path.read_text())
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is."""
+    from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "model.safetensors").exists() and not (checkpoint / "model.safetensors.index.json").exists():
+        raise FileNotFoundError(f"{checkpoint} holds no model.safetensors: is it a slime-dsa checkpoint directory?")
+    model = load_model(checkpoint, dtype=dtype)
+    out = save_pretrained(model, out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
+        if (checkpoint / name).exists():
+            shutil.copy2(checkpoint / name, out / name)
+    return out

@@ -1,0 +1,83 @@
+"""One place every metric goes through: metrics.jsonl (always), W&B (online/offline/disabled), the console."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """'auto' is online with a WANDB_API_KEY (or a wandb login), offline otherwise."""
+    if mode != "auto":
+        return mode
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class MetricsLogger:
+    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step."""
+
+    def __init__(self, run_dir: str | Path, project: str, run_name: str | None, wandb_mode: str = "auto",
+                 config: dict[str, Any] | None = None, resume_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None:
+            self._truncate_after(resume_step)
+        self._file = self.path.open("a")
+        self.wandb_run = None
+        mode = resolve_wandb_mode(wandb_mode)
+        if mode != "disabled":
+            self.wandb_run = self._init_wandb(project, run_name, mode, config or {})
+
+    def _init_wandb(self, project: str, run_name: str | None, mode: str, config: dict[str, Any]):
+        import wandb  # noqa: PLC0415 (slow import, only when used)
+
+        id_file = self.run_dir / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
+                         config=config, resume="allow", reinit="finish_previous")
+        logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
+        return run
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record metrics for a step; non-finite values are kept as strings in JSON so nothing is lost."""
+        clean = {k: _plain(v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,1 @@
+"""Training backends behind one interface (trainers.base.TrainerBackend), run as Ray actors."""

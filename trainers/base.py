@@ -1,0 +1,91 @@
+"""The backend-neutral trainer interface and the packed batch it consumes.
+
+The orchestrator speaks only to this interface; FSDP2 is the default backend, Megatron and DeepSpeed plug in
+behind the same methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """Samples for one rank, packed: every per-token tensor has shape (T,) over prompt+response tokens.
+
+    Row t of `rollout_logprobs` / `advantages` / `loss_mask` describes token t (its log-prob given the tokens
+    before it); prompt rows have loss_mask 0.
+    """
+
+    input_ids: torch.Tensor  # (T,) long
+    seqlens: list[int]  # tokens per sample, in order
+    loss_mask: torch.Tensor  # (T,) float, 1 on generated tokens the policy is trained on
+    rollout_logprobs: torch.Tensor  # (T,) float32, log π_roll of each token (0 on prompt)
+    advantages: torch.Tensor  # (T,) float32, advantage broadcast to the sample's tokens
+    old_logprobs: torch.Tensor | None = None  # (T,) log π_old, filled by compute_logprobs unless bypass mode
+    ref_logprobs: torch.Tensor | None = None  # (T,) for the optional KL term
+    replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def select(self, sample_ids: list[int]) -> "TrainBatch":
+        """The sub-batch of the given samples (in that order)."""
+        starts = [0]
+        for n in self.seqlens:
+            starts.append(starts[-1] + n)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sample_ids]) if sample_ids else torch.zeros(0, dtype=torch.long)
+
+        def take(t: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
+            return None if t is None else t.index_select(dim, rows)
+
+        return TrainBatch(
+            input_ids=take(self.input_ids), seqlens=[self.seqlens[i] for i in sample_ids],
+            loss_mask=take(self.loss_mask), rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
+            old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
+            replay_topk=take(self.replay_topk, dim=1), extra=self.extra,
+        )
+
+
+def split_by_tokens(seqlens: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing of samples (in order) into groups of at most max_tokens (a longer sample stands alone)."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(seqlens):
+        if current and size + n > max_tokens:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def balance_across_ranks(seqlens: list[int], world_size: int) -> list[list[int]]:
+    """Assign samples to ranks so that token counts are balanced (longest first onto the lightest rank)."""
+    loads = [0] * world_size
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(seqlens)), key=lambda i: -seqlens[i]):
+        rank = loads.index(min(loads))
+        assignment[rank].append(i)
+        loads[rank] += seqlens[i]
+    return [sorted(a) for a in assignment]
+
+
+class TrainerBackend(Protocol):
+    """What every training backend offers, per rank; a TrainerGroup fans calls out to all ranks."""
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
+
+    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int) -> dict[str, float]: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def save_checkpoint(self, directory: str) -> None: ...
+
+    def load_checkpoint(self, directory: str) -> None: ...

@@ -1,0 +1,97 @@
+"""Resumable training checkpoints for FSDP2 ranks, without pickles: safetensors for tensors, JSON for the rest.
+
+Layout of a checkpoint directory (written into a temporary directory and renamed by the caller):
+  model.safetensors            full model state (rank 0)
+  optimizer.safetensors        AdamW moments, keyed "<param fqn>/<state key>" (rank 0)
+  optimizer.json               param groups (hyper-parameters, parameter names)
+  trainer.json                 step, scheduler state
+  rng_rank{r}.safetensors/.json  each rank's RNG streams
+Full (gathered) state keeps the format simple and pickle-free; a sharded format is the next step at GLM-5 scale.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _jsonable(x):
+    if isinstance(x, tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, list):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x.item()
+    return x
+
+
+def _python_rng_from_json(state) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def save_rank_checkpoint(worker, directory: str) -> None:
+    """Every rank calls this; rank 0 writes the shared files."""
+    out = Path(directory)
+    model_state = get_model_state_dict(worker.model, options=_FULL)
+    optim_state = get_optimizer_state_dict(worker.model, worker.optimizer, options=_FULL)
+    if worker.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model_state.items()}, out / "model.safetensors")
+        tensors = {f"{fqn}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
+                   for fqn, entry in optim_state["state"].items() for key, value in entry.items()}
+        save_file(tensors, out / "optimizer.safetensors")
+        (out / "optimizer.json").write_text(json.dumps({"param_groups": _jsonable(optim_state["param_groups"])}))
+        (out / "trainer.json").write_text(json.dumps({"step": worker.step, "scheduler": _jsonable(worker.scheduler.state_dict())}))
+    dist.barrier()
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, out / f"rng_rank{worker.rank}.safetensors")
+    (out / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": _jsonable(random.getstate())}))
+    dist.barrier()
+
+
+def load_rank_checkpoint(worker, directory: str) -> None:
+    """Every rank calls this; each reads the full state and keeps its shard."""
+    src = Path(directory)
+    model_state = load_file(src / "model.safetensors")
+    set_model_state_dict(worker.model, model_state, options=StateDictOptions(full_state_dict=True))
+    flat = load_file(src / "optimizer.safetensors")
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in flat.items():
+        fqn, key = name.rsplit("/", 1)
+        state.setdefault(fqn, {})[key] = value
+    groups = json.loads((src / "optimizer.json").read_text())["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    set_optimizer_state_dict(worker.model, worker.optimizer, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+    trainer = json.loads((src / "trainer.json").read_text())
+    worker.step = trainer["step"]
+    worker.scheduler.load_state_dict(trainer["scheduler"])
+    rng_file = src / f"rng_rank{worker.rank}.safetensors"
+    if rng_file.exists():
+        rng = load_file(rng_file)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        random.setstate(_python_rng_from_json(json.loads((src / f"rng_rank{worker.rank}.json").read_text())["python"]))
+    dist.barrier()

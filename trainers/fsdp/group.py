@@ -1,0 +1,82 @@
+"""A group of FSDP2 ranks as Ray actors; fans every call out to all ranks and gathers the answers."""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+import torch
+
+from trainers.base import TrainBatch, balance_across_ranks
+from trainers.fsdp.worker import FSDPWorker, LossFn, TrainerSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    """N FSDP ranks on one Ray cluster; the orchestrator's handle to training."""
+
+    def __init__(self, spec: TrainerSpec, loss_fn: LossFn, num_workers: int, num_cpus_per_worker: float = 1,
+                 num_gpus_per_worker: float = 0, placement_group=None, bundle_offset: int = 0) -> None:
+        actor_cls = ray.remote(FSDPWorker)
+        port = free_port()
+        self.workers = []
+        for rank in range(num_workers):
+            options = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank
+                )
+            self.workers.append(actor_cls.options(**options).remote(rank, num_workers, "127.0.0.1", port, spec, loss_fn))
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def _shards(self, batch: TrainBatch) -> tuple[list[list[int]], list[TrainBatch]]:
+        assignment = balance_across_ranks(batch.seqlens, self.world_size)
+        return assignment, [batch.select(ids) for ids in assignment]
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """(T,) log-probs of the whole batch, in the batch's token order."""
+        assignment, shards = self._shards(batch)
+        results = ray.get([w.compute_logprobs.remote(s) for w, s in zip(self.workers, shards)])
+        starts = [0]
+        for n in batch.seqlens:
+            starts.append(starts[-1] + n)
+        out = torch.zeros(batch.num_tokens)
+        for ids, logp in zip(assignment, results):
+            offset = 0
+            for i in ids:
+                n = batch.seqlens[i]
+                out[starts[i] : starts[i] + n] = logp[offset : offset + n]
+                offset += n
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step over the batch; metrics come back summed over ranks where they are sums."""
+        _, shards = self._shards(batch)
+        loss_tokens = float(batch.loss_mask.sum())
+        results = ray.get([w.train_step.remote(s, loss_tokens, len(batch.seqlens)) for w, s in zip(self.workers, shards)])
+        return results[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def save_checkpoint(self, directory: str) -> None:
+        ray.get([w.save_checkpoint.remote(directory) for w in self.workers])
+
+    def load_checkpoint(self, directory: str) -> None:
+        ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)

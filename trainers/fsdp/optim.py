@@ -1,0 +1,37 @@
+"""AdamW with warmup then constant / linear / cosine decay."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms, biases and 1-d tensors get no weight decay."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(decay) + len(no_decay) == len(trainable), "parameter groups must cover the trainable parameters"
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.1) -> float:
+    """Linear warmup over warmup_steps, then the schedule's decay to min_ratio at total_steps."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"lr_schedule {schedule!r} is not one of constant, linear, cosine")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps, schedule))

@@ -1,0 +1,185 @@
+"""One FSDP2 training rank: builds the sharded model and optimiser, computes log-probs, takes RL steps.
+
+Built in a readable order in __init__: process group → mesh → model → parallelise → optimiser → scheduler.
+The same class runs as a Ray actor (trainers.fsdp.group) or directly in a test process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from slime_dsa import ops
+from slime_dsa.checkpoint import load_model
+from slime_dsa.models import PackedBatch
+from trainers.base import TrainBatch, split_by_tokens
+from trainers.fsdp.optim import build_optimizer, build_scheduler
+from trainers.fsdp.parallelize import apply_fsdp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerSpec:
+    """Everything a rank needs to build itself; plain data so it crosses process boundaries."""
+
+    model_path: str
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 100
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 4096
+    mixed_precision: bool = False
+    gradient_checkpointing: bool = False
+    ops_backend: str = "auto"
+    temperature: float = 1.0  # log-probs are of the tempered distribution the engine sampled from
+    seed: int = 0
+    freeze_indexer: bool = True
+    logprob_chunk_size: int = 1024
+
+
+LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor | None, float, int], tuple[torch.Tensor, dict[str, float]]]
+
+
+class FSDPWorker:
+    """A training rank. Call every collective method on every rank of the group."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec, loss_fn: LossFn) -> None:
+        self.rank, self.world_size, self.spec, self.loss_fn = rank, world_size, spec, loss_fn
+        use_cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (world_size,))
+        torch.manual_seed(spec.seed)
+        ops.set_backend(spec.ops_backend)
+
+        model = load_model(spec.model_path, dtype=torch.float32, device=self.device)
+        model.gradient_checkpointing = spec.gradient_checkpointing
+        if spec.freeze_indexer:
+            for name, p in model.named_parameters():
+                if ".indexer." in name:
+                    p.requires_grad_(False)
+        self.model = apply_fsdp(model, mesh, spec.mixed_precision and use_cuda)
+        self.optimizer = build_optimizer(self.model, spec.learning_rate, spec.weight_decay, tuple(spec.adam_betas))
+        self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
+        self.step = 0
+
+    # -- forward helpers ---------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """Micro-batches by token budget; every rank runs the same count (FSDP collectives must pair up)."""
+        groups = split_by_tokens(batch.seqlens, self.spec.micro_batch_tokens) if batch.seqlens else []
+        count = torch.tensor([len(groups)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        micro = [batch.select(g) for g in groups]
+        while len(micro) < int(count):
+            micro.append(None)  # a padding pass keeps collectives aligned
+        return micro
+
+    def _logprobs(self, mb: TrainBatch | None, return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, TrainBatch]:
+        if mb is None:  # padding pass: one token, contributes zero loss
+            mb = _padding_batch()
+        ids = mb.input_ids.to(self.device)
+        packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
+        replay = mb.replay_topk.to(self.device) if mb.replay_topk is not None else None
+        logp, ent = self.model.token_logprobs(
+            ids, packed, temperature=self.spec.temperature, chunk_size=self.spec.logprob_chunk_size,
+            return_entropy=return_entropy, replay_topk=replay,
+        )
+        return logp, ent, mb
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π of every token of the batch under the current weights, (T,) float32 on CPU."""
+        self.model.eval()
+        outs = []
+        for mb in self._micro_batches(batch):
+            logp, _, _ = self._logprobs(mb)
+            if mb is not None:
+                outs.append(logp.float().cpu())
+        return torch.cat(outs) if outs else torch.zeros(0)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int) -> dict[str, float]:
+        """One optimiser step over this rank's share; losses are normalised by the global counts."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb in self._micro_batches(batch):
+            logp, ent, used = self._logprobs(mb, return_entropy=True)
+            loss, metrics = self.loss_fn(logp, used, ent, global_loss_tokens, global_num_samples)
+            if mb is None:
+                loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
+            # FSDP averages gradients over ranks; the loss is already a share of the global mean, so undo that.
+            (loss * self.world_size).backward()
+            for k, v in metrics.items():
+                # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
+                sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.spec.max_grad_norm
+        )
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
+        self.scheduler.step()
+        self.step += 1
+        out = {}
+        for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
+                         (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
+            values = torch.tensor([sums[k] for k in keys] or [0.0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
+            out.update({k: float(v) for k, v in zip(keys, values.tolist())})
+        out.update({"grad_norm": float(grad_norm), "lr": lr})
+        return out
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full (unsharded) float32 state dict on CPU on rank 0; None elsewhere. Collective."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.rank == 0 else None
+
+    def training_state(self) -> dict:
+        """Scheduler, step and RNG: what exact resumption needs beside model and optimiser."""
+        return {
+            "step": self.step, "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+        }
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded model + optimiser with torch.distributed.checkpoint, plus per-rank training state. Collective."""
+        from trainers.fsdp.checkpointing import save_rank_checkpoint  # noqa: PLC0415
+
+        save_rank_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from trainers.fsdp.checkpointing import load_rank_checkpoint  # noqa: PLC0415
+
+        load_rank_checkpoint(self, directory)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _padding_batch() -> TrainBatch:
+    zero = torch.zeros(1)
+    return TrainBatch(input_ids=torch.zeros(1, dtype=torch.long), seqlens=[1], loss_mask=zero, rollout_logprobs=zero,
+                      advantages=zero, old_logprobs=zero)
