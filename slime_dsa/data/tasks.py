@@ -1,0 +1,205 @@
+"""Built-in synthetic verifiable tasks, generated deterministically from a seed as HF `datasets`.
+
+- `arithmetic`: multi-digit addition/subtraction ("Compute 47 + 385. ..." → "432"). Difficulty knobs:
+  `max_digits` (main one), `num_operands`, `allow_negative`.
+- `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/.
+
+Rows: `prompt` (a self-contained user message, str), `answer` (ground truth for the task's reward function in
+`rollout/rewards`, same name as the task) and `solution` (a reference response that the reward scores 1.0, for SFT
+warm-up and tests).
+Answer convention, shared by all verifiers: the response ends with its answer, optionally inside
+`<answer>...</answer>`; the last tagged answer wins, else the verifier reads the end of the response.
+Splits: the eval problems are drawn first from the seed's stream, then train takes the next problems whose prompt
+is not already drawn, so train and eval never share a prompt and the eval split does not depend on train_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+
+ANSWER_INSTRUCTION = "Put the final answer in <answer></answer>."
+DEFAULT_TRAIN_SIZE = 20_000
+
+
+@dataclass(frozen=True)
+class ArithmeticParams:
+    """Addition/subtraction of `num_operands` integers of min_digits..max_digits digits each."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    num_operands: int = 2
+    ops: str = "+-"
+    allow_negative: bool = True  # False: redraw problems whose result is negative
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits <= 18:
+            raise ValueError(f"arithmetic: need 1 <= min_digits ({self.min_digits}) <= max_digits "
+                             f"({self.max_digits}) <= 18")
+        if self.num_operands < 2:
+            raise ValueError(f"arithmetic: num_operands ({self.num_operands}) must be at least 2")
+        if not self.ops or set(self.ops) - set("+-"):
+            raise ValueError(f"arithmetic: ops ({self.ops!r}) must be a non-empty string of '+' and '-'")
+
+
+@dataclass(frozen=True)
+class CountdownParams:
+    """min_numbers..max_numbers numbers in 1..max_number and a reachable target in 1..max_target."""
+
+    min_numbers: int = 3
+    max_numbers: int = 4
+    max_number: int = 20
+    max_target: int = 100
+    ops: str = "+-*/"
+    use_all: bool = False  # True: each number exactly once (TinyZero's rule); False: at most once
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_numbers <= self.max_numbers <= 8:
+            raise ValueError(f"countdown: need 2 <= min_numbers ({self.min_numbers}) <= max_numbers "
+                             f"({self.max_numbers}) <= 8")
+        if self.max_number < 2 or self.max_target < 1:
+            raise ValueError(f"countdown: max_number ({self.max_number}) must be >= 2 and max_target "
+                             f"({self.max_target}) >= 1")
+        if not self.ops or set(self.ops) - set("+-*/"):
+            raise ValueError(f"countdown: ops ({self.ops!r}) must be a non-empty string of '+', '-', '*', '/'")
+
+
+Problem = tuple[str, Any, str]  # (prompt, answer, solution)
+
+
+def _random_number(rng: random.Random, digits: int) -> int:
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def arithmetic_problem(rng: random.Random, params: ArithmeticParams) -> Problem:
+    """One addition/subtraction problem; the answer is the result as a decimal string."""
+    while True:
+        operands = [_random_number(rng, rng.randint(params.min_digits, params.max_digits))
+                    for _ in range(params.num_operands)]
+        ops = [rng.choice(params.ops) for _ in range(params.num_operands - 1)]
+        value = operands[0]
+        for op, x in zip(ops, operands[1:]):
+            value = value + x if op == "+" else value - x
+        if value >= 0 or params.allow_negative:
+            break
+    expression = str(operands[0]) + "".join(f" {op} {x}" for op, x in zip(ops, operands[1:]))
+    return f"Compute {expression}. {ANSWER_INSTRUCTION}", str(value), f"<answer>{value}</answer>"
+
+
+def _combine(rng: random.Random, a: int, b: int, ops: str) -> tuple[str, int] | None:
+    """A random op that keeps every intermediate a positive integer (the countdown convention), or None."""
+    choices = list(ops)
+    rng.shuffle(choices)
+    for op in choices:
+        if op == "+":
+            return op, a + b
+        if op == "*":
+            return op, a * b
+        if op == "-" and a > b:
+            return op, a - b
+        if op == "/" and a % b == 0:
+            return op, a // b
+    return None
+
+
+def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
+    """Draw numbers, combine all of them in a random expression tree, and use its value as the target."""
+    while True:
+        count = rng.randint(params.min_numbers, params.max_numbers)
+        numbers = [rng.randint(1, params.max_number) for _ in range(count)]
+        items: list[tuple[str, int, bool]] = [(str(n), n, True) for n in numbers]  # (text, value, is_leaf)
+        while len(items) > 1:
+            i, j = rng.sample(range(len(items)), 2)
+            (ta, va, la), (tb, vb, lb) = items[i], items[j]
+            combined = _combine(rng, va, vb, params.ops)
+            if combined is None:
+                break
+            op, value = combined
+            text = f"{ta if la else f'({ta})'} {op} {tb if lb else f'({tb})'}"
+            items = [item for k, item in enumerate(items) if k not in (i, j)] + [(text, value, False)]
+        if len(items) > 1:
+            continue
+        expression, target, _ = items[0]
+        # A target equal to one of the numbers has a one-number solution: too easy to teach anything.
+        if 1 <= target <= params.max_target and target not in numbers:
+            break
+    rule = "each number must be used exactly once" if params.use_all else "each number can only be used once"
+    ops_text = ", ".join(params.ops)
+    prompt = (f"Using the numbers {numbers}, create an equation that equals {target}. "
+              f"You can use basic arithmetic operations ({ops_text}) and {rule}. {ANSWER_INSTRUCTION}")
+    answer = {"target": target, "numbers": numbers, "use_all": params.use_all}
+    return prompt, answer, f"<answer>{expression}</answer>"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A built-in task: its parameters, its problem generator, and the reward function that verifies it."""
+
+    name: str
+    params_cls: type
+    make_problem: Callable[[random.Random, Any], Problem]
+    reward: str  # name in rollout.rewards' registry
+
+
+TASKS: dict[str, TaskSpec] = {
+    "arithmetic": TaskSpec("arithmetic", ArithmeticParams, arithmetic_problem, reward="arithmetic"),
+    "countdown": TaskSpec("countdown", CountdownParams, countdown_problem, reward="countdown"),
+}
+
+
+def get_task(kind: str) -> TaskSpec:
+    """The built-in task called `kind`; a clear error lists the others."""
+    if kind not in TASKS:
+        raise ValueError(f"unknown built-in task {kind!r}; expected one of {sorted(TASKS)}")
+    return TASKS[kind]
+
+
+def task_params(kind: str, **params: Any) -> Any:
+    """The task's parameter object; an unknown parameter is an error that names it."""
+    spec = get_task(kind)
+    allowed = [f.name for f in dataclasses.fields(spec.params_cls)]
+    for key in params:
+        if key not in allowed:
+            raise ValueError(f"{kind}: unknown task parameter {key!r}; expected some of {allowed}")
+    return spec.params_cls(**params)
+
+
+def generate_problems(kind: str, n: int, rng: random.Random, params: Any, seen: set[str]) -> list[dict[str, Any]]:
+    """`n` rows whose prompts are not in `seen` (which is updated); raises if the problem space runs dry."""
+    spec = get_task(kind)
+    rows: list[dict[str, Any]] = []
+    attempts, max_attempts = 0, 50 * n + 1000
+    while len(rows) < n:
+        if attempts >= max_attempts:
+            raise ValueError(f"{kind}: found only {len(rows)} new distinct problems of {n} requested with "
+                             f"{params}; widen the parameters or ask for fewer prompts")
+        attempts += 1
+        prompt, answer, solution = spec.make_problem(rng, params)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append({"prompt": prompt, "answer": answer, "solution": solution})
+    return rows
+
+
+def build_task_splits(
+    kind: str, *, train_size: int = DEFAULT_TRAIN_SIZE, eval_size: int = 0, seed: int = 0, **params: Any,
+) -> datasets.DatasetDict:
+    """Deterministic `train` and `eval` splits of a built-in task (columns prompt, answer, solution)."""
+    if train_size < 0 or eval_size < 0:
+        raise ValueError(f"{kind}: train_size ({train_size}) and eval_size ({eval_size}) must be >= 0")
+    parsed = task_params(kind, **params)
+    rng = random.Random(f"slime-dsa:{kind}:{seed}")  # a str seed is hashed with sha512: stable across processes
+    seen: set[str] = set()
+    eval_rows = generate_problems(kind, eval_size, rng, parsed, seen)
+    train_rows = generate_problems(kind, train_size, rng, parsed, seen)
+    return datasets.DatasetDict({"train": _to_dataset(train_rows), "eval": _to_dataset(eval_rows)})
+
+
+def _to_dataset(rows: list[dict[str, Any]]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("prompt", "answer", "solution")})

@@ -1,0 +1,467 @@
+"""The data side of the RL loop: Sample, built-in tasks, prompt datasets, the task mixture, and rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+
+from rollout.rewards import (
+    MathVerifyPool,
+    MathVerifyTimeout,
+    RewardLoadError,
+    RewardStats,
+    arithmetic_reward,
+    compute_reward,
+    countdown_reward,
+    extract_tagged,
+    last_number,
+    load_reward_fn,
+    math_verify_reward,
+)
+from rollout.rewards.math_verifier import get_math_verify_pool
+from slime_dsa.data.prompts import PromptDataError, Task, TaskMixture, build_tasks, encode_prompts, load_task
+from slime_dsa.data.sample import Sample, SampleStatus
+from slime_dsa.data.tasks import build_task_splits
+
+datasets.disable_progress_bars()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from slime_dsa.data.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+# ---------------------------------------------------------------------------------------------------- Sample
+
+
+def test_sample_round_trip_through_json() -> None:
+    sample = Sample(prompt_ids=[1, 2, 3], task="arithmetic", index=7, group_id=2, answer={"target": 3},
+                    prompt_text="p", metadata={"k": [1, 2]})
+    sample.append_tokens([4, 5], logprobs=[-0.1, -0.2], weight_versions=[3, 3])
+    sample.append_tokens([6], trainable=False)  # a tool result
+    sample.indexer_topk = np.arange(3 * 2 * 4).reshape(3, 2, 4)
+    sample.status = SampleStatus.TRUNCATED
+    sample.validate()
+    assert sample.loss_mask == [1, 1, 0] and sample.weight_versions == [3, 3, -1]
+    assert sample.rollout_logprobs == [-0.1, -0.2, 0.0] and sample.tokens == [1, 2, 3, 4, 5, 6]
+
+    back = Sample.from_dict(json.loads(json.dumps(sample.to_dict())))
+    assert back.status is SampleStatus.TRUNCATED and back.indexer_topk.dtype == np.int32
+    np.testing.assert_array_equal(back.indexer_topk, sample.indexer_topk)
+    assert {k: v for k, v in back.to_dict().items()} == sample.to_dict()
+
+    with pytest.raises(ValueError, match="unknown field 'bogus'"):
+        Sample.from_dict({"prompt_ids": [1], "bogus": 1})
+    sample.loss_mask.append(1)
+    with pytest.raises(ValueError, match="loss_mask has 4 entries, response_ids has 3"):
+        sample.validate()
+
+
+# ---------------------------------------------------------------------------------------------------- tasks
+
+
+@pytest.mark.parametrize("kind", ["arithmetic", "countdown"])
+def test_task_generators_deterministic_with_disjoint_eval(kind: str) -> None:
+    a = build_task_splits(kind, train_size=300, eval_size=50, seed=5)
+    b = build_task_splits(kind, train_size=300, eval_size=50, seed=5)
+    assert a["train"][:] == b["train"][:] and a["eval"][:] == b["eval"][:]
+    assert build_task_splits(kind, train_size=300, eval_size=50, seed=6)["train"][:] != a["train"][:]
+    # The eval split does not depend on train_size, and never shares a prompt with train.
+    assert build_task_splits(kind, train_size=10, eval_size=50, seed=5)["eval"][:] == a["eval"][:]
+    train, evals = set(a["train"]["prompt"]), set(a["eval"]["prompt"])
+    assert len(train) == 300 and len(evals) == 50 and not train & evals
+
+
+@pytest.mark.parametrize("kind,reward", [("arithmetic", arithmetic_reward), ("countdown", countdown_reward)])
+def test_reference_solutions_score_one(kind: str, reward) -> None:
+    rows = build_task_splits(kind, train_size=200, eval_size=0, seed=1)["train"]
+    for row in rows:
+        assert reward(None, row["solution"], row["answer"])["reward"] == 1.0, row
+
+
+def test_task_parameters_checked() -> None:
+    with pytest.raises(ValueError, match="unknown task parameter 'digits'"):
+        build_task_splits("arithmetic", train_size=1, digits=3)
+    with pytest.raises(ValueError, match="min_digits"):
+        build_task_splits("arithmetic", train_size=1, min_digits=4, max_digits=2)
+    with pytest.raises(ValueError, match="found only .* distinct problems"):
+        build_task_splits("arithmetic", train_size=500, max_digits=1, ops="+")  # only 100 exist
+    with pytest.raises(ValueError, match="unknown built-in task 'sudoku'"):
+        build_task_splits("sudoku")
+    hard = build_task_splits("arithmetic", train_size=50, min_digits=5, max_digits=5, num_operands=3,
+                             allow_negative=False)["train"]
+    assert all(int(a) >= 0 for a in hard["answer"]) and all(p.count(" ") >= 5 for p in hard["prompt"])
+
+
+# ---------------------------------------------------------------------------------------------------- verifiers
+
+
+def test_answer_extraction() -> None:
+    assert extract_tagged("think... <answer>1</answer> no, <answer> 2 </answer>") == "2"
+    assert extract_tagged("<answer>1</answer> hmm <answer>3") == "3"  # open tag at the end (length cut)
+    assert extract_tagged("no tags 5") is None
+    assert last_number("the sum is 1,234.") == 1234 and last_number("x = −7") == -7
+    assert last_number("5-3") == 3 and last_number("2.50") == 2.5 and last_number("none") is None
+
+
+@pytest.mark.parametrize("response,reward", [
+    ("<answer>432</answer>", 1.0),
+    ("47 + 385 = 432", 1.0),  # untagged: the last number
+    ("The answer is <answer>431</answer>", 0.0),
+    ("<answer>432.0</answer>", 1.0),
+    ("I don't know", 0.0),
+    ("", 0.0),
+])
+def test_arithmetic_reward(response: str, reward: float) -> None:
+    assert arithmetic_reward(None, response, "432")["reward"] == reward
+    assert arithmetic_reward(None, "<answer>-12</answer>", -12)["reward"] == 1.0
+    with pytest.raises(ValueError, match="not an integer"):
+        arithmetic_reward(None, "1", "one")
+
+
+COUNTDOWN = {"target": 24, "numbers": [4, 6, 8, 2], "use_all": False}
+
+
+@pytest.mark.parametrize("response,reward", [
+    ("<answer>(8 - 4) * 6</answer>", 1.0),  # at most once: 2 unused is fine
+    ("<answer>4 * 6</answer>", 1.0),
+    ("<answer>8 × (6 / 2)</answer>", 1.0),
+    ("I think it is\n(8 - 2) * 4 = 24", 1.0),  # untagged: last line, "= target" ignored
+    ("<answer>6 * 4 * 1</answer>", 0.0),  # 1 is not given
+    ("<answer>6 * 6 - 8 - 4</answer>", 0.0),  # 6 used twice
+    ("<answer>4 + 6 + 8</answer>", 0.0),  # 18
+    ("<answer>2 ** 4 + 8</answer>", 0.0),  # ** is not allowed
+    ("<answer>__import__('os')</answer>", 0.0),
+    ("<answer>8 / (4 - 4)</answer>", 0.0),
+    ("<answer>(((</answer>", 0.0),
+])
+def test_countdown_reward(response: str, reward: float) -> None:
+    assert countdown_reward(None, response, COUNTDOWN)["reward"] == reward
+
+
+def test_countdown_use_all_and_json_answer() -> None:
+    strict = json.dumps({**COUNTDOWN, "use_all": True})
+    assert countdown_reward(None, "<answer>4 * 6</answer>", strict)["reward"] == 0.0
+    assert countdown_reward(None, "<answer>(8 - 6 + 2) * 4 + 8</answer>", strict)["reward"] == 0.0  # 8 twice
+    assert countdown_reward(None, "<answer>(8 - 6 + 2) * 6</answer>", strict)["reward"] == 0.0  # 4 missing
+    assert countdown_reward(None, "<answer>(6 + 2) * 4 - 8</answer>", strict)["reward"] == 1.0
+    with pytest.raises(ValueError, match="'target' and 'numbers'"):
+        countdown_reward(None, "1", {"numbers": [1]})
+
+
+@pytest.mark.parametrize("response,answer,reward", [
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("<answer>$\\frac12$</answer>", "\\frac{1}{2}", 1.0),
+    ("<answer>\\sqrt{2}</answer>", "\\sqrt 2", 1.0),
+    ("so x = 3", "3", 1.0),
+    ("<answer>33</answer>", "3", 0.0),
+    ("\\boxed{(1, 2)}", "$(1,2)$", 1.0),
+    ("<answer>2\\pi</answer>", "$2\\pi$", 1.0),
+    ("no idea", "7", 0.0),
+])
+def test_math_verify_reward(response: str, answer: str, reward: float) -> None:
+    assert math_verify_reward(None, response, answer)["reward"] == reward
+
+
+def test_math_verify_runs_off_the_main_thread_and_survives_a_hang() -> None:
+    results = []
+    thread = threading.Thread(target=lambda: results.append(math_verify_reward(None, "\\boxed{4}", "4")))
+    thread.start()
+    thread.join()
+    assert results[0]["reward"] == 1.0  # math-verify's signal timeout would raise in a thread; the pool does not
+
+    pool = MathVerifyPool(max_workers=1, timeout_s=1.0, inner_timeout_s=30)  # inner limit too late: the hard one acts
+    try:
+        start = time.perf_counter()
+        with pytest.raises(MathVerifyTimeout):
+            pool.verify("$10^{10^{10}}$", "5")  # sympy hangs on this
+        assert time.perf_counter() - start < 5 and pool.num_killed == 1
+        assert pool.verify("4", "4")["correct"]  # a fresh worker replaces the killed one
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+
+
+CUSTOM_REWARDS = '''
+import asyncio
+
+def exact(sample, response, answer, **metadata):
+    return {"reward": float(response.strip() == answer), "length": len(response), "note": "ignored"}
+
+def scaled(sample, response, answer, scale=1.0):
+    return scale * float(response.strip() == answer)
+
+async def slow_match(sample, response, answer, **metadata):
+    await asyncio.sleep(metadata.get("delay", 0.0))
+    return float(response.strip() == answer)
+
+def boom(sample, response, answer, **metadata):
+    raise RuntimeError("verifier crashed")
+
+def own_timeout(sample, response, answer):
+    raise TimeoutError("upstream judge timed out")
+
+def not_a_number(sample, response, answer):
+    return "yes"
+
+def two_args(sample, response):
+    return 1.0
+
+class Graders:
+    @staticmethod
+    def prompt_len(sample, response, answer):
+        return float(len(sample.prompt_text))
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def custom_rewards(tmp_path, monkeypatch) -> str:
+    (tmp_path / "my_rewards_mod.py").write_text(CUSTOM_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rewards_mod"
+
+
+def _sample(response: str, answer: str = "42", **metadata) -> Sample:
+    return Sample(prompt_ids=[1], prompt_text="What?", response_text=response, answer=answer, task="t",
+                  metadata=metadata)
+
+
+def test_custom_rewards_by_import_path(custom_rewards: str) -> None:
+    stats = RewardStats()
+
+    async def main():
+        exact = await compute_reward(f"{custom_rewards}:exact", _sample("42", extra="x"), stats=stats)
+        assert exact.reward == 1.0 and not exact.failed and exact.metrics == {"length": 2.0}
+        # Without **kwargs a function receives only the metadata it names.
+        scaled = await compute_reward(f"{custom_rewards}:scaled", _sample("42", scale=0.5, other=1), stats=stats)
+        assert scaled.reward == 0.5 and not scaled.failed
+        fn = load_reward_fn(f"{custom_rewards}:slow_match")
+        assert fn.is_async
+        results = await asyncio.gather(*(compute_reward(fn, _sample(r, delay=0.05), stats=stats)
+                                         for r in ("42", "41", "42")))
+        assert [r.reward for r in results] == [1.0, 0.0, 1.0]
+        method = await compute_reward(f"{custom_rewards}:Graders.prompt_len", _sample("x"), stats=stats)
+        assert method.reward == 5.0
+
+    asyncio.run(main())
+    assert stats.calls == 6 and stats.failures == 0
+
+
+def test_failing_rewards_cost_one_sample(custom_rewards: str, caplog) -> None:
+    stats = RewardStats()
+
+    async def main():
+        return await asyncio.gather(
+            compute_reward(f"{custom_rewards}:boom", _sample("42"), stats=stats),
+            compute_reward(f"{custom_rewards}:not_a_number", _sample("42"), stats=stats),
+            compute_reward(f"{custom_rewards}:slow_match", _sample("42", delay=5.0), timeout_s=0.1, stats=stats),
+            compute_reward(f"{custom_rewards}:exact", _sample("42"), stats=stats),
+            compute_reward("countdown", _sample("<answer>1</answer>", answer="not json"), stats=stats),
+            compute_reward(f"{custom_rewards}:own_timeout", _sample("42"), stats=stats),
+        )
+
+    with caplog.at_level("WARNING", logger="rollout.rewards.compute"):
+        boom, wrong_type, slow, fine, bad_truth, own_timeout = asyncio.run(main())
+    assert boom.reward == 0.0 and boom.failed and boom.error == "RuntimeError: verifier crashed"
+    assert wrong_type.failed and "returned str" in wrong_type.error
+    assert slow.failed and slow.error == "timed out after 0.1s"
+    assert bad_truth.failed and bad_truth.reward == 0.0
+    assert fine.reward == 1.0 and not fine.failed
+    assert own_timeout.failed and own_timeout.error == "TimeoutError: upstream judge timed out"
+    assert (stats.calls, stats.failures, stats.timeouts) == (6, 5, 1)
+    assert "verifier crashed" in caplog.text
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz' (ModuleNotFoundError"),
+    ("{mod}:missing", "has no attribute 'missing'"),
+    ("{mod}:NOT_CALLABLE", "is not callable"),
+    ("{mod}:two_args", "takes 2 positional parameter"),
+    ("{mod}:", "must look like 'package.module:function'"),
+    ("nonexistent_name", "unknown reward function 'nonexistent_name'; registered: arithmetic, countdown"),
+])
+def test_reward_load_errors_name_the_path(custom_rewards: str, spec: str, message: str) -> None:
+    spec = spec.format(mod=custom_rewards)
+    with pytest.raises(RewardLoadError) as info:
+        load_reward_fn(spec)
+    assert message in str(info.value) and repr(spec) in str(info.value)
+
+
+def test_builtin_rewards_through_compute_reward() -> None:
+    async def main():
+        return await asyncio.gather(
+            compute_reward("arithmetic", _sample("<answer>42</answer>")),
+            compute_reward("math_verify", _sample("\\boxed{\\frac{84}{2}}")),
+            compute_reward("math_verify", _sample("\\boxed{41}")),
+        )
+
+    arith, math_ok, math_wrong = asyncio.run(main())
+    assert (arith.reward, math_ok.reward, math_wrong.reward) == (1.0, 1.0, 0.0)
+    assert math_ok.metrics["answer_found"] == 1.0 and not math_wrong.failed
+
+
+# ---------------------------------------------------------------------------------------------------- datasets
+
+
+ROWS = [
+    {"question": "What is 2 + 2?", "solution": "4", "source": "a"},
+    {"question": "What is 3 * 3?", "solution": "9", "source": "b"},
+    {"question": "Name the 3rd prime.", "solution": "5", "source": "c"},
+    {"question": "What is 10 / 2?", "solution": "5", "source": "d"},
+]
+
+
+def _write(kind: str, tmp_path, rows=ROWS):
+    if kind == "jsonl":
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        path = tmp_path / "prompts.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        path = tmp_path / "prompts_dir"
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "disk"])
+def test_load_dataset_with_column_mapping_and_chat_template(kind: str, tmp_path, tokenizer) -> None:
+    path = _write(kind, tmp_path)
+    task = load_task("qa", tokenizer, path=str(path), prompt_column="question", answer_column="solution",
+                     system_prompt="Be brief.", apply_chat_template=True, eval_size=1, seed=3,
+                     cache_dir=str(tmp_path / "cache"))
+    assert len(task.train) == 3 and len(task.eval) == 1 and task.reward_fn == "math_verify"
+    prompts = list(task.train) + list(task.eval)
+    assert sorted(p.index for p in prompts) == [0, 1, 2, 3]
+    for p in prompts:
+        row = ROWS[p.index]
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": row["question"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert p.prompt_text == text and p.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert p.answer == row["solution"] and p.metadata == {"source": row["source"]}
+    assert task.eval[0].prompt_text not in {p.prompt_text for p in task.train}
+
+
+def test_chat_message_prompts_and_raw_text(tmp_path, tokenizer) -> None:
+    rows = [{"prompt": [{"role": "system", "content": "Sys"}, {"role": "user", "content": "Hi"}], "answer": "1"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    task = load_task("chat", tokenizer, path=str(path), system_prompt="ignored: the row has one",
+                     cache_dir=str(tmp_path / "cache"))
+    assert task.train[0].prompt_text == "[gMASK]<sop><|system|>\nSys<|user|>\nHi<|assistant|>\n"
+
+    raw = load_task("raw", tokenizer, kind="arithmetic", train_size=5, system_prompt="Solve it.")
+    assert raw.train[0].prompt_text.startswith("Solve it.\n\nCompute ") and raw.reward_fn == "arithmetic"
+    assert raw.train[0].prompt_ids == tokenizer(raw.train[0].prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def test_long_prompts_dropped_and_counted(tmp_path, tokenizer, caplog) -> None:
+    rows = [{"prompt": "short", "answer": "1"}, {"prompt": "long " * 50, "answer": "2"},
+            {"prompt": "also short", "answer": "3"}]
+    path = _write("jsonl", tmp_path, rows)
+    with caplog.at_level("WARNING", logger="slime_dsa.data.prompts"):
+        task = load_task("t", tokenizer, path=str(path), max_prompt_length=20, cache_dir=str(tmp_path / "cache"))
+    assert [p.answer for p in task.train] == ["1", "3"] and task.num_dropped_too_long == {"train": 1, "eval": 0}
+    assert "dropped 1 of 3 prompts longer than max_prompt_length=20" in caplog.text
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"prompt": "ok", "answer": "1"}, {"prompt": "ok", "answer": "2"}, {"prompt": 7, "answer": "3"}],
+     "row 2, column 'prompt': expected a string or a list of chat messages, got int"),
+    ([{"prompt": "ok", "answer": "1"}, {"prompt": "fine"}], "row 1, column 'answer': missing value"),
+    ([{"prompt": [{"content": "no role"}], "answer": "1"}], "row 0, column 'prompt': expected chat messages"),
+    ([{"question": "ok", "answer": "1"}], "no column 'prompt' (columns: question, answer); set prompt_column"),
+])
+def test_bad_rows_name_file_row_and_column(tmp_path, tokenizer, rows, message) -> None:
+    path = _write("jsonl", tmp_path, rows)
+    with pytest.raises(PromptDataError) as info:
+        load_task("t", tokenizer, path=str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_missing_files_and_splits(tmp_path, tokenizer) -> None:
+    (tmp_path / "p.txt").write_text("x")
+    with pytest.raises(PromptDataError, match="unsupported file type '.txt'"):
+        load_task("t", tokenizer, path=str(tmp_path / "p.txt"))
+    path = _write("disk", tmp_path)
+    with pytest.raises(PromptDataError, match="no split 'test' \\(splits: train\\)"):
+        load_task("t", tokenizer, path=str(path), split="test", prompt_column="question", answer_column="solution")
+    with pytest.raises(PromptDataError, match="no chat_template"):
+        encode_prompts(datasets.Dataset.from_list([{"prompt": "x", "answer": "1"}]), object(), source="s",
+                       apply_chat_template=True)
+
+
+# ---------------------------------------------------------------------------------------------------- mixture
+
+
+def _builtin(name: str, kind: str, tokenizer, weight: float, size: int) -> Task:
+    return load_task(name, tokenizer, kind=kind, weight=weight, train_size=size, seed=11)
+
+
+def test_mixture_follows_weights_and_resumes_exactly(tokenizer) -> None:
+    tasks = [_builtin("arith", "arithmetic", tokenizer, 3.0, 40), _builtin("count", "countdown", tokenizer, 1.0, 7),
+             _builtin("off", "arithmetic", tokenizer, 0.0, 5)]
+    mixture = TaskMixture(tasks, seed=0)
+    drawn = mixture.take(400)
+    for start in range(0, 400, 4):  # every window of 4 draws holds 3 arith and 1 count
+        assert Counter(p.task for p in drawn[start:start + 4]) == {"arith": 3, "count": 1}
+    # Each epoch of a task visits every prompt once, in a fresh order.
+    count_rows = [p.index for p in drawn if p.task == "count"]
+    assert all(sorted(count_rows[e * 7:(e + 1) * 7]) == list(range(7)) for e in range(100 // 7))
+    assert count_rows[:7] != count_rows[7:14]
+
+    again = TaskMixture(tasks, seed=0)
+    head = again.take(137)
+    state = json.loads(json.dumps(again.state_dict()))
+    resumed = TaskMixture(tasks, seed=0)
+    resumed.load_state_dict(state)
+    assert [(p.task, p.index) for p in head + resumed.take(263)] == [(p.task, p.index) for p in drawn]
+    assert [p.index for p in TaskMixture(tasks, seed=1).take(20)] != [p.index for p in drawn[:20]]
+
+    with pytest.raises(ValueError, match="saved for tasks"):
+        TaskMixture(tasks[:2], seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="sum to > 0"):
+        TaskMixture([tasks[2]])
+
+
+def test_tasks_from_a_recipe_data_section(tmp_path, tokenizer) -> None:
+    from slime_dsa.config.schema import DataSection
+
+    path = _write("jsonl", tmp_path)
+    data = DataSection(seed=4, max_prompt_length=200, apply_chat_template=True, tasks=[
+        {"kind": "arithmetic", "weight": 2, "eval_size": 5},
+        {"name": "qa", "kind": "dataset", "path": str(path), "prompt_column": "question", "answer_column": "solution",
+         "reward_fn": "my_rewards_mod:exact", "eval_fraction": 0.25},
+    ])
+    tasks = build_tasks(data, tokenizer, train_size=30, cache_dir=str(tmp_path / "cache"))
+    assert [(t.name, t.weight, t.reward_fn, len(t.train), len(t.eval)) for t in tasks] == [
+        ("arithmetic", 2.0, "arithmetic", 30, 5), ("qa", 1.0, "my_rewards_mod:exact", 3, 1)]
+    assert tasks[0].train[0].prompt_text.startswith("[gMASK]<sop><|user|>\nCompute ")
+    assert [p.task for p in TaskMixture(tasks, seed=data.seed).take(6)] == ["arithmetic", "qa", "arithmetic"] * 2
+
+
+def test_prompt_to_sample(tokenizer) -> None:
+    prompt = _builtin("arith", "arithmetic", tokenizer, 1.0, 3).train[0]
+    sample = prompt.to_sample(index=12, group_id=4)
+    assert sample.prompt_ids == prompt.prompt_ids and sample.answer == prompt.answer and sample.task == "arith"
+    assert (sample.index, sample.group_id, sample.status) == (12, 4, SampleStatus.PENDING)
+    assert sample.metadata == {"solution": prompt.metadata["solution"]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_math_pool():
+    yield
+    get_math_verify_pool().close()
