@@ -73,7 +73,7 @@ def test_every_field_has_a_description_and_sections_forbid_extra_keys():
 
 def test_sections_and_key_names():
     assert list(RecipeConfig.model_fields) == [
-        "model", "data", "rollout", "algorithm", "trainer", "cluster", "logging", "checkpoint"]
+        "model", "data", "rollout", "algorithm", "trainer", "cluster", "logging", "checkpoint", "sft"]
     keys = {".".join(p) for p in schema_paths()}
     for key in ("model.ops_backend", "data.tasks.<i>.reward_fn", "rollout.sglang.weight_sync",
                 "rollout.return_indexer_topk", "algorithm.icepop_beta", "algorithm.dis_eps_high",
@@ -108,7 +108,7 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"top_k": 0}}, r"rollout: top_k \(0\) must be -1"),
     ({"rollout": {"engine": "external"}}, r"engine 'external' needs engine_urls"),
     ({"data": {"tasks": [{"kind": "dataset"}]}}, r"data\.tasks\.0: kind 'dataset' needs a path"),
-    ({"data": {"tasks": [{"reward_fn": "not an import path"}]}}, r"must look like 'package\.module:function'"),
+    ({"data": {"tasks": [{"reward_fn": "not an import path"}]}}, r"must be a registered name or look like 'package\.module:function'"),
     ({"data": {"tasks": [{}, {}]}}, r"task names must be unique, but 'arithmetic' appears 2 times"),
     ({"data": {"tasks": []}}, r"data\.tasks: list should have at least 1 item"),
     ({"algorithm": {"icepop_alpha": 1.0, "icepop_beta": 1.0}}, r"icepop_alpha \(1\.0\) must be below icepop_beta"),

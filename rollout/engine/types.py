@@ -92,3 +92,6 @@ class GenerateOutput:
     cached_tokens: int = 0
     weight_version: str = "0"
     indexer_topk: Any = None  # int32 array (output tokens, n_full_layers, index_topk), -1 padded; None unless asked
+    # (final output only). Row j is the selection of the query row that produced output token j.
+    text: str | None = None  # decoded output, trimmed at a matched stop string unless no_stop_trim; final output
+    # only, and only from an engine that has a tokenizer

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from slime_dsa.config.errors import RecipeValueError
 
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
 class Section(BaseModel):
@@ -27,6 +28,9 @@ class ModelSection(Section):
     path: str | None = Field(
         None, description="Hugging Face model directory or hub id to start from; null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
+    preset: Literal["tiny", "quickstart"] = Field(
+        "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
+                            "tests) or quickstart (~1.4M, the CPU quickstart).")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
@@ -58,7 +62,16 @@ class TaskConfig(Section):
     answer_column: str = Field(
         "answer", description="Column holding the reference answer given to the reward function (kind dataset).")
     reward_fn: str | None = Field(
-        None, description="Reward function as 'package.module:function'; null = the task's built-in verifier.")
+        None, description="Reward function: a registered name (arithmetic, countdown, math_verify) or "
+                          "'package.module:function'; null = the task's built-in verifier.")
+    system_prompt: str | None = Field(
+        None, description="System message put before every prompt of this task; null = none.")
+    train_size: int = Field(
+        20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown).")
+    task_args: dict[str, int | float | bool | str] = Field(
+        default_factory=dict, strict=False,
+        description="Parameters of a built-in task generator, e.g. {max_digits: 2} for arithmetic or "
+                    "{num_count: 4} for countdown.")
     eval_fraction: float = Field(
         0.0, ge=0, lt=1, description="Fraction of the task's prompts held out for evaluation; set at most one "
                                      "of eval_fraction and eval_size.")
@@ -75,9 +88,12 @@ class TaskConfig(Section):
         if self.kind != "dataset" and self.path is not None:
             raise RecipeValueError(
                 f"path ('{self.path}') is only read by kind 'dataset', but kind is '{self.kind}'", "path", "kind")
-        if self.reward_fn is not None and not _IMPORT_PATH.match(self.reward_fn):
+        if self.reward_fn is not None and not (_IMPORT_PATH.match(self.reward_fn) or _REWARD_NAME.match(self.reward_fn)):
             raise RecipeValueError(
-                f"reward_fn ('{self.reward_fn}') must look like 'package.module:function'", "reward_fn")
+                f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
+                "reward_fn")
+        if self.task_args and self.kind == "dataset":
+            raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown)", "task_args", "kind")
         if self.eval_fraction > 0 and self.eval_size > 0:
             raise RecipeValueError(
                 f"set at most one of eval_fraction ({self.eval_fraction}) and eval_size ({self.eval_size})",
@@ -374,6 +390,19 @@ class CheckpointSection(Section):
     dir: str | None = Field(None, description="Checkpoint directory; null = <run_dir>/checkpoints.")
 
 
+class SFTSection(Section):
+    """Supervised fine-tuning (`slime-dsa sft`): teaches a model the tasks' reference solutions before RL."""
+
+    output_dir: str | None = Field(
+        None, description="Where the fine-tuned HF model directory is written; null = <run_dir>/sft_model.")
+    batch_size: int = Field(64, ge=1, description="Examples (prompt + solution) per optimizer step.")
+    eval_every: int = Field(100, ge=0, description="Greedy eval on held-out prompts every this many steps; 0 = at the end only.")
+    eval_prompts: int = Field(256, ge=1, description="Held-out prompts per eval (from each task's eval split).")
+    stop_at_pass: float | None = Field(
+        None, gt=0, le=1, description="Stop as soon as eval pass@1 reaches this (e.g. 0.25 to make a weak starting "
+                                      "policy for RL); null = run trainer.num_steps.")
+
+
 class RecipeConfig(Section):
     """A whole recipe. An empty one is valid and trains a tiny random model on a laptop CPU."""
 
@@ -385,6 +414,7 @@ class RecipeConfig(Section):
     cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster and placement.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Run directory, W&B, cadence.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Training checkpoints.")
+    sft: SFTSection = Field(default_factory=SFTSection, description="Supervised fine-tuning (slime-dsa sft).")
 
     @model_validator(mode="after")
     def _check(self) -> RecipeConfig:

@@ -300,15 +300,16 @@ def load_task(
     )
 
 
-def build_tasks(data: Any, tokenizer: Any, *, train_size: int = builtin_tasks.DEFAULT_TRAIN_SIZE,
-                cache_dir: str | None = None) -> list[Task]:
-    """The tasks of a recipe's `data` section (`slime_dsa.config` DataSection); built-ins get `train_size` prompts."""
+def build_tasks(data: Any, tokenizer: Any, *, train_size: int | None = None, cache_dir: str | None = None) -> list[Task]:
+    """The tasks of a recipe's `data` section (`slime_dsa.config` DataSection); `train_size` overrides each task's."""
     return [
         load_task(
             t.name, tokenizer, kind=t.kind, path=t.path, split=t.split, prompt_column=t.prompt_column,
             answer_column=t.answer_column, reward_fn=t.reward_fn, weight=t.weight, eval_size=t.eval_size,
             eval_fraction=t.eval_fraction, apply_chat_template=data.apply_chat_template,
-            max_prompt_length=data.max_prompt_length, seed=data.seed, train_size=train_size, cache_dir=cache_dir,
+            max_prompt_length=data.max_prompt_length, seed=data.seed, cache_dir=cache_dir,
+            train_size=train_size or getattr(t, "train_size", builtin_tasks.DEFAULT_TRAIN_SIZE), task_args=dict(getattr(t, "task_args", {}) or {}) or None,
+            system_prompt=getattr(t, "system_prompt", None),
         )
         for t in data.tasks
     ]

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ class MetricsLogger:
         import wandb  # noqa: PLC0415 (slow import, only when used)
 
         id_file = self.run_dir / "wandb_run_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
                          config=config, resume="allow", reinit="finish_previous")

@@ -1,0 +1,124 @@
+"""Ray actors that each own one engine: the embedded engine behind our HTTP server, or a real SGLang server.
+
+An actor starts its engine on a free port and returns the URL; everything else talks to it over HTTP through
+rollout.client.EngineClient, exactly as to external engines. One actor per GPU (num_gpus=1; Ray sets
+CUDA_VISIBLE_DEVICES, which an SGLang subprocess inherits), or as many as asked on CPU (num_cpus each).
+Ray is imported only in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import asdict
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineActor:
+    """One engine and its HTTP endpoint. kind "embedded" needs model_dir; kind "sglang" needs sglang_config."""
+
+    def __init__(self, kind: str = "embedded", *, model_dir: str | None = None, sglang_config: Any = None,
+                 host: str = "127.0.0.1", port: int = 0, engine_kwargs: dict | None = None,
+                 server_kwargs: dict | None = None, launcher_kwargs: dict | None = None) -> None:
+        if kind not in ("embedded", "sglang"):
+            raise ValueError(f"kind must be 'embedded' or 'sglang', got {kind!r}")
+        if kind == "embedded" and not model_dir:
+            raise ValueError("kind 'embedded' needs model_dir")
+        if kind == "sglang" and sglang_config is None:
+            raise ValueError("kind 'sglang' needs sglang_config")
+        self.kind, self.model_dir, self.sglang_config = kind, model_dir, sglang_config
+        self.host, self.port = host, port
+        self.engine_kwargs, self.server_kwargs = engine_kwargs or {}, server_kwargs or {}
+        self.launcher_kwargs = launcher_kwargs or {}
+        self._server: Any = None  # EmbeddedServer or SGLangServer
+        self._url: str | None = None
+
+    def _public_host(self) -> str:
+        if self.host not in ("0.0.0.0", "::"):
+            return self.host
+        import ray  # noqa: PLC0415
+
+        return ray.util.get_node_ip_address()
+
+    async def start(self) -> str:
+        """Start the engine and its server; returns the URL (idempotent)."""
+        if self._url is not None:
+            return self._url
+        if self.kind == "embedded":
+            from rollout.server.launch import EmbeddedServer, load_engine  # noqa: PLC0415
+
+            engine, tokenizer = await asyncio.to_thread(load_engine, self.model_dir, **self.engine_kwargs)
+            self._server = await EmbeddedServer.start(engine, tokenizer, host=self.host, port=self.port,
+                                                      model_path=self.model_dir, **self.server_kwargs)
+            port = self._server.port
+        else:
+            from rollout.sglang.config import SGLangConfig, SpeculativeConfig  # noqa: PLC0415
+            from rollout.sglang.launcher import SGLangServer  # noqa: PLC0415
+
+            cfg = self.sglang_config
+            if isinstance(cfg, dict):
+                cfg = dict(cfg)
+                if isinstance(cfg.get("speculative"), dict):
+                    cfg["speculative"] = SpeculativeConfig(**cfg["speculative"])
+                cfg = SGLangConfig(**cfg)
+            cfg.port = self.port or free_port()
+            cfg.host = self.host
+            self._server = SGLangServer(cfg, **self.launcher_kwargs)
+            await asyncio.to_thread(self._server.start)
+            port = cfg.port
+        self._url = f"http://{self._public_host()}:{port}"
+        logger.info("engine actor (%s) serving at %s", self.kind, self._url)
+        return self._url
+
+    async def url(self) -> str | None:
+        return self._url
+
+    async def stop(self) -> None:
+        """Stop the server and the engine."""
+        if self._server is None:
+            return
+        if self.kind == "embedded":
+            await self._server.stop()
+        else:
+            await asyncio.to_thread(self._server.stop)
+        self._server, self._url = None, None
+
+
+def create_engine_actors(
+    num_engines: int,
+    *,
+    kind: str = "embedded",
+    num_gpus_per_engine: float = 0,
+    num_cpus_per_engine: float = 1,
+    **actor_kwargs: Any,
+) -> list[Any]:
+    """`num_engines` EngineActor handles (not started): one per GPU when num_gpus_per_engine=1, else on CPUs."""
+    import ray  # noqa: PLC0415
+
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if kind == "sglang" and hasattr(actor_kwargs.get("sglang_config"), "__dataclass_fields__"):
+        actor_kwargs["sglang_config"] = asdict(actor_kwargs["sglang_config"])  # plain data across the Ray boundary
+    cls = ray.remote(EngineActor)
+    return [
+        cls.options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine, max_concurrency=1000)
+        .remote(kind, **actor_kwargs)
+        for _ in range(num_engines)
+    ]
+
+
+def start_engine_actors(actors: list[Any], timeout_s: float | None = None) -> list[str]:
+    """Start every actor's engine in parallel; returns their URLs in order."""
+    import ray  # noqa: PLC0415
+
+    return ray.get([a.start.remote() for a in actors], timeout=timeout_s)

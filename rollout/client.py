@@ -1,0 +1,450 @@
+"""One async client for every engine backend (embedded server, real SGLang, external URLs or an SGLang router).
+
+Routing: a request goes to the healthy engine with the fewest outstanding requests, except that a session_id
+sticks to the engine that served it while that engine stays healthy. Each engine has an in-flight cap
+(semaphore). On a connection error, a timeout or a 5xx the request is retried on another engine after an
+exponential backoff; an engine that fails `max_failures` times in a row is marked dead and probed on
+/health until it answers again. 4xx answers are the caller's mistake and are raised at once.
+
+One aiohttp session with a large connection pool carries every request (see rollout/server/app.py for why
+aiohttp). Responses are validated; a malformed one raises an error that names the engine and the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang_router's consistent_hashing policy keys on it
+
+
+class EngineError(RuntimeError):
+    """Base of the client's errors."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered 4xx: the request is wrong, retrying elsewhere would not help."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(f"{url} answered {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+class EngineUnavailableError(EngineError):
+    """Every attempt failed (connection errors, timeouts, 5xx) or no engine is configured."""
+
+
+class MalformedResponseError(EngineError):
+    """An engine's response does not have SGLang's shape; the message names the engine and the field."""
+
+
+@dataclass
+class EngineState:
+    """Routing state of one engine URL."""
+
+    url: str
+    semaphore: asyncio.Semaphore
+    outstanding: int = 0  # assigned and not finished, including those waiting for the semaphore
+    healthy: bool = True
+    consecutive_failures: int = 0
+    completed: int = 0
+    failures: int = 0
+    probe: asyncio.Task | None = field(default=None, repr=False)
+
+
+def normalize_url(url: str) -> str:
+    """'host:port' or 'http://host:port/' -> 'http://host:port'."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    return url
+
+
+class EngineClient:
+    """Async client and router over one or more engine URLs speaking SGLang's native HTTP API."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        max_inflight_per_engine: int = 256,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        max_failures: int = 3,
+        probe_interval_s: float = 2.0,
+        connect_timeout_s: float = 10.0,
+        api_key: str | None = None,
+        max_sessions: int = 100_000,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if max_inflight_per_engine < 1:
+            raise ValueError(f"max_inflight_per_engine must be >= 1, got {max_inflight_per_engine}")
+        if max_retries < 0 or backoff_s < 0 or timeout_s <= 0:
+            raise ValueError(f"need max_retries >= 0, backoff_s >= 0, timeout_s > 0; got {max_retries}, {backoff_s}, {timeout_s}")
+        self.max_inflight_per_engine = max_inflight_per_engine
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.max_failures, self.probe_interval_s = max_failures, probe_interval_s
+        self.connect_timeout_s = connect_timeout_s
+        self.api_key = api_key
+        self.engines: dict[str, EngineState] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session_id -> url, LRU-bounded
+        self._max_sessions = max_sessions
+        self._http: aiohttp.ClientSession | None = None
+        self._rr = 0  # tie-breaker among equally loaded engines
+        for url in urls:
+            self.add_engine(url)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            # limit covers every engine at its cap; keep-alive connections are reused across requests
+            limit = max(1024, self.max_inflight_per_engine * max(len(self.engines), 1) * 2)
+            connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300)
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._http = aiohttp.ClientSession(connector=connector, headers=headers)
+        return self._http
+
+    async def close(self) -> None:
+        """Stop the health probes and close the connection pool."""
+        probes = [e.probe for e in self.engines.values() if e.probe is not None]
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def add_engine(self, url: str) -> None:
+        url = normalize_url(url)
+        if url not in self.engines:
+            self.engines[url] = EngineState(url, asyncio.Semaphore(self.max_inflight_per_engine))
+
+    def remove_engine(self, url: str) -> None:
+        engine = self.engines.pop(normalize_url(url), None)
+        if engine is not None and engine.probe is not None:
+            engine.probe.cancel()
+
+    def stats(self) -> dict[str, dict]:
+        """Per engine: outstanding, completed, failures, healthy."""
+        return {u: {"outstanding": e.outstanding, "completed": e.completed, "failures": e.failures,
+                    "healthy": e.healthy} for u, e in self.engines.items()}
+
+    # ---- routing ------------------------------------------------------------------------------------------
+
+    def pick(self, session_id: str | None = None, exclude: set[str] = frozenset()) -> EngineState:
+        """The engine for the next attempt: the session's engine if healthy, else the least outstanding."""
+        if not self.engines:
+            raise EngineUnavailableError("no engine URLs are configured")
+        if session_id is not None:
+            url = self._sessions.get(session_id)
+            engine = self.engines.get(url) if url else None
+            if engine is not None and engine.healthy and url not in exclude:
+                self._sessions.move_to_end(session_id)
+                return engine
+        pool = [e for e in self.engines.values() if e.healthy and e.url not in exclude]
+        if not pool:  # every healthy engine was tried: a dead one may be back, an excluded one may work now
+            pool = [e for e in self.engines.values() if e.url not in exclude] or list(self.engines.values())
+        low = min(e.outstanding for e in pool)
+        ties = [e for e in pool if e.outstanding == low]
+        self._rr += 1
+        engine = ties[self._rr % len(ties)]
+        if session_id is not None:
+            self._sessions[session_id] = engine.url
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        return engine
+
+    def _record_failure(self, engine: EngineState, reason: str) -> None:
+        engine.failures += 1
+        engine.consecutive_failures += 1
+        if engine.healthy and engine.consecutive_failures >= self.max_failures:
+            engine.healthy = False
+            logger.warning("engine %s marked dead after %d failures in a row (%s); probing /health",
+                           engine.url, engine.consecutive_failures, reason)
+            if engine.probe is None or engine.probe.done():
+                engine.probe = asyncio.create_task(self._probe(engine))
+
+    async def _probe(self, engine: EngineState) -> None:
+        """Poll /health of a dead engine until it answers 200, then route to it again."""
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.probe_interval_s))
+        while not engine.healthy and engine.url in self.engines:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                async with self._session().get(engine.url + "/health", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        engine.healthy, engine.consecutive_failures = True, 0
+                        logger.info("engine %s is healthy again", engine.url)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    async def _post_once(self, engine: EngineState, path: str, payload: Any, headers: dict | None,
+                         timeout_s: float) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        async with self._session().post(engine.url + path, json=payload, headers=headers, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = await resp.text()
+                message = _error_message(text)
+                if resp.status >= 500:
+                    raise _ServerError(resp.status, message)
+                raise EngineRequestError(engine.url, resp.status, message)
+            try:
+                return await resp.json(content_type=None)
+            except ValueError:
+                raise MalformedResponseError(f"{engine.url}{path} answered {resp.status} with a body that is not JSON") from None
+
+    async def request(self, path: str, payload: Any, *, session_id: str | None = None,
+                      timeout_s: float | None = None, abort_rid: str | None = None) -> tuple[Any, str]:
+        """POST `payload` to `path` on one engine, routed and retried; returns (JSON body, engine URL)."""
+        timeout_s = timeout_s or self.timeout_s
+        headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
+        tried: set[str] = set()
+        last: str | None = None
+        errors: list[str] = []
+        attempt = 0
+        while attempt <= self.max_retries:
+            # a retry goes to an engine not yet tried; once all were tried, to any but the one that just failed
+            exclude = tried if len(tried) < len(self.engines) else {last}
+            engine = self.pick(session_id, exclude=exclude)
+            tried.add(engine.url)
+            last = engine.url
+            engine.outstanding += 1
+            try:
+                async with engine.semaphore:
+                    if not engine.healthy and any(e.healthy for e in self.engines.values() if e is not engine):
+                        tried = {engine.url}  # it died while this request waited for it: re-route, no attempt spent
+                        continue
+                    body = await self._post_once(engine, path, payload, headers, timeout_s)
+            except EngineRequestError:
+                engine.consecutive_failures = 0  # it answered: the engine is alive
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, _ServerError) as e:
+                reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                errors.append(f"{engine.url}: {reason}")
+                self._record_failure(engine, reason)
+                if isinstance(e, asyncio.TimeoutError) and abort_rid:
+                    # the request may still run there: end it before it is sent again (the rid must be free)
+                    await self._abort(engine.url, abort_rid)
+                logger.info("attempt %d of %s on %s failed: %s", attempt + 1, path, engine.url, reason)
+                attempt += 1
+                if attempt <= self.max_retries:
+                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                    await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                continue
+            finally:
+                engine.outstanding -= 1
+            engine.consecutive_failures = 0
+            engine.completed += 1
+            return body, engine.url
+        raise EngineUnavailableError(f"{path} failed after {self.max_retries + 1} attempts: " + "; ".join(errors[-4:]))
+
+    async def _abort(self, url: str, rid: str) -> None:
+        """Best-effort POST /abort_request for a timed-out request."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=5)
+            async with self._session().post(url + "/abort_request", json={"rid": rid}, timeout=timeout):
+                pass
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict | None = None,
+        *,
+        return_logprob: bool = True,
+        session_id: str | None = None,
+        return_indexer_topk: bool = False,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+    ) -> dict:
+        """POST /generate with token ids; returns SGLang's response dict (validated)."""
+        rid = rid or uuid.uuid4().hex
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                                   "return_logprob": return_logprob, "rid": rid}
+        if session_id is not None:
+            payload["session_id"] = session_id
+        if return_indexer_topk:
+            payload["return_indexer_topk"] = True
+        n = payload["sampling_params"].get("n", 1)
+        body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
+                                       abort_rid=rid)
+        items = body if isinstance(body, list) else [body]
+        if n > 1 and (not isinstance(body, list) or len(body) != n):
+            raise MalformedResponseError(f"{url}/generate: expected a list of {n} results for n={n}")
+        for i, item in enumerate(items):
+            validate_generate_response(item, url, return_logprob=return_logprob, where=f"[{i}]" if n > 1 else "")
+        return body
+
+    async def generate_raw(self, payload: dict, *, session_id: str | None = None, timeout_s: float | None = None) -> Any:
+        """POST /generate with any SGLang payload (text, batches, ...); routed and retried, not validated."""
+        body, _ = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
+                                     abort_rid=payload.get("rid") if isinstance(payload.get("rid"), str) else None)
+        return body
+
+    async def broadcast(self, path: str, json: Any = None, *, method: str = "POST", timeout_s: float | None = None,
+                        check: bool = True, healthy_only: bool = False) -> dict[str, Any]:
+        """Send one control request (pause, flush, update weights, ...) to every engine at once.
+
+        Returns {url: parsed body (JSON, else text)}; with `check`, raises EngineError naming each engine that
+        failed (status >= 400 or unreachable). Not retried: control calls are not idempotent in general.
+        """
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
+        targets = [e for e in self.engines.values() if e.healthy or not healthy_only]
+
+        async def one(engine: EngineState) -> tuple[str, Any, str | None]:
+            try:
+                async with self._session().request(method, engine.url + path, json=json, timeout=timeout) as resp:
+                    text = await resp.text()
+                    body = _parse_body(text)
+                    return engine.url, body, None if resp.status < 400 else f"{resp.status}: {_error_message(text)}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return engine.url, None, f"{type(e).__name__}: {e}"
+
+        results = await asyncio.gather(*(one(e) for e in targets))
+        failed = [f"{url} ({err})" for url, _, err in results if err]
+        if check and failed:
+            raise EngineError(f"{method} {path} failed on {len(failed)} of {len(results)} engines: " + "; ".join(failed))
+        return {url: body for url, body, _ in results}
+
+    async def post_to(self, url: str, path: str, json: Any = None, *, timeout_s: float | None = None) -> Any:
+        """POST to one named engine, not routed or retried; EngineError naming the engine on failure."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
+        try:
+            async with self._session().post(normalize_url(url) + path, json=json, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineRequestError(url, resp.status, _error_message(text))
+                return _parse_body(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise EngineUnavailableError(f"POST {url}{path} failed: {type(e).__name__}: {e}") from e
+
+    async def get(self, url: str, path: str, *, timeout_s: float = 10.0) -> Any:
+        """GET `path` on one engine (info endpoints)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session().get(normalize_url(url) + path, timeout=timeout) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineRequestError(url, resp.status, _error_message(text))
+            return _parse_body(text)
+
+    async def wait_healthy(self, timeout_s: float = 600.0, interval_s: float = 0.5) -> None:
+        """Block until every engine answers /health with 200."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(self.engines)
+        while pending:
+            for url in list(pending):
+                try:
+                    async with self._session().get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        if r.status == 200:
+                            pending.discard(url)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            if pending:
+                if time.monotonic() > deadline:
+                    raise EngineUnavailableError(f"engines not healthy after {timeout_s:.0f}s: {sorted(pending)}")
+                await asyncio.sleep(interval_s)
+
+
+class _ServerError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+
+
+def _parse_body(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return text
+
+
+def _error_message(text: str) -> str:
+    body = _parse_body(text)
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+        if isinstance(err, str):
+            return err
+    return str(text)[:500]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_generate_response(body: Any, url: str, *, return_logprob: bool, where: str = "") -> None:
+    """Check SGLang's /generate response shape; MalformedResponseError names the engine and the field."""
+    def bad(field_name: str, expected: str, got: Any) -> MalformedResponseError:
+        return MalformedResponseError(f"{url}/generate returned {where}{field_name} = {str(got)[:120]!r}, expected {expected}")
+
+    if not isinstance(body, dict):
+        raise bad("(body)", "a JSON object", body)
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise bad("meta_info", "an object", meta)
+    reason = meta.get("finish_reason")
+    if not isinstance(reason, dict) or not isinstance(reason.get("type"), str):
+        raise bad("meta_info.finish_reason", "an object with a string 'type'", reason)
+    for key in ("prompt_tokens", "completion_tokens"):
+        if not _is_int(meta.get(key)) or meta[key] < 0:
+            raise bad(f"meta_info.{key}", "a non-negative integer", meta.get(key))
+    output_ids = body.get("output_ids")
+    if output_ids is not None and (not isinstance(output_ids, list) or not all(_is_int(t) for t in output_ids)):
+        raise bad("output_ids", "a list of integer token ids", output_ids)
+    if return_logprob:
+        lps = meta.get("output_token_logprobs")
+        if not isinstance(lps, list):
+            raise bad("meta_info.output_token_logprobs", "a list of [logprob, token_id, text]", lps)
+        for i, entry in enumerate(lps):
+            if (not isinstance(entry, (list, tuple)) or len(entry) < 2 or not _is_int(entry[1])
+                    or not isinstance(entry[0], (int, float)) or isinstance(entry[0], bool)):
+                raise bad(f"meta_info.output_token_logprobs[{i}]", "[logprob, token_id, text]", entry)
+        if len(lps) != meta["completion_tokens"]:
+            raise bad("meta_info.output_token_logprobs", f"{meta['completion_tokens']} entries (completion_tokens)", f"{len(lps)} entries")
+        if output_ids is not None and lps and [e[1] for e in lps] != output_ids[-len(lps):]:
+            raise bad("meta_info.output_token_logprobs", "token ids equal to output_ids", [e[1] for e in lps][:8])
+
+
+def output_tokens(response: dict) -> tuple[list[int], list[float]]:
+    """(token ids, log-probs) of the output, read from meta_info.output_token_logprobs as slime does."""
+    lps = response["meta_info"]["output_token_logprobs"]
+    return [int(e[1]) for e in lps], [float(e[0]) for e in lps]
+
+
+def decode_indexer_topk(meta_info: dict, shape: Sequence[int] | None = None) -> Any:
+    """meta_info.indexer_topk (base64 int32) as a numpy array; shape from meta_info.indexer_topk_shape if absent."""
+    import numpy as np
+
+    if meta_info.get("indexer_topk") is None:
+        return None
+    arr = np.frombuffer(base64.b64decode(meta_info["indexer_topk"]), dtype="<i4")
+    shape = shape or meta_info.get("indexer_topk_shape")
+    return arr.reshape(shape) if shape is not None else arr

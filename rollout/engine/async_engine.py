@@ -1,0 +1,258 @@
+"""asyncio front of the engine: the step loop runs in one background thread, callers await on the event loop.
+
+Thread model: every call that touches the model or the engine's state is a command executed on the engine
+thread between two steps; results and streamed outputs come back to the event loop through
+`loop.call_soon_threadsafe` (one call per step for all outputs). The HTTP server is written against this API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.engine.engine import Engine
+from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread is not running (not started yet, or stopped)."""
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in a background thread and exposes it to asyncio."""
+
+    def __init__(self, engine: Engine, *, model_path: str | None = None, tokenizer_path: str | None = None) -> None:
+        self.engine = engine
+        self.model_path, self.tokenizer_path = model_path, tokenizer_path
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[GenerateOutput]] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="slime-dsa-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort every request, then end the engine thread."""
+        if self._thread is None:
+            return
+        try:
+            await self.abort(abort_all=True)
+        except EngineStoppedError:
+            pass
+        self._stopping = True
+        self._commands.put((lambda: None, None))  # wake the thread
+        thread, self._thread = self._thread, None
+        await asyncio.to_thread(thread.join)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Yield cumulative outputs as tokens arrive; the last has finish_reason set. Raises RequestError.
+
+        Closing or cancelling the consumer aborts the request.
+        """
+        if req.rid in self._streams:
+            raise RequestError(f"rid {req.rid!r} is already in use")
+        stream: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+        self._streams[req.rid] = stream
+        finished = False
+        try:
+            try:
+                await self._call(lambda: self.engine.add_request(req))
+            except RequestError:
+                finished = True  # rejected: nothing to abort
+                raise
+            while True:
+                out = await stream.get()
+                while not stream.empty():  # outputs are cumulative: only the newest matters
+                    out = stream.get_nowait()
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.rid, None)
+            if not finished and self.running:
+                try:
+                    self._submit(lambda: self._dispatch(self.engine.abort(req.rid, message="client disconnected")))
+                except EngineStoppedError:
+                    pass  # stopping: every request is being aborted anyway
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (or all); their streams end with finish_reason abort."""
+        await self._call(lambda: self._dispatch(self.engine.abort(rid, abort_all)))
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation: mode abort | retract | in_place (SGLang's pause_generation)."""
+        await self._call(lambda: self._dispatch(self.engine.pause(mode)))
+
+    async def resume(self) -> None:
+        await self._call(self.engine.resume)
+
+    # -- weights and cache ----------------------------------------------------------------------
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
+        """Update the model in place between two steps. Raises RequestError naming a bad tensor."""
+        await self._call(lambda: self.engine.update_weights(state_dict, weight_version, flush_cache=flush_cache))
+
+    async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> None:
+        """Load safetensors from an HF-format directory (read off the engine thread), then update in place."""
+        from slime_dsa.checkpoint import read_state_dict  # noqa: PLC0415 (only needed here)
+
+        try:
+            state = await asyncio.to_thread(read_state_dict, path)
+        except (FileNotFoundError, OSError) as exc:
+            raise RequestError(f"update_weights_from_disk: model_path {str(path)!r}: {exc}") from exc
+        await self.update_weights(state, weight_version)
+        self.model_path = str(path)
+
+    async def flush_cache(self) -> bool:
+        return await self._call(self.engine.flush_cache)
+
+    # -- information ----------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_queued(self) -> int:
+        return self.engine.num_queued
+
+    def model_info(self) -> dict:
+        config = self.engine.config
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
+            "is_generation": True,
+            "weight_version": self.engine.weight_version,
+            "model_type": "glm_moe_dsa",
+            "vocab_size": config.vocab_size,
+            "max_context_length": config.max_position_embeddings,
+            "index_topk": config.index_topk,
+            "n_full_layers": self.engine.n_full_layers,
+        }
+
+    def server_info(self) -> dict:
+        engine = self.engine
+        from slime_dsa import __version__  # noqa: PLC0415
+
+        return {
+            "engine": "embedded",
+            "version": __version__,
+            "model_path": self.model_path,
+            "device": str(engine.device),
+            "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "max_cache_tokens": engine.max_cache_tokens,
+            "max_running_requests": engine.max_running_requests,
+            "max_prefill_tokens": engine.max_prefill_tokens,
+            "block_size": engine.block_size,
+            "enable_prefix_caching": engine.blocks.enable_prefix_caching,
+            "num_running": engine.num_running,
+            "num_queued": engine.num_queued,
+            "paused": engine.paused,
+            "weight_version": engine.weight_version,
+            **{f"stats_{k}": v for k, v in engine.stats.items()},
+        }
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                block = not self.engine.has_work
+                while True:
+                    fn, future = self._commands.get(block=block)
+                    self._execute(fn, future)
+                    block = False
+            except queue.Empty:
+                pass
+            if self._stopping or not self.engine.has_work:
+                continue
+            try:
+                self._dispatch(self.engine.step())
+            except Exception as exc:  # noqa: BLE001 - a scheduler bug: end the requests, keep serving
+                logger.exception("engine: step failed outside a forward; aborting all requests")
+                try:
+                    self._dispatch(self.engine.abort(abort_all=True, message=f"engine error: {type(exc).__name__}: {exc}"))
+                except Exception:  # noqa: BLE001
+                    logger.exception("engine: abort after a failed step failed too")
+        # Fail whatever was submitted after stop.
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                self._loop.call_soon_threadsafe(_set_exception, future, EngineStoppedError("engine stopped"))
+
+    def _execute(self, fn: Callable[[], Any], future: asyncio.Future | None) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            if future is None:
+                logger.exception("engine: background command failed")
+            else:
+                self._loop.call_soon_threadsafe(_set_exception, future, exc)
+            return
+        if future is not None:
+            self._loop.call_soon_threadsafe(_set_result, future, result)
+
+    def _dispatch(self, outputs: list[GenerateOutput]) -> None:
+        """Engine thread: hand a step's outputs to their streams on the event loop, in one callback."""
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[GenerateOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.rid)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _submit(self, fn: Callable[[], Any], future: asyncio.Future | None = None) -> None:
+        if not self.running:
+            raise EngineStoppedError("the engine is not running: call start() first")
+        self._commands.put((fn, future))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between two steps and return its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._submit(fn, future)
+        return await future
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

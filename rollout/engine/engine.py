@@ -1,0 +1,522 @@
+"""The embedded continuous-batching engine: a synchronous scheduler over a paged MLA KV cache.
+
+One `step()` is one scheduler iteration:
+1. every running request that is decoding contributes its one new token; requests still prefilling (a long
+   prompt, or one re-prefilled after a retract) contribute a chunk under the `max_prefill_tokens` budget;
+2. queued requests are admitted in arrival order while the cache budget, `max_running_requests` and the
+   prefill budget allow; each admitted request first takes the longest cached prefix it can (prefix reuse,
+   see blocks.py) and then joins this very step with the rest of its prompt;
+3. ONE packed forward runs over all of it (`forward_packed` with the cache bound to this step's slots);
+4. the requests whose last input row was in the batch sample one token each, in one batched call;
+5. stop rules run on the host, finished requests leave and free their blocks.
+The host waits on the device once per step (one `.tolist()` of tokens and log-probs; index replay adds one
+copy of the selected indices).
+
+Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
+of a session share their common prefix without needing `session_id`. Log-probs: see sampling.py (sampled
+tokens under the filtered distribution they were drawn from; greedy tokens under the raw logits).
+
+Memory: admission reserves the blocks of prompt + max_new_tokens - 1 rows (the last sampled token is never
+fed back), so a running request can always grow and nothing is ever preempted; requests that do not fit
+wait in the queue.
+
+Index replay (`return_indexer_topk`): for output token j the engine returns the top-k that each full
+layer selected at the query row that PRODUCED it, i.e. the row of the token before it (the prompt's last
+token for j = 0, output token j - 1 after that). In a teacher-forced forward over prompt + response, row p
+yields log p(x_{p+1}); so the returned array fills rows P-1 .. P+R-2 of `replay_topk` (P prompt tokens,
+R output tokens) and makes the replayed log-probs of all R output tokens equal the engine's. Prompt rows
+before P-1 are not returned (a cached prefix was never recomputed): the trainer takes its own selection
+there, which under the same weights is the same computation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollout.engine.blocks import BlockManager, block_digests
+from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
+from rollout.engine.stop import StopChecker
+from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(eq=False)  # identity semantics: sequences are found in lists by `is`, never by value
+class _Sequence:
+    """Engine-side state of one request."""
+
+    req: GenerateRequest
+    tokens: list[int]  # prompt + generated so far
+    prompt_len: int
+    max_new_tokens: int
+    stop: StopChecker
+    generator: torch.Generator | None
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full_layers, index_topk)
+    blocks: list[int] = field(default_factory=list)  # block table
+    digests: list[bytes] = field(default_factory=list)  # of the full blocks known so far
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    num_computed: int = 0  # rows in the cache
+    reserved: int = 0  # blocks still promised by the admission reservation
+    cache_epoch: int = -1  # prefix-cache generation the sequence was admitted under
+    cached_tokens: int = 0
+    failures: int = 0
+    finish_reason: dict | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Engine:
+    """Continuous-batching generation over a GlmMoeDsaForCausalLM. Not thread-safe: drive it from one thread."""
+
+    def __init__(
+        self,
+        model: GlmMoeDsaForCausalLM,
+        *,
+        max_cache_tokens: int,
+        max_running_requests: int = 256,
+        eos_token_ids: list[int] | None = None,
+        tokenizer: Any = None,
+        weight_version: str = "0",
+        block_size: int = 16,
+        max_prefill_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_cache_tokens < block_size:
+            raise ValueError(f"max_cache_tokens ({max_cache_tokens}) must hold at least one block of block_size ({block_size}) tokens")
+        if max_running_requests < 1 or max_prefill_tokens < 1:
+            raise ValueError(f"max_running_requests ({max_running_requests}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
+        self.model = model.eval()
+        self.config = model.config
+        self.device = model.device
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(self.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.block_size = block_size
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        num_blocks = max_cache_tokens // block_size
+        self.max_cache_tokens = num_blocks * block_size
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device)
+        self.n_full_layers = len(self.config.full_layer_ids)
+        self._weight_version = str(weight_version)
+        self._version_int = _version_number(self._weight_version, 0)
+        self._num_updates = 0
+        self._cache_epoch = 0
+        self._queue: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._active: dict[str, _Sequence] = {}  # rid -> queued or running sequence
+        self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0)
+        self._paused: str | None = None
+        self._step_registered: list[int] = []
+        self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
+        self.stats = {"steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        logger.info(
+            "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
+            num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
+        )
+
+    # -- state ------------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused is not None
+
+    @property
+    def has_work(self) -> bool:
+        """Whether `step()` would make progress now."""
+        return bool(self._ready) or (self._paused is None and bool(self._running or self._queue))
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, req: GenerateRequest) -> None:
+        """Queue a request; it joins the running batch at the next step that has room. Raises RequestError."""
+        seq = self._new_sequence(req)
+        if seq.max_new_tokens == 0:
+            seq.finish_reason = {"type": "length", "length": 0}
+            self._ready.append(self._output(seq))
+            return
+        self._queue.append(seq)
+        self._active[req.rid] = seq
+
+    def _new_sequence(self, req: GenerateRequest) -> _Sequence:
+        vocab = self.config.vocab_size
+        ids = req.input_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise RequestError("input_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids) or min(ids) < 0 or max(ids) >= vocab:
+            raise RequestError(f"input_ids must hold integer token ids in [0, {vocab})")
+        req.sampling.validate(vocab)
+        if req.rid in self._active:
+            raise RequestError(f"rid {req.rid!r} is already in use")
+        context = self.config.max_position_embeddings
+        if len(ids) >= context:
+            raise RequestError(f"input_ids has {len(ids)} tokens, the model's context (max_position_embeddings) is {context}")
+        max_new = min(req.sampling.max_new_tokens, context - len(ids))
+        rows = len(ids) + max_new - 1
+        if -(-rows // self.block_size) > self.blocks.num_blocks:
+            raise RequestError(
+                f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({max_new}) need {rows} cache tokens, "
+                f"more than the engine's max_cache_tokens ({self.max_cache_tokens})"
+            )
+        generator = None
+        if req.sampling.sampling_seed is not None:
+            generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
+        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer)
+        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new, stop=stop, generator=generator)
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
+        """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
+        if abort_all:
+            targets = list(self._running) + list(self._queue)
+        else:
+            targets = [self._active[rid]] if rid in self._active else []
+        return [self._finish(seq, {"type": "abort", "message": message}) for seq in targets]
+
+    def pause(self, mode: str = "abort") -> list[GenerateOutput]:
+        """Stop scheduling. abort: end every request; retract: free running requests' cache and requeue them
+        (re-prefilled after resume, generated tokens kept); in_place: keep everything as it is."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        outputs = []
+        if mode == "abort":
+            outputs = self.abort(abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            for seq in reversed(self._running):
+                self._retract(seq)
+            self._running = []
+        self._paused = mode
+        return outputs
+
+    def resume(self) -> None:
+        self._paused = None
+
+    # -- weights and cache ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
+        """Copy tensors into the model in place (a partial dict updates only those); the prefix cache is flushed.
+
+        Names and shapes are checked before anything is written, so a bad dict changes nothing. Requests that
+        are running (pause in_place) continue; their later tokens report the new version.
+        """
+        params = self.model.state_dict(keep_vars=True)
+        for name, tensor in state_dict.items():
+            if name not in params:
+                raise RequestError(f"update_weights: the model has no tensor named {name}")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise RequestError(f"update_weights: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)
+        self._num_updates += 1
+        if weight_version is not None:
+            self._weight_version = str(weight_version)
+        self._version_int = _version_number(self._weight_version, self._num_updates)
+        if flush_cache:
+            self._reset_prefix_cache()
+        logger.info("engine: updated %d tensors, weight_version=%s", len(state_dict), self._weight_version)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are running or queued, as SGLang does."""
+        if self._running or self._queue:
+            return False
+        self._reset_prefix_cache()
+        return True
+
+    def _reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+        self._cache_epoch += 1  # running sequences stop offering blocks: their rows mix weight versions
+
+    # -- the scheduler iteration -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[GenerateOutput]:
+        """One scheduler iteration; returns the outputs that changed (cumulative, finish_reason on the last)."""
+        outputs, self._ready = self._ready, []
+        if self._paused is not None:
+            return outputs
+        self._step_registered = []  # blocks offered to the prefix cache by this step
+        scheduled = self._schedule()
+        if not scheduled:
+            return outputs
+        self.stats["steps"] += 1
+        try:
+            tokens, logprobs, topk = self._forward_and_sample(scheduled)
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
+            logger.exception("engine: step over %d requests failed", len(scheduled))
+            return outputs + self._recover(scheduled, exc)
+        sampled = [(seq, n) for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]
+        for seq, n in scheduled:
+            seq.num_computed += n
+            seq.failures = 0
+        for j, (seq, _) in enumerate(sampled):
+            seq.tokens.append(int(tokens[j]))
+            seq.logprobs.append(logprobs[j])
+            seq.versions.append(self._version_int)
+            if topk is not None and seq.req.return_indexer_topk:
+                seq.topk.append(topk[seq.req.rid])
+            try:
+                reason = seq.stop.check(seq.output_ids)
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
+                logger.exception("engine: stop check of request %s failed", seq.req.rid)
+                reason = {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
+            outputs.append(self._finish(seq, reason) if reason else self._output(seq))
+        self.stats["generated_tokens"] += len(sampled)
+        return outputs
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        """Pick this step's (sequence, new rows) pairs, admitting queued requests; allocates their blocks.
+
+        Each admitted request grows (and registers its full blocks) before the next is admitted, so requests
+        arriving together with a common prefix share it from their first step on.
+        """
+        budget = self.max_prefill_tokens
+        scheduled = []
+
+        def add(seq: _Sequence, n: int) -> None:
+            self._grow(seq, seq.num_computed + n)
+            scheduled.append((seq, n))
+
+        head = self._queue[0] if self._queue else None
+        if head is not None and head.failures and len(self._running) < self.max_running_requests and self._admit(head):
+            # A request suspected of breaking a batch runs its next step alone; running requests wait one step.
+            self._queue.popleft()
+            self._running.append(head)
+            add(head, min(len(head.tokens) - head.num_computed, budget))
+            return scheduled
+        for seq in self._running:
+            pending = len(seq.tokens) - seq.num_computed
+            n = 1 if pending == 1 else min(pending, budget)
+            if n <= 0:
+                continue
+            if pending > 1:
+                budget -= n
+            add(seq, n)
+        while self._queue and budget > 0 and len(self._running) < self.max_running_requests:
+            seq = self._queue[0]
+            if seq.failures or not self._admit(seq):
+                break
+            self._queue.popleft()
+            self._running.append(seq)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            budget -= n
+            add(seq, n)
+        return scheduled
+
+    def _admit(self, seq: _Sequence) -> bool:
+        """Take the cached prefix and reserve the rest of the request's blocks, if the budget allows."""
+        bs = self.block_size
+        rows = len(seq.tokens) + (seq.max_new_tokens - seq.num_output) - 1
+        need = -(-rows // bs)
+        # At least the last input token is recomputed: its row produces the next token's logits.
+        seq.digests = block_digests(seq.tokens, bs, (len(seq.tokens) - 1) // bs)
+        matched = self.blocks.match(seq.digests)
+        if need - len(matched) + self.blocks.cost_of(matched) > self.blocks.available:
+            return False
+        self.blocks.acquire(matched)
+        self.blocks.reserve(need - len(matched))
+        seq.blocks, seq.reserved = list(matched), need - len(matched)
+        seq.num_computed = seq.num_registered = len(matched)
+        seq.num_computed *= bs
+        seq.cached_tokens += seq.num_computed
+        seq.cache_epoch = self._cache_epoch
+        self.stats["cached_tokens"] += seq.num_computed
+        return True
+
+    def _grow(self, seq: _Sequence, rows: int) -> None:
+        """Give the sequence blocks for `rows` rows and offer its newly full blocks to the prefix cache."""
+        bs = self.block_size
+        while len(seq.blocks) * bs < rows:
+            seq.blocks.append(self.blocks.allocate())
+            seq.reserved -= 1
+        full = rows // bs
+        if full > seq.num_registered and seq.cache_epoch == self._cache_epoch:
+            if len(seq.digests) < full:
+                parent = seq.digests[-1] if seq.digests else b""
+                seq.digests += block_digests(seq.tokens, bs, full, start=len(seq.digests), parent=parent)
+            for i in range(seq.num_registered, full):
+                if self.blocks.register(seq.blocks[i], seq.digests[i]):
+                    self._step_registered.append(seq.blocks[i])
+        seq.num_registered = max(seq.num_registered, full)
+
+    def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], dict[str, np.ndarray] | None]:
+        """The packed forward of this step and the sampling of its last rows. One host sync for the results."""
+        bs, device = self.block_size, self.device
+        S = len(scheduled)
+        lens_q = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=S)
+        starts = np.fromiter((seq.num_computed for seq, _ in scheduled), dtype=np.int64, count=S)
+        lens_k = starts + lens_q
+        max_blocks = max(len(seq.blocks) for seq, _ in scheduled)
+        table = np.zeros((S, max_blocks), dtype=np.int64)
+        for i, (seq, _) in enumerate(scheduled):
+            table[i, : len(seq.blocks)] = seq.blocks
+        input_ids = np.fromiter(
+            (t for seq, n in scheduled for t in seq.tokens[seq.num_computed : seq.num_computed + n]), dtype=np.int64, count=int(lens_q.sum())
+        )
+        Tq, Tk = len(input_ids), int(lens_k.sum())
+        # One host-to-device copy for all step metadata.
+        packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, table.reshape(-1)]))
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        ids_d, starts_d, lens_q_d, lens_k_d, table_d = packed.split([Tq, S, S, S, S * max_blocks])
+        table_d = table_d.view(S, max_blocks)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        cu_q, cu_k = torch.cat([zero, lens_q_d.cumsum(0)]), torch.cat([zero, lens_k_d.cumsum(0)])
+        seq_ids = torch.arange(S, device=device)
+        q_seq = torch.repeat_interleave(seq_ids, lens_q_d, output_size=Tq)  # (Tq,) sequence of each query row
+        positions = torch.arange(Tq, device=device) - cu_q[q_seq] + starts_d[q_seq]
+        write_slots = table_d[q_seq, positions // bs] * bs + positions % bs
+        read_slots = None
+        if bool(starts.any()):  # some keys come from the cache: gather all of them
+            k_seq = torch.repeat_interleave(seq_ids, lens_k_d, output_size=Tk)
+            k_pos = torch.arange(Tk, device=device) - cu_k[k_seq]
+            read_slots = table_d[k_seq, k_pos // bs] * bs + k_pos % bs
+        batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=self.cache.bind(write_slots, read_slots))
+
+        sampled = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
+        want_topk = any(seq.req.return_indexer_topk for _, seq in sampled)
+        out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk)
+        self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
+        if not sampled:
+            return [], [], None
+        last_rows = np.cumsum(lens_q)[[i for i, _ in sampled]] - 1
+        last_rows_d = torch.from_numpy(last_rows).to(device, non_blocking=True)
+        logits = self.model.lm_head(out.hidden_states[last_rows_d]).float()  # (B, V)
+        seqs = [seq for _, seq in sampled]
+        self._mask_min_new_tokens(logits, seqs)
+        params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
+        uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
+        tokens, logprobs = sample(logits, params, uniforms)
+        topk = None
+        if want_topk:
+            wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
+            rows = last_rows_d[torch.tensor(wanted, device=device)] if len(wanted) < len(seqs) else last_rows_d
+            topk_d = out.topk_indices[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
+        result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
+        if want_topk:
+            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
+            topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
+        return result[0], result[1], topk
+
+    def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
+        rows, ids = [], []
+        for b, seq in enumerate(seqs):
+            if seq.num_output < seq.req.sampling.min_new_tokens:
+                masked = seq.stop.masked_ids
+                rows += [b] * len(masked)
+                ids += masked
+        if rows:
+            mask_tokens(logits, torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+
+    def _uniforms(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """One uniform per row: from the request's own generator when seeded (batch-independent), else the engine's."""
+        u = torch.rand(len(seqs), generator=self._rng, dtype=torch.float64)
+        for b, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.req.sampling.greedy:
+                u[b] = torch.rand((), generator=seq.generator, dtype=torch.float64)
+        return u
+
+    # -- finishing, retracting, failures --------------------------------------------------------
+
+    def _output(self, seq: _Sequence, final: bool = False) -> GenerateOutput:
+        topk = None
+        if final and seq.req.return_indexer_topk:
+            K = self.config.index_topk
+            topk = np.stack(seq.topk) if seq.topk else np.zeros((0, self.n_full_layers, K), dtype=np.int32)
+        return GenerateOutput(
+            rid=seq.req.rid,
+            output_ids=seq.output_ids,
+            output_token_logprobs=list(seq.logprobs),
+            output_token_versions=list(seq.versions),
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.prompt_len,
+            cached_tokens=seq.cached_tokens,
+            weight_version=self._weight_version,
+            indexer_topk=topk,
+            text=seq.stop.final_text(seq.output_ids, seq.finish_reason) if final else None,
+        )
+
+    def _free(self, seq: _Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        self.blocks.unreserve(seq.reserved)
+        seq.blocks, seq.reserved, seq.num_computed, seq.num_registered, seq.digests = [], 0, 0, 0, []
+
+    def _finish(self, seq: _Sequence, reason: dict) -> GenerateOutput:
+        seq.finish_reason = reason
+        self._active.pop(seq.req.rid, None)
+        if seq in self._running:
+            self._running.remove(seq)
+            self._free(seq)
+        elif seq in self._queue:
+            self._queue.remove(seq)
+        try:
+            return self._output(seq, final=True)
+        except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
+            logger.exception("engine: final output of request %s failed", seq.req.rid)
+            seq.finish_reason = {"type": "abort", "message": f"detokenization failed: {type(exc).__name__}: {exc}"}
+            return self._output(seq)
+
+    def _retract(self, seq: _Sequence) -> None:
+        """Back to the front of the queue without cache; generated tokens (and the seeded generator) are kept."""
+        self._free(seq)
+        self._queue.appendleft(seq)
+
+    def _recover(self, scheduled: list[tuple[_Sequence, int]], exc: Exception) -> list[GenerateOutput]:
+        """A failed forward: requeue the batch to run each suspect alone; a request that fails alone is aborted."""
+        for block in self._step_registered:
+            self.blocks.forget(block)  # its rows were never (fully) written
+        outputs = []
+        message = f"engine error: {type(exc).__name__}: {exc}"
+        retract = []
+        for seq, _ in scheduled:
+            if seq.failures or len(scheduled) == 1:
+                outputs.append(self._finish(seq, {"type": "abort", "message": message}))
+            else:
+                seq.failures += 1
+                retract.append(seq)
+        for seq in reversed(retract):
+            self._running.remove(seq)
+            self._retract(seq)
+        return outputs
+
+
+def _version_number(weight_version: str, fallback: int) -> int:
+    """The integer recorded per token: the weight_version itself when it is an integer, else the update count."""
+    try:
+        return int(weight_version)
+    except ValueError:
+        return fallback

@@ -1,0 +1,473 @@
+"""The HTTP server: SGLang's native API (plus the OpenAI-compatible routes) in front of one AsyncEngine.
+
+aiohttp serves and (in rollout.client) requests: one well-kept library for both ends, with SSE streaming,
+handler cancellation on client disconnect (which aborts the engine request), and a client connection pool
+that holds thousands of concurrent requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from rollout.engine.async_engine import EngineStoppedError
+from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from rollout.server import protocol
+from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
+from rollout.server.weights import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
+
+logger = logging.getLogger(__name__)
+
+UNSUPPORTED_DISTRIBUTED = (
+    "{path} is not supported by the embedded engine: it joins no NCCL group. Send weights with "
+    f"/update_weights_from_tensor (load_format {LOAD_FORMAT!r}) or /update_weights_from_disk"
+)
+PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
+
+
+@dataclass
+class ServerState:
+    """What every handler needs: the engine, the tokenizer, the limits and the lifecycle state."""
+
+    engine: Any  # rollout.engine.async_engine.AsyncEngine
+    tokenizer: Any
+    api_key: str | None
+    max_body_bytes: int
+    max_weight_body_bytes: int
+    max_prompt_tokens: int | None
+    model_path: str | None
+    served_model_name: str
+    vocab_size: int | None = None
+    status: str = "starting"  # starting | ready | stopping
+    started_at: float = field(default_factory=time.time)
+
+    def check_ready(self) -> None:
+        if self.status != "ready":
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": {"message": f"server is {self.status}"}}), content_type="application/json"
+            )
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def state_of(request: web.Request) -> ServerState:
+    return request.app[STATE]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """RequestError -> 400 naming the field; an unexpected error costs its request a 500, never the server."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        logger.info("400 %s %s: %s", request.method, request.path, e)
+        return error_response(str(e))
+    except web.HTTPException as e:
+        if e.content_type == "application/json" or e.status < 400:
+            raise
+        return error_response(e.text or e.reason, e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except EngineStoppedError as e:
+        return error_response(f"engine unavailable: {e}", 503)
+    except Exception as e:
+        logger.exception("500 %s %s", request.method, request.path)
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler) -> web.StreamResponse:
+    key = state_of(request).api_key
+    if key and request.path not in PUBLIC_PATHS:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401)
+    return await handler(request)
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    """The JSON body, read up to `limit` bytes; RequestError (400) past the limit or when it is not JSON."""
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestError(f"request body is {request.content_length} bytes; the limit is {limit} (max_body_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds the limit of {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from None
+
+
+async def read_object(request: web.Request, limit: int | None = None) -> dict:
+    """A JSON object body (GET requests and empty bodies give {})."""
+    if request.method == "GET":
+        return dict(request.query)
+    body = await read_json(request, limit or state_of(request).max_body_bytes)
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _field(body: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = "/".join(t.__name__ for t in types)
+        raise RequestError(f"{key} must be {names}, got {value!r}")
+    return value
+
+
+# ---- generation -------------------------------------------------------------------------------------------
+
+async def run_request(engine: Any, req: GenerateRequest) -> GenerateOutput:
+    """Drive one request to its final output (the one with finish_reason)."""
+    last = None
+    gen = engine.generate(req)
+    try:
+        async for out in gen:
+            last = out
+    finally:
+        await gen.aclose()
+    if last is None or last.finish_reason is None:
+        last = GenerateOutput(
+            rid=req.rid, output_ids=list(last.output_ids) if last else [],
+            output_token_logprobs=list(last.output_token_logprobs) if last else [],
+            output_token_versions=list(last.output_token_versions) if last else [],
+            finish_reason={"type": "abort", "message": "the engine ended the request without a finish reason"},
+            prompt_tokens=len(req.input_ids), weight_version=str(engine.weight_version),
+        )
+    return last
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /generate: SGLang's native generation (single, batch, n samples, SSE stream)."""
+    st = state_of(request)
+    t0 = time.perf_counter()
+    st.check_ready()
+    body = await read_json(request, st.max_body_bytes)
+    call = protocol.parse_generate(
+        body, tokenizer=st.tokenizer, vocab_size=st.vocab_size, max_prompt_tokens=st.max_prompt_tokens
+    )
+    if call.stream:
+        return await _stream(request, st, call, t0)
+    outputs = await run_all(st.engine, call.requests)
+    latency = time.perf_counter() - t0
+    results = [
+        protocol.build_response(out, req, tokenizer=st.tokenizer, e2e_latency=latency,
+                                return_text_in_logprobs=call.return_text_in_logprobs)
+        for out, req in zip(outputs, call.requests)
+    ]
+    return web.json_response(results if call.is_batch else results[0])
+
+
+async def run_all(engine: Any, requests: list[GenerateRequest]) -> list[GenerateOutput]:
+    """Run the requests of one HTTP call concurrently; the first failure aborts the others and is raised."""
+    if len(requests) == 1:
+        return [await run_request(engine, requests[0])]
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(run_request(engine, r)) for r in requests]
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def _stream(request: web.Request, st: ServerState, call: protocol.GenerateCall, t0: float) -> web.StreamResponse:
+    """SSE: `data: {cumulative response}` per update (with "index" in a batch), then `data: [DONE]`."""
+    gens = [st.engine.generate(r) for r in call.requests]
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in gens[i]:
+                await queue.put((i, out, None))
+        except RequestError as e:
+            await queue.put((i, None, e))
+        except Exception as e:
+            logger.exception("stream %s failed", call.requests[i].rid)
+            await queue.put((i, None, e))
+        finally:
+            await queue.put((i, None, StopAsyncIteration()))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+    response = None
+    try:
+        # Wait for the first event before answering, so an invalid request still gets a plain 400.
+        first = await queue.get()
+        if isinstance(first[2], RequestError):
+            raise first[2]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        done, event = 0, first
+        while True:
+            i, out, err = event
+            if isinstance(err, StopAsyncIteration):
+                done += 1
+                if done == len(gens):
+                    break
+            elif err is not None:
+                await _sse(response, {"error": {"message": f"{type(err).__name__}: {err}"}, "index": i})
+            else:
+                chunk = protocol.build_response(
+                    out, call.requests[i], tokenizer=st.tokenizer, e2e_latency=time.perf_counter() - t0,
+                    return_text_in_logprobs=call.return_text_in_logprobs,
+                )
+                if call.is_batch:
+                    chunk["index"] = i
+                await _sse(response, chunk)
+            event = await queue.get()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+async def _sse(response: web.StreamResponse, obj: dict) -> None:
+    await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+# ---- health and info --------------------------------------------------------------------------------------
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the server is ready and the engine thread runs; 503 while starting or stopping."""
+    st = state_of(request)
+    st.check_ready()
+    if not getattr(st.engine, "running", True):
+        return error_response("the engine is not running", 503)
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 when a one-token greedy generation succeeds (or the engine is deliberately paused); else 503."""
+    st = state_of(request)
+    st.check_ready()
+    if st.engine.server_info().get("paused"):
+        return web.Response(status=200)
+    req = GenerateRequest(input_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+                          rid=f"health-{time.monotonic_ns()}")
+    try:
+        out = await asyncio.wait_for(run_request(st.engine, req), timeout=30)
+    except Exception as e:
+        logger.warning("health_generate failed: %s", e)
+        return error_response(f"health generation failed: {e}", 503)
+    if out.finish_reason.get("type") == "abort":
+        return error_response(f"health generation aborted: {out.finish_reason.get('message')}", 503)
+    return web.Response(status=200)
+
+
+def model_info_dict(st: ServerState) -> dict:
+    tokenizer_path = st.model_path if st.tokenizer is not None else None
+    info = {"model_path": st.model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "served_model_name": st.served_model_name}
+    info.update({k: v for k, v in st.engine.model_info().items() if v is not None})
+    info["weight_version"] = str(st.engine.weight_version)
+    return info
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(model_info_dict(state_of(request)))
+
+
+async def server_info(request: web.Request) -> web.Response:
+    st = state_of(request)
+    from slime_dsa import __version__
+
+    info = {
+        "model_path": st.model_path, "served_model_name": st.served_model_name, "backend": "slime-dsa embedded",
+        "version": __version__, "api_key_required": bool(st.api_key), "max_body_bytes": st.max_body_bytes,
+        "max_weight_body_bytes": st.max_weight_body_bytes, "max_prompt_tokens": st.max_prompt_tokens,
+        "status": st.status, "uptime_s": time.time() - st.started_at,
+        "num_running_reqs": st.engine.num_running, "num_waiting_reqs": st.engine.num_queued,
+    }
+    info.update(st.engine.server_info())
+    info["weight_version"] = str(st.engine.weight_version)
+    return web.json_response(info)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": str(state_of(request).engine.weight_version)})
+
+
+# ---- control ----------------------------------------------------------------------------------------------
+
+async def flush_cache(request: web.Request) -> web.Response:
+    if await state_of(request).engine.flush_cache():
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+    return web.Response(status=400, text="Cache not flushed: requests are running or waiting. "
+                                         "Pause generation (or abort the requests) first.\n")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await read_object(request)
+    rid = _field(body, "rid", (str,), "")
+    abort_all = _field(body, "abort_all", (bool,), False)
+    await state_of(request).engine.abort(rid=rid or None, abort_all=abort_all)
+    return web.Response(status=200)
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await read_object(request)
+    mode = _field(body, "mode", (str,), "abort")
+    if mode not in ("abort", "retract", "in_place"):
+        raise RequestError(f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
+    await state_of(request).engine.pause(mode=mode)
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await read_object(request)
+    await state_of(request).engine.resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+def _update_result(ok: bool, message: str) -> web.Response:
+    return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    st = state_of(request)
+    body = await read_object(request)
+    model_path = body.get("model_path")
+    if not isinstance(model_path, str) or not model_path:
+        raise RequestError("model_path must be a non-empty string (a model directory on the server's disk)")
+    load_format = _field(body, "load_format", (str,), None)
+    if load_format not in (None, "auto", "safetensors"):
+        raise RequestError(f"load_format {load_format!r} is not supported; the embedded engine reads safetensors only")
+    version = _field(body, "weight_version", (str,), None)
+    if _field(body, "abort_all_requests", (bool,), False):
+        await st.engine.abort(abort_all=True)
+    try:
+        await st.engine.update_weights_from_disk(model_path, weight_version=version)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        logger.warning("update_weights_from_disk(%s) failed: %s", model_path, e)
+        return _update_result(False, f"failed to load {model_path}: {e}")
+    return web.json_response({"success": True, "num_paused_requests": 0,
+                              "message": f"Succeeded to update model weights from {model_path}; "
+                                         f"weight_version is {st.engine.weight_version}."})
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    st = state_of(request)
+    body = await read_object(request, st.max_weight_body_bytes)
+    load_format = body.get("load_format")
+    if load_format in SGLANG_PICKLE_FORMATS:
+        raise RequestError(PICKLE_REFUSAL.format(fmt=load_format))
+    if load_format != LOAD_FORMAT:
+        raise RequestError(f"load_format must be {LOAD_FORMAT!r} (base64 of safetensors bytes), got {load_format!r}")
+    entries = body.get("serialized_named_tensors")
+    if not isinstance(entries, list) or len(entries) != 1:
+        got = f"{len(entries)} entries" if isinstance(entries, list) else type(entries).__name__
+        raise RequestError(f"serialized_named_tensors must be a list with one entry (the embedded engine has one rank), got {got}")
+    flush = _field(body, "flush_cache", (bool,), True)
+    version = _field(body, "weight_version", (str,), None)
+    abort_all = _field(body, "abort_all_requests", (bool,), False)
+    state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+    if abort_all:
+        await st.engine.abort(abort_all=True)
+    try:
+        await st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        logger.warning("update_weights_from_tensor failed: %s", e)
+        return _update_result(False, f"failed to update weights: {e}")
+    return _update_result(True, f"Succeeded to update model weights ({len(state_dict)} tensors); "
+                                f"weight_version is {st.engine.weight_version}.")
+
+
+async def unsupported_distributed(request: web.Request) -> web.Response:
+    return _update_result(False, UNSUPPORTED_DISTRIBUTED.format(path=request.path))
+
+
+async def unsupported_memory(request: web.Request) -> web.Response:
+    return error_response(f"{request.path} is not supported by the embedded engine (it has no memory saver)")
+
+
+# ---- assembly ---------------------------------------------------------------------------------------------
+
+def create_app(
+    async_engine: Any,
+    tokenizer: Any = None,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
+    max_weight_body_bytes: int = DEFAULT_MAX_WEIGHT_BODY_BYTES,
+    model_path: str | None = None,
+    served_model_name: str | None = None,
+    manage_engine: bool = True,
+) -> web.Application:
+    """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine."""
+    from rollout.server import openai_api
+
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=max(max_body_bytes, max_weight_body_bytes))
+    st = ServerState(
+        engine=async_engine, tokenizer=tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
+        max_weight_body_bytes=max_weight_body_bytes, max_prompt_tokens=max_prompt_tokens,
+        model_path=model_path, served_model_name=served_model_name or (model_path or "slime-dsa"),
+    )
+    app[STATE] = st
+
+    async def on_startup(app: web.Application) -> None:
+        if manage_engine:
+            await async_engine.start()
+        st.vocab_size = async_engine.model_info().get("vocab_size")
+        st.status = "ready"
+
+    async def on_shutdown(app: web.Application) -> None:
+        st.status = "stopping"
+
+    async def on_cleanup(app: web.Application) -> None:
+        st.status = "stopping"
+        if manage_engine:
+            await async_engine.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+
+    r = app.router
+    r.add_post("/generate", generate)
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, health if path == "/health" else health_generate)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, server_info)
+    r.add_get("/get_weight_version", get_weight_version)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
+        r.add_post(path, unsupported_distributed)
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        r.add_post(path, unsupported_memory)
+    openai_api.add_routes(app)
+    return app

@@ -1,0 +1,109 @@
+"""Start the embedded server: load a model directory into an AsyncEngine and serve it over HTTP."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rollout.server.app import create_app
+from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The tokenizer saved with the model, or None when the directory holds none."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_engine(
+    model_dir: str | Path,
+    *,
+    max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
+    max_running_requests: int = 256,
+    dtype: str | None = None,
+    device: str | None = None,
+    weight_version: str = "0",
+) -> tuple[Any, Any]:
+    """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet."""
+    import torch
+
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.engine.engine import Engine
+    from slime_dsa.checkpoint import load_model
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, dtype=dtype, device=device).eval()
+    tokenizer = load_tokenizer(model_dir)
+    engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
+                    tokenizer=tokenizer, weight_version=weight_version)
+    return AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None), tokenizer
+
+
+class EmbeddedServer:
+    """The HTTP app of one AsyncEngine, listening inside the running event loop (tests, Ray actors)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
+        self.runner, self.host, self.port = runner, host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    async def start(cls, async_engine: Any, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 0,
+                    **app_kwargs: Any) -> "EmbeddedServer":
+        """Start the engine and the server; port 0 picks a free port (read it from .port / .url)."""
+        app = create_app(async_engine, tokenizer, **app_kwargs)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, backlog=2048)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        bound = runner.addresses[0][1]
+        logger.info("embedded server listening on http://%s:%d", host, bound)
+        return cls(runner, host, bound)
+
+    async def stop(self) -> None:
+        """Stop accepting requests, cancel the running ones (their engine requests abort), stop the engine."""
+        await self.runner.cleanup()
+
+
+def serve(
+    model_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
+    max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
+    max_running_requests: int = 256,
+    dtype: str | None = None,
+    device: str | None = None,
+    served_model_name: str | None = None,
+) -> None:
+    """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without an API key: anyone who reaches this port can generate and "
+                       "replace the weights", host)
+    engine, tokenizer = load_engine(model_dir, max_cache_tokens=max_cache_tokens,
+                                    max_running_requests=max_running_requests, dtype=dtype, device=device)
+    app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
+                     max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
+                     served_model_name=served_model_name)
+    web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=2048, access_log=None,
+                shutdown_timeout=5.0, print=lambda msg: logger.info(msg.strip()))

@@ -1,0 +1,108 @@
+"""Our safe encoding for POST /update_weights_from_tensor: safetensors bytes, base64, never a pickle.
+
+SGLang's own format (load_format null | "direct" | "flattened_bucket") is base64 of a torch multiprocessing
+pickle holding CUDA IPC handles. Unpickling HTTP input runs arbitrary code, so the embedded server refuses it;
+trainers send `load_format: "safetensors_b64"` instead, built by `tensor_update_payloads`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from rollout.engine.types import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+LOAD_FORMAT = "safetensors_b64"
+SGLANG_PICKLE_FORMATS = (None, "direct", "flattened_bucket")
+PICKLE_REFUSAL = (
+    "serialized_named_tensors in SGLang's torch-multiprocessing pickle format (load_format {fmt!r}) is never "
+    "unpickled by the embedded server (unpickling HTTP input can run arbitrary code); send load_format "
+    f"{LOAD_FORMAT!r}: base64 of safetensors bytes (rollout.server.weights.tensor_update_payloads builds it)"
+)
+
+
+def encode_named_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+    """base64 of the safetensors serialization of `named_tensors` (moved to CPU)."""
+    from safetensors.torch import save
+
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    # clone: safetensors refuses tensors that share storage (tied embeddings, views of one flat buffer)
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
+    return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def decode_named_tensors(entry: Any, where: str = "serialized_named_tensors[0]") -> dict[str, torch.Tensor]:
+    """Inverse of encode_named_tensors; RequestError naming `where` for anything that is not safetensors."""
+    from safetensors.torch import load
+
+    if not isinstance(entry, str):
+        raise RequestError(f"{where} must be a base64 string, got {type(entry).__name__}")
+    try:
+        data = base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where} is not valid base64") from None
+    if data[:1] == b"\x80":  # pickle protocol 2+ opens with the PROTO opcode; safetensors with a u64 header length
+        raise RequestError(PICKLE_REFUSAL.format(fmt=LOAD_FORMAT) + f" ({where} holds a pickle)")
+    try:
+        return load(data)
+    except Exception as e:  # safetensors raises its own SafetensorError for any malformed header
+        raise RequestError(f"{where} is not safetensors bytes: {e}") from None
+
+
+def tensor_update_payloads(
+    named_tensors: Mapping[str, torch.Tensor],
+    *,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
+    bucket_bytes: int = 512 * 1024**2,
+) -> list[dict]:
+    """POST /update_weights_from_tensor bodies for the embedded server, in buckets of about `bucket_bytes`.
+
+    Only the last bucket flushes the cache and sets weight_version, so the version changes once, after all
+    tensors are in.
+    """
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    payloads = []
+    for i, bucket in enumerate(buckets):
+        last = i == len(buckets) - 1
+        payloads.append({
+            "serialized_named_tensors": [encode_named_tensors(bucket)],
+            "load_format": LOAD_FORMAT,
+            "flush_cache": flush_cache and last,
+            "weight_version": weight_version if last else None,
+        })
+    return payloads
+
+
+async def push_weights(
+    client: Any,
+    named_tensors: Mapping[str, "torch.Tensor"],
+    *,
+    weight_version: str,
+    pause_mode: str = "retract",
+    bucket_bytes: int = 512 * 1024**2,
+) -> None:
+    """Send new weights to every engine of `client` (embedded servers): pause -> update in buckets -> continue.
+
+    "retract" frees running requests' KV cache and requeues them, so they resume on the new weights (their
+    earlier tokens keep the old version in output_token_versions); "abort" ends them; "in_place" keeps their
+    cache. Generation is continued even when an update fails, and the failure is raised.
+    """
+    await client.broadcast("/pause_generation", {"mode": pause_mode})
+    try:
+        for payload in tensor_update_payloads(named_tensors, weight_version=weight_version, bucket_bytes=bucket_bytes):
+            await client.broadcast("/update_weights_from_tensor", payload)
+    finally:
+        await client.broadcast("/continue_generation", {})

@@ -1,0 +1,21 @@
+"""`slime-dsa export CHECKPOINT --out DIR`: a training checkpoint as an HF directory serving engines load."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("export", help="write an HF directory (safetensors, config, tokenizer) from a checkpoint")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a run's checkpoints/step_N directory")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast weights (default: as saved)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slime_dsa.checkpoint.training import export_checkpoint  # noqa: PLC0415
+
+    out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    print(f"exported: {out}")
+    return 0

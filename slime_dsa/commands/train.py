@@ -1,0 +1,28 @@
+"""`slime-dsa train RECIPE [--set k=v] [--resume]`: the main job."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_dsa.config.command import add_recipe_arguments
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("train", help="run an RL recipe (rollout → train → weight sync)",
+                                   description="Run an RL recipe to trainer.num_steps.")
+    add_recipe_arguments(parser)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint of the run (same as --set checkpoint.resume=true)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slime_dsa.config import load_recipe  # noqa: PLC0415
+
+    overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
+    recipe = load_recipe(args.recipe, overrides)
+    from slime_dsa.orchestrator.train import run_training  # noqa: PLC0415 (torch, ray: only now)
+
+    run_dir = run_training(recipe, resume=args.resume)
+    print(f"run finished: {run_dir}")
+    return 0

@@ -1,0 +1,1 @@
+"""The Ray driver: placement, the RL loops, the sample buffer, weight sync."""

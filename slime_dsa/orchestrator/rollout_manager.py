@@ -1,0 +1,213 @@
+"""Rollouts: prompts from the task mixture → n samples each through the engine client → rewards → groups.
+
+One code path for every engine kind: all generation goes over HTTP in SGLang's protocol (`rollout.client`).
+A failed request, an aborted one or a crashing reward function costs that sample, counted, never the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rollout.client import EngineClient, EngineError
+from rollout.rewards.compute import RewardStats, compute_reward
+from rollout.rewards.registry import load_reward_fn
+from slime_dsa.data.prompts import Prompt, Task, TaskMixture
+from slime_dsa.data.sample import Sample, SampleStatus
+from slime_dsa.orchestrator.buffer import SampleBuffer
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    """Produces groups of rewarded samples into a SampleBuffer, at most `max_concurrency` in flight."""
+
+    def __init__(self, client: EngineClient, tasks: list[Task], mixture: TaskMixture, tokenizer: Any, rollout: Any,
+                 buffer: SampleBuffer | None = None, show_progress: bool = True, seed: int = 0) -> None:
+        self.client, self.tasks, self.mixture, self.tokenizer, self.cfg = client, tasks, mixture, tokenizer, rollout
+        self.seed = seed
+        self.buffer = buffer or SampleBuffer()
+        self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
+        self.semaphore = asyncio.Semaphore(rollout.max_concurrency)
+        self.show_progress = show_progress
+        self.next_sample_index = 0
+        self.next_group_id = 0
+        self._progress: Progress | None = None
+        self._progress_task = None
+        self._reward_stats = {t.name: RewardStats() for t in tasks}
+
+    # -- state for exact resumption -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mixture": self.mixture.state_dict(), "next_sample_index": self.next_sample_index,
+                "next_group_id": self.next_group_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+        self.next_sample_index, self.next_group_id = state["next_sample_index"], state["next_group_id"]
+
+    # -- one sample, one group -----------------------------------------------------------------
+
+    def sampling_params(self, greedy: bool = False) -> dict[str, Any]:
+        params = {"max_new_tokens": self.cfg.max_response_length, "temperature": 0.0 if greedy else self.cfg.temperature,
+                  "top_p": self.cfg.top_p, "top_k": self.cfg.top_k}
+        if self.cfg.stop:
+            params["stop"] = list(self.cfg.stop)
+        return params
+
+    async def generate_sample(self, sample: Sample, params: dict[str, Any], session_id: str | None) -> Sample:
+        """Generate one response into `sample` and score it; failures mark the sample, never raise."""
+        # A seed per sample makes rollouts reproducible (and resumption exact) whatever the batching or routing.
+        params = {**params, "sampling_seed": (self.seed * 1_000_003 + sample.index) % 2**31}
+        async with self.semaphore:
+            try:
+                out = await self.client.generate(
+                    sample.prompt_ids, params, return_logprob=True, session_id=session_id,
+                    return_indexer_topk=self.cfg.return_indexer_topk, timeout_s=self.cfg.request_timeout_s,
+                )
+            except (EngineError, asyncio.TimeoutError) as e:
+                sample.status = SampleStatus.FAILED
+                sample.metadata["error"] = f"{type(e).__name__}: {e}"
+                logger.warning("sample %d: generation failed: %s", sample.index, e)
+                return sample
+        meta = out["meta_info"]
+        ids = [int(tok) for _, tok, *_ in meta["output_token_logprobs"]]
+        logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+        versions = meta.get("output_token_versions") or [int(meta.get("weight_version") or 0)] * len(ids)
+        sample.append_tokens(ids, logprobs, [int(v) for v in versions])
+        if self.cfg.return_indexer_topk and meta.get("indexer_topk") is not None:
+            from rollout.client import decode_indexer_topk  # noqa: PLC0415
+
+            sample.indexer_topk = decode_indexer_topk(meta)
+        sample.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        finish = (meta.get("finish_reason") or {}).get("type")
+        sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish, SampleStatus.COMPLETED)
+        result = await compute_reward(self.reward_fns[sample.task], sample, stats=self._reward_stats[sample.task])
+        sample.reward = result.reward
+        sample.metadata["reward_failed"] = result.failed
+        sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})
+        return sample
+
+    async def generate_group(self, prompt: Prompt, n: int, greedy: bool = False) -> list[Sample]:
+        group_id = self.next_group_id
+        self.next_group_id += 1
+        samples = []
+        for _ in range(n):
+            samples.append(prompt.to_sample(index=self.next_sample_index, group_id=group_id))
+            self.next_sample_index += 1
+        params = self.sampling_params(greedy)
+        # One session per group: the router keeps the n samples on one engine, which shares their prompt's cache.
+        session = f"group-{group_id}"
+        done = await asyncio.gather(*(self._tracked(self.generate_sample(s, params, session)) for s in samples))
+        return list(done)
+
+    async def _tracked(self, coro):
+        result = await coro
+        if self._progress is not None:
+            self._progress.advance(self._progress_task)
+        return result
+
+    # -- one RL step's worth ---------------------------------------------------------------------
+
+    async def collect_step(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """Groups for one synchronous step (with DAPO dynamic sampling when enabled) and their rollout metrics."""
+        cfg = self.cfg
+        self._reward_stats = {t.name: RewardStats() for t in self.tasks}
+        start = time.perf_counter()
+        kept: list[list[Sample]] = []
+        counters: Counter[str] = Counter()
+        all_samples: list[Sample] = []
+        tries = 0
+        with self._progress_bar(cfg.prompts_per_step * cfg.n_samples_per_prompt, "rollout"):
+            while len(kept) < cfg.prompts_per_step and tries < (cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
+                tries += 1
+                need = cfg.prompts_per_step - len(kept)
+                n_prompts = max(need, round(need * cfg.oversample_factor)) if cfg.dynamic_sampling else need
+                prompts = self.mixture.take(n_prompts)
+                groups = await asyncio.gather(*(self.generate_group(p, cfg.n_samples_per_prompt) for p in prompts))
+                for group in groups:
+                    all_samples.extend(group)
+                    usable = [s for s in group if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+                    counters["failed_samples"] += len(group) - len(usable)
+                    if len(usable) < 2:
+                        counters["dropped_groups"] += 1
+                        continue
+                    if len({s.reward for s in usable}) == 1:
+                        counters["zero_std_groups"] += 1
+                        if cfg.dynamic_sampling:
+                            continue
+                    if len(kept) < cfg.prompts_per_step:
+                        kept.append(usable)
+        for group in kept:
+            await self.buffer.put(group)
+        metrics = self._metrics(all_samples, kept, counters, time.perf_counter() - start)
+        metrics["rollout/sampling_rounds"] = tries
+        return await self.buffer.get(len(kept)), metrics
+
+    def _metrics(self, samples: list[Sample], kept: list[list[Sample]], counters: Counter, elapsed: float) -> dict[str, float]:
+        scored = [s for s in samples if s.reward is not None]
+        n = max(len(scored), 1)
+        out_tokens = sum(s.response_length for s in samples)
+        metrics = {
+            "rollout/reward_mean": sum(s.reward for s in scored) / n,
+            "rollout/response_length_mean": sum(s.response_length for s in scored) / n,
+            "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
+            "rollout/num_samples": len(samples),
+            "rollout/num_groups_trained": len(kept),
+            "rollout/zero_std_groups": counters["zero_std_groups"],
+            "rollout/dropped_groups": counters["dropped_groups"],
+            "rollout/failed_samples": counters["failed_samples"],
+            "rollout/reward_failures": sum(st.failures for st in self._reward_stats.values()),
+            "perf/rollout_time_s": elapsed,
+            "perf/rollout_tok_s": out_tokens / max(elapsed, 1e-9),
+        }
+        for task in self.tasks:
+            mine = [s.reward for s in scored if s.task == task.name]
+            if mine and len(self.tasks) > 1:
+                metrics[f"rollout/{task.name}/reward_mean"] = sum(mine) / len(mine)
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    async def evaluate(self, max_prompts: int | None = None) -> dict[str, float]:
+        """Greedy responses on every task's held-out prompts: mean reward and pass@1 (reward >= 1 counts)."""
+        self._reward_stats = {t.name: RewardStats() for t in self.tasks}
+        metrics: dict[str, float] = {}
+        rewards_all: list[float] = []
+        prompts = [(task, p) for task in self.tasks if task.eval is not None for p in list(task.eval)[:max_prompts]]
+        with self._progress_bar(len(prompts), "eval"):
+            groups = await asyncio.gather(*(self.generate_group(p, 1, greedy=True) for _, p in prompts))
+        by_task: dict[str, list[float]] = {}
+        for (task, _), group in zip(prompts, groups):
+            reward = float(group[0].reward or 0.0)
+            by_task.setdefault(task.name, []).append(reward)
+            rewards_all.append(reward)
+        for name, rewards in by_task.items():
+            metrics[f"eval/{name}/reward_mean"] = sum(rewards) / len(rewards)
+            metrics[f"eval/{name}/pass@1"] = sum(r >= 1.0 for r in rewards) / len(rewards)
+        if rewards_all:
+            metrics["eval/reward_mean"] = sum(rewards_all) / len(rewards_all)
+            metrics["eval/pass@1"] = sum(r >= 1.0 for r in rewards_all) / len(rewards_all)
+        return metrics
+
+    @contextmanager
+    def _progress_bar(self, total: int, label: str) -> Iterator[None]:
+        """A rich progress bar over samples while `label` runs (transient: it leaves no lines behind)."""
+        if not self.show_progress:
+            yield
+            return
+        self._progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  transient=True)
+        self._progress_task = self._progress.add_task(label, total=total)
+        try:
+            with self._progress:
+                yield
+        finally:
+            self._progress = None

@@ -1,0 +1,132 @@
+"""Everything a run needs before its first step: run directory, initial model, Ray, engines and trainers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from slime_dsa.config import RecipeConfig, dump_recipe
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+
+
+def resolve_run_dir(recipe: RecipeConfig) -> Path:
+    """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
+    log = recipe.logging
+    if log.run_dir:
+        return Path(log.run_dir)
+    return Path("runs") / (log.run_name or time.strftime("run-%Y%m%d-%H%M%S"))
+
+
+def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """The HF directory engines and trainers load: model.path, or a from-scratch preset saved into the run."""
+    from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+
+    if recipe.model.path:
+        path = Path(recipe.model.path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.path {path} is not a directory")
+        return path
+    target = run_dir / "initial_model"
+    if (target / "config.json").exists():
+        return target
+    tokenizer = build_tokenizer()
+    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    save_pretrained(build_model(config, seed=recipe.trainer.seed), target)
+    tokenizer.save_pretrained(target)
+    logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
+    return target
+
+
+def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    source = recipe.model.tokenizer_path or str(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no tokenizer at {source} (set model.tokenizer_path): {e}") from None
+
+
+def init_ray(recipe: RecipeConfig) -> None:
+    """Local cluster by default; cluster.address joins an existing one."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return
+    address = recipe.cluster.address
+    kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": OFFLINE_ENV}}
+    if address is None:
+        # Logical CPUs: a small model's actors mostly wait on each other, so let more of them share the cores.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, _actors_needed(recipe))
+    ray.init(address=address, **kwargs)
+
+
+def _actors_needed(recipe: RecipeConfig) -> int:
+    engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
+    return int((engines + recipe.trainer.num_workers) * recipe.cluster.num_cpus_per_actor) + 1
+
+
+def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], list[Any]]:
+    """(URLs, actor handles) of the rollout engines; external engines have no actors."""
+    from rollout.actors import create_engine_actors, start_engine_actors  # noqa: PLC0415
+
+    ro, cl = recipe.rollout, recipe.cluster
+    if ro.engine == "external":
+        return list(ro.engine_urls), []
+    if ro.engine == "sglang":
+        from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
+
+        sg = ro.sglang
+        config = SGLangConfig(model_path=str(model_dir), tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
+                              kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
+                              enable_return_indexer_topk=ro.return_indexer_topk, extra_args=list(sg.extra_args),
+                              enable_memory_saver=cl.placement == "colocated")
+        actors = create_engine_actors(ro.num_engines, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
+                                      num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
+    else:
+        dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
+        max_tokens = ro.prompts_per_step * ro.n_samples_per_prompt * (recipe.data.max_prompt_length + ro.max_response_length)
+        actors = create_engine_actors(
+            ro.num_engines, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
+            num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
+            engine_kwargs={"dtype": dtype, "max_cache_tokens": max(max_tokens, 4096)},
+        )
+    urls = start_engine_actors(actors)
+    logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
+    return urls, actors
+
+
+def start_trainers(recipe: RecipeConfig, model_dir: Path):
+    """The trainer group of the recipe's backend (FSDP2 today)."""
+    from trainers.fsdp.group import TrainerGroup  # noqa: PLC0415
+    from trainers.fsdp.worker import TrainerSpec  # noqa: PLC0415
+    from trainers.loss import PolicyLossFn, policy_loss_config  # noqa: PLC0415
+
+    tr, alg = recipe.trainer, recipe.algorithm
+    if tr.backend != "fsdp":
+        raise NotImplementedError(f"trainer.backend {tr.backend!r} is not available yet; use fsdp")
+    spec = TrainerSpec(
+        model_path=str(model_dir), learning_rate=tr.learning_rate, weight_decay=tr.weight_decay,
+        adam_betas=tuple(tr.adam_betas), warmup_steps=tr.warmup_steps, total_steps=tr.num_steps * tr.num_steps_per_rollout,
+        lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
+        mixed_precision=tr.mixed_precision, gradient_checkpointing=recipe.model.gradient_checkpointing,
+        ops_backend=recipe.model.ops_backend, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed,
+        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0,
+    )
+    name, options = policy_loss_config(alg)
+    return TrainerGroup(spec, PolicyLossFn(name, options), tr.num_workers,
+                        num_cpus_per_worker=recipe.cluster.num_cpus_per_actor,
+                        num_gpus_per_worker=recipe.cluster.num_gpus_per_trainer)
+
+
+def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))

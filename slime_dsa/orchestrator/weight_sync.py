@@ -1,0 +1,32 @@
+"""New weights to every engine after a training step: pause → update (bucketed) → resume, with a version."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rollout.client import EngineClient
+from rollout.server.weights import tensor_update_payloads
+
+logger = logging.getLogger(__name__)
+
+
+async def push_weights(client: EngineClient, state_dict: dict[str, torch.Tensor], version: int,
+                       bucket_bytes: int = 256 * 1024**2) -> float:
+    """Send the full state dict to all engines through /update_weights_from_tensor; returns seconds taken.
+
+    Engines are paused (in-flight requests aborted: the synchronous loop has none) so no token is sampled from
+    half-updated weights; the last bucket flushes the prefix cache and sets the new weight_version.
+    """
+    start = time.perf_counter()
+    await client.broadcast("/pause_generation", {"mode": "abort"})
+    try:
+        for payload in tensor_update_payloads(state_dict, weight_version=str(version), bucket_bytes=bucket_bytes):
+            await client.broadcast("/update_weights_from_tensor", payload)
+    finally:
+        await client.broadcast("/continue_generation", {})
+    elapsed = time.perf_counter() - start
+    logger.info("weights v%d pushed to %d engines in %.2fs", version, len(client.engines), elapsed)
+    return elapsed

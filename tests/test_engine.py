@@ -1,0 +1,524 @@
+"""The embedded engine: greedy parity with transformers, log-prob parity with the trainer forward, prefix reuse,
+memory budget, abort / pause / weight updates, index replay, seeds, stop rules, and the asyncio wrapper.
+
+CPU, float32, a random glm_moe_dsa checkpoint with index_topk (4) far below the sequence lengths, so the
+sparse selection matters, and IndexShare layers (full, full, shared, full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import slime_dsa
+from rollout.engine import AsyncEngine, Engine, EngineStoppedError, GenerateRequest, RequestError, SamplingParams
+from slime_dsa.models import PackedBatch
+from tests.hf_reference import TINY, make_hf_checkpoint
+
+MODEL = dict(index_topk=4, num_hidden_layers=4, index_topk_freq=2)
+VOCAB = TINY["vocab_size"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run faster on one thread, and the machine is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    hf = make_hf_checkpoint(directory, **MODEL)
+    return directory, hf
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return slime_dsa.load_model(checkpoint[0]).eval()
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(engine, arrivals=None, max_steps=10_000):
+    """Step until idle; arrivals maps step index -> requests added before that step. Returns final outputs by rid."""
+    arrivals = dict(arrivals or {})
+    finals, step, peak = {}, 0, 0
+    while arrivals or engine.num_running or engine.num_queued:
+        for req in arrivals.pop(step, []):
+            engine.add_request(req)
+        for out in engine.step():
+            assert len(out.output_ids) == len(out.output_token_logprobs) == len(out.output_token_versions)
+            if out.finish_reason is not None:
+                finals[out.rid] = out
+        peak = max(peak, engine.num_running)
+        step += 1
+        assert step < max_steps
+    run.peak_running = peak
+    return finals
+
+
+def trainer_logits(model, prompt, output):
+    """Teacher-forced logits over prompt + output: row p is the distribution of token p + 1."""
+    ids = torch.tensor(prompt + output)
+    with torch.no_grad():
+        return model.forward_packed(ids, PackedBatch.from_seqlens([len(ids)])).logits.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# parity
+
+
+def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint, model):
+    _, hf = checkpoint
+    lengths, n_new = (3, 7, 12, 5, 17), 20
+    ps = prompts(lengths)
+    reference = []
+    for p in ps:
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0)
+        reference.append(out[0, len(p) :].tolist())
+    # block_size 4 and an 8-token prefill budget: blocks fill mid-sequence, long prompts prefill in chunks
+    engine = Engine(model, max_cache_tokens=1024, block_size=4, max_prefill_tokens=8)
+    arrivals = {0: [], 2: [], 5: [], 9: []}
+    for i, (p, at) in enumerate(zip(ps, (0, 0, 2, 5, 9))):
+        arrivals[at].append(GenerateRequest(input_ids=p, sampling=greedy(n_new), rid=str(i)))
+    finals = run(engine, arrivals)
+    assert run.peak_running == len(ps)  # they shared the running batch
+    for i, ref in enumerate(reference):
+        assert finals[str(i)].output_ids == ref, f"request {i} (prompt {lengths[i]} tokens) diverged from transformers"
+        assert finals[str(i)].finish_reason == {"type": "length", "length": n_new}
+    # Greedy log-probs are log_softmax of the raw logits at the argmax.
+    out = finals["3"]
+    logp = torch.log_softmax(trainer_logits(model, ps[3], out.output_ids), -1)
+    rows = torch.arange(len(ps[3]) - 1, len(ps[3]) - 1 + n_new)
+    expect = logp[rows, torch.tensor(out.output_ids)]
+    assert torch.allclose(torch.tensor(out.output_token_logprobs), expect, atol=1e-5)
+
+
+def test_sampled_logprobs_match_trainer_token_logprobs(model):
+    ps = prompts((6, 11, 4, 9), seed=1)
+    engine = Engine(model, max_cache_tokens=1024, block_size=4, seed=0)
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=16, temperature=0.7, ignore_eos=True), rid=str(i)))
+    finals = run(engine)
+    seqs = [ps[i] + finals[str(i)].output_ids for i in range(len(ps))]
+    batch = PackedBatch.from_seqlens([len(s) for s in seqs])
+    with torch.no_grad():
+        logp, _ = model.token_logprobs(torch.tensor(sum(seqs, [])), batch, temperature=0.7)
+    for i, p in enumerate(ps):
+        start = int(batch.cu_seqlens_q[i]) + len(p)
+        trainer = logp[start : start + 16]
+        engine_lp = torch.tensor(finals[str(i)].output_token_logprobs)
+        assert (trainer - engine_lp).abs().max().item() <= 1e-5
+
+
+def _filtered_logprob(logits_row: torch.Tensor, token: int, temperature: float, top_k: int, top_p: float, min_p: float) -> float:
+    """Direct transcription: temperature, keep top_k, keep the smallest prefix of mass >= top_p, drop p < min_p * p_max."""
+    probs = torch.softmax(logits_row.double() / temperature, -1)
+    order = torch.argsort(probs, descending=True, stable=True).tolist()
+    keep, mass = [], 0.0
+    for rank, tok in enumerate(order):
+        if rank > 0 and (rank >= top_k or mass > top_p or probs[tok] < min_p * probs[order[0]]):
+            break
+        keep.append(tok)
+        mass += probs[tok].item()
+    assert token in keep, "sampled a token outside the kept set"
+    return float(torch.log(probs[token] / probs[keep].sum()))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.9, 5, 1.0, 0.0), (1.0, -1, 0.8, 0.0), (0.7, 8, 0.9, 0.05)])
+def test_filtered_sampling_logprobs_are_renormalised(model, temperature, top_k, top_p, min_p):
+    ps = prompts((5, 8), seed=2)
+    engine = Engine(model, max_cache_tokens=512, block_size=4, seed=1)
+    params = dict(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, ignore_eos=True)
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(**params), rid=str(i)))
+    finals = run(engine)
+    for i, p in enumerate(ps):
+        out = finals[str(i)]
+        logits = trainer_logits(model, p, out.output_ids)
+        for j, (tok, lp) in enumerate(zip(out.output_ids, out.output_token_logprobs)):
+            ref = _filtered_logprob(logits[len(p) - 1 + j], tok, temperature, top_k if top_k > 0 else VOCAB, top_p, min_p)
+            assert abs(ref - lp) <= 1e-5, (i, j, ref, lp)
+
+
+# ----------------------------------------------------------------------------------------------
+# prefix reuse and memory
+
+
+def test_prefix_reuse_hits_and_changes_nothing(model):
+    prompt = prompts((13,), seed=3)[0]
+
+    def session(engine):
+        samples = [
+            GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=s, ignore_eos=True), rid=f"s{s}")
+            for s in range(4)
+        ]
+        first = run(engine, {0: samples})
+        turn2 = prompt + first["s0"].output_ids + [5, 6, 7]
+        second = run(engine, {0: [GenerateRequest(input_ids=turn2, sampling=greedy(8), rid="turn2")]})
+        return {**first, **second}
+
+    reused = session(Engine(model, max_cache_tokens=1024, block_size=4))
+    fresh = session(Engine(model, max_cache_tokens=1024, block_size=4, enable_prefix_caching=False))
+    # The n samples arrived together: the first computes the prompt, the others read its blocks in the same forward.
+    assert sorted(reused[f"s{s}"].cached_tokens for s in range(4)) == [0, 12, 12, 12]
+    assert reused["turn2"].cached_tokens >= 20  # prompt and most of the first answer
+    assert all(out.cached_tokens == 0 for out in fresh.values())
+    assert len({tuple(reused[f"s{s}"].output_ids) for s in range(4)}) > 1  # distinct samples
+    for rid, out in fresh.items():
+        assert reused[rid].output_ids == out.output_ids, rid
+        assert np.allclose(reused[rid].output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_tiny_cache_budget_queues_and_completes(model, prefix_caching):
+    ps = prompts([6] * 10, seed=4)
+    reqs = lambda: [GenerateRequest(input_ids=p, sampling=greedy(8), rid=str(i)) for i, p in enumerate(ps)]  # noqa: E731
+    small = Engine(model, max_cache_tokens=32, block_size=4, enable_prefix_caching=prefix_caching)  # 8 blocks, 4 per request
+    for r in reqs():
+        small.add_request(r)
+    assert small.num_queued == 10
+    finals = run(small)
+    assert run.peak_running == 2 and len(finals) == 10
+    assert all(out.finish_reason["type"] == "length" for out in finals.values())
+    big = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: reqs()})
+    assert all(finals[r].output_ids == big[r].output_ids for r in big)
+    assert small.blocks.available == small.blocks.num_blocks  # every block came back (idle cached ones count)
+    if prefix_caching:
+        assert 0 < small.blocks.num_cached_blocks <= small.blocks.num_blocks  # older prefixes were evicted
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        small.add_request(GenerateRequest(input_ids=ps[0], sampling=greedy(40)))
+
+
+def test_inverse_cdf_never_draws_a_removed_token():
+    from rollout.engine.sampling import sample_inverse_cdf
+
+    logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.3, 0.7, 0.0]]))
+    for u in (0.0, 0.4999, 0.5, 0.9999999, 1.0 - 2**-53):
+        tokens = sample_inverse_cdf(logprobs, torch.tensor([u, u], dtype=torch.float64))
+        assert tokens[0] in (0, 1) and tokens[1] in (1, 2), (u, tokens)
+
+
+def test_bad_requests_name_the_field(model):
+    engine = Engine(model, max_cache_tokens=256)
+    engine.add_request(GenerateRequest(input_ids=[1, 2], sampling=greedy(0), rid="zero"))
+    (out,) = engine.step()
+    assert out.rid == "zero" and out.output_ids == [] and out.finish_reason == {"type": "length", "length": 0}
+    with pytest.raises(RequestError, match="input_ids"):
+        engine.add_request(GenerateRequest(input_ids=[1, VOCAB]))
+    with pytest.raises(RequestError, match="top_p"):
+        engine.add_request(GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(top_p=0.0)))
+    with pytest.raises(RequestError, match="sampling_params.stop"):
+        engine.add_request(GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(stop=["x"])))  # no tokenizer
+    engine.add_request(GenerateRequest(input_ids=[1, 2], rid="dup"))
+    with pytest.raises(RequestError, match="rid 'dup'"):
+        engine.add_request(GenerateRequest(input_ids=[3], rid="dup"))
+
+
+# ----------------------------------------------------------------------------------------------
+# control
+
+
+def test_abort_one_queued_and_all(model):
+    engine = Engine(model, max_cache_tokens=64, block_size=4, max_running_requests=2)
+    for i, p in enumerate(prompts((5, 6, 7, 8), seed=5)):
+        engine.add_request(GenerateRequest(input_ids=p, sampling=greedy(10), rid=str(i)))
+    engine.step()
+    assert engine.num_running == 2 and engine.num_queued == 2
+    aborted = engine.abort("0") + engine.abort("3")
+    assert [o.rid for o in aborted] == ["0", "3"]
+    assert all(o.finish_reason["type"] == "abort" for o in aborted)
+    assert len(aborted[0].output_ids) == 1 and aborted[1].output_ids == []
+    engine.step()
+    assert engine.num_running == 2 and engine.num_queued == 0  # "2" took the free slot
+    rest = engine.abort(abort_all=True)
+    assert sorted(o.rid for o in rest) == ["1", "2"] and engine.num_running == 0
+    assert engine.blocks.available == engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_and_resume_keep_greedy_outputs(model, mode):
+    ps = prompts((9, 5), seed=6)
+    reqs = lambda: [GenerateRequest(input_ids=p, sampling=greedy(12), rid=str(i)) for i, p in enumerate(ps)]  # noqa: E731
+    expect = run(Engine(model, max_cache_tokens=512, block_size=4), {0: reqs()})
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    for r in reqs():
+        engine.add_request(r)
+    for _ in range(4):
+        engine.step()
+    assert engine.pause(mode) == []
+    assert engine.step() == [] and not engine.has_work
+    assert (engine.num_running, engine.num_queued) == ((0, 2) if mode == "retract" else (2, 0))
+    engine.resume()
+    finals = run(engine)
+    for rid, out in expect.items():
+        assert finals[rid].output_ids == out.output_ids
+        assert np.allclose(finals[rid].output_token_logprobs, out.output_token_logprobs, atol=1e-5)
+
+
+def test_pause_abort_ends_requests_and_holds_new_ones(model):
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    engine.add_request(GenerateRequest(input_ids=[1, 2, 3], sampling=greedy(10), rid="a"))
+    engine.step()
+    aborted = engine.pause("abort")
+    assert [o.rid for o in aborted] == ["a"] and aborted[0].finish_reason["type"] == "abort"
+    engine.add_request(GenerateRequest(input_ids=[4, 5], sampling=greedy(3), rid="b"))
+    assert engine.step() == [] and engine.num_queued == 1
+    engine.resume()
+    assert run(engine)["b"].finish_reason == {"type": "length", "length": 3}
+    with pytest.raises(RequestError, match="pause mode"):
+        engine.pause("later")
+
+
+def test_update_weights_in_place(checkpoint, tmp_path):
+    model = slime_dsa.load_model(checkpoint[0]).eval()
+    make_hf_checkpoint(tmp_path, seed=1, **MODEL)
+    other = slime_dsa.load_model(tmp_path).eval()
+    prompt = prompts((10,), seed=7)[0]
+    expect_new = run(Engine(other, max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=prompt, sampling=greedy(8), rid="r")]})["r"]
+
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    before = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=greedy(8), rid="r")]})["r"]
+    assert before.output_ids != expect_new.output_ids and set(before.output_token_versions) == {0}
+    # Bad dicts change nothing and name the tensor.
+    name = "model.layers.0.self_attn.o_proj.weight"
+    with pytest.raises(RequestError, match=rf"{name} has shape \(3, 3\)"):
+        engine.update_weights({"lm_head.weight": other.lm_head.weight, name: torch.zeros(3, 3)}, "1")
+    with pytest.raises(RequestError, match="no tensor named model.surprise"):
+        engine.update_weights({"model.surprise": torch.zeros(1)}, "1")
+    assert torch.equal(model.lm_head.weight, slime_dsa.load_model(checkpoint[0]).lm_head.weight)
+    # A partial dict updates only its tensors.
+    engine.update_weights({"lm_head.weight": other.lm_head.weight}, "1")
+    assert torch.equal(model.lm_head.weight, other.lm_head.weight)
+    assert not torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)
+    engine.update_weights(other.state_dict(), "2")
+    after = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=greedy(8), rid="r")]})["r"]
+    assert after.output_ids == expect_new.output_ids
+    assert after.cached_tokens == 0  # the old weights' prefix was flushed
+    assert after.weight_version == "2" and set(after.output_token_versions) == {2}
+
+
+def test_weight_version_per_token_across_in_place_update(checkpoint, tmp_path):
+    model = slime_dsa.load_model(checkpoint[0]).eval()
+    make_hf_checkpoint(tmp_path, seed=1, **MODEL)
+    new_state = slime_dsa.load_model(tmp_path).state_dict()
+    engine = Engine(model, max_cache_tokens=512, block_size=4, weight_version="3")
+    engine.add_request(GenerateRequest(input_ids=[1, 2, 3, 4], sampling=greedy(6), rid="r"))
+    for _ in range(3):
+        engine.step()
+    engine.pause("in_place")
+    engine.update_weights(new_state, "4")
+    assert engine.flush_cache() is False  # a request still holds the cache
+    engine.resume()
+    out = run(engine)["r"]
+    assert out.output_token_versions == [3, 3, 3, 4, 4, 4] and out.weight_version == "4"
+    assert engine.flush_cache() is True
+
+
+# ----------------------------------------------------------------------------------------------
+# index replay, seeds, stop rules
+
+
+def test_index_replay_reproduces_engine_logprobs(model):
+    ps = prompts((9, 14), seed=8)
+    engine = Engine(model, max_cache_tokens=512, block_size=4, seed=3)
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=15, ignore_eos=True), rid=str(i), return_indexer_topk=True))
+    engine.add_request(GenerateRequest(input_ids=ps[0], sampling=greedy(5), rid="plain"))  # shares the batch, asks nothing
+    finals = run(engine)
+    assert finals["plain"].indexer_topk is None
+    n_full, K = len(model.config.full_layer_ids), model.config.index_topk
+    for i, p in enumerate(ps):
+        out = finals[str(i)]
+        P, R = len(p), len(out.output_ids)
+        topk = out.indexer_topk
+        assert topk.dtype == np.int32 and topk.shape == (R, n_full, K)
+        ids = torch.tensor(p + out.output_ids)
+        batch = PackedBatch.from_seqlens([P + R])
+        with torch.no_grad():
+            plain = model.forward_packed(ids, batch, return_topk=True).topk_indices  # (n_full, T, K)
+        # Output token j was produced by row P - 1 + j: the engine's selection there is the teacher-forced one.
+        assert torch.equal(plain[:, P - 1 : P - 1 + R], torch.from_numpy(topk).long().permute(1, 0, 2))
+        replay = plain.clone()
+        replay[:, P - 1 : P - 1 + R] = torch.from_numpy(topk).long().permute(1, 0, 2)
+        with torch.no_grad():
+            logp, _ = model.token_logprobs(ids, batch, replay_topk=replay)
+        assert (logp[P:] - torch.tensor(out.output_token_logprobs)).abs().max().item() <= 1e-5
+        # Off by one row, the replay is wrong: the alignment above is not vacuous.
+        shifted = plain.clone()
+        shifted[:, P : P + R - 1] = torch.from_numpy(topk[:-1]).long().permute(1, 0, 2)
+        with torch.no_grad():
+            wrong, _ = model.token_logprobs(ids, batch, replay_topk=shifted)
+        assert (wrong[P:] - torch.tensor(out.output_token_logprobs)).abs().max().item() > 1e-3
+
+
+def test_same_seed_same_tokens_alone_or_in_a_batch(model):
+    prompt = prompts((7,), seed=9)[0]
+    seeded = lambda rid, seed: GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=12, sampling_seed=seed, ignore_eos=True), rid=rid)  # noqa: E731
+    alone = run(Engine(model, max_cache_tokens=512, block_size=4, seed=0), {0: [seeded("x", 42)]})["x"]
+    others = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=9, ignore_eos=True), rid=f"o{i}") for i, p in enumerate(prompts((3, 11, 6), seed=10))]
+    crowd = run(Engine(model, max_cache_tokens=512, block_size=4, seed=7), {0: others[:2], 3: [seeded("x", 42), seeded("y", 43)] + others[2:]})
+    assert crowd["x"].output_ids == alone.output_ids
+    assert np.allclose(crowd["x"].output_token_logprobs, alone.output_token_logprobs, atol=1e-5)
+    assert crowd["y"].output_ids != alone.output_ids
+
+
+def test_stop_tokens_eos_and_min_new_tokens(model):
+    prompt = prompts((6,), seed=11)[0]
+    free = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=prompt, sampling=greedy(16), rid="r")]})["r"].output_ids
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=[stop_at]), rid="stop"),
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0), rid="eos"),
+    ]})
+    engine_eos = Engine(model, max_cache_tokens=512, block_size=4, eos_token_ids=[stop_at])
+    eos = run(engine_eos, {0: [
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0), rid="eos"),
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0, min_new_tokens=first + 2), rid="min"),
+    ]})
+    assert out["stop"].output_ids == free[: first + 1] and out["stop"].finish_reason == {"type": "stop", "matched": stop_at}
+    assert eos["eos"].output_ids == free[: first + 1] and eos["eos"].finish_reason == {"type": "stop", "matched": stop_at}
+    assert stop_at not in eos["min"].output_ids[: first + 2]  # masked while under min_new_tokens
+    assert len(eos["min"].output_ids) >= first + 2
+
+
+def test_stop_strings_with_tokenizer():
+    from slime_dsa.checkpoint import build_model
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer
+    from slime_dsa.models import ModelConfig
+
+    tokenizer = build_tokenizer()
+    model = build_model(ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1}), seed=0).eval()
+    prompt = tokenizer.encode("the answer is", add_special_tokens=False)
+    engine = Engine(model, max_cache_tokens=512, block_size=4, tokenizer=tokenizer)
+    free = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, skip_special_tokens=False), rid="r")]})["r"]
+    text = tokenizer.decode(free.output_ids, skip_special_tokens=False)
+    assert free.text == text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip() and stop in text
+    req = lambda rid, **kw: GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop], skip_special_tokens=False, **kw), rid=rid)  # noqa: E731
+    got = run(engine, {0: [req("trim"), req("keep", no_stop_trim=True)]})
+    for out in got.values():
+        assert out.finish_reason == {"type": "stop", "matched": stop}
+        decoded = tokenizer.decode(out.output_ids, skip_special_tokens=False)
+        assert stop in decoded and stop not in tokenizer.decode(out.output_ids[:-1], skip_special_tokens=False)
+    assert got["trim"].text == text[: text.index(stop)]
+    assert got["keep"].text == tokenizer.decode(got["keep"].output_ids, skip_special_tokens=False)
+
+
+def test_a_failing_forward_costs_only_its_request(model):
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    poison = 13
+    forward = model.forward_packed
+
+    def flaky(input_ids, batch, **kw):
+        if bool((input_ids == poison).any()):
+            raise RuntimeError("poisoned token")
+        return forward(input_ids, batch, **kw)
+
+    good = prompts((5, 8), seed=12)
+    good = [[t for t in p if t != poison] or [1] for p in good]
+    expect = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=p, sampling=greedy(6), rid=str(i)) for i, p in enumerate(good)]})
+    model.forward_packed = flaky
+    try:
+        finals = run(engine, {0: [GenerateRequest(input_ids=good[0], sampling=greedy(6), rid="0")],
+                              2: [GenerateRequest(input_ids=[1, poison, 2], sampling=greedy(6), rid="bad"),
+                                  GenerateRequest(input_ids=good[1], sampling=greedy(6), rid="1")]})
+    finally:
+        del model.forward_packed
+    assert finals["bad"].finish_reason["type"] == "abort" and "poisoned token" in finals["bad"].finish_reason["message"]
+    for rid in ("0", "1"):
+        assert finals[rid].output_ids == expect[rid].output_ids
+    assert engine.blocks.available == engine.blocks.num_blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# asyncio wrapper
+
+
+def test_async_engine_streams_cancels_and_updates(checkpoint, tmp_path):
+    model = slime_dsa.load_model(checkpoint[0]).eval()
+    make_hf_checkpoint(tmp_path, seed=1, **MODEL)
+    ps = prompts((6, 9, 4), seed=13)
+    expect_new = run(Engine(slime_dsa.load_model(tmp_path), max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=ps[0], sampling=greedy(8), rid="n")]})["n"]
+
+    async def main():
+        engine = AsyncEngine(Engine(model, max_cache_tokens=512, block_size=4), model_path=str(checkpoint[0]))
+        await engine.start()
+
+        async def collect(req):
+            return [out async for out in engine.generate(req)]
+
+        streams = await asyncio.gather(*(collect(GenerateRequest(input_ids=p, sampling=greedy(10), rid=str(i))) for i, p in enumerate(ps)))
+        for chunks in streams:
+            assert chunks[-1].finish_reason == {"type": "length", "length": 10}
+            assert all(c.finish_reason is None for c in chunks[:-1])
+            lengths = [len(c.output_ids) for c in chunks]
+            assert lengths == sorted(lengths) and chunks[0].output_ids == chunks[-1].output_ids[: lengths[0]]  # cumulative
+
+        with pytest.raises(RequestError, match="input_ids"):
+            await collect(GenerateRequest(input_ids=[]))
+
+        # A consumer that goes away aborts its request.
+        async def consume_two():
+            async for out in engine.generate(GenerateRequest(input_ids=ps[1], sampling=greedy(400), rid="long")):
+                if len(out.output_ids) >= 2:
+                    break
+
+        async def consume_forever(first_token: asyncio.Event):
+            async for _ in engine.generate(GenerateRequest(input_ids=ps[2], sampling=greedy(400), rid="cancelled")):
+                first_token.set()
+
+        async def idle():
+            for _ in range(200):
+                if engine.num_running == 0 and engine.num_queued == 0:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        await asyncio.create_task(consume_two())
+        assert await idle()
+        event = asyncio.Event()
+        task = asyncio.create_task(consume_forever(event))
+        await event.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await idle()
+
+        assert await engine.flush_cache() is True
+        await engine.update_weights_from_disk(tmp_path, weight_version="5")
+        assert engine.weight_version == "5" and engine.model_info()["weight_version"] == "5"
+        out = (await collect(GenerateRequest(input_ids=ps[0], sampling=greedy(8), rid="after")))[-1]
+        assert out.output_ids == expect_new.output_ids and set(out.output_token_versions) == {5}
+        with pytest.raises(RequestError, match="update_weights"):
+            await engine.update_weights({"nope": torch.zeros(1)})
+
+        await engine.pause("in_place")
+        gen = asyncio.create_task(collect(GenerateRequest(input_ids=ps[2], sampling=greedy(4), rid="held")))
+        await asyncio.sleep(0.1)
+        assert not gen.done() and engine.num_queued == 1
+        await engine.resume()
+        assert (await gen)[-1].finish_reason["type"] == "length"
+        info = engine.server_info()
+        assert info["engine"] == "embedded" and info["max_cache_tokens"] == 512
+        await engine.stop()
+        with pytest.raises(EngineStoppedError):
+            await collect(GenerateRequest(input_ids=[1, 2]))
+
+    asyncio.run(main())
