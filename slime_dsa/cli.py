@@ -22,6 +22,7 @@ COMMANDS = (
     "slime_dsa.config.command",  # recipe explain | check
     "rollout.server.command",  # serve
     "rollout.server.generate_command",  # generate
+    "slime_dsa.commands.sft",  # sft
     "slime_dsa.commands.train",  # train
     "slime_dsa.commands.export",  # export
     "slime_dsa.commands.report",  # report

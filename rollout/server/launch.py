@@ -34,10 +34,17 @@ def load_engine(
     dtype: str | None = None,
     device: str | None = None,
     weight_version: str = "0",
+    ops_backend: str = "auto",
 ) -> tuple[Any, Any]:
-    """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet."""
+    """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
+
+    `ops_backend` (auto | torch | triton) picks the DSA kernels for this process, as the recipe's model.ops_backend.
+    """
     import torch
 
+    from slime_dsa import ops
+
+    ops.set_backend(ops_backend)
     from rollout.engine.async_engine import AsyncEngine
     from rollout.engine.engine import Engine
     from slime_dsa.checkpoint import load_model

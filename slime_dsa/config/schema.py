@@ -468,6 +468,6 @@ class RecipeConfig(Section):
         tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in self.data.tasks)
         ro, tr = self.rollout, self.trainer
         engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
-        return (f"{self.algorithm.name} on {self.model.path or 'a tiny random model'} | tasks: {tasks} | "
+        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.preset} model'} | tasks: {tasks} | "
                 f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples/step | "
                 f"{engines} {ro.engine} engine(s) | {tr.num_workers} {tr.backend} trainer(s) | {tr.num_steps} steps")

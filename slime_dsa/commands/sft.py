@@ -1,0 +1,23 @@
+"""`slime-dsa sft RECIPE [--set k=v]`: supervised fine-tuning on the tasks' reference solutions."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_dsa.config.command import add_recipe_arguments
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("sft", help="fine-tune on the tasks' reference solutions (makes RL starting policies)")
+    add_recipe_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slime_dsa.config import load_recipe  # noqa: PLC0415
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    from slime_dsa.sft import run_sft  # noqa: PLC0415
+
+    print(f"model written: {run_sft(recipe)}")
+    return 0

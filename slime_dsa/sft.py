@@ -1,0 +1,131 @@
+"""`slime-dsa sft RECIPE`: supervised fine-tuning on the tasks' reference solutions (one process, no Ray).
+
+It makes the starting policy of an RL recipe: the quickstart's policy is this module's output on arithmetic,
+stopped early (sft.stop_at_pass) so that RL has room to improve it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_dsa.config import RecipeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, solution ids + EOS) for each prompt; the solution comes from the task's `solution` column."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for p in prompts:
+        solution = p.metadata.get("solution")
+        if solution is None:
+            raise ValueError(f"task {p.task!r} row {p.index} has no 'solution' column to fine-tune on")
+        out.append((list(p.prompt_ids), tokenizer.encode(solution, add_special_tokens=False) + [eos]))
+    return out
+
+
+def sft_loss(model, examples: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Mean negative log-likelihood of the solution tokens, over one packed batch."""
+    from slime_dsa.models import PackedBatch  # noqa: PLC0415
+
+    ids = torch.tensor([t for prompt, resp in examples for t in prompt + resp], device=model.device)
+    mask = torch.tensor([m for prompt, resp in examples for m in [0.0] * len(prompt) + [1.0] * len(resp)], device=model.device)
+    batch = PackedBatch.from_seqlens([len(p) + len(r) for p, r in examples], model.device)
+    logp, _ = model.token_logprobs(ids, batch)
+    return -(logp * mask).sum() / mask.sum()
+
+
+def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int) -> dict[str, float]:
+    """Greedy answers on every task's eval split with the embedded engine: mean reward and pass@1."""
+    from rollout.engine.engine import Engine  # noqa: PLC0415
+    from rollout.engine.types import GenerateRequest, SamplingParams  # noqa: PLC0415
+    from rollout.rewards.compute import compute_reward  # noqa: PLC0415
+    from rollout.rewards.registry import load_reward_fn  # noqa: PLC0415
+
+    model.eval()
+    prompts = [(task, p) for task in tasks if task.eval is not None for p in list(task.eval)[:max_prompts]]
+    longest = max((len(p.prompt_ids) for _, p in prompts), default=1) + max_new_tokens
+    engine = Engine(model, max_cache_tokens=max(4096, longest * min(len(prompts), 256)), tokenizer=tokenizer)
+    samples = {}
+    for i, (task, p) in enumerate(prompts):
+        samples[str(i)] = p.to_sample(index=i)
+        engine.add_request(GenerateRequest(list(p.prompt_ids), SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), rid=str(i)))
+    while engine.has_work:
+        for out in engine.step():
+            if out.finish_reason is not None:
+                samples[out.rid].response_ids = list(out.output_ids)
+                samples[out.rid].response_text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+
+    async def score() -> list[float]:
+        fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
+        results = await asyncio.gather(*(compute_reward(fns[s.task], s) for s in samples.values()))
+        return [r.reward for r in results]
+
+    rewards = asyncio.run(score()) if samples else []
+    model.train()
+    n = max(len(rewards), 1)
+    return {"eval/reward_mean": sum(rewards) / n, "eval/pass@1": sum(r >= 1.0 for r in rewards) / n}
+
+
+def run_sft(recipe: RecipeConfig) -> Path:
+    """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from rich.progress import Progress  # noqa: PLC0415
+
+    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
+    from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from trainers.fsdp.optim import build_optimizer, build_scheduler  # noqa: PLC0415
+
+    tr, sft = recipe.trainer, recipe.sft
+    torch.manual_seed(tr.seed)
+    run_dir = setup.resolve_run_dir(recipe)
+    setup.write_resolved_recipe(recipe, run_dir)
+    model_dir = setup.prepare_model_dir(recipe, run_dir)
+    tokenizer = setup.load_tokenizer(recipe, model_dir)
+    model = load_model(model_dir, dtype=torch.float32)
+    tasks = build_tasks(recipe.data, tokenizer)
+    mixture = TaskMixture(tasks, seed=recipe.data.seed)
+    optimizer = build_optimizer(model, tr.learning_rate, tr.weight_decay, tuple(tr.adam_betas))
+    scheduler = build_scheduler(optimizer, tr.warmup_steps, tr.num_steps, tr.lr_schedule)
+    log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name, recipe.logging.wandb_mode,
+                        config=recipe.model_dump(mode="json"))
+    out_dir = Path(sft.output_dir or run_dir / "sft_model")
+    eval_args = (tokenizer, tasks, sft.eval_prompts, recipe.rollout.max_response_length)
+    metrics: dict[str, float] = {}
+    try:
+        with Progress(transient=True) as progress:
+            bar = progress.add_task("sft", total=tr.num_steps)
+            for step in range(1, tr.num_steps + 1):
+                start = time.perf_counter()
+                loss = sft_loss(model, supervised_examples(mixture.take(sft.batch_size), tokenizer))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or math.inf)
+                optimizer.step()
+                scheduler.step()
+                progress.advance(bar)
+                metrics = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm),
+                           "train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start}
+                if (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps:
+                    metrics.update(greedy_eval(model, *eval_args))
+                    logger.info("sft step %d: loss %.4f, eval pass@1 %.3f", step, metrics["train/loss"], metrics["eval/pass@1"])
+                if step % recipe.logging.log_every == 0 or "eval/pass@1" in metrics:
+                    log.log(metrics, step=step)
+                if sft.stop_at_pass is not None and metrics.get("eval/pass@1", 0.0) >= sft.stop_at_pass:
+                    logger.info("sft: eval pass@1 %.3f reached sft.stop_at_pass at step %d", metrics["eval/pass@1"], step)
+                    break
+    finally:
+        log.close()
+    save_pretrained(model, out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "sft_summary.json").write_text(__import__("json").dumps({"steps": step, **metrics}, indent=2))
+    return out_dir
