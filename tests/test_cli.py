@@ -37,7 +37,7 @@ def test_recipe_check_ok(capsys):
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == f"ok: {BASE}"
-    assert len(lines) == 2 and lines[1].startswith("grpo on a tiny random model | tasks: arithmetic×1")
+    assert len(lines) == 2 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
 
 
 def test_recipe_check_print_and_set(capsys):
