@@ -565,3 +565,19 @@ def test_cli_generate_with_a_model_directory(checkpoints, tmp_path, capsys):
     assert rows[2]["choices"][0]["message"]["role"] == "assistant"
     assert main(["generate", "--model", str(checkpoints[0])]) == 2
     assert "no prompts" in capsys.readouterr().err
+
+
+# ---- memory release for colocated training ------------------------------------------------------------------
+
+def test_release_and_resume_memory_keep_outputs(server):
+    request = {"input_ids": PROMPT, "sampling_params": greedy(6), "return_logprob": True}
+    _, before = post(server, "/generate", request)
+    assert post(server, "/pause_generation", {"mode": "abort"})[0] == 200
+    assert post(server, "/release_memory_occupation", {"tags": None}) == (200, None)
+    status, body = post(server, "/release_memory_occupation", {"tags": ["gpu"]})
+    assert status == 400 and "tags" in body["error"]["message"]
+    assert post(server, "/resume_memory_occupation", {}) == (200, None)
+    assert post(server, "/continue_generation", {})[0] == 200
+    _, after = post(server, "/generate", request)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]

@@ -132,6 +132,12 @@ class AsyncEngine:
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)
 
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self.engine.release_memory(tags))
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self.engine.resume_memory(tags))
+
     # -- information ----------------------------------------------------------------------------
 
     @property

@@ -129,6 +129,7 @@ class Engine:
         self._active: dict[str, _Sequence] = {}  # rid -> queued or running sequence
         self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0)
         self._paused: str | None = None
+        self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self.stats = {"steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
@@ -255,6 +256,40 @@ class Engine:
             return False
         self._reset_prefix_cache()
         return True
+
+    MEMORY_TAGS = ("weights", "kv_cache")
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free device memory for a colocated trainer: the KV pool and/or the weights (moved to host memory).
+
+        Only while nothing runs or waits; the prefix cache is dropped with the KV pool.
+        """
+        tags = self._check_memory_tags(tags)
+        if "kv_cache" in tags:
+            self._reset_prefix_cache()
+            self.cache.release()
+        if "weights" in tags:
+            self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._released.update(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Undo release_memory: weights back on the device, a fresh KV pool."""
+        tags = self._check_memory_tags(tags, releasing=False)
+        if "weights" in tags:
+            self.model.to(self.device)
+        if "kv_cache" in tags:
+            self.cache.allocate()
+        self._released.difference_update(tags)
+
+    def _check_memory_tags(self, tags: list[str] | None, releasing: bool = True) -> list[str]:
+        tags = list(self.MEMORY_TAGS if tags is None else tags)
+        if bad := [t for t in tags if t not in self.MEMORY_TAGS]:
+            raise RequestError(f"tags may hold only {list(self.MEMORY_TAGS)}, got {bad}")
+        if releasing and (self._running or self._queue):
+            raise RequestError("memory can be released only while no request runs or waits: pause generation first")
+        return tags
 
     def _reset_prefix_cache(self) -> None:
         self.blocks.reset_prefix_cache()

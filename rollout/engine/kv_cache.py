@@ -24,10 +24,23 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         num_slots = num_blocks * block_size
         self.full_index = {layer: i for i, layer in enumerate(config.full_layer_ids)}
-        self.kv = torch.zeros(config.num_hidden_layers, num_slots, config.kv_lora_rank + config.qk_rope_head_dim, dtype=dtype, device=device)
-        self.index_k = torch.zeros(len(self.full_index), num_slots, config.index_head_dim, dtype=dtype, device=device)
+        self._shapes = {
+            "kv": (config.num_hidden_layers, num_slots, config.kv_lora_rank + config.qk_rope_head_dim),
+            "index_k": (len(self.full_index), num_slots, config.index_head_dim),
+        }
+        self.dtype, self.device = dtype, device
+        self.allocate()
         self._write: torch.Tensor | None = None
         self._read: torch.Tensor | None = None
+
+    def allocate(self) -> None:
+        """(Re)create the pools, zeroed."""
+        self.kv = torch.zeros(self._shapes["kv"], dtype=self.dtype, device=self.device)
+        self.index_k = torch.zeros(self._shapes["index_k"], dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Drop the pools (colocated training needs the memory); allocate() brings them back."""
+        self.kv = self.index_k = torch.empty(0, dtype=self.dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:

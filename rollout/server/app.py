@@ -402,8 +402,18 @@ async def unsupported_distributed(request: web.Request) -> web.Response:
     return _update_result(False, UNSUPPORTED_DISTRIBUTED.format(path=request.path))
 
 
-async def unsupported_memory(request: web.Request) -> web.Response:
-    return error_response(f"{request.path} is not supported by the embedded engine (it has no memory saver)")
+async def memory_occupation(request: web.Request) -> web.Response:
+    """release/resume_memory_occupation {"tags": null | ["weights"] | ["kv_cache"]}: 200 with body null, as SGLang."""
+    body = await read_object(request)
+    tags = body.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+        raise RequestError(f"tags must be null or a list of strings, got {tags!r}")
+    engine = state_of(request).engine
+    if request.path == "/release_memory_occupation":
+        await engine.release_memory(tags)
+    else:
+        await engine.resume_memory(tags)
+    return web.json_response(None)
 
 
 # ---- assembly ---------------------------------------------------------------------------------------------
@@ -468,6 +478,6 @@ def create_app(
     for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
         r.add_post(path, unsupported_distributed)
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        r.add_post(path, unsupported_memory)
+        r.add_post(path, memory_occupation)
     openai_api.add_routes(app)
     return app
