@@ -42,10 +42,17 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
-    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
-    impl = _kernels(q.device) or reference
-    return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
+def indexer_topk(
+    q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float, fp8: bool = False
+) -> torch.Tensor:
+    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded.
+
+    `fp8` scores with float8 e4m3 q/k (DeepSeek-V3.2) on the Triton path; the torch reference ignores it.
+    """
+    kernels = _kernels(q.device)
+    if kernels is not None:
+        return kernels.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, fp8=fp8)
+    return reference.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
 
 def sparse_mla_attention(q, kv, indices, scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,4 +61,18 @@ def sparse_mla_attention(q, kv, indices, scale: float, v_dim: int) -> tuple[torc
     return impl.sparse_mla_attention(q, kv, indices, scale, v_dim)
 
 
-__all__ = ["set_backend", "get_backend", "indexer_topk", "sparse_mla_attention", "reference"]
+def indexer_kl_loss(
+    index_q, index_k, index_weights, index_scale: float, attn_q, attn_kv, attn_lse, attn_scale: float,
+    cu_seqlens_q, cu_seqlens_k, rows=None,
+) -> torch.Tensor:
+    """Indexer KL loss of one IndexShare group, per query row (Tq,); see `reference.indexer_kl_loss`."""
+    impl = _kernels(index_q.device) or reference
+    return impl.indexer_kl_loss(
+        index_q, index_k, index_weights, index_scale, attn_q, attn_kv, attn_lse, attn_scale,
+        cu_seqlens_q, cu_seqlens_k, rows,
+    )
+
+
+__all__ = [
+    "set_backend", "get_backend", "indexer_topk", "sparse_mla_attention", "indexer_kl_loss", "reference",
+]

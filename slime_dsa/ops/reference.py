@@ -10,7 +10,11 @@ Conventions shared by every backend (see slime_dsa/ops/__init__.py):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 QUERY_CHUNK = 256
 
@@ -24,14 +28,20 @@ def _query_positions(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> 
     return seq_id, (lens_k - lens_q)[seq_id] + row_in_seq
 
 
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 math for low-precision inputs; float64 inputs stay float64 (gradcheck, exact tests)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] * scale), in float32.
+    """I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] * scale), in float32 (float64 for float64 q).
 
     q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi) -> (Tq, Tk). No mask.
     """
+    acc = _acc_dtype(q)
     # The op order follows transformers' indexer, so near-ties break the same way.
-    logits = torch.matmul(q.float(), k.float().T) * scale  # (Tq, Hi, Tk)
-    return torch.matmul(weights.float().unsqueeze(-2), logits.relu()).squeeze(-2)  # (Tq, Tk)
+    logits = torch.matmul(q.to(acc), k.to(acc).T) * scale  # (Tq, Hi, Tk)
+    return torch.matmul(weights.to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (Tq, Tk)
 
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
@@ -80,17 +90,93 @@ def sparse_mla_attention(
 
     q (Tq, H, D); kv (Tk, D) with the value in kv[:, :v_dim]; indices (Tq, K) rows of kv, -1 unused.
     Returns out (Tq, H, v_dim) and lse (Tq, H) float32 (natural log, of the scaled scores).
-    Softmax runs in float32; out has q's dtype.
+    Softmax runs in float32 (float64 for float64 inputs); out has q's dtype.
     """
+    acc = _acc_dtype(q)
     outs, lses = [], []
     for c0 in range(0, q.shape[0], QUERY_CHUNK):
         idx = indices[c0 : c0 + QUERY_CHUNK]  # (C, K)
         valid = idx >= 0
         rows = kv[idx.clamp(min=0)]  # (C, K, D)
-        scores = torch.einsum("chd,ckd->chk", q[c0 : c0 + QUERY_CHUNK].float(), rows.float()) * scale
+        scores = torch.einsum("chd,ckd->chk", q[c0 : c0 + QUERY_CHUNK].to(acc), rows.to(acc)) * scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))  # (C, H, K)
         lse = torch.logsumexp(scores, dim=-1)  # (C, H)
         probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # all-masked rows -> 0
         outs.append(torch.einsum("chk,ckv->chv", probs.to(q.dtype), rows[..., :v_dim]))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def _loss_key_rows(
+    c0: int, c1: int, rows: torch.Tensor | None, key_start: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """Key rows of query rows c0:c1 as (C, W) global rows, -1 unused: `rows` if given, else every causal key."""
+    if rows is not None:
+        return rows[c0:c1]
+    width = int(pos[c0:c1].max()) + 1
+    cols = torch.arange(width, device=pos.device)
+    return torch.where(cols <= pos[c0:c1, None], key_start[c0:c1, None] + cols, -1)  # (C, W)
+
+
+def _kl_chunk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
+    target: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """KL(target || softmax(I)) per query of one chunk: q (C, Hi, Di), k (Tk, Di), w (C, Hi), rows (C, W) -> (C,)."""
+    dtype = target.dtype
+    logits = torch.einsum("cjd,cwd->cjw", q.to(dtype), k[rows].to(dtype)) * scale  # (C, Hi, W)
+    scores = torch.einsum("cj,cjw->cw", w.to(dtype), logits.relu()).masked_fill(~valid, float("-inf"))  # (C, W)
+    log_q = F.log_softmax(scores, dim=-1).masked_fill(~valid, 0.0)
+    return (torch.xlogy(target, target) - target * log_q).sum(-1)
+
+
+def indexer_kl_loss(
+    index_q: torch.Tensor,
+    index_k: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_scale: float,
+    attn_q: Sequence[torch.Tensor],
+    attn_kv: Sequence[torch.Tensor],
+    attn_lse: Sequence[torch.Tensor | None] | None,
+    attn_scale: float,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DSA indexer KL loss of one IndexShare group, per query row (ALGORITHMS.md section 6).
+
+    index_q (Tq, Hi, Di), index_k (Tk, Di), index_weights (Tq, Hi): the group's full-layer indexer inputs;
+    index_scale as in `indexer_scores`. attn_q[g] (Tq, H, D), attn_kv[g] (Tk, D): the MQA-mode attention
+    inputs of each layer g of the group (kv rows packed like index_k, by cu_seqlens_k); attn_lse[g] (Tq, H)
+    the lse that layer's attention returned over the *same key set*, or None to recompute it.
+    rows (Tq, K): the selected global key rows, -1 unused (sparse stage); None = every causal key (dense stage).
+
+    Target p_bar[t] = mean over layers of L1-normalise(sum over heads of softmax(attn_scale * q . kv)) on the
+    key set; returns KL(p_bar[t] || softmax(I[t])) on that set, (Tq,) float32 (float64 for float64 inputs).
+    Gradients reach index_q, index_k and index_weights only. Chunked over queries: no (H, T, T) tensor.
+    """
+    acc = _acc_dtype(index_q)
+    seq_id, pos = _query_positions(cu_seqlens_q, cu_seqlens_k)
+    key_start = cu_seqlens_k[seq_id]
+    n_layers = len(attn_q)
+    losses = []
+    for c0 in range(0, index_q.shape[0], QUERY_CHUNK):
+        c1 = min(c0 + QUERY_CHUNK, index_q.shape[0])
+        r = _loss_key_rows(c0, c1, rows, key_start, pos)  # (C, W)
+        valid, r0 = r >= 0, r.clamp(min=0)
+        with torch.no_grad():
+            target = torch.zeros(r.shape, dtype=acc, device=r.device)  # (C, W)
+            for g in range(n_layers):
+                s = torch.einsum("chd,cwd->chw", attn_q[g][c0:c1].to(acc), attn_kv[g][r0].to(acc)) * attn_scale
+                s = s.masked_fill(~valid[:, None, :], float("-inf"))  # (C, H, W)
+                lse = attn_lse[g] if attn_lse is not None else None
+                lse = torch.logsumexp(s, dim=-1) if lse is None else lse[c0:c1].to(acc)  # (C, H)
+                p = torch.exp(s - lse[..., None]).nan_to_num(0.0).sum(1)  # (C, W) head-summed probabilities
+                target += p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+            target /= n_layers
+        # Recompute the (C, Hi, W) index logits in backward instead of keeping them for every chunk.
+        losses.append(checkpoint(
+            _kl_chunk, index_q[c0:c1], index_k, index_weights[c0:c1], r0, valid, target, index_scale,
+            use_reentrant=False,
+        ))
+    return torch.cat(losses) if losses else index_q.new_zeros(0, dtype=acc)

@@ -1,0 +1,379 @@
+"""Sparse MLA attention in MQA mode (Triton): forward (out, lse) and backward (dQ, dKV) over gathered kv rows.
+
+Every query row t attends, with all of its H heads, to the K latent rows `indices[t]` of the shared kv
+tensor (-1 = unused slot). The score of head h for row r is scale * q[t, h] . kv[r] over D = D_V + D_R dims
+(latent + rope); the value is kv[r, :D_V]. Conventions follow `slime_dsa/ops/reference.py`.
+
+One program handles one query row and a block of heads (64 for GLM-5, so kv rows are gathered once per
+query): the tensor-core tiles are (heads x keys) and the kv block is shared by every head, which is what
+makes MQA-mode sparse attention compute-bound rather than gather-bound. D is split into the latent part
+(a power of two, 512) and the rope part (64) because Triton tiles must be powers of two.
+
+Decode (few query rows) splits each row's K keys over several programs and merges the partial results
+(flash-decoding), so a batch of single-token requests still fills the GPU.
+
+Backward recomputes the probabilities from the saved lse, on 32 heads per program (64 do not fit in shared
+memory). dQ is accumulated in registers; dKV rows are shared between queries, so their contributions are
+added with float32 atomics (the summation order, and so the last bits of dKV, can change from run to run).
+It runs at about 40% of the forward's TFLOP/s: the part to improve next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of one kernel: heads per program, keys per step, warps, pipeline stages."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tried in order; the first that compiles and fits on the device is kept for that problem shape.
+# benchmarks/dsa_kernels.py checks and times every entry (H200, GLM-5 sizes: benchmarks/RESULTS.md); the
+# first entries are the fastest there. Configs with 64 heads per backward program need more shared memory
+# than Hopper has (q and dO both stay resident), so the backward works on 32 heads per program.
+FWD_CONFIGS = [
+    KernelConfig(64, 64, 8, 2), KernelConfig(64, 64, 8, 3), KernelConfig(64, 32, 8, 2), KernelConfig(64, 128, 8, 2),
+    KernelConfig(32, 32, 4, 1),
+]
+# Backward, either one fused kernel or two ("split"): dQ alone (no atomics) and dKV alone (no dQ accumulator),
+# which recompute the scores twice but relieve register pressure. Fused was faster on the H200 (61 vs 69 ms
+# at 8K); split stays as the fallback.
+BWD_MODES = ["fused", "split"]
+BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
+BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
+BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]
+_chosen: dict[tuple, KernelConfig | str] = {}
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) runs on CPU tensors
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
+    """Run `launch(cfg)` with the remembered config for `key`, or find the first config that works."""
+    cached = _chosen.get((kind, key))
+    if cached is not None:
+        launch(cached)
+        return
+    errors = []
+    for cfg in configs:
+        try:
+            launch(cfg)
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
+            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        _chosen[(kind, key)] = cfg
+        return
+    raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_it,
+    stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+    H, K, keys_per_split, scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    mask_h = offs_h < H
+    mask_v = offs_v < D_V
+    mask_r = offs_r < D_R
+
+    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)  # (BH, DV)
+    q_pe = tl.load(q_rows + D_V + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # (BH, DR)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+
+    k_lo = split * keys_per_split
+    k_hi = tl.minimum(k_lo + keys_per_split, K)
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_hi, other=-1)  # (BN,)
+        valid = idx >= 0
+        kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
+        k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)  # (BN, DV)
+        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # (BN, DR)
+
+        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BH, BN) fp32
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no valid key yet stays at 0/0
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # (BH, BN)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    out_ptrs = out_ptr + t * stride_ot + split * stride_os + offs_h[:, None] * stride_oh + offs_v[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_v[None, :])
+    tl.store(lse_ptr + t * stride_lt + split * stride_ls + offs_h, lse, mask=mask_h)
+
+
+def _decode_splits(T: int, head_blocks: int, K: int, block_n: int, device: torch.device) -> int:
+    """Key splits per query row so that few rows (decode) still give every SM about two programs."""
+    programs = T * head_blocks
+    target = 2 * _num_sms(device)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(K, block_n)))
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, D), kv (Tk, D), indices (T, K) -> out (T, H, v_dim) in q's dtype, lse (T, H) float32."""
+    T, H, D = q.shape
+    K = indices.shape[1]
+    out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    if K == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    d_r = D - v_dim
+    block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
+
+    def launch(cfg: KernelConfig) -> None:
+        block_h = min(cfg.block_h, _pow2(H))
+        head_blocks = triton.cdiv(H, block_h)
+        splits = _decode_splits(T, head_blocks, K, cfg.block_n, q.device)
+        keys_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_n) * cfg.block_n
+        splits = triton.cdiv(K, keys_per_split)
+        if splits == 1:
+            o, l_ = out, lse
+            so, sl = 0, 0
+        else:  # partial results per split, merged below
+            o = torch.empty(T, splits, H, v_dim, dtype=torch.float32, device=q.device)
+            l_ = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
+            so, sl = o.stride(1), l_.stride(1)
+        _sparse_mla_fwd_kernel[(T, splits, head_blocks)](
+            q, kv, indices, o, l_,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+            o.stride(0), so, o.stride(-2), l_.stride(0), sl,
+            H, K, keys_per_split, scale * LOG2E,
+            D_V=v_dim, D_R=d_r, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+            BLOCK_H=block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if splits > 1:
+            lse.copy_(torch.logsumexp(l_, dim=1))  # (T, H)
+            weight = torch.exp(l_ - lse[:, None]).nan_to_num(0.0)  # (T, S, H); all -inf rows -> 0
+            out.copy_((weight[..., None] * o).sum(dim=1))
+
+    _launch("fwd", (H, D, v_dim, q.dtype), FWD_CONFIGS, launch)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _sparse_mla_bwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
+    stride_dqt, stride_dqh, stride_dkvt,
+    H, K, scale, scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+):
+    """Gradients for one query row and a block of heads: dQ (stored) and/or dKV (atomically added)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    mask_h = offs_h < H
+    mask_v = offs_v < D_V
+    mask_r = offs_r < D_R
+    mask_hv = mask_h[:, None] & mask_v[None, :]
+    mask_hr = mask_h[:, None] & mask_r[None, :]
+
+    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=mask_hv, other=0.0)  # (BH, DV)
+    q_pe = tl.load(q_rows + D_V + offs_r[None, :], mask=mask_hr, other=0.0)  # (BH, DR)
+    do = tl.load(dout_ptr + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=mask_hv, other=0.0)
+    # Padded heads and rows without keys get lse = +inf, so every probability below is exactly 0.
+    lse = tl.load(lse_ptr + t * stride_lt + offs_h, mask=mask_h, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # (BH,) log2 domain
+    delta = tl.load(delta_ptr + t * stride_lt + offs_h, mask=mask_h, other=0.0)  # (BH,)
+
+    dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    dq_pe = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
+    for n0 in range(0, K, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < K, other=-1)  # (BN,)
+        valid = idx >= 0
+        row = tl.where(valid, idx, 0).to(tl.int64)
+        kv_rows = kv_ptr + row[:, None] * stride_kvt
+        k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)  # (BN, DV)
+        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # (BN, DR)
+
+        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BH, BN)
+        p = tl.exp2(s * scale_log2 - lse[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(k_nope))  # (BH, BN): dO . V with V = kv[:, :D_V]
+        ds = (p * (dp - delta[:, None]) * scale).to(k_nope.dtype)  # dL/d(q.k)
+
+        if DO_DQ:
+            dq_nope += tl.dot(ds, k_nope)
+            dq_pe += tl.dot(ds, k_pe)
+        if DO_DKV:
+            dk_nope = tl.dot(tl.trans(ds), q_nope) + tl.dot(tl.trans(p.to(do.dtype)), do)  # (BN, DV): key + value
+            dk_pe = tl.dot(tl.trans(ds), q_pe)  # (BN, DR)
+            dkv_rows = dkv_ptr + row[:, None] * stride_dkvt
+            tl.atomic_add(dkv_rows + offs_v[None, :], dk_nope, mask=valid[:, None] & mask_v[None, :], sem="relaxed")
+            tl.atomic_add(dkv_rows + D_V + offs_r[None, :], dk_pe, mask=valid[:, None] & mask_r[None, :],
+                          sem="relaxed")
+
+    if DO_DQ:
+        dq_rows = dq_ptr + t * stride_dqt + offs_h[:, None] * stride_dqh
+        tl.store(dq_rows + offs_v[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=mask_hv)
+        tl.store(dq_rows + D_V + offs_r[None, :], dq_pe.to(dq_ptr.dtype.element_ty), mask=mask_hr)
+
+
+def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """delta (T, H) float32 = rowsum(dO * O) - dL/dlse, so that dL/ds = p * (dO . v - delta)."""
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:  # lse depends on every score through p
+        delta = delta - dlse.float()
+    return delta.contiguous()
+
+
+def launch_bwd_kernel(
+    cfg: KernelConfig, do_dq: bool, do_dkv: bool, q, kv, indices, dout, lse, delta, dq, dkv, scale: float, v_dim: int
+) -> None:
+    """One backward launch: dq (written) and/or dkv (float32, added to) for all query rows."""
+    T, H, D = q.shape
+    block_h = min(cfg.block_h, _pow2(H))
+    _sparse_mla_bwd_kernel[(T, triton.cdiv(H, block_h))](
+        q, kv, indices, dout, lse, delta, dq, dkv,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1),
+        lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
+        H, indices.shape[1], scale, scale * LOG2E,
+        D_V=v_dim, D_R=D - v_dim, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(D - v_dim),
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n, DO_DQ=do_dq, DO_DKV=do_dkv,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def sparse_mla_bwd(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dout: torch.Tensor, dlse: torch.Tensor | None, scale: float, v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dq (T, H, D), dkv (Tk, D)) of sparse_mla_fwd, given dout (T, H, v_dim) and optional dlse (T, H)."""
+    T, H, D = q.shape
+    K = indices.shape[1]
+    dout = dout.contiguous()
+    delta = bwd_delta(out, dout, dlse)
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    if T == 0 or K == 0:
+        return dq.zero_(), dkv.to(kv.dtype)
+
+    def launcher(do_dq: bool, do_dkv: bool):
+        def launch(cfg: KernelConfig) -> None:
+            if do_dkv:
+                dkv.zero_()  # a failed attempt may have added into it
+            launch_bwd_kernel(cfg, do_dq, do_dkv, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim)
+
+        return launch
+
+    key = (H, D, v_dim, q.dtype)
+    modes = [_chosen[("bwd_mode", key)]] if ("bwd_mode", key) in _chosen else BWD_MODES
+    errors = []
+    for mode in modes:
+        try:
+            if mode == "fused":
+                _launch("bwd_fused", key, BWD_FUSED_CONFIGS, launcher(True, True))
+            else:
+                _launch("bwd_dq", key, BWD_DQ_CONFIGS, launcher(True, False))
+                _launch("bwd_dkv", key, BWD_DKV_CONFIGS, launcher(False, True))
+        except RuntimeError as err:
+            errors.append(str(err))
+            continue
+        _chosen[("bwd_mode", key)] = mode
+        break
+    else:
+        raise RuntimeError("\n".join(errors))
+    return dq, dkv.to(kv.dtype)
+
+
+class SparseMLAFunction(torch.autograd.Function):
+    """Autograd wrapper: gradients flow into q and kv (indices are integers)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, scale: float, v_dim: int):
+        out, lse = sparse_mla_fwd(q, kv, indices, scale, v_dim)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.scale, ctx.v_dim = scale, v_dim
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, ctx.scale, ctx.v_dim)
+        return dq, dkv, None, None, None
+
+
+def sparse_mla_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA-mode sparse attention, same contract as `reference.sparse_mla_attention`.
+
+    q (T, H, D); kv (Tk, D), value = kv[:, :v_dim]; indices (T, K) rows of kv, -1 unused (any int dtype).
+    Returns out (T, H, v_dim) in q's dtype and lse (T, H) float32 (natural log of the scaled scores' sum).
+    """
+    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or q.shape[-1] != kv.shape[-1]:
+        raise ValueError(f"sparse_mla_attention expects q (T, H, D), kv (Tk, D), indices (T, K); got "
+                         f"{tuple(q.shape)}, {tuple(kv.shape)}, {tuple(indices.shape)}")
+    if not 0 < v_dim <= q.shape[-1]:
+        raise ValueError(f"v_dim ({v_dim}) must be in 1..D ({q.shape[-1]})")
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
+    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim))
+
+
+def sparse_mla_flops(T: int, H: int, K: int, D: int, v_dim: int) -> tuple[float, float]:
+    """(forward, backward) matmul FLOPs of sparse MLA with K keys per query (all slots used)."""
+    fwd = 2.0 * T * H * K * (D + v_dim)
+    bwd = 2.0 * T * H * K * (D + v_dim + D + D + v_dim)  # recompute s, dP, dQ, dK, dV
+    return fwd, bwd
+
+
+__all__ = ["sparse_mla_attention", "sparse_mla_fwd", "sparse_mla_bwd", "SparseMLAFunction", "sparse_mla_flops"]

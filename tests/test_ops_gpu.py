@@ -1,0 +1,252 @@
+"""Triton DSA kernels against the torch reference on random CUDA inputs (skipped without a GPU).
+
+Tolerances (bf16 inputs; the reference runs in float32 on the same bf16 values):
+- sparse MLA: relative L2 error ||x - ref|| / ||ref|| <= 1e-2 for out, dq, dkv (the kernel rounds P and dS to
+  bf16 before their tensor-core products, as flash attention does); lse max abs error <= 1e-3.
+- indexer top-k: exact on integer inputs (exact ties, checks the tie rule); on random inputs the selected set
+  must be a top-k set up to float32 rounding (min selected score >= max unselected score - 1e-5 * max|score|)
+  and differ from the reference in at most 0.1% of slots. FP8: overlap with the bf16 selection >= 0.7.
+- indexer KL loss: per-query KL within 1e-3 (abs and rel); gradients relative L2 <= 1e-2 (reference gradients
+  in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_dsa import ops
+from slime_dsa.ops import reference
+
+pytestmark = pytest.mark.gpu
+
+REL_L2 = 1e-2
+
+
+def _kernels():
+    from slime_dsa.ops import triton_kernels  # noqa: PLC0415 (imports triton; only with a GPU)
+
+    return triton_kernels
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lens], device="cuda").cumsum(0)
+
+
+def causal_rows(lens_q: list[int], lens_k: list[int], K: int, seed: int = 0) -> torch.Tensor:
+    """(Tq, K) random distinct causal key rows per query (global rows, ascending, -1 padded)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out, key0 = [], 0
+    for lq, lk in zip(lens_q, lens_k):
+        pos = torch.arange(lk - lq, lk, device="cuda")
+        r = torch.rand(lq, lk, device="cuda", generator=g)
+        r = r.masked_fill(torch.arange(lk, device="cuda")[None, :] > pos[:, None], -1.0)
+        top = r.topk(min(K, lk), dim=-1)
+        rows = torch.where(top.values >= 0, top.indices + key0, -1)
+        rows = torch.where(rows < 0, torch.iinfo(torch.long).max, rows).sort(-1).values
+        rows = torch.where(rows == torch.iinfo(torch.long).max, -1, rows)
+        out.append(torch.nn.functional.pad(rows, (0, K - rows.shape[1]), value=-1))
+        key0 += lk
+    return torch.cat(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse MLA attention
+
+MLA_CASES = {
+    # lens_q, lens_k, H, v_dim, rope_dim, K, check_grad
+    "packed_short": ([1, 37, 300], [1, 37, 300], 16, 64, 32, 128, True),
+    "odd_dims_tq_lt_tk": ([5, 60], [90, 200], 3, 40, 8, 48, True),
+    "heads128": ([500], [500], 128, 128, 64, 256, True),
+    "glm5": ([2048], [2048], 64, 512, 64, 2048, True),
+    "glm5_packed_long": ([3000, 9000], [3000, 9000], 64, 512, 64, 2048, False),
+    "glm5_decode": ([1] * 8, [100, 3000, 10000, 1, 2047, 2048, 2049, 65000], 64, 512, 64, 2048, False),
+    "glm5_decode_single": ([1], [30000], 64, 512, 64, 2048, False),
+}
+
+
+@pytest.mark.parametrize("name", list(MLA_CASES))
+def test_sparse_mla_matches_reference(name):
+    lens_q, lens_k, H, v_dim, d_r, K, check_grad = MLA_CASES[name]
+    torch.manual_seed(0)
+    D = v_dim + d_r
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
+    indices = causal_rows(lens_q, lens_k, K)
+    scale = D**-0.5
+    kern = _kernels()
+    if not check_grad:
+        with torch.no_grad():
+            out, lse = kern.sparse_mla_attention(q, kv, indices, scale, v_dim)
+            ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv.float(), indices, scale, v_dim)
+        assert rel_l2(out, ref_out) <= REL_L2, f"out rel L2 {rel_l2(out, ref_out):.2e}"
+        assert (lse - ref_lse).abs().max().item() <= 1e-3
+        return
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    out, lse = kern.sparse_mla_attention(q, kv, indices, scale, v_dim)
+    q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
+    assert rel_l2(out, ref_out) <= REL_L2, f"out rel L2 {rel_l2(out, ref_out):.2e}"
+    assert (lse - ref_lse).abs().max().item() <= 1e-3
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse)  # lse feeds the indexer loss; its gradient must be right too
+    dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
+    assert rel_l2(dq, ref_dq) <= REL_L2, f"dq rel L2 {rel_l2(dq, ref_dq):.2e}"
+    assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
+def test_sparse_mla_rows_without_keys():
+    q = torch.randn(4, 16, 96, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(10, 96, device="cuda", dtype=torch.bfloat16)
+    indices = torch.tensor([[0, 1, -1, -1], [-1, -1, -1, -1], [3, -1, 9, -1], [-1, -1, -1, -1]], device="cuda")
+    out, lse = _kernels().sparse_mla_attention(q, kv, indices, 0.1, 64)
+    assert torch.isneginf(lse[[1, 3]]).all() and (out[[1, 3]] == 0).all()
+    assert torch.isfinite(lse[[0, 2]]).all()
+
+
+def test_dispatcher_uses_triton_on_cuda():
+    q = torch.randn(8, 16, 96, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(8, 96, device="cuda", dtype=torch.bfloat16)
+    idx = causal_rows([8], [8], 4)
+    ops.set_backend("triton")
+    try:
+        out, _ = ops.sparse_mla_attention(q, kv, idx, 0.1, 64)
+    finally:
+        ops.set_backend("auto")
+    ref_out, _ = reference.sparse_mla_attention(q.float(), kv.float(), idx, 0.1, 64)
+    assert rel_l2(out, ref_out) <= REL_L2
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexer top-k
+
+TOPK_CASES = {
+    # lens_q, lens_k, Hi, Di, topk
+    "packed_short_topk_gt_prefix": ([5, 100, 3000], [5, 100, 3000], 8, 64, 256),
+    "tq_lt_tk": ([3, 7, 1], [500, 4000, 100], 4, 32, 64),
+    "glm5_packed": ([6000, 2500], [6000, 2500], 32, 128, 2048),
+    "glm5_decode": ([1] * 16, [1, 100, 2047, 2048, 2049, 5000, 20000, 7] + [3000] * 8, 32, 128, 2048),
+}
+
+
+def _assert_topk_conventions(got: torch.Tensor, lens_q, lens_k, topk):
+    """Ascending causal positions, then -1 padding, min(topk, prefix) of them."""
+    pos = reference._query_positions(_cu(lens_q), _cu(lens_k))[1]  # (Tq,)
+    filled = torch.arange(topk, device="cuda")[None, :] < torch.clamp(pos + 1, max=topk)[:, None]  # (Tq, topk)
+    assert torch.equal(got >= 0, filled), "wrong number of selected keys or bad -1 padding"
+    assert ((got[:, 1:] > got[:, :-1]) | ~filled[:, 1:]).all(), "positions not strictly ascending"
+    assert (got <= pos[:, None]).all(), "non-causal key selected"
+
+
+def _assert_is_topk(got, q, k, w, lens_q, lens_k, topk, scale):
+    """got selects a top-k set of the float32 reference scores, up to rounding; nearly equal to the reference."""
+    want = reference.indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, scale)
+    mismatch = (got != want).float().mean().item()
+    q0 = k0 = 0
+    for lq, lk in zip(lens_q, lens_k):
+        scores = torch.cat([  # (lq, lk), in query chunks to bound the (rows, Hi, lk) intermediate
+            reference.indexer_scores(q[c : min(c + 512, q0 + lq)], k[k0 : k0 + lk], w[c : min(c + 512, q0 + lq)], scale)
+            for c in range(q0, q0 + lq, 512)
+        ])
+        pos = torch.arange(lk - lq, lk, device="cuda")
+        causal = torch.arange(lk, device="cuda")[None, :] <= pos[:, None]
+        g = got[q0 : q0 + lq]
+        sel = torch.zeros(causal.shape, device="cuda").scatter_add_(1, g.clamp(min=0), (g >= 0).float()) > 0
+        tol = 1e-5 * scores.abs().amax(-1) + 1e-6
+        min_in = scores.masked_fill(~sel, float("inf")).amin(-1)
+        max_out = scores.masked_fill(sel | ~causal, float("-inf")).amax(-1)
+        assert (min_in >= max_out - tol).all(), "selected set is not a top-k set"
+        q0, k0 = q0 + lq, k0 + lk
+    assert mismatch <= 1e-3, f"{mismatch:.2e} of slots differ from the reference"
+
+
+@pytest.mark.parametrize("name", list(TOPK_CASES))
+def test_indexer_topk_matches_reference(name):
+    lens_q, lens_k, Hi, Di, topk = TOPK_CASES[name]
+    torch.manual_seed(1)
+    q = torch.randn(sum(lens_q), Hi, Di, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), Di, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(sum(lens_q), Hi, device="cuda") * Hi**-0.5
+    got = _kernels().indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, Di**-0.5)
+    _assert_topk_conventions(got, lens_q, lens_k, topk)
+    _assert_is_topk(got, q, k, w, lens_q, lens_k, topk, Di**-0.5)
+
+
+@pytest.mark.parametrize("Hi,Di", [(32, 128), (4, 16)])
+def test_indexer_topk_tie_rule_exact(Hi, Di):
+    """Small integer inputs make every score exact in float32, with many ties: results must be identical."""
+    torch.manual_seed(2)
+    lens = [700, 1500]
+    q = torch.randint(-2, 3, (sum(lens), Hi, Di), device="cuda").bfloat16()
+    k = torch.randint(-2, 3, (sum(lens), Di), device="cuda").bfloat16()
+    w = torch.randint(-2, 3, (sum(lens), Hi), device="cuda").float()
+    got = _kernels().indexer_topk(q, k, w, _cu(lens), _cu(lens), 256, 1.0)
+    want = reference.indexer_topk(q, k, w, _cu(lens), _cu(lens), 256, 1.0)
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_fp8():
+    torch.manual_seed(3)
+    lens, Hi, Di, topk = [8192], 32, 128, 2048
+    q = torch.randn(sum(lens), Hi, Di, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens), Di, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(sum(lens), Hi, device="cuda") * Hi**-0.5
+    kern = _kernels()
+    got = kern.indexer_topk(q, k, w, _cu(lens), _cu(lens), topk, Di**-0.5, fp8=True)
+    _assert_topk_conventions(got, lens, lens, topk)
+    bf16 = kern.indexer_topk(q, k, w, _cu(lens), _cu(lens), topk, Di**-0.5)
+    rows = slice(2 * topk, None)  # queries whose prefix is longer than top-k: the selection matters
+    hits = torch.zeros(got[rows].shape[0], sum(lens), device="cuda")
+    hits.scatter_add_(1, got[rows].clamp(min=0), (got[rows] >= 0).float())
+    overlap = hits.gather(1, bf16[rows]).mean().item()
+    print(f"fp8 vs bf16 top-k overlap: {overlap:.3f}")
+    assert overlap >= 0.7
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexer KL loss
+
+KL_CASES = {
+    # lens_q, lens_k, H, D, layers, Hi, Di, topk (0 = dense stage), give lse
+    "sparse_small_lse": ([37, 300], [37, 300], 16, 96, 2, 8, 64, 64, True),
+    "sparse_small_no_lse": ([5, 60], [90, 200], 4, 40, 3, 3, 20, 32, False),
+    "dense_packed": ([200, 700], [200, 700], 16, 96, 2, 8, 64, 0, False),
+    "glm5_sparse": ([2048], [2048], 64, 576, 2, 32, 128, 2048, True),
+}
+
+
+@pytest.mark.parametrize("name", list(KL_CASES))
+def test_indexer_kl_matches_reference(name):
+    lens_q, lens_k, H, D, layers, Hi, Di, topk, give_lse = KL_CASES[name]
+    torch.manual_seed(4)
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    iq = torch.randn(Tq, Hi, Di, **bf).requires_grad_(True)
+    ik = torch.randn(Tk, Di, **bf).requires_grad_(True)
+    iw = (torch.randn(Tq, Hi, device="cuda") * Hi**-0.5).requires_grad_(True)
+    attn_q = [torch.randn(Tq, H, D, **bf) for _ in range(layers)]
+    attn_kv = [torch.randn(Tk, D, **bf) for _ in range(layers)]
+    rows = causal_rows(lens_q, lens_k, topk, seed=5) if topk else None
+    scale, iscale = D**-0.5, Di**-0.5
+    lses = None
+    if give_lse:
+        v_dim = 512 if D == 576 else D // 2
+        with torch.no_grad():
+            lses = [_kernels().sparse_mla_attention(q, kv, rows, scale, v_dim)[1] for q, kv in zip(attn_q, attn_kv)]
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    got = _kernels().indexer_kl_loss(iq, ik, iw, iscale, attn_q, attn_kv, lses, scale, cu_q, cu_k, rows)
+    # float32 leaves for the reference: with bf16 leaves autograd would sum d index_k in bf16.
+    iq32, ik32, iw32 = (x.detach().float().requires_grad_(True) for x in (iq, ik, iw))
+    want = reference.indexer_kl_loss(iq32, ik32, iw32, iscale, attn_q, attn_kv, lses, scale, cu_q, cu_k, rows)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    g = torch.rand_like(got)
+    grads = torch.autograd.grad((got * g).sum(), (iq, ik, iw))
+    ref_grads = torch.autograd.grad((want * g).sum(), (iq32, ik32, iw32))
+    for label, x, ref in zip(("d index_q", "d index_k", "d index_weights"), grads, ref_grads):
+        assert rel_l2(x, ref) <= REL_L2, f"{label} rel L2 {rel_l2(x, ref):.2e}"
