@@ -210,3 +210,21 @@ def test_indexer_kl_is_zero_when_indexer_matches_target():
     q = torch.randn(5, 1, 4, dtype=F64).abs()
     got = reference.indexer_kl_loss(q, kv, torch.ones(5, 1, dtype=F64), 0.7, [q], [kv], None, 0.7, _cu(lens), _cu(lens))
     torch.testing.assert_close(got, torch.zeros(5, dtype=F64), atol=1e-12, rtol=0)
+
+
+def test_decode_rows_batched_equal_one_by_one():
+    """Sequences with a single query (decode) take a batched path; it must select exactly what the loop does."""
+    from slime_dsa.ops import reference
+
+    torch.manual_seed(3)
+    lens_k = [5, 17, 1, 30, 9]
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)))
+    cu_q = torch.arange(len(lens_k) + 1)
+    k = torch.randn(int(cu_k[-1]), 16)
+    q = torch.randn(len(lens_k), 4, 16)
+    w = torch.randn(len(lens_k), 4)
+    batched = reference.indexer_topk(q, k, w, cu_q, cu_k, 8, 0.25)
+    for i, n in enumerate(lens_k):
+        scores = reference.indexer_scores(q[i : i + 1], k[cu_k[i] : cu_k[i + 1]], w[i : i + 1], 0.25)
+        one = reference.select_topk(scores, torch.ones(1, n, dtype=torch.bool), 8)
+        assert torch.equal(batched[i], one[0])

@@ -70,7 +70,12 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Causal lightning-indexer top-k per query: (Tq, topk) int64 sequence-local key positions, -1 padded."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    for i in range(len(cu_seqlens_q) - 1):
+    lens_q = cu_seqlens_q.diff()
+    decoding = lens_q == 1
+    if bool(decoding.any()):
+        _decode_topk(q, k, weights, cu_seqlens_q[:-1][decoding], cu_seqlens_k[:-1][decoding],
+                     cu_seqlens_k.diff()[decoding], topk, scale, out)
+    for i in (~decoding).nonzero().flatten().tolist():
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
         seq_k = k[k0:k1]
@@ -81,6 +86,20 @@ def indexer_topk(
             valid = torch.arange(k1 - k0, device=q.device)[None, :] <= pos[:, None]
             out[c0:c1] = select_topk(scores, valid, topk)
     return out
+
+
+def _decode_topk(q, k, weights, q_rows, k_starts, k_lens, topk: int, scale: float, out: torch.Tensor) -> None:
+    """Sequences with one query each (decode), scored together instead of one Python iteration per sequence."""
+    width = int(k_lens.max())
+    cols = torch.arange(width, device=q.device)
+    for c0 in range(0, len(q_rows), QUERY_CHUNK):
+        rows, starts, lens = q_rows[c0 : c0 + QUERY_CHUNK], k_starts[c0 : c0 + QUERY_CHUNK], k_lens[c0 : c0 + QUERY_CHUNK]
+        valid = cols[None, :] < lens[:, None]  # (C, W): the query is the last row, so every key is causal
+        acc = _acc_dtype(q)
+        keys = k[(starts[:, None] + cols).masked_fill(~valid, 0)].to(acc)  # (C, W, Di)
+        logits = torch.matmul(q[rows].to(acc), keys.transpose(1, 2)) * scale  # (C, Hi, W), op order as indexer_scores
+        scores = torch.matmul(weights[rows].to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (C, W)
+        out[rows] = select_topk(scores, valid, topk)
 
 
 def sparse_mla_attention(
