@@ -91,7 +91,10 @@ def run_sft(recipe: RecipeConfig) -> Path:
     setup.write_resolved_recipe(recipe, run_dir)
     model_dir = setup.prepare_model_dir(recipe, run_dir)
     tokenizer = setup.load_tokenizer(recipe, model_dir)
-    model = load_model(model_dir, dtype=torch.float32)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, dtype=torch.float32, device=device)  # float32 master weights
+    # bf16 compute on a GPU when the recipe asks for bf16 (model.dtype) or mixed precision.
+    autocast = device.type == "cuda" and (recipe.model.dtype != "float32" or tr.mixed_precision)
     tasks = build_tasks(recipe.data, tokenizer)
     mixture = TaskMixture(tasks, seed=recipe.data.seed)
     optimizer = build_optimizer(model, tr.learning_rate, tr.weight_decay, tuple(tr.adam_betas))
@@ -106,7 +109,8 @@ def run_sft(recipe: RecipeConfig) -> Path:
             bar = progress.add_task("sft", total=tr.num_steps)
             for step in range(1, tr.num_steps + 1):
                 start = time.perf_counter()
-                loss = sft_loss(model, supervised_examples(mixture.take(sft.batch_size), tokenizer))
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    loss = sft_loss(model, supervised_examples(mixture.take(sft.batch_size), tokenizer))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or math.inf)

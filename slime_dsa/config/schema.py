@@ -28,9 +28,9 @@ class ModelSection(Section):
     path: str | None = Field(
         None, description="Hugging Face model directory or hub id to start from; null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
-    preset: Literal["tiny", "quickstart"] = Field(
+    preset: Literal["tiny", "quickstart", "small"] = Field(
         "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
-                            "tests) or quickstart (~1.4M, the CPU quickstart).")
+                            "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU).")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
@@ -262,8 +262,14 @@ class AlgorithmSection(Section):
         5.0, gt=0, description="Double-sided IS (async_reinforce, sao): tokens with π_θ/π_roll at or above "
                                "1 + dis_eps_high get no gradient.")
     max_staleness: int = Field(
-        2, ge=0, description="Async algorithms: drop samples whose policy version lags the trainer's by more "
-                             "than this many versions; 0 = on-policy only.")
+        2, ge=0, description="Async algorithms: drop samples whose oldest token's policy version lags the "
+                             "trainer's by more than this many versions, and never let rollout run more than "
+                             "this many steps ahead of training; 0 = on-policy only (the synchronous loop).")
+    partial_rollout: Literal["retract", "in_place", "off"] = Field(
+        "retract", description="Async algorithms: responses in progress when new weights arrive are continued under "
+                               "them (a partial rollout; each token keeps the version and log-prob it was sampled "
+                               "with): retract recomputes their cache under the new weights, in_place keeps the "
+                               "cache computed under the old ones; off aborts and regenerates them from scratch.")
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")

@@ -21,6 +21,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                        qk_rope_head_dim=8, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                        first_k_dense_replace=1, index_n_heads=8, index_head_dim=16, index_topk=32,
                        indexer_types=["full", "shared", "full", "shared"]),
+    # ~160M parameters: one-GPU recipes (recipes/gpu_single.yaml).
+    "small": dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=8,
+                  num_attention_heads=12, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+                  qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, num_experts_per_tok=4,
+                  first_k_dense_replace=1, index_n_heads=16, index_head_dim=64, index_topk=256,
+                  indexer_types=["full", "shared", "shared", "shared"] * 2),
 }
 
 
