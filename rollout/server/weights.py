@@ -45,12 +45,23 @@ def decode_named_tensors(entry: Any, where: str = "serialized_named_tensors[0]")
         data = base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError):
         raise RequestError(f"{where} is not valid base64") from None
-    if data[:1] == b"\x80":  # pickle protocol 2+ opens with the PROTO opcode; safetensors with a u64 header length
+    if not _looks_like_safetensors(data) and data[:1] == b"\x80":  # pickle protocol 2+ opens with PROTO
         raise RequestError(PICKLE_REFUSAL.format(fmt=LOAD_FORMAT) + f" ({where} holds a pickle)")
     try:
         return load(data)
     except Exception as e:  # safetensors raises its own SafetensorError for any malformed header
         raise RequestError(f"{where} is not safetensors bytes: {e}") from None
+
+
+def _looks_like_safetensors(data: bytes) -> bool:
+    """safetensors opens with a little-endian u64 header length n, then n bytes of JSON starting with '{'.
+
+    The first byte alone cannot tell it from a pickle: it is the header length's low byte, 0x80 in 1 of 32 files.
+    """
+    if len(data) < 9:
+        return False
+    n = int.from_bytes(data[:8], "little")
+    return 8 + n <= len(data) and data[8:9] == b"{"
 
 
 def tensor_update_payloads(
