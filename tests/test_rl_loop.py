@@ -19,7 +19,8 @@ RECIPE = {
     "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8, "reward_fn": "tests.plugins.rewards:digit_fraction"}],
              "apply_chat_template": True, "max_prompt_length": 96},
     "rollout": {"num_engines": 2, "n_samples_per_prompt": 4, "prompts_per_step": 4, "max_response_length": 8},
-    "trainer": {"num_workers": 2, "num_steps": 3, "learning_rate": 3.0e-3, "micro_batch_tokens": 256},
+    "trainer": {"num_workers": 2, "num_steps": 3, "num_steps_per_rollout": 2, "learning_rate": 3.0e-3,
+                "micro_batch_tokens": 256},
     "logging": {"eval_every": 3, "wandb_mode": "offline"},
     "checkpoint": {"save_every": 1, "keep_last": 0},
 }

@@ -2,6 +2,8 @@
 
 One code path for every engine kind: all generation goes over HTTP in SGLang's protocol (`rollout.client`).
 A failed request, an aborted one or a crashing reward function costs that sample, counted, never the step.
+Two modes: `collect_step` fills one synchronous step; `produce` runs continuously for the asynchronous loop,
+starting groups as a StalenessGate admits them and putting each finished group into the buffer.
 """
 
 from __future__ import annotations
@@ -21,9 +23,25 @@ from rollout.rewards.compute import RewardStats, compute_reward
 from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.prompts import Prompt, Task, TaskMixture
 from slime_dsa.data.sample import Sample, SampleStatus
-from slime_dsa.orchestrator.buffer import SampleBuffer
+from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 
 logger = logging.getLogger(__name__)
+
+MAX_REQUEUES = 3  # an aborted sample is regenerated at most this many times (asynchronous loop, abort mode)
+
+
+def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter) -> list[Sample] | None:
+    """The group's trainable samples, or None when the group cannot be trained on; counts why in `counters`."""
+    usable = [s for s in group if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+    counters["failed_samples"] += len(group) - len(usable)
+    if len(usable) < 2:
+        counters["dropped_groups"] += 1
+        return None
+    if len({s.reward for s in usable}) == 1:
+        counters["zero_std_groups"] += 1
+        if dynamic_sampling:
+            return None
+    return usable
 
 
 class RolloutManager:
@@ -42,6 +60,8 @@ class RolloutManager:
         self._progress: Progress | None = None
         self._progress_task = None
         self._reward_stats = {t.name: RewardStats() for t in tasks}
+        self.produced_indices: list[int] = []  # every sample index `produce` started, in order
+        self.in_flight: dict[int, list[int]] = {}  # group_id -> sample indices: started by `produce`, not buffered yet
 
     # -- state for exact resumption -----------------------------------------------------------
 
@@ -95,18 +115,73 @@ class RolloutManager:
         sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})
         return sample
 
-    async def generate_group(self, prompt: Prompt, n: int, greedy: bool = False) -> list[Sample]:
+    def _new_samples(self, prompt: Prompt, n: int) -> list[Sample]:
+        """n fresh samples of one new group, numbered in order."""
         group_id = self.next_group_id
         self.next_group_id += 1
         samples = []
         for _ in range(n):
             samples.append(prompt.to_sample(index=self.next_sample_index, group_id=group_id))
             self.next_sample_index += 1
+        return samples
+
+    async def generate_group(self, prompt: Prompt, n: int, greedy: bool = False) -> list[Sample]:
+        samples = self._new_samples(prompt, n)
         params = self.sampling_params(greedy)
         # One session per group: the router keeps the n samples on one engine, which shares their prompt's cache.
-        session = f"group-{group_id}"
+        session = f"group-{samples[0].group_id}"
         done = await asyncio.gather(*(self._tracked(self.generate_sample(s, params, session)) for s in samples))
         return list(done)
+
+    # -- continuous production (asynchronous loop) -----------------------------------------------
+
+    async def produce(self, gate: StalenessGate, requeue_aborted: bool) -> None:
+        """Start a group whenever `gate` admits one and put it into the buffer when done; runs until cancelled.
+
+        requeue_aborted: a sample the engine aborted (weights pushed with pause mode abort) is regenerated from
+        scratch under the new weights, up to MAX_REQUEUES times; otherwise it stays aborted (not trained on).
+        """
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                await gate.acquire()
+                prompt = next(self.mixture)
+                samples = self._new_samples(prompt, self.cfg.n_samples_per_prompt)
+                self.produced_indices.extend(s.index for s in samples)
+                self.in_flight[samples[0].group_id] = [s.index for s in samples]
+                task = asyncio.create_task(self._produce_group(prompt, samples, requeue_aborted))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            for task in list(running):
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _produce_group(self, prompt: Prompt, samples: list[Sample], requeue_aborted: bool) -> None:
+        params = self.sampling_params()
+        session = f"group-{samples[0].group_id}"
+
+        async def one(sample: Sample) -> Sample:
+            for attempt in range(MAX_REQUEUES + 1):
+                done = await self.generate_sample(sample, params, session)
+                if done.status != SampleStatus.ABORTED or not requeue_aborted or attempt == MAX_REQUEUES:
+                    return done
+                sample = prompt.to_sample(index=done.index, group_id=done.group_id)
+                sample.metadata["requeued"] = attempt + 1
+            return done
+
+        try:
+            group = list(await asyncio.gather(*(one(s) for s in samples)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here costs this group, never the run (the trainer waits on it)
+            logger.exception("group %s failed", samples[0].group_id)
+            for s in samples:
+                s.status = SampleStatus.FAILED
+                s.metadata["error"] = f"{type(e).__name__}: {e}"
+            group = samples
+        await self.buffer.put(group)
+        del self.in_flight[samples[0].group_id]  # no await since the put: a group is never in both places
 
     async def _tracked(self, coro):
         result = await coro
@@ -119,7 +194,7 @@ class RolloutManager:
     async def collect_step(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """Groups for one synchronous step (with DAPO dynamic sampling when enabled) and their rollout metrics."""
         cfg = self.cfg
-        self._reward_stats = {t.name: RewardStats() for t in self.tasks}
+        self.reset_reward_stats()
         start = time.perf_counter()
         kept: list[list[Sample]] = []
         counters: Counter[str] = Counter()
@@ -134,24 +209,22 @@ class RolloutManager:
                 groups = await asyncio.gather(*(self.generate_group(p, cfg.n_samples_per_prompt) for p in prompts))
                 for group in groups:
                     all_samples.extend(group)
-                    usable = [s for s in group if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
-                    counters["failed_samples"] += len(group) - len(usable)
-                    if len(usable) < 2:
-                        counters["dropped_groups"] += 1
-                        continue
-                    if len({s.reward for s in usable}) == 1:
-                        counters["zero_std_groups"] += 1
-                        if cfg.dynamic_sampling:
-                            continue
-                    if len(kept) < cfg.prompts_per_step:
+                    usable = screen_group(group, cfg.dynamic_sampling, counters)
+                    if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)
         for group in kept:
             await self.buffer.put(group)
-        metrics = self._metrics(all_samples, kept, counters, time.perf_counter() - start)
+        metrics = self.rollout_metrics(all_samples, kept, counters, time.perf_counter() - start)
         metrics["rollout/sampling_rounds"] = tries
         return await self.buffer.get(len(kept)), metrics
 
-    def _metrics(self, samples: list[Sample], kept: list[list[Sample]], counters: Counter, elapsed: float) -> dict[str, float]:
+    def reset_reward_stats(self) -> None:
+        """Start counting reward failures afresh (once per step)."""
+        self._reward_stats = {t.name: RewardStats() for t in self.tasks}
+
+    def rollout_metrics(self, samples: list[Sample], kept: list[list[Sample]], counters: Counter,
+                        elapsed: float) -> dict[str, float]:
+        """rollout/ and perf/ metrics of one step: `samples` all it generated, `kept` the groups it trains on."""
         scored = [s for s in samples if s.reward is not None]
         n = max(len(scored), 1)
         out_tokens = sum(s.response_length for s in samples)

@@ -1,4 +1,6 @@
-"""`slime-dsa train`: the synchronous RL loop, rollout → train → weight sync, with eval, logging and checkpoints.
+"""`slime-dsa train`: the RL loops, with eval, logging and checkpoints. The synchronous loop (rollout → train →
+weight sync) lives here; the asynchronous one (algorithm async_reinforce) in async_loop.py shares its setup,
+training step, per-step tail and teardown.
 
 Built in the order a reader follows: run directory → model → Ray → engines → client → trainers → data → loop.
 """
@@ -10,19 +12,47 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from slime_dsa.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
+# Called with (weight version, full state dict) each time the engines get new weights, and once with the
+# starting weights; benchmarks use it to evaluate every version after the run, off the clock.
+WeightsHook = Callable[[int, dict], None]
 
-def run_training(recipe: RecipeConfig, resume: bool = False) -> Path:
-    """Run the recipe to trainer.num_steps; returns the run directory."""
-    return asyncio.run(_run(recipe, resume or recipe.checkpoint.resume))
+
+@dataclass
+class Run:
+    """Everything a loop needs, built once by `_run`."""
+
+    recipe: RecipeConfig
+    run_dir: Path
+    model_dir: Path
+    client: Any  # rollout.client.EngineClient
+    trainers: Any  # trainers.fsdp.group.TrainerGroup
+    manager: Any  # slime_dsa.orchestrator.rollout_manager.RolloutManager
+    ckpts: Any  # slime_dsa.checkpoint.training.CheckpointManager
+    metrics_log: Any  # slime_dsa.logging.MetricsLogger
+    start_step: int = 0
+    on_weights: WeightsHook | None = None
 
 
-async def _run(recipe: RecipeConfig, resume: bool) -> Path:
+def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto", "sync", "async"] = "auto",
+                 on_weights: WeightsHook | None = None) -> Path:
+    """Run the recipe to trainer.num_steps; returns the run directory.
+
+    loop: auto = the asynchronous loop for algorithm async_reinforce, else the synchronous one; sync/async force
+    one (comparisons of the two on one recipe).
+    """
+    return asyncio.run(_run(recipe, resume or recipe.checkpoint.resume, loop, on_weights))
+
+
+async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weights: WeightsHook | None = None) -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
@@ -30,6 +60,9 @@ async def _run(recipe: RecipeConfig, resume: bool) -> Path:
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
 
+    if loop not in ("auto", "sync", "async"):
+        raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
+    use_async = loop == "async" or (loop == "auto" and recipe.algorithm.name == "async_reinforce")
     run_dir = setup.resolve_run_dir(recipe)
     setup.write_resolved_recipe(recipe, run_dir)
     _log_to_file(run_dir)
@@ -56,23 +89,22 @@ async def _run(recipe: RecipeConfig, resume: bool) -> Path:
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
         start_step = state["step"]
-        await _sync_weights(client, trainers, version=start_step)  # engines started from the initial weights
+        await sync_weights(client, trainers, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
 
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
+    run = Run(recipe, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, start_step, on_weights)
     try:
-        for step in range(start_step, recipe.trainer.num_steps):
-            metrics = await _one_step(recipe, step, manager, trainers, client)
-            if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
-                metrics.update(await manager.evaluate())
-            if (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
-                metrics_log.log(metrics, step=step + 1)
-                _print_step(step + 1, recipe.trainer.num_steps, metrics)
-            save_every = recipe.checkpoint.save_every
-            if (save_every and (step + 1) % save_every == 0) or step + 1 == recipe.trainer.num_steps:
-                await asyncio.to_thread(_save_checkpoint, ckpts, step + 1, trainers, manager, model_dir)
+        if on_weights is not None:
+            on_weights(start_step, await asyncio.to_thread(trainers.full_state_dict))
+        if use_async:
+            from slime_dsa.orchestrator.async_loop import run_async_loop  # noqa: PLC0415
+
+            await run_async_loop(run)
+        else:
+            await _sync_loop(run)
     finally:
         metrics_log.close()
         await client.close()
@@ -80,48 +112,105 @@ async def _run(recipe: RecipeConfig, resume: bool) -> Path:
     return run_dir
 
 
-async def _one_step(recipe: RecipeConfig, step: int, manager, trainers, client) -> dict[str, float]:
-    from slime_dsa.orchestrator.batching import build_train_batch, logprob_abs_diff, sample_advantages  # noqa: PLC0415
+async def _sync_loop(run: Run) -> None:
+    for step in range(run.start_step, run.recipe.trainer.num_steps):
+        metrics = await _one_step(run.recipe, step, run.manager, run.trainers, run.client, run.on_weights)
+        await after_step(run, step, metrics)
 
-    alg = recipe.algorithm
+
+async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
+    """The tail of every RL step, in either loop: eval when due, log, print, checkpoint when due."""
+    recipe = run.recipe
+    if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
+        metrics.update(await run.manager.evaluate())
+    if (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
+        run.metrics_log.log(metrics, step=step + 1)
+        _print_step(step + 1, recipe.trainer.num_steps, metrics)
+    save_every = recipe.checkpoint.save_every
+    if (save_every and (step + 1) % save_every == 0) or step + 1 == recipe.trainer.num_steps:
+        await asyncio.to_thread(_save_checkpoint, run.ckpts, step + 1, run.trainers, run.manager, run.model_dir)
+
+
+async def _one_step(recipe: RecipeConfig, step: int, manager, trainers, client,
+                    on_weights: WeightsHook | None = None) -> dict[str, float]:
     step_start = time.perf_counter()
     groups, metrics = await manager.collect_step()
     samples = [s for group in groups for s in group]
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
         return metrics
-    batch = build_train_batch(samples, sample_advantages(samples, alg.name, alg.advantage_std_normalize))
+    old = "rollout" if recipe.algorithm.use_rollout_logprobs else "recompute"
+    metrics.update(await train_on_samples(recipe, step, samples, trainers, old_logprobs=old, client=client))
+    sync_time = await sync_weights(client, trainers, version=step + 1, on_weights=on_weights)
+    metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})
+    return metrics
 
+
+def _optimizer_steps(trainers, batch, num_mini_batches: int) -> dict[str, float]:
+    """trainer.num_steps_per_rollout optimiser steps, each on a contiguous slice of the samples (groups stay
+    together as far as the split allows); metrics are averaged over the steps, lr is the last one's."""
+    n = len(batch.seqlens)
+    parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
+    results = [trainers.train_step(batch.select(part) if num_mini_batches > 1 else batch) for part in parts if part]
+    merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+    merged["lr"] = results[-1]["lr"]
+    return merged
+
+
+async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, trainers,
+                           old_logprobs: Literal["recompute", "rollout", "none"], client=None) -> dict[str, float]:
+    """One optimiser step on `samples`; returns train/ and perf/ metrics.
+
+    old_logprobs: recompute = π_old from a trainer forward (and train_rollout_logprob_abs_diff from it);
+    rollout = bypass, π_old := π_roll; none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
+    train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
+    """
+    from slime_dsa.orchestrator.batching import build_train_batch, logprob_abs_diff, sample_advantages  # noqa: PLC0415
+
+    alg = recipe.algorithm
+    metrics: dict[str, float] = {}
+    batch = build_train_batch(samples, sample_advantages(samples, alg.name, alg.advantage_std_normalize),
+                              index_replay=alg.index_replay)
+    # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
+    colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
+    if colocated and client is not None:
+        await client.broadcast("/pause_generation", {"mode": "retract"})
+        await client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
     train_start = time.perf_counter()
-    if alg.use_rollout_logprobs:
+    if old_logprobs == "rollout":
         batch.old_logprobs = batch.rollout_logprobs.clone()
-    else:
+    elif old_logprobs == "recompute":
         batch.old_logprobs = await asyncio.to_thread(trainers.compute_logprobs, batch)
         diff = logprob_abs_diff(batch)
         metrics["train/train_rollout_logprob_abs_diff"] = diff
         if diff > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
                            "or numerics disagree", step + 1, diff, recipe.trainer.logprob_diff_warn_threshold)
-    train_metrics = await asyncio.to_thread(trainers.train_step, batch)
-    metrics.update({f"train/{k}": v for k, v in train_metrics.items() if k != "train_rollout_logprob_abs_diff"})
+    train_metrics = await asyncio.to_thread(_optimizer_steps, trainers, batch, recipe.trainer.num_steps_per_rollout)
+    keep_loss_diff = old_logprobs == "none"
+    metrics.update({f"train/{k}": v for k, v in train_metrics.items()
+                    if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})
     train_time = time.perf_counter() - train_start
-
-    sync_time = await _sync_weights(client, trainers, version=step + 1)
-    metrics.update({
-        "perf/train_time_s": train_time, "perf/sync_time_s": sync_time,
-        "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
-        "perf/step_time_s": time.perf_counter() - step_start, "train/num_tokens": batch.num_tokens,
-    })
+    if colocated and client is not None:
+        await client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        await client.broadcast("/continue_generation", {})
+    metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
+                    "train/num_tokens": batch.num_tokens})
     return metrics
 
 
-async def _sync_weights(client, trainers, version: int) -> float:
+async def sync_weights(client, trainers, version: int, pause_mode: str = "abort",
+                        on_weights: WeightsHook | None = None) -> float:
+    """Full state dict from the trainers to every engine as `version`; returns the seconds it took."""
     from slime_dsa.orchestrator.weight_sync import push_weights  # noqa: PLC0415
 
     start = time.perf_counter()
     state = await asyncio.to_thread(trainers.full_state_dict)
-    await push_weights(client, state, version)
-    return time.perf_counter() - start
+    await push_weights(client, state, version, pause_mode=pause_mode)
+    elapsed = time.perf_counter() - start
+    if on_weights is not None:
+        on_weights(version, state)
+    return elapsed
 
 
 def _save_checkpoint(ckpts, step: int, trainers, manager, model_dir: Path) -> None:

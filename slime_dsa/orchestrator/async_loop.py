@@ -1,0 +1,182 @@
+"""The asynchronous RL loop (GLM-5's asynchronous stage; ALGORITHMS.md §4): rollout never waits for training.
+
+A producer task (`RolloutManager.produce`) keeps generating groups into the SampleBuffer while the trainer
+consumes them, one step of `prompts_per_step` groups at a time:
+1. take groups from the buffer in the order they finished; drop the samples whose oldest generated token is more
+   than `max_staleness` versions behind the trainer (counted), discard groups left untrainable (their slot is
+   regenerated);
+2. one optimiser step with the DIS loss (r = π_θ / π_roll per token, no π_old recomputed) on group-centred
+   advantages, while the producer keeps generating;
+3. push the new weights in flight: pause (retract | in_place: requests continue under the new weights, a
+   partial rollout; abort: they are regenerated), update, resume. Every token records its own version;
+4. the shared per-step tail (eval, log, checkpoint), then the StalenessGate lets the producer one step further.
+
+`max_staleness: 0` is the synchronous loop: the gate admits one step's groups under the current weights and
+nothing is in flight at a weight push, so the same seed gives the same samples, batches and metrics (up to
+the ~1e-7 log-prob noise of decode-batch composition; tests/test_async.py checks it). Each sample's fate
+(trained, stale, discarded, still buffered or in flight at the end) goes to `rollout_ledger.jsonl`.
+Metrics beside the synchronous loop's: async/ (staleness mean and max, version spread of the batch's tokens,
+share of partial rollouts, stale samples dropped); train/dis_frac_below|above come from the loss;
+perf/rollout_time_s is the time between two batches and perf/rollout_wait_s the part the trainer waited.
+Resuming an async run restarts the producer at the checkpoint's step: groups in flight at save are not replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
+from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
+from slime_dsa.orchestrator.rollout_manager import screen_group
+from slime_dsa.orchestrator.train import Run, after_step, sync_weights, train_on_samples
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = {"retract": "retract", "in_place": "in_place", "off": "abort"}  # algorithm.partial_rollout -> engine
+
+
+def generated_versions(sample: Sample) -> list[int]:
+    """Weight versions of the tokens the policy generated (tool/environment tokens have none)."""
+    return [v for v, m in zip(sample.weight_versions, sample.loss_mask) if m and v != NO_WEIGHT_VERSION]
+
+
+def sample_staleness(sample: Sample, version: int) -> int:
+    """Trainer version minus the version of the sample's oldest generated token (0 when it generated none)."""
+    versions = generated_versions(sample)
+    return version - min(versions) if versions else 0
+
+
+def versions_consistent(sample: Sample, version: int) -> bool:
+    """Token versions never decrease along the response and none is newer than the trainer's `version`."""
+    versions = generated_versions(sample)
+    return all(0 <= a <= b for a, b in zip(versions, versions[1:])) and all(0 <= v <= version for v in versions)
+
+
+class Ledger:
+    """`rollout_ledger.jsonl`: one line per step with the sample indices trained on, dropped as stale and
+    discarded; a last line with the producer's indices and those still buffered or in flight."""
+
+    def __init__(self, path: Path, append: bool) -> None:
+        self._file = path.open("a" if append else "w")
+
+    def step(self, step: int, version: int, fates: dict[str, list[int]]) -> None:
+        self._file.write(json.dumps({"step": step, "trainer_version": version, **fates}) + "\n")
+        self._file.flush()
+
+    def close(self, produced: list[int], buffered: list[int], in_flight: list[int]) -> None:
+        self._file.write(json.dumps({"end": True, "produced": produced, "buffered": buffered,
+                                     "in_flight": in_flight}) + "\n")
+        self._file.close()
+
+
+async def run_async_loop(run: Run) -> None:
+    """Train run.recipe to trainer.num_steps with rollout and training overlapped."""
+    recipe, manager = run.recipe, run.manager
+    alg = recipe.algorithm
+    gate = StalenessGate(recipe.rollout.prompts_per_step, alg.max_staleness, version=run.start_step)
+    pause_mode = PAUSE_MODES[alg.partial_rollout]
+    producer = asyncio.create_task(manager.produce(gate, requeue_aborted=pause_mode == "abort"), name="rollout-producer")
+    ledger = Ledger(run.run_dir / "rollout_ledger.jsonl", append=run.start_step > 0)
+    totals: Counter[str] = Counter()
+    last_batch = time.perf_counter()
+    try:
+        for step in range(run.start_step, recipe.trainer.num_steps):
+            step_start = time.perf_counter()
+            kept, metrics, fates = await _collect(run, gate, producer, version=step, totals=totals,
+                                                  since=last_batch)
+            last_batch = time.perf_counter()
+            ledger.step(step + 1, step, fates)
+            samples = [s for group in kept for s in group]
+            metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs="none"))
+            metrics["perf/sync_time_s"] = await sync_weights(run.client, run.trainers, version=step + 1,
+                                                              pause_mode=pause_mode, on_weights=run.on_weights)
+            metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            await after_step(run, step, metrics)
+            await gate.advance(step + 1)
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        buffered = [s.index for group in manager.buffer.drain() for s in group]
+        in_flight = [i for indices in manager.in_flight.values() for i in indices]
+        ledger.close(list(manager.produced_indices), buffered, in_flight)
+
+
+async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, version: int, totals: Counter,
+                   since: float) -> tuple[list[list[Sample]], dict[str, float], dict[str, list[int]]]:
+    """One step's groups from the buffer (stale samples dropped), their metrics, and every taken sample's fate."""
+    cfg, manager = run.recipe.rollout, run.manager
+    max_staleness = run.recipe.algorithm.max_staleness
+    wait_start = time.perf_counter()
+    kept: list[list[Sample]] = []
+    taken: list[Sample] = []
+    counters: Counter[str] = Counter()
+    fates: dict[str, list[int]] = {"trained": [], "stale": [], "discarded": []}
+    while len(kept) < cfg.prompts_per_step:
+        group = await _next_group(manager.buffer, producer)
+        taken.extend(group)
+        fresh = []
+        for s in group:
+            if sample_staleness(s, version) > max_staleness:
+                fates["stale"].append(s.index)
+            else:
+                fresh.append(s)
+        usable = screen_group(fresh, cfg.dynamic_sampling, counters)
+        if usable is None:
+            fates["discarded"].extend(s.index for s in fresh)
+            await gate.replace(1)
+            continue
+        kept.append(usable)
+        used = {s.index for s in usable}
+        fates["trained"].extend(sorted(used))
+        fates["discarded"].extend(s.index for s in fresh if s.index not in used)
+    wait = time.perf_counter() - wait_start
+    kept.sort(key=lambda g: g[0].group_id)  # the synchronous loop's order: by prompt
+    metrics = manager.rollout_metrics(taken, kept, counters, time.perf_counter() - since)
+    manager.reset_reward_stats()
+    metrics.update(_staleness_metrics([s for g in kept for s in g], version))
+    totals["stale_samples"] += len(fates["stale"])
+    metrics.update({
+        "async/stale_samples": len(fates["stale"]), "async/stale_samples_total": totals["stale_samples"],
+        "async/buffered_groups": len(manager.buffer), "async/in_flight_groups": len(manager.in_flight),
+        "perf/rollout_wait_s": wait,
+    })
+    if fates["stale"]:
+        logger.info("step %d: dropped %d stale samples (older than %d versions)", version + 1, len(fates["stale"]),
+                    max_staleness)
+    return kept, metrics, fates
+
+
+def _staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
+    """Mean and max staleness, the version spread of the batch's tokens, the share of partial rollouts."""
+    staleness = [sample_staleness(s, version) for s in samples]
+    versions = [v for s in samples for v in generated_versions(s)]
+    inconsistent = sum(not versions_consistent(s, version) for s in samples)
+    if inconsistent:
+        logger.warning("step %d: %d samples carry inconsistent weight_versions", version + 1, inconsistent)
+    n = max(len(samples), 1)
+    return {
+        "async/trainer_version": version,
+        "async/staleness_mean": sum(staleness) / n,
+        "async/staleness_max": max(staleness, default=0),
+        "async/version_spread": (max(versions) - min(versions)) if versions else 0,
+        "async/partial_rollout_frac": sum(len(set(generated_versions(s))) > 1 for s in samples) / n,
+        "async/requeued_samples": sum(bool(s.metadata.get("requeued")) for s in samples),
+        "async/inconsistent_version_samples": inconsistent,
+    }
+
+
+async def _next_group(buffer: SampleBuffer, producer: asyncio.Task) -> list[Sample]:
+    """The oldest finished group; raises the producer's error if it stopped instead."""
+    get = asyncio.ensure_future(buffer.get(1))
+    done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+    if get in done:
+        return get.result()[0]
+    get.cancel()
+    await asyncio.gather(get, return_exceptions=True)
+    producer.result()  # raises what stopped it
+    raise RuntimeError("the rollout producer stopped")
