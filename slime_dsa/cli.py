@@ -23,6 +23,7 @@ COMMANDS = (
     "rollout.server.command",  # serve
     "rollout.server.generate_command",  # generate
     "slime_dsa.commands.sft",  # sft
+    "slime_dsa.commands.indexer_warmup",  # indexer-warmup
     "slime_dsa.commands.train",  # train
     "slime_dsa.commands.export",  # export
     "slime_dsa.commands.report",  # report

@@ -73,7 +73,7 @@ def test_every_field_has_a_description_and_sections_forbid_extra_keys():
 
 def test_sections_and_key_names():
     assert list(RecipeConfig.model_fields) == [
-        "model", "data", "rollout", "algorithm", "trainer", "cluster", "logging", "checkpoint", "sft"]
+        "model", "data", "rollout", "algorithm", "trainer", "cluster", "logging", "checkpoint", "sft", "indexer_warmup"]
     keys = {".".join(p) for p in schema_paths()}
     for key in ("model.ops_backend", "data.tasks.<i>.reward_fn", "rollout.sglang.weight_sync",
                 "rollout.return_indexer_topk", "algorithm.icepop_beta", "algorithm.dis_eps_high",

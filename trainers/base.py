@@ -27,7 +27,8 @@ class TrainBatch:
     advantages: torch.Tensor  # (T,) float32, advantage broadcast to the sample's tokens
     old_logprobs: torch.Tensor | None = None  # (T,) log π_old, filled by compute_logprobs unless bypass mode
     ref_logprobs: torch.Tensor | None = None  # (T,) for the optional KL term
-    replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded
+    replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded, REPLAY_COMPUTE rows computed
+    rollout_topk: torch.Tensor | None = None  # same layout: the engine's selection, only compared (mismatch metric)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -48,7 +49,7 @@ class TrainBatch:
             input_ids=take(self.input_ids), seqlens=[self.seqlens[i] for i in sample_ids],
             loss_mask=take(self.loss_mask), rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
-            replay_topk=take(self.replay_topk, dim=1), extra=self.extra,
+            replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1), extra=self.extra,
         )
 
 

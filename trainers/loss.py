@@ -14,8 +14,35 @@ from trainers.base import TrainBatch
 SHARE_METRICS = {"loss", "pg_loss", "kl_ref"}
 
 
+@dataclass
+class DSATraining:
+    """How a trainer rank treats the DSA indexer: auxiliary indexer loss (ALGORITHMS.md section 6) and index replay."""
+
+    indexer_loss_coef: float = 0.0  # 0 = no indexer loss (no capture, no extra cost)
+    indexer_stage: str = "sparse"  # sparse: KL on the selected keys; dense: on every causal key
+    indexer_target: str = "group"  # group: mean attention of the IndexShare group; own: the full layer only
+    indexer_learning_rate: float | None = None  # a separate AdamW param group for the indexers; None = the main lr
+    index_replay: bool = False  # replay the engines' top-k (batch.rollout_topk) instead of only comparing with it
+
+
+def dsa_training_config(algorithm: Any) -> DSATraining:
+    """The DSATraining of an AlgorithmSection (keys that a section lacks keep their defaults)."""
+    return DSATraining(
+        indexer_loss_coef=algorithm.indexer_loss_coef,
+        indexer_stage=getattr(algorithm, "indexer_loss_stage", "sparse"),
+        indexer_target=getattr(algorithm, "indexer_loss_target", "group"),
+        indexer_learning_rate=getattr(algorithm, "indexer_learning_rate", None),
+        index_replay=algorithm.index_replay,
+    )
+
+
 def policy_loss_config(algorithm: Any) -> tuple[str, dict[str, Any]]:
-    """(registry name, options) for the policy loss of an AlgorithmSection."""
+    """(registry name, options) for the policy loss of an AlgorithmSection; options["dsa"] is its DSATraining."""
+    name, options = _policy_loss_options(algorithm)
+    return name, {**options, "dsa": dsa_training_config(algorithm)}
+
+
+def _policy_loss_options(algorithm: Any) -> tuple[str, dict[str, Any]]:
     common = {"aggregation": algorithm.loss_aggregation, "kl_coef": algorithm.kl_coef,
               "kl_estimator": algorithm.kl_estimator, "entropy_coef": algorithm.entropy_coef}
     if algorithm.name in ("async_reinforce", "sao"):
@@ -38,7 +65,9 @@ class PolicyLossFn:
     options: dict[str, Any]
 
     def __post_init__(self) -> None:
-        self.loss = build_policy_loss(self.name, **self.options)
+        options = dict(self.options)
+        self.dsa: DSATraining = options.pop("dsa", None) or DSATraining()  # read by the trainer rank, not the loss
+        self.loss = build_policy_loss(self.name, **options)
 
     def __call__(self, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
                  step_loss_tokens: float, step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:

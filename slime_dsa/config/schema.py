@@ -277,6 +277,15 @@ class AlgorithmSection(Section):
     index_replay: bool = Field(
         False, description="Train with the top-k indices the engine used during rollout, so that training "
                            "attends to the same keys (needs rollout.return_indexer_topk).")
+    indexer_learning_rate: float | None = Field(
+        None, gt=0, description="Learning rate of the DSA indexers' own optimizer param group (with "
+                                "indexer_loss_coef > 0); null = trainer.learning_rate.")
+    indexer_loss_stage: Literal["sparse", "dense"] = Field(
+        "sparse", description="Key set of the indexer loss: sparse = the selected top-k (the RL-time stage), dense = "
+                              "every causal key (as in the warm-up).")
+    indexer_loss_target: Literal["group", "own"] = Field(
+        "group", description="Target of the indexer loss: group = mean attention of every layer that reuses the "
+                             "indexer's top-k (IndexShare group), own = the indexer's own layer only.")
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmSection:
@@ -409,6 +418,46 @@ class SFTSection(Section):
                                       "policy for RL); null = run trainer.num_steps.")
 
 
+class IndexerWarmupSection(Section):
+    """Dense indexer warm-up (`slime-dsa indexer-warmup`): makes a dense checkpoint a DSA model (indexers only)."""
+
+    output_dir: str | None = Field(
+        None, description="Where the warmed-up HF model directory is written; null = <run_dir>/dsa_model.")
+    corpus: Literal["tasks", "dataset"] = Field(
+        "tasks", description="Training text: tasks = the recipe's data.tasks prompts with their reference solutions; "
+                             "dataset = the text_column of dataset_path.")
+    dataset_path: str | None = Field(
+        None, description="Hugging Face dataset id or local jsonl/json/parquet file (corpus dataset).")
+    dataset_split: str = Field("train", description="Split of dataset_path to read (corpus dataset).")
+    text_column: str = Field("text", description="Column of dataset_path holding the text (corpus dataset).")
+    seq_len: int = Field(256, ge=2, description="Tokens per training window; documents are concatenated and cut.")
+    batch_size: int = Field(8, ge=1, description="Windows per optimizer step (packed into one forward).")
+    num_steps: int = Field(200, ge=1, description="Optimizer steps of the warm-up.")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate of the indexers (nothing else trains).")
+    index_topk: int | None = Field(
+        None, ge=1, description="Sparse budget the indexers are warmed up and evaluated for, and written to the "
+                                "output config; null = the model's index_topk.")
+    reinit_indexers: bool = Field(
+        False, description="Start from freshly initialised indexers (a dense checkpoint whose indexers were never "
+                           "trained).")
+    target: Literal["group", "own"] = Field(
+        "group", description="group = each indexer learns the mean attention of its IndexShare group; own = its own "
+                             "layer only.")
+    eval_sequences: int = Field(16, ge=1, description="Windows for the recall / KL / LM-loss evaluation (a separate draw "
+                                                         "from the corpus).")
+    eval_every: int = Field(50, ge=0, description="Evaluate every this many steps; 0 = only before and after.")
+
+    @model_validator(mode="after")
+    def _check(self) -> IndexerWarmupSection:
+        if self.corpus == "dataset" and not self.dataset_path:
+            raise RecipeValueError("corpus 'dataset' needs dataset_path", "dataset_path", "corpus")
+        if self.index_topk is not None and self.index_topk >= self.seq_len:
+            raise RecipeValueError(
+                f"index_topk ({self.index_topk}) must be below seq_len ({self.seq_len}): at or above it every key is "
+                "selected", "index_topk", "seq_len")
+        return self
+
+
 class RecipeConfig(Section):
     """A whole recipe. An empty one is valid and trains a tiny random model on a laptop CPU."""
 
@@ -421,6 +470,8 @@ class RecipeConfig(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Run directory, W&B, cadence.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Training checkpoints.")
     sft: SFTSection = Field(default_factory=SFTSection, description="Supervised fine-tuning (slime-dsa sft).")
+    indexer_warmup: IndexerWarmupSection = Field(
+        default_factory=IndexerWarmupSection, description="Dense DSA indexer warm-up (slime-dsa indexer-warmup).")
 
     @model_validator(mode="after")
     def _check(self) -> RecipeConfig:

@@ -18,8 +18,39 @@ def sample_advantages(samples: list[Sample], algorithm: str, std_normalize: bool
     return group_centered_advantages(rewards, group_ids=group_ids)
 
 
-def build_train_batch(samples: list[Sample], advantages: torch.Tensor) -> TrainBatch:
-    """Pack prompt+response of every sample; only response tokens the policy generated are trained on."""
+def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
+    """The engines' top-k as (n_full_layers, T, K) over the packed samples, or None when no sample carries it.
+
+    Output token j of a sample (P prompt tokens) was produced by row P - 1 + j (rollout/engine/engine.py), so its
+    indices fill rows P-1 .. P+R-2; every other row is REPLAY_COMPUTE (the trainer selects there itself). So replay
+    is exact only where the prompt rows before P-1 select alike in engine and trainer: their keys and values feed
+    every later row (tests/test_index_replay.py keeps those rows unambiguous).
+    """
+    from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE  # noqa: PLC0415
+
+    shapes = {s.indexer_topk.shape[1:] for s in samples if s.indexer_topk is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples' indexer_topk disagree on (n_full_layers, index_topk): {sorted(shapes)}")
+    n_full, k = shapes.pop()
+    out = torch.full((n_full, sum(s.total_length for s in samples), k), REPLAY_COMPUTE, dtype=torch.long)
+    start = 0
+    for s in samples:
+        if s.indexer_topk is not None and len(s.response_ids):
+            rows = start + len(s.prompt_ids) - 1
+            out[:, rows : rows + len(s.response_ids)] = torch.from_numpy(s.indexer_topk).long().permute(1, 0, 2)
+        start += s.total_length
+    return out
+
+
+def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_replay: bool = False) -> TrainBatch:
+    """Pack prompt+response of every sample; only response tokens the policy generated are trained on.
+
+    The engines' top-k (when samples carry it) becomes `replay_topk` with index_replay, else `rollout_topk`
+    (kept to measure the rollout/training selection mismatch; a trainer whose DSATraining.index_replay is on
+    replays it all the same, so callers that do not pass index_replay still get replay from the recipe).
+    """
     ids, mask, rollout_logp, adv, seqlens = [], [], [], [], []
     for sample, a in zip(samples, advantages.tolist()):
         n_prompt, n_resp = len(sample.prompt_ids), len(sample.response_ids)
@@ -28,10 +59,12 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor) -> TrainB
         rollout_logp.extend([0.0] * n_prompt + list(sample.rollout_logprobs))
         adv.extend([a] * (n_prompt + n_resp))
         seqlens.append(n_prompt + n_resp)
+    topk = engine_topk_rows(samples)
     return TrainBatch(
         input_ids=torch.tensor(ids, dtype=torch.long), seqlens=seqlens,
         loss_mask=torch.tensor(mask, dtype=torch.float32), rollout_logprobs=torch.tensor(rollout_logp, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32),
+        replay_topk=topk if index_replay else None, rollout_topk=None if index_replay else topk,
     )
 
 

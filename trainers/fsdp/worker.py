@@ -16,12 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from torch.distributed.fsdp import register_fsdp_forward_method
+
 from slime_dsa import ops
+from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
 from slime_dsa.checkpoint import load_model
 from slime_dsa.models import PackedBatch
+from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
+from trainers.loss import DSATraining
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +61,7 @@ class FSDPWorker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, spec: TrainerSpec, loss_fn: LossFn) -> None:
         self.rank, self.world_size, self.spec, self.loss_fn = rank, world_size, spec, loss_fn
+        self.dsa: DSATraining = getattr(loss_fn, "dsa", None) or DSATraining()
         use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
@@ -72,9 +78,23 @@ class FSDPWorker:
                 if ".indexer." in name:
                     p.requires_grad_(False)
         self.model = apply_fsdp(model, mesh, spec.mixed_precision and use_cuda)
-        self.optimizer = build_optimizer(self.model, spec.learning_rate, spec.weight_decay, tuple(spec.adam_betas))
+        register_fsdp_forward_method(self.model, "token_logprobs_with_output")
+        self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
         self.step = 0
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        """AdamW; with dsa.indexer_learning_rate the indexers get their own param groups at that rate."""
+        spec, lr_idx = self.spec, self.dsa.indexer_learning_rate
+        if lr_idx is None:
+            return build_optimizer(self.model, spec.learning_rate, spec.weight_decay, tuple(spec.adam_betas))
+        groups = []
+        for is_indexer, lr in ((False, spec.learning_rate), (True, lr_idx)):
+            params = [p for n, p in self.model.named_parameters() if p.requires_grad and (".indexer." in n) == is_indexer]
+            groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.weight_decay, "lr": lr},
+                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.learning_rate,
+                                 betas=tuple(spec.adam_betas), eps=1e-8)
 
     # -- forward helpers ---------------------------------------------------------------------
 
@@ -88,17 +108,49 @@ class FSDPWorker:
             micro.append(None)  # a padding pass keeps collectives aligned
         return micro
 
-    def _logprobs(self, mb: TrainBatch | None, return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, TrainBatch]:
+    def _replay_rows(self, mb: TrainBatch) -> torch.Tensor | None:
+        """The selection to replay: batch.replay_topk, or the engines' top-k when dsa.index_replay is on."""
+        replay = mb.replay_topk if mb.replay_topk is not None else (mb.rollout_topk if self.dsa.index_replay else None)
+        return None if replay is None else replay.to(self.device)
+
+    def _logprobs(self, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False):
+        """(logprobs, entropy, the micro-batch, its PackedBatch, the ModelOutput) of one micro-batch."""
         if mb is None:  # padding pass: one token, contributes zero loss
             mb = _padding_batch()
         ids = mb.input_ids.to(self.device)
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
-        replay = mb.replay_topk.to(self.device) if mb.replay_topk is not None else None
-        logp, ent = self.model.token_logprobs(
+        replay = self._replay_rows(mb)
+        logp, ent, out = self.model.token_logprobs_with_output(
             ids, packed, temperature=self.spec.temperature, chunk_size=self.spec.logprob_chunk_size,
-            return_entropy=return_entropy, replay_topk=replay,
+            return_entropy=return_entropy, replay_topk=replay, capture_dsa=capture_dsa,
+            return_topk=replay is None and mb.rollout_topk is not None,
         )
-        return logp, ent, mb
+        return logp, ent, mb, packed, out
+
+    def _dsa_metrics(self, mb: TrainBatch, packed: PackedBatch, out, step_rows: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Indexer loss (already a share of the step: sum over rows / step_rows) and DSA metrics of one micro-batch.
+
+        "…/num" and "…/den" pairs become ratios after the cross-rank sum (see train_step).
+        """
+        metrics: dict[str, float] = {}
+        if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
+            engine = mb.rollout_topk.to(self.device)
+            rows = engine[0, :, 0] != REPLAY_COMPUTE
+            overlap = topk_overlap(engine[:, rows], out.topk_indices[:, rows])
+            metrics["index_topk_mismatch/num"] = float((1.0 - overlap).sum())
+            metrics["index_topk_mismatch/den"] = float(overlap.numel())
+        if out.dsa_layers is None:
+            return None, metrics
+        types = self.model.config.indexer_types
+        res = dsa_indexer_loss(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k,
+                               stage=self.dsa.indexer_stage, target=self.dsa.indexer_target,
+                               lse_matches_stage=self.dsa.indexer_stage == "sparse")
+        loss = res.loss_sum / max(step_rows, 1.0)
+        metrics["indexer_kl"] = float(loss.detach())
+        metrics.update({k: v / max(step_rows, 1.0) for k, v in res.metrics.items()})
+        for key, recall in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
+            metrics[f"indexer_{key}"] = float(recall.sum()) / max(step_rows, 1.0)
+        return self.dsa.indexer_loss_coef * loss, metrics
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -106,7 +158,7 @@ class FSDPWorker:
         self.model.eval()
         outs = []
         for mb in self._micro_batches(batch):
-            logp, _, _ = self._logprobs(mb)
+            logp, *_ = self._logprobs(mb)
             if mb is not None:
                 outs.append(logp.float().cpu())
         return torch.cat(outs) if outs else torch.zeros(0)
@@ -118,9 +170,16 @@ class FSDPWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        capture = self.dsa.indexer_loss_coef > 0
+        step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
         for mb in self._micro_batches(batch):
-            logp, ent, used = self._logprobs(mb, return_entropy=True)
+            logp, ent, used, packed, out = self._logprobs(mb, return_entropy=True, capture_dsa=capture)
             loss, metrics = self.loss_fn(logp, used, ent, global_loss_tokens, global_num_samples)
+            indexer_loss, dsa_metrics = self._dsa_metrics(used, packed, out, float(step_rows))
+            if indexer_loss is not None:
+                loss = loss + indexer_loss
+            metrics = {**metrics, **(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})}
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             # FSDP averages gradients over ranks; the loss is already a share of the global mean, so undo that.
@@ -128,6 +187,9 @@ class FSDPWorker:
             for k, v in metrics.items():
                 # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
                 sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+        if batch.rollout_topk is not None and batch.replay_topk is None and not self.dsa.index_replay:
+            for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
+                sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.spec.max_grad_norm
         )
@@ -145,6 +207,9 @@ class FSDPWorker:
             values = torch.tensor([sums[k] for k in keys] or [0.0], dtype=torch.float64, device=self.device)
             dist.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
             out.update({k: float(v) for k, v in zip(keys, values.tolist())})
+        for num in [k for k in out if k.endswith("/num")]:
+            den = out.pop(num[: -len("num")] + "den", 0.0)
+            out[num[: -len("/num")]] = out.pop(num) / den if den else float("nan")
         out.update({"grad_norm": float(grad_norm), "lr": lr})
         return out
 

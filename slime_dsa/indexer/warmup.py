@@ -1,0 +1,206 @@
+"""Dense indexer warm-up (DeepSeek-V3.2's first stage): train only the indexers, against the dense attention of their
+IndexShare group, on a text corpus; the result is a DSA model whose top-k keeps the attention that matters.
+
+One process, no Ray (like `slime-dsa sft`). The model runs dense attention throughout (index_topk override = the
+window length), so the target is the attention the checkpoint was trained with; everything but the indexers is
+frozen. The output directory holds the model with `index_topk` set to the sparse budget it was warmed up for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, topk_overlap
+from slime_dsa.config import RecipeConfig
+from slime_dsa.indexer.evaluate import evaluate_indexers, indexer_selection
+from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_all_but_indexers(model: GlmMoeDsaForCausalLM) -> list[torch.nn.Parameter]:
+    """requires_grad only on indexer parameters; returns them."""
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(".indexer." in name)
+        if p.requires_grad:
+            params.append(p)
+    if not params:
+        raise ValueError("the model has no indexer parameters (no 'full' layer in indexer_types)")
+    return params
+
+
+@torch.no_grad()
+def reinit_indexers(model: GlmMoeDsaForCausalLM, seed: int = 0) -> None:
+    """Fresh random indexers (as a dense checkpoint without trained indexers would have), same init as init_weights."""
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, module in model.named_modules():
+        if name.endswith(".indexer"):
+            for pname, p in module.named_parameters():
+                if pname.endswith("weight") and p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p) * std)
+                elif pname.endswith("weight"):
+                    p.fill_(1.0)
+                else:
+                    p.zero_()
+
+
+def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int) -> Iterator[list[int]]:
+    """Endless token documents from the recipe's tasks: prompt then reference solution then EOS."""
+    from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
+
+    mixture = TaskMixture(build_tasks(recipe.data, tokenizer), seed=seed)
+    eos = tokenizer.eos_token_id
+    while True:
+        for p in mixture.take(64):
+            solution = p.metadata.get("solution") or ""
+            yield list(p.prompt_ids) + tokenizer.encode(solution, add_special_tokens=False) + [eos]
+
+
+def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterator[list[int]]:
+    """Endless token documents from a text column of an HF dataset or a local jsonl/json/parquet file."""
+    from slime_dsa.data.prompts import load_prompt_dataset  # noqa: PLC0415
+
+    ds = load_prompt_dataset(path, split=split)
+    if column not in ds.column_names:
+        raise ValueError(f"indexer_warmup.text_column {column!r} is not a column of {path} ({ds.column_names})")
+    eos = tokenizer.eos_token_id
+    while True:
+        for row in ds:
+            yield tokenizer.encode(str(row[column]), add_special_tokens=False) + [eos]
+
+
+def windows(documents: Iterator[list[int]], seq_len: int) -> Iterator[torch.Tensor]:
+    """Documents concatenated and cut into windows of seq_len tokens."""
+    buf: list[int] = []
+    for doc in documents:
+        buf.extend(doc)
+        while len(buf) >= seq_len:
+            yield torch.tensor(buf[:seq_len], dtype=torch.long)
+            buf = buf[seq_len:]
+
+
+def warmup_step(
+    model: GlmMoeDsaForCausalLM, optimizer: torch.optim.Optimizer, sequences: list[torch.Tensor], target: str,
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """One Adam step of the dense-stage indexer loss over a packed batch of windows."""
+    ids = torch.cat(sequences).to(model.device)
+    batch = PackedBatch.from_seqlens([len(s) for s in sequences], model.device)
+    out = model.forward_packed(ids, batch, capture_dsa=True, return_logits=False,
+                               index_topk=max(len(s) for s in sequences))
+    res = dsa_indexer_loss(out.dsa_layers, model.config.indexer_types, batch.cu_seqlens_q, batch.cu_seqlens_k,
+                           stage="dense", target=target)
+    loss = res.loss_sum / res.num_rows
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    optimizer.step()
+    return {"indexer_kl": loss.item(), "grad_norm": float(grad_norm),
+            **{k: v / res.num_rows for k, v in res.metrics.items()}}
+
+
+@torch.no_grad()
+def probe_selection(model: GlmMoeDsaForCausalLM, sequences: list[torch.Tensor], topk: int) -> torch.Tensor:
+    """(n_full_layers, T, topk) the indexers select on fixed probe windows: compared step to step for stability."""
+    ids = torch.cat(sequences).to(model.device)
+    batch = PackedBatch.from_seqlens([len(s) for s in sequences], model.device)
+    out = model.forward_packed(ids, batch, capture_dsa=True, return_logits=False, index_topk=len(sequences[0]))
+    return torch.stack(list(indexer_selection(out.dsa_layers, batch, topk).values()))
+
+
+def train_indexers(
+    model: GlmMoeDsaForCausalLM, train: Iterator[torch.Tensor], eval_sequences: list[torch.Tensor], *, topk: int,
+    num_steps: int, batch_size: int, learning_rate: float, target: str = "group", eval_every: int = 0,
+    max_grad_norm: float = 1.0, log=None,
+) -> dict[str, Any]:
+    """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}."""
+    dense = max(len(s) for s in eval_sequences)
+    params = freeze_all_but_indexers(model)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    before = evaluate_indexers(model, eval_sequences, topk, dense, target)
+    logger.info("before warm-up: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", topk, before["recall"],
+                before["indexer_kl"], before["lm_loss_sparse"], before["lm_loss_dense"])
+    probe = eval_sequences[: max(1, min(4, len(eval_sequences)))]
+    previous = probe_selection(model, probe, topk)
+    history = []
+    for step in range(1, num_steps + 1):
+        start = time.perf_counter()
+        metrics = warmup_step(model, optimizer, [next(train) for _ in range(batch_size)], target, max_grad_norm)
+        current = probe_selection(model, probe, topk)
+        metrics["topk_overlap_prev_step"] = float(topk_overlap(current, previous).mean())
+        metrics["step_time_s"] = time.perf_counter() - start
+        previous = current
+        if eval_every and step % eval_every == 0 and step < num_steps:
+            metrics.update({f"eval/{k}": v for k, v in evaluate_indexers(model, eval_sequences, topk, dense, target).items()})
+        history.append({"step": step, **metrics})
+        if log is not None:
+            log(metrics, step)
+    after = evaluate_indexers(model, eval_sequences, topk, dense, target)
+    logger.info("after %d steps: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", num_steps, topk,
+                after["recall"], after["indexer_kl"], after["lm_loss_sparse"], after["lm_loss_dense"])
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return {"before": before, "after": after, "history": history}
+
+
+def run_indexer_warmup(recipe: RecipeConfig) -> Path:
+    """`slime-dsa indexer-warmup`: warm the indexers up, save the DSA model; returns the output directory."""
+    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    cfg = recipe.indexer_warmup
+    torch.manual_seed(recipe.trainer.seed)
+    run_dir = setup.resolve_run_dir(recipe)
+    setup.write_resolved_recipe(recipe, run_dir)
+    model_dir = setup.prepare_model_dir(recipe, run_dir)
+    tokenizer = setup.load_tokenizer(recipe, model_dir)
+    model = load_model(model_dir, dtype=torch.float32)
+    topk = cfg.index_topk or model.config.index_topk
+    if topk >= cfg.seq_len:
+        raise ValueError(f"indexer_warmup.index_topk ({topk}) must be below indexer_warmup.seq_len ({cfg.seq_len}): "
+                         "at or above it every key is selected and there is nothing to learn")
+    if cfg.reinit_indexers:
+        reinit_indexers(model, seed=recipe.trainer.seed)
+    if cfg.corpus == "tasks":
+        eval_docs, train_docs = task_corpus(recipe, tokenizer, seed=recipe.data.seed + 1), task_corpus(recipe, tokenizer, recipe.data.seed)
+    else:
+        eval_docs = train_docs = dataset_corpus(cfg.dataset_path, cfg.dataset_split, cfg.text_column, tokenizer)
+    eval_sequences = [next(windows(eval_docs, cfg.seq_len)) for _ in range(cfg.eval_sequences)] if cfg.corpus == "tasks" else None
+    train = windows(train_docs, cfg.seq_len)
+    if eval_sequences is None:  # one stream: hold its first windows out
+        eval_sequences = [next(train) for _ in range(cfg.eval_sequences)]
+    log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
+                        recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"))
+    try:
+        result = train_indexers(
+            model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
+            learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
+            max_grad_norm=recipe.trainer.max_grad_norm,
+            log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step)
+            if step % recipe.logging.log_every == 0 else None,
+        )
+    finally:
+        log.close()
+    out_dir = Path(cfg.output_dir or run_dir / "dsa_model")
+    model.config.index_topk = topk
+    for layer in model.model.layers:
+        layer.self_attn.index_topk = topk
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = topk
+    save_pretrained(model, out_dir)
+    tokenizer.save_pretrained(out_dir)
+    summary = {"index_topk": topk, "seq_len": cfg.seq_len, "steps": cfg.num_steps,
+               "before": result["before"], "after": result["after"]}
+    (out_dir / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
+    return out_dir
