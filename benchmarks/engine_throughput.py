@@ -103,6 +103,56 @@ def run_engine(model, prompts: list[list[int]], new_tokens: int, device: torch.d
     return time.perf_counter() - start, [finals[str(i)] for i in range(len(prompts))]
 
 
+def profile_decode(model, prompts: list[list[int]], device: torch.device, block_size: int, steps: int = 8,
+                   trace: Path | None = None) -> dict:
+    """Decode steps alone, once every request is prefilled: mean step time, host syncs per step and where.
+
+    Syncs are counted with torch.cuda.set_sync_debug_mode("warn") over one step; `trace` gets a torch
+    profiler table of one step (ops by device time, then by host time).
+    """
+    new_tokens = steps + 4
+    need = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) * block_size
+    engine = Engine(model, max_cache_tokens=need + block_size, max_running_requests=len(prompts), block_size=block_size,
+                    enable_prefix_caching=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True), rid=str(i)))
+    while engine.num_queued or engine.stats["generated_tokens"] < len(prompts):  # prefill (and first tokens)
+        engine.step()
+    engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    result = {"step_ms": step_ms, "syncs": None, "sources": []}
+    if device.type == "cuda":
+        import collections  # noqa: PLC0415
+        import warnings  # noqa: PLC0415
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+                sync(device)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        hits = [w for w in caught if "synchroniz" in str(w.message)]
+        where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in hits)
+        result.update(syncs=len(hits), sources=where.most_common(8))
+        if trace is not None:
+            from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                sync(device)
+            table = prof.key_averages()
+            trace.write_text(table.table(sort_by="cuda_time_total", row_limit=25) + "\n\n"
+                             + table.table(sort_by="self_cpu_time_total", row_limit=25))
+    return result
+
+
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}"
@@ -126,6 +176,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--hf-experts", default=None, help="transformers experts_implementation (default: its own choice, eager on failure)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="append the markdown section to this file")
+    parser.add_argument("--profile", action="store_true", help="also time decode steps alone and count their host syncs (CUDA)")
+    parser.add_argument("--trace", type=Path, default=None, help="with --profile: write a torch profiler table of one decode step here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
@@ -170,6 +222,15 @@ def main(argv: list[str] | None = None) -> str:
         tokens = batch * new_tokens
         rows.append((batch, tokens / hf_s, tokens / eng_s, hf_s / eng_s, same))
 
+    profiles = []
+    if args.profile:
+        for batch in batch_sizes:
+            prompts = make_prompts(batch, prompt_len, config.vocab_size, args.seed + batch)
+            trace = args.trace.with_suffix(f".b{batch}.txt") if args.trace else None
+            prof = profile_decode(model, prompts, device, args.block_size, trace=trace)
+            logger.info("batch %d: decode step %.2f ms, %s host syncs per step: %s", batch, prof["step_ms"], prof["syncs"], prof["sources"])
+            profiles.append((batch, prof))
+
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
     lines = [
         f"### Engine throughput: preset `{args.preset}` ({n_params / 1e6:.1f}M params), {device.type} {str(dtype).removeprefix('torch.')}",
@@ -182,6 +243,9 @@ def main(argv: list[str] | None = None) -> str:
         "| batch | transformers tok/s | engine tok/s | engine / transformers | identical outputs |",
         "|---:|---:|---:|---:|---:|",
         *(f"| {b} | {h:.1f} | {e:.1f} | {r:.2f}x | {s:.0%} |" for b, h, e, r, s in rows),
+        "",
+        *(f"- decode step alone at batch {b} (all requests prefilled): {p['step_ms']:.2f} ms; host syncs in one step: "
+          f"{p['syncs']} ({', '.join(f'{w} x{n}' for w, n in p['sources'])})" for b, p in profiles),
         "",
     ]
     text = "\n".join(lines)

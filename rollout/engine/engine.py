@@ -269,6 +269,7 @@ class Engine:
             self._reset_prefix_cache()
             self.cache.release()
         if "weights" in tags:
+            self.model.drop_inference_caches()
             self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -422,12 +423,14 @@ class Engine:
             (t for seq, n in scheduled for t in seq.tokens[seq.num_computed : seq.num_computed + n]), dtype=np.int64, count=int(lens_q.sum())
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
-        # One host-to-device copy for all step metadata.
-        packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, table.reshape(-1)]))
+        sampled = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
+        last_rows = np.cumsum(lens_q)[[i for i, _ in sampled]] - 1  # the query row each sampled request samples from
+        # One host-to-device copy for all step metadata (pinned: a pageable copy would wait for the device).
+        packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, last_rows, table.reshape(-1)]))
         if device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(device, non_blocking=True)
-        ids_d, starts_d, lens_q_d, lens_k_d, table_d = packed.split([Tq, S, S, S, S * max_blocks])
+        ids_d, starts_d, lens_q_d, lens_k_d, last_rows_d, table_d = packed.split([Tq, S, S, S, len(last_rows), S * max_blocks])
         table_d = table_d.view(S, max_blocks)
         zero = torch.zeros(1, dtype=torch.long, device=device)
         cu_q, cu_k = torch.cat([zero, lens_q_d.cumsum(0)]), torch.cat([zero, lens_k_d.cumsum(0)])
@@ -442,14 +445,11 @@ class Engine:
             read_slots = table_d[k_seq, k_pos // bs] * bs + k_pos % bs
         batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=self.cache.bind(write_slots, read_slots))
 
-        sampled = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
         want_topk = any(seq.req.return_indexer_topk for _, seq in sampled)
         out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk)
         self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
         if not sampled:
             return [], [], None
-        last_rows = np.cumsum(lens_q)[[i for i, _ in sampled]] - 1
-        last_rows_d = torch.from_numpy(last_rows).to(device, non_blocking=True)
         logits = self.model.lm_head(out.hidden_states[last_rows_d]).float()  # (B, V)
         seqs = [seq for _, seq in sampled]
         self._mask_min_new_tokens(logits, seqs)

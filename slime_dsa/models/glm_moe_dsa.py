@@ -17,6 +17,7 @@ Shapes: T tokens in the pack, H heads, Dn/Dr/Dl/Dv nope/rope/latent/value dims, 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +32,9 @@ from slime_dsa.models.logprobs import chunked_token_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # (M, K) x (G, K, N), offs (G,)
+logger = logging.getLogger(__name__)
+REPLAY_COMPUTE = -2  # a replay_topk row starting with this value is computed by the indexer, not replayed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,9 +61,9 @@ class PackedBatch:
     key_start: torch.Tensor = field(init=False)  # (Tq,) first key row of each query's sequence
 
     def __post_init__(self) -> None:
-        seq_id = torch.repeat_interleave(
-            torch.arange(len(self.cu_seqlens_q) - 1, device=self.cu_seqlens_q.device), self.cu_seqlens_q.diff()
-        )
+        # Sequence of each query row, by search rather than repeat_interleave: no host sync on CUDA.
+        rows = torch.arange(len(self.positions), device=self.cu_seqlens_q.device)
+        seq_id = torch.searchsorted(self.cu_seqlens_q[1:], rows, right=True)
         self.key_start = self.cu_seqlens_k[seq_id]
 
     @classmethod
@@ -160,9 +164,17 @@ class MLAttention(nn.Module):
         batch: PackedBatch,
         shared_rows: torch.Tensor | None,
         replay_local: torch.Tensor | None = None,
-        capture: list | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """x (T, D) -> (out (T, D), this layer's local top-k or None if shared, key rows used (T, K))."""
+        capture: bool = False,
+        index_topk: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict | None]:
+        """x (T, D) -> (out (T, D), this layer's local top-k or None if shared, key rows used (T, K), capture record).
+
+        With capture, the record holds what the indexer loss needs (returned, not appended to a caller's list:
+        FSDP's forward hooks may copy containers passed in).
+
+        replay_local rows whose first entry is REPLAY_COMPUTE are selected by the indexer; index_topk overrides
+        config.index_topk for this call (>= the sequence length = dense attention).
+        """
         T, H = x.shape[0], self.n_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))  # (T, Q)
         q = self.q_b_proj(q_latent).view(T, H, self.nope_dim + self.rope_dim)  # (T, H, Dn+Dr)
@@ -179,7 +191,9 @@ class MLAttention(nn.Module):
 
         index_q = index_k_new = index_w = None
         if self.indexer is not None:
-            index_q, index_k_new, index_w = self.indexer.project(x, q_latent, cos, sin)
+            # Detached inputs: the selection is discrete, so the only gradient an indexer gets is the indexer loss,
+            # and that loss must not reach the layers below (ALGORITHMS.md section 6, sparse stage).
+            index_q, index_k_new, index_w = self.indexer.project(x.detach(), q_latent.detach(), cos, sin)
         if batch.kv_cache is not None:
             kv, index_k = batch.kv_cache.update(self.layer_idx, kv_new, index_k_new)
         else:
@@ -187,13 +201,14 @@ class MLAttention(nn.Module):
 
         local = None
         if self.indexer is not None:
-            if replay_local is not None:
-                local = replay_local
-            else:
+            compute = None if replay_local is None else replay_local[:, 0] == REPLAY_COMPUTE  # (T,)
+            if compute is None or bool(compute.any()):
                 local = ops.indexer_topk(
                     index_q.detach(), index_k.detach(), index_w.detach(), batch.cu_seqlens_q, batch.cu_seqlens_k,
-                    self.index_topk, self.indexer.softmax_scale,
+                    index_topk or self.index_topk, self.indexer.softmax_scale,
                 )  # (T, K)
+            if replay_local is not None:
+                local = replay_local if local is None else torch.where(compute[:, None], local, replay_local)
             rows = batch.to_rows(local)
         else:
             if shared_rows is None:
@@ -201,14 +216,15 @@ class MLAttention(nn.Module):
             rows = shared_rows
 
         out_latent, lse = ops.sparse_mla_attention(q_mqa, kv, rows, self.scale, self.kv_rank)  # (T, H, Dl), (T, H)
-        if capture is not None:
-            capture.append({
+        record = None
+        if capture:
+            record = {
                 "layer": self.layer_idx, "q": q_mqa.detach(), "kv": kv.detach(), "lse": lse.detach(),
                 "scale": self.scale, "rows": rows, "index_q": index_q, "index_k": index_k, "index_weights": index_w,
                 "index_scale": self.indexer.softmax_scale if self.indexer is not None else None,
-            })
+            }
         out = torch.einsum("thl,hvl->thv", out_latent, w_uv)  # (T, H, Dv)
-        return self.o_proj(out.reshape(T, H * self.v_dim)), local, rows
+        return self.o_proj(out.reshape(T, H * self.v_dim)), local, rows, record
 
 
 class MLP(nn.Module):
@@ -252,13 +268,44 @@ class Router(nn.Module):
 
 
 class Experts(nn.ModuleList):
-    """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are."""
+    """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are.
+
+    Two paths, same math: a loop over experts (reference; autograd; CPU), and for inference on CUDA in
+    bf16 a grouped GEMM over stacked copies of the expert weights, which needs no host sync (the loop reads
+    the per-expert counts on the host). The stacked copy is rebuilt when any expert weight changes (version
+    counters, storage) and dropped by `drop_stacked()`.
+    """
+
+    use_grouped_mm: bool | None = None  # None: on CUDA bf16 without autograd; True / False force it (tests)
+    _grouped_failed = False  # set when the automatic choice failed once on this process' device
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+        self._stacked: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (fingerprint, w_gate_up, w_down)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x (T, D), weights/expert_ids (T, k) -> (T, D): tokens grouped by expert, one matmul per expert hit."""
+        """x (T, D), weights/expert_ids (T, k) -> (T, D)."""
+        if self._grouped_ok(x):
+            if self.use_grouped_mm:
+                return self._forward_grouped(x, weights, expert_ids)
+            try:
+                return self._forward_grouped(x, weights, expert_ids)
+            except (RuntimeError, NotImplementedError) as err:  # e.g. no grouped GEMM kernel for this GPU
+                logger.warning("experts: grouped_mm failed (%s: %s); using the per-expert loop", type(err).__name__, err)
+                Experts._grouped_failed = True
+                self.drop_stacked()
+        return self._forward_loop(x, weights, expert_ids)
+
+    def _grouped_ok(self, x: torch.Tensor) -> bool:
+        if torch.is_grad_enabled() or _grouped_mm is None:
+            return False
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        return (not Experts._grouped_failed and x.is_cuda and x.dtype == torch.bfloat16
+                and self[0].gate_proj.weight.dtype == torch.bfloat16)
+
+    def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
         out = torch.zeros_like(x)
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)  # (T*k,)
@@ -274,6 +321,48 @@ class Experts(nn.ModuleList):
             y = self[expert](x[tokens]) * weights[tokens, k, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
+
+    def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Grouped GEMMs over the (token, slot) rows sorted by expert; group offsets stay on the device."""
+        T, top_k = expert_ids.shape
+        w_gate_up, w_down = self.stacked()
+        flat = expert_ids.reshape(-1)  # (T*k,)
+        sorted_ids, order = torch.sort(flat, stable=True)  # (T*k,) slots sorted by expert
+        # End row of each expert's group; bincount would sync on CUDA (it reads the max id on the host).
+        experts = torch.arange(len(self), device=flat.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # (E,)
+        xs = x[order // top_k].to(w_gate_up.dtype)  # (T*k, D)
+        gate, up = _grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (T*k, I) each
+        y = _grouped_mm(self[0].act(gate) * up, w_down.transpose(1, 2), offs=offs)  # (T*k, D)
+        y = y * weights.reshape(-1)[order, None]  # float32, as the loop's
+        # Back to (token, slot) order (order is a permutation: no atomics), summed over the k slots in float32.
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        return unsorted.view(T, top_k, -1).sum(1).to(x.dtype)
+
+    def _fingerprint(self) -> tuple:
+        params = [p for mlp in self for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
+        first = params[0]
+        return (first.device, first.dtype, first.data_ptr(), tuple(p._version for p in params))
+
+    @torch.no_grad()
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up (E, 2I, D), w_down (E, D, I)): stacked copies of the expert weights, rebuilt when they change."""
+        key = self._fingerprint()
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = None  # free the stale copy before building the new one
+            with torch.inference_mode(False):
+                w_gate_up, w_down = self._stack()
+            self._stacked = (key, w_gate_up, w_down)
+        return self._stacked[1], self._stacked[2]
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w_gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self])
+        w_down = torch.stack([m.down_proj.weight for m in self])
+        return w_gate_up, w_down
+
+    def drop_stacked(self) -> None:
+        """Free the stacked copy (it is rebuilt on the next grouped forward)."""
+        self._stacked = None
 
 
 class MoE(nn.Module):
@@ -297,11 +386,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, batch, shared_rows, replay_local=None, capture=None):
-        attn, local, rows = self.self_attn(self.input_layernorm(h), cos, sin, batch, shared_rows, replay_local, capture)
+    def forward(self, h, cos, sin, batch, shared_rows, replay_local=None, capture=False, index_topk=None):
+        attn, local, rows, record = self.self_attn(
+            self.input_layernorm(h), cos, sin, batch, shared_rows, replay_local, capture, index_topk
+        )
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, local, rows
+        return h, local, rows, record
 
 
 class MTPLayer(DecoderLayer):
@@ -373,22 +464,33 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return_topk: bool = False,
         capture_dsa: bool = False,
         return_mtp: bool = False,
+        index_topk: int | None = None,
     ) -> ModelOutput:
-        """Packed forward: input_ids (T,) -> ModelOutput. replay_topk (n_full_layers, T, K) replays a selection."""
+        """Packed forward: input_ids (T,) -> ModelOutput.
+
+        replay_topk (n_full_layers, T, K) replays a selection; its rows that start with REPLAY_COMPUTE are
+        selected by the indexer as usual (partial replay). index_topk overrides config.index_topk for this call.
+        """
         h = self.model.embed_tokens(input_ids)  # (T, D)
+        if self._inv_freq.device != h.device:  # kept on the device: a host copy per forward would sync
+            with torch.inference_mode(False):  # a normal tensor, usable by later autograd forwards too
+                self._inv_freq = self._inv_freq.to(h.device)
         cos, sin = rope_cos_sin(batch.positions, self._inv_freq, self._rope_scaling, h.dtype)
         capture = [] if capture_dsa else None
+        record = None
         full_ids = {layer: i for i, layer in enumerate(self.config.full_layer_ids)}
         selections, shared_rows = [], None
         for layer in self.model.layers[: self.config.num_hidden_layers]:
             idx = layer.self_attn.layer_idx
             replay = replay_topk[full_ids[idx]] if replay_topk is not None and idx in full_ids else None
             if self.gradient_checkpointing and torch.is_grad_enabled() and capture is None:  # recompute would capture twice
-                h, local, shared_rows = checkpoint(
-                    layer, h, cos, sin, batch, shared_rows, replay, capture, use_reentrant=False
+                h, local, shared_rows, _ = checkpoint(
+                    layer, h, cos, sin, batch, shared_rows, replay, False, index_topk, use_reentrant=False
                 )
             else:
-                h, local, shared_rows = layer(h, cos, sin, batch, shared_rows, replay, capture)
+                h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
+            if record is not None:
+                capture.append(record)
             if local is not None:
                 selections.append(local)
         mtp_hidden = self._mtp_forward(h, input_ids, cos, sin, batch) if return_mtp else None
@@ -410,7 +512,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
             emb = self.model.embed_tokens(next_ids)
             emb[last] = 0
             x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
-            h, _, _ = layer(x, cos, sin, batch, None)
+            h, _, _, _ = layer(x, cos, sin, batch, None)
             outs.append(layer.shared_head.norm(h))
         return outs
 
@@ -428,6 +530,24 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
         Returns (logprobs (T,), entropy (T,) or None); entropy at row t is that of the distribution over x_t.
         """
+        logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+        return logp, ent
+
+    def token_logprobs_with_output(
+        self,
+        input_ids: torch.Tensor,
+        batch: PackedBatch,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        return_entropy: bool = False,
+        **forward_kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
+        """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer."""
+        return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+
+    def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs):
+        # One body for both public entries, which FSDP registers separately (neither may call the other).
         out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
         starts = batch.cu_seqlens_q[:-1]
         targets = torch.roll(input_ids, -1)  # row t predicts x_{t+1}
@@ -440,7 +560,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if ent_next is not None:
             ent = torch.roll(ent_next, 1)
             ent[starts] = 0.0
-        return logp, ent
+        return logp, ent, out
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -460,6 +580,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
             elif isinstance(module, Router):
                 module.weight.normal_(0.0, std)
                 module.e_score_correction_bias.zero_()
+
+    def drop_inference_caches(self) -> None:
+        """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.drop_stacked()
 
     def cast(self, dtype: torch.dtype) -> "GlmMoeDsaForCausalLM":
         """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
