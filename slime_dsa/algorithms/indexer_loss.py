@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
 
@@ -79,51 +77,10 @@ def _group_target(
     return target / len(attn_q)
 
 
-def _kl_chunk(q, k, w, rows, valid, target, scale):
-    """KL(target || softmax(I)) per query row of one chunk -> (C,)."""
-    dtype = target.dtype
-    logits = torch.einsum("cjd,cwd->cjw", q.to(dtype), k[rows].to(dtype)) * scale  # (C, Hi, W)
-    scores = torch.einsum("cj,cjw->cw", w.to(dtype), logits.relu()).masked_fill(~valid, float("-inf"))
-    log_q = F.log_softmax(scores, dim=-1).masked_fill(~valid, 0.0)
-    return (torch.xlogy(target, target) - target * log_q).sum(-1)
-
-
-def indexer_kl_loss(
-    index_q: torch.Tensor,
-    index_k: torch.Tensor,
-    index_weights: torch.Tensor,
-    index_scale: float,
-    attn_q: Sequence[torch.Tensor],
-    attn_kv: Sequence[torch.Tensor],
-    attn_lse: Sequence[torch.Tensor | None] | None,
-    attn_scale: float,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    rows: torch.Tensor | None = None,
-    chunk_size: int = QUERY_CHUNK,
-) -> torch.Tensor:
-    """Per-query KL(p_bar || softmax(I)) of one IndexShare group, (Tq,) float32 (float64 for float64 inputs).
-
-    index_q (Tq, Hi, Di), index_k (Tk, Di), index_weights (Tq, Hi): the full layer's indexer tensors (they carry the
-    gradient). attn_q[g] (Tq, H, D) / attn_kv[g] (Tk, D): the MQA-mode attention inputs of each layer of the group;
-    attn_lse[g] (Tq, H) that layer's lse over the same key set, or None (or attn_lse None) to recompute it.
-    rows (Tq, K) global key rows (sparse stage) or None = every causal key (dense stage).
-    Same contract as `slime_dsa.ops.indexer_kl_loss`, which a fused kernel may implement.
-    """
-    dtype = _acc(index_q)
-    key_start, pos = _query_positions(cu_seqlens_q, cu_seqlens_k)
-    out = []
-    for c0 in range(0, index_q.shape[0], chunk_size):
-        c1 = min(c0 + chunk_size, index_q.shape[0])
-        r = _chunk_rows(c0, c1, rows, key_start, pos)
-        valid, r0 = r >= 0, r.clamp(min=0)
-        target = _group_target(attn_q, attn_kv, attn_lse, attn_scale, c0, c1, r0, valid, dtype)
-        args = (index_q[c0:c1], index_k, index_weights[c0:c1], r0, valid, target, index_scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (index_q, index_k, index_weights)):
-            out.append(checkpoint(_kl_chunk, *args, use_reentrant=False))  # keeps one (C, Hi, W) alive, not all
-        else:
-            out.append(_kl_chunk(*args))
-    return torch.cat(out) if out else index_q.new_zeros(0, dtype=dtype)
+def indexer_kl_loss(*args, **kwargs) -> torch.Tensor:
+    """Per-query KL(p_bar || softmax(I)) of one IndexShare group: `slime_dsa.ops.indexer_kl_loss` (torch reference
+    or the fused Triton kernel, one contract; see `slime_dsa.ops.reference.indexer_kl_loss`)."""
+    return ops.indexer_kl_loss(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -204,9 +161,7 @@ def dsa_indexer_loss(
             continue
         layers = [by_layer[m] for m in (members if target == "group" else [full])]
         c = by_layer[full]
-        # On CUDA the fused kernel behind slime_dsa.ops (same contract); elsewhere this module's chunked torch code.
-        kl_fn = ops.indexer_kl_loss if c["index_q"].is_cuda else indexer_kl_loss
-        kl = kl_fn(
+        kl = ops.indexer_kl_loss(
             c["index_q"], c["index_k"], c["index_weights"], c["index_scale"],
             [x["q"] for x in layers], [x["kv"] for x in layers],
             [x["lse"] for x in layers] if lse_matches_stage else None, c["scale"],
