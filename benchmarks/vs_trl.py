@@ -113,39 +113,6 @@ def trl_arithmetic_reward(prompts: list, completions: list, answer: list, **kwar
     return rewards
 
 
-def work_around_pickle_sniff() -> dict[str, int]:
-    """WORKAROUND, reported in the result: rollout/server/weights.py `decode_named_tensors` takes any payload whose
-    first byte is 0x80 for a pickle, but that byte is the low byte of safetensors' u64 header length, which is 0x80
-    whenever the length is 128 mod 256 (1 in 32: safetensors pads it to 8 bytes). The quickstart preset's state
-    dict has a 15488-byte (0x3C80) header, so every weight push is refused with HTTP 400. Until that is fixed, the
-    driver pads such a bucket's JSON header with 8 spaces (allowed by the format) to move the length.
-    Returns a counter of re-encoded buckets.
-    """
-    import base64
-
-    from rollout.server import weights
-    from slime_dsa.orchestrator import weight_sync
-
-    original = weights.tensor_update_payloads
-    count = {"reencoded": 0}
-
-    def payloads(named_tensors: Any, **kwargs: Any) -> list[dict]:
-        out = original(named_tensors, **kwargs)
-        for payload in out:
-            data = base64.b64decode(payload["serialized_named_tensors"][0])
-            if data[:1] == b"\x80":
-                # The spec allows trailing spaces in the JSON header; data offsets count from its end, so 8 more
-                # spaces only move the length (0x..80 -> 0x..88).
-                n = int.from_bytes(data[:8], "little")
-                data = (n + 8).to_bytes(8, "little") + data[8:8 + n] + b" " * 8 + data[8 + n:]
-                payload["serialized_named_tensors"] = [base64.b64encode(data).decode("ascii")]
-                count["reencoded"] += 1
-        return out
-
-    weight_sync.tensor_update_payloads = payloads
-    return count
-
-
 def step_times(stamps: list[float]) -> list[float]:
     """Per-step seconds from consecutive timestamps (the first is the loop's start)."""
     return [b - a for a, b in zip(stamps, stamps[1:])]
@@ -165,7 +132,6 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
 
     stamps: list[float] = []
     final: dict[str, Any] = {}
-    reencoded = work_around_pickle_sniff()
 
     def on_weights(version: int, state: dict) -> None:
         stamps.append(time.perf_counter())
@@ -185,14 +151,11 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     if final.get("version") != args.steps or len(rewards) != args.steps:
         raise RuntimeError(f"ours: expected {args.steps} steps, got weight version {final.get('version')} and "
                            f"{len(rewards)} logged rewards (see {run_dir}/train.log)")
-    if reencoded["reencoded"]:
-        logger.warning("ours: %d weight buckets re-encoded to dodge the 0x80 pickle-sniff false positive of "
-                       "rollout/server/weights.py (see work_around_pickle_sniff)", reencoded["reencoded"])
     later = records[1:] or records
     parts = {key: statistics.median(r.get(f"perf/{key}_time_s", 0.0) for r in later)
              for key in ("rollout", "train", "sync")}
     return {"step_times": step_times(stamps), "rewards": rewards, "state": final["state"], "total_s": total,
-            "run_dir": run_dir, "reencoded": reencoded["reencoded"], "parts": parts}
+            "run_dir": run_dir, "parts": parts}
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
@@ -328,12 +291,6 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['first_step_s']:.2f} | {sum(side['step_times']):.1f} "
                      f"| {side['total_s']:.1f} | {s['first_reward']:.3f} | {s['final_reward']:.3f} | {ev:.3f} |")
     lines.append("")
-    if ours.get("reencoded"):
-        lines.append(f"- WORKAROUND in ours: {ours['reencoded']} weight buckets re-encoded by the benchmark "
-                     "(8 spaces of safetensors header padding) because rollout/server/weights.py refuses "
-                     "safetensors payloads whose header length is 128 mod 256 as pickles (see "
-                     "`work_around_pickle_sniff`); costs a base64 decode + encode in the driver per push, "
-                     "included in ours' step time")
     lines += [
         f"- step-time ratio TRL / ours: **{ratio:.2f}x**",
         "- ours per step (median of steps 2..N, from its metrics): "
