@@ -76,15 +76,9 @@ def tensor_update_payloads(
     Only the last bucket flushes the cache and sets weight_version, so the version changes once, after all
     tensors are in.
     """
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in named_tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
+    from slime_dsa.checkpoint.hf_format import split_by_bytes
+
+    buckets = split_by_bytes(named_tensors.items(), bucket_bytes)
     payloads = []
     for i, bucket in enumerate(buckets):
         last = i == len(buckets) - 1

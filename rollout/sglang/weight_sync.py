@@ -151,15 +151,9 @@ async def broadcast_to_engines(
                                  group_name=group_name, backend=backend)
         *_, group = await asyncio.gather(*posts, join)
 
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
+    from slime_dsa.checkpoint.hf_format import split_by_bytes
+
+    buckets = split_by_bytes(named_tensors, bucket_bytes)
 
     def send(bucket: list[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in bucket:

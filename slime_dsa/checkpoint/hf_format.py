@@ -68,7 +68,7 @@ def save_pretrained(
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         model.config.save(tmp)
-        shards = _split_shards(state, max_shard_bytes)
+        shards = [dict(bucket) for bucket in split_by_bytes(state.items(), max_shard_bytes)]
         if len(shards) == 1:
             save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         else:
@@ -94,17 +94,21 @@ def save_pretrained(
     return directory
 
 
-def _split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards, current, size = [], {}, 0
-    for name, tensor in state.items():
+def split_by_bytes(named_tensors, max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) pairs grouped into buckets of at most max_bytes (a larger tensor stands alone).
+
+    One rule for checkpoint shards and for weight-sync buckets.
+    """
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
+        if buckets[-1] and size + nbytes > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
         size += nbytes
-    shards.append(current)
-    return shards
+    return buckets
 
 
 def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
