@@ -85,20 +85,34 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: torch.device) 
     return time.perf_counter() - start, out[:, width:].tolist()
 
 
-def run_engine(model, prompts: list[list[int]], new_tokens: int, device: torch.device, block_size: int) -> tuple[float, list[list[int]]]:
-    """All prompts into a fresh engine at once, stepped until done: (seconds, output ids)."""
+ENGINE_OPTIONS: dict = {}  # extra Engine arguments from the command line
+
+
+def make_engine(model, prompts: list[list[int]], new_tokens: int, block_size: int, cuda_graphs: bool = True) -> Engine:
+    """An engine with cache room for every prompt at once."""
     need = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) * block_size
-    engine = Engine(model, max_cache_tokens=need + block_size, max_running_requests=len(prompts), block_size=block_size,
-                    enable_prefix_caching=False)  # random prompts share nothing; keep the comparison plain
+    return Engine(model, max_cache_tokens=need + block_size, max_running_requests=len(prompts), block_size=block_size,
+                  enable_prefix_caching=False, cuda_graphs=cuda_graphs, **ENGINE_OPTIONS)  # random prompts share nothing: keep it plain
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
+    """All prompts into the engine at once, stepped until done: (seconds, output ids).
+
+    Sets run_engine.prefill_s: the time until every prompt token was in the cache (prefill steps, which also
+    decode the requests admitted earlier)."""
     sync(device)
     start = time.perf_counter()
+    prefilled = engine.stats["prefill_tokens"] + sum(len(p) for p in prompts)
     for i, p in enumerate(prompts):
-        engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True), rid=str(i)))
-    finals = {}
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        engine.add_request(GenerateRequest(input_ids=p, sampling=sampling, rid=str(i), stream=False))
+    finals, run_engine.prefill_s = {}, None
     while engine.num_running or engine.num_queued:
         for out in engine.step():
             if out.finish_reason is not None:
                 finals[out.rid] = out.output_ids
+        if run_engine.prefill_s is None and engine.stats["prefill_tokens"] >= prefilled:
+            run_engine.prefill_s = time.perf_counter() - start
     sync(device)
     return time.perf_counter() - start, [finals[str(i)] for i in range(len(prompts))]
 
@@ -110,15 +124,14 @@ def profile_decode(model, prompts: list[list[int]], device: torch.device, block_
     Syncs are counted with torch.cuda.set_sync_debug_mode("warn") over one step; `trace` gets a torch
     profiler table of one step (ops by device time, then by host time).
     """
-    new_tokens = steps + 4
-    need = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) * block_size
-    engine = Engine(model, max_cache_tokens=need + block_size, max_running_requests=len(prompts), block_size=block_size,
-                    enable_prefix_caching=False)
+    new_tokens = 2 * steps + 64  # room for the steps below once the last prompt is in
+    engine = make_engine(model, prompts, new_tokens, block_size)
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True), rid=str(i)))
-    while engine.num_queued or engine.stats["generated_tokens"] < len(prompts):  # prefill (and first tokens)
+    while engine.num_queued or engine.stats["prefill_tokens"] < sum(len(p) for p in prompts):
         engine.step()
-    engine.step()
+    for _ in range(steps):  # steady state: the decode graphs of this batch are captured
+        engine.step()
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -172,6 +185,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--prompt-len", type=int, default=None, help="longest prompt (default: the preset's)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default: the preset's)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-prefill-tokens", type=int, default=None, help="the engine's prefill chunk budget (default: the engine's)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--hf-experts", default=None, help="transformers experts_implementation (default: its own choice, eager on failure)")
     parser.add_argument("--seed", type=int, default=0)
@@ -182,6 +196,8 @@ def main(argv: list[str] | None = None) -> str:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.max_prefill_tokens:
+        ENGINE_OPTIONS["max_prefill_tokens"] = args.max_prefill_tokens
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
@@ -208,19 +224,28 @@ def main(argv: list[str] | None = None) -> str:
                 logger.warning("transformers with experts %s failed (%s); retrying with eager experts", hf.config._experts_implementation, exc)
     hf_impl = f"attention `{hf.config._attn_implementation}`, experts `{hf.config._experts_implementation}`"
     logger.info("preset %s: %.1fM parameters, %s %s, transformers %s", args.preset, n_params / 1e6, device, dtype, hf_impl)
-    run_engine(model, warm, new_tokens, device, args.block_size)  # full length: kernels compile before timing
+    # Full length: kernels compile before timing.
+    run_engine(make_engine(model, warm, new_tokens, args.block_size), warm, new_tokens, device)
+    graphs = device.type == "cuda"
 
     rows = []
     for batch in batch_sizes:
         prompts = make_prompts(batch, prompt_len, config.vocab_size, args.seed + batch)
         hf_s, hf_out = run_hf(hf, prompts, new_tokens, device)
         logger.info("batch %d: transformers %.2fs", batch, hf_s)
-        eng_s, eng_out = run_engine(model, prompts, new_tokens, device, args.block_size)
-        logger.info("batch %d: engine %.2fs", batch, eng_s)
+        engine = make_engine(model, prompts, new_tokens, args.block_size)
+        cold_s, _ = run_engine(engine, prompts, new_tokens, device)  # on CUDA: captures the decode graphs it needs
+        eng_s, eng_out = run_engine(engine, prompts, new_tokens, device)  # the same engine, as in an RL loop
+        prefill_s = run_engine.prefill_s
+        eager_s = None
+        if graphs:
+            eager_s, _ = run_engine(make_engine(model, prompts, new_tokens, args.block_size, cuda_graphs=False), prompts, new_tokens, device)
+        logger.info("batch %d: engine %.2fs (prefill %.2fs; first run %.2fs, without CUDA graphs %s)", batch, eng_s, prefill_s, cold_s, eager_s)
         assert all(len(o) == new_tokens for o in hf_out + eng_out), "both sides must produce --new-tokens tokens per request"
         same = sum(a == b for a, b in zip(hf_out, eng_out)) / batch
         tokens = batch * new_tokens
-        rows.append((batch, tokens / hf_s, tokens / eng_s, hf_s / eng_s, same))
+        rows.append((batch, tokens / hf_s, tokens / eng_s, hf_s / eng_s, prefill_s / eng_s, tokens / cold_s,
+                     None if eager_s is None else tokens / eager_s, same))
 
     profiles = []
     if args.profile:
@@ -240,10 +265,12 @@ def main(argv: list[str] | None = None) -> str:
         f"transformers `generate` (one left-padded batch, {hf_impl}) vs the embedded engine (block size {args.block_size})",
         f"- command: `{command}`",
         "",
-        "| batch | transformers tok/s | engine tok/s | engine / transformers | identical outputs |",
-        "|---:|---:|---:|---:|---:|",
-        *(f"| {b} | {h:.1f} | {e:.1f} | {r:.2f}x | {s:.0%} |" for b, h, e, r, s in rows),
+        "| batch | transformers tok/s | engine tok/s | engine / transformers | engine time in prefill | engine first run tok/s | engine without CUDA graphs tok/s | identical outputs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(f"| {b} | {h:.1f} | {e:.1f} | {r:.2f}x | {pf:.0%} | {c:.1f} | {'-' if g is None else f'{g:.1f}'} | {s:.0%} |" for b, h, e, r, pf, c, g, s in rows),
         "",
+        "- engine tok/s: the second run of the batch through the same engine (an RL engine serves many batches);"
+        " the first run also captures the CUDA graphs (CUDA only) and compiles kernels for new shapes.",
         *(f"- decode step alone at batch {b} (all requests prefilled): {p['step_ms']:.2f} ms; host syncs in one step: "
           f"{p['syncs']} ({', '.join(f'{w} x{n}' for w, n in p['sources'])})" for b, p in profiles),
         "",

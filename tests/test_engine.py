@@ -31,6 +31,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module", autouse=True, params=["packed", "paged"])
+def decode_path(request):
+    """Every test runs on both decode paths: the packed forward (CPU default) and the paged decode (CUDA default,
+    whose graphs replay exactly this forward), so the paged path inherits every parity test."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(Engine.__init__.__kwdefaults__, "paged_decode", request.param == "paged")
+        yield request.param
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt")
@@ -81,7 +90,7 @@ def trainer_logits(model, prompt, output):
 # parity
 
 
-def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint, model):
+def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint, model, decode_path):
     _, hf = checkpoint
     lengths, n_new = (3, 7, 12, 5, 17), 20
     ps = prompts(lengths)
@@ -97,6 +106,8 @@ def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint
         arrivals[at].append(GenerateRequest(input_ids=p, sampling=greedy(n_new), rid=str(i)))
     finals = run(engine, arrivals)
     assert run.peak_running == len(ps)  # they shared the running batch
+    paged_steps = engine.stats["paged_decode_steps"]
+    assert (paged_steps > n_new // 2) if decode_path == "paged" else paged_steps == 0
     for i, ref in enumerate(reference):
         assert finals[str(i)].output_ids == ref, f"request {i} (prompt {lengths[i]} tokens) diverged from transformers"
         assert finals[str(i)].finish_reason == {"type": "length", "length": n_new}
@@ -106,6 +117,18 @@ def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint
     rows = torch.arange(len(ps[3]) - 1, len(ps[3]) - 1 + n_new)
     expect = logp[rows, torch.tensor(out.output_ids)]
     assert torch.allclose(torch.tensor(out.output_token_logprobs), expect, atol=1e-5)
+
+
+def test_non_streaming_requests_emit_only_their_final_output(model):
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    engine.add_request(GenerateRequest(input_ids=[5, 6, 7], sampling=greedy(6), rid="quiet", stream=False))
+    engine.add_request(GenerateRequest(input_ids=[5, 6, 7], sampling=greedy(6), rid="loud"))
+    seen = {"quiet": [], "loud": []}
+    while engine.has_work:
+        for out in engine.step():
+            seen[out.rid].append(out)
+    assert len(seen["loud"]) == 6 and len(seen["quiet"]) == 1
+    assert seen["quiet"][0].finish_reason is not None and seen["quiet"][0].output_ids == seen["loud"][-1].output_ids
 
 
 def test_sampled_logprobs_match_trainer_token_logprobs(model):

@@ -2,6 +2,7 @@
 
 engine.py        Engine: synchronous scheduler (admission, chunked prefill, one packed forward per step)
 async_engine.py  AsyncEngine: the step loop in a background thread, an asyncio API for the HTTP server
+decode.py        PagedDecoder: decode-only steps reading the paged pool in place, CUDA graphs on GPU
 kv_cache.py      PagedKVCache: per-layer MLA latent rows + indexer keys, the model's KVCache protocol
 blocks.py        BlockManager: block allocation under a token budget, prefix cache of full blocks
 sampling.py      batched sampling (temperature, top-k, top-p, min-p, seeds) and its log-probs

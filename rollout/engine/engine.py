@@ -6,7 +6,9 @@ One `step()` is one scheduler iteration:
 2. queued requests are admitted in arrival order while the cache budget, `max_running_requests` and the
    prefill budget allow; each admitted request first takes the longest cached prefix it can (prefix reuse,
    see blocks.py) and then joins this very step with the rest of its prompt;
-3. ONE packed forward runs over all of it (`forward_packed` with the cache bound to this step's slots);
+3. ONE packed forward runs over all of it (`forward_packed` with the cache bound to this step's slots); a
+   step where every request decodes one token goes through decode.py instead (no key gather; a CUDA graph
+   replay on GPU);
 4. the requests whose last input row was in the batch sample one token each, in one batched call;
 5. stop rules run on the host, finished requests leave and free their blocks.
 The host waits on the device once per step (one `.tolist()` of tokens and log-probs; index replay adds one
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 
 from rollout.engine.blocks import BlockManager, block_digests
+from rollout.engine.decode import PagedDecoder
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
 from rollout.engine.stop import StopChecker
@@ -100,7 +103,11 @@ class Engine:
         max_prefill_tokens: int = 8192,
         enable_prefix_caching: bool = True,
         seed: int | None = None,
+        paged_decode: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """paged_decode: decode-only steps read the KV pool in place (None: on CUDA only); cuda_graphs: and
+        replay them as CUDA graphs (CUDA only)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
@@ -119,6 +126,9 @@ class Engine:
         self.max_cache_tokens = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device)
+        if paged_decode is None:
+            paged_decode = self.device.type == "cuda"
+        self.decoder = PagedDecoder(model, self.cache, block_size, cuda_graphs) if paged_decode else None
         self.n_full_layers = len(self.config.full_layer_ids)
         self._weight_version = str(weight_version)
         self._version_int = _version_number(self._weight_version, 0)
@@ -132,7 +142,7 @@ class Engine:
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
-        self.stats = {"steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
             num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
@@ -242,6 +252,7 @@ class Engine:
                 raise RequestError(f"update_weights: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
         for name, tensor in state_dict.items():
             params[name].copy_(tensor)
+        self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
         if weight_version is not None:
             self._weight_version = str(weight_version)
@@ -271,6 +282,8 @@ class Engine:
         if "weights" in tags:
             self.model.drop_inference_caches()
             self.model.to("cpu")
+        if self.decoder is not None:
+            self.decoder.reset()  # the graphs point at the memory being freed
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._released.update(tags)
@@ -300,7 +313,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[GenerateOutput]:
-        """One scheduler iteration; returns the outputs that changed (cumulative, finish_reason on the last)."""
+        """One scheduler iteration; returns the outputs that changed (cumulative, finish_reason on the last).
+
+        A request with stream=False appears only once, finished."""
         outputs, self._ready = self._ready, []
         if self._paused is not None:
             return outputs
@@ -329,7 +344,10 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
                 logger.exception("engine: stop check of request %s failed", seq.req.rid)
                 reason = {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
-            outputs.append(self._finish(seq, reason) if reason else self._output(seq))
+            if reason:
+                outputs.append(self._finish(seq, reason))
+            elif seq.req.stream:
+                outputs.append(self._output(seq))
         self.stats["generated_tokens"] += len(sampled)
         return outputs
 
@@ -409,7 +427,41 @@ class Engine:
         seq.num_registered = max(seq.num_registered, full)
 
     def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], dict[str, np.ndarray] | None]:
-        """The packed forward of this step and the sampling of its last rows. One host sync for the results."""
+        """The forward of this step and the sampling of its last rows. One host sync for the results."""
+        device = self.device
+        seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
+        want_topk = any(seq.req.return_indexer_topk for seq in seqs)
+        decode_only = self.decoder is not None and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
+        if decode_only:
+            self.stats["paged_decode_steps"] += 1
+            hidden, topk_all = self.decoder.forward(
+                [seq.tokens[-1] for seq in seqs], [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs]
+            )
+        else:
+            hidden, topk_all = self._forward_packed(scheduled, want_topk)
+        if not seqs:
+            return [], [], None
+        logits = self.model.lm_head(hidden).float()  # (B, V)
+        self._mask_min_new_tokens(logits, seqs)
+        params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
+        uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
+        tokens, logprobs = sample(logits, params, uniforms)
+        topk = None
+        if want_topk:
+            wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
+            rows = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
+            topk_d = topk_all[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
+        result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
+        if want_topk:
+            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
+            topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
+        return result[0], result[1], topk
+
+    def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache.
+
+        Returns the final hidden states of the rows that sample (B, D) and their top-k (n_full, B, K) or None.
+        """
         bs, device = self.block_size, self.device
         S = len(scheduled)
         lens_q = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=S)
@@ -423,8 +475,8 @@ class Engine:
             (t for seq, n in scheduled for t in seq.tokens[seq.num_computed : seq.num_computed + n]), dtype=np.int64, count=int(lens_q.sum())
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
-        sampled = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
-        last_rows = np.cumsum(lens_q)[[i for i, _ in sampled]] - 1  # the query row each sampled request samples from
+        sampled = [i for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
+        last_rows = np.cumsum(lens_q)[sampled] - 1  # the query row each sampled request samples from
         # One host-to-device copy for all step metadata (pinned: a pageable copy would wait for the device).
         packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, last_rows, table.reshape(-1)]))
         if device.type == "cuda":
@@ -444,28 +496,10 @@ class Engine:
             k_pos = torch.arange(Tk, device=device) - cu_k[k_seq]
             read_slots = table_d[k_seq, k_pos // bs] * bs + k_pos % bs
         batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=self.cache.bind(write_slots, read_slots))
-
-        want_topk = any(seq.req.return_indexer_topk for _, seq in sampled)
         out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk)
         self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
-        if not sampled:
-            return [], [], None
-        logits = self.model.lm_head(out.hidden_states[last_rows_d]).float()  # (B, V)
-        seqs = [seq for _, seq in sampled]
-        self._mask_min_new_tokens(logits, seqs)
-        params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
-        uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
-        tokens, logprobs = sample(logits, params, uniforms)
-        topk = None
-        if want_topk:
-            wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
-            rows = last_rows_d[torch.tensor(wanted, device=device)] if len(wanted) < len(seqs) else last_rows_d
-            topk_d = out.topk_indices[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
-        result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
-        if want_topk:
-            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
-            topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
-        return result[0], result[1], topk
+        topk = out.topk_indices[:, last_rows_d] if want_topk else None
+        return out.hidden_states[last_rows_d], topk
 
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []

@@ -8,6 +8,10 @@ Implements the model's `KVCache` protocol for one forward at a time: `bind()` gi
 (where each new row goes, where each key row of the batch lives), then the model calls `update()` once per
 layer, which writes the new rows first and then gathers the keys, so a sequence may read rows another
 sequence of the same batch writes in that very forward (prefix sharing between requests admitted together).
+`bind_pool()` is the decode variant: attention reads the whole pool through slot numbers, nothing is gathered.
+
+One extra block past `num_blocks`, the scratch block, is never handed out: padded rows of a CUDA-graph
+decode batch write there and unused block-table entries point there.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        num_slots = num_blocks * block_size
+        self.scratch_block = num_blocks
+        num_slots = (num_blocks + 1) * block_size
         self.full_index = {layer: i for i, layer in enumerate(config.full_layer_ids)}
         self._shapes = {
             "kv": (config.num_hidden_layers, num_slots, config.kv_lora_rank + config.qk_rope_head_dim),
@@ -32,6 +37,7 @@ class PagedKVCache:
         self.allocate()
         self._write: torch.Tensor | None = None
         self._read: torch.Tensor | None = None
+        self._read_pool = False
 
     def allocate(self) -> None:
         """(Re)create the pools, zeroed."""
@@ -48,17 +54,24 @@ class PagedKVCache:
 
     def bind(self, write_slots: torch.Tensor, read_slots: torch.Tensor | None) -> "PagedKVCache":
         """Slot of each new row (Tq,), and of each key row in cu_seqlens_k layout (Tk,) or None when keys == new rows."""
-        self._write, self._read = write_slots, read_slots
+        self._write, self._read, self._read_pool = write_slots, read_slots, False
+        return self
+
+    def bind_pool(self, write_slots: torch.Tensor) -> "PagedKVCache":
+        """Slot of each new row (Tq,); `update` then returns the whole pool layer, indexed by slot."""
+        self._write, self._read, self._read_pool = write_slots, None, True
         return self
 
     def update(self, layer_idx: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store this step's rows kv (Tq, Dl+Dr) / index_k (Tq, Di); return every key row of the batch (Tk, ...)."""
         pool = self.kv[layer_idx]
         pool.index_copy_(0, self._write, kv.to(pool.dtype))
-        keys = kv if self._read is None else pool.index_select(0, self._read)
+        keys = pool if self._read_pool else kv if self._read is None else pool.index_select(0, self._read)
         if index_k is None:
             return keys, None
         index_pool = self.index_k[self.full_index[layer_idx]]
         index_pool.index_copy_(0, self._write, index_k.to(index_pool.dtype))
+        if self._read_pool:
+            return keys, index_pool
         index_keys = index_k if self._read is None else index_pool.index_select(0, self._read)
         return keys, index_keys

@@ -74,6 +74,7 @@ class GenerateRequest:
     return_logprob: bool = False
     return_indexer_topk: bool = False  # index replay: the top-k each full layer selected per generated token
     session_id: str | None = None  # multi-turn affinity / prefix reuse hint
+    stream: bool = True  # False: the engine emits only the final output (no per-step copies of the state)
 
 
 @dataclass

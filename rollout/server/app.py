@@ -140,6 +140,7 @@ def _field(body: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
 
 async def run_request(engine: Any, req: GenerateRequest) -> GenerateOutput:
     """Drive one request to its final output (the one with finish_reason)."""
+    req.stream = False  # only the final state is used: the engine skips the per-step copies
     last = None
     gen = engine.generate(req)
     try:

@@ -47,7 +47,8 @@ class KVCache(Protocol):
     def update(
         self, layer_idx: int, kv: torch.Tensor, index_k: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Store this step's rows (Tq, D) / (Tq, Di); return every key row of the batch in cu_seqlens_k layout."""
+        """Store this step's rows (Tq, D) / (Tq, Di); return the key rows attention reads (the batch's
+        `to_rows` indexes them): every key of the batch in cu_seqlens_k layout, or a whole paged pool."""
 
 
 @dataclass
@@ -74,8 +75,12 @@ class PackedBatch:
         positions = torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lens)
         return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """The indexer's causal top-k of every query row: (Tq, topk) sequence-local key positions, -1 padded."""
+        return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale)
+
     def to_rows(self, local_indices: torch.Tensor) -> torch.Tensor:
-        """Sequence-local key positions (Tq, K) -> rows of the packed key tensor, -1 kept."""
+        """Sequence-local key positions (Tq, K) -> rows of the key tensor attention reads, -1 kept."""
         return torch.where(local_indices >= 0, local_indices + self.key_start[:, None], local_indices)
 
 
@@ -101,9 +106,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Fused normalisation in float32, then transformers' rounding: cast to x's dtype before the weight.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Indexer(nn.Module):
@@ -203,9 +207,9 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             compute = None if replay_local is None else replay_local[:, 0] == REPLAY_COMPUTE  # (T,)
             if compute is None or bool(compute.any()):
-                local = ops.indexer_topk(
-                    index_q.detach(), index_k.detach(), index_w.detach(), batch.cu_seqlens_q, batch.cu_seqlens_k,
-                    index_topk or self.index_topk, self.indexer.softmax_scale,
+                local = batch.select_topk(
+                    index_q.detach(), index_k.detach(), index_w.detach(), index_topk or self.index_topk,
+                    self.indexer.softmax_scale,
                 )  # (T, K)
             if replay_local is not None:
                 local = replay_local if local is None else torch.where(compute[:, None], local, replay_local)
@@ -255,12 +259,14 @@ class Router(nn.Module):
         """x (T, D) -> routing weights (T, k) float32, expert ids (T, k)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
-        expert_ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        if self.topk_group < self.n_group:  # group-limited routing; with every group kept it changes nothing
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -327,7 +333,9 @@ class Experts(nn.ModuleList):
         T, top_k = expert_ids.shape
         w_gate_up, w_down = self.stacked()
         flat = expert_ids.reshape(-1)  # (T*k,)
-        sorted_ids, order = torch.sort(flat, stable=True)  # (T*k,) slots sorted by expert
+        # Radix sort passes scale with the key width: expert ids fit in 8 or 16 bits.
+        narrow = torch.uint8 if len(self) <= 256 else torch.int16 if len(self) <= 32768 else flat.dtype
+        sorted_ids, order = torch.sort(flat.to(narrow), stable=True)  # (T*k,) slots sorted by expert
         # End row of each expert's group; bincount would sync on CUDA (it reads the max id on the host).
         experts = torch.arange(len(self), device=flat.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # (E,)
@@ -349,16 +357,26 @@ class Experts(nn.ModuleList):
         """(w_gate_up (E, 2I, D), w_down (E, D, I)): stacked copies of the expert weights, rebuilt when they change."""
         key = self._fingerprint()
         if self._stacked is None or self._stacked[0] != key:
-            self._stacked = None  # free the stale copy before building the new one
-            with torch.inference_mode(False):
-                w_gate_up, w_down = self._stack()
+            old = self._stacked
+            with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
+                if old is not None and old[0][:2] == key[:2]:
+                    # Same device and dtype (a weight update): refill in place, since captured CUDA graphs
+                    # hold these very buffers.
+                    w_gate_up, w_down = self._stack(out=old[1:])
+                else:
+                    self._stacked = None  # free the stale copy before building the new one
+                    w_gate_up, w_down = self._stack()
             self._stacked = (key, w_gate_up, w_down)
         return self._stacked[1], self._stacked[2]
 
-    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w_gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self])
-        w_down = torch.stack([m.down_proj.weight for m in self])
-        return w_gate_up, w_down
+    def _stack(self, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self]
+        down = [m.down_proj.weight for m in self]
+        if out is None:
+            return torch.stack(gate_up), torch.stack(down)
+        torch.stack(gate_up, out=out[0])
+        torch.stack(down, out=out[1])
+        return out[0], out[1]
 
     def drop_stacked(self) -> None:
         """Free the stacked copy (it is rebuilt on the next grouped forward)."""
@@ -580,6 +598,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
             elif isinstance(module, Router):
                 module.weight.normal_(0.0, std)
                 module.e_score_correction_bias.zero_()
+
+    def refresh_inference_caches(self) -> None:
+        """Bring the derived weight copies up to date now, in place where they exist (after a weight update)."""
+        for module in self.modules():
+            if isinstance(module, Experts) and module._stacked is not None:
+                module.stacked()
 
     def drop_inference_caches(self) -> None:
         """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""

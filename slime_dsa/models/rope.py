@@ -51,17 +51,21 @@ def _yarn_inv_freq(rope: dict, dim: int, base: float, pos_freqs: torch.Tensor, m
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, rope_dim/2) for integer positions (T,)."""
+    """Rotation tables for integer positions (T,): cos (T, 2, R/2) = [cos; cos] and sin (T, 2, R/2) = [-sin; sin].
+
+    Built once per forward in the shape `apply_interleaved_rope` multiplies with, so each rotation is 4 kernels.
+    """
     freqs = positions[:, None].float() * inv_freq.to(positions.device)  # (T, R/2)
-    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+    cos, sin = (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+    return torch.stack([cos, cos], dim=1), torch.stack([-sin, sin], dim=1)
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x0, x1), (x2, x3), ... and lay the result out as [evens | odds].
 
-    x (T, ..., R); cos/sin (T, R/2). The output layout is transformers', so q·k products match it exactly.
+    x (T, ..., R); cos/sin (T, 2, R/2) from `rope_cos_sin`. The output layout is transformers', so q·k
+    products match it exactly: evens' = x_even cos - x_odd sin, odds' = x_odd cos + x_even sin.
     """
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + cos.shape[1:]
+    pairs = x.unflatten(-1, (-1, 2)).transpose(-1, -2)  # (T, ..., 2, R/2): [evens; odds], a view
+    return (pairs * cos.view(shape) + pairs.flip(-2) * sin.view(shape)).flatten(-2)

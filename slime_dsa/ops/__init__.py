@@ -55,6 +55,15 @@ def indexer_topk(
     return reference.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
 
+def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
+    """Decode top-k over a paged key pool (one query per sequence): (B, topk) sequence-local positions.
+
+    Neither backend syncs with the host, so an engine can capture it in a CUDA graph.
+    """
+    impl = _kernels(q.device) or reference
+    return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
+
+
 def sparse_mla_attention(q, kv, indices, scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA attention of q (Tq, H, D) over kv rows `indices` (Tq, K): returns (out, lse)."""
     impl = _kernels(q.device) or reference
@@ -74,5 +83,5 @@ def indexer_kl_loss(
 
 
 __all__ = [
-    "set_backend", "get_backend", "indexer_topk", "sparse_mla_attention", "indexer_kl_loss", "reference",
+    "set_backend", "get_backend", "indexer_topk", "indexer_topk_paged", "sparse_mla_attention", "indexer_kl_loss", "reference",
 ]

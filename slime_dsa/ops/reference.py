@@ -95,11 +95,32 @@ def _decode_topk(q, k, weights, q_rows, k_starts, k_lens, topk: int, scale: floa
     for c0 in range(0, len(q_rows), QUERY_CHUNK):
         rows, starts, lens = q_rows[c0 : c0 + QUERY_CHUNK], k_starts[c0 : c0 + QUERY_CHUNK], k_lens[c0 : c0 + QUERY_CHUNK]
         valid = cols[None, :] < lens[:, None]  # (C, W): the query is the last row, so every key is causal
-        acc = _acc_dtype(q)
-        keys = k[(starts[:, None] + cols).masked_fill(~valid, 0)].to(acc)  # (C, W, Di)
-        logits = torch.matmul(q[rows].to(acc), keys.transpose(1, 2)) * scale  # (C, Hi, W), op order as indexer_scores
-        scores = torch.matmul(weights[rows].to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (C, W)
-        out[rows] = select_topk(scores, valid, topk)
+        keys = k[(starts[:, None] + cols).masked_fill(~valid, 0)]  # (C, W, Di)
+        out[rows] = _score_and_select(q[rows], keys, weights[rows], valid, topk, scale)
+
+
+def _score_and_select(q, keys, weights, valid, topk: int, scale: float) -> torch.Tensor:
+    """One query per row against its own keys: q (C, Hi, Di), keys (C, W, Di), weights (C, Hi) -> (C, topk)."""
+    acc = _acc_dtype(q)
+    logits = torch.matmul(q.to(acc), keys.to(acc).transpose(1, 2)) * scale  # (C, Hi, W), op order as indexer_scores
+    scores = torch.matmul(weights.to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (C, W)
+    return select_topk(scores, valid, topk)
+
+
+@torch.no_grad()
+def indexer_topk_paged(
+    q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
+    topk: int, scale: float,
+) -> torch.Tensor:
+    """Decode top-k over keys that stay in a paged pool: one query per sequence, no host sync (CUDA-graph safe).
+
+    q (B, Hi, Di), k_pool (slots, Di), weights (B, Hi); key_slots (B, W) pool slot of each key position (any
+    slot past seq_lens[b]); seq_lens (B,) keys of each sequence, the query's own included. Returns (B, topk)
+    sequence-local positions, ascending, -1 padded: the same selection `indexer_topk` makes on packed keys.
+    """
+    cols = torch.arange(key_slots.shape[1], device=q.device)
+    valid = cols[None, :] < seq_lens[:, None]  # (B, W)
+    return _score_and_select(q, k_pool[key_slots], weights, valid, topk, scale)
 
 
 def sparse_mla_attention(

@@ -149,7 +149,8 @@ def _decode_splits(T: int, head_blocks: int, K: int, block_n: int, device: torch
     target = 2 * _num_sms(device)
     if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(K, block_n)))
+    # At least 4 key blocks per split: merging the splits costs several small kernels of its own.
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(K, 4 * block_n)))
 
 
 def sparse_mla_fwd(

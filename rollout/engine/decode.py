@@ -1,0 +1,148 @@
+"""Decode steps over the paged cache: each request adds one token and attention reads the pool in place.
+
+In a decode-only step (the common case once prompts are prefilled) no key row is gathered. Each full
+layer's indexer scores the sequence's keys straight from the pool through its block table
+(`ops.indexer_topk_paged`), and sparse MLA reads the selected slots. Nothing in that forward waits on the
+host. On CUDA the forward is therefore captured once per bucket (batch size, block-table width) in a CUDA
+graph and replayed: one launch instead of about a thousand. The eager step was launch-bound; see the engine
+benchmarks in benchmarks/RESULTS.md.
+
+Buckets: a batch is padded to the next bucket size with rows that write into the cache's scratch block,
+and block tables are padded with the scratch block to a power of two of blocks. A graph holds the
+addresses of the weights, the KV pool and the experts' stacked weights. Weight updates copy in place, so
+the graphs stay valid (`refresh` rebuilds the derived copies in place). Releasing memory must call `reset`.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rollout.engine.kv_cache import PagedKVCache
+from slime_dsa import ops
+from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+
+logger = logging.getLogger(__name__)
+
+# Batch sizes a graph is captured for: padding costs at most a third of the rows, and few graphs are needed.
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+class PagedDecodeBatch(PackedBatch):
+    """One new token per sequence; attention reads keys from the paged pool by slot instead of a packed copy."""
+
+    def __init__(self, positions: torch.Tensor, block_table: torch.Tensor, block_size: int, cache: PagedKVCache) -> None:
+        """positions (B,) of the new tokens; block_table (B, W) cache blocks of each sequence (scratch-padded)."""
+        B, device = positions.shape[0], positions.device
+        offsets = torch.arange(block_size, device=device)
+        self.key_slots = (block_table[:, :, None] * block_size + offsets).reshape(B, -1)  # (B, W * block_size)
+        self.seq_lens = positions + 1  # keys of each sequence, the new token's own included
+        block = block_table.gather(1, (positions // block_size)[:, None]).squeeze(1)
+        self.positions = positions
+        self.cu_seqlens_q = torch.arange(B + 1, device=device)
+        self.cu_seqlens_k = F.pad(self.seq_lens.cumsum(0), (1, 0))
+        self.kv_cache = cache.bind_pool(block * block_size + positions % block_size)
+
+    def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """k is the whole index-key pool of the layer; returns (B, topk) sequence-local positions, -1 padded."""
+        return ops.indexer_topk_paged(q, k, weights, self.key_slots, self.seq_lens, topk, scale)
+
+    def to_rows(self, local_indices: torch.Tensor) -> torch.Tensor:
+        """Sequence-local positions (B, K) -> pool slots, -1 kept."""
+        slots = self.key_slots.gather(1, local_indices.clamp(min=0))
+        return torch.where(local_indices >= 0, slots, -1)
+
+
+@dataclass
+class _Graph:
+    """One captured decode forward: static inputs (ids | positions | block table, flat) and outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # (B * (2 + W),) int64 on the device
+    staging: torch.Tensor  # the same layout in pinned host memory
+    hidden: torch.Tensor  # (B, D)
+    topk: torch.Tensor | None  # (n_full, B, K)
+
+
+class PagedDecoder:
+    """Runs decode-only steps through `PagedDecodeBatch`: eagerly, or replaying CUDA graphs on CUDA."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, cache: PagedKVCache, block_size: int, use_cuda_graphs: bool = True) -> None:
+        self.model, self.cache, self.block_size = model, cache, block_size
+        self.has_topk = len(model.config.full_layer_ids) > 0
+        self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+
+    def reset(self) -> None:
+        """Drop every captured graph (the weights or the KV pool moved)."""
+        self._graphs.clear()
+        self._pool = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per sequence -> (final hidden states (B, D), top-k of each full layer (n_full, B, K) or None)."""
+        n = len(input_ids)
+        # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
+        B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
+        width = 1 << (max(len(t) for t in tables) - 1).bit_length()
+        if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
+            return self._replay(input_ids, positions, tables, B, width)
+        inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width))
+        if self.model.device.type == "cuda":
+            inputs = inputs.pin_memory()
+        hidden, topk = self._run(inputs.to(self.model.device, non_blocking=True), B, width)
+        return hidden[:n], None if topk is None else topk[:, :n]
+
+    def _host_inputs(self, input_ids, positions, tables, B: int, width: int) -> np.ndarray:
+        """ids | positions | block table (B, width), padded with token 0 / position 0 / the scratch block."""
+        flat = np.zeros(B * (2 + width), dtype=np.int64)
+        n = len(input_ids)
+        flat[:n] = input_ids
+        flat[B : B + n] = positions
+        table = flat[2 * B :].reshape(B, width)
+        table.fill(self.cache.scratch_block)
+        for i, blocks in enumerate(tables):
+            table[i, : len(blocks)] = blocks
+        return flat
+
+    def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, positions, table = inputs[:B], inputs[B : 2 * B], inputs[2 * B :].view(B, width)
+        batch = PagedDecodeBatch(positions, table, self.block_size, self.cache)
+        out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
+        return out.hidden_states, out.topk_indices
+
+    def _replay(self, input_ids, positions, tables, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        graph = self._graphs.get((B, width)) or self._capture(B, width)
+        graph.staging.numpy()[:] = self._host_inputs(input_ids, positions, tables, B, width)
+        graph.inputs.copy_(graph.staging, non_blocking=True)
+        graph.graph.replay()
+        n = len(input_ids)
+        return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n]
+
+    def _capture(self, B: int, width: int) -> _Graph:
+        device = self.model.device
+        inputs = torch.from_numpy(self._host_inputs([], [], [], B, width)).to(device)
+        # Warm up on a side stream first: lazy initialisation and Triton autotuning must not be captured.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._run(inputs, B, width)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden, topk = self._run(inputs, B, width)
+        staging = torch.empty(inputs.shape, dtype=inputs.dtype).pin_memory()
+        self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk)
+        logger.info("engine: captured a CUDA graph for decode batch %d x %d blocks (%d graphs)", B, width, len(self._graphs))
+        return captured
