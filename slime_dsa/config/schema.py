@@ -195,8 +195,9 @@ class RolloutSection(Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     return_indexer_topk: bool = Field(
-        False, description="Ask engines for the DSA indexer's top-k key indices of every generated token "
-                           "(for algorithm.index_replay).")
+        False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
+                           "response (for algorithm.index_replay; embedded engines then keep each cached row's "
+                           "top-k with the KV cache).")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
