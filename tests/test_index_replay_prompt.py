@@ -48,7 +48,7 @@ CONFIG = dict(
 )
 K = CONFIG["index_topk"]
 NEAR = list(range(10, 18))  # token ids whose embedding rows are near-copies
-PROMPT = [3, *NEAR, 21, *NEAR[::-1], 5, *NEAR[2:], *NEAR[:5], 30, *NEAR[1::2], 7, 10, 12]  # 40 tokens
+PROMPT = [3, *NEAR, 21, *NEAR[::-1], 5, *NEAR[2:], *NEAR[:5], 30, *NEAR[1::2], 7, 10, 12]  # 38 tokens
 BLOCK = 4
 N = 3
 
@@ -213,3 +213,34 @@ def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model):
         own = model.forward_packed(ids, PackedBatch.from_seqlens([len(ids)]), return_topk=True).topk_indices
     # Same kernel in engine and here: every returned row is the selection a full forward makes.
     assert torch.equal(own[:, K:-1], torch.tensor(finals["all"].indexer_topk).long().permute(1, 0, 2))  # last row: never fed
+    # A prompt prefilled in chunks of 8 rows over several steps: the same rows.
+    chunked = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, max_prefill_tokens=8)
+    chunked.add_request(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), rid="c",
+                                        return_indexer_topk=True, indexer_topk_start_len=0))
+    while chunked.has_work:
+        finals.update({o.rid: o for o in chunked.step() if o.finish_reason is not None})
+    assert chunked.stats["steps"] >= len(PROMPT) // 8 + R - 1
+    assert np.array_equal(finals["c"].indexer_topk, finals["all"].indexer_topk)
+
+
+def test_prompt_rows_survive_a_retract(model):
+    """A request retracted mid-generation (pause retract) is re-prefilled; its answer keeps the prompt rows of its
+    first prefill and one row per output token, as an uninterrupted request has."""
+    def run(retract: bool):
+        engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True)
+        engine.add_request(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), rid="r",
+                                           return_indexer_topk=True, indexer_topk_start_len=0))
+        finals, steps = {}, 0
+        while engine.has_work:
+            finals.update({o.rid: o for o in engine.step() if o.finish_reason is not None})
+            steps += 1
+            if retract and steps == 3:
+                engine.pause("retract")
+                engine.update_weights({})  # as a weight push does: the prefix cache is dropped, so all is re-prefilled
+                engine.resume()
+        return finals["r"], engine.stats["prefill_tokens"]
+
+    (plain, prefilled), (retracted, re_prefilled) = run(False), run(True)
+    assert re_prefilled > prefilled + len(PROMPT)  # the retract did re-prefill the prompt and the tokens so far
+    assert retracted.output_ids == plain.output_ids and retracted.indexer_topk_start == plain.indexer_topk_start == K
+    assert np.array_equal(retracted.indexer_topk, plain.indexer_topk)

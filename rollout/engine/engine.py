@@ -511,7 +511,10 @@ class Engine:
             picked.append((seq, len(r)))
         if not picked:
             return None, []
-        return self.cache.read_topk(torch.from_numpy(np.concatenate(slots)).to(self.device)), picked
+        slots_t = torch.from_numpy(np.concatenate(slots))
+        if self.device.type == "cuda":
+            slots_t = slots_t.pin_memory()  # a pageable upload would make the host wait for the forward here
+        return self.cache.read_topk(slots_t.to(self.device, non_blocking=True)), picked
 
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []
