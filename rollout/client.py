@@ -278,10 +278,14 @@ class EngineClient:
         return_logprob: bool = True,
         session_id: str | None = None,
         return_indexer_topk: bool = False,
+        indexer_topk_start_len: int = -1,
         rid: str | None = None,
         timeout_s: float | None = None,
     ) -> dict:
-        """POST /generate with token ids; returns SGLang's response dict (validated)."""
+        """POST /generate with token ids; returns SGLang's response dict (validated).
+
+        indexer_topk_start_len >= 0 (with return_indexer_topk) asks for the prompt rows' top-k too, from that row on
+        (docs/sglang.md); `indexer_topk_rows` reads the reply."""
         rid = rid or uuid.uuid4().hex
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
                                    "return_logprob": return_logprob, "rid": rid}
@@ -289,6 +293,8 @@ class EngineClient:
             payload["session_id"] = session_id
         if return_indexer_topk:
             payload["return_indexer_topk"] = True
+            if indexer_topk_start_len >= 0:
+                payload["indexer_topk_start_len"] = indexer_topk_start_len
         n = payload["sampling_params"].get("n", 1)
         body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
                                        abort_rid=rid)
@@ -448,3 +454,26 @@ def decode_indexer_topk(meta_info: dict, shape: Sequence[int] | None = None) -> 
     arr = np.frombuffer(base64.b64decode(meta_info["indexer_topk"]), dtype="<i4")
     shape = shape or meta_info.get("indexer_topk_shape")
     return arr.reshape(shape) if shape is not None else arr
+
+
+def indexer_topk_rows(meta_info: dict) -> tuple[Any, int | None]:
+    """(top-k array (rows, n_full_layers, index_topk), the sequence row of its first entry), or (None, None).
+
+    The embedded engine says where the rows start (meta_info.indexer_topk_start); without it the rows are SGLang's
+    (every row but the last, from row 0) when they number prompt + completion - 1, else one per output token.
+    """
+    arr = decode_indexer_topk(meta_info)
+    if arr is None:
+        return None, None
+    if arr.ndim != 3:
+        raise MalformedResponseError(f"meta_info.indexer_topk has shape {arr.shape}; (rows, layers, topk) needs "
+                                     "meta_info.indexer_topk_shape")
+    start = meta_info.get("indexer_topk_start")
+    prompt, completion = int(meta_info["prompt_tokens"]), int(meta_info["completion_tokens"])
+    if start is None:
+        start = 0 if len(arr) == prompt + completion - 1 and len(arr) != completion else prompt - 1
+    if not _is_int(start) or start < 0 or start + len(arr) != prompt + completion - 1:
+        raise MalformedResponseError(
+            f"meta_info.indexer_topk covers rows {start} .. {start + len(arr) - 1}, expected rows ending at "
+            f"{prompt + completion - 2} (prompt_tokens {prompt} + completion_tokens {completion} - 2)")
+    return arr, int(start)

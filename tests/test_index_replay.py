@@ -1,5 +1,8 @@
 """Index replay end to end on CPU: engine rollout -> Sample.indexer_topk -> TrainBatch -> an FSDP2 rank (gloo).
 
+Here the engine returns the rows that produced output tokens only; tests/test_index_replay_prompt.py covers the
+prompt rows (fragile prompt, reused prefix).
+
 The fragile case: every index score of the model ties exactly (the indexers' query projection is zero), so the
 selection is decided by the tie rule alone, and the engine runs a top-k whose tie rule differs from the trainer's
 (later keys win, as torch.topk or a GPU kernel may do; the trainer's reference prefers earlier keys). Replay on:
@@ -132,6 +135,36 @@ def test_engine_topk_rows_alignment():
     assert torch.equal(batch.select([0]).replay_topk, rows[:, :5])
 
 
+def test_rows_from_a_start_row_and_from_either_engine():
+    """Sample.indexer_topk_start places the rows; indexer_topk_rows reads ours (start given) and SGLang's (no start)."""
+    c = Sample(prompt_ids=[1, 2, 3, 4], indexer_topk=np.arange(5 * 2 * 3).reshape(5, 2, 3), indexer_topk_start=1)
+    c.append_tokens([5, 6, 7], [-0.1, -0.2, -0.3])  # rows 1 .. P+R-2 = 5
+    rows = engine_topk_rows([c.validate()])
+    assert (rows[:, 0] == REPLAY_COMPUTE).all() and (rows[:, 6] == REPLAY_COMPUTE).all()
+    assert rows[:, 1:6].tolist() == torch.from_numpy(c.indexer_topk).permute(1, 0, 2).tolist()
+    c.indexer_topk_start = 2
+    with pytest.raises(ValueError, match=r"indexer_topk covers sequence rows 2 \.\. P\+R-2 and must have shape \(4,"):
+        c.validate()
+
+    from rollout.client import MalformedResponseError, indexer_topk_rows  # noqa: PLC0415
+    from rollout.server.protocol import encode_int32  # noqa: PLC0415
+
+    def meta(rows: int, start: int | None = None, shape: bool = True) -> dict:
+        data, dims = encode_int32(np.zeros((rows, 2, 3), dtype=np.int32))
+        m = {"prompt_tokens": 4, "completion_tokens": 3, "indexer_topk": data}
+        m.update({"indexer_topk_shape": dims} if shape else {})
+        return m if start is None else {**m, "indexer_topk_start": start}
+
+    assert indexer_topk_rows(meta(3, 3))[1] == 3 and indexer_topk_rows(meta(0, 6))[0].shape == (0, 2, 3)
+    assert indexer_topk_rows(meta(6))[1] == 0  # SGLang: every row but the last
+    assert indexer_topk_rows(meta(3))[1] == 3  # one row per output token
+    assert indexer_topk_rows({"prompt_tokens": 4, "completion_tokens": 3}) == (None, None)
+    with pytest.raises(MalformedResponseError, match="covers rows 2 .. 4"):
+        indexer_topk_rows(meta(3, 2))
+    with pytest.raises(MalformedResponseError, match="indexer_topk_shape"):
+        indexer_topk_rows(meta(6, shape=False))
+
+
 def test_replay_matches_engine_logprobs_and_mismatch_is_logged(tied_model, worker, monkeypatch):
     samples = rollout(tied_model, monkeypatch)
     advantages = torch.tensor([-1.0, 0.0, 1.0])
@@ -154,5 +187,6 @@ def test_replay_matches_engine_logprobs_and_mismatch_is_logged(tied_model, worke
     assert sorted({g["lr"] for g in worker.optimizer.param_groups}) == [1e-3, 1e-2]
 
     replayed.old_logprobs = logp
-    metrics = worker.train_step(replayed, float(replayed.loss_mask.sum()), len(samples))
+    metrics = worker.train_step(replayed, float(replayed.loss_mask.sum()), len(samples), detailed_metrics=False)
     assert "index_topk_mismatch" not in metrics  # replay on: training attends to exactly the rollout's keys
+    assert metrics["indexer_kl"] > 0 and not any(k.startswith("indexer_recall") for k in metrics)  # a step not logged

@@ -213,7 +213,13 @@ def test_indexer_topk_is_base64_int32_with_shape(server):
     topk = decode_indexer_topk(meta)
     assert topk.dtype == np.int32 and topk.shape == (3, info["n_full_layers"], info["index_topk"])
     assert topk.min() >= -1 and topk.max() < len(PROMPT) + 3
+    assert meta["indexer_topk_start"] == len(PROMPT) - 1  # one row per output token
     assert "indexer_topk" not in post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(1)})[1]["meta_info"]
+    # Prompt rows need an engine that keeps them (serve --keep-indexer-topk; tests/test_index_replay_prompt.py).
+    for value, needle in ((0, "keep_indexer_topk"), (-2, "indexer_topk_start_len"), ("0", "indexer_topk_start_len")):
+        status, body = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(1),
+                                                  "return_indexer_topk": True, "indexer_topk_start_len": value})
+        assert status == 400 and needle in body["error"]["message"]
 
 
 def test_stop_token_trims_text_but_keeps_the_id(server):

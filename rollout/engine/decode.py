@@ -46,7 +46,8 @@ class PagedDecodeBatch(PackedBatch):
         self.positions = positions
         self.cu_seqlens_q = torch.arange(B + 1, device=device)
         self.cu_seqlens_k = F.pad(self.seq_lens.cumsum(0), (1, 0))
-        self.kv_cache = cache.bind_pool(block * block_size + positions % block_size)
+        self.write_slots = block * block_size + positions % block_size  # (B,) where the new rows go
+        self.kv_cache = cache.bind_pool(self.write_slots)
 
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         """k is the whole index-key pool of the layer; returns (B, topk) sequence-local positions, -1 padded."""
@@ -67,6 +68,7 @@ class _Graph:
     staging: torch.Tensor  # the same layout in pinned host memory
     hidden: torch.Tensor  # (B, D)
     topk: torch.Tensor | None  # (n_full, B, K)
+    write_slots: torch.Tensor  # (B,)
 
 
 class PagedDecoder:
@@ -88,8 +90,9 @@ class PagedDecoder:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token per sequence -> (final hidden states (B, D), top-k of each full layer (n_full, B, K) or None)."""
+    def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
+        and the cache slot each new row went to (B,)."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
@@ -99,8 +102,8 @@ class PagedDecoder:
         inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width))
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()
-        hidden, topk = self._run(inputs.to(self.model.device, non_blocking=True), B, width)
-        return hidden[:n], None if topk is None else topk[:, :n]
+        hidden, topk, slots = self._run(inputs.to(self.model.device, non_blocking=True), B, width)
+        return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
 
     def _host_inputs(self, input_ids, positions, tables, B: int, width: int) -> np.ndarray:
         """ids | positions | block table (B, width), padded with token 0 / position 0 / the scratch block."""
@@ -114,19 +117,19 @@ class PagedDecoder:
             table[i, : len(blocks)] = blocks
         return flat
 
-    def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         ids, positions, table = inputs[:B], inputs[B : 2 * B], inputs[2 * B :].view(B, width)
         batch = PagedDecodeBatch(positions, table, self.block_size, self.cache)
         out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
-        return out.hidden_states, out.topk_indices
+        return out.hidden_states, out.topk_indices, batch.write_slots
 
-    def _replay(self, input_ids, positions, tables, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, input_ids, positions, tables, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         graph = self._graphs.get((B, width)) or self._capture(B, width)
         graph.staging.numpy()[:] = self._host_inputs(input_ids, positions, tables, B, width)
         graph.inputs.copy_(graph.staging, non_blocking=True)
         graph.graph.replay()
         n = len(input_ids)
-        return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n]
+        return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
 
     def _capture(self, B: int, width: int) -> _Graph:
         device = self.model.device
@@ -141,8 +144,8 @@ class PagedDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden, topk = self._run(inputs, B, width)
+            hidden, topk, write_slots = self._run(inputs, B, width)
         staging = torch.empty(inputs.shape, dtype=inputs.dtype).pin_memory()
-        self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk)
+        self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk, write_slots)
         logger.info("engine: captured a CUDA graph for decode batch %d x %d blocks (%d graphs)", B, width, len(self._graphs))
         return captured

@@ -26,9 +26,12 @@ Index replay (`return_indexer_topk`): for output token j the engine returns the 
 layer selected at the query row that PRODUCED it, i.e. the row of the token before it (the prompt's last
 token for j = 0, output token j - 1 after that). In a teacher-forced forward over prompt + response, row p
 yields log p(x_{p+1}); so the returned array fills rows P-1 .. P+R-2 of `replay_topk` (P prompt tokens,
-R output tokens) and makes the replayed log-probs of all R output tokens equal the engine's. Prompt rows
-before P-1 are not returned (a cached prefix was never recomputed): the trainer takes its own selection
-there, which under the same weights is the same computation.
+R output tokens). Those rows alone are not enough when a prompt row's selection is fragile (near-tied index
+scores that another kernel orders differently): the prompt rows' keys and values feed every later row. So with
+`indexer_topk_start_len` >= 0 the array starts at that row instead (`GenerateOutput.indexer_topk_start`) and
+covers the prompt rows too. Rows below index_topk are left out: they select every causal key under any kernel.
+The prompt rows come from the engine's own prefill, or, for a reused prefix, from the selections kept with the
+cached blocks (`keep_indexer_topk`: PagedKVCache keeps every row's top-k next to its KV).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full_layers, index_topk)
+    prompt_topk: np.ndarray | None = None  # (rows, n_full_layers, index_topk): prompt rows topk_first .. P-2
     blocks: list[int] = field(default_factory=list)  # block table
     digests: list[bytes] = field(default_factory=list)  # of the full blocks known so far
     num_registered: int = 0  # leading blocks already offered to the prefix cache
@@ -105,9 +109,11 @@ class Engine:
         seed: int | None = None,
         paged_decode: bool | None = None,
         cuda_graphs: bool = True,
+        keep_indexer_topk: bool = False,
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place (None: on CUDA only); cuda_graphs: and
-        replay them as CUDA graphs (CUDA only)."""
+        replay them as CUDA graphs (CUDA only); keep_indexer_topk: every cached row's DSA selection is kept, so
+        requests may ask for their prompt rows' (exact index replay)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
@@ -125,7 +131,7 @@ class Engine:
         num_blocks = max_cache_tokens // block_size
         self.max_cache_tokens = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk)
         if paged_decode is None:
             paged_decode = self.device.type == "cuda"
         self.decoder = PagedDecoder(model, self.cache, block_size, cuda_graphs) if paged_decode else None
@@ -191,6 +197,14 @@ class Engine:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids) or min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"input_ids must hold integer token ids in [0, {vocab})")
         req.sampling.validate(vocab)
+        start_len = req.indexer_topk_start_len
+        if not isinstance(start_len, int) or isinstance(start_len, bool) or start_len < -1:
+            raise RequestError(f"indexer_topk_start_len must be an integer >= -1, got {start_len!r}")
+        if req.return_indexer_topk and start_len >= 0 and not self.cache.keep_topk:
+            raise RequestError(
+                "indexer_topk_start_len >= 0 asks for the prompt rows' top-k, which this engine does not keep: start it "
+                "with keep_indexer_topk (slime-dsa serve --keep-indexer-topk)"
+            )
         if req.rid in self._active:
             raise RequestError(f"rid {req.rid!r} is already in use")
         context = self.config.max_position_embeddings
@@ -434,9 +448,11 @@ class Engine:
         decode_only = self.decoder is not None and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
         if decode_only:
             self.stats["paged_decode_steps"] += 1
-            hidden, topk_all = self.decoder.forward(
+            hidden, topk_all, write_slots = self.decoder.forward(
                 [seq.tokens[-1] for seq in seqs], [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs]
             )
+            if self.cache.keep_topk and topk_all is not None:
+                self.cache.store_topk(write_slots, topk_all)
         else:
             hidden, topk_all = self._forward_packed(scheduled, want_topk)
         if not seqs:
@@ -451,10 +467,15 @@ class Engine:
             wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
             rows = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
             topk_d = topk_all[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
+            prompt_d, prompt_seqs = self._read_prompt_topk(seqs)
         result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
         if want_topk:
             arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
             topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
+            if prompt_seqs:
+                split = np.cumsum([n for _, n in prompt_seqs])[:-1]
+                for (seq, _), rows_np in zip(prompt_seqs, np.split(prompt_d.transpose(0, 1).cpu().numpy(), split)):
+                    seq.prompt_topk = rows_np  # (rows, n_full, K): a view of this step's host copy of prompt rows
         return result[0], result[1], topk
 
     def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -496,10 +517,40 @@ class Engine:
             k_pos = torch.arange(Tk, device=device) - cu_k[k_seq]
             read_slots = table_d[k_seq, k_pos // bs] * bs + k_pos % bs
         batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=self.cache.bind(write_slots, read_slots))
-        out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk)
+        keep = self.cache.keep_topk
+        out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk or keep)
+        if keep:
+            self.cache.store_topk(write_slots, out.topk_indices)
         self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
         topk = out.topk_indices[:, last_rows_d] if want_topk else None
         return out.hidden_states[last_rows_d], topk
+
+    def _topk_first(self, seq: _Sequence) -> int:
+        """The first sequence row whose selection the request gets: P-1 (output rows only) or from its start_len on,
+        skipping rows below index_topk (they select every causal key, so any top-k agrees on them)."""
+        start_len = seq.req.indexer_topk_start_len
+        return seq.prompt_len - 1 if start_len < 0 else max(start_len, self.config.index_topk)
+
+    def _read_prompt_topk(self, seqs: list[_Sequence]) -> tuple[torch.Tensor | None, list[tuple[_Sequence, int]]]:
+        """The kept selections of the prompt rows of requests sampling their first token now (n_full, rows, K).
+
+        Read from the cache pool after this step stored its own rows: a reused prefix's rows are there too."""
+        bs, slots, picked = self.block_size, [], []
+        for seq in seqs:
+            if not seq.req.return_indexer_topk or seq.prompt_topk is not None or seq.num_output:
+                continue
+            first = self._topk_first(seq)
+            if first > seq.prompt_len - 2:
+                continue
+            r = np.arange(first, seq.prompt_len - 1)
+            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
+            picked.append((seq, len(r)))
+        if not picked:
+            return None, []
+        slots_t = torch.from_numpy(np.concatenate(slots))
+        if self.device.type == "cuda":
+            slots_t = slots_t.pin_memory()  # a pageable upload would make the host wait for the forward here
+        return self.cache.read_topk(slots_t.to(self.device, non_blocking=True)), picked
 
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []
@@ -521,11 +572,23 @@ class Engine:
 
     # -- finishing, retracting, failures --------------------------------------------------------
 
+    def _topk_rows(self, seq: _Sequence) -> tuple[np.ndarray, int]:
+        """(selections of rows first .. P+R-2 as (rows, n_full, K) int32, first): what the final output carries."""
+        P, R = seq.prompt_len, len(seq.topk)
+        first = self._topk_first(seq)
+        if seq.prompt_topk is None:  # no token sampled yet, or no prompt row asked for
+            first = max(first, P - 1)
+        first = min(first, P - 1 + R)
+        shape = (0, self.n_full_layers, self.config.index_topk)
+        out = np.stack(seq.topk)[first - (P - 1) :] if first - (P - 1) < R else np.zeros(shape, dtype=np.int32)
+        if first < P - 1:
+            out = np.concatenate([seq.prompt_topk, out])
+        return out, first
+
     def _output(self, seq: _Sequence, final: bool = False) -> GenerateOutput:
-        topk = None
+        topk = topk_start = None
         if final and seq.req.return_indexer_topk:
-            K = self.config.index_topk
-            topk = np.stack(seq.topk) if seq.topk else np.zeros((0, self.n_full_layers, K), dtype=np.int32)
+            topk, topk_start = self._topk_rows(seq)
         return GenerateOutput(
             rid=seq.req.rid,
             output_ids=seq.output_ids,
@@ -536,6 +599,7 @@ class Engine:
             cached_tokens=seq.cached_tokens,
             weight_version=self._weight_version,
             indexer_topk=topk,
+            indexer_topk_start=topk_start,
             text=seq.stop.final_text(seq.output_ids, seq.finish_reason) if final else None,
         )
 

@@ -12,6 +12,10 @@ sequence of the same batch writes in that very forward (prefix sharing between r
 
 One extra block past `num_blocks`, the scratch block, is never handed out: padded rows of a CUDA-graph
 decode batch write there and unused block-table entries point there.
+
+With `keep_topk`, a third pool keeps each row's DSA selection (n_full, slots, index_topk): the engine stores it
+after the forward (`store_topk`), so a request can read the selection of prompt rows another request computed
+(a reused prefix) for exact index replay. int16 while every position fits (context <= 32768), else int32.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from slime_dsa.models import ModelConfig
 class PagedKVCache:
     """Latent KV rows (L, slots, Dl+Dr) and indexer keys (n_full, slots, Di), allocated once."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+        keep_topk: bool = False,
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch_block = num_blocks
         num_slots = (num_blocks + 1) * block_size
@@ -33,6 +40,9 @@ class PagedKVCache:
             "kv": (config.num_hidden_layers, num_slots, config.kv_lora_rank + config.qk_rope_head_dim),
             "index_k": (len(self.full_index), num_slots, config.index_head_dim),
         }
+        self.keep_topk = keep_topk
+        self._topk_shape = (len(self.full_index), num_slots, config.index_topk)
+        self._topk_dtype = torch.int16 if config.max_position_embeddings <= 2**15 else torch.int32
         self.dtype, self.device = dtype, device
         self.allocate()
         self._write: torch.Tensor | None = None
@@ -43,14 +53,25 @@ class PagedKVCache:
         """(Re)create the pools, zeroed."""
         self.kv = torch.zeros(self._shapes["kv"], dtype=self.dtype, device=self.device)
         self.index_k = torch.zeros(self._shapes["index_k"], dtype=self.dtype, device=self.device)
+        shape = self._topk_shape if self.keep_topk else (0,)
+        self.topk = torch.full(shape, -1, dtype=self._topk_dtype, device=self.device)
 
     def release(self) -> None:
         """Drop the pools (colocated training needs the memory); allocate() brings them back."""
         self.kv = self.index_k = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.topk = torch.empty(0, dtype=self._topk_dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() + self.index_k.numel() * self.index_k.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k, self.topk))
+
+    def store_topk(self, slots: torch.Tensor, local: torch.Tensor) -> None:
+        """Keep this step's selections (n_full, Tq, K), sequence-local, at the rows' slots (Tq,)."""
+        self.topk.index_copy_(1, slots, local.to(self.topk.dtype))
+
+    def read_topk(self, slots: torch.Tensor) -> torch.Tensor:
+        """The kept selections of `slots` (S,) as (n_full, S, K) int32."""
+        return self.topk.index_select(1, slots).to(torch.int32)
 
     def bind(self, write_slots: torch.Tensor, read_slots: torch.Tensor | None) -> "PagedKVCache":
         """Slot of each new row (Tq,), and of each key row in cu_seqlens_k layout (Tk,) or None when keys == new rows."""

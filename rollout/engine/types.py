@@ -73,6 +73,9 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     return_logprob: bool = False
     return_indexer_topk: bool = False  # index replay: the top-k each full layer selected per generated token
+    # First sequence row of the returned top-k: -1 = the rows that produced output tokens (from P-1); >= 0 = from
+    # that row on, prompt rows included (rows below index_topk are left out: they select every causal key).
+    indexer_topk_start_len: int = -1
     session_id: str | None = None  # multi-turn affinity / prefix reuse hint
     stream: bool = True  # False: the engine emits only the final output (no per-step copies of the state)
 
@@ -92,7 +95,8 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int = 0
     weight_version: str = "0"
-    indexer_topk: Any = None  # int32 array (output tokens, n_full_layers, index_topk), -1 padded; None unless asked
-    # (final output only). Row j is the selection of the query row that produced output token j.
+    indexer_topk: Any = None  # int32 array (rows, n_full_layers, index_topk), -1 padded; None unless asked (final
+    # output only). Row j is the selection of sequence row indexer_topk_start + j; row p produced token p + 1.
+    indexer_topk_start: int | None = None  # P - 1 unless the request set indexer_topk_start_len >= 0
     text: str | None = None  # decoded output, trimmed at a matched stop string unless no_stop_trim; final output
     # only, and only from an engine that has a tokenizer

@@ -24,6 +24,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--served-model-name", default=None, help="the model name /v1 answers with")
+    parser.add_argument("--keep-indexer-topk", action="store_true",
+                        help="keep each cached row's DSA top-k next to its KV, so /generate can return the prompt rows' "
+                             "selection too (indexer_topk_start_len >= 0; index replay). Costs full layers x "
+                             "index_topk x 2 bytes per cache token")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,5 +52,5 @@ def run(args: argparse.Namespace) -> int:
     serve(args.model_dir, args.host, args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
-          served_model_name=args.served_model_name)
+          served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk)
     return 0

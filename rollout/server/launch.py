@@ -35,10 +35,12 @@ def load_engine(
     device: str | None = None,
     weight_version: str = "0",
     ops_backend: str = "auto",
+    keep_indexer_topk: bool = False,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
     `ops_backend` (auto | torch | triton) picks the DSA kernels for this process, as the recipe's model.ops_backend.
+    `keep_indexer_topk` keeps every cached row's DSA top-k, so requests can get their prompt rows' (index replay).
     """
     import torch
 
@@ -53,7 +55,7 @@ def load_engine(
     model = load_model(model_dir, dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
-                    tokenizer=tokenizer, weight_version=weight_version)
+                    tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk)
     return AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None), tokenizer
 
 
@@ -102,13 +104,15 @@ def serve(
     dtype: str | None = None,
     device: str | None = None,
     served_model_name: str | None = None,
+    keep_indexer_topk: bool = False,
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who reaches this port can generate and "
                        "replace the weights", host)
     engine, tokenizer = load_engine(model_dir, max_cache_tokens=max_cache_tokens,
-                                    max_running_requests=max_running_requests, dtype=dtype, device=device)
+                                    max_running_requests=max_running_requests, dtype=dtype, device=device,
+                                    keep_indexer_topk=keep_indexer_topk)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name)

@@ -40,7 +40,7 @@ _GENERATE_NEUTRAL: dict[str, Any] = {
 }
 _GENERATE_KNOWN = {
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
-    "stream", "session_id", "session_params", "return_indexer_topk", *_GENERATE_NEUTRAL,
+    "stream", "session_id", "session_params", "return_indexer_topk", "indexer_topk_start_len", *_GENERATE_NEUTRAL,
 }
 
 MAX_EXPANDED_REQUESTS = 4096  # prompts x n in one HTTP request: bounds the memory one request can claim
@@ -225,6 +225,12 @@ def parse_generate(
             "compute; use -1 (output tokens only)"
         )
 
+    topk_start_len = body.get("indexer_topk_start_len", -1)
+    if topk_start_len is None:
+        topk_start_len = -1
+    if not _is_int(topk_start_len) or topk_start_len < -1:
+        raise RequestError(f"indexer_topk_start_len must be an integer >= -1, got {topk_start_len!r}")
+
     rids = _per_item(body.get("rid"), "rid", count, is_batch)
     for i, rid in enumerate(rids):
         if rid is not None and (not isinstance(rid, str) or not rid):
@@ -251,6 +257,7 @@ def parse_generate(
                     rid=base if n == 1 else f"{base}_{j}",
                     return_logprob=flags["return_logprob"],
                     return_indexer_topk=flags["return_indexer_topk"],
+                    indexer_topk_start_len=topk_start_len,
                     session_id=session_id,
                 )
             )
@@ -334,6 +341,7 @@ def build_response(
         meta["input_token_logprobs"] = []
     if req.return_indexer_topk and out.indexer_topk is not None:
         meta["indexer_topk"], meta["indexer_topk_shape"] = encode_int32(out.indexer_topk)
+        meta["indexer_topk_start"] = out.indexer_topk_start
     return {
         "text": response_text(tokenizer, out, req.sampling),
         "output_ids": list(out.output_ids),

@@ -195,8 +195,9 @@ class RolloutSection(Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     return_indexer_topk: bool = Field(
-        False, description="Ask engines for the DSA indexer's top-k key indices of every generated token "
-                           "(for algorithm.index_replay).")
+        False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
+                           "response (for algorithm.index_replay; embedded engines then keep each cached row's "
+                           "top-k with the KV cache).")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
@@ -389,7 +390,8 @@ class LoggingSection(Section):
     run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = a timestamped name.")
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
         "auto", description="W&B mode; auto = online when WANDB_API_KEY is set, else offline.")
-    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps.")
+    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps; metrics that cost real "
+                                                "compute (the DSA indexer's dense recall) are computed only then.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never.")
 

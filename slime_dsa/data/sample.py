@@ -1,7 +1,8 @@
 """`Sample`: one prompt and one response as the RL loop passes it around (rollout → reward → batch → trainer).
 
-Per-token lists (`loss_mask`, `rollout_logprobs`, `weight_versions`, `indexer_topk` rows) cover the response tokens
-only, one entry per `response_ids` token. In a multi-turn rollout the response holds the model's tokens and the
+Per-token lists (`loss_mask`, `rollout_logprobs`, `weight_versions`) cover the response tokens only, one entry per
+`response_ids` token. `indexer_topk` (index replay) holds the engine's top-k of sequence rows `indexer_topk_start` ..
+P+R-2 (row p produced token p+1); with `indexer_topk_start` None it is one row per response token (from P-1). In a multi-turn rollout the response holds the model's tokens and the
 tool/environment tokens in between; those get `loss_mask` 0, `rollout_logprobs` 0.0 and `weight_versions` -1.
 """
 
@@ -35,7 +36,8 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)  # 1 = token the policy generated, 0 = tool/environment token
     rollout_logprobs: list[float] = field(default_factory=list)  # log π_roll(y_t) as the engine reported it
     weight_versions: list[int] = field(default_factory=list)  # policy version that produced each token
-    indexer_topk: np.ndarray | None = None  # (response tokens, n_full_layers, index_topk) int32, -1 padded
+    indexer_topk: np.ndarray | None = None  # (rows, n_full_layers, index_topk) int32, -1 padded: see the module doc
+    indexer_topk_start: int | None = None  # sequence row of indexer_topk[0]; None = len(prompt_ids) - 1
     reward: float | None = None
     task: str = ""
     group_id: int | None = None  # samples of one prompt share a group_id (group-normalised advantages)
@@ -58,6 +60,11 @@ class Sample:
     @property
     def total_length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def topk_first_row(self) -> int:
+        """The sequence row of indexer_topk[0]."""
+        return len(self.prompt_ids) - 1 if self.indexer_topk_start is None else self.indexer_topk_start
 
     @property
     def tokens(self) -> list[int]:
@@ -86,9 +93,12 @@ class Sample:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"sample {self.index}: {name} has {len(getattr(self, name))} entries, "
                                  f"response_ids has {n}")
-        if self.indexer_topk is not None and (self.indexer_topk.ndim != 3 or self.indexer_topk.shape[0] != n):
-            raise ValueError(f"sample {self.index}: indexer_topk must have shape ({n}, n_full_layers, index_topk), "
-                             f"got {self.indexer_topk.shape}")
+        if self.indexer_topk is not None:
+            start = self.topk_first_row
+            rows = len(self.prompt_ids) + n - 1 - start
+            if start < 0 or self.indexer_topk.ndim != 3 or self.indexer_topk.shape[0] != rows:
+                raise ValueError(f"sample {self.index}: indexer_topk covers sequence rows {start} .. P+R-2 and must have "
+                                 f"shape ({rows}, n_full_layers, index_topk), got {self.indexer_topk.shape}")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"sample {self.index}: loss_mask entries must be 0 or 1")
         return self

@@ -121,9 +121,13 @@ def probe_selection(model: GlmMoeDsaForCausalLM, sequences: list[torch.Tensor], 
 def train_indexers(
     model: GlmMoeDsaForCausalLM, train: Iterator[torch.Tensor], eval_sequences: list[torch.Tensor], *, topk: int,
     num_steps: int, batch_size: int, learning_rate: float, target: str = "group", eval_every: int = 0,
-    max_grad_norm: float = 1.0, log=None,
+    max_grad_norm: float = 1.0, log=None, log_every: int = 1,
 ) -> dict[str, Any]:
-    """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}."""
+    """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}.
+
+    topk_overlap_prev_step costs a forward over the probe windows per step measured, so it is measured only on
+    the steps that are logged (every log_every-th and the last), from a probe after the step before each.
+    """
     dense = max(len(s) for s in eval_sequences)
     params = freeze_all_but_indexers(model)
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
@@ -131,15 +135,21 @@ def train_indexers(
     logger.info("before warm-up: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", topk, before["recall"],
                 before["indexer_kl"], before["lm_loss_sparse"], before["lm_loss_dense"])
     probe = eval_sequences[: max(1, min(4, len(eval_sequences)))]
-    previous = probe_selection(model, probe, topk)
+
+    def logged(step: int) -> bool:
+        return step % log_every == 0 or step == num_steps
+
+    previous = probe_selection(model, probe, topk) if logged(1) else None
     history = []
     for step in range(1, num_steps + 1):
         start = time.perf_counter()
         metrics = warmup_step(model, optimizer, [next(train) for _ in range(batch_size)], target, max_grad_norm)
-        current = probe_selection(model, probe, topk)
-        metrics["topk_overlap_prev_step"] = float(topk_overlap(current, previous).mean())
+        if logged(step) or logged(step + 1):
+            current = probe_selection(model, probe, topk)
+            if logged(step):
+                metrics["topk_overlap_prev_step"] = float(topk_overlap(current, previous).mean())
+            previous = current
         metrics["step_time_s"] = time.perf_counter() - start
-        previous = current
         if eval_every and step % eval_every == 0 and step < num_steps:
             metrics.update({f"eval/{k}": v for k, v in evaluate_indexers(model, eval_sequences, topk, dense, target).items()})
         history.append({"step": step, **metrics})
@@ -186,7 +196,7 @@ def run_indexer_warmup(recipe: RecipeConfig) -> Path:
         result = train_indexers(
             model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
             learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
-            max_grad_norm=recipe.trainer.max_grad_norm,
+            max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
             log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step)
             if step % recipe.logging.log_every == 0 else None,
         )

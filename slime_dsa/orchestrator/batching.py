@@ -21,10 +21,11 @@ def sample_advantages(samples: list[Sample], algorithm: str, std_normalize: bool
 def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
     """The engines' top-k as (n_full_layers, T, K) over the packed samples, or None when no sample carries it.
 
-    Output token j of a sample (P prompt tokens) was produced by row P - 1 + j (rollout/engine/engine.py), so its
-    indices fill rows P-1 .. P+R-2; every other row is REPLAY_COMPUTE (the trainer selects there itself). So replay
-    is exact only where the prompt rows before P-1 select alike in engine and trainer: their keys and values feed
-    every later row (tests/test_index_replay.py keeps those rows unambiguous).
+    A sample's rows indexer_topk_start .. P+R-2 (row p produced token p+1, rollout/engine/engine.py) are filled in;
+    every other row is REPLAY_COMPUTE (the trainer selects there itself). Replay is exact when the engine returned
+    the prompt rows too (indexer_topk_start_len 0: it leaves out only rows below index_topk, where every top-k takes
+    all causal keys); with output rows only (start P-1) the trainer's own selection of the prompt rows must agree
+    with the engine's, which near-tied index scores break (tests/test_index_replay.py).
     """
     from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE  # noqa: PLC0415
 
@@ -37,9 +38,9 @@ def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
     out = torch.full((n_full, sum(s.total_length for s in samples), k), REPLAY_COMPUTE, dtype=torch.long)
     start = 0
     for s in samples:
-        if s.indexer_topk is not None and len(s.response_ids):
-            rows = start + len(s.prompt_ids) - 1
-            out[:, rows : rows + len(s.response_ids)] = torch.from_numpy(s.indexer_topk).long().permute(1, 0, 2)
+        if s.indexer_topk is not None and len(s.indexer_topk):
+            rows = start + s.topk_first_row
+            out[:, rows : rows + len(s.indexer_topk)] = torch.tensor(s.indexer_topk, dtype=torch.long).permute(1, 0, 2)
         start += s.total_length
     return out
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rollout.client import EngineClient, EngineError
+from rollout.client import EngineClient, EngineError, indexer_topk_rows
 from rollout.rewards.compute import RewardStats, compute_reward
 from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.prompts import Prompt, Task, TaskMixture
@@ -91,7 +91,9 @@ class RolloutManager:
                 out = await self.client.generate(
                     sample.prompt_ids, params, return_logprob=True, session_id=session_id,
                     return_indexer_topk=self.cfg.return_indexer_topk, timeout_s=self.cfg.request_timeout_s,
+                    indexer_topk_start_len=0,  # the prompt rows too: replay is exact only with every row
                 )
+                topk = indexer_topk_rows(out["meta_info"]) if self.cfg.return_indexer_topk else (None, None)
             except (EngineError, asyncio.TimeoutError) as e:
                 sample.status = SampleStatus.FAILED
                 sample.metadata["error"] = f"{type(e).__name__}: {e}"
@@ -102,10 +104,7 @@ class RolloutManager:
         logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
         versions = meta.get("output_token_versions") or [int(meta.get("weight_version") or 0)] * len(ids)
         sample.append_tokens(ids, logprobs, [int(v) for v in versions])
-        if self.cfg.return_indexer_topk and meta.get("indexer_topk") is not None:
-            from rollout.client import decode_indexer_topk  # noqa: PLC0415
-
-            sample.indexer_topk = decode_indexer_topk(meta)
+        sample.indexer_topk, sample.indexer_topk_start = topk
         sample.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
         finish = (meta.get("finish_reason") or {}).get("type")
         sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish, SampleStatus.COMPLETED)

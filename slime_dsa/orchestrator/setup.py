@@ -97,7 +97,8 @@ def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], lis
         actors = create_engine_actors(
             ro.num_engines, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
             num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
-            engine_kwargs={"dtype": dtype, "max_cache_tokens": max(max_tokens, 4096), "ops_backend": recipe.model.ops_backend},
+            engine_kwargs={"dtype": dtype, "max_cache_tokens": max(max_tokens, 4096), "ops_backend": recipe.model.ops_backend,
+                           "keep_indexer_topk": ro.return_indexer_topk},
         )
     urls = start_engine_actors(actors)
     logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))

@@ -146,12 +146,13 @@ async def _one_step(recipe: RecipeConfig, step: int, manager, trainers, client,
     return metrics
 
 
-def _optimizer_steps(trainers, batch, num_mini_batches: int) -> dict[str, float]:
+def _optimizer_steps(trainers, batch, num_mini_batches: int, detailed_metrics: bool = True) -> dict[str, float]:
     """trainer.num_steps_per_rollout optimiser steps, each on a contiguous slice of the samples (groups stay
     together as far as the split allows); metrics are averaged over the steps, lr is the last one's."""
     n = len(batch.seqlens)
     parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
-    results = [trainers.train_step(batch.select(part) if num_mini_batches > 1 else batch) for part in parts if part]
+    results = [trainers.train_step(batch.select(part) if num_mini_batches > 1 else batch, detailed_metrics)
+               for part in parts if part]
     merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
     merged["lr"] = results[-1]["lr"]
     return merged
@@ -186,7 +187,10 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
         if diff > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
                            "or numerics disagree", step + 1, diff, recipe.trainer.logprob_diff_warn_threshold)
-    train_metrics = await asyncio.to_thread(_optimizer_steps, trainers, batch, recipe.trainer.num_steps_per_rollout)
+    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
+    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
+    train_metrics = await asyncio.to_thread(_optimizer_steps, trainers, batch, recipe.trainer.num_steps_per_rollout,
+                                            logged)
     keep_loss_diff = old_logprobs == "none"
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()
                     if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})

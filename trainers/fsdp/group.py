@@ -60,11 +60,14 @@ class TrainerGroup:
                 offset += n
         return out
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimiser step over the batch; metrics come back summed over ranks where they are sums."""
+    def train_step(self, batch: TrainBatch, detailed_metrics: bool = True) -> dict[str, float]:
+        """One optimiser step over the batch; metrics come back summed over ranks where they are sums.
+
+        detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged."""
         _, shards = self._shards(batch)
         loss_tokens = float(batch.loss_mask.sum())
-        results = ray.get([w.train_step.remote(s, loss_tokens, len(batch.seqlens)) for w, s in zip(self.workers, shards)])
+        results = ray.get([w.train_step.remote(s, loss_tokens, len(batch.seqlens), detailed_metrics)
+                           for w, s in zip(self.workers, shards)])
         return results[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -127,10 +127,13 @@ class FSDPWorker:
         )
         return logp, ent, mb, packed, out
 
-    def _dsa_metrics(self, mb: TrainBatch, packed: PackedBatch, out, step_rows: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+    def _dsa_metrics(self, mb: TrainBatch, packed: PackedBatch, out, step_rows: float,
+                     recall: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
         """Indexer loss (already a share of the step: sum over rows / step_rows) and DSA metrics of one micro-batch.
 
-        "…/num" and "…/den" pairs become ratios after the cross-rank sum (see train_step).
+        "…/num" and "…/den" pairs become ratios after the cross-rank sum (see train_step). recall: also the recall
+        of each group's selection against its dense p_bar, which scores every causal key (O(T^2) per group, about a
+        dense attention forward per member layer: as much as the whole sparse forward and backward at 1K tokens).
         """
         metrics: dict[str, float] = {}
         if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
@@ -148,8 +151,9 @@ class FSDPWorker:
         loss = res.loss_sum / max(step_rows, 1.0)
         metrics["indexer_kl"] = float(loss.detach())
         metrics.update({k: v / max(step_rows, 1.0) for k, v in res.metrics.items()})
-        for key, recall in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
-            metrics[f"indexer_{key}"] = float(recall.sum()) / max(step_rows, 1.0)
+        if recall:
+            for key, value in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
+                metrics[f"indexer_{key}"] = float(value.sum()) / max(step_rows, 1.0)
         return self.dsa.indexer_loss_coef * loss, metrics
 
     @torch.no_grad()
@@ -165,8 +169,12 @@ class FSDPWorker:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int) -> dict[str, float]:
-        """One optimiser step over this rank's share; losses are normalised by the global counts."""
+    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
+                   detailed_metrics: bool = True) -> dict[str, float]:
+        """One optimiser step over this rank's share; losses are normalised by the global counts.
+
+        detailed_metrics off skips the metrics that cost real compute (the indexer's dense recall): for steps whose
+        metrics nobody logs. Every rank must get the same value (the metric keys are reduced together)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -176,7 +184,7 @@ class FSDPWorker:
         for mb in self._micro_batches(batch):
             logp, ent, used, packed, out = self._logprobs(mb, return_entropy=True, capture_dsa=capture)
             loss, metrics = self.loss_fn(logp, used, ent, global_loss_tokens, global_num_samples)
-            indexer_loss, dsa_metrics = self._dsa_metrics(used, packed, out, float(step_rows))
+            indexer_loss, dsa_metrics = self._dsa_metrics(used, packed, out, float(step_rows), recall=detailed_metrics)
             if indexer_loss is not None:
                 loss = loss + indexer_loss
             metrics = {**metrics, **(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})}
