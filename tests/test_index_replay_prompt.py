@@ -190,9 +190,11 @@ def test_prompt_rows_need_an_engine_that_keeps_them(model):
             GenerateRequest(PROMPT, return_indexer_topk=True, indexer_topk_start_len=-2))
 
 
-def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model):
-    """indexer_topk_start_len = s returns rows max(s, index_topk) .. P+R-2, equal to the engine's full-row answer."""
-    engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True)
+@pytest.mark.parametrize("paged_decode", [False, True])
+def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model, paged_decode):
+    """indexer_topk_start_len = s returns rows max(s, index_topk) .. P+R-2, equal to the engine's full-row answer,
+    on both decode paths (the paged one stores the decode rows' selections at its own write slots)."""
+    engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, paged_decode=paged_decode)
     short = PROMPT[:4]  # P - 1 < index_topk: no prompt row is returned, and the first output rows neither
     for rid, (ids, start_len) in {"all": (PROMPT, 0), "late": (PROMPT, 20), "short": (short, 0),
                                   "legacy": (PROMPT, -1)}.items():
