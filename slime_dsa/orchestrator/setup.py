@@ -74,8 +74,36 @@ def _actors_needed(recipe: RecipeConfig) -> int:
     return int((engines + recipe.trainer.num_workers) * recipe.cluster.num_cpus_per_actor) + 1
 
 
-def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], list[Any]]:
-    """(URLs, actor handles) of the rollout engines; external engines have no actors."""
+def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
+    """(max_cache_tokens, max_running_requests) of each embedded engine: room for every rollout the loop can
+    have in flight at once, so that none waits in an engine's queue while the trainer waits for it.
+
+    Groups in flight over all engines: one step's (x oversample_factor with dynamic sampling) in the synchronous
+    loop; in the asynchronous one the StalenessGate lets (max_staleness + 1) steps' groups be started and not yet
+    trained. Requests are capped by max_concurrency (the rollout manager's semaphore). A group's samples stay on
+    one engine (session routing), so each engine takes ceil(groups / num_engines) groups. Each request reserves
+    its prompt + response rows rounded up to whole cache blocks. rollout.max_cache_tokens, when set, replaces the
+    derived token budget. Evaluation prompts are not counted (they queue behind the rollouts when the cache is
+    full); the running-request cap never goes below the engine's default, for them.
+    """
+    from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+
+    ro = recipe.rollout
+    groups = ro.prompts_per_step
+    if use_async:
+        groups *= recipe.algorithm.max_staleness + 1
+    elif ro.dynamic_sampling:
+        groups = max(groups, round(groups * ro.oversample_factor))
+    per_engine = -(-groups // ro.num_engines) * ro.n_samples_per_prompt
+    requests = max(1, min(per_engine, -(-ro.max_concurrency // ro.num_engines)))
+    rows = recipe.data.max_prompt_length + ro.max_response_length - 1  # the last token is never fed back
+    per_request = -(-rows // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+    return ro.max_cache_tokens or max(requests * per_request, 4096), max(requests, DEFAULT_MAX_RUNNING_REQUESTS)
+
+
+def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False) -> tuple[list[str], list[Any]]:
+    """(URLs, actor handles) of the rollout engines; external engines have no actors. `use_async`: the
+    asynchronous loop will drive them (more rollouts in flight: see engine_capacity)."""
     from rollout.actors import create_engine_actors, start_engine_actors  # noqa: PLC0415
 
     ro, cl = recipe.rollout, recipe.cluster
@@ -93,11 +121,13 @@ def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], lis
                                       num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
     else:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
-        max_tokens = ro.prompts_per_step * ro.n_samples_per_prompt * (recipe.data.max_prompt_length + ro.max_response_length)
+        max_tokens, max_requests = engine_capacity(recipe, use_async)
+        logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
         actors = create_engine_actors(
             ro.num_engines, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
             num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
-            engine_kwargs={"dtype": dtype, "max_cache_tokens": max(max_tokens, 4096), "ops_backend": recipe.model.ops_backend},
+            engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
+                           "ops_backend": recipe.model.ops_backend},
         )
     urls = start_engine_actors(actors)
     logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
