@@ -18,7 +18,9 @@ the ~1e-7 log-prob noise of decode-batch composition; tests/test_async.py checks
 Metrics beside the synchronous loop's: async/ (staleness mean and max, version spread of the batch's tokens,
 share of partial rollouts, stale samples dropped); train/dis_frac_below|above come from the loss;
 perf/rollout_time_s is the time between two batches and perf/rollout_wait_s the part the trainer waited.
-Resuming an async run restarts the producer at the checkpoint's step: groups in flight at save are not replayed.
+Resuming is exact in what it trains: the checkpoint holds the groups started and not yet trained (in flight or
+buffered at save), and the resumed producer regenerates them (same prompts, sample indices and seeds, under the
+checkpoint's weights) before it draws new prompts.
 """
 
 from __future__ import annotations
