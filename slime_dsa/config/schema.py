@@ -388,6 +388,11 @@ class ClusterSection(Section):
         0.0, ge=0, description="GPUs per trainer worker; 0 = CPU; fractions share one GPU.")
     num_cpus_per_actor: float = Field(
         1.0, gt=0, description="CPU cores Ray reserves for each engine and trainer actor.")
+    pin_cpus: Literal["auto", "on", "off"] = Field(
+        "auto", description="Pin each embedded engine and trainer worker to cores of its own (num_cpus_per_actor "
+                            "each) on a local Ray cluster: auto = when the asynchronous loop runs them at the same "
+                            "time on CPU (the synchronous loop leaves them free to share every core: they take "
+                            "turns); on = always; off = never. Skipped when the machine has too few cores.")
 
 
 class LoggingSection(Section):

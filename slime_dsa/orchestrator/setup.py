@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -132,6 +133,52 @@ def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False
     urls = start_engine_actors(actors)
     logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
     return urls, actors
+
+
+def actor_cores(cores: list[int], num_actors: int, cores_per_actor: float) -> list[list[int]] | None:
+    """Disjoint runs of ceil(cores_per_actor) of `cores` for each of `num_actors` actors, or None if too few."""
+    k = max(1, math.ceil(cores_per_actor))
+    if num_actors < 1 or len(cores) < num_actors * k:
+        return None
+    return [cores[i * k:(i + 1) * k] for i in range(num_actors)]
+
+
+def pin_actors(recipe: RecipeConfig, engine_actors: list[Any], trainer_workers: list[Any], use_async: bool) -> bool:
+    """Pin every embedded engine and trainer worker to cores of its own (cluster.pin_cpus); True if done.
+
+    Why: in the asynchronous loop the engine generates while the trainer trains; left free, the OS scheduler
+    often runs both on one core (and moves them) on a busy machine, and the trainer, which the loop waits on,
+    loses its core. The synchronous loop runs them in turns, so each is better off free to use any core.
+    """
+    import ray  # noqa: PLC0415
+
+    cl = recipe.cluster
+    on_cpu = cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0
+    if cl.pin_cpus == "off" or (cl.pin_cpus == "auto" and not (use_async and on_cpu)):
+        return False
+    if cl.address is not None or not hasattr(os, "sched_setaffinity"):
+        logger.info("cluster.pin_cpus: actors are not pinned (only on a local Ray cluster on Linux)")
+        return False
+    actors = list(engine_actors) + list(trainer_workers)
+    cores = sorted(os.sched_getaffinity(0))
+    plan = actor_cores(cores, len(actors), cl.num_cpus_per_actor)
+    if plan is None:
+        logger.info("cluster.pin_cpus: %d actors need %s cores each, the machine has %d: not pinned", len(actors),
+                    cl.num_cpus_per_actor, len(cores))
+        return False
+    ray.get([actor.__ray_call__.remote(_pin_process, chosen) for actor, chosen in zip(actors, plan)])
+    logger.info("pinned %d engine(s) and %d trainer worker(s) to cores %s", len(engine_actors), len(trainer_workers),
+                plan)
+    return True
+
+
+def _pin_process(_actor: Any, cores: list[int]) -> None:
+    """Inside an actor: every thread of its process onto `cores` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def start_trainers(recipe: RecipeConfig, model_dir: Path):

@@ -80,6 +80,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s)
     trainers = await asyncio.to_thread(setup.start_trainers, recipe, model_dir)
+    await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
