@@ -262,10 +262,42 @@ def test_async_engine_admits_every_rollout_in_flight_at_once(checkpoint, ray_clu
     try:
         info = json.loads(urllib.request.urlopen(f"{urls[0]}/server_info", timeout=30).read())
         assert (info["max_cache_tokens"], info["max_running_requests"]) == engine_capacity(recipe, use_async=True)
+        _check_pinning(recipe, actors)
     finally:
         for actor in actors:
             ray.get(actor.stop.remote(), timeout=30)
             ray.kill(actor)
+
+
+def _affinity(_actor) -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+def _check_pinning(recipe, actors) -> None:
+    """cluster.pin_cpus on a real engine actor: auto pins for the asynchronous loop only, off never."""
+    import os
+
+    import ray
+
+    from slime_dsa.orchestrator.setup import pin_actors
+
+    cores = sorted(os.sched_getaffinity(0))
+    off = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"pin_cpus": "off"})})
+    assert not pin_actors(off, actors, [], use_async=True)
+    assert not pin_actors(recipe, actors, [], use_async=False)  # auto, synchronous loop: left free
+    assert ray.get(actors[0].__ray_call__.remote(_affinity)) == cores
+    assert pin_actors(recipe, actors, [], use_async=True)
+    assert ray.get(actors[0].__ray_call__.remote(_affinity)) == cores[:1]
+
+
+def test_actor_cores_are_disjoint_runs():
+    from slime_dsa.orchestrator.setup import actor_cores
+
+    assert actor_cores([0, 1], 2, 1.0) == [[0], [1]]
+    assert actor_cores([0, 1, 2, 3, 4], 2, 1.5) == [[0, 1], [2, 3]]  # whole cores: 1.5 -> 2
+    assert actor_cores([0, 1], 3, 1.0) is None and actor_cores([0, 1, 2], 2, 2.0) is None
 
 
 # ---------------------------------------------------------------------------------------------- the loop
