@@ -23,8 +23,10 @@ import logging
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -142,10 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     curves: dict[str, list[tuple[float, float]]] = {}
     runs = {}
+    loads: list[float] = []  # the machine is shared: its load during the loops goes into the report
+    done = threading.Event()
+    sampler = threading.Thread(target=_sample_load, args=(loads, done), daemon=True)
+    sampler.start()
     try:
         for mode in args.modes.split(","):
             runs[mode] = run_mode(args, mode, root)
     finally:
+        done.set()
         if ray.is_initialized():
             ray.shutdown()
     for mode, (run_dir, versions) in runs.items():
@@ -158,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     target = base + args.target_frac * (best - base)
     times = {mode: time_to(c, target) for mode, c in curves.items()}
     ratio = times["sync"] / times["async"] if times.get("sync") and times.get("async") else None
-    report = markdown(args, curves, runs, base, target, times, ratio)
+    report = markdown(args, curves, runs, base, target, times, ratio, loads)
     print(report)
     if args.out:
         with args.out.open("a") as f:
@@ -167,7 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def markdown(args, curves, runs, base, target, times, ratio) -> str:
+def _sample_load(loads: list[float], done: threading.Event) -> None:
+    while not done.wait(2.0):
+        loads.append(os.getloadavg()[0])
+
+
+def step_medians(run_dir: Path) -> dict[str, float]:
+    """Medians over steps 2..N of the loop's per-step timings (step 1 has nothing to overlap with)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    keys = {"step": "perf/step_time_s", "rollout": "perf/rollout_time_s", "gate/buffer wait": "perf/rollout_wait_s",
+            "train": "perf/train_time_s", "weight push": "perf/sync_time_s", "staleness": "async/staleness_mean"}
+    return {name: statistics.median(r[k] for r in records) for name, k in keys.items() if records and k in records[0]}
+
+
+def markdown(args, curves, runs, base, target, times, ratio, loads) -> str:
     cmd = "python benchmarks/async_vs_sync.py " + shlex.join(sys.argv[1:])
     lines = [
         "### Async vs sync RL loop: wall-clock time to the same eval reward (CPU)",
@@ -178,7 +198,10 @@ def markdown(args, curves, runs, base, target, times, ratio) -> str:
         f"- recipe: `{args.preset}` preset from scratch, arithmetic prompts, reward = digit share of the response; "
         f"{args.prompts_per_step} prompts x {args.n_samples} samples/step, {args.max_response_length} new tokens, "
         f"lr {args.lr}, {args.steps} steps; 1 embedded engine + 1 FSDP rank (Ray actors, 1 CPU each); "
-        f"async: max_staleness {args.max_staleness}, partial_rollout {args.partial_rollout}",
+        f"async: max_staleness {args.max_staleness}, partial_rollout {args.partial_rollout}, engine and trainer "
+        f"pinned to a core each (cluster.pin_cpus auto; the sync loop leaves them free)",
+        f"- load average during the loops (1-min, sampled every 2 s): "
+        + (f"{min(loads):.1f}-{max(loads):.1f}, mean {statistics.mean(loads):.1f}" if loads else "not sampled"),
         f"- eval (off the clock): {args.eval_prompts} held-out prompts x {args.eval_samples} samples at T=1; "
         f"initial {base:.3f}; target {target:.3f} = {args.target_frac:g} of the way to the best both reached",
         "",
@@ -191,6 +214,14 @@ def markdown(args, curves, runs, base, target, times, ratio) -> str:
         lines.append(f"| {mode} | {loop_s:.1f} | {args.steps / loop_s:.2f} | {max(r for _, r in curve):.3f} | "
                      f"{'not reached' if t is None else f'{t:.1f}'} |")
     lines.append("")
+    lines.append("| mode | per-step medians (s), steps 2..N |")
+    lines.append("|---|---|")
+    for mode, (run_dir, _) in runs.items():
+        lines.append(f"| {mode} | " + ", ".join(f"{k} {v:.3f}" for k, v in step_medians(run_dir).items()) + " |")
+    lines.append("")
+    lines.append("- per-step timings: sync train includes the trainer forward that recomputes pi_old (the synchronous "
+                 "loop's default; the DIS loss does not use it); async rollout is the time between two batches (it "
+                 "overlaps training), gate/buffer wait the part of it the trainer waited")
     verdict = "not measurable" if ratio is None else f"{ratio:.2f}x -> {'reached' if ratio >= 1.5 else 'NOT reached'}"
     lines.append(f"- goal async >= 1.5x faster to the same reward: {verdict}")
     for mode, curve in curves.items():

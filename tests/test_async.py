@@ -185,6 +185,121 @@ def test_abort_mode_regenerates_samples_in_flight(checkpoint):
     assert all(s.weight_versions[0] == 1 for s in requeued)
 
 
+# ---------------------------------------------------------------------------------------------- engine capacity
+
+CAPACITY = {"data": {"max_prompt_length": 64},
+            "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 8, "max_response_length": 8},
+            "algorithm": {"name": "async_reinforce", "max_staleness": 2}}
+
+
+def _recipe(patch: dict | None = None):
+    from slime_dsa.config import RecipeConfig
+
+    recipe = json.loads(json.dumps(CAPACITY))
+    for section, values in (patch or {}).items():
+        recipe.setdefault(section, {}).update(values)
+    return RecipeConfig.model_validate(recipe)
+
+
+def test_engine_capacity_counts_the_rollouts_the_loop_can_have_in_flight():
+    """(max_staleness + 1) steps' groups in the asynchronous loop, one step's in the synchronous one; each request
+    takes its prompt + response rows in whole 16-token blocks (64 + 8 - 1 = 71 -> 80)."""
+    from slime_dsa.orchestrator.setup import engine_capacity
+
+    assert engine_capacity(_recipe(), use_async=True) == (3 * 8 * 4 * 80, 256)
+    assert engine_capacity(_recipe({"algorithm": {"max_staleness": 0}}), use_async=True) == (4096, 256)  # the floor
+    assert engine_capacity(_recipe(), use_async=False) == (4096, 256)  # 32 x 80 = 2560 < the 4096 floor
+    wide = _recipe({"rollout": {"prompts_per_step": 40}})
+    assert engine_capacity(wide, use_async=True) == (3 * 40 * 4 * 80, 480)  # more requests than the default cap
+    assert engine_capacity(wide, use_async=False) == (160 * 80, 256)
+    dynamic = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5}})
+    assert engine_capacity(dynamic, use_async=False) == (60 * 4 * 80, 256)
+    two = _recipe({"rollout": {"prompts_per_step": 40, "num_engines": 2}})  # a group stays on one engine
+    assert engine_capacity(two, use_async=True) == (60 * 4 * 80, 256)
+    capped = _recipe({"rollout": {"prompts_per_step": 40, "max_concurrency": 100}})
+    assert engine_capacity(capped, use_async=True) == (100 * 80, 256)
+    assert engine_capacity(_recipe({"rollout": {"max_cache_tokens": 5000}}), use_async=True) == (5000, 256)
+
+
+def test_engine_capacity_rejects_a_cache_too_small_for_one_rollout():
+    from slime_dsa.config import RecipeConfig
+
+    with pytest.raises(ValueError, match=r"rollout.max_cache_tokens \(64\) must hold one rollout"):
+        RecipeConfig.model_validate({**CAPACITY, "rollout": {**CAPACITY["rollout"], "max_cache_tokens": 64}})
+    with pytest.raises(ValueError, match="max_cache_tokens .* embedded engine's KV cache, but engine is 'external'"):
+        RecipeConfig.model_validate({"rollout": {"engine": "external", "engine_urls": ["http://x"],
+                                                 "max_cache_tokens": 8192}})
+
+
+def test_async_engine_admits_every_rollout_in_flight_at_once(checkpoint, ray_cluster):
+    """The engine the asynchronous loop starts holds all (max_staleness + 1) x prompts_per_step x n requests of
+    full length at once; sized for one synchronous step, as before, it queued some of them."""
+    import urllib.request
+
+    import ray
+
+    from rollout.engine import Engine, GenerateRequest, SamplingParams
+    from slime_dsa.orchestrator.setup import engine_capacity, start_engines
+
+    recipe = _recipe()
+    n = 3 * 8 * 4
+    prompts = [[3 + (i + j) % 90 for j in range(64)] for i in range(n)]  # distinct: no prefix is shared
+
+    def admitted(use_async: bool) -> tuple[int, int]:
+        tokens, requests = engine_capacity(recipe, use_async)
+        engine = Engine(slime_dsa.load_model(checkpoint), max_cache_tokens=tokens, max_running_requests=requests)
+        for i, ids in enumerate(prompts):
+            sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, sampling_seed=i)
+            engine.add_request(GenerateRequest(rid=str(i), input_ids=ids, sampling=sampling))
+        engine.step()
+        return engine.num_running, engine.num_queued
+
+    assert admitted(use_async=True) == (n, 0)
+    running, queued = admitted(use_async=False)
+    assert running < n and queued == n - running
+
+    urls, actors = start_engines(recipe, checkpoint, use_async=True)  # what the loop starts: the sizes reach it
+    try:
+        info = json.loads(urllib.request.urlopen(f"{urls[0]}/server_info", timeout=30).read())
+        assert (info["max_cache_tokens"], info["max_running_requests"]) == engine_capacity(recipe, use_async=True)
+        _check_pinning(recipe, actors)
+    finally:
+        for actor in actors:
+            ray.get(actor.stop.remote(), timeout=30)
+            ray.kill(actor)
+
+
+def _affinity(_actor) -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+def _check_pinning(recipe, actors) -> None:
+    """cluster.pin_cpus on a real engine actor: auto pins for the asynchronous loop only, off never."""
+    import os
+
+    import ray
+
+    from slime_dsa.orchestrator.setup import pin_actors
+
+    cores = sorted(os.sched_getaffinity(0))
+    off = recipe.model_copy(update={"cluster": recipe.cluster.model_copy(update={"pin_cpus": "off"})})
+    assert not pin_actors(off, actors, [], use_async=True)
+    assert not pin_actors(recipe, actors, [], use_async=False)  # auto, synchronous loop: left free
+    assert ray.get(actors[0].__ray_call__.remote(_affinity)) == cores
+    assert pin_actors(recipe, actors, [], use_async=True)
+    assert ray.get(actors[0].__ray_call__.remote(_affinity)) == cores[:1]
+
+
+def test_actor_cores_are_disjoint_runs():
+    from slime_dsa.orchestrator.setup import actor_cores
+
+    assert actor_cores([0, 1], 2, 1.0) == [[0], [1]]
+    assert actor_cores([0, 1, 2, 3, 4], 2, 1.5) == [[0, 1], [2, 3]]  # whole cores: 1.5 -> 2
+    assert actor_cores([0, 1], 3, 1.0) is None and actor_cores([0, 1, 2], 2, 2.0) is None
+
+
 # ---------------------------------------------------------------------------------------------- the loop
 
 RECIPE = {
@@ -286,3 +401,50 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
         assert math.isfinite(r["train/loss"]) and 0 <= r["train/dis_frac_below"] <= 1
     assert any(r["async/partial_rollout_frac"] > 0 for r in records), "no rollout continued across a weight push"
     assert any(r["async/staleness_mean"] > 0 for r in records)
+
+
+SEEN: dict[int, str] = {}
+
+
+def record_prompt(sample, response: str, answer, **metadata) -> float:
+    """digit_fraction, noting which prompt each sample index was generated for."""
+    SEEN[sample.index] = sample.prompt_text
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_cluster):
+    """max_staleness 1: when step 2's checkpoint is saved, step 3's groups are already started (in flight or
+    buffered). The resumed run regenerates them (same indices, same prompts) before drawing new ones: over both
+    runs every sample index has exactly one fate, none is trained twice."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state
+
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:record_prompt"
+    recipe["logging"]["eval_every"] = 0
+    recipe["algorithm"]["max_staleness"] = 1
+    recipe["trainer"]["num_steps"] = 2
+    SEEN.clear()
+    _run(tmp_path, "resume", recipe)
+    before = dict(SEEN)
+    pending = read_orchestrator_state(tmp_path / "resume" / "checkpoints" / "step_000002")["rollout"]["pending_groups"]
+    assert pending, "nothing was pending at the checkpoint: the test shows nothing"
+    pending_indices = [g["first_index"] + k for g in pending for k in range(g["num_samples"])]
+
+    recipe["trainer"]["num_steps"] = 4
+    SEEN.clear()
+    _, ledger = _run(tmp_path, "resume", recipe, resume=True)
+    first, second = ledger[:3], ledger[3:]
+    assert [line.get("step") for line in first[:2]] == [1, 2] and first[2]["end"]
+    *steps, end = second
+    assert [s["step"] for s in steps] == [3, 4] and end["end"]
+    assert end["produced"][:len(pending_indices)] == pending_indices  # regenerated first, with their own indices
+    fates = [i for s in first[:2] + steps for key in ("trained", "stale", "discarded") for i in s[key]]
+    fates += end["buffered"] + end["in_flight"]
+    assert sorted(fates) == list(range(max(end["produced"]) + 1)), "a sample was lost or used twice"
+    trained = [i for s in first[:2] + steps for i in s["trained"]]
+    assert len(trained) == len(set(trained)) == 4 * 3 * 4
+    assert set(pending_indices) <= {i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]}
+    # Samples scored in both runs (pending groups that had finished before the save; on a loaded machine there may
+    # be none, as all pending groups can still be generating then) carry the same prompt.
+    same = set(before) & set(SEEN)
+    assert all(before[i] == SEEN[i] for i in same), "a regenerated sample has another prompt"

@@ -431,6 +431,18 @@ def test_mixture_follows_weights_and_resumes_exactly(tokenizer) -> None:
     assert [(p.task, p.index) for p in head + resumed.take(263)] == [(p.task, p.index) for p in drawn]
     assert [p.index for p in TaskMixture(tasks, seed=1).take(20)] != [p.index for p in drawn[:20]]
 
+    # Any earlier draw can be replayed from (task, draw number) without moving the stream (async resume).
+    positions = []
+    replayer = TaskMixture(tasks, seed=0)
+    for _ in range(30):
+        next(replayer)
+        positions.append(replayer.last_draw)
+    replayed = [replayer.replay(task, count) for task, count in positions]
+    assert [(p.task, p.index) for p in replayed] == [(p.task, p.index) for p in drawn[:30]]
+    assert replayer.num_drawn == 30 and replayer.replay("count", 9).index == count_rows[9]  # a later epoch too
+    with pytest.raises(ValueError, match="no task 'nope'"):
+        replayer.replay("nope", 0)
+
     with pytest.raises(ValueError, match="saved for tasks"):
         TaskMixture(tasks[:2], seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="sum to > 0"):

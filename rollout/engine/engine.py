@@ -51,6 +51,7 @@ from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
 from rollout.engine.stop import StopChecker
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,11 @@ class Engine:
         model: GlmMoeDsaForCausalLM,
         *,
         max_cache_tokens: int,
-        max_running_requests: int = 256,
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         eos_token_ids: list[int] | None = None,
         tokenizer: Any = None,
         weight_version: str = "0",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_prefill_tokens: int = 8192,
         enable_prefix_caching: bool = True,
         seed: int | None = None,

@@ -9,7 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from rollout.server.app import create_app
-from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT
+from rollout.server.defaults import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_PROMPT_TOKENS,
+                                     DEFAULT_MAX_RUNNING_REQUESTS, DEFAULT_PORT)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def load_engine(
     model_dir: str | Path,
     *,
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
-    max_running_requests: int = 256,
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
     dtype: str | None = None,
     device: str | None = None,
     weight_version: str = "0",
@@ -100,7 +101,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
-    max_running_requests: int = 256,
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
     dtype: str | None = None,
     device: str | None = None,
     served_model_name: str | None = None,

@@ -173,6 +173,13 @@ class RolloutSection(Section):
         4, ge=1, description="Prompts per RL step; a step trains on prompts_per_step × n_samples_per_prompt "
                              "samples.")
     max_concurrency: int = Field(1000, ge=1, description="Most rollouts in flight at once, over all engines.")
+    max_cache_tokens: int | None = Field(
+        None, ge=16, description="KV cache of each embedded engine, in tokens; null = room for every rollout that "
+                                 "can be in flight at once, so none waits in the engine's queue: one step's groups "
+                                 "(x oversample_factor with dynamic_sampling) in the synchronous loop, "
+                                 "max_staleness + 1 steps' groups in the asynchronous one, at most max_concurrency "
+                                 "requests, split over num_engines, each reserving max_prompt_length + "
+                                 "max_response_length tokens.")
     max_response_length: int = Field(
         512, ge=1, description="Most tokens generated per response (max_new_tokens); longer responses are cut "
                                "and marked truncated.")
@@ -212,6 +219,10 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"engine_urls ({len(self.engine_urls)} given) are only used by engine 'external', but engine is "
                 f"'{self.engine}'", "engine_urls", "engine")
+        if self.max_cache_tokens is not None and self.engine != "embedded":
+            raise RecipeValueError(
+                f"max_cache_tokens ({self.max_cache_tokens}) sizes the embedded engine's KV cache, but engine is "
+                f"'{self.engine}'", "max_cache_tokens", "engine")
         if self.oversample_factor != 1.0 and not self.dynamic_sampling:
             raise RecipeValueError(
                 f"oversample_factor ({self.oversample_factor}) only applies with dynamic_sampling: true",
@@ -378,6 +389,11 @@ class ClusterSection(Section):
         0.0, ge=0, description="GPUs per trainer worker; 0 = CPU; fractions share one GPU.")
     num_cpus_per_actor: float = Field(
         1.0, gt=0, description="CPU cores Ray reserves for each engine and trainer actor.")
+    pin_cpus: Literal["auto", "on", "off"] = Field(
+        "auto", description="Pin each embedded engine and trainer worker to cores of its own (num_cpus_per_actor "
+                            "each) on a local Ray cluster: auto = when the asynchronous loop runs them at the same "
+                            "time on CPU (the synchronous loop leaves them free to share every core: they take "
+                            "turns); on = always; off = never. Skipped when the machine has too few cores.")
 
 
 class LoggingSection(Section):
@@ -498,6 +514,11 @@ class RecipeConfig(Section):
                 f"trainer.micro_batch_tokens ({self.trainer.micro_batch_tokens}) must hold the longest sample, "
                 f"data.max_prompt_length + rollout.max_response_length = {longest}",
                 "trainer.micro_batch_tokens", "data.max_prompt_length", "rollout.max_response_length")
+        if ro.max_cache_tokens is not None and ro.max_cache_tokens < longest:
+            raise RecipeValueError(
+                f"rollout.max_cache_tokens ({ro.max_cache_tokens}) must hold one rollout, data.max_prompt_length + "
+                f"rollout.max_response_length = {longest}", "rollout.max_cache_tokens", "data.max_prompt_length",
+                "rollout.max_response_length")
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")

@@ -341,6 +341,7 @@ class TaskMixture:
         self.num_drawn = 0
         self.counts = [0] * len(tasks)  # prompts drawn per task
         self._perms: dict[int, tuple[int, np.ndarray]] = {}  # task -> (epoch, permutation)
+        self.last_draw: tuple[str, int] | None = None  # (task name, its draw number) of the latest prompt
 
     def _permutation(self, i: int, epoch: int) -> np.ndarray:
         cached = self._perms.get(i)
@@ -358,12 +359,22 @@ class TaskMixture:
         deficits = self.shares * (self.num_drawn + 1) - np.array(self.counts)
         deficits[self.shares == 0] = -np.inf
         i = int(np.argmax(deficits))
-        size = len(self.tasks[i].train)
-        epoch, offset = divmod(self.counts[i], size)
-        prompt = self.tasks[i].train[int(self._permutation(i, epoch)[offset])]
+        prompt = self._draw(i, self.counts[i])
+        self.last_draw = (self.tasks[i].name, self.counts[i])
         self.counts[i] += 1
         self.num_drawn += 1
         return prompt
+
+    def _draw(self, i: int, count: int) -> Prompt:
+        epoch, offset = divmod(count, len(self.tasks[i].train))
+        return self.tasks[i].train[int(self._permutation(i, epoch)[offset])]
+
+    def replay(self, task: str, count: int) -> Prompt:
+        """The prompt of `task`'s draw number `count` (from 0, as in `last_draw`); the stream does not move."""
+        names = [t.name for t in self.tasks]
+        if task not in names:
+            raise ValueError(f"TaskMixture has no task {task!r} (tasks: {names})")
+        return self._draw(names.index(task), count)
 
     def take(self, n: int) -> list[Prompt]:
         """The next `n` prompts."""

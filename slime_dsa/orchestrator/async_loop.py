@@ -9,7 +9,8 @@ consumes them, one step of `prompts_per_step` groups at a time:
    advantages, while the producer keeps generating;
 3. push the new weights in flight: pause (retract | in_place: requests continue under the new weights, a
    partial rollout; abort: they are regenerated), update, resume. Every token records its own version;
-4. the shared per-step tail (eval, log, checkpoint), then the StalenessGate lets the producer one step further.
+4. the StalenessGate lets the producer one step further, and the shared per-step tail (eval, log, checkpoint)
+   runs while it generates (with max_staleness 0 the gate opens after the tail, as in the synchronous loop).
 
 `max_staleness: 0` is the synchronous loop: the gate admits one step's groups under the current weights and
 nothing is in flight at a weight push, so the same seed gives the same samples, batches and metrics (up to
@@ -18,7 +19,9 @@ the ~1e-7 log-prob noise of decode-batch composition; tests/test_async.py checks
 Metrics beside the synchronous loop's: async/ (staleness mean and max, version spread of the batch's tokens,
 share of partial rollouts, stale samples dropped); train/dis_frac_below|above come from the loss;
 perf/rollout_time_s is the time between two batches and perf/rollout_wait_s the part the trainer waited.
-Resuming an async run restarts the producer at the checkpoint's step: groups in flight at save are not replayed.
+Resuming is exact in what it trains: the checkpoint holds the groups started and not yet trained (in flight or
+buffered at save), and the resumed producer regenerates them (same prompts, sample indices and seeds, under the
+checkpoint's weights) before it draws new prompts.
 """
 
 from __future__ import annotations
@@ -96,8 +99,12 @@ async def run_async_loop(run: Run) -> None:
             metrics["perf/sync_time_s"] = await sync_weights(run.client, run.trainers, version=step + 1,
                                                               pause_mode=pause_mode, on_weights=run.on_weights)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            last = step + 1 == recipe.trainer.num_steps
+            if alg.max_staleness > 0 and not last:
+                await gate.advance(step + 1)  # the new weights are on the engines: rollout goes on during the tail
             await after_step(run, step, metrics)
-            await gate.advance(step + 1)
+            if alg.max_staleness == 0 and not last:
+                await gate.advance(step + 1)  # the synchronous loop's order: eval before the next step's rollout
     finally:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)

@@ -33,6 +33,10 @@ class SampleBuffer:
             taken, self._groups = self._groups[:num_groups], self._groups[num_groups:]
             return taken
 
+    def peek(self) -> list[list[Sample]]:
+        """The buffered groups, oldest first, left in place."""
+        return list(self._groups)
+
     def drain(self) -> list[list[Sample]]:
         """Remove and return everything buffered now."""
         taken, self._groups = self._groups, []

@@ -62,16 +62,38 @@ class RolloutManager:
         self._reward_stats = {t.name: RewardStats() for t in tasks}
         self.produced_indices: list[int] = []  # every sample index `produce` started, in order
         self.in_flight: dict[int, list[int]] = {}  # group_id -> sample indices: started by `produce`, not buffered yet
+        self._draws: dict[int, tuple[str, int]] = {}  # group_id -> its prompt's mixture draw (task, number)
+        self._replay: list[dict[str, Any]] = []  # groups pending in the checkpoint resumed from, not restarted yet
 
     # -- state for exact resumption -----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """The data position, and the groups `produce` started that the trainer has not taken yet (in flight or
+        buffered): a resumed run regenerates those (same prompts, sample indices and seeds) before drawing new
+        prompts, so across a save and resume no prompt is lost or used twice. Call it on the event loop."""
+        pending = self._pending_groups()
+        groups = [{"group_id": g, "first_index": indices[0], "num_samples": len(indices), "task": self._draws[g][0],
+                   "draw": self._draws[g][1]} for g, indices in sorted(pending.items()) if g in self._draws]
         return {"mixture": self.mixture.state_dict(), "next_sample_index": self.next_sample_index,
-                "next_group_id": self.next_group_id}
+                "next_group_id": self.next_group_id, "pending_groups": self._replay + groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mixture.load_state_dict(state["mixture"])
         self.next_sample_index, self.next_group_id = state["next_sample_index"], state["next_group_id"]
+        self._replay = list(state.get("pending_groups", []))
+
+    def _pending_groups(self) -> dict[int, list[int]]:
+        """group_id -> sample indices of the groups `produce` started and the trainer has not taken; forgets the
+        draws of the others."""
+        buffered = {g[0].group_id: sorted(s.index for s in g) for g in self.buffer.peek() if g}
+        pending = {**self.in_flight, **buffered}
+        self._draws = {g: d for g, d in self._draws.items() if g in pending}
+        return pending
+
+    @property
+    def num_pending_replays(self) -> int:
+        """Groups of the checkpoint resumed from that `produce` has yet to restart."""
+        return len(self._replay)
 
     # -- one sample, one group -----------------------------------------------------------------
 
@@ -144,10 +166,21 @@ class RolloutManager:
         try:
             while True:
                 await gate.acquire()
-                prompt = next(self.mixture)
-                samples = self._new_samples(prompt, self.cfg.n_samples_per_prompt)
+                if self._replay:  # first the groups a resumed checkpoint had pending, as they were
+                    group = self._replay.pop(0)
+                    draw = (group["task"], group["draw"])
+                    prompt = self.mixture.replay(*draw)
+                    samples = [prompt.to_sample(index=group["first_index"] + k, group_id=group["group_id"])
+                               for k in range(group["num_samples"])]
+                else:
+                    prompt = next(self.mixture)
+                    draw = self.mixture.last_draw
+                    samples = self._new_samples(prompt, self.cfg.n_samples_per_prompt)
                 self.produced_indices.extend(s.index for s in samples)
                 self.in_flight[samples[0].group_id] = [s.index for s in samples]
+                self._draws[samples[0].group_id] = draw
+                if len(self._draws) > 2 * len(self.in_flight) + 2 * len(self.buffer) + 64:
+                    self._pending_groups()  # forget the draws of groups the trainer took
                 task = asyncio.create_task(self._produce_group(prompt, samples, requeue_aborted))
                 running.add(task)
                 task.add_done_callback(running.discard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -74,8 +75,36 @@ def _actors_needed(recipe: RecipeConfig) -> int:
     return int((engines + recipe.trainer.num_workers) * recipe.cluster.num_cpus_per_actor) + 1
 
 
-def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], list[Any]]:
-    """(URLs, actor handles) of the rollout engines; external engines have no actors."""
+def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
+    """(max_cache_tokens, max_running_requests) of each embedded engine: room for every rollout the loop can
+    have in flight at once, so that none waits in an engine's queue while the trainer waits for it.
+
+    Groups in flight over all engines: one step's (x oversample_factor with dynamic sampling) in the synchronous
+    loop; in the asynchronous one the StalenessGate lets (max_staleness + 1) steps' groups be started and not yet
+    trained. Requests are capped by max_concurrency (the rollout manager's semaphore). A group's samples stay on
+    one engine (session routing), so each engine takes ceil(groups / num_engines) groups. Each request reserves
+    its prompt + response rows rounded up to whole cache blocks. rollout.max_cache_tokens, when set, replaces the
+    derived token budget. Evaluation prompts are not counted (they queue behind the rollouts when the cache is
+    full); the running-request cap never goes below the engine's default, for them.
+    """
+    from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+
+    ro = recipe.rollout
+    groups = ro.prompts_per_step
+    if use_async:
+        groups *= recipe.algorithm.max_staleness + 1
+    elif ro.dynamic_sampling:
+        groups = max(groups, round(groups * ro.oversample_factor))
+    per_engine = -(-groups // ro.num_engines) * ro.n_samples_per_prompt
+    requests = max(1, min(per_engine, -(-ro.max_concurrency // ro.num_engines)))
+    rows = recipe.data.max_prompt_length + ro.max_response_length - 1  # the last token is never fed back
+    per_request = -(-rows // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+    return ro.max_cache_tokens or max(requests * per_request, 4096), max(requests, DEFAULT_MAX_RUNNING_REQUESTS)
+
+
+def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False) -> tuple[list[str], list[Any]]:
+    """(URLs, actor handles) of the rollout engines; external engines have no actors. `use_async`: the
+    asynchronous loop will drive them (more rollouts in flight: see engine_capacity)."""
     from rollout.actors import create_engine_actors, start_engine_actors  # noqa: PLC0415
 
     ro, cl = recipe.rollout, recipe.cluster
@@ -93,16 +122,63 @@ def start_engines(recipe: RecipeConfig, model_dir: Path) -> tuple[list[str], lis
                                       num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
     else:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
-        max_tokens = ro.prompts_per_step * ro.n_samples_per_prompt * (recipe.data.max_prompt_length + ro.max_response_length)
+        max_tokens, max_requests = engine_capacity(recipe, use_async)
+        logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
         actors = create_engine_actors(
             ro.num_engines, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
             num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
-            engine_kwargs={"dtype": dtype, "max_cache_tokens": max(max_tokens, 4096), "ops_backend": recipe.model.ops_backend,
-                           "keep_indexer_topk": ro.return_indexer_topk},
+            engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
+                           "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk},
         )
     urls = start_engine_actors(actors)
     logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
     return urls, actors
+
+
+def actor_cores(cores: list[int], num_actors: int, cores_per_actor: float) -> list[list[int]] | None:
+    """Disjoint runs of ceil(cores_per_actor) of `cores` for each of `num_actors` actors, or None if too few."""
+    k = max(1, math.ceil(cores_per_actor))
+    if num_actors < 1 or len(cores) < num_actors * k:
+        return None
+    return [cores[i * k:(i + 1) * k] for i in range(num_actors)]
+
+
+def pin_actors(recipe: RecipeConfig, engine_actors: list[Any], trainer_workers: list[Any], use_async: bool) -> bool:
+    """Pin every embedded engine and trainer worker to cores of its own (cluster.pin_cpus); True if done.
+
+    Why: in the asynchronous loop the engine generates while the trainer trains; left free, the OS scheduler
+    often runs both on one core (and moves them) on a busy machine, and the trainer, which the loop waits on,
+    loses its core. The synchronous loop runs them in turns, so each is better off free to use any core.
+    """
+    import ray  # noqa: PLC0415
+
+    cl = recipe.cluster
+    on_cpu = cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0
+    if cl.pin_cpus == "off" or (cl.pin_cpus == "auto" and not (use_async and on_cpu)):
+        return False
+    if cl.address is not None or not hasattr(os, "sched_setaffinity"):
+        logger.info("cluster.pin_cpus: actors are not pinned (only on a local Ray cluster on Linux)")
+        return False
+    actors = list(engine_actors) + list(trainer_workers)
+    cores = sorted(os.sched_getaffinity(0))
+    plan = actor_cores(cores, len(actors), cl.num_cpus_per_actor)
+    if plan is None:
+        logger.info("cluster.pin_cpus: %d actors need %s cores each, the machine has %d: not pinned", len(actors),
+                    cl.num_cpus_per_actor, len(cores))
+        return False
+    ray.get([actor.__ray_call__.remote(_pin_process, chosen) for actor, chosen in zip(actors, plan)])
+    logger.info("pinned %d engine(s) and %d trainer worker(s) to cores %s", len(engine_actors), len(trainer_workers),
+                plan)
+    return True
+
+
+def _pin_process(_actor: Any, cores: list[int]) -> None:
+    """Inside an actor: every thread of its process onto `cores` (threads started later inherit it)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def start_trainers(recipe: RecipeConfig, model_dir: Path):

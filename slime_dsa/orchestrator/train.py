@@ -75,11 +75,12 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     if resume and resume_from is None:
         logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
 
-    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir)
+    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async)
     ro = recipe.rollout
     client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s)
     trainers = await asyncio.to_thread(setup.start_trainers, recipe, model_dir)
+    await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
@@ -91,6 +92,9 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
         start_step = state["step"]
         await sync_weights(client, trainers, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
+        if manager.num_pending_replays and not use_async:
+            logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
+                           "synchronous loop does not regenerate them", manager.num_pending_replays)
 
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
@@ -128,7 +132,9 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         _print_step(step + 1, recipe.trainer.num_steps, metrics)
     save_every = recipe.checkpoint.save_every
     if (save_every and (step + 1) % save_every == 0) or step + 1 == recipe.trainer.num_steps:
-        await asyncio.to_thread(_save_checkpoint, run.ckpts, step + 1, run.trainers, run.manager, run.model_dir)
+        # The data position is read here, on the event loop: in the asynchronous loop the producer moves it.
+        rollout_state = run.manager.state_dict()
+        await asyncio.to_thread(_save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
 
 
 async def _one_step(recipe: RecipeConfig, step: int, manager, trainers, client,
@@ -217,14 +223,14 @@ async def sync_weights(client, trainers, version: int, pause_mode: str = "abort"
     return elapsed
 
 
-def _save_checkpoint(ckpts, step: int, trainers, manager, model_dir: Path) -> None:
+def _save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:
     def write(tmp: Path) -> None:
         trainers.save_checkpoint(str(tmp))
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (model_dir / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
 
-    ckpts.save(step, write, {"rollout": manager.state_dict()})
+    ckpts.save(step, write, {"rollout": rollout_state})
 
 
 def _shutdown(trainers, engine_actors) -> None:
