@@ -197,6 +197,12 @@ class RolloutSection(Section):
     return_indexer_topk: bool = Field(
         False, description="Ask engines for the DSA indexer's top-k key indices of every generated token "
                            "(for algorithm.index_replay).")
+    weight_sync: Literal["auto", "http", "shm"] = Field(
+        "auto", description="How embedded or external engines get new weights after each step: http (the "
+                            "state dict in /update_weights_from_tensor requests; engines anywhere), shm (trainer "
+                            "rank 0 writes a safetensors file under /dev/shm that each engine loads through "
+                            "/update_weights_from_disk; engines on rank 0's host only); auto = shm when every "
+                            "engine is an embedded engine on rank 0's node and /dev/shm has room, else http.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 

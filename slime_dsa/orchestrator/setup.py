@@ -127,6 +127,22 @@ def start_trainers(recipe: RecipeConfig, model_dir: Path):
                         num_gpus_per_worker=recipe.cluster.num_gpus_per_trainer)
 
 
+def build_weight_sync(recipe: RecipeConfig, client: Any, trainers: Any, engine_actors: list[Any], model_dir: Path):
+    """The run's WeightSync: rollout.weight_sync, with auto resolved from where engines and trainer rank 0 run."""
+    import ray  # noqa: PLC0415
+
+    from slime_dsa.orchestrator.weight_sync import WeightSync, choose_transport, full_state_bytes  # noqa: PLC0415
+
+    ro = recipe.rollout
+    nodes = ray.get([a.node_id.remote() for a in engine_actors]) if ro.engine == "embedded" else []
+    trainer_node = trainers.node_id() if ro.weight_sync == "auto" else None
+    transport = choose_transport(ro.weight_sync, ro.engine, nodes, trainer_node, full_state_bytes(model_dir))
+    sync = WeightSync.create(client, trainers, transport, model_dir)
+    where = f" through {sync.directory}" if sync.directory else ""
+    logger.info("weight sync: %s%s (rollout.weight_sync %s)", transport, where, ro.weight_sync)
+    return sync
+
+
 def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))

@@ -70,6 +70,14 @@ class TrainerGroup:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
 
+    def save_weights(self, path: str) -> None:
+        """Rank 0 writes the full state dict to the safetensors file `path` (atomically)."""
+        ray.get([w.save_weights.remote(path) for w in self.workers])
+
+    def node_id(self) -> str | None:
+        """The Ray node of rank 0, which writes weight files."""
+        return ray.get(self.workers[0].node_id.remote())
+
     def save_checkpoint(self, directory: str) -> None:
         ray.get([w.save_checkpoint.remote(directory) for w in self.workers])
 

@@ -220,6 +220,34 @@ class FSDPWorker:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
 
+    def save_weights(self, path: str) -> None:
+        """Write the full state dict to the safetensors file `path` (rank 0), atomically. Collective.
+
+        Readers of `path` see the previous file or the new one, never a partial write (write, then rename).
+        """
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        state = self.full_state_dict()
+        if self.rank != 0:
+            return
+        seen: set[int] = set()
+        tensors = {}
+        for name, t in state.items():
+            t = t.contiguous()
+            if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[name] = t
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+
+    def node_id(self) -> str | None:
+        """The Ray node this rank runs on (None outside Ray)."""
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
     def training_state(self) -> dict:
         """Scheduler, step and RNG: what exact resumption needs beside model and optimiser."""
         return {
