@@ -149,20 +149,9 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def _optimizer_steps(trainers, batch, num_mini_batches: int) -> dict[str, float]:
-    """trainer.num_steps_per_rollout optimiser steps, each on a contiguous slice of the samples (groups stay
-    together as far as the split allows); metrics are averaged over the steps, lr is the last one's."""
-    n = len(batch.seqlens)
-    parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
-    results = [trainers.train_step(batch.select(part) if num_mini_batches > 1 else batch) for part in parts if part]
-    merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
-    merged["lr"] = results[-1]["lr"]
-    return merged
-
-
 async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, trainers,
                            old_logprobs: Literal["recompute", "rollout", "none"], client=None) -> dict[str, float]:
-    """One optimiser step on `samples`; returns train/ and perf/ metrics.
+    """trainer.num_steps_per_rollout optimiser steps on `samples`; returns train/ and perf/ metrics.
 
     old_logprobs: recompute = π_old from a trainer forward (and train_rollout_logprob_abs_diff from it);
     rollout = bypass, π_old := π_roll; none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
@@ -182,14 +171,16 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
     train_start = time.perf_counter()
     if old_logprobs == "rollout":
         batch.old_logprobs = batch.rollout_logprobs.clone()
-    elif old_logprobs == "recompute":
-        batch.old_logprobs = await asyncio.to_thread(trainers.compute_logprobs, batch)
+    recompute = old_logprobs == "recompute"
+    # One call per rank: π_old (recompute) and every optimiser step of this RL step.
+    old, train_metrics = await asyncio.to_thread(trainers.train, batch, recipe.trainer.num_steps_per_rollout, recompute)
+    if recompute:
+        batch.old_logprobs = old
         diff = logprob_abs_diff(batch)
         metrics["train/train_rollout_logprob_abs_diff"] = diff
         if diff > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
                            "or numerics disagree", step + 1, diff, recipe.trainer.logprob_diff_warn_threshold)
-    train_metrics = await asyncio.to_thread(_optimizer_steps, trainers, batch, recipe.trainer.num_steps_per_rollout)
     keep_loss_diff = old_logprobs == "none"
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()
                     if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})
