@@ -29,6 +29,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # (T,) for the optional KL term
     replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded, REPLAY_COMPUTE rows computed
     rollout_topk: torch.Tensor | None = None  # same layout: the engine's selection, only compared (mismatch metric)
+    prompt_lens: list[int] | None = None  # prompt tokens per sample: lets consecutive samples share their prompt
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,7 +50,8 @@ class TrainBatch:
             input_ids=take(self.input_ids), seqlens=[self.seqlens[i] for i in sample_ids],
             loss_mask=take(self.loss_mask), rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
-            replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1), extra=self.extra,
+            replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1),
+            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids], extra=self.extra,
         )
 
 

@@ -342,6 +342,11 @@ class TrainerSection(Section):
                              "mini-batches.")
     mixed_precision: bool = Field(
         False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state.")
+    share_prompt_prefix: bool = Field(
+        True, description="Run each prompt once for the samples of its group (their responses attend to the "
+                          "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
+                          "index replay, the indexer loss or the top-k mismatch metric, every sample is packed "
+                          "whole.")
     num_steps: int = Field(
         100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
                                "optimizer steps.")

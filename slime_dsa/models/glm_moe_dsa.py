@@ -524,13 +524,17 @@ class GlmMoeDsaForCausalLM(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         return_entropy: bool = False,
+        prefix_pack=None,
         **forward_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(x_t | x_<t) for every packed token (0 at each sequence's first token), chunked over the vocab head.
 
         Returns (logprobs (T,), entropy (T,) or None); entropy at row t is that of the distribution over x_t.
+        prefix_pack (a models.prefix_sharing.SharedPrefixPack of this flat pack) runs the forward with each shared
+        prompt computed once; the results are the same, in the flat layout.
         """
-        logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+        logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                                            prefix_pack)
         return logp, ent
 
     def token_logprobs_with_output(
@@ -541,13 +545,28 @@ class GlmMoeDsaForCausalLM(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         return_entropy: bool = False,
+        prefix_pack=None,
         **forward_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
-        """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer."""
-        return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+        """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer.
 
-    def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs):
+        With prefix_pack the ModelOutput is over the pack's rows, not the flat tokens.
+        """
+        return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                                    prefix_pack)
+
+    def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                        prefix_pack=None):
         # One body for both public entries, which FSDP registers separately (neither may call the other).
+        if prefix_pack is not None:
+            out = self.forward_packed(prefix_pack.input_ids, prefix_pack.batch, return_logits=False, **forward_kwargs)
+            hidden = out.hidden_states.index_select(0, prefix_pack.pred_rows)  # (T, D): the row before each token
+            logp, ent = chunked_token_logprobs(hidden, self.lm_head.weight, input_ids, temperature, chunk_size,
+                                               return_entropy)
+            logp = logp.index_fill(0, prefix_pack.sample_starts, 0.0)
+            if ent is not None:
+                ent = ent.index_fill(0, prefix_pack.sample_starts, 0.0)
+            return logp, ent, out
         out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
         starts = batch.cu_seqlens_q[:-1]
         targets = torch.roll(input_ids, -1)  # row t predicts x_{t+1}

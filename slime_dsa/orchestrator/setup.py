@@ -119,7 +119,7 @@ def start_trainers(recipe: RecipeConfig, model_dir: Path):
         lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
         mixed_precision=tr.mixed_precision, gradient_checkpointing=recipe.model.gradient_checkpointing,
         ops_backend=recipe.model.ops_backend, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed,
-        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0,
+        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0, share_prompt_prefix=tr.share_prompt_prefix,
     )
     name, options = policy_loss_config(alg)
     return TrainerGroup(spec, PolicyLossFn(name, options), tr.num_workers,

@@ -23,6 +23,7 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.checkpoint import load_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
+from slime_dsa.models.prefix_sharing import pack_shared_prefixes
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
@@ -51,6 +52,7 @@ class TrainerSpec:
     seed: int = 0
     freeze_indexer: bool = True
     logprob_chunk_size: int = 1024
+    share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
 
 
 LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor | None, float, int], tuple[torch.Tensor, dict[str, float]]]
@@ -126,10 +128,16 @@ class FSDPWorker:
         ids = mb.input_ids.to(self.device)
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
         replay = self._replay_rows(mb)
+        want_topk = replay is None and mb.rollout_topk is not None
+        pack = None
+        # Top-k replay, the mismatch metric and the indexer loss work on the flat layout; all else may share.
+        if self.spec.share_prompt_prefix and mb.prompt_lens is not None and replay is None and not want_topk \
+                and not capture_dsa:
+            pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
         logp, ent, out = self.model.token_logprobs_with_output(
             ids, packed, temperature=self.spec.temperature, chunk_size=self.spec.logprob_chunk_size,
-            return_entropy=return_entropy, replay_topk=replay, capture_dsa=capture_dsa,
-            return_topk=replay is None and mb.rollout_topk is not None,
+            return_entropy=return_entropy, replay_topk=replay, capture_dsa=capture_dsa, return_topk=want_topk,
+            prefix_pack=pack,
         )
         return logp, ent, mb, packed, out
 
