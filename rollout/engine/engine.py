@@ -131,6 +131,7 @@ class Engine:
         self._paused: str | None = None
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
+        self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self.stats = {"steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
         logger.info(
@@ -305,6 +306,7 @@ class Engine:
         if self._paused is not None:
             return outputs
         self._step_registered = []  # blocks offered to the prefix cache by this step
+        self._forks = {}
         scheduled = self._schedule()
         if not scheduled:
             return outputs
@@ -329,7 +331,10 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
                 logger.exception("engine: stop check of request %s failed", seq.req.rid)
                 reason = {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
-            outputs.append(self._finish(seq, reason) if reason else self._output(seq))
+            if reason:
+                outputs.append(self._finish(seq, reason))
+            elif seq.req.stream:  # cumulative copies per token: only for callers that read them
+                outputs.append(self._output(seq))
         self.stats["generated_tokens"] += len(sampled)
         return outputs
 
@@ -341,6 +346,7 @@ class Engine:
         """
         budget = self.max_prefill_tokens
         scheduled = []
+        prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
         def add(seq: _Sequence, n: int) -> None:
             self._grow(seq, seq.num_computed + n)
@@ -361,14 +367,26 @@ class Engine:
             if pending > 1:
                 budget -= n
             add(seq, n)
-        while self._queue and budget > 0 and len(self._running) < self.max_running_requests:
+        while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
-            if seq.failures or not self._admit(seq):
+            key = tuple(seq.tokens) if seq.num_output == 0 and self.blocks.enable_prefix_caching else None
+            twin = prompts.get(key) if key is not None else None
+            if (budget <= 0 and twin is None) or seq.failures or not self._admit(seq):
                 break
             self._queue.popleft()
             self._running.append(seq)
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            budget -= n
+            n = len(seq.tokens) - seq.num_computed
+            if twin is not None:
+                # Same prompt as a request computed in this step (GRPO's n samples): copy its rows, sample from
+                # its last row. Prefix caching shares full blocks only; this also covers the partial last block.
+                self._forks[id(seq)] = twin
+                seq.cached_tokens += n
+                self.stats["cached_tokens"] += n
+            else:
+                n = min(n, budget)
+                budget -= n
+                if key is not None and seq.num_computed + n == len(seq.tokens):
+                    prompts[key] = seq
             add(seq, n)
         return scheduled
 
@@ -409,8 +427,13 @@ class Engine:
         seq.num_registered = max(seq.num_registered, full)
 
     def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], dict[str, np.ndarray] | None]:
-        """The packed forward of this step and the sampling of its last rows. One host sync for the results."""
+        """The packed forward of this step and the sampling of its last rows. One host sync for the results.
+
+        Forked sequences (self._forks) add no rows: their new cache rows are copied from their twin's after the
+        forward, and they sample from their twin's last row.
+        """
         bs, device = self.block_size, self.device
+        everything, scheduled = scheduled, [(seq, n) for seq, n in scheduled if id(seq) not in self._forks]
         S = len(scheduled)
         lens_q = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=S)
         starts = np.fromiter((seq.num_computed for seq, _ in scheduled), dtype=np.int64, count=S)
@@ -423,8 +446,12 @@ class Engine:
             (t for seq, n in scheduled for t in seq.tokens[seq.num_computed : seq.num_computed + n]), dtype=np.int64, count=int(lens_q.sum())
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
-        sampled = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
-        last_rows = np.cumsum(lens_q)[[i for i, _ in sampled]] - 1  # the query row each sampled request samples from
+        row_ends = np.cumsum(lens_q)
+        last_row_of = {id(seq): int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
+                       if seq.num_computed + n == len(seq.tokens)}
+        # Every sequence that samples this step, in scheduled order, and the query row it samples from.
+        sampled = [(i, seq) for i, (seq, n) in enumerate(everything) if seq.num_computed + n == len(seq.tokens)]
+        last_rows = np.array([last_row_of[id(self._forks.get(id(seq), seq))] for _, seq in sampled], dtype=np.int64)
         # One host-to-device copy for all step metadata (pinned: a pageable copy would wait for the device).
         packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, last_rows, table.reshape(-1)]))
         if device.type == "cuda":
@@ -447,6 +474,8 @@ class Engine:
 
         want_topk = any(seq.req.return_indexer_topk for _, seq in sampled)
         out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk)
+        if self._forks:
+            self._copy_fork_rows(everything)
         self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
         if not sampled:
             return [], [], None
@@ -466,6 +495,20 @@ class Engine:
             arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
             topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
         return result[0], result[1], topk
+
+    def _copy_fork_rows(self, scheduled: list[tuple[_Sequence, int]]) -> None:
+        """Fill each forked sequence's new cache rows with its twin's (same tokens, same positions, same weights)."""
+        bs = self.block_size
+        src, dst = [], []
+        for seq, n in scheduled:
+            twin = self._forks.get(id(seq))
+            if twin is None:
+                continue
+            for pos in range(seq.num_computed, seq.num_computed + n):
+                src.append(twin.blocks[pos // bs] * bs + pos % bs)
+                dst.append(seq.blocks[pos // bs] * bs + pos % bs)
+        if dst:
+            self.cache.copy_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
 
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []

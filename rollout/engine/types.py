@@ -74,6 +74,7 @@ class GenerateRequest:
     return_logprob: bool = False
     return_indexer_topk: bool = False  # index replay: the top-k each full layer selected per generated token
     session_id: str | None = None  # multi-turn affinity / prefix reuse hint
+    stream: bool = True  # False: the engine reports only the final output, not one per generated token
 
 
 @dataclass

@@ -252,6 +252,7 @@ def parse_generate(
                     return_logprob=flags["return_logprob"],
                     return_indexer_topk=flags["return_indexer_topk"],
                     session_id=session_id,
+                    stream=flags["stream"],
                 )
             )
     return GenerateCall(
