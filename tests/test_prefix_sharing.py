@@ -49,13 +49,11 @@ def test_pack_layout():
     assert pack.batch.cu_seqlens_k.tolist() == [0, 3, 8, 12, 14, 18]
     assert pack.batch.positions.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 3]
     assert pack.batch.kv_cache.key_rows.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 6, 7, 8, 9]
-    # every flat token maps to a row with the same token id; pred_rows point at the previous token's row
-    flat_rows = torch.cat([pack.pred_rows[1:], torch.tensor([9])])  # row of token t = pred_rows[t + 1] within a sample
-    starts = pack.sample_starts.tolist()
-    assert starts == [0, 5, 8, 12]
-    for t in range(len(ids) - 1):
-        if t + 1 not in starts:
-            assert pack.input_ids[flat_rows[t]] == ids[t]
+    # response tokens of the flat layout (samples at 0, 5, 8, 12) and the row holding the token before each
+    assert pack.response_index.tolist() == [3, 4, 11, 14, 15]
+    assert pack.response_rows.tolist() == [2, 3, 2, 7, 8]
+    for t, row in zip(pack.response_index.tolist(), pack.response_rows.tolist()):
+        assert pack.input_ids[row] == ids[t - 1]
     # nothing shared, nothing to do
     ids, seqlens, plens = _groups([3, 2], [[2], [2]])
     assert pack_shared_prefixes(ids, seqlens, plens) is None
@@ -78,10 +76,13 @@ def test_same_logprobs_entropy_and_gradients_as_flat(checkpoint):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return logp.detach(), ent.detach(), grads
 
+    response = torch.cat([torch.tensor([False] * p + [True] * (n - p)) for n, p in zip(seqlens, plens)])
+    weights = weights * response  # what a policy loss sees: response tokens only
     logp_a, ent_a, grads_a = run(None)
     logp_b, ent_b, grads_b = run(pack)
-    torch.testing.assert_close(logp_b, logp_a, rtol=0, atol=1e-12)
-    torch.testing.assert_close(ent_b, ent_a, rtol=0, atol=1e-12)
+    torch.testing.assert_close(logp_b[response], logp_a[response], rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent_b[response], ent_a[response], rtol=0, atol=1e-12)
+    assert not logp_b[~response].any() and not ent_b[~response].any()  # prompt tokens: 0
     assert set(grads_a) == set(grads_b)
     for name in grads_a:  # RMSNorm and the router compute in float32 even here: float32-level sums
         scale = float(grads_a[name].abs().max())
@@ -120,7 +121,7 @@ def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
         finally:
             worker.shutdown()
     (old_a, m_a), (old_b, m_b) = results[False], results[True]
-    torch.testing.assert_close(old_b, old_a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(old_b[mask > 0], old_a[mask > 0], rtol=0, atol=1e-6)  # prompt tokens: 0 when shared
     assert set(m_a) == set(m_b)
     for key in m_a:
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6), key

@@ -531,7 +531,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
         Returns (logprobs (T,), entropy (T,) or None); entropy at row t is that of the distribution over x_t.
         prefix_pack (a models.prefix_sharing.SharedPrefixPack of this flat pack) runs the forward with each shared
-        prompt computed once; the results are the same, in the flat layout.
+        prompt computed once; response tokens get the same results, in the flat layout, prompt tokens 0.
         """
         logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
                                             prefix_pack)
@@ -558,14 +558,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
     def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
                         prefix_pack=None):
         # One body for both public entries, which FSDP registers separately (neither may call the other).
-        if prefix_pack is not None:
+        if prefix_pack is not None:  # log-probs of response tokens only; prompt tokens get 0
             out = self.forward_packed(prefix_pack.input_ids, prefix_pack.batch, return_logits=False, **forward_kwargs)
-            hidden = out.hidden_states.index_select(0, prefix_pack.pred_rows)  # (T, D): the row before each token
-            logp, ent = chunked_token_logprobs(hidden, self.lm_head.weight, input_ids, temperature, chunk_size,
-                                               return_entropy)
-            logp = logp.index_fill(0, prefix_pack.sample_starts, 0.0)
-            if ent is not None:
-                ent = ent.index_fill(0, prefix_pack.sample_starts, 0.0)
+            index = prefix_pack.response_index
+            hidden = out.hidden_states.index_select(0, prefix_pack.response_rows)  # (R, D): the row before each
+            logp_r, ent_r = chunked_token_logprobs(hidden, self.lm_head.weight, input_ids.index_select(0, index),
+                                                   temperature, chunk_size, return_entropy)
+            logp = logp_r.new_zeros(input_ids.shape[0]).index_copy(0, index, logp_r)
+            ent = None if ent_r is None else ent_r.new_zeros(input_ids.shape[0]).index_copy(0, index, ent_r)
             return logp, ent, out
         out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
         starts = batch.cu_seqlens_q[:-1]

@@ -7,7 +7,9 @@ last rows of their sequence). The keys are gathered from this same forward with 
 from every response flow back into the shared prompt rows: the loss and its gradient are those of the flat
 pack, with the prompt's forward and backward done once per group instead of n times.
 
-`SharedPrefixPack.pred_rows` maps back to the flat layout: the hidden row whose logits give token t's log-prob.
+`SharedPrefixPack.response_index` / `response_rows` map back to the flat layout: for every response token, its
+flat position and the hidden row whose logits give its log-prob. Prompt tokens get no log-prob (0): every
+sample's prompt is context, never trained on.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class SharedPrefixPack:
 
     input_ids: torch.Tensor  # (Tt,) each distinct prompt once, then the responses that follow it
     batch: PackedBatch  # over those rows; keys gathered by GatheredKeys
-    pred_rows: torch.Tensor  # (T,) for flat token t: the row predicting it (row of token t-1); 0 at sample starts
-    sample_starts: torch.Tensor  # (S,) flat index of each sample's first token (its log-prob is 0)
+    response_index: torch.Tensor  # (R,) flat positions of the response tokens
+    response_rows: torch.Tensor  # (R,) the row predicting each of them (the row of the token before it)
 
     @property
     def num_rows(self) -> int:
@@ -96,12 +98,11 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
             key_rows += list(range(prompt_row, prompt_row + p)) + list(range(row, row + r))
             source[starts[i] + p:starts[i + 1]] = range(row, row + r)
 
-    pred = [0] + source[:-1]
-    for s in starts[:-1]:
-        pred[s] = 0  # a sample's first token has no predecessor
+    response_index = [t for i in range(len(seqlens)) for t in range(starts[i] + prompt_lens[i], starts[i + 1])]
+    response_rows = [source[t - 1] for t in response_index]  # t - 1 is in the same sample: prompt_lens >= 1
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     cu_q = torch.nn.functional.pad(as_long(lens_q).cumsum(0), (1, 0))
     cu_k = torch.nn.functional.pad(as_long(lens_k).cumsum(0), (1, 0))
     batch = PackedBatch(positions=as_long(positions), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                         kv_cache=GatheredKeys(as_long(key_rows)))
-    return SharedPrefixPack(as_long(ids), batch, as_long(pred), as_long(starts[:-1]))
+    return SharedPrefixPack(as_long(ids), batch, as_long(response_index), as_long(response_rows))
