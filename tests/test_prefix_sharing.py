@@ -125,3 +125,15 @@ def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
     assert set(m_a) == set(m_b)
     for key in m_a:
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_micro_batch_budget_counts_a_shared_prompt_once():
+    from slime_dsa.models.prefix_sharing import shared_prompt_lengths  # noqa: PLC0415
+    from trainers.base import split_by_tokens  # noqa: PLC0415
+
+    ids, seqlens, plens = _groups([6, 4], [[4, 4, 4], [6]])
+    shared = shared_prompt_lengths(ids, seqlens, plens)
+    assert seqlens == [10, 10, 10, 10] and shared == [0, 6, 6, 0]
+    assert split_by_tokens(seqlens, 20) == [[0, 1], [2, 3]]
+    assert split_by_tokens(seqlens, 20, shared) == [[0, 1, 2], [3]]  # 10 + 4 + 4 rows
+    assert split_by_tokens(seqlens, 15, shared) == [[0, 1], [2], [3]]  # a new micro-batch pays the whole prompt

@@ -55,15 +55,20 @@ class TrainBatch:
         )
 
 
-def split_by_tokens(seqlens: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing of samples (in order) into groups of at most max_tokens (a longer sample stands alone)."""
+def split_by_tokens(seqlens: list[int], max_tokens: int, shared: list[int] | None = None) -> list[list[int]]:
+    """Greedy packing of samples (in order) into groups of at most max_tokens (a longer sample stands alone).
+
+    shared[i]: leading tokens sample i shares with sample i - 1; computed once when both are in one group, so
+    they cost nothing there (shared-prompt packing).
+    """
     groups, current, size = [], [], 0
     for i, n in enumerate(seqlens):
-        if current and size + n > max_tokens:
+        cost = n - shared[i] if shared and current else n
+        if current and size + cost > max_tokens:
             groups.append(current)
-            current, size = [], 0
+            current, size, cost = [], 0, n
         current.append(i)
-        size += n
+        size += cost
     if current:
         groups.append(current)
     return groups

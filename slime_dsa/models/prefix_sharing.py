@@ -45,6 +45,18 @@ class SharedPrefixPack:
         return int(self.input_ids.numel())
 
 
+def shared_prompt_lengths(input_ids: torch.Tensor | list[int], seqlens: list[int], prompt_lens: list[int]) -> list[int]:
+    """Per sample, the prompt tokens it shares with the sample before it: its whole prompt when the two prompts are
+    equal, else 0 (the grouping rule of pack_shared_prefixes)."""
+    flat = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
+    out, start, prev = [], 0, None
+    for n, p in zip(seqlens, prompt_lens):
+        same = prev is not None and prev[1] == p and flat[prev[0]:prev[0] + p] == flat[start:start + p]
+        out.append(p if same else 0)
+        prev, start = (start, p), start + n
+    return out
+
+
 def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_lens: list[int],
                          device: torch.device | str = "cpu") -> SharedPrefixPack | None:
     """The shared-prompt layout of a flat pack, or None when no two consecutive samples share a prompt.
@@ -58,12 +70,12 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     starts = [0]
     for n in seqlens:
         starts.append(starts[-1] + n)
-    groups: list[list[int]] = []
     for i, p in enumerate(prompt_lens):
         if not 0 < p <= seqlens[i]:
             raise ValueError(f"sample {i}: prompt_lens {p} must be in [1, {seqlens[i]}]")
-        prev = groups[-1][0] if groups else None
-        if prev is not None and prompt_lens[prev] == p and flat[starts[prev]:starts[prev] + p] == flat[starts[i]:starts[i] + p]:
+    groups: list[list[int]] = []
+    for i, shared in enumerate(shared_prompt_lengths(flat, seqlens, prompt_lens)):
+        if shared:
             groups[-1].append(i)
         else:
             groups.append([i])

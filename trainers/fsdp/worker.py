@@ -23,7 +23,7 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.checkpoint import load_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
-from slime_dsa.models.prefix_sharing import pack_shared_prefixes
+from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
@@ -106,9 +106,18 @@ class FSDPWorker:
 
     # -- forward helpers ---------------------------------------------------------------------
 
+    def _shares_prompts(self, batch: TrainBatch) -> bool:
+        """Whether this batch runs with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
+        indexer loss work on the flat layout."""
+        return (self.spec.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
+                and batch.rollout_topk is None and self.dsa.indexer_loss_coef == 0)
+
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """Micro-batches by token budget; every rank runs the same count (FSDP collectives must pair up)."""
-        groups = split_by_tokens(batch.seqlens, self.spec.micro_batch_tokens) if batch.seqlens else []
+        """Micro-batches by token budget (rows computed: a shared prompt counts once); every rank runs the same
+        count (FSDP collectives must pair up)."""
+        shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
+                  if batch.seqlens and self._shares_prompts(batch) else None)
+        groups = split_by_tokens(batch.seqlens, self.spec.micro_batch_tokens, shared) if batch.seqlens else []
         count = torch.tensor([len(groups)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         micro = [batch.select(g) for g in groups]
@@ -130,9 +139,7 @@ class FSDPWorker:
         replay = self._replay_rows(mb)
         want_topk = replay is None and mb.rollout_topk is not None
         pack = None
-        # Top-k replay, the mismatch metric and the indexer loss work on the flat layout; all else may share.
-        if self.spec.share_prompt_prefix and mb.prompt_lens is not None and replay is None and not want_topk \
-                and not capture_dsa:
+        if self._shares_prompts(mb) and replay is None and not want_topk and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
         logp, ent, out = self.model.token_logprobs_with_output(
             ids, packed, temperature=self.spec.temperature, chunk_size=self.spec.logprob_chunk_size,
