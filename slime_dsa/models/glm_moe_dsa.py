@@ -271,9 +271,10 @@ class Experts(nn.ModuleList):
     """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are.
 
     Two paths, same math: a loop over experts (reference; autograd; CPU), and for inference on CUDA in
-    bf16 a grouped GEMM over stacked copies of the expert weights, which needs no host sync (the loop reads
-    the per-expert counts on the host). The stacked copy is rebuilt when any expert weight changes (version
-    counters, storage) and dropped by `drop_stacked()`.
+    bf16 (and in inference mode on CPU in float32) a grouped GEMM over stacked copies of the expert weights, which
+    needs no host sync (the loop reads the per-expert counts on the host) and a handful of ops instead of a few per
+    expert. The stacked copy is rebuilt when any expert weight changes (version counters, storage) and dropped by
+    `drop_stacked()`.
     """
 
     use_grouped_mm: bool | None = None  # None: on CUDA bf16 without autograd; True / False force it (tests)
@@ -301,8 +302,13 @@ class Experts(nn.ModuleList):
             return False
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        return (not Experts._grouped_failed and x.is_cuda and x.dtype == torch.bfloat16
-                and self[0].gate_proj.weight.dtype == torch.bfloat16)
+        dtype = self[0].gate_proj.weight.dtype
+        if Experts._grouped_failed or x.dtype != dtype:
+            return False
+        # CPU float32 only under inference mode (the engine): there the loop's per-expert ops cost more than the
+        # math, while a trainer's no-grad pass should not keep a stacked copy of the experts.
+        return (x.is_cuda and dtype == torch.bfloat16) or (
+            x.device.type == "cpu" and dtype == torch.float32 and torch.is_inference_mode_enabled())
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
