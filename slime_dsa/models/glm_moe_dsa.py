@@ -255,12 +255,14 @@ class Router(nn.Module):
         """x (T, D) -> routing weights (T, k) float32, expert ids (T, k)."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores + self.e_score_correction_bias
-        grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
-        expert_ids = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        if self.topk_group < self.n_group:  # group-limited routing; with every group allowed it masks nothing
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
