@@ -261,7 +261,8 @@ class FSDPWorker:
         """
         from safetensors.torch import save_file  # noqa: PLC0415
 
-        state = self.full_state_dict()
+        # One unsharded rank: its own tensors, written at once (no gathered copy needed).
+        state = self.full_state_dict() if self.sharded else {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
         if self.rank != 0:
             return
         seen: set[int] = set()
