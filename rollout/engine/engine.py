@@ -13,7 +13,9 @@ The host waits on the device once per step (one `.tolist()` of tokens and log-pr
 copy of the selected indices).
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
-of a session share their common prefix without needing `session_id`. Log-probs: see sampling.py (sampled
+of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
+with identical tokens go further (a fork): only the first computes the prompt; the others copy its cache rows
+for what full blocks do not cover and sample their first token from its last row. Log-probs: see sampling.py (sampled
 tokens under the filtered distribution they were drawn from; greedy tokens under the raw logits).
 
 Memory: admission reserves the blocks of prompt + max_new_tokens - 1 rows (the last sampled token is never
