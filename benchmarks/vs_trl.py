@@ -33,7 +33,8 @@ loaded through `slime_dsa.load_model`.
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 16 --max-new-tokens 128 \
         --out benchmarks/RESULTS.md                      # larger groups, long cap
-    python benchmarks/vs_trl.py --preset small ...       # a random model of a preset instead of the SFT policy
+    python benchmarks/vs_trl.py --preset quickstart --group-size 16 --max-new-tokens 64 ...
+        # a random model of a preset instead of the SFT policy: long responses of varied length, reward ~0
 """
 
 from __future__ import annotations
