@@ -15,17 +15,26 @@ on the same prompts with the same reward and hyper-parameters:
   default here takes the engine's rollout log-probs (bypass mode, equal to the trainer's within 1e-5 in float32),
   so neither side pays a pi_old forward; --recompute-old-logprobs makes ours recompute them (its recipe default).
 - differences that remain: ours generates with the embedded engine in a Ray actor
-  and trains in an FSDP2 Ray actor (1 CPU each, colocated: they take turns), TRL generates with HF `generate`
-  and trains with transformers' GlmMoeDsaForCausalLM in this process (--trl-threads torch threads).
+  and trains in a trainer Ray actor (1 CPU each, colocated: they take turns; one float32 rank runs unsharded),
+  TRL generates with HF `generate` and trains with transformers' GlmMoeDsaForCausalLM in this process
+  (--trl-threads torch threads). Ours computes each group's prompt once in generation and in training
+  (trainer.share_prompt_prefix) and syncs weights through /dev/shm (rollout.weight_sync auto): its defaults.
 
 Step time: wall time between consecutive weight versions (ours: the `on_weights` hook; TRL: `on_step_end`), so each
 includes rollout, reward, training, weight sync and logging; median over steps 2..N (step 1 includes warm-up).
+CPU time per step, over the same intervals: CPU seconds used by this process and all its descendants (for ours
+that includes the Ray actors, raylet and GCS). On a shared machine wall time includes waiting for a core; CPU time
+does not, so it is the steadier measure of the work each side does per step.
 Eval (off the clock): greedy pass@1 on the same held-out prompts with `slime_dsa.sft.greedy_eval`, for the
 initial model and both final models (ours: the last weights pushed to the engines; TRL: `save_model`), each
 loaded through `slime_dsa.load_model`.
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
+    python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 16 --max-new-tokens 128 \
+        --out benchmarks/RESULTS.md                      # larger groups, long cap
+    python benchmarks/vs_trl.py --preset quickstart --group-size 16 --max-new-tokens 64 ...
+        # a random model of a preset instead of the SFT policy: long responses of varied length, reward ~0
 """
 
 from __future__ import annotations
@@ -83,19 +92,38 @@ def resolve_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
         if not (args.model / "config.json").exists():
             raise SystemExit(f"--model {args.model}: no config.json there; expected an HF model directory")
         return args.model, str(args.model)
-    if (DEFAULT_MODEL / "config.json").exists():
+    if args.preset is None and (DEFAULT_MODEL / "config.json").exists():
         return DEFAULT_MODEL, str(DEFAULT_MODEL)
     from slime_dsa.checkpoint import build_model, save_pretrained
     from slime_dsa.data.tokenizer import build_tokenizer
     from slime_dsa.models.presets import preset_config
 
-    logger.warning("%s not found: using a randomly initialised quickstart-preset model", DEFAULT_MODEL)
+    preset = args.preset or "quickstart"
+    if args.preset is None:
+        logger.warning("%s not found: using a randomly initialised quickstart-preset model", DEFAULT_MODEL)
     tokenizer = build_tokenizer()
-    config = preset_config("quickstart", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    target = workdir / "random_quickstart"
-    save_pretrained(build_model(config, seed=args.seed), target)
+    config = preset_config(preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    target = workdir / f"random_{preset}"
+    model = build_model(config, seed=args.seed)
+    save_pretrained(model, target)
     tokenizer.save_pretrained(target)
-    return target, "random quickstart preset (seed %d; recipes/assets/quickstart-sft absent)" % args.seed
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    why = "" if args.preset else "; recipes/assets/quickstart-sft absent"
+    return target, f"random {preset} preset ({params:.1f}M params, seed {args.seed}{why})"
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and all its live descendants."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:  # exited meanwhile
+            pass
+    return total
 
 
 def trl_arithmetic_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
@@ -131,10 +159,12 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     from slime_dsa.orchestrator.train import run_training
 
     stamps: list[float] = []
+    cpu: list[float] = []
     final: dict[str, Any] = {}
 
     def on_weights(version: int, state: dict) -> None:
         stamps.append(time.perf_counter())
+        cpu.append(cpu_seconds())
         final["version"], final["state"] = version, state  # a fresh copy from the trainer: no clone needed
 
     path = workdir / "ours.yaml"
@@ -154,8 +184,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     later = records[1:] or records
     parts = {key: statistics.median(r.get(f"perf/{key}_time_s", 0.0) for r in later)
              for key in ("rollout", "train", "sync")}
-    return {"step_times": step_times(stamps), "rewards": rewards, "state": final["state"], "total_s": total,
-            "run_dir": run_dir, "parts": parts}
+    return {"step_times": step_times(stamps), "cpu_times": step_times(cpu), "rewards": rewards,
+            "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts}
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
@@ -172,12 +202,15 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_begin(self, *a: Any, **k: Any) -> None:
             self.stamps.append(time.perf_counter())
+            self.cpu.append(cpu_seconds())
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.stamps.append(time.perf_counter())
+            self.cpu.append(cpu_seconds())
 
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
@@ -209,7 +242,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     tokenizer.save_pretrained(out_dir)
     if len(rewards) != args.steps:
         raise RuntimeError(f"trl: expected {args.steps} logged rewards, got {len(rewards)}")
-    return {"step_times": step_times(clock.stamps), "rewards": rewards, "model_dir": out_dir, "total_s": total}
+    return {"step_times": step_times(clock.stamps), "cpu_times": step_times(clock.cpu), "rewards": rewards,
+            "model_dir": out_dir, "total_s": total}
 
 
 def user_messages(task: Any, prompts: list) -> list[str]:
@@ -244,10 +278,11 @@ def evaluate(model_dir: Path, tokenizer: Any, tasks: list, args: argparse.Namesp
 
 
 def summary(side: dict[str, Any]) -> dict[str, float]:
-    times = side["step_times"]
+    times, cpu = side["step_times"], side["cpu_times"]
     later = times[1:] or times
     k = min(FINAL_STEPS, len(side["rewards"]))
     return {"median_step_s": statistics.median(later), "first_step_s": times[0],
+            "median_cpu_s": statistics.median(cpu[1:] or cpu),
             "first_reward": side["rewards"][0], "final_reward": sum(side["rewards"][-k:]) / k}
 
 
@@ -264,6 +299,7 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
              ids_match: bool, versions: str, load: tuple[float, float]) -> str:
     so, st = summary(ours), summary(trl_side)
     ratio = st["median_step_s"] / so["median_step_s"]
+    cpu_ratio = st["median_cpu_s"] / so["median_cpu_s"]
     reward_ok = so["final_reward"] >= st["final_reward"] and evals["ours"] >= evals["trl"]
     reached = ratio >= 3.0 and reward_ok
     cmd = "python benchmarks/vs_trl.py " + shlex.join(sys.argv[1:])
@@ -277,22 +313,24 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"- model: {model_desc}; arithmetic (1-2 digits, chat template, data seed {args.seed}); "
         f"{args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples, max {args.max_new_tokens} "
         f"new tokens, T={args.temperature}, lr {args.lr}, eps 0.2/0.28, no KL, token-mean loss, float32",
-        f"- ours: `run_training`, 1 embedded engine + 1 FSDP2 rank (Ray actors, 1 CPU / 1 torch thread each, "
-        f"colocated); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF `generate`",
+        f"- ours: `run_training` with its defaults, 1 embedded engine + 1 trainer rank (Ray actors, 1 CPU / 1 torch "
+        f"thread each, colocated); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
+        f"`generate`",
         f"- same prompts in the same order per step (TRL prompt ids equal ours: {'yes' if ids_match else 'NO'}); "
         f"step time = wall time between weight versions, median over steps 2..{args.steps}; eval = greedy pass@1 on "
         f"{args.eval_prompts} held-out prompts (`slime_dsa.sft.greedy_eval`), initial model {evals['initial']:.3f}",
         "",
-        f"| trainer | median step s | step 1 s (warm-up) | {args.steps} steps s | with setup s | reward step 1 "
-        f"| reward last {k} steps | eval pass@1 after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| trainer | median step s | median CPU s / step | step 1 s (warm-up) | {args.steps} steps s | with setup s "
+        f"| reward step 1 | reward last {k} steps | eval pass@1 after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, side, s, ev in (("ours", ours, so, evals["ours"]), ("TRL", trl_side, st, evals["trl"])):
-        lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['first_step_s']:.2f} | {sum(side['step_times']):.1f} "
-                     f"| {side['total_s']:.1f} | {s['first_reward']:.3f} | {s['final_reward']:.3f} | {ev:.3f} |")
+        lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['median_cpu_s']:.2f} | {s['first_step_s']:.2f} "
+                     f"| {sum(side['step_times']):.1f} | {side['total_s']:.1f} | {s['first_reward']:.3f} "
+                     f"| {s['final_reward']:.3f} | {ev:.3f} |")
     lines.append("")
     lines += [
-        f"- step-time ratio TRL / ours: **{ratio:.2f}x**",
+        f"- step-time ratio TRL / ours: **{ratio:.2f}x** (wall); CPU-time ratio TRL / ours: {cpu_ratio:.2f}x",
         "- ours per step (median of steps 2..N, from its metrics): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in ours["parts"].items())
         + f"; pi_old {'recomputed by the trainer' if args.recompute_old_logprobs else 'from the rollout log-probs'}",
@@ -305,6 +343,8 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         "- per-step rewards TRL: " + " ".join(f"{r:.3f}" for r in trl_side["rewards"]),
         "- per-step seconds ours: " + " ".join(f"{t:.2f}" for t in ours["step_times"]),
         "- per-step seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["step_times"]),
+        "- per-step CPU seconds ours: " + " ".join(f"{t:.2f}" for t in ours["cpu_times"]),
+        "- per-step CPU seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["cpu_times"]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -315,6 +355,8 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help=f"HF model directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--preset", default=None,
+                        help="instead: a randomly initialised model of this preset (e.g. small), saved for both sides")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (TRL num_generations)")
@@ -334,6 +376,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_prompts", "trl_threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if args.model is not None and args.preset is not None:
+        parser.error("--model and --preset exclude each other: give one model")
     if args.group_size < 2:
         parser.error(f"--group-size ({args.group_size}) must be >= 2 (GRPO needs a group)")
     return args
@@ -383,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(args, model_desc, ours, trl_side, evals, ids_match, versions, (load_start, os.getloadavg()[0]))
     print(report)
     (workdir / "result.json").write_text(json.dumps({
-        "ours": {k: v for k, v in ours.items() if k in ("step_times", "rewards", "total_s")},
-        "trl": {k: v for k, v in trl_side.items() if k in ("step_times", "rewards", "total_s")}, "eval": evals}))
+        "ours": {k: v for k, v in ours.items() if k in ("step_times", "cpu_times", "rewards", "total_s", "parts")},
+        "trl": {k: v for k, v in trl_side.items() if k in ("step_times", "cpu_times", "rewards", "total_s")},
+        "eval": evals}))
     if args.out:
         with args.out.open("a") as f:
             f.write("\n" + report)

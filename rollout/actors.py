@@ -83,6 +83,12 @@ class EngineActor:
     async def url(self) -> str | None:
         return self._url
 
+    async def node_id(self) -> str:
+        """The Ray node this engine runs on (engines on a trainer's node can load weights from its /dev/shm)."""
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id()
+
     async def stop(self) -> None:
         """Stop the server and the engine."""
         if self._server is None:

@@ -342,8 +342,11 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, ray_cluster):
     batches composed differently by request timing; often bit-identical). The loops differ only in perf/
     timings, the async/ diagnostics, and how train_rollout_logprob_abs_diff is computed (the sync loop
     recomputes π_old; the async one has none and takes |log π_θ − log π_roll| from the loss: equal before the
-    update)."""
-    sync, _ = _run(tmp_path, "sync", RECIPE, loop="sync")
+    update). The two runs also use both weight transports (http here, shm by auto there): same weights, same
+    samples."""
+    over_http = json.loads(json.dumps(RECIPE))
+    over_http["rollout"]["weight_sync"] = "http"
+    sync, _ = _run(tmp_path, "sync", over_http, loop="sync")
     asyn, ledger = _run(tmp_path, "async", RECIPE)
     assert [r["step"] for r in asyn] == [r["step"] for r in sync] == [1, 2, 3]
     for a, s in zip(asyn, sync):

@@ -197,14 +197,34 @@ def test_prefix_reuse_hits_and_changes_nothing(model):
 
     reused = session(Engine(model, max_cache_tokens=1024, block_size=4))
     fresh = session(Engine(model, max_cache_tokens=1024, block_size=4, enable_prefix_caching=False))
-    # The n samples arrived together: the first computes the prompt, the others read its blocks in the same forward.
-    assert sorted(reused[f"s{s}"].cached_tokens for s in range(4)) == [0, 12, 12, 12]
+    # The n samples arrived together: the first computes the prompt, the others read its full blocks in the same
+    # forward and copy the rest (the partial last block, the last row) from it: nothing of the prompt is recomputed.
+    assert sorted(reused[f"s{s}"].cached_tokens for s in range(4)) == [0, 13, 13, 13]
     assert reused["turn2"].cached_tokens >= 20  # prompt and most of the first answer
     assert all(out.cached_tokens == 0 for out in fresh.values())
     assert len({tuple(reused[f"s{s}"].output_ids) for s in range(4)}) > 1  # distinct samples
     for rid, out in fresh.items():
         assert reused[rid].output_ids == out.output_ids, rid
         assert np.allclose(reused[rid].output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
+
+
+def test_samples_of_one_prompt_fork_and_equal_separate_runs(model):
+    """n samples of one prompt admitted together: one computes the prompt (here all of it sits in a partial block),
+    the others copy its cache rows and sample from its last row. Each must equal the same request run alone."""
+    prompt = prompts((13,), seed=6)[0]
+    req = lambda s: GenerateRequest(input_ids=prompt, rid=f"s{s}", return_indexer_topk=True,  # noqa: E731
+                                    sampling=SamplingParams(max_new_tokens=7, sampling_seed=s, ignore_eos=True))
+    engine = Engine(model, max_cache_tokens=1024, block_size=16)
+    together = run(engine, {0: [req(s) for s in range(4)]})
+    assert engine.stats["prefill_tokens"] == 13  # the prompt once
+    assert sorted(out.cached_tokens for out in together.values()) == [0, 13, 13, 13]
+    assert len({tuple(out.output_ids) for out in together.values()}) > 1
+    for s in range(4):
+        alone = run(Engine(model, max_cache_tokens=1024, block_size=16), {0: [req(s)]})[f"s{s}"]
+        got = together[f"s{s}"]
+        assert got.output_ids == alone.output_ids, s
+        assert np.allclose(got.output_token_logprobs, alone.output_token_logprobs, atol=1e-5), s
+        assert np.array_equal(got.indexer_topk, alone.indexer_topk), s
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -398,6 +418,20 @@ def test_same_seed_same_tokens_alone_or_in_a_batch(model):
     assert crowd["x"].output_ids == alone.output_ids
     assert np.allclose(crowd["x"].output_token_logprobs, alone.output_token_logprobs, atol=1e-5)
     assert crowd["y"].output_ids != alone.output_ids
+
+
+def test_non_streaming_requests_get_only_their_final_output(model):
+    engine = Engine(model, max_cache_tokens=512, block_size=4, seed=0)
+    for rid, stream in (("s", True), ("q", False)):
+        engine.add_request(GenerateRequest(input_ids=prompts((5,), seed=4)[0], rid=rid, stream=stream,
+                                           sampling=SamplingParams(max_new_tokens=6, sampling_seed=1, ignore_eos=True)))
+    seen = {"s": [], "q": []}
+    while engine.has_work:
+        for out in engine.step():
+            seen[out.rid].append(out)
+    assert len(seen["s"]) == 6 and [len(o.output_ids) for o in seen["s"]] == [1, 2, 3, 4, 5, 6]
+    assert len(seen["q"]) == 1 and seen["q"][0].finish_reason == {"type": "length", "length": 6}
+    assert seen["q"][0].output_ids == seen["s"][-1].output_ids  # same seed, same tokens
 
 
 def test_stop_tokens_eos_and_min_new_tokens(model):

@@ -136,8 +136,13 @@ def test_activation_checkpointing_gives_same_gradients(tmp_path):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprobs_equal_log_softmax(temperature):
+def test_chunked_logprobs_equal_log_softmax(temperature, recompute, monkeypatch):
+    """Kept logits blocks and blocks recomputed in backward (activation checkpointing) give the same values."""
+    from slime_dsa.models import logprobs  # noqa: PLC0415
+
+    monkeypatch.setattr(logprobs, "KEEP_LOGITS_ELEMENTS", 0 if recompute else 1 << 20)
     torch.manual_seed(0)
     hidden = torch.randn(37, 8, requires_grad=True)
     weight = torch.randn(50, 8, requires_grad=True)

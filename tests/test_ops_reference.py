@@ -134,6 +134,21 @@ def test_indexer_topk_matches_brute_force(name):
     assert torch.equal(got, naive_topk(q, k, w, lens_q, lens_k, topk, 8**-0.5))
 
 
+@pytest.mark.parametrize("short_keys,batch_elements", [(0, 1 << 24), (512, 1 << 24), (512, 64)])
+def test_indexer_topk_paths_agree_with_brute_force(monkeypatch, short_keys, batch_elements):
+    """The three paths (all keys fit, short sequences batched across sequences in chunks, long ones one by one)
+    select what the definition does; short_keys 0 sends every scored row down the long path, a tiny
+    batch_elements forces one-row chunks in the batched one."""
+    monkeypatch.setattr(reference, "SHORT_KEYS", short_keys)
+    monkeypatch.setattr(reference, "BATCH_ELEMENTS", batch_elements)
+    lens_q, lens_k, topk = [3, 9, 1, 6, 12], [3, 14, 20, 6, 12], 4
+    torch.manual_seed(5)
+    q, k = torch.randn(sum(lens_q), 3, 8, dtype=F64), torch.randn(sum(lens_k), 8, dtype=F64)
+    w = torch.randn(sum(lens_q), 3, dtype=F64)
+    got = reference.indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, 8**-0.5)
+    assert torch.equal(got, naive_topk(q, k, w, lens_q, lens_k, topk, 8**-0.5))
+
+
 def test_indexer_topk_tie_rule():
     """Integer inputs make exact ties: equal scores must prefer the lower position."""
     torch.manual_seed(3)

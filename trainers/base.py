@@ -29,6 +29,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # (T,) for the optional KL term
     replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded, REPLAY_COMPUTE rows computed
     rollout_topk: torch.Tensor | None = None  # same layout: the engine's selection, only compared (mismatch metric)
+    prompt_lens: list[int] | None = None  # prompt tokens per sample: lets consecutive samples share their prompt
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,19 +50,25 @@ class TrainBatch:
             input_ids=take(self.input_ids), seqlens=[self.seqlens[i] for i in sample_ids],
             loss_mask=take(self.loss_mask), rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
-            replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1), extra=self.extra,
+            replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1),
+            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids], extra=self.extra,
         )
 
 
-def split_by_tokens(seqlens: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing of samples (in order) into groups of at most max_tokens (a longer sample stands alone)."""
+def split_by_tokens(seqlens: list[int], max_tokens: int, shared: list[int] | None = None) -> list[list[int]]:
+    """Greedy packing of samples (in order) into groups of at most max_tokens (a longer sample stands alone).
+
+    shared[i]: leading tokens sample i shares with sample i - 1; computed once when both are in one group, so
+    they cost nothing there (shared-prompt packing).
+    """
     groups, current, size = [], [], 0
     for i, n in enumerate(seqlens):
-        if current and size + n > max_tokens:
+        cost = n - shared[i] if shared and current else n
+        if current and size + cost > max_tokens:
             groups.append(current)
-            current, size = [], 0
+            current, size, cost = [], 0, n
         current.append(i)
-        size += n
+        size += cost
     if current:
         groups.append(current)
     return groups
@@ -86,7 +93,12 @@ class TrainerBackend(Protocol):
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
                    detailed_metrics: bool = True) -> dict[str, float]: ...
 
+    def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
+                      recompute_old_logprobs: bool = False, detailed_metrics: bool = True) -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]: ...
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+
+    def save_weights(self, path: str) -> None: ...
 
     def save_checkpoint(self, directory: str) -> None: ...
 

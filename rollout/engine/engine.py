@@ -15,7 +15,9 @@ The host waits on the device once per step (one `.tolist()` of tokens and log-pr
 copy of the selected indices).
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
-of a session share their common prefix without needing `session_id`. Log-probs: see sampling.py (sampled
+of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
+with identical tokens go further (a fork): only the first computes the prompt; the others copy its cache rows
+for what full blocks do not cover and sample their first token from its last row. Log-probs: see sampling.py (sampled
 tokens under the filtered distribution they were drawn from; greedy tokens under the raw logits).
 
 Memory: admission reserves the blocks of prompt + max_new_tokens - 1 rows (the last sampled token is never
@@ -148,6 +150,7 @@ class Engine:
         self._paused: str | None = None
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
+        self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
         logger.info(
@@ -335,6 +338,7 @@ class Engine:
         if self._paused is not None:
             return outputs
         self._step_registered = []  # blocks offered to the prefix cache by this step
+        self._forks = {}
         scheduled = self._schedule()
         if not scheduled:
             return outputs
@@ -374,6 +378,7 @@ class Engine:
         """
         budget = self.max_prefill_tokens
         scheduled = []
+        prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
         def add(seq: _Sequence, n: int) -> None:
             self._grow(seq, seq.num_computed + n)
@@ -394,14 +399,26 @@ class Engine:
             if pending > 1:
                 budget -= n
             add(seq, n)
-        while self._queue and budget > 0 and len(self._running) < self.max_running_requests:
+        while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
-            if seq.failures or not self._admit(seq):
+            key = tuple(seq.tokens) if seq.num_output == 0 and self.blocks.enable_prefix_caching else None
+            twin = prompts.get(key) if key is not None else None
+            if (budget <= 0 and twin is None) or seq.failures or not self._admit(seq):
                 break
             self._queue.popleft()
             self._running.append(seq)
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            budget -= n
+            n = len(seq.tokens) - seq.num_computed
+            if twin is not None:
+                # Same prompt as a request computed in this step (GRPO's n samples): copy its rows, sample from
+                # its last row. Prefix caching shares full blocks only; this also covers the partial last block.
+                self._forks[id(seq)] = twin
+                seq.cached_tokens += n
+                self.stats["cached_tokens"] += n
+            else:
+                n = min(n, budget)
+                budget -= n
+                if key is not None and seq.num_computed + n == len(seq.tokens):
+                    prompts[key] = seq
             add(seq, n)
         return scheduled
 
@@ -446,7 +463,9 @@ class Engine:
         device = self.device
         seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
         want_topk = any(seq.req.return_indexer_topk for seq in seqs)
-        decode_only = self.decoder is not None and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
+        decode_only = self.decoder is not None and not self._forks and all(
+            n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled
+        )
         if decode_only:
             self.stats["paged_decode_steps"] += 1
             hidden, topk_all, write_slots = self.decoder.forward(
@@ -483,8 +502,11 @@ class Engine:
         """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache.
 
         Returns the final hidden states of the rows that sample (B, D) and their top-k (n_full, B, K) or None.
+        Forked sequences (self._forks) add no rows: their new cache rows are copied from their twin's after the
+        forward, and they sample from their twin's last row.
         """
         bs, device = self.block_size, self.device
+        everything, scheduled = scheduled, [(seq, n) for seq, n in scheduled if id(seq) not in self._forks]
         S = len(scheduled)
         lens_q = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=S)
         starts = np.fromiter((seq.num_computed for seq, _ in scheduled), dtype=np.int64, count=S)
@@ -497,8 +519,12 @@ class Engine:
             (t for seq, n in scheduled for t in seq.tokens[seq.num_computed : seq.num_computed + n]), dtype=np.int64, count=int(lens_q.sum())
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
-        sampled = [i for i, (seq, n) in enumerate(scheduled) if seq.num_computed + n == len(seq.tokens)]
-        last_rows = np.cumsum(lens_q)[sampled] - 1  # the query row each sampled request samples from
+        row_ends = np.cumsum(lens_q)
+        last_row_of = {id(seq): int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
+                       if seq.num_computed + n == len(seq.tokens)}
+        # Every sequence that samples this step, in scheduled order, and the query row it samples from.
+        sampled = [(i, seq) for i, (seq, n) in enumerate(everything) if seq.num_computed + n == len(seq.tokens)]
+        last_rows = np.array([last_row_of[id(self._forks.get(id(seq), seq))] for _, seq in sampled], dtype=np.int64)
         # One host-to-device copy for all step metadata (pinned: a pageable copy would wait for the device).
         packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, last_rows, table.reshape(-1)]))
         if device.type == "cuda":
@@ -522,6 +548,8 @@ class Engine:
         out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk or keep)
         if keep:
             self.cache.store_topk(write_slots, out.topk_indices)
+        if self._forks:
+            self._copy_fork_rows(everything)  # after store_topk: the kept selections are copied too
         self.stats["prefill_tokens"] += int(Tq - sum(1 for seq, n in scheduled if n == 1 and seq.num_output > 0))
         topk = out.topk_indices[:, last_rows_d] if want_topk else None
         return out.hidden_states[last_rows_d], topk
@@ -552,6 +580,20 @@ class Engine:
         if self.device.type == "cuda":
             slots_t = slots_t.pin_memory()  # a pageable upload would make the host wait for the forward here
         return self.cache.read_topk(slots_t.to(self.device, non_blocking=True)), picked
+
+    def _copy_fork_rows(self, scheduled: list[tuple[_Sequence, int]]) -> None:
+        """Fill each forked sequence's new cache rows with its twin's (same tokens, same positions, same weights)."""
+        bs = self.block_size
+        src, dst = [], []
+        for seq, n in scheduled:
+            twin = self._forks.get(id(seq))
+            if twin is None:
+                continue
+            for pos in range(seq.num_computed, seq.num_computed + n):
+                src.append(twin.blocks[pos // bs] * bs + pos % bs)
+                dst.append(seq.blocks[pos // bs] * bs + pos % bs)
+        if dst:
+            self.cache.copy_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
 
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []

@@ -83,6 +83,13 @@ class PagedKVCache:
         self._write, self._read, self._read_pool = write_slots, None, True
         return self
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src -> dst in every layer's pools (a request forked from another with the same prompt)."""
+        self.kv.index_copy_(1, dst, self.kv.index_select(1, src))
+        self.index_k.index_copy_(1, dst, self.index_k.index_select(1, src))
+        if self.keep_topk:
+            self.topk.index_copy_(1, dst, self.topk.index_select(1, src))
+
     def update(self, layer_idx: int, kv: torch.Tensor, index_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store this step's rows kv (Tq, Dl+Dr) / index_k (Tq, Di); return every key row of the batch (Tk, ...)."""
         pool = self.kv[layer_idx]

@@ -93,7 +93,7 @@ def _expand(prompts: list[list[int]], params, n: int, **flags) -> list[GenerateR
     base = uuid.uuid4().hex
     return [
         GenerateRequest(input_ids=list(p), sampling=protocol.nth_sample(params, j) if n > 1 else params,
-                        rid=f"{base}_{i}_{j}", **flags)
+                        rid=f"{base}_{i}_{j}", stream=False, **flags)
         for i, p in enumerate(prompts) for j in range(n)
     ]
 

@@ -259,6 +259,7 @@ def parse_generate(
                     return_indexer_topk=flags["return_indexer_topk"],
                     indexer_topk_start_len=topk_start_len,
                     session_id=session_id,
+                    stream=flags["stream"],
                 )
             )
     return GenerateCall(

@@ -205,6 +205,12 @@ class RolloutSection(Section):
         False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
                            "response (for algorithm.index_replay; embedded engines then keep each cached row's "
                            "top-k with the KV cache).")
+    weight_sync: Literal["auto", "http", "shm"] = Field(
+        "auto", description="How embedded or external engines get new weights after each step: http (the "
+                            "state dict in /update_weights_from_tensor requests; engines anywhere), shm (trainer "
+                            "rank 0 writes a safetensors file under /dev/shm that each engine loads through "
+                            "/update_weights_from_disk; engines on rank 0's host only); auto = shm when every "
+                            "engine is an embedded engine on rank 0's node and /dev/shm has room, else http.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
@@ -348,6 +354,11 @@ class TrainerSection(Section):
                              "mini-batches.")
     mixed_precision: bool = Field(
         False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state.")
+    share_prompt_prefix: bool = Field(
+        True, description="Run each prompt once for the samples of its group (their responses attend to the "
+                          "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
+                          "index replay, the indexer loss or the top-k mismatch metric, every sample is packed "
+                          "whole.")
     num_steps: int = Field(
         100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
                                "optimizer steps.")

@@ -277,9 +277,10 @@ class Experts(nn.ModuleList):
     """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are.
 
     Two paths, same math: a loop over experts (reference; autograd; CPU), and for inference on CUDA in
-    bf16 a grouped GEMM over stacked copies of the expert weights, which needs no host sync (the loop reads
-    the per-expert counts on the host). The stacked copy is rebuilt when any expert weight changes (version
-    counters, storage) and dropped by `drop_stacked()`.
+    bf16 (and in inference mode on CPU in float32) a grouped GEMM over stacked copies of the expert weights, which
+    needs no host sync (the loop reads the per-expert counts on the host) and a handful of ops instead of a few per
+    expert. The stacked copy is rebuilt when any expert weight changes (version counters, storage) and dropped by
+    `drop_stacked()`.
     """
 
     use_grouped_mm: bool | None = None  # None: on CUDA bf16 without autograd; True / False force it (tests)
@@ -307,8 +308,13 @@ class Experts(nn.ModuleList):
             return False
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        return (not Experts._grouped_failed and x.is_cuda and x.dtype == torch.bfloat16
-                and self[0].gate_proj.weight.dtype == torch.bfloat16)
+        dtype = self[0].gate_proj.weight.dtype
+        if Experts._grouped_failed or x.dtype != dtype:
+            return False
+        # CPU float32 only under inference mode (the engine): there the loop's per-expert ops cost more than the
+        # math, while a trainer's no-grad pass should not keep a stacked copy of the experts.
+        return (x.is_cuda and dtype == torch.bfloat16) or (
+            x.device.type == "cpu" and dtype == torch.float32 and torch.is_inference_mode_enabled())
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
@@ -542,13 +548,17 @@ class GlmMoeDsaForCausalLM(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         return_entropy: bool = False,
+        prefix_pack=None,
         **forward_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log p(x_t | x_<t) for every packed token (0 at each sequence's first token), chunked over the vocab head.
 
         Returns (logprobs (T,), entropy (T,) or None); entropy at row t is that of the distribution over x_t.
+        prefix_pack (a models.prefix_sharing.SharedPrefixPack of this flat pack) runs the forward with each shared
+        prompt computed once; response tokens get the same results, in the flat layout, prompt tokens 0.
         """
-        logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+        logp, ent, _ = self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                                            prefix_pack)
         return logp, ent
 
     def token_logprobs_with_output(
@@ -559,13 +569,28 @@ class GlmMoeDsaForCausalLM(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         return_entropy: bool = False,
+        prefix_pack=None,
         **forward_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
-        """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer."""
-        return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs)
+        """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer.
 
-    def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs):
+        With prefix_pack the ModelOutput is over the pack's rows, not the flat tokens.
+        """
+        return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                                    prefix_pack)
+
+    def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
+                        prefix_pack=None):
         # One body for both public entries, which FSDP registers separately (neither may call the other).
+        if prefix_pack is not None:  # log-probs of response tokens only; prompt tokens get 0
+            out = self.forward_packed(prefix_pack.input_ids, prefix_pack.batch, return_logits=False, **forward_kwargs)
+            index = prefix_pack.response_index
+            hidden = out.hidden_states.index_select(0, prefix_pack.response_rows)  # (R, D): the row before each
+            logp_r, ent_r = chunked_token_logprobs(hidden, self.lm_head.weight, input_ids.index_select(0, index),
+                                                   temperature, chunk_size, return_entropy)
+            logp = logp_r.new_zeros(input_ids.shape[0]).index_copy(0, index, logp_r)
+            ent = None if ent_r is None else ent_r.new_zeros(input_ids.shape[0]).index_copy(0, index, ent_r)
+            return logp, ent, out
         out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
         starts = batch.cu_seqlens_q[:-1]
         targets = torch.roll(input_ids, -1)  # row t predicts x_{t+1}

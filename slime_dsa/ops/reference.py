@@ -58,6 +58,10 @@ def select_topk(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.T
     return order
 
 
+SHORT_KEYS = 512  # sequences with at most this many keys are scored row by row in batches, longer ones one by one
+BATCH_ELEMENTS = 1 << 24  # most elements of one batched (rows, heads or dim, keys) block
+
+
 @torch.no_grad()
 def indexer_topk(
     q: torch.Tensor,
@@ -68,34 +72,50 @@ def indexer_topk(
     topk: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal lightning-indexer top-k per query: (Tq, topk) int64 sequence-local key positions, -1 padded."""
+    """Causal lightning-indexer top-k per query: (Tq, topk) int64 sequence-local key positions, -1 padded.
+
+    Three paths, one result: a query with at most `topk` causal keys takes them all (no scoring); queries of
+    short sequences (decode rows, RL samples) are scored together across sequences; long sequences are scored
+    one at a time, their queries in chunks over the shared key block.
+    """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    lens_q = cu_seqlens_q.diff()
-    decoding = lens_q == 1
-    if bool(decoding.any()):
-        _decode_topk(q, k, weights, cu_seqlens_q[:-1][decoding], cu_seqlens_k[:-1][decoding],
-                     cu_seqlens_k.diff()[decoding], topk, scale, out)
-    for i in (~decoding).nonzero().flatten().tolist():
+    if q.shape[0] == 0:
+        return out
+    seq_id, pos = _query_positions(cu_seqlens_q, cu_seqlens_k)  # (Tq,) each
+    cols = torch.arange(topk, device=q.device)
+    few = pos < topk  # every causal key fits in the top-k: positions 0..pos ascending, then -1
+    out[few] = torch.where(cols[None, :] <= pos[few, None], cols[None, :], -1)
+    lens_k = cu_seqlens_k.diff()
+    short = (lens_k <= SHORT_KEYS)[seq_id]
+    rows = (~few & short).nonzero().flatten()
+    if len(rows):
+        _batched_topk(q, k, weights, rows, cu_seqlens_k[seq_id[rows]], pos[rows] + 1, topk, scale, out)
+    long_rows = ~few & ~short
+    for i in seq_id[long_rows].unique().tolist() if bool(long_rows.any()) else []:
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
         seq_k = k[k0:k1]
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(c0 + QUERY_CHUNK, q1)
             scores = indexer_scores(q[c0:c1], seq_k, weights[c0:c1], scale)  # (C, Lk)
-            pos = (k1 - k0) - (q1 - q0) + torch.arange(c0 - q0, c1 - q0, device=q.device)  # (C,)
-            valid = torch.arange(k1 - k0, device=q.device)[None, :] <= pos[:, None]
+            chunk_pos = (k1 - k0) - (q1 - q0) + torch.arange(c0 - q0, c1 - q0, device=q.device)  # (C,)
+            valid = torch.arange(k1 - k0, device=q.device)[None, :] <= chunk_pos[:, None]
             out[c0:c1] = select_topk(scores, valid, topk)
     return out
 
 
-def _decode_topk(q, k, weights, q_rows, k_starts, k_lens, topk: int, scale: float, out: torch.Tensor) -> None:
-    """Sequences with one query each (decode), scored together instead of one Python iteration per sequence."""
-    width = int(k_lens.max())
-    cols = torch.arange(width, device=q.device)
-    for c0 in range(0, len(q_rows), QUERY_CHUNK):
-        rows, starts, lens = q_rows[c0 : c0 + QUERY_CHUNK], k_starts[c0 : c0 + QUERY_CHUNK], k_lens[c0 : c0 + QUERY_CHUNK]
-        valid = cols[None, :] < lens[:, None]  # (C, W): the query is the last row, so every key is causal
-        keys = k[(starts[:, None] + cols).masked_fill(~valid, 0)]  # (C, W, Di)
+def _batched_topk(q, k, weights, q_rows, k_starts, n_keys, topk: int, scale: float, out: torch.Tensor) -> None:
+    """Query rows scored together instead of one Python iteration per sequence: row q_rows[j] sees the n_keys[j]
+    keys from k_starts[j] on (its causal keys), padded to the chunk's widest row."""
+    acc = _acc_dtype(q)
+    width_all = int(n_keys.max())
+    chunk = max(1, min(QUERY_CHUNK, BATCH_ELEMENTS // (width_all * max(q.shape[1], q.shape[2]))))
+    for c0 in range(0, len(q_rows), chunk):
+        rows, starts, lens = q_rows[c0 : c0 + chunk], k_starts[c0 : c0 + chunk], n_keys[c0 : c0 + chunk]
+        cols = torch.arange(int(lens.max()), device=q.device)
+        valid = cols[None, :] < lens[:, None]  # (C, W)
+        key_rows = (starts[:, None] + cols).masked_fill(~valid, 0)
+        keys = k.index_select(0, key_rows.reshape(-1)).view(*key_rows.shape, k.shape[-1]).to(acc)  # (C, W, Di)
         out[rows] = _score_and_select(q[rows], keys, weights[rows], valid, topk, scale)
 
 
@@ -137,7 +157,9 @@ def sparse_mla_attention(
     for c0 in range(0, q.shape[0], QUERY_CHUNK):
         idx = indices[c0 : c0 + QUERY_CHUNK]  # (C, K)
         valid = idx >= 0
-        rows = kv[idx.clamp(min=0)]  # (C, K, D)
+        # index_select on the flat indices: on CPU several times faster than kv[idx], and its backward is an
+        # index_add rather than an accumulating index_put.
+        rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(*idx.shape, kv.shape[-1])  # (C, K, D)
         scores = torch.einsum("chd,ckd->chk", q[c0 : c0 + QUERY_CHUNK].to(acc), rows.to(acc)) * scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))  # (C, H, K)
         lse = torch.logsumexp(scores, dim=-1)  # (C, H)

@@ -66,6 +66,7 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
         loss_mask=torch.tensor(mask, dtype=torch.float32), rollout_logprobs=torch.tensor(rollout_logp, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32),
         replay_topk=topk if index_replay else None, rollout_topk=None if index_replay else topk,
+        prompt_lens=[len(s.prompt_ids) for s in samples],
     )
 
 

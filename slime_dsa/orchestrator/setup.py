@@ -196,12 +196,28 @@ def start_trainers(recipe: RecipeConfig, model_dir: Path):
         lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
         mixed_precision=tr.mixed_precision, gradient_checkpointing=recipe.model.gradient_checkpointing,
         ops_backend=recipe.model.ops_backend, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed,
-        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0,
+        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0, share_prompt_prefix=tr.share_prompt_prefix,
     )
     name, options = policy_loss_config(alg)
     return TrainerGroup(spec, PolicyLossFn(name, options), tr.num_workers,
                         num_cpus_per_worker=recipe.cluster.num_cpus_per_actor,
                         num_gpus_per_worker=recipe.cluster.num_gpus_per_trainer)
+
+
+def build_weight_sync(recipe: RecipeConfig, client: Any, trainers: Any, engine_actors: list[Any], model_dir: Path):
+    """The run's WeightSync: rollout.weight_sync, with auto resolved from where engines and trainer rank 0 run."""
+    import ray  # noqa: PLC0415
+
+    from slime_dsa.orchestrator.weight_sync import WeightSync, choose_transport, full_state_bytes  # noqa: PLC0415
+
+    ro = recipe.rollout
+    nodes = ray.get([a.node_id.remote() for a in engine_actors]) if ro.engine == "embedded" else []
+    trainer_node = trainers.node_id() if ro.weight_sync == "auto" else None
+    transport = choose_transport(ro.weight_sync, ro.engine, nodes, trainer_node, full_state_bytes(model_dir))
+    sync = WeightSync.create(client, trainers, transport, model_dir)
+    where = f" through {sync.directory}" if sync.directory else ""
+    logger.info("weight sync: %s%s (rollout.weight_sync %s)", transport, where, ro.weight_sync)
+    return sync
 
 
 def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:

@@ -38,6 +38,7 @@ class Run:
     manager: Any  # slime_dsa.orchestrator.rollout_manager.RolloutManager
     ckpts: Any  # slime_dsa.checkpoint.training.CheckpointManager
     metrics_log: Any  # slime_dsa.logging.MetricsLogger
+    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightSync
     start_step: int = 0
     on_weights: WeightsHook | None = None
 
@@ -81,6 +82,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
                           timeout_s=ro.request_timeout_s)
     trainers = await asyncio.to_thread(setup.start_trainers, recipe, model_dir)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
+    weights = await asyncio.to_thread(setup.build_weight_sync, recipe, client, trainers, engine_actors, model_dir)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
@@ -90,7 +92,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
         start_step = state["step"]
-        await sync_weights(client, trainers, version=start_step)  # engines started from the initial weights
+        await sync_weights(weights, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
             logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
@@ -99,7 +101,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
-    run = Run(recipe, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, start_step, on_weights)
+    run = Run(recipe, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step, on_weights)
     try:
         if on_weights is not None:
             on_weights(start_step, await asyncio.to_thread(trainers.full_state_dict))
@@ -113,12 +115,13 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
         metrics_log.close()
         await client.close()
         await asyncio.to_thread(_shutdown, trainers, engine_actors)
+        weights.close()
     return run_dir
 
 
 async def _sync_loop(run: Run) -> None:
     for step in range(run.start_step, run.recipe.trainer.num_steps):
-        metrics = await _one_step(run.recipe, step, run.manager, run.trainers, run.client, run.on_weights)
+        metrics = await _one_step(run, step)
         await after_step(run, step, metrics)
 
 
@@ -137,36 +140,24 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         await asyncio.to_thread(_save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
 
 
-async def _one_step(recipe: RecipeConfig, step: int, manager, trainers, client,
-                    on_weights: WeightsHook | None = None) -> dict[str, float]:
+async def _one_step(run: Run, step: int) -> dict[str, float]:
+    recipe = run.recipe
     step_start = time.perf_counter()
-    groups, metrics = await manager.collect_step()
+    groups, metrics = await run.manager.collect_step()
     samples = [s for group in groups for s in group]
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
         return metrics
     old = "rollout" if recipe.algorithm.use_rollout_logprobs else "recompute"
-    metrics.update(await train_on_samples(recipe, step, samples, trainers, old_logprobs=old, client=client))
-    sync_time = await sync_weights(client, trainers, version=step + 1, on_weights=on_weights)
+    metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs=old, client=run.client))
+    sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights)
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})
     return metrics
 
 
-def _optimizer_steps(trainers, batch, num_mini_batches: int, detailed_metrics: bool = True) -> dict[str, float]:
-    """trainer.num_steps_per_rollout optimiser steps, each on a contiguous slice of the samples (groups stay
-    together as far as the split allows); metrics are averaged over the steps, lr is the last one's."""
-    n = len(batch.seqlens)
-    parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
-    results = [trainers.train_step(batch.select(part) if num_mini_batches > 1 else batch, detailed_metrics)
-               for part in parts if part]
-    merged = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
-    merged["lr"] = results[-1]["lr"]
-    return merged
-
-
 async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, trainers,
                            old_logprobs: Literal["recompute", "rollout", "none"], client=None) -> dict[str, float]:
-    """One optimiser step on `samples`; returns train/ and perf/ metrics.
+    """trainer.num_steps_per_rollout optimiser steps on `samples`; returns train/ and perf/ metrics.
 
     old_logprobs: recompute = π_old from a trainer forward (and train_rollout_logprob_abs_diff from it);
     rollout = bypass, π_old := π_roll; none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
@@ -186,17 +177,19 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
     train_start = time.perf_counter()
     if old_logprobs == "rollout":
         batch.old_logprobs = batch.rollout_logprobs.clone()
-    elif old_logprobs == "recompute":
-        batch.old_logprobs = await asyncio.to_thread(trainers.compute_logprobs, batch)
+    recompute = old_logprobs == "recompute"
+    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
+    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
+    # One call per rank: π_old (recompute) and every optimiser step of this RL step.
+    old, train_metrics = await asyncio.to_thread(trainers.train, batch, recipe.trainer.num_steps_per_rollout,
+                                                 recompute, logged)
+    if recompute:
+        batch.old_logprobs = old
         diff = logprob_abs_diff(batch)
         metrics["train/train_rollout_logprob_abs_diff"] = diff
         if diff > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
                            "or numerics disagree", step + 1, diff, recipe.trainer.logprob_diff_warn_threshold)
-    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
-    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
-    train_metrics = await asyncio.to_thread(_optimizer_steps, trainers, batch, recipe.trainer.num_steps_per_rollout,
-                                            logged)
     keep_loss_diff = old_logprobs == "none"
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()
                     if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})
@@ -209,14 +202,11 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
     return metrics
 
 
-async def sync_weights(client, trainers, version: int, pause_mode: str = "abort",
-                        on_weights: WeightsHook | None = None) -> float:
-    """Full state dict from the trainers to every engine as `version`; returns the seconds it took."""
-    from slime_dsa.orchestrator.weight_sync import push_weights  # noqa: PLC0415
-
+async def sync_weights(weights, version: int, pause_mode: str = "abort",
+                       on_weights: WeightsHook | None = None) -> float:
+    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took."""
     start = time.perf_counter()
-    state = await asyncio.to_thread(trainers.full_state_dict)
-    await push_weights(client, state, version, pause_mode=pause_mode)
+    state = await weights.push(version, pause_mode=pause_mode, want_state=on_weights is not None)
     elapsed = time.perf_counter() - start
     if on_weights is not None:
         on_weights(version, state)

@@ -70,8 +70,54 @@ class TrainerGroup:
                            for w, s in zip(self.workers, shards)])
         return results[0]
 
+    def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
+              detailed_metrics: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """An RL step's training in one call per rank: π_old (when asked, before any update) and num_mini_batches
+        optimiser steps, each on a contiguous slice of the samples (groups stay together as far as the split
+        allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's).
+        detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged."""
+        n = len(batch.seqlens)
+        parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
+        parts = [p for p in parts if p]
+        per_rank: list[list[TrainBatch]] = [[] for _ in self.workers]
+        layouts, totals = [], []
+        for part in parts:
+            mb = batch.select(part) if len(parts) > 1 else batch
+            assignment, shards = self._shards(mb)
+            for rank, shard in enumerate(shards):
+                per_rank[rank].append(shard)
+            layouts.append((part, assignment))
+            totals.append((float(mb.loss_mask.sum()), len(mb.seqlens)))
+        results = ray.get([w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics)
+                           for w, shards in zip(self.workers, per_rank)])
+        steps = results[0][1]
+        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        metrics["lr"] = steps[-1]["lr"]
+        if not recompute_old_logprobs:
+            return None, metrics
+        starts = [0]
+        for length in batch.seqlens:
+            starts.append(starts[-1] + length)
+        old = torch.zeros(batch.num_tokens)
+        for m, (part, assignment) in enumerate(layouts):
+            for rank, ids in enumerate(assignment):
+                logp, offset = results[rank][0][m], 0
+                for i in ids:  # sample i of the mini-batch is sample part[i] of the batch
+                    length = batch.seqlens[part[i]]
+                    old[starts[part[i]] : starts[part[i]] + length] = logp[offset : offset + length]
+                    offset += length
+        return old, metrics
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return ray.get([w.full_state_dict.remote() for w in self.workers])[0]
+
+    def save_weights(self, path: str) -> None:
+        """Rank 0 writes the full state dict to the safetensors file `path` (atomically)."""
+        ray.get([w.save_weights.remote(path) for w in self.workers])
+
+    def node_id(self) -> str | None:
+        """The Ray node of rank 0, which writes weight files."""
+        return ray.get(self.workers[0].node_id.remote())
 
     def save_checkpoint(self, directory: str) -> None:
         ray.get([w.save_checkpoint.remote(directory) for w in self.workers])

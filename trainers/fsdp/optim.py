@@ -7,8 +7,12 @@ import math
 import torch
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; norms, biases and 1-d tensors get no weight decay."""
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
+                    fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; norms, biases and 1-d tensors get no weight decay.
+
+    fused: torch's fused AdamW kernel (CPU or CUDA, plain tensors), else torch's default implementation.
+    """
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -16,7 +20,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(decay) + len(no_decay) == len(trainable), "parameter groups must cover the trainable parameters"
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=fused or None)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.1) -> float:

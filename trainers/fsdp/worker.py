@@ -1,7 +1,9 @@
 """One FSDP2 training rank: builds the sharded model and optimiser, computes log-probs, takes RL steps.
 
 Built in a readable order in __init__: process group → mesh → model → parallelise → optimiser → scheduler.
-The same class runs as a Ray actor (trainers.fsdp.group) or directly in a test process.
+A group of one float32 rank is not wrapped (nothing to shard) and uses fused AdamW. Samples that share a prompt
+are packed so the prompt runs once (models/prefix_sharing.py) unless replay or the indexer loss need the flat
+layout. The same class runs as a Ray actor (trainers.fsdp.group) or directly in a test process.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.checkpoint import load_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
+from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
@@ -51,6 +54,7 @@ class TrainerSpec:
     seed: int = 0
     freeze_indexer: bool = True
     logprob_chunk_size: int = 1024
+    share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
 
 
 LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor | None, float, int], tuple[torch.Tensor, dict[str, float]]]
@@ -77,8 +81,12 @@ class FSDPWorker:
             for name, p in model.named_parameters():
                 if ".indexer." in name:
                     p.requires_grad_(False)
-        self.model = apply_fsdp(model, mesh, spec.mixed_precision and use_cuda)
-        register_fsdp_forward_method(self.model, "token_logprobs_with_output")
+        self.sharded = world_size > 1 or (spec.mixed_precision and use_cuda)
+        if self.sharded:
+            self.model = apply_fsdp(model, mesh, spec.mixed_precision and use_cuda)
+            register_fsdp_forward_method(self.model, "token_logprobs_with_output")
+        else:  # one rank in float32: nothing to shard, and FSDP2 would only add parameter copies and hooks
+            self.model = model
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
         self.step = 0
@@ -86,21 +94,32 @@ class FSDPWorker:
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW; with dsa.indexer_learning_rate the indexers get their own param groups at that rate."""
         spec, lr_idx = self.spec, self.dsa.indexer_learning_rate
+        # Fused kernels for plain tensors (one rank): one pass over all parameters instead of ~10 ops each.
+        fused = not self.sharded
         if lr_idx is None:
-            return build_optimizer(self.model, spec.learning_rate, spec.weight_decay, tuple(spec.adam_betas))
+            return build_optimizer(self.model, spec.learning_rate, spec.weight_decay, tuple(spec.adam_betas), fused=fused)
         groups = []
         for is_indexer, lr in ((False, spec.learning_rate), (True, lr_idx)):
             params = [p for n, p in self.model.named_parameters() if p.requires_grad and (".indexer." in n) == is_indexer]
             groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.weight_decay, "lr": lr},
                        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=spec.learning_rate,
-                                 betas=tuple(spec.adam_betas), eps=1e-8)
+                                 betas=tuple(spec.adam_betas), eps=1e-8, fused=fused or None)
 
     # -- forward helpers ---------------------------------------------------------------------
 
+    def _shares_prompts(self, batch: TrainBatch) -> bool:
+        """Whether this batch runs with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
+        indexer loss work on the flat layout."""
+        return (self.spec.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
+                and batch.rollout_topk is None and self.dsa.indexer_loss_coef == 0)
+
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """Micro-batches by token budget; every rank runs the same count (FSDP collectives must pair up)."""
-        groups = split_by_tokens(batch.seqlens, self.spec.micro_batch_tokens) if batch.seqlens else []
+        """Micro-batches by token budget (rows computed: a shared prompt counts once); every rank runs the same
+        count (FSDP collectives must pair up)."""
+        shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
+                  if batch.seqlens and self._shares_prompts(batch) else None)
+        groups = split_by_tokens(batch.seqlens, self.spec.micro_batch_tokens, shared) if batch.seqlens else []
         count = torch.tensor([len(groups)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         micro = [batch.select(g) for g in groups]
@@ -120,10 +139,14 @@ class FSDPWorker:
         ids = mb.input_ids.to(self.device)
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
         replay = self._replay_rows(mb)
+        want_topk = replay is None and mb.rollout_topk is not None
+        pack = None
+        if self._shares_prompts(mb) and replay is None and not want_topk and not capture_dsa:
+            pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
         logp, ent, out = self.model.token_logprobs_with_output(
             ids, packed, temperature=self.spec.temperature, chunk_size=self.spec.logprob_chunk_size,
-            return_entropy=return_entropy, replay_topk=replay, capture_dsa=capture_dsa,
-            return_topk=replay is None and mb.rollout_topk is not None,
+            return_entropy=return_entropy, replay_topk=replay, capture_dsa=capture_dsa, return_topk=want_topk,
+            prefix_pack=pack,
         )
         return logp, ent, mb, packed, out
 
@@ -168,6 +191,21 @@ class FSDPWorker:
         return torch.cat(outs) if outs else torch.zeros(0)
 
     # -- the step ----------------------------------------------------------------------------
+
+    def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
+                      recompute_old_logprobs: bool = False,
+                      detailed_metrics: bool = True) -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]:
+        """One RL step's training in one call: π_old of every shard first (when asked), then one optimiser step
+        per shard. totals[i] = (loss tokens, samples) of mini-batch i over all ranks. Returns (π_old per shard or
+        None, metrics per optimiser step)."""
+        old = None
+        if recompute_old_logprobs:
+            old = [self.compute_logprobs(shard) for shard in shards]  # all before the first update: π_old is π_θ now
+            for shard, logp in zip(shards, old):
+                shard.old_logprobs = logp
+        metrics = [self.train_step(shard, tokens, samples, detailed_metrics)
+                   for shard, (tokens, samples) in zip(shards, totals)]
+        return old, metrics
 
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
                    detailed_metrics: bool = True) -> dict[str, float]:
@@ -227,6 +265,35 @@ class FSDPWorker:
         """The full (unsharded) float32 state dict on CPU on rank 0; None elsewhere. Collective."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.rank == 0 else None
+
+    def save_weights(self, path: str) -> None:
+        """Write the full state dict to the safetensors file `path` (rank 0), atomically. Collective.
+
+        Readers of `path` see the previous file or the new one, never a partial write (write, then rename).
+        """
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        # One unsharded rank: its own tensors, written at once (no gathered copy needed).
+        state = self.full_state_dict() if self.sharded else {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
+        if self.rank != 0:
+            return
+        seen: set[int] = set()
+        tensors = {}
+        for name, t in state.items():
+            t = t.contiguous()
+            if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[name] = t
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+
+    def node_id(self) -> str | None:
+        """The Ray node this rank runs on (None outside Ray)."""
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def training_state(self) -> dict:
         """Scheduler, step and RNG: what exact resumption needs beside model and optimiser."""

@@ -1,0 +1,88 @@
+"""Weight sync from a trainer rank to a real embedded server over 127.0.0.1: both transports, and the choice.
+
+The trainer is a real FSDPWorker (world size 1, gloo) holding checkpoint 1; the server starts from checkpoint 0.
+After a push, the engine must hold exactly the trainer's tensors and report the pushed version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+
+from slime_dsa.orchestrator.weight_sync import SHM_ROOT, WeightSync, choose_transport
+from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoints):  # noqa: F811
+    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
+    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+
+    spec = TrainerSpec(model_path=str(checkpoints[1]), ops_backend="torch")
+    w = FSDPWorker(0, 1, "127.0.0.1", _free_port(), spec, PolicyLossFn("grpo", {}))
+    yield w
+    w.shutdown()
+
+
+def test_choose_transport(tmp_path):
+    assert choose_transport("auto", "embedded", ["a", "a"], "a", 1000, shm_root=tmp_path) == "shm"
+    assert choose_transport("auto", "embedded", ["a", "b"], "a", 1000, shm_root=tmp_path) == "http"
+    assert choose_transport("auto", "external", [], "a", 1000, shm_root=tmp_path) == "http"
+    assert choose_transport("auto", "sglang", ["a"], "a", 1000, shm_root=tmp_path) == "http"
+    assert choose_transport("auto", "embedded", ["a"], None, 1000, shm_root=tmp_path) == "http"
+    assert choose_transport("auto", "embedded", ["a"], "a", 10**18, shm_root=tmp_path) == "http"  # no room
+    assert choose_transport("auto", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing") == "http"
+    assert choose_transport("http", "embedded", ["a"], "a", 1000, shm_root=tmp_path) == "http"
+    assert choose_transport("shm", "external", [], None, 10**18, shm_root=tmp_path) == "shm"  # as asked
+    with pytest.raises(ValueError, match="rollout.weight_sync 'shm'"):
+        choose_transport("shm", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing")
+    with pytest.raises(ValueError, match="rollout.weight_sync"):
+        choose_transport("disk", "embedded", ["a"], "a", 1000, shm_root=tmp_path)
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, transport):  # noqa: F811
+    from rollout.client import EngineClient  # noqa: PLC0415
+    from rollout.server.app import STATE  # noqa: PLC0415
+
+    if transport == "shm" and not SHM_ROOT.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    expected = trainer.full_state_dict()
+    with serving(checkpoints[0]) as srv:
+        engine = srv.server.runner.app[STATE].engine
+        before = engine.engine.model.state_dict()
+        assert any(not torch.equal(before[k], expected[k]) for k in expected)  # the two checkpoints differ
+
+        async def push():
+            client = EngineClient([srv.url])
+            sync = WeightSync.create(client, trainer, transport, checkpoints[1])
+            try:
+                state = await sync.push(7, pause_mode="retract", want_state=True)
+                directory = sync.directory
+                if transport == "shm":
+                    assert (directory / "model.safetensors").is_file() and (directory / "config.json").is_file()
+                    assert not list(directory.glob("*.tmp*"))  # written atomically: no leftovers
+            finally:
+                sync.close()
+                await client.close()
+            return state, directory
+
+        state, directory = asyncio.run(push())
+        after = engine.engine.model.state_dict()
+        assert set(state) == set(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(after[name], tensor), name
+            assert torch.equal(state[name], tensor), name
+        assert engine.weight_version == "7"
+        assert not engine.engine.paused  # generation continued after the update
+    if transport == "shm":
+        assert not directory.exists()  # close() freed the shared memory
