@@ -148,7 +148,9 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
         return metrics
-    old = "rollout" if recipe.algorithm.use_rollout_logprobs else "recompute"
+    # The DIS loss (async_reinforce, sao) has no π_old: a recompute would be a forward whose result nobody uses.
+    old = "none" if recipe.algorithm.name in ("async_reinforce", "sao") else (
+        "rollout" if recipe.algorithm.use_rollout_logprobs else "recompute")
     metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs=old, client=run.client))
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights)
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})
