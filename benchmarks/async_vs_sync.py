@@ -219,9 +219,8 @@ def markdown(args, curves, runs, base, target, times, ratio, loads) -> str:
     for mode, (run_dir, _) in runs.items():
         lines.append(f"| {mode} | " + ", ".join(f"{k} {v:.3f}" for k, v in step_medians(run_dir).items()) + " |")
     lines.append("")
-    lines.append("- per-step timings: sync train includes the trainer forward that recomputes pi_old (the synchronous "
-                 "loop's default; the DIS loss does not use it); async rollout is the time between two batches (it "
-                 "overlaps training), gate/buffer wait the part of it the trainer waited")
+    lines.append("- per-step timings: neither loop recomputes pi_old (the DIS loss has none); async rollout is the "
+                 "time between two batches (it overlaps training), gate/buffer wait the part of it the trainer waited")
     verdict = "not measurable" if ratio is None else f"{ratio:.2f}x -> {'reached' if ratio >= 1.5 else 'NOT reached'}"
     lines.append(f"- goal async >= 1.5x faster to the same reward: {verdict}")
     for mode, curve in curves.items():
