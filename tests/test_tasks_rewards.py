@@ -78,7 +78,22 @@ def test_task_generators_deterministic_with_disjoint_eval(kind: str) -> None:
     # The eval split does not depend on train_size, and never shares a prompt with train.
     assert build_task_splits(kind, train_size=10, eval_size=50, seed=5)["eval"][:] == a["eval"][:]
     train, evals = set(a["train"]["prompt"]), set(a["eval"]["prompt"])
-    assert len(train) == 300 and len(evals) == 50 and not train & evals
+    assert len(a["train"]) == 300 and len(evals) == 50 and not train & evals
+
+
+def test_train_split_follows_the_eval_distribution() -> None:
+    """In a small problem space train must not drift from eval: distinct train prompts would exhaust the
+    one-digit problems (200 of 20,000) and leave train mostly two-by-two-digit problems."""
+    splits = build_task_splits("arithmetic", train_size=15000, eval_size=256, seed=7, max_digits=2)
+
+    def two_by_two(prompts: list[str]) -> float:
+        return sum(all(len(x) == 2 for x in p.split(".")[0].removeprefix("Compute ").split(" ")[::2])
+                   for p in prompts) / len(prompts)
+
+    train, evals = splits["train"]["prompt"], splits["eval"]["prompt"]
+    assert abs(two_by_two(train) - two_by_two(evals)) < 0.06, (two_by_two(train), two_by_two(evals))
+    assert abs(two_by_two(train) - 0.25) < 0.02  # two digits is drawn with probability 1/2 for each operand
+    assert not set(train) & set(evals)
 
 
 @pytest.mark.parametrize("kind,reward", [("arithmetic", arithmetic_reward), ("countdown", countdown_reward)])
@@ -94,7 +109,9 @@ def test_task_parameters_checked() -> None:
     with pytest.raises(ValueError, match="min_digits"):
         build_task_splits("arithmetic", train_size=1, min_digits=4, max_digits=2)
     with pytest.raises(ValueError, match="found only .* distinct problems"):
-        build_task_splits("arithmetic", train_size=500, max_digits=1, ops="+")  # only 100 exist
+        build_task_splits("arithmetic", train_size=1, eval_size=500, max_digits=1, ops="+")  # only 100 exist
+    with pytest.raises(ValueError, match="found only 0 new problems"):
+        build_task_splits("arithmetic", train_size=1, eval_size=100, max_digits=1, ops="+")  # eval took them all
     with pytest.raises(ValueError, match="unknown built-in task 'sudoku'"):
         build_task_splits("sudoku")
     hard = build_task_splits("arithmetic", train_size=50, min_digits=5, max_digits=5, num_operands=3,
@@ -463,6 +480,23 @@ def test_tasks_from_a_recipe_data_section(tmp_path, tokenizer) -> None:
         ("arithmetic", 2.0, "arithmetic", 30, 5), ("qa", 1.0, "my_rewards_mod:exact", 3, 1)]
     assert tasks[0].train[0].prompt_text.startswith("[gMASK]<sop><|user|>\nCompute ")
     assert [p.task for p in TaskMixture(tasks, seed=data.seed).take(6)] == ["arithmetic", "qa", "arithmetic"] * 2
+
+
+def test_no_task_trains_on_another_tasks_eval_prompts(tokenizer) -> None:
+    """An SFT mix of a 1-2 digit task (with eval) and a two-digit task (train only) shares problems: the
+    two-digit task's copies of the eval prompts are dropped."""
+    from slime_dsa.config.schema import DataSection
+
+    data = DataSection(seed=7, apply_chat_template=True, tasks=[
+        {"name": "mixed", "kind": "arithmetic", "eval_size": 60, "task_args": {"max_digits": 1, "ops": "+"}},
+        {"name": "small", "kind": "arithmetic", "weight": 3, "task_args": {"max_digits": 1, "ops": "+"}},
+    ])
+    tasks = build_tasks(data, tokenizer, train_size=300)
+    held_out = set(tasks[0].eval.dataset["prompt_text"])
+    assert len(held_out) == 60  # of the 100 one-digit sums
+    for task in tasks:
+        assert not held_out & set(task.train.dataset["prompt_text"]), task.name
+    assert tasks[1].num_dropped_duplicate > 0 and len(tasks[1].train) == 300 - tasks[1].num_dropped_duplicate
 
 
 def test_prompt_to_sample(tokenizer) -> None:

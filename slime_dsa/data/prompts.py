@@ -198,7 +198,7 @@ class PromptSet:
     def __init__(self, task: str, split: str, dataset: datasets.Dataset, *, prompt_column: str = "prompt",
                  answer_column: str | None = "answer") -> None:
         self.task, self.split, self.dataset = task, split, dataset
-        self.answer_column = answer_column
+        self.prompt_column, self.answer_column = prompt_column, answer_column
         self._skip = {prompt_column, answer_column, *ADDED_COLUMNS}
 
     def __len__(self) -> int:
@@ -301,8 +301,11 @@ def load_task(
 
 
 def build_tasks(data: Any, tokenizer: Any, *, train_size: int | None = None, cache_dir: str | None = None) -> list[Task]:
-    """The tasks of a recipe's `data` section (`slime_dsa.config` DataSection); `train_size` overrides each task's."""
-    return [
+    """The tasks of a recipe's `data` section (`slime_dsa.config` DataSection); `train_size` overrides each task's.
+
+    Train prompts that appear in any task's eval split are dropped, so that a task mixed in for training (say an
+    SFT mix of harder problems) never trains on another task's held-out prompts."""
+    tasks = [
         load_task(
             t.name, tokenizer, kind=t.kind, path=t.path, split=t.split, prompt_column=t.prompt_column,
             answer_column=t.answer_column, reward_fn=t.reward_fn, weight=t.weight, eval_size=t.eval_size,
@@ -313,6 +316,18 @@ def build_tasks(data: Any, tokenizer: Any, *, train_size: int | None = None, cac
         )
         for t in data.tasks
     ]
+    eval_texts = {text for t in tasks if t.eval is not None for text in t.eval.dataset["prompt_text"]}
+    for task in tasks:
+        keep = [i for i, text in enumerate(task.train.dataset["prompt_text"]) if text not in eval_texts]
+        dropped = len(task.train) - len(keep)
+        if dropped:
+            logger.warning("task %r: dropped %d train prompts that appear in another task's eval split", task.name, dropped)
+            task.train = PromptSet(task.name, "train", task.train.dataset.select(keep),
+                                   prompt_column=task.train.prompt_column, answer_column=task.train.answer_column)
+            task.num_dropped_duplicate += dropped
+        if task.weight > 0 and len(task.train) == 0:
+            raise PromptDataError(f"task {task.name!r}: every training prompt is in another task's eval split")
+    return tasks
 
 
 # ---------------------------------------------------------------------------------------------------- mixture

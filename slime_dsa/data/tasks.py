@@ -9,8 +9,11 @@ Rows: `prompt` (a self-contained user message, str), `answer` (ground truth for 
 warm-up and tests).
 Answer convention, shared by all verifiers: the response ends with its answer, optionally inside
 `<answer>...</answer>`; the last tagged answer wins, else the verifier reads the end of the response.
-Splits: the eval problems are drawn first from the seed's stream, then train takes the next problems whose prompt
-is not already drawn, so train and eval never share a prompt and the eval split does not depend on train_size.
+Splits: the eval problems (distinct) are drawn first from the seed's stream, then train takes the next problems whose
+prompt is not in eval, so train and eval never share a prompt and the eval split does not depend on train_size.
+Train prompts may repeat, so that train follows the generator's distribution as eval does: requiring distinct train
+prompts skews a small problem space (1-2 digit arithmetic has 20,000 problems; 15,000 distinct train prompts were
+76% two-by-two-digit problems against 28% of eval, whose problems follow the generator).
 """
 
 from __future__ import annotations
@@ -169,20 +172,24 @@ def task_params(kind: str, **params: Any) -> Any:
     return spec.params_cls(**params)
 
 
-def generate_problems(kind: str, n: int, rng: random.Random, params: Any, seen: set[str]) -> list[dict[str, Any]]:
-    """`n` rows whose prompts are not in `seen` (which is updated); raises if the problem space runs dry."""
+def generate_problems(kind: str, n: int, rng: random.Random, params: Any, seen: set[str],
+                      distinct: bool = True) -> list[dict[str, Any]]:
+    """`n` rows whose prompts are not in `seen`; distinct: no prompt twice (and `seen` is updated). Raises if the
+    problem space runs dry."""
     spec = get_task(kind)
     rows: list[dict[str, Any]] = []
     attempts, max_attempts = 0, 50 * n + 1000
     while len(rows) < n:
         if attempts >= max_attempts:
-            raise ValueError(f"{kind}: found only {len(rows)} new distinct problems of {n} requested with "
+            what = "new distinct" if distinct else "new"
+            raise ValueError(f"{kind}: found only {len(rows)} {what} problems of {n} requested with "
                              f"{params}; widen the parameters or ask for fewer prompts")
         attempts += 1
         prompt, answer, solution = spec.make_problem(rng, params)
         if prompt in seen:
             continue
-        seen.add(prompt)
+        if distinct:
+            seen.add(prompt)
         rows.append({"prompt": prompt, "answer": answer, "solution": solution})
     return rows
 
@@ -190,14 +197,15 @@ def generate_problems(kind: str, n: int, rng: random.Random, params: Any, seen: 
 def build_task_splits(
     kind: str, *, train_size: int = DEFAULT_TRAIN_SIZE, eval_size: int = 0, seed: int = 0, **params: Any,
 ) -> datasets.DatasetDict:
-    """Deterministic `train` and `eval` splits of a built-in task (columns prompt, answer, solution)."""
+    """Deterministic `train` and `eval` splits of a built-in task (columns prompt, answer, solution); eval prompts
+    are distinct, train prompts may repeat (both follow the generator's distribution)."""
     if train_size < 0 or eval_size < 0:
         raise ValueError(f"{kind}: train_size ({train_size}) and eval_size ({eval_size}) must be >= 0")
     parsed = task_params(kind, **params)
     rng = random.Random(f"slime-dsa:{kind}:{seed}")  # a str seed is hashed with sha512: stable across processes
     seen: set[str] = set()
     eval_rows = generate_problems(kind, eval_size, rng, parsed, seen)
-    train_rows = generate_problems(kind, train_size, rng, parsed, seen)
+    train_rows = generate_problems(kind, train_size, rng, parsed, seen, distinct=False)
     return datasets.DatasetDict({"train": _to_dataset(train_rows), "eval": _to_dataset(eval_rows)})
 
 
