@@ -14,8 +14,8 @@ on the same prompts with the same reward and hyper-parameters:
 - pi_old: TRL with num_iterations=1 takes the detached current log-probs and runs no extra forward pass; ours by
   default here takes the engine's rollout log-probs (bypass mode, equal to the trainer's within 1e-5 in float32),
   so neither side pays a pi_old forward; --recompute-old-logprobs makes ours recompute them (its recipe default).
-- differences that remain: ours generates with the embedded engine in a Ray actor
-  and trains in a trainer Ray actor (1 CPU each, colocated: they take turns; one float32 rank runs unsharded),
+- differences that remain: ours generates with embedded engines in Ray actors
+  and trains in trainer Ray actors (1 CPU each, colocated: they take turns; float32 replicas, unsharded),
   TRL generates with HF `generate` and trains with transformers' GlmMoeDsaForCausalLM in this process
   (--trl-threads torch threads). Ours computes each group's prompt once in generation and in training
   (trainer.share_prompt_prefix) and syncs weights through /dev/shm (rollout.weight_sync auto): its defaults.
@@ -31,6 +31,9 @@ loaded through `slime_dsa.load_model`.
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
+    python benchmarks/vs_trl.py --ours-engines 2 --ours-workers 2 --trl-threads 2 ...
+        # the whole 2-core machine on each side: ours splits the batch over 2 engines and 2 trainer replicas,
+        # TRL runs torch with 2 threads
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 16 --max-new-tokens 128 \
         --out benchmarks/RESULTS.md                      # larger groups, long cap
     python benchmarks/vs_trl.py --preset quickstart --group-size 16 --max-new-tokens 64 ...
@@ -72,13 +75,13 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         "data": {"tasks": [{"kind": "arithmetic", "eval_size": args.eval_prompts, "train_size": args.train_size,
                             "task_args": {"max_digits": 2}}],
                  "apply_chat_template": True, "max_prompt_length": 64, "seed": args.seed},
-        "rollout": {"num_engines": 1, "n_samples_per_prompt": args.group_size,
+        "rollout": {"num_engines": args.ours_engines, "n_samples_per_prompt": args.group_size,
                     "prompts_per_step": args.prompts_per_step, "max_response_length": args.max_new_tokens,
                     "temperature": args.temperature, "top_p": 1.0, "top_k": -1},
         "algorithm": {"name": "grpo", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0,
                       "advantage_std_normalize": True, "loss_aggregation": "token_mean",
                       "use_rollout_logprobs": not args.recompute_old_logprobs},
-        "trainer": {"num_workers": 1, "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": 4096,
+        "trainer": {"num_workers": args.ours_workers, "data_parallel": "replicate", "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": 4096,
                     "warmup_steps": 0, "lr_schedule": "constant", "weight_decay": 0.0, "adam_betas": [0.9, 0.999],
                     "max_grad_norm": 1.0, "num_steps_per_rollout": 1, "seed": args.seed},
         "logging": {"wandb_mode": "disabled", "run_dir": str(run_dir), "eval_every": 0},
@@ -150,7 +153,7 @@ def step_times(stamps: list[float]) -> list[float]:
 
 
 def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, Any]:
-    """Our synchronous GRPO loop (1 embedded engine + 1 FSDP2 rank as Ray actors)."""
+    """Our synchronous GRPO loop (--ours-engines embedded engines + --ours-workers trainer ranks as Ray actors)."""
     import ray
     import yaml
 
@@ -313,8 +316,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"- model: {model_desc}; arithmetic (1-2 digits, chat template, data seed {args.seed}); "
         f"{args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples, max {args.max_new_tokens} "
         f"new tokens, T={args.temperature}, lr {args.lr}, eps 0.2/0.28, no KL, token-mean loss, float32",
-        f"- ours: `run_training` with its defaults, 1 embedded engine + 1 trainer rank (Ray actors, 1 CPU / 1 torch "
-        f"thread each, colocated); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
+        f"- ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
+        f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
+        f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
         f"`generate`",
         f"- same prompts in the same order per step (TRL prompt ids equal ours: {'yes' if ids_match else 'NO'}); "
         f"step time = wall time between weight versions, median over steps 2..{args.steps}; eval = greedy pass@1 on "
@@ -369,11 +373,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recompute-old-logprobs", action="store_true",
                         help="ours: recompute pi_old with a trainer forward instead of using the rollout log-probs")
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL side (and the eval)")
+    parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
+    parser.add_argument("--ours-workers", type=int, default=1,
+                        help="ours: trainer ranks (1 CPU each; whole-model replicas, one gradient all-reduce)")
     parser.add_argument("--date", default=datetime.date.today().isoformat(), help="date written in the report")
     parser.add_argument("--workdir", type=Path, default=None, help="run directories (default: a temporary one)")
     parser.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = parser.parse_args(argv)
-    for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_prompts", "trl_threads"):
+    for name in ("steps", "prompts_per_step", "max_new_tokens", "eval_prompts", "trl_threads", "ours_engines",
+                 "ours_workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if args.model is not None and args.preset is not None:

@@ -110,3 +110,20 @@ def test_report_renders_pngs(first_run, tmp_path):
     _, run_dir = first_run
     assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "reward.png").stat().st_size > 1000
+
+
+def test_bypass_with_replicated_trainers_still_checks_the_weight_sync(tmp_path, ray_cluster):
+    """Bypass mode (π_old := π_roll) runs no π_old pass; the first optimiser step's forward is the sync check."""
+    from slime_dsa.orchestrator.train import run_training
+
+    recipe = {**RECIPE, "algorithm": {"use_rollout_logprobs": True},
+              "trainer": {**RECIPE["trainer"], "num_steps": 2, "data_parallel": "replicate"},
+              "logging": {"eval_every": 0, "wandb_mode": "disabled"}, "checkpoint": {"save_every": 0}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_dir = run_training(load_recipe(path, [f"logging.run_dir={tmp_path / 'run'}"]))
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 0 < r["train/train_rollout_logprob_abs_diff"] < 1e-5  # measured (not a constant 0), and in sync
+        assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0

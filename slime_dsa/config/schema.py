@@ -333,8 +333,13 @@ class TrainerSection(Section):
         "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron "
                             "(megatron-core, TP/PP/EP/CP), deepspeed (ZeRO-3 with offload).")
     num_workers: int = Field(
-        1, ge=1, description="Trainer worker processes (Ray actors), one per device; the model is sharded "
-                             "across them.")
+        1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
+                             "the batch.")
+    data_parallel: Literal["fsdp", "replicate"] = Field(
+        "fsdp", description="How workers split the model: fsdp shards parameters, gradients and optimizer state "
+                            "with FSDP2 (memory / num_workers); replicate keeps the whole float32 model on every "
+                            "worker and averages gradients with one all-reduce per optimizer step (faster for a "
+                            "model that fits one device, e.g. the CPU quickstart; no bf16 mixed precision).")
     learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     adam_betas: tuple[float, float] = Field(
@@ -536,6 +541,10 @@ class RecipeConfig(Section):
         if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError("trainer.backend 'megatron' needs GPUs: set cluster.num_gpus_per_trainer",
                                    "trainer.backend", "cluster.num_gpus_per_trainer")
+        if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision and cl.num_gpus_per_trainer > 0:
+            raise RecipeValueError(
+                "trainer.data_parallel 'replicate' trains in float32; bf16 mixed precision needs 'fsdp'",
+                "trainer.data_parallel", "trainer.mixed_precision")
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "

@@ -197,6 +197,7 @@ def start_trainers(recipe: RecipeConfig, model_dir: Path):
         mixed_precision=tr.mixed_precision, gradient_checkpointing=recipe.model.gradient_checkpointing,
         ops_backend=recipe.model.ops_backend, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed,
         freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0, share_prompt_prefix=tr.share_prompt_prefix,
+        data_parallel=tr.data_parallel,
     )
     name, options = policy_loss_config(alg)
     return TrainerGroup(spec, PolicyLossFn(name, options), tr.num_workers,

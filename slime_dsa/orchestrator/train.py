@@ -162,8 +162,9 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
     """trainer.num_steps_per_rollout optimiser steps on `samples`; returns train/ and perf/ metrics.
 
     old_logprobs: recompute = π_old from a trainer forward (and train_rollout_logprob_abs_diff from it);
-    rollout = bypass, π_old := π_roll; none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
-    train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
+    rollout = bypass, π_old := π_roll (train_rollout_logprob_abs_diff from the first optimiser step's forward);
+    none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and train_rollout_logprob_abs_diff is the loss's
+    mean |log π_θ − log π_roll| (staleness included).
     """
     from slime_dsa.orchestrator.batching import build_train_batch, logprob_abs_diff, sample_advantages  # noqa: PLC0415
 
@@ -185,13 +186,16 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
     # One call per rank: π_old (recompute) and every optimiser step of this RL step.
     old, train_metrics = await asyncio.to_thread(trainers.train, batch, recipe.trainer.num_steps_per_rollout,
                                                  recompute, logged)
+    # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
+    sync_gap = train_metrics.pop("sync_logprob_abs_diff", None)
     if recompute:
         batch.old_logprobs = old
-        diff = logprob_abs_diff(batch)
-        metrics["train/train_rollout_logprob_abs_diff"] = diff
-        if diff > recipe.trainer.logprob_diff_warn_threshold:
+        sync_gap = logprob_abs_diff(batch)
+    if sync_gap is not None and old_logprobs != "none":
+        metrics["train/train_rollout_logprob_abs_diff"] = sync_gap
+        if sync_gap > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
-                           "or numerics disagree", step + 1, diff, recipe.trainer.logprob_diff_warn_threshold)
+                           "or numerics disagree", step + 1, sync_gap, recipe.trainer.logprob_diff_warn_threshold)
     keep_loss_diff = old_logprobs == "none"
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()
                     if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})

@@ -91,8 +91,11 @@ class TrainerGroup:
         results = ray.get([w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics)
                            for w, shards in zip(self.workers, per_rank)])
         steps = results[0][1]
+        sync_gap = steps[0].pop("sync_logprob_abs_diff", None)  # the first step's alone: its weights are the engines'
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["lr"] = steps[-1]["lr"]
+        if sync_gap is not None:
+            metrics["sync_logprob_abs_diff"] = sync_gap
         if not recompute_old_logprobs:
             return None, metrics
         starts = [0]

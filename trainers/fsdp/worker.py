@@ -55,6 +55,7 @@ class TrainerSpec:
     freeze_indexer: bool = True
     logprob_chunk_size: int = 1024
     share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
+    data_parallel: str = "fsdp"  # fsdp: shard with FSDP2; replicate: whole model per rank, one gradient all-reduce
 
 
 LossFn = Callable[[torch.Tensor, TrainBatch, torch.Tensor | None, float, int], tuple[torch.Tensor, dict[str, float]]]
@@ -81,11 +82,16 @@ class FSDPWorker:
             for name, p in model.named_parameters():
                 if ".indexer." in name:
                     p.requires_grad_(False)
-        self.sharded = world_size > 1 or (spec.mixed_precision and use_cuda)
+        if spec.data_parallel not in ("fsdp", "replicate"):
+            raise ValueError(f"trainer.data_parallel must be fsdp or replicate, got {spec.data_parallel!r}")
+        if spec.data_parallel == "replicate" and spec.mixed_precision and use_cuda:
+            raise ValueError("trainer.data_parallel: replicate trains in float32; bf16 mixed precision comes with "
+                             "FSDP2 (data_parallel: fsdp)")
+        self.sharded = spec.data_parallel == "fsdp" and (world_size > 1 or (spec.mixed_precision and use_cuda))
         if self.sharded:
             self.model = apply_fsdp(model, mesh, spec.mixed_precision and use_cuda)
             register_fsdp_forward_method(self.model, "token_logprobs_with_output")
-        else:  # one rank in float32: nothing to shard, and FSDP2 would only add parameter copies and hooks
+        else:  # float32 replicas: FSDP2 would only add parameter copies, hooks and per-layer collectives
             self.model = model
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
@@ -203,16 +209,19 @@ class FSDPWorker:
             old = [self.compute_logprobs(shard) for shard in shards]  # all before the first update: π_old is π_θ now
             for shard, logp in zip(shards, old):
                 shard.old_logprobs = logp
-        metrics = [self.train_step(shard, tokens, samples, detailed_metrics)
-                   for shard, (tokens, samples) in zip(shards, totals)]
+        # Without a π_old pass, the first step's forward is the one that runs on the weights the engines sampled with.
+        metrics = [self.train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None)
+                   for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
         return old, metrics
 
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
-                   detailed_metrics: bool = True) -> dict[str, float]:
+                   detailed_metrics: bool = True, measure_sync: bool = False) -> dict[str, float]:
         """One optimiser step over this rank's share; losses are normalised by the global counts.
 
         detailed_metrics off skips the metrics that cost real compute (the indexer's dense recall): for steps whose
-        metrics nobody logs. Every rank must get the same value (the metric keys are reduced together)."""
+        metrics nobody logs. Every rank must get the same value (the metric keys are reduced together).
+        measure_sync adds sync_logprob_abs_diff, the mean |log π_θ − log π_roll| of this step's forward (before
+        its update): the weight-sync check when no π_old pass computes it."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -226,9 +235,13 @@ class FSDPWorker:
             if indexer_loss is not None:
                 loss = loss + indexer_loss
             metrics = {**metrics, **(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})}
+            if measure_sync:
+                gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
+                metrics["sync_logprob_abs_diff/num"] = float(gap.sum()) if mb is not None else 0.0
+                metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
-            # FSDP averages gradients over ranks; the loss is already a share of the global mean, so undo that.
+            # Ranks average gradients; the loss is already a share of the global mean, so undo that.
             (loss * self.world_size).backward()
             for k, v in metrics.items():
                 # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
@@ -236,9 +249,10 @@ class FSDPWorker:
         if batch.rollout_topk is not None and batch.replay_topk is None and not self.dsa.index_replay:
             for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.spec.max_grad_norm
-        )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.sharded and self.world_size > 1:
+            average_gradients(trainable, self.world_size)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, self.spec.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
@@ -317,6 +331,20 @@ class FSDPWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
+    """Average the gradients of replicated parameters over ranks in one flat all-reduce (DDP's job, done once per
+    optimiser step because the trainer enters the model through token_logprobs, which DDP does not hook)."""
+    for p in params:
+        if p.grad is None:  # an expert no token of this rank reached: every rank must send the same layout
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world_size
+    for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(averaged)
 
 
 def _padding_batch() -> TrainBatch:
