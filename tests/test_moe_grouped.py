@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_dsa.models import ModelConfig, PackedBatch
+from slime_dsa.models import GlmMoeDsaForCausalLM, ModelConfig, PackedBatch
 from slime_dsa.models.glm_moe_dsa import Experts, MoE
 from tests.hf_reference import TINY
 
@@ -54,3 +54,14 @@ def test_packed_batch_key_start_with_empty_sequences():
     cu_q = torch.tensor([0, 2, 2, 3])
     batch = PackedBatch(positions=torch.tensor([4, 5, 0]), cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 6, 9, 10]))
     assert batch.key_start.tolist() == [0, 0, 9]
+
+
+def test_graph_safe_only_on_the_grouped_path():
+    """CUDA-graph decode needs a forward with no host sync: the grouped path (CUDA bfloat16), never the loop."""
+    model = GlmMoeDsaForCausalLM(ModelConfig.from_dict(dict(TINY)))
+    assert not model.graph_safe()  # CPU float32: the loop path on CUDA-less training / float32 engines
+    Experts.use_grouped_mm = True
+    try:
+        assert model.graph_safe()
+    finally:
+        Experts.use_grouped_mm = None

@@ -127,6 +127,36 @@ def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6), key
 
 
+def test_fsdp_mixed_precision_casts_packed_inputs(checkpoint):
+    """FSDP2 with a bf16 param dtype (trainer.mixed_precision on GPU) casts the forward's inputs and rebuilds each
+    dataclass argument (PackedBatch, SharedPrefixPack) with dataclasses.replace(**every field): the batch must
+    survive that (a derived init=False field made every mixed-precision step fail on CUDA). CPU, one gloo rank."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import register_fsdp_forward_method  # noqa: PLC0415
+
+    from slime_dsa.checkpoint import load_model  # noqa: PLC0415
+    from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
+
+    ids, seqlens, plens = _groups([7, 5], [[6, 3, 4], [4, 2]], seed=3)
+    plain = load_model(str(checkpoint), dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        expect = plain.token_logprobs(ids, PackedBatch.from_seqlens(seqlens))[0]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    try:
+        model = apply_fsdp(load_model(str(checkpoint), dtype=torch.float32, device="cpu"),
+                           init_device_mesh("cpu", (1,)), mixed_precision=True)
+        register_fsdp_forward_method(model, "token_logprobs_with_output")
+        pack = pack_shared_prefixes(ids, seqlens, plens, torch.device("cpu"))
+        logp, _, _ = model.token_logprobs_with_output(ids, PackedBatch.from_seqlens(seqlens), prefix_pack=pack)
+        logp.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    response = torch.cat([torch.arange(p, n) + start for n, p, start in
+                          zip(seqlens, plens, [0, *torch.tensor(seqlens).cumsum(0).tolist()[:-1]])])
+    torch.testing.assert_close(logp[response].float(), expect[response], rtol=0, atol=0.1)  # bf16 compute
+
+
 def test_micro_batch_budget_counts_a_shared_prompt_once():
     from slime_dsa.models.prefix_sharing import shared_prompt_lengths  # noqa: PLC0415
     from trainers.base import split_by_tokens  # noqa: PLC0415

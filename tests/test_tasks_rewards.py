@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+import warnings
 from collections import Counter
 
 import datasets
@@ -25,6 +26,7 @@ from rollout.rewards import (
     load_reward_fn,
     math_verify_reward,
 )
+from rollout.rewards.countdown import parse_expression
 from rollout.rewards.math_verifier import get_math_verify_pool
 from slime_dsa.data.prompts import PromptDataError, Task, TaskMixture, build_tasks, encode_prompts, load_task
 from slime_dsa.data.sample import Sample, SampleStatus
@@ -160,9 +162,17 @@ COUNTDOWN = {"target": 24, "numbers": [4, 6, 8, 2], "use_all": False}
     ("<answer>__import__('os')</answer>", 0.0),
     ("<answer>8 / (4 - 4)</answer>", 0.0),
     ("<answer>(((</answer>", 0.0),
+    ("<answer>2 * 17e</answer>", 0.0),  # no SyntaxWarning from ast.parse either (test below)
 ])
 def test_countdown_reward(response: str, reward: float) -> None:
     assert countdown_reward(None, response, COUNTDOWN)["reward"] == reward
+
+
+def test_countdown_model_text_parses_without_warnings() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [parse_expression(text) for text in ("3and 4", "0x1for", "1if 2")] == [None] * 3
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_countdown_use_all_and_json_answer() -> None:

@@ -78,6 +78,10 @@ class PagedDecoder:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.has_topk = len(model.config.full_layer_ids) > 0
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda"
+        if self.use_cuda_graphs and not model.graph_safe():
+            # e.g. float32 weights on CUDA: the experts' loop reads per-expert counts on the host mid-forward.
+            logger.info("engine: decode without CUDA graphs (%s experts sync with the host)", model.dtype)
+            self.use_cuda_graphs = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
 
@@ -98,7 +102,12 @@ class PagedDecoder:
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(len(t) for t in tables) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
-            return self._replay(input_ids, positions, tables, B, width)
+            try:
+                return self._replay(input_ids, positions, tables, B, width)
+            except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
+                logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
+                self.use_cuda_graphs = False
+                self.reset()
         inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width))
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+import re
 from collections import Counter
 from fractions import Fraction
 from typing import Any
@@ -18,13 +19,16 @@ from rollout.rewards.answer import answer_text
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _MAX_EXPRESSION_CHARS = 200  # countdown answers are short; a cap keeps ast.parse and the tree walk bounded
+# Only what an accepted expression can hold reaches ast.parse, which warns (SyntaxWarning, once per reward call in
+# the logs) on model text such as "17e" or "3and".
+_EXPRESSION_CHARS = re.compile(r"[\d\s()+\-*/]+")
 
 
 def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
     """(exact value, integer literals used) of an arithmetic expression, or None if it is not one."""
     text = text.replace("×", "*").replace("÷", "/").replace("−", "-").replace("\\times", "*").replace("\\div", "/")
     text = text.strip().strip("$").split("=")[0].strip()
-    if not text or len(text) > _MAX_EXPRESSION_CHARS:
+    if not text or len(text) > _MAX_EXPRESSION_CHARS or not _EXPRESSION_CHARS.fullmatch(text):
         return None
     try:
         tree = ast.parse(text, mode="eval")

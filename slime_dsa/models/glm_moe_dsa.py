@@ -18,7 +18,7 @@ Shapes: T tokens in the pack, H heads, Dn/Dr/Dl/Dv nope/rope/latent/value dims, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -59,12 +59,14 @@ class PackedBatch:
     cu_seqlens_q: torch.Tensor  # (S+1,) query rows per sequence
     cu_seqlens_k: torch.Tensor  # (S+1,) key rows per sequence (== cu_seqlens_q without a cache)
     kv_cache: KVCache | None = None
-    key_start: torch.Tensor = field(init=False)  # (Tq,) first key row of each query's sequence
 
     def __post_init__(self) -> None:
         # Sequence of each query row, by search rather than repeat_interleave: no host sync on CUDA.
         rows = torch.arange(len(self.positions), device=self.cu_seqlens_q.device)
         seq_id = torch.searchsorted(self.cu_seqlens_q[1:], rows, right=True)
+        # (Tq,) first key row of each query's sequence. Derived, so not a field: FSDP2's input cast (mixed
+        # precision) rebuilds dataclass arguments with dataclasses.replace(**every field), which an init=False
+        # field refuses; the rebuilt batch derives it again here.
         self.key_start = self.cu_seqlens_k[seq_id]
 
     @classmethod
@@ -302,6 +304,16 @@ class Experts(nn.ModuleList):
                 Experts._grouped_failed = True
                 self.drop_stacked()
         return self._forward_loop(x, weights, expert_ids)
+
+    def graph_safe(self) -> bool:
+        """Whether an inference forward on the experts' own device and dtype waits on no host (the grouped path):
+        only then can it be captured in a CUDA graph. The loop reads the per-expert counts on the host."""
+        if _grouped_mm is None:
+            return False
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        weight = self[0].gate_proj.weight
+        return not Experts._grouped_failed and weight.is_cuda and weight.dtype == torch.bfloat16
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         if torch.is_grad_enabled() or _grouped_mm is None:
@@ -623,6 +635,11 @@ class GlmMoeDsaForCausalLM(nn.Module):
             elif isinstance(module, Router):
                 module.weight.normal_(0.0, std)
                 module.e_score_correction_bias.zero_()
+
+    def graph_safe(self) -> bool:
+        """Whether an inference forward waits on no host, so that it can be captured in a CUDA graph: every MoE
+        layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
+        return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
 
     def refresh_inference_caches(self) -> None:
         """Bring the derived weight copies up to date now, in place where they exist (after a weight update)."""

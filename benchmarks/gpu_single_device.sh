@@ -1,0 +1,56 @@
+#!/bin/bash
+# The one-GPU recipes on a bare GPU machine without the project's dependencies (this workplace's H200 device):
+# install carried wheels, run stages, copy logs and metrics to $OUT. Run from a copy of the repo whose parent holds
+# whl/ (cp312 manylinux wheels + ray as a .tar.xz: see benchmarks/RESULTS.md, "One-GPU recipes on an H200").
+#   STAGES="setup prof sft rl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T, RL_STEPS RL_TRAIN
+#   RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T; *_T are wall-clock caps in seconds.
+set -o pipefail
+STAGES=${STAGES:-"setup test sft rl"}
+W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
+mkdir -p $W
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+CLI="python3 -m slime_dsa.cli"
+for s in $STAGES; do case $s in
+setup)
+  stamp setup
+  if [ ! -f /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../whl/*.whl || exit 1
+    tar xJf ../whl/ray-*.tar.xz -C /tmp/site || exit 1
+    touch /tmp/site/.done
+  fi
+  stamp installed
+  python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
+  df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
+  ;;
+test)
+  stamp pytest
+  timeout ${TEST_T:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests/test_ops_gpu.py tests/test_engine_gpu.py} -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | tail -30
+  ;;
+prof)
+  stamp prof
+  timeout ${PROF_T:-60} python3 benchmarks/profile_sft_step.py 2>&1 | tee $OUT/prof.log | grep "step s"
+  ;;
+sft)
+  stamp sft
+  if [ -f $W/sft/model/config.json ] && [ -z "$SFT_FORCE" ]; then stamp "sft model already there"; continue; fi
+  rm -rf $W/sft
+  timeout ${SFT_T:-240} $CLI sft recipes/gpu_single_sft.yaml --set trainer.num_steps=${SFT_STEPS:-300} \
+    --set sft.eval_every=${SFT_EVAL:-100} --set logging.wandb_mode=disabled --set logging.run_dir=$W/sft \
+    --set sft.output_dir=$W/sft/model --set data.tasks.0.train_size=${SFT_TRAIN:-70000} ${SFT_SET} 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/sft.log | tail -25
+  cp $W/sft/metrics.jsonl $OUT/sft_metrics.jsonl 2>/dev/null
+  ;;
+rl)
+  stamp rl
+  rm -rf $W/rl
+  timeout -s INT -k 30 ${RL_T:-240} $CLI train recipes/gpu_single.yaml --set model.path=$W/sft/model \
+    --set logging.wandb_mode=disabled --set logging.run_dir=$W/rl --set trainer.num_steps=${RL_STEPS:-6} \
+    --set data.tasks.0.train_size=${RL_TRAIN:-20000} ${RL_SET} \
+    2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/rl.log | tail -40
+  cp $W/rl/metrics.jsonl $OUT/rl_metrics.jsonl 2>/dev/null
+  ;;
+esac; done
+stamp done
+# Ray's session logs, for post-mortems (one archive: $OUT returns at most 8 files)
+tar czf $OUT/raylogs.tgz -C /tmp/ray session_latest/logs 2>/dev/null; ls -la $OUT
