@@ -213,7 +213,10 @@ def test_engine_capacity_counts_the_rollouts_the_loop_can_have_in_flight():
     assert engine_capacity(wide, use_async=True) == (3 * 40 * 4 * 80, 480)  # more requests than the default cap
     assert engine_capacity(wide, use_async=False) == (160 * 80, 256)
     dynamic = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5}})
-    assert engine_capacity(dynamic, use_async=False) == (60 * 4 * 80, 256)
+    assert engine_capacity(dynamic, use_async=False) == (160 * 4 * 80, 640)  # rounds of up to 4x (max_oversample_factor)
+    fixed = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5,
+                                 "max_oversample_factor": 1.5}})
+    assert engine_capacity(fixed, use_async=False) == (60 * 4 * 80, 256)
     two = _recipe({"rollout": {"prompts_per_step": 40, "num_engines": 2}})  # a group stays on one engine
     assert engine_capacity(two, use_async=True) == (60 * 4 * 80, 256)
     capped = _recipe({"rollout": {"prompts_per_step": 40, "max_concurrency": 100}})
@@ -309,7 +312,7 @@ RECIPE = {
     "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 3, "max_response_length": 8},
     "algorithm": {"name": "async_reinforce", "max_staleness": 0},
     "trainer": {"num_steps": 3, "learning_rate": 3.0e-3, "micro_batch_tokens": 256},
-    "logging": {"wandb_mode": "disabled", "eval_every": 2},
+    "logging": {"wandb_mode": "disabled", "eval_every": 2, "eval_at_start": False},  # the ledgers count from step 1
 }
 
 

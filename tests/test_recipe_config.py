@@ -122,6 +122,8 @@ def test_null_section_means_empty(tmp_path):
     ({"checkpoint": {"resume": True}}, r"checkpoint\.resume needs a fixed place"),
     ({"trainer": {"warmup_steps": 500}}, r"warmup_steps \(500\) exceeds the run's 100 optimizer steps"),
     ({"trainer": {"adam_betas": [0.9, 1.5]}}, r"trainer\.adam_betas: both betas must be in \[0, 1\)"),
+    ({"rollout": {"dynamic_sampling": True, "oversample_factor": 2.0, "max_oversample_factor": 1.5}},
+     r"max_oversample_factor \(1\.5\) must be at least oversample_factor \(2\.0\)"),
     ({"trainer": {"data_parallel": "replicate", "mixed_precision": True}, "cluster": {"num_gpus_per_trainer": 1}},
      r"data_parallel 'replicate' trains in float32"),
 ])

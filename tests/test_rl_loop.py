@@ -49,7 +49,9 @@ def test_three_steps_train_sync_and_log(first_run):
     from safetensors.torch import load_file
 
     _, run_dir = first_run
-    records = _records(run_dir)
+    initial, *records = _records(run_dir)
+    # the starting policy's eval (logging.eval_at_start), logged as step 0
+    assert initial["step"] == 0 and "eval/pass@1" in initial and all(k == "step" or k.startswith("eval/") for k in initial)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
@@ -76,9 +78,10 @@ def test_resume_from_step_2_reproduces_step_3(first_run):
     shutil.copytree(run_dir / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     shutil.copytree(run_dir / "initial_model", resumed / "initial_model")
     run_training(load_recipe(root / "recipe.yaml", [f"logging.run_dir={resumed}"]), resume=True)
-    step3 = _comparable(_records(run_dir)[2])
+    step3 = _comparable(next(r for r in _records(run_dir) if r["step"] == 3))
     again = [r for r in _records(resumed) if r["step"] == 3]
     assert len(again) == 1
+    assert all(r["step"] != 0 for r in _records(resumed))  # no second step-0 eval on resume
     # Every metric is bit-identical but one: the engines' own log-probs vary at 1e-7 with how requests happen to
     # share a decode batch, and train_rollout_logprob_abs_diff measures exactly that noise.
     noise = "train/train_rollout_logprob_abs_diff"

@@ -196,6 +196,11 @@ class RolloutSection(Section):
     oversample_factor: float = Field(
         1.0, ge=1, description="With dynamic_sampling: draw this many times prompts_per_step prompts per "
                                "sampling round.")
+    max_oversample_factor: float = Field(
+        4.0, ge=1, description="With dynamic_sampling: rounds grow as groups get dropped, to the groups still needed "
+                               "x oversample_factor / the share of groups the last round kept, at most this many "
+                               "times the groups still needed (so one round usually fills the step); equal to "
+                               "oversample_factor = fixed rounds.")
     max_sampling_tries: int = Field(
         4, ge=1, description="With dynamic_sampling: most sampling rounds per step before training on the "
                              "groups collected so far.")
@@ -233,6 +238,10 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"oversample_factor ({self.oversample_factor}) only applies with dynamic_sampling: true",
                 "oversample_factor", "dynamic_sampling")
+        if self.max_oversample_factor < self.oversample_factor:
+            raise RecipeValueError(
+                f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
+                f"({self.oversample_factor})", "max_oversample_factor", "oversample_factor")
         return self
 
 
@@ -426,6 +435,9 @@ class LoggingSection(Section):
                                                 "compute (the DSA indexer's dense recall) are computed only then.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never.")
+    eval_at_start: bool = Field(
+        True, description="With eval_every: also evaluate the starting policy before the first step (logged as "
+                          "step 0; not repeated on resume), so curves start where training did.")
 
 
 class CheckpointSection(Section):

@@ -64,6 +64,7 @@ class RolloutManager:
         self.in_flight: dict[int, list[int]] = {}  # group_id -> sample indices: started by `produce`, not buffered yet
         self._draws: dict[int, tuple[str, int]] = {}  # group_id -> its prompt's mixture draw (task, number)
         self._replay: list[dict[str, Any]] = []  # groups pending in the checkpoint resumed from, not restarted yet
+        self.keep_share = 1.0  # dynamic sampling: the share of groups the last round kept, which sizes the next
 
     # -- state for exact resumption -----------------------------------------------------------
 
@@ -75,12 +76,14 @@ class RolloutManager:
         groups = [{"group_id": g, "first_index": indices[0], "num_samples": len(indices), "task": self._draws[g][0],
                    "draw": self._draws[g][1]} for g, indices in sorted(pending.items()) if g in self._draws]
         return {"mixture": self.mixture.state_dict(), "next_sample_index": self.next_sample_index,
-                "next_group_id": self.next_group_id, "pending_groups": self._replay + groups}
+                "next_group_id": self.next_group_id, "pending_groups": self._replay + groups,
+                "keep_share": self.keep_share}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mixture.load_state_dict(state["mixture"])
         self.next_sample_index, self.next_group_id = state["next_sample_index"], state["next_group_id"]
         self._replay = list(state.get("pending_groups", []))
+        self.keep_share = state.get("keep_share", 1.0)
 
     def _pending_groups(self) -> dict[int, list[int]]:
         """group_id -> sample indices of the groups `produce` started and the trainer has not taken; forgets the
@@ -236,19 +239,29 @@ class RolloutManager:
             while len(kept) < cfg.prompts_per_step and tries < (cfg.max_sampling_tries if cfg.dynamic_sampling else 1):
                 tries += 1
                 need = cfg.prompts_per_step - len(kept)
-                n_prompts = max(need, round(need * cfg.oversample_factor)) if cfg.dynamic_sampling else need
+                n_prompts = self.round_size(need) if cfg.dynamic_sampling else need
                 prompts = self.mixture.take(n_prompts)
                 groups = await asyncio.gather(*(self.generate_group(p, cfg.n_samples_per_prompt) for p in prompts))
+                usable_groups = 0
                 for group in groups:
                     all_samples.extend(group)
                     usable = screen_group(group, cfg.dynamic_sampling, counters)
+                    usable_groups += usable is not None
                     if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)
+                self.keep_share = usable_groups / len(groups)
         for group in kept:
             await self.buffer.put(group)
         metrics = self.rollout_metrics(all_samples, kept, counters, time.perf_counter() - start)
         metrics["rollout/sampling_rounds"] = tries
         return await self.buffer.get(len(kept)), metrics
+
+    def round_size(self, need: int) -> int:
+        """Prompts to draw in a dynamic-sampling round that still needs `need` groups: enough to fill it at the
+        last round's keep share, times oversample_factor, at most max_oversample_factor times `need`."""
+        cfg = self.cfg
+        wanted = need * cfg.oversample_factor / max(self.keep_share, 1e-6)
+        return max(need, min(round(wanted), round(need * cfg.max_oversample_factor)))
 
     def reset_reward_stats(self) -> None:
         """Start counting reward failures afresh (once per step)."""

@@ -94,7 +94,7 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     if use_async:
         groups *= recipe.algorithm.max_staleness + 1
     elif ro.dynamic_sampling:
-        groups = max(groups, round(groups * ro.oversample_factor))
+        groups = max(groups, round(groups * ro.max_oversample_factor))  # the largest round
     per_engine = -(-groups // ro.num_engines) * ro.n_samples_per_prompt
     requests = max(1, min(per_engine, -(-ro.max_concurrency // ro.num_engines)))
     rows = recipe.data.max_prompt_length + ro.max_response_length - 1  # the last token is never fed back

@@ -105,6 +105,10 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     try:
         if on_weights is not None:
             on_weights(start_step, await asyncio.to_thread(trainers.full_state_dict))
+        if recipe.logging.eval_every and recipe.logging.eval_at_start and resume_from is None:
+            initial = await manager.evaluate()
+            metrics_log.log(initial, step=0)
+            _print_step(0, recipe.trainer.num_steps, initial)
         if use_async:
             from slime_dsa.orchestrator.async_loop import run_async_loop  # noqa: PLC0415
 
@@ -259,7 +263,8 @@ def _print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     keys = [("rollout/reward_mean", "reward"), ("eval/pass@1", "eval pass@1"), ("train/loss", "loss"),
             ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("perf/step_time_s", "step s")]
     parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
-    Console(stderr=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))
+    # soft_wrap: one line per step also when stderr is a file or a narrow terminal
+    Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))
 
 
 def _nan(x: float) -> bool:

@@ -8,3 +8,8 @@ def digit_fraction(sample, response: str, answer, **metadata) -> float:
 
 def always_fails(sample, response: str, answer, **metadata) -> float:
     raise RuntimeError("this reward function always fails")
+
+
+def mixed_or_zero(sample, response: str, answer, **metadata) -> float:
+    """Groups of prompts answered "mixed" score 0/1 by sample index (never all alike); the others always 0."""
+    return float(sample.index % 2) if answer == "mixed" else 0.0

@@ -1,0 +1,88 @@
+"""DAPO dynamic sampling against a real embedded server: rounds sized by the share of groups the last round kept.
+
+Three prompts in four always score 0 (their groups are dropped); the rest always have mixed rewards. With fixed
+rounds the step needs many rounds and can end short; with adaptive rounds the second round asks for what the first
+round's keep share says is needed, and the next step starts from that share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tests.hf_reference import make_hf_checkpoint
+
+PROMPTS_PER_STEP, GROUP = 4, 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ds")
+    make_hf_checkpoint(directory)
+    return directory
+
+
+def _run_steps(checkpoint, max_oversample_factor: float, steps: int = 2):
+    from rollout.client import EngineClient
+    from rollout.server.launch import EmbeddedServer, load_engine
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task, TaskMixture
+    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+
+    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=list(range(3 + i % 7, 9 + i % 7)), prompt_text="",
+                      answer="mixed" if i % 4 == 0 else "zero") for i in range(400)]
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:mixed_or_zero",
+                train=prompts, eval=None)
+    rollout = RolloutSection(n_samples_per_prompt=GROUP, prompts_per_step=PROMPTS_PER_STEP, max_response_length=2,
+                             dynamic_sampling=True, max_oversample_factor=max_oversample_factor, max_sampling_tries=4)
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+    async def main():
+        engine, _ = load_engine(checkpoint, max_cache_tokens=4096)
+        server = await EmbeddedServer.start(engine)
+        client = EngineClient([server.url])
+        mixture = TaskMixture([task])
+        manager = RolloutManager(client, [task], mixture, tokenizer, rollout, show_progress=False)
+        drawn: list[list] = []
+        take = mixture.take
+        mixture.take = lambda n: drawn.append(take(n)) or drawn[-1]
+        try:
+            results = [await manager.collect_step() for _ in range(steps)]
+        finally:
+            await client.close()
+            await server.stop()
+        return results, drawn, manager
+
+    return asyncio.run(main())
+
+
+def test_adaptive_rounds_follow_the_keep_share(checkpoint):
+    results, drawn, manager = _run_steps(checkpoint, max_oversample_factor=4.0)
+    share, round_index = 1.0, 0
+    for groups, metrics in results:
+        kept = 0
+        for _ in range(int(metrics["rollout/sampling_rounds"])):
+            batch = drawn[round_index]
+            need = PROMPTS_PER_STEP - kept
+            assert len(batch) == max(need, min(round(need / share), 4 * need)), (round_index, share)
+            usable = sum(p.answer == "mixed" for p in batch)
+            share, kept, round_index = usable / len(batch), min(PROMPTS_PER_STEP, kept + usable), round_index + 1
+        assert len(groups) == kept
+        assert all(s.answer == "mixed" for g in groups for s in g)
+    assert round_index == len(drawn)
+    assert manager.keep_share == pytest.approx(share)
+    assert manager.state_dict()["keep_share"] == pytest.approx(share)
+    # A resumed manager sizes its next round from the saved share.
+    manager.load_state_dict({**manager.state_dict(), "keep_share": 0.5})
+    assert manager.keep_share == 0.5 and manager.round_size(3) == 6
+
+def test_fixed_rounds_draw_only_what_is_missing(checkpoint):
+    results, drawn, _ = _run_steps(checkpoint, max_oversample_factor=1.0, steps=1)
+    (groups, metrics), = results
+    kept = 0
+    for batch in drawn:
+        assert len(batch) == PROMPTS_PER_STEP - kept
+        kept = min(PROMPTS_PER_STEP, kept + sum(p.answer == "mixed" for p in batch))
+    assert len(groups) == kept
