@@ -1,7 +1,8 @@
 """One FSDP2 training rank: builds the sharded model and optimiser, computes log-probs, takes RL steps.
 
 Built in a readable order in __init__: process group → mesh → model → parallelise → optimiser → scheduler.
-A group of one float32 rank is not wrapped (nothing to shard) and uses fused AdamW. Samples that share a prompt
+A group of one float32 rank is not wrapped (nothing to shard) and uses fused AdamW; so are the ranks of
+data_parallel "replicate", which average their gradients with one all-reduce per optimiser step. Samples that share a prompt
 are packed so the prompt runs once (models/prefix_sharing.py) unless replay or the indexer loss need the flat
 layout. The same class runs as a Ray actor (trainers.fsdp.group) or directly in a test process.
 """
