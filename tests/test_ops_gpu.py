@@ -62,7 +62,12 @@ MLA_CASES = {
     "packed_short": ([1, 37, 300], [1, 37, 300], 16, 64, 32, 128, True),
     "odd_dims_tq_lt_tk": ([5, 60], [90, 200], 3, 40, 8, 48, True),
     "heads128": ([500], [500], 128, 128, 64, 256, True),
-    "glm5": ([2048], [2048], 64, 512, 64, 2048, True),
+    "glm5": ([2048], [2048], 64, 512, 64, 2048, True),  # K >= length: the key-range backward
+    # K >= every sequence's keys: each query selects all its causal keys (key-range backward); packed
+    # sequences share nothing, queries of one sequence share keys, -1 padding, K and lengths off the block sizes
+    "all_keys_packed": ([1, 37, 122, 300], [1, 37, 122, 300], 12, 256, 32, 304, True),
+    "all_keys_tq_lt_tk_odd_dims": ([5, 60, 1], [90, 200, 7], 3, 40, 8, 200, True),
+    "all_keys_sft_small": ([122] * 24, [122] * 24, 12, 256, 32, 256, True),
     "glm5_packed_long": ([3000, 9000], [3000, 9000], 64, 512, 64, 2048, False),
     "glm5_decode": ([1] * 8, [100, 3000, 10000, 1, 2047, 2048, 2049, 65000], 64, 512, 64, 2048, False),
     "glm5_decode_single": ([1], [30000], 64, 512, 64, 2048, False),
@@ -99,6 +104,49 @@ def test_sparse_mla_matches_reference(name):
     ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
     assert rel_l2(dq, ref_dq) <= REL_L2, f"dq rel L2 {rel_l2(dq, ref_dq):.2e}"
     assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
+def test_sparse_mla_key_range_detection():
+    """The key-range backward is taken exactly when every row is a run of consecutive kv rows, in row order."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    for name in ("glm5", "all_keys_packed", "all_keys_tq_lt_tk_odd_dims", "all_keys_sft_small"):
+        lens_q, lens_k, *_, K, _ = MLA_CASES[name]
+        assert mla.key_ranges(causal_rows(lens_q, lens_k, K)) is not None, name
+    for name in ("packed_short", "odd_dims_tq_lt_tk", "heads128"):  # K < some sequence's keys: a real subset
+        lens_q, lens_k, *_, K, _ = MLA_CASES[name]
+        assert mla.key_ranges(causal_rows(lens_q, lens_k, K)) is None, name
+    full = causal_rows([20, 30], [20, 30], 32)
+    assert mla.key_ranges(full.int()) is not None  # any int dtype
+    gap = full.clone()
+    gap[25, 3] = -1  # a hole inside a row
+    assert mla.key_ranges(gap) is None
+    assert mla.key_ranges(full.flip(0)) is None  # rows out of order: the queries of a kv block are not one run
+    empty = full.clone()
+    empty[0] = -1  # a row without keys
+    assert mla.key_ranges(empty) is None
+
+
+def test_sparse_mla_sliding_window_uses_key_ranges():
+    """Runs that are not whole causal prefixes (a sliding window) take the key-range backward too, exactly."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    T, H, v_dim, d_r, W = 300, 16, 64, 32, 50
+    start = (torch.arange(T, device="cuda") - W + 1).clamp_min(0)
+    col = torch.arange(W + 7, device="cuda")
+    indices = torch.where(start[:, None] + col[None, :] <= torch.arange(T, device="cuda")[:, None],
+                          start[:, None] + col[None, :], -1)
+    assert mla.key_ranges(indices) is not None
+    torch.manual_seed(0)
+    q = torch.randn(T, H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(T, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = mla.sparse_mla_attention(q, kv, indices, 0.1, v_dim)
+    q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, 0.1, v_dim)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
+    assert rel_l2(dq, ref_dq) <= REL_L2 and rel_l2(dkv, ref_dkv) <= REL_L2
 
 
 def test_sparse_mla_rows_without_keys():
@@ -292,7 +340,8 @@ def test_indexer_kl_matches_reference(name):
         assert rel_l2(x, ref) <= REL_L2, f"{label} rel L2 {rel_l2(x, ref):.2e}"
 
 
-def test_model_forward_backward_triton_matches_torch():
+@pytest.mark.parametrize("index_topk", [64, 512])  # 512 > every length: dense selection, key-range backward
+def test_model_forward_backward_triton_matches_torch(index_topk):
     """The whole model on CUDA with ops backend triton agrees with the torch reference path (bf16)."""
     from slime_dsa.checkpoint import build_model
     from slime_dsa.models import ModelConfig, PackedBatch
@@ -301,7 +350,7 @@ def test_model_forward_backward_triton_matches_torch():
                          num_hidden_layers=4, num_attention_heads=16, q_lora_rank=192, kv_lora_rank=128,
                          qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8,
                          num_experts_per_tok=2, first_k_dense_replace=1, index_n_heads=8, index_head_dim=64,
-                         index_topk=64, indexer_types=["full", "shared", "full", "shared"], eos_token_id=None)
+                         index_topk=index_topk, indexer_types=["full", "shared", "full", "shared"], eos_token_id=None)
     model = build_model(config, dtype="bfloat16", device="cuda", seed=0)
     ids = torch.randint(0, 512, (700,), device="cuda")
     batch = PackedBatch.from_seqlens([300, 250, 150], "cuda")

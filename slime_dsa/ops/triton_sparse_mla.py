@@ -12,10 +12,20 @@ makes MQA-mode sparse attention compute-bound rather than gather-bound. D is spl
 Decode (few query rows) splits each row's K keys over several programs and merges the partial results
 (flash-decoding), so a batch of single-token requests still fills the GPU.
 
-Backward recomputes the probabilities from the saved lse, on 32 heads per program (64 do not fit in shared
-memory). dQ is accumulated in registers; dKV rows are shared between queries, so their contributions are
-added with float32 atomics (the summation order, and so the last bits of dKV, can change from run to run).
-It runs at about 40% of the forward's TFLOP/s: the part to improve next.
+Backward, two paths (both recompute the probabilities from the saved lse):
+- Key ranges (`key_ranges`): when every row selects a run of consecutive kv rows lo[t] <= r < hi[t], with lo
+  and hi non-decreasing over rows (index_topk >= the sequence length: every query takes all its causal keys,
+  which is dense causal attention; also sliding windows), the (query, head) pairs are flattened into rows
+  t * H + h and the backward is a dense varlen flash-attention backward with a per-row key range: dQ programs
+  own a block of query rows and loop over the kv rows of their ranges; dKV programs own a block of kv rows and
+  loop over the one run of queries that select any of them (found by binary search on hi and lo). No atomics,
+  deterministic, and no work on -1 slots. Each kernel's launch config is measured on first use per problem
+  shape (some configs spill registers badly at some dims: 0.9 vs 23 ms on the same problem, RESULTS.md).
+- General: one program per query row and 32 heads (64 do not fit in shared memory). dQ is accumulated in
+  registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
+  summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
+  forward's TFLOP/s at GLM-5 sizes.
+The check for key ranges is one pass over `indices` and one host sync per backward call.
 """
 
 from __future__ import annotations
@@ -54,6 +64,13 @@ BWD_MODES = ["fused", "split"]
 BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
 BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
 BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]
+# Key-range backward (every row selects a run of consecutive kv rows, e.g. index_topk >= sequence length):
+# block_h = (query, head) rows per tile, block_n = kv rows per tile. dQ programs own block_h rows, dKV programs
+# own block_n kv rows, so neither needs atomics.
+RANGE_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
+RANGE_DKV_CONFIGS = [KernelConfig(64, 32, 8, 2), KernelConfig(32, 16, 4, 1), KernelConfig(64, 16, 4, 1),
+                     KernelConfig(32, 32, 4, 1)]
+USE_KEY_RANGES = True  # False forces the general (atomic) backward; benchmarks compare both
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
@@ -83,6 +100,36 @@ def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
         _chosen[(kind, key)] = cfg
         return
     raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+
+
+def _launch_fastest(kind: str, key: tuple, configs: list[KernelConfig], launch, device: torch.device) -> None:
+    """Like `_launch`, but the first call for `key` times every config that fits and keeps the fastest.
+
+    Only for launches that overwrite their outputs (no accumulation), since each config runs several times.
+    Timing: two launches between CUDA events after a warm-up one. On the interpreter (CPU), the first that works.
+    """
+    if (kind, key) in _chosen or device.type != "cuda":
+        _launch(kind, key, configs, launch)
+        return
+    timings, errors = [], []
+    for cfg in configs:
+        try:
+            launch(cfg)  # compiles; also the warm-up
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
+            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch(cfg)
+        launch(cfg)
+        end.record()
+        end.synchronize()
+        timings.append((start.elapsed_time(end), configs.index(cfg)))
+    if not timings:
+        raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+    best = configs[min(timings)[1]]
+    _chosen[(kind, key)] = best
+    launch(best)  # the outputs of the kept config, as every later call computes them
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,6 +312,184 @@ def _sparse_mla_bwd_kernel(
         tl.store(dq_rows + D_V + offs_r[None, :], dq_pe.to(dq_ptr.dtype.element_ty), mask=mask_hr)
 
 
+def key_ranges(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(lo, hi) int32 (T,) if every row of `indices` is lo, lo+1, ..., hi-1 then -1 padding; else None.
+
+    Also required (else None): every row has a key, and lo and hi never decrease from one row to the next, so
+    the queries that select any kv row of a block are one run of rows. This is what the indexer returns when
+    index_topk >= the sequence length (every query takes all its causal keys, ascending) for packed sequences
+    in order. One pass over `indices` and one host sync.
+    """
+    T, K = indices.shape
+    n = (indices >= 0).sum(1)  # (T,)
+    lo = indices[:, 0]
+    hi = lo + n
+    col = torch.arange(K, device=indices.device)
+    expected = torch.where(col[None, :] < n[:, None], lo[:, None] + col[None, :], -1)  # (T, K)
+    ok = (indices == expected).all() & (n > 0).all() & (lo[1:] >= lo[:-1]).all() & (hi[1:] >= hi[:-1]).all()
+    if not bool(ok):
+        return None
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+
+
+@triton.jit
+def _range_mla_bwd_dq_kernel(
+    q_ptr, kv_ptr, lo_ptr, hi_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
+    H, TH, scale, scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of BLOCK_M (query, head) rows (row i = t * H + h), over kv rows lo[t] <= r < hi[t]."""
+    offs_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    mask_i = offs_i < TH
+    t = offs_i // H
+    h = offs_i - t * H
+    t64 = t.to(tl.int64)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    mask_v = offs_v < D_V
+    mask_r = offs_r < D_R
+    mask_iv = mask_i[:, None] & mask_v[None, :]
+    mask_ir = mask_i[:, None] & mask_r[None, :]
+
+    lo = tl.load(lo_ptr + t, mask=mask_i, other=2147483647)  # (BM,) padded rows select nothing
+    hi = tl.load(hi_ptr + t, mask=mask_i, other=0)
+    r_lo = tl.min(lo, axis=0)
+    r_hi = tl.max(hi, axis=0)
+    q_rows = q_ptr + t64[:, None] * stride_qt + h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=mask_iv, other=0.0)  # (BM, DV)
+    q_pe = tl.load(q_rows + D_V + offs_r[None, :], mask=mask_ir, other=0.0)  # (BM, DR)
+    do = tl.load(dout_ptr + t64[:, None] * stride_dot + h[:, None] * stride_doh + offs_v[None, :], mask=mask_iv,
+                 other=0.0)  # (BM, DV)
+    lse = tl.load(lse_ptr + t64 * stride_lt + h, mask=mask_i, other=float("inf")) * 1.4426950408889634  # (BM,)
+    delta = tl.load(delta_ptr + t64 * stride_lt + h, mask=mask_i, other=0.0)  # (BM,)
+
+    dq_nope = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    dq_pe = tl.zeros([BLOCK_M, BLOCK_DR], tl.float32)
+    for n0 in range(r_lo, r_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # (BN,)
+        mask_n = offs_n < r_hi
+        kv_rows = kv_ptr + offs_n.to(tl.int64)[:, None] * stride_kvt
+        k_nope = tl.load(kv_rows + offs_v[None, :], mask=mask_n[:, None] & mask_v[None, :], other=0.0)  # (BN, DV)
+        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # (BN, DR)
+
+        s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BM, BN)
+        sel = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        p = tl.where(sel, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(k_nope))  # (BM, BN)
+        ds = (p * (dp - delta[:, None]) * scale).to(k_nope.dtype)
+        dq_nope += tl.dot(ds, k_nope)
+        dq_pe += tl.dot(ds, k_pe)
+
+    dq_rows = dq_ptr + t64[:, None] * stride_dqt + h[:, None] * stride_dqh
+    tl.store(dq_rows + offs_v[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=mask_iv)
+    tl.store(dq_rows + D_V + offs_r[None, :], dq_pe.to(dq_ptr.dtype.element_ty), mask=mask_ir)
+
+
+@triton.jit
+def _range_mla_bwd_dkv_kernel(
+    q_ptr, kv_ptr, lo_ptr, hi_ptr, t_first_ptr, t_last_ptr, dout_ptr, lse_ptr, delta_ptr, dkv_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dkvt,
+    H, Tk, scale, scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dKV of BLOCK_N kv rows, summed over the (query, head) rows of queries t_first[b] <= t < t_last[b]."""
+    blk = tl.program_id(0)
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    mask_n = offs_n < Tk
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    mask_v = offs_v < D_V
+    mask_r = offs_r < D_R
+    mask_nv = mask_n[:, None] & mask_v[None, :]
+    mask_nr = mask_n[:, None] & mask_r[None, :]
+
+    kv_rows = kv_ptr + offs_n.to(tl.int64)[:, None] * stride_kvt
+    k_nope = tl.load(kv_rows + offs_v[None, :], mask=mask_nv, other=0.0)  # (BN, DV), also the value
+    k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=mask_nr, other=0.0)  # (BN, DR)
+    i_lo = tl.load(t_first_ptr + blk) * H
+    i_hi = tl.load(t_last_ptr + blk) * H
+
+    dkv_nope = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)  # dK + dV: key and value share the row
+    dkv_pe = tl.zeros([BLOCK_N, BLOCK_DR], tl.float32)
+    for i0 in range(i_lo, i_hi, BLOCK_M):
+        offs_i = i0 + tl.arange(0, BLOCK_M)  # (BM,) row i = t * H + h
+        mask_i = offs_i < i_hi
+        t = offs_i // H
+        h = offs_i - t * H
+        t64 = t.to(tl.int64)
+        lo = tl.load(lo_ptr + t, mask=mask_i, other=0)
+        hi = tl.load(hi_ptr + t, mask=mask_i, other=0)  # padded rows select nothing
+        q_rows = q_ptr + t64[:, None] * stride_qt + h[:, None] * stride_qh
+        q_nope = tl.load(q_rows + offs_v[None, :], mask=mask_i[:, None] & mask_v[None, :], other=0.0)  # (BM, DV)
+        q_pe = tl.load(q_rows + D_V + offs_r[None, :], mask=mask_i[:, None] & mask_r[None, :], other=0.0)  # (BM, DR)
+        do = tl.load(dout_ptr + t64[:, None] * stride_dot + h[:, None] * stride_doh + offs_v[None, :],
+                     mask=mask_i[:, None] & mask_v[None, :], other=0.0)  # (BM, DV)
+        lse = tl.load(lse_ptr + t64 * stride_lt + h, mask=mask_i, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(delta_ptr + t64 * stride_lt + h, mask=mask_i, other=0.0)  # (BM,)
+
+        s_t = tl.dot(k_nope, tl.trans(q_nope)) + tl.dot(k_pe, tl.trans(q_pe))  # (BN, BM) scores, transposed
+        sel = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+        p_t = tl.where(sel, tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
+        dp_t = tl.dot(k_nope, tl.trans(do))  # (BN, BM)
+        ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_nope.dtype)
+        dkv_nope += tl.dot(ds_t, q_nope) + tl.dot(p_t.to(do.dtype), do)
+        dkv_pe += tl.dot(ds_t, q_pe)
+
+    dkv_rows = dkv_ptr + offs_n.to(tl.int64)[:, None] * stride_dkvt
+    tl.store(dkv_rows + offs_v[None, :], dkv_nope.to(dkv_ptr.dtype.element_ty), mask=mask_nv)
+    tl.store(dkv_rows + D_V + offs_r[None, :], dkv_pe.to(dkv_ptr.dtype.element_ty), mask=mask_nr)
+
+
+def range_mla_bwd(
+    q, kv, lo, hi, dout, lse, delta, dq, dkv, scale: float, v_dim: int,
+    dq_cfg: KernelConfig | None = None, dkv_cfg: KernelConfig | None = None, do_dq: bool = True, do_dkv: bool = True,
+) -> None:
+    """Key-range backward: writes dq (T, H, D) and dkv (Tk, D) for rows that select kv rows lo[t] <= r < hi[t].
+
+    dq_cfg / dkv_cfg pin a config and do_dq / do_dkv skip a half (benchmarks); by default the fastest of
+    RANGE_*_CONFIGS on this device is measured on first use and kept for the problem shape.
+    """
+    T, H, D = q.shape
+    Tk = kv.shape[0]
+    d_r = D - v_dim
+    dims = dict(D_V=v_dim, D_R=d_r, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(d_r))
+    common = (scale, scale * LOG2E)
+
+    def launch_dq(cfg: KernelConfig) -> None:
+        _range_mla_bwd_dq_kernel[(triton.cdiv(T * H, cfg.block_h),)](
+            q, kv, lo, hi, dout, lse, delta, dq,
+            q.stride(0), q.stride(1), kv.stride(0), dout.stride(0), dout.stride(1), lse.stride(0),
+            dq.stride(0), dq.stride(1), H, T * H, *common, **dims,
+            BLOCK_M=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    def launch_dkv(cfg: KernelConfig) -> None:
+        starts = torch.arange(0, Tk, cfg.block_n, device=q.device, dtype=torch.int32)  # (B,) first kv row of block
+        t_first = torch.searchsorted(hi, starts, right=True).to(torch.int32)  # first query with hi > start
+        t_last = torch.searchsorted(lo, starts + cfg.block_n).to(torch.int32)  # first query with lo >= block end
+        _range_mla_bwd_dkv_kernel[(len(starts),)](
+            q, kv, lo, hi, t_first, t_last, dout, lse, delta, dkv,
+            q.stride(0), q.stride(1), kv.stride(0), dout.stride(0), dout.stride(1), lse.stride(0), dkv.stride(0),
+            H, Tk, *common, **dims,
+            BLOCK_M=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = (H, D, v_dim, q.dtype)
+    if do_dq:
+        if dq_cfg is not None:
+            launch_dq(dq_cfg)
+        else:
+            _launch_fastest("range_dq", key, RANGE_DQ_CONFIGS, launch_dq, q.device)
+    if do_dkv:
+        if dkv_cfg is not None:
+            launch_dkv(dkv_cfg)
+        else:
+            _launch_fastest("range_dkv", key, RANGE_DKV_CONFIGS, launch_dkv, q.device)
+
+
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """delta (T, H) float32 = rowsum(dO * O) - dL/dlse, so that dL/ds = p * (dO . v - delta)."""
     delta = (dout.float() * out.float()).sum(-1)
@@ -300,6 +525,15 @@ def sparse_mla_bwd(
     dout = dout.contiguous()
     delta = bwd_delta(out, dout, dlse)
     dq = torch.empty_like(q)
+    if T > 0 and K > 0 and USE_KEY_RANGES and lse.stride(1) == 1:
+        ranges = key_ranges(indices)
+        if ranges is not None:
+            dkv = torch.empty_like(kv)
+            try:
+                range_mla_bwd(q, kv, *ranges, dout, lse, delta, dq, dkv, scale, v_dim)
+                return dq, dkv
+            except RuntimeError:  # no config fits this device: the general kernel below
+                pass
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if T == 0 or K == 0:
         return dq.zero_(), dkv.to(kv.dtype)
