@@ -21,8 +21,8 @@ import torch
 from slime_dsa.ops import triton_sparse_mla as mla
 
 
-def timed(fn, reps: int = 10) -> float:
-    """Median milliseconds of fn() over `reps` runs after one warm-up."""
+def cuda_times(fn, reps: int) -> list[float]:
+    """Milliseconds of `reps` runs of fn() (CUDA events), after one warm-up."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -33,21 +33,17 @@ def timed(fn, reps: int = 10) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, reps: int = 10) -> float:
+    """Median milliseconds of fn() over `reps` runs after one warm-up."""
+    return statistics.median(cuda_times(fn, reps))
 
 
 def timed_spread(fn, reps: int) -> str:
     """'min / median / max' milliseconds of fn() over `reps` runs after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = cuda_times(fn, reps)
     return f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}"
 
 
