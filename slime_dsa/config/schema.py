@@ -176,7 +176,7 @@ class RolloutSection(Section):
     max_cache_tokens: int | None = Field(
         None, ge=16, description="KV cache of each embedded engine, in tokens; null = room for every rollout that "
                                  "can be in flight at once, so none waits in the engine's queue: one step's groups "
-                                 "(x oversample_factor with dynamic_sampling) in the synchronous loop, "
+                                 "(x max_oversample_factor with dynamic_sampling) in the synchronous loop, "
                                  "max_staleness + 1 steps' groups in the asynchronous one, at most max_concurrency "
                                  "requests, split over num_engines, each reserving max_prompt_length + "
                                  "max_response_length tokens.")

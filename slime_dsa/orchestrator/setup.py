@@ -79,8 +79,8 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     """(max_cache_tokens, max_running_requests) of each embedded engine: room for every rollout the loop can
     have in flight at once, so that none waits in an engine's queue while the trainer waits for it.
 
-    Groups in flight over all engines: one step's (x oversample_factor with dynamic sampling) in the synchronous
-    loop; in the asynchronous one the StalenessGate lets (max_staleness + 1) steps' groups be started and not yet
+    Groups in flight over all engines: one step's largest round (x max_oversample_factor with dynamic sampling) in
+    the synchronous loop; in the asynchronous one the StalenessGate lets (max_staleness + 1) steps' groups be started and not yet
     trained. Requests are capped by max_concurrency (the rollout manager's semaphore). A group's samples stay on
     one engine (session routing), so each engine takes ceil(groups / num_engines) groups. Each request reserves
     its prompt + response rows rounded up to whole cache blocks. rollout.max_cache_tokens, when set, replaces the
