@@ -2,17 +2,20 @@
 
 The step `slime-dsa sft recipes/gpu_single_sft.yaml` takes: float32 master weights, bf16 autocast, 256 examples of
 104 prompt + 18 solution tokens (countdown's sizes). Prints tables; writes nothing.
-    python benchmarks/profile_sft_step.py
+    python benchmarks/profile_sft_step.py                  # routed experts as the trainer runs them (grouped GEMM)
+    python benchmarks/profile_sft_step.py --experts loop   # the per-expert loop instead, for comparison
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from slime_dsa.checkpoint import build_model
+from slime_dsa.models.glm_moe_dsa import Experts
 from slime_dsa.models.presets import preset_config
 from slime_dsa.sft import sft_loss
 
@@ -20,6 +23,11 @@ PROMPT_TOKENS, SOLUTION_TOKENS, BATCH, VOCAB = 104, 18, 256, 384
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--experts", choices=["auto", "loop"], default="auto",
+                        help="routed experts: the automatic choice (grouped GEMM) or the per-expert loop")
+    if parser.parse_args().experts == "loop":
+        Experts.use_grouped_mm = False
     model = build_model(preset_config("small", vocab_size=VOCAB, eos_token_id=1), seed=0, dtype=torch.float32,
                         device="cuda").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -42,7 +50,7 @@ def main() -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    print(f"step s {(time.perf_counter() - start) / 3:.3f}")
+    print(f"step s {(time.perf_counter() - start) / 3:.3f} (experts: {'loop' if Experts.use_grouped_mm is False else 'auto'})")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()

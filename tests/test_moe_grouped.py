@@ -1,4 +1,4 @@
-"""The experts' grouped-GEMM inference path equals the per-expert loop, and follows weight updates."""
+"""The experts' grouped-GEMM path equals the per-expert loop (inference and training), and follows weight updates."""
 
 from __future__ import annotations
 
@@ -42,11 +42,36 @@ def test_grouped_equals_loop_and_follows_updates(moe):
     assert (loop2 - grouped2).abs().max().item() <= 1e-5  # ... and the stacked copy followed it
 
 
-def test_autograd_uses_the_loop(moe):
+def _grads(layer: MoE, x: torch.Tensor, grouped: bool | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    Experts.use_grouped_mm = grouped
+    out = layer(x)
+    (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]
+
+
+def test_training_grouped_equals_loop(moe):
+    """Under autograd the grouped path stacks the live weights: same output and gradients as the loop, a gradient
+    for every expert (hit or not, as FSDP needs), and no stacked copy kept."""
+    x = torch.randn(23, TINY["hidden_size"])
+    out_loop, dx_loop, grads_loop = _grads(moe, x, grouped=False)
+    out_grouped, dx_grouped, grads_grouped = _grads(moe, x, grouped=True)
+    assert (out_loop - out_grouped).abs().max().item() <= 1e-5
+    assert (dx_loop - dx_grouped).abs().max().item() <= 1e-5
+    for a, b in zip(grads_loop, grads_grouped):
+        assert (a - b).abs().max().item() <= 1e-5
+    assert all(m.gate_proj.weight.grad is not None for m in moe.experts)
+    assert moe.experts._stacked is None
+
+
+def test_cpu_float32_training_takes_the_grouped_path(moe, monkeypatch):
     Experts.use_grouped_mm = None
-    x = torch.randn(5, TINY["hidden_size"])
-    moe(x).sum().backward()
-    assert all(m.gate_proj.weight.grad is not None for m in moe.experts)  # every expert gets a grad
+    monkeypatch.setattr(Experts, "_grouped_failed", False)
+    calls = []
+    monkeypatch.setattr(Experts, "_forward_loop", lambda self, *a: calls.append("loop"))
+    moe(torch.randn(5, TINY["hidden_size"])).sum().backward()
+    assert calls == []  # the loop never ran: CPU float32 under autograd is grouped
     assert moe.experts._stacked is None
 
 
@@ -59,9 +84,50 @@ def test_packed_batch_key_start_with_empty_sequences():
 def test_graph_safe_only_on_the_grouped_path():
     """CUDA-graph decode needs a forward with no host sync: the grouped path (CUDA bfloat16), never the loop."""
     model = GlmMoeDsaForCausalLM(ModelConfig.from_dict(dict(TINY)))
-    assert not model.graph_safe()  # CPU float32: the loop path on CUDA-less training / float32 engines
+    assert not model.graph_safe()  # CPU: no CUDA graphs whatever the path
     Experts.use_grouped_mm = True
     try:
         assert model.graph_safe()
     finally:
         Experts.use_grouped_mm = None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-weights", "fp32-weights-autocast"])
+def test_cuda_training_grouped_matches_loop(autocast):
+    """On CUDA, training takes the grouped path in bf16 (FSDP2 mixed precision) and under bf16 autocast (SFT):
+    output and gradients match the per-expert loop's up to bf16 rounding."""
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig.from_dict(dict(TINY))).cuda()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if not autocast:
+        layer = layer.to(torch.bfloat16)
+    x = torch.randn(300, TINY["hidden_size"], device="cuda", dtype=torch.float32 if autocast else torch.bfloat16)
+    results = {}
+    for path, grouped in (("loop", False), ("grouped", None)):  # None: the automatic choice must be grouped
+        calls = []
+        original = Experts._forward_loop
+        Experts._forward_loop = lambda self, *a, _o=original: calls.append(1) or _o(self, *a)
+        try:
+            Experts.use_grouped_mm = grouped
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                results[path] = _grads(layer, x, grouped)
+        finally:
+            Experts._forward_loop = original
+            Experts.use_grouped_mm = None
+        assert bool(calls) == (path == "loop")
+    (out_l, dx_l, g_l), (out_g, dx_g, g_g) = results["loop"], results["grouped"]
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()  # noqa: E731
+    assert rel(out_g, out_l) <= 2e-2 and rel(dx_g, dx_l) <= 2e-2
+    assert all(rel(a, b) <= 2e-2 for a, b in zip(g_g, g_l))
+
+
+def test_rows_off_16_byte_boundaries_take_the_loop_without_disabling_grouped(monkeypatch):
+    """grouped_mm needs 16-byte aligned rows: an odd hidden size takes the loop, and other models keep grouped."""
+    monkeypatch.setattr(Experts, "_grouped_failed", False)
+    odd = MoE(ModelConfig.from_dict({**TINY, "hidden_size": 30}))
+    assert not odd.experts._grouped_ok(torch.randn(3, 30))
+    odd(torch.randn(3, 30, requires_grad=True)).sum().backward()
+    assert not Experts._grouped_failed
+    assert MoE(ModelConfig.from_dict(dict(TINY))).experts._grouped_ok(torch.randn(3, TINY["hidden_size"]))

@@ -275,14 +275,19 @@ class Router(nn.Module):
         return weights * self.routed_scaling_factor, expert_ids
 
 
+def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in: autocast's where it is on for x's device, else the weights'."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight_dtype
+
+
 class Experts(nn.ModuleList):
     """Routed experts, one MLP each: stored as experts.{i}.gate_proj/up_proj/down_proj, as HF checkpoints are.
 
-    Two paths, same math: a loop over experts (reference; autograd; CPU), and for inference on CUDA in
-    bf16 (and in inference mode on CPU in float32) a grouped GEMM over stacked copies of the expert weights, which
-    needs no host sync (the loop reads the per-expert counts on the host) and a handful of ops instead of a few per
-    expert. The stacked copy is rebuilt when any expert weight changes (version counters, storage) and dropped by
-    `drop_stacked()`.
+    Two paths, same math: a loop over experts (the reference), and a grouped GEMM over stacked expert weights,
+    which needs no host sync (the loop reads the per-expert counts on the host) and a handful of ops instead of a
+    few per expert. The grouped path runs on CUDA in bf16 and on CPU in float32, the loop elsewhere. Inference mode
+    (the engine) keeps a stacked copy, rebuilt when any expert weight changes (version counters, storage) and
+    dropped by `drop_stacked()`; other passes (the trainer) stack per forward, so gradients flow to every expert.
     """
 
     use_grouped_mm: bool | None = None  # None: on CUDA bf16 without autograd; True / False force it (tests)
@@ -305,6 +310,20 @@ class Experts(nn.ModuleList):
                 self.drop_stacked()
         return self._forward_loop(x, weights, expert_ids)
 
+    def _grouped_ok(self, x: torch.Tensor) -> bool:
+        if _grouped_mm is None:
+            return False
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        dtype = _compute_dtype(x, self[0].gate_proj.weight.dtype)
+        if Experts._grouped_failed or (x.dtype != dtype and not torch.is_autocast_enabled(x.device.type)):
+            return False
+        # grouped_mm wants every matrix row to start on a 16-byte boundary.
+        hidden, inner = self[0].gate_proj.weight.shape[1], self[0].gate_proj.weight.shape[0]
+        if (hidden * dtype.itemsize) % 16 or (inner * dtype.itemsize) % 16:
+            return False
+        return (x.is_cuda and dtype == torch.bfloat16) or (x.device.type == "cpu" and dtype == torch.float32)
+
     def graph_safe(self) -> bool:
         """Whether an inference forward on the experts' own device and dtype waits on no host (the grouped path):
         only then can it be captured in a CUDA graph. The loop reads the per-expert counts on the host."""
@@ -314,19 +333,6 @@ class Experts(nn.ModuleList):
             return self.use_grouped_mm
         weight = self[0].gate_proj.weight
         return not Experts._grouped_failed and weight.is_cuda and weight.dtype == torch.bfloat16
-
-    def _grouped_ok(self, x: torch.Tensor) -> bool:
-        if torch.is_grad_enabled() or _grouped_mm is None:
-            return False
-        if self.use_grouped_mm is not None:
-            return self.use_grouped_mm
-        dtype = self[0].gate_proj.weight.dtype
-        if Experts._grouped_failed or x.dtype != dtype:
-            return False
-        # CPU float32 only under inference mode (the engine): there the loop's per-expert ops cost more than the
-        # math, while a trainer's no-grad pass should not keep a stacked copy of the experts.
-        return (x.is_cuda and dtype == torch.bfloat16) or (
-            x.device.type == "cpu" and dtype == torch.float32 and torch.is_inference_mode_enabled())
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
@@ -349,7 +355,10 @@ class Experts(nn.ModuleList):
     def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs over the (token, slot) rows sorted by expert; group offsets stay on the device."""
         T, top_k = expert_ids.shape
-        w_gate_up, w_down = self.stacked()
+        # Inference reuses one stacked copy; autograd (and a trainer's no-grad pass) stacks the live weights.
+        w_gate_up, w_down = self.stacked() if torch.is_inference_mode_enabled() else self._stack()
+        dtype = _compute_dtype(x, w_gate_up.dtype)  # under autocast (SFT: float32 weights), its dtype
+        w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
         flat = expert_ids.reshape(-1)  # (T*k,)
         # Radix sort passes scale with the key width: expert ids fit in 8 or 16 bits.
         narrow = torch.uint8 if len(self) <= 256 else torch.int16 if len(self) <= 32768 else flat.dtype
@@ -357,7 +366,7 @@ class Experts(nn.ModuleList):
         # End row of each expert's group; bincount would sync on CUDA (it reads the max id on the host).
         experts = torch.arange(len(self), device=flat.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # (E,)
-        xs = x[order // top_k].to(w_gate_up.dtype)  # (T*k, D)
+        xs = x[order // top_k].to(dtype)  # (T*k, D)
         gate, up = _grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (T*k, I) each
         y = _grouped_mm(self[0].act(gate) * up, w_down.transpose(1, 2), offs=offs)  # (T*k, D)
         y = y * weights.reshape(-1)[order, None]  # float32, as the loop's
