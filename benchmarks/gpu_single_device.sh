@@ -2,8 +2,12 @@
 # The one-GPU recipes on a bare GPU machine without the project's dependencies (this workplace's H200 device):
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from a copy of the repo whose parent holds
 # whl/ (cp312 manylinux wheels + ray as a .tar.xz: see benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T, RL_STEPS RL_TRAIN
-#   RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T; *_T are wall-clock caps in seconds.
+#   STAGES="setup prof sft rl vstrl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
+#   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
+# vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
+# accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
+# VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -50,7 +54,17 @@ rl)
     2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/rl.log | tail -40
   cp $W/rl/metrics.jsonl $OUT/rl_metrics.jsonl 2>/dev/null
   ;;
+vstrl)
+  N=${VSTRL_NAME:-vstrl}
+  stamp "vstrl ($N)"
+  rm -rf $W/$N
+  FULL="--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
+  timeout -s INT -k 30 ${VSTRL_T:-540} python3 benchmarks/vs_trl.py --device cuda --task countdown ${VSTRL_ARGS:-$FULL} \
+    --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
+    | tee $OUT/$N.log | tail -40
+  cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  ;;
 esac; done
 stamp done
 # Ray's session logs, for post-mortems (one archive: $OUT returns at most 8 files)
-tar czf $OUT/raylogs.tgz -C /tmp/ray session_latest/logs 2>/dev/null; ls -la $OUT
+[ -z "$NO_RAYLOGS" ] && tar czf $OUT/raylogs.tgz -C /tmp/ray session_latest/logs 2>/dev/null; ls -la $OUT

@@ -1,4 +1,4 @@
-"""GRPO per-step wall time and reward: TRL's GRPOTrainer vs ours (`run_training`), side by side on CPU.
+"""GRPO per-step wall time and reward: TRL's GRPOTrainer vs ours (`run_training`), side by side on CPU or one GPU.
 
 Both sides, in one invocation, start from the same HF checkpoint (default recipes/assets/quickstart-sft) and train
 on the same prompts with the same reward and hyper-parameters:
@@ -27,7 +27,17 @@ that includes the Ray actors, raylet and GCS). On a shared machine wall time inc
 does not, so it is the steadier measure of the work each side does per step.
 Eval (off the clock): greedy pass@1 on the same held-out prompts with `slime_dsa.sft.greedy_eval`, for the
 initial model and both final models (ours: the last weights pushed to the engines; TRL: `save_model`), each
-loaded through `slime_dsa.load_model`.
+loaded through `slime_dsa.load_model` in float32 (on the GPU with --device cuda).
+
+--device cuda (one GPU; --task countdown with the small-preset SFT model is the realistic setting): ours as
+recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5), bf16 engine,
+bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the model in
+float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training alike:
+float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
+the CPU mode's. Both sides' step clocks wait for the GPU (torch.cuda.synchronize in TRL's callback; ours stamps
+after the weight push, which waits for the trainer). Ours' weight push reads the weights back for this script's
+hook only at the last step there (--hook-state last; every step cost ~0.5 s a step for the small preset on an
+H200, a cost of the measurement, not of ours); on CPU at every step, as before (--hook-state every).
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
@@ -38,6 +48,9 @@ loaded through `slime_dsa.load_model`.
         --out benchmarks/RESULTS.md                      # larger groups, long cap
     python benchmarks/vs_trl.py --preset quickstart --group-size 16 --max-new-tokens 64 ...
         # a random model of a preset instead of the SFT policy: long responses of varied length, reward ~0
+    python benchmarks/vs_trl.py --device cuda --task countdown --model runs/gpu-single-sft/model --steps 10 \
+        --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --out benchmarks/RESULTS.md
+        # one GPU, countdown, the small-preset policy of recipes/gpu_single_sft.yaml
 """
 
 from __future__ import annotations
@@ -69,24 +82,34 @@ FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many st
 
 
 def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """Our recipe for the benchmark: the quickstart's GRPO on arithmetic at the benchmark's sizes."""
-    return {
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "data": {"tasks": [{"kind": "arithmetic", "eval_size": args.eval_prompts, "train_size": args.train_size,
-                            "task_args": {"max_digits": 2}}],
-                 "apply_chat_template": True, "max_prompt_length": 64, "seed": args.seed},
+    """Our recipe for the benchmark: the quickstart's GRPO (CPU) or recipes/gpu_single.yaml's placement and
+    precision (cuda), on the benchmark's task and sizes."""
+    task: dict[str, Any] = {"kind": args.task, "eval_size": args.eval_prompts, "train_size": args.train_size}
+    if args.task == "arithmetic":
+        task["task_args"] = {"max_digits": 2}
+    cuda = args.device == "cuda"
+    recipe = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
+        "data": {"tasks": [task], "apply_chat_template": True, "max_prompt_length": args.max_prompt_length,
+                 "seed": args.seed},
         "rollout": {"num_engines": args.ours_engines, "n_samples_per_prompt": args.group_size,
                     "prompts_per_step": args.prompts_per_step, "max_response_length": args.max_new_tokens,
                     "temperature": args.temperature, "top_p": 1.0, "top_k": -1},
         "algorithm": {"name": "grpo", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0,
                       "advantage_std_normalize": True, "loss_aggregation": "token_mean",
                       "use_rollout_logprobs": not args.recompute_old_logprobs},
-        "trainer": {"num_workers": args.ours_workers, "data_parallel": "replicate", "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": 4096,
+        "trainer": {"num_workers": args.ours_workers, "data_parallel": "replicate", "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": args.micro_batch_tokens,
                     "warmup_steps": 0, "lr_schedule": "constant", "weight_decay": 0.0, "adam_betas": [0.9, 0.999],
                     "max_grad_norm": 1.0, "num_steps_per_rollout": 1, "seed": args.seed},
         "logging": {"wandb_mode": "disabled", "run_dir": str(run_dir), "eval_every": 0},
         "checkpoint": {"save_every": 0, "keep_last": 1},
     }
+    if cuda:  # recipes/gpu_single.yaml: engine and trainer take turns on the one GPU, bf16 mixed precision
+        recipe["model"]["ops_backend"] = "auto"
+        recipe["trainer"]["mixed_precision"] = True
+        del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
+        recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
+    return recipe
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
@@ -129,19 +152,41 @@ def cpu_seconds() -> float:
     return total
 
 
-def trl_arithmetic_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
-    """Our arithmetic reward in TRL's reward_funcs signature; a crashing call scores that completion 0."""
-    from rollout.rewards.arithmetic import arithmetic_reward
-
+def _trl_rewards(reward_fn: Any, completions: list, answer: list) -> list[float]:
+    """`reward_fn` (one of ours) over TRL's completions; a crashing call scores that completion 0."""
     rewards = []
     for completion, expected in zip(completions, answer):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         try:
-            rewards.append(float(arithmetic_reward(None, text, expected)["reward"]))
+            rewards.append(float(reward_fn(None, text, expected)["reward"]))
         except Exception:  # noqa: BLE001 - as in ours: a reward crash costs the sample, not the run
             logger.exception("reward failed on %r", text)
             rewards.append(0.0)
     return rewards
+
+
+# Plain functions, not partials: TRL names each reward's metrics after its __name__.
+def trl_arithmetic_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
+    """Our arithmetic reward in TRL's reward_funcs signature."""
+    from rollout.rewards.arithmetic import arithmetic_reward
+
+    return _trl_rewards(arithmetic_reward, completions, answer)
+
+
+def trl_countdown_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float]:
+    """Our countdown reward in TRL's reward_funcs signature (`answer`: the ground truth as a JSON string)."""
+    from rollout.rewards.countdown import countdown_reward
+
+    return _trl_rewards(countdown_reward, completions, answer)
+
+
+TRL_REWARDS = {"arithmetic": trl_arithmetic_reward, "countdown": trl_countdown_reward}
+
+
+def trl_answer(answer: Any) -> str:
+    """A prompt's ground truth as a TRL dataset string: as is for arithmetic, JSON for countdown's dict (which
+    a datasets column would otherwise turn into a struct)."""
+    return json.dumps(answer) if isinstance(answer, dict) else str(answer)
 
 
 def step_times(stamps: list[float]) -> list[float]:
@@ -165,23 +210,25 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     cpu: list[float] = []
     final: dict[str, Any] = {}
 
-    def on_weights(version: int, state: dict) -> None:
+    def on_weights(version: int, state: dict | None) -> None:
         stamps.append(time.perf_counter())
         cpu.append(cpu_seconds())
-        final["version"], final["state"] = version, state  # a fresh copy from the trainer: no clone needed
+        final["version"] = version
+        if state is not None:
+            final["state"] = state  # a fresh copy from the trainer: no clone needed
 
     path = workdir / "ours.yaml"
     path.write_text(yaml.safe_dump(recipe_dict(args, model_dir, workdir / "ours")))
     t0 = time.perf_counter()
     try:
-        run_dir = run_training(load_recipe(path), on_weights=on_weights)
+        run_dir = run_training(load_recipe(path), on_weights=on_weights, hook_state=args.hook_state)
     finally:
         if ray.is_initialized():
             ray.shutdown()
     total = time.perf_counter() - t0
     records = read_metrics(run_dir)
     rewards = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
-    if final.get("version") != args.steps or len(rewards) != args.steps:
+    if final.get("version") != args.steps or len(rewards) != args.steps or "state" not in final:
         raise RuntimeError(f"ours: expected {args.steps} steps, got weight version {final.get('version')} and "
                            f"{len(rewards)} logged rewards (see {run_dir}/train.log)")
     later = records[1:] or records
@@ -196,35 +243,42 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
 
 def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: list[str],
             answers: list[str]) -> dict[str, Any]:
-    """TRL's GRPOTrainer on CPU with the same prompts (in our order), reward and hyper-parameters."""
+    """TRL's GRPOTrainer on --device with the same prompts (in our order), reward and hyper-parameters."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    cuda = args.device == "cuda"
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.stamps: list[float] = []
             self.cpu: list[float] = []
 
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
+        def stamp(self) -> None:
+            if cuda:  # the optimiser step's kernels may still be queued
+                torch.cuda.synchronize()
             self.stamps.append(time.perf_counter())
             self.cpu.append(cpu_seconds())
 
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            self.stamp()
+
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            self.stamps.append(time.perf_counter())
-            self.cpu.append(cpu_seconds())
+            self.stamp()
 
     torch.set_num_threads(args.trl_threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # float32 weights on both devices; on cuda bf16=True autocasts the forward (mixed precision, as ours)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": m}] for m in messages], "answer": answers,
     })
     batch = args.prompts_per_step * args.group_size
     config = GRPOConfig(
-        output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, fp16=False, report_to="none", logging_steps=1,
+        output_dir=str(workdir / "trl"), use_cpu=not cuda, bf16=cuda, fp16=False, report_to="none", logging_steps=1,
         save_strategy="no", max_steps=args.steps, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=args.group_size,
         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
@@ -235,7 +289,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     )
     clock = StepClock()
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_arithmetic_reward, args=config, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=TRL_REWARDS[args.task], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
     total = time.perf_counter() - t0
@@ -274,10 +328,14 @@ def evaluate(model_dir: Path, tokenizer: Any, tasks: list, args: argparse.Namesp
     from slime_dsa import load_model
     from slime_dsa.sft import greedy_eval
 
-    model = load_model(model_dir, dtype=torch.float32)
+    model = load_model(model_dir, dtype=torch.float32, device=args.device)
     if state is not None:
         model.load_state_dict(state)
-    return greedy_eval(model, tokenizer, tasks, args.eval_prompts, args.max_new_tokens)["eval/pass@1"]
+    result = greedy_eval(model, tokenizer, tasks, args.eval_prompts, args.max_new_tokens)["eval/pass@1"]
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def summary(side: dict[str, Any]) -> dict[str, float]:
@@ -289,13 +347,43 @@ def summary(side: dict[str, Any]) -> dict[str, float]:
             "first_reward": side["rewards"][0], "final_reward": sum(side["rewards"][-k:]) / k}
 
 
-def hardware() -> str:
+def hardware(device: str = "cpu") -> str:
+    """The CPU (model, count) and, for cuda, the GPU in front of it."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-        return f"{info.get('Model name', platform.processor())}, {info.get('CPU(s)', os.cpu_count())} CPUs"
+        cpu = f"{info.get('Model name', platform.processor())}, {info.get('CPU(s)', os.cpu_count())} CPUs"
     except (OSError, subprocess.CalledProcessError):
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+        cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    if device != "cuda":
+        return cpu
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return f"1x {props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs); {cpu}"
+
+
+def task_desc(args: argparse.Namespace) -> str:
+    what = "arithmetic (1-2 digits" if args.task == "arithmetic" else "countdown (built-in defaults"
+    return f"{what}, chat template, max prompt {args.max_prompt_length} tokens, data seed {args.seed})"
+
+
+def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
+    """(the precision, how each side runs) for the report."""
+    if args.device == "cuda":
+        return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
+                f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
+                f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
+                f"on the one GPU (0.5 + 0.5; Ray actors that take turns, the engine releasing its KV cache while "
+                f"the trainer steps), Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
+                f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
+                f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
+                f"{args.trl_threads} torch thread(s)")
+    return ("float32",
+            f"ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
+            f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
+            f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
+            f"`generate`")
 
 
 def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: dict, evals: dict[str, float],
@@ -307,19 +395,19 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
     reached = ratio >= 3.0 and reward_ok
     cmd = "python benchmarks/vs_trl.py " + shlex.join(sys.argv[1:])
     k = min(FINAL_STEPS, args.steps)
+    precision, sides = setup_desc(args)
+    where = "one GPU" if args.device == "cuda" else "CPU"
+    shared = "" if args.device == "cuda" else "shared; "
     lines = [
-        "### GRPO vs TRL GRPOTrainer: per-step time and reward (CPU)",
+        f"### GRPO vs TRL GRPOTrainer: per-step time and reward ({where})",
         "",
-        f"- date: {args.date}; hardware: {hardware()} (shared; load average {load[0]:.1f} at the start, "
-        f"{load[1]:.1f} at the end); {versions}",
+        f"- date: {args.date}; device: {args.device}; hardware: {hardware(args.device)} ({shared}load average "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end); {versions}",
         f"- command: `{cmd}`",
-        f"- model: {model_desc}; arithmetic (1-2 digits, chat template, data seed {args.seed}); "
+        f"- model: {model_desc}; {task_desc(args)}; "
         f"{args.steps} steps x {args.prompts_per_step} prompts x {args.group_size} samples, max {args.max_new_tokens} "
-        f"new tokens, T={args.temperature}, lr {args.lr}, eps 0.2/0.28, no KL, token-mean loss, float32",
-        f"- ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
-        f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
-        f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
-        f"`generate`",
+        f"new tokens, T={args.temperature}, lr {args.lr}, eps 0.2/0.28, no KL, token-mean loss, {precision}",
+        f"- {sides}",
         f"- same prompts in the same order per step (TRL prompt ids equal ours: {'yes' if ids_match else 'NO'}); "
         f"step time = wall time between weight versions, median over steps 2..{args.steps}; eval = greedy pass@1 on "
         f"{args.eval_prompts} held-out prompts (`slime_dsa.sft.greedy_eval`), initial model {evals['initial']:.3f}",
@@ -337,7 +425,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"- step-time ratio TRL / ours: **{ratio:.2f}x** (wall); CPU-time ratio TRL / ours: {cpu_ratio:.2f}x",
         "- ours per step (median of steps 2..N, from its metrics): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in ours["parts"].items())
-        + f"; pi_old {'recomputed by the trainer' if args.recompute_old_logprobs else 'from the rollout log-probs'}",
+        + f"; pi_old {'recomputed by the trainer' if args.recompute_old_logprobs else 'from the rollout log-probs'}"
+        + "; the weight push read the weights back for this script's hook "
+        + ("at every step (in sync)" if args.hook_state == "every" else "at the last step only (in its sync time)"),
         f"- goal (ours >= 3x faster per step with equal or better reward): "
         f"{'reached' if reached else 'NOT reached'} ({ratio:.2f}x; final reward ours {so['final_reward']:.3f} vs "
         f"TRL {st['final_reward']:.3f}, eval pass@1 ours {evals['ours']:.3f} vs TRL {evals['trl']:.3f})",
@@ -361,6 +451,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help=f"HF model directory (default {DEFAULT_MODEL})")
     parser.add_argument("--preset", default=None,
                         help="instead: a randomly initialised model of this preset (e.g. small), saved for both sides")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default), or cuda: both sides on one GPU in bf16 mixed precision")
+    parser.add_argument("--task", choices=("arithmetic", "countdown"), default="arithmetic",
+                        help="built-in task: arithmetic (1-2 digits, the quickstart's) or countdown (the GPU recipes')")
+    parser.add_argument("--max-prompt-length", type=int, default=None,
+                        help="prompt tokens (longer prompts are dropped); default 64 for arithmetic, 160 for countdown")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="ours: trainer micro-batch token budget; default 4096 on CPU, on cuda the whole "
+                             "step's batch (prompts x samples x (max prompt + max new tokens))")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (TRL num_generations)")
@@ -376,6 +475,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
     parser.add_argument("--ours-workers", type=int, default=1,
                         help="ours: trainer ranks (1 CPU each; whole-model replicas, one gradient all-reduce)")
+    parser.add_argument("--hook-state", choices=("every", "last"), default=None,
+                        help="ours: the weight push reads the weights back for this script's hook at every step "
+                             "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "
+                             "(default on cuda: ~0.5 s a step for the small preset on an H200, not ours' cost)")
     parser.add_argument("--date", default=datetime.date.today().isoformat(), help="date written in the report")
     parser.add_argument("--workdir", type=Path, default=None, help="run directories (default: a temporary one)")
     parser.add_argument("--out", type=Path, help="append the result section to this markdown file")
@@ -388,6 +491,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--model and --preset exclude each other: give one model")
     if args.group_size < 2:
         parser.error(f"--group-size ({args.group_size}) must be >= 2 (GRPO needs a group)")
+    if args.device == "cuda" and (args.ours_engines != 1 or args.ours_workers != 1):
+        parser.error(f"--device cuda runs 1 engine + 1 trainer rank on one GPU; got --ours-engines "
+                     f"{args.ours_engines} --ours-workers {args.ours_workers}")
+    if args.hook_state is None:
+        args.hook_state = "last" if args.device == "cuda" else "every"
+    if args.max_prompt_length is None:
+        args.max_prompt_length = 64 if args.task == "arithmetic" else 160
+    if args.micro_batch_tokens is None:
+        whole_batch = args.prompts_per_step * args.group_size * (args.max_prompt_length + args.max_new_tokens)
+        args.micro_batch_tokens = whole_batch if args.device == "cuda" else 4096
     return args
 
 
@@ -400,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("trl is not installed: pip install -e '.[bench]' (or pip install trl)")
         return 2
     import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        logger.error("--device cuda: torch sees no CUDA device")
+        return 2
     import transformers
     from transformers import AutoTokenizer
 
@@ -425,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("ours: %d steps", args.steps)
     ours = run_ours(args, model_dir, workdir)
     logger.info("TRL %s: %d steps", trl.__version__, args.steps)
-    trl_side = run_trl(args, model_dir, workdir, messages, [str(p.answer) for p in prompts])
+    trl_side = run_trl(args, model_dir, workdir, messages, [trl_answer(p.answer) for p in prompts])
 
     logger.info("greedy eval of the initial and both final models")
     evals = {"initial": evaluate(model_dir, tokenizer, tasks, args),

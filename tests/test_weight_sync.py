@@ -86,3 +86,34 @@ def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, tr
         assert not engine.engine.paused  # generation continued after the update
     if transport == "shm":
         assert not directory.exists()  # close() freed the shared memory
+
+
+def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
+    """hook_state "last": the push reads the weights back (want_state) only for the last version; the hook still
+    runs at every version, with None before the last."""
+    from types import SimpleNamespace
+
+    from slime_dsa.orchestrator.train import Run, sync_weights
+
+    class FakeWeights:
+        def __init__(self) -> None:
+            self.asked: list[bool] = []
+
+        async def push(self, version: int, pause_mode: str = "abort", want_state: bool = False) -> dict | None:
+            self.asked.append(want_state)
+            return {"version": version} if want_state else None
+
+    recipe = SimpleNamespace(trainer=SimpleNamespace(num_steps=3))
+    for hook_state, wanted in (("every", [True, True, True, True]), ("last", [False, False, False, True])):
+        seen: list = []
+        run = Run(recipe, None, None, None, None, None, None, None, FakeWeights(), 0,
+                  lambda v, s: seen.append((v, s)), hook_state)
+        assert [run.hook_wants_state(v) for v in range(4)] == wanted
+        for version in range(1, 4):
+            asyncio.run(sync_weights(run.weights, version, on_weights=run.on_weights,
+                                     want_state=run.hook_wants_state(version)))
+        assert run.weights.asked == wanted[1:]
+        assert seen == [(v, {"version": v} if w else None) for v, w in zip(range(1, 4), wanted[1:])]
+    quiet = FakeWeights()  # no hook: never a read-back, whatever want_state says
+    asyncio.run(sync_weights(quiet, 1, want_state=True))
+    assert quiet.asked == [False]

@@ -97,7 +97,8 @@ async def run_async_loop(run: Run) -> None:
             samples = [s for group in kept for s in group]
             metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs="none"))
             metrics["perf/sync_time_s"] = await sync_weights(run.weights, version=step + 1, pause_mode=pause_mode,
-                                                              on_weights=run.on_weights)
+                                                              on_weights=run.on_weights,
+                                                              want_state=run.hook_wants_state(step + 1))
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             last = step + 1 == recipe.trainer.num_steps
             if alg.max_staleness > 0 and not last:

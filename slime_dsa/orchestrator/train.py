@@ -22,8 +22,11 @@ from slime_dsa.config import RecipeConfig
 logger = logging.getLogger(__name__)
 
 # Called with (weight version, full state dict) each time the engines get new weights, and once with the
-# starting weights; benchmarks use it to evaluate every version after the run, off the clock.
-WeightsHook = Callable[[int, dict], None]
+# starting weights; benchmarks use it to evaluate every version after the run, off the clock. With
+# hook_state "last" the state dict comes with the last version only (None before it): reading the weights back
+# cost the push ~0.5 s a step for a 160M-parameter model on an H200, which a benchmark timing steps must not add.
+WeightsHook = Callable[[int, dict | None], None]
+HookState = Literal["every", "last"]
 
 
 @dataclass
@@ -41,19 +44,27 @@ class Run:
     weights: Any  # slime_dsa.orchestrator.weight_sync.WeightSync
     start_step: int = 0
     on_weights: WeightsHook | None = None
+    hook_state: HookState = "every"
+
+    def hook_wants_state(self, version: int) -> bool:
+        """Whether on_weights gets the full state dict with weight `version`."""
+        return self.on_weights is not None and (self.hook_state == "every" or version == self.recipe.trainer.num_steps)
 
 
 def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto", "sync", "async"] = "auto",
-                 on_weights: WeightsHook | None = None) -> Path:
+                 on_weights: WeightsHook | None = None, hook_state: HookState = "every") -> Path:
     """Run the recipe to trainer.num_steps; returns the run directory.
 
     loop: auto = the asynchronous loop for algorithm async_reinforce, else the synchronous one; sync/async force
-    one (comparisons of the two on one recipe).
+    one (comparisons of the two on one recipe). on_weights, hook_state: see WeightsHook.
     """
-    return asyncio.run(_run(recipe, resume or recipe.checkpoint.resume, loop, on_weights))
+    if hook_state not in ("every", "last"):
+        raise ValueError(f"hook_state must be every or last, got {hook_state!r}")
+    return asyncio.run(_run(recipe, resume or recipe.checkpoint.resume, loop, on_weights, hook_state))
 
 
-async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weights: WeightsHook | None = None) -> Path:
+async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weights: WeightsHook | None = None,
+               hook_state: HookState = "every") -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
@@ -101,10 +112,12 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
-    run = Run(recipe, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step, on_weights)
+    run = Run(recipe, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
+              on_weights, hook_state)
     try:
         if on_weights is not None:
-            on_weights(start_step, await asyncio.to_thread(trainers.full_state_dict))
+            state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
+            on_weights(start_step, state)
         if recipe.logging.eval_every and recipe.logging.eval_at_start and resume_from is None:
             initial = await manager.evaluate()
             metrics_log.log(initial, step=0)
@@ -156,7 +169,8 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
     old = "none" if recipe.algorithm.name in ("async_reinforce", "sao") else (
         "rollout" if recipe.algorithm.use_rollout_logprobs else "recompute")
     metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs=old, client=run.client))
-    sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights)
+    sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
+                                   want_state=run.hook_wants_state(step + 1))
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})
     return metrics
 
@@ -213,10 +227,12 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
 
 
 async def sync_weights(weights, version: int, pause_mode: str = "abort",
-                       on_weights: WeightsHook | None = None) -> float:
-    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took."""
+                       on_weights: WeightsHook | None = None, want_state: bool | None = None) -> float:
+    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took.
+    on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
     start = time.perf_counter()
-    state = await weights.push(version, pause_mode=pause_mode, want_state=on_weights is not None)
+    want = on_weights is not None if want_state is None else want_state and on_weights is not None
+    state = await weights.push(version, pause_mode=pause_mode, want_state=want)
     elapsed = time.perf_counter() - start
     if on_weights is not None:
         on_weights(version, state)
