@@ -290,7 +290,7 @@ class Experts(nn.ModuleList):
     dropped by `drop_stacked()`; other passes (the trainer) stack per forward, so gradients flow to every expert.
     """
 
-    use_grouped_mm: bool | None = None  # None: on CUDA bf16 without autograd; True / False force it (tests)
+    use_grouped_mm: bool | None = None  # None: on CUDA in bf16 and on CPU in float32; True / False force it
     _grouped_failed = False  # set when the automatic choice failed once on this process' device
 
     def __init__(self, config: ModelConfig) -> None:

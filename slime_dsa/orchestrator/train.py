@@ -231,7 +231,7 @@ async def sync_weights(weights, version: int, pause_mode: str = "abort",
     """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took.
     on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
     start = time.perf_counter()
-    want = on_weights is not None if want_state is None else want_state and on_weights is not None
+    want = on_weights is not None and want_state is not False
     state = await weights.push(version, pause_mode=pause_mode, want_state=want)
     elapsed = time.perf_counter() - start
     if on_weights is not None:
