@@ -217,8 +217,9 @@ class EngineClient:
                 raise MalformedResponseError(f"{engine.url}{path} answered {resp.status} with a body that is not JSON") from None
 
     async def request(self, path: str, payload: Any, *, session_id: str | None = None,
-                      timeout_s: float | None = None, abort_rid: str | None = None) -> tuple[Any, str]:
-        """POST `payload` to `path` on one engine, routed and retried; returns (JSON body, engine URL)."""
+                      timeout_s: float | None = None, abort_rid: str | Sequence[str] | None = None) -> tuple[Any, str]:
+        """POST `payload` to `path` on one engine, routed and retried; returns (JSON body, engine URL).
+        abort_rid: the request id(s) to abort on an engine whose attempt timed out."""
         timeout_s = timeout_s or self.timeout_s
         headers = {ROUTING_KEY_HEADER: session_id} if session_id else None
         tried: set[str] = set()
@@ -247,7 +248,8 @@ class EngineClient:
                 self._record_failure(engine, reason)
                 if isinstance(e, asyncio.TimeoutError) and abort_rid:
                     # the request may still run there: end it before it is sent again (the rid must be free)
-                    await self._abort(engine.url, abort_rid)
+                    for rid in [abort_rid] if isinstance(abort_rid, str) else abort_rid:
+                        await self._abort(engine.url, rid)
                 logger.info("attempt %d of %s on %s failed: %s", attempt + 1, path, engine.url, reason)
                 attempt += 1
                 if attempt <= self.max_retries:
@@ -303,6 +305,41 @@ class EngineClient:
             raise MalformedResponseError(f"{url}/generate: expected a list of {n} results for n={n}")
         for i, item in enumerate(items):
             validate_generate_response(item, url, return_logprob=return_logprob, where=f"[{i}]" if n > 1 else "")
+        return body
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Sequence[dict],
+        *,
+        return_logprob: bool = True,
+        session_id: str | None = None,
+        return_indexer_topk: bool = False,
+        indexer_topk_start_len: int = -1,
+        timeout_s: float | None = None,
+    ) -> list[dict]:
+        """POST /generate with a batch of token-id prompts, one sampling_params dict each, in ONE request (one
+        engine); returns the validated response dicts in order. Same options as `generate`."""
+        if not prompts or len(prompts) != len(sampling_params):
+            raise ValueError(f"need one sampling_params per prompt, got {len(prompts)} prompts and "
+                             f"{len(sampling_params)} sampling_params")
+        rids = [uuid.uuid4().hex for _ in prompts]
+        payload: dict[str, Any] = {"input_ids": [list(p) for p in prompts],
+                                   "sampling_params": [dict(sp) for sp in sampling_params],
+                                   "return_logprob": return_logprob, "rid": rids}
+        if session_id is not None:
+            payload["session_id"] = session_id
+        if return_indexer_topk:
+            payload["return_indexer_topk"] = True
+            if indexer_topk_start_len >= 0:
+                payload["indexer_topk_start_len"] = indexer_topk_start_len
+        body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
+                                       abort_rid=rids)
+        if not isinstance(body, list) or len(body) != len(prompts):
+            raise MalformedResponseError(f"{url}/generate: expected a list of {len(prompts)} results for a batch of "
+                                         f"{len(prompts)} prompts, got {str(body)[:120]!r}")
+        for i, item in enumerate(body):
+            validate_generate_response(item, url, return_logprob=return_logprob, where=f"[{i}]")
         return body
 
     async def generate_raw(self, payload: dict, *, session_id: str | None = None, timeout_s: float | None = None) -> Any:

@@ -167,3 +167,26 @@ def test_micro_batch_budget_counts_a_shared_prompt_once():
     assert split_by_tokens(seqlens, 20) == [[0, 1], [2, 3]]
     assert split_by_tokens(seqlens, 20, shared) == [[0, 1, 2], [3]]  # 10 + 4 + 4 rows
     assert split_by_tokens(seqlens, 15, shared) == [[0, 1], [2], [3]]  # a new micro-batch pays the whole prompt
+
+
+def test_ranks_get_whole_groups_so_no_prompt_is_computed_twice():
+    from slime_dsa.models.prefix_sharing import shared_prompt_lengths  # noqa: PLC0415
+    from trainers.base import balance_across_ranks  # noqa: PLC0415
+
+    # Four groups of four samples: whole groups per rank, two each (equal rows), every sample once.
+    ids, seqlens, plens = _groups([20, 20, 20, 20], [[2, 9, 3, 8], [5, 5, 5, 5], [9, 2, 8, 3], [5, 6, 4, 5]])
+    shared = shared_prompt_lengths(ids, seqlens, plens)
+    flat = [{i // 4 for i in rank} for rank in balance_across_ranks(seqlens, 2)]
+    assert flat[0] & flat[1]  # the flat balance splits groups: both ranks compute their prompts
+    grouped = balance_across_ranks(seqlens, 2, shared)
+    assert sorted(len({i // 4 for i in rank}) for rank in grouped) == [2, 2]
+    assert all(rank == sorted(rank) and {i // 4 for i in rank} == {g for g in range(4) if 4 * g in rank}
+               for rank in grouped)
+    assert sorted(i for rank in grouped for i in rank) == list(range(16))
+
+    # One group and two ranks: cut in two contiguous pieces (each pays the prompt) rather than one idle rank.
+    ids, seqlens, plens = _groups([20], [[2, 3, 4, 5]])
+    shared = shared_prompt_lengths(ids, seqlens, plens)
+    assert sorted(balance_across_ranks(seqlens, 2, shared)) == [[0, 1], [2, 3]]
+    # Without sharing (replay, indexer loss) samples are balanced one by one, as before.
+    assert sorted(balance_across_ranks([5, 6, 7, 8], 3)) == [[0, 1], [2], [3]]

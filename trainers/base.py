@@ -74,14 +74,35 @@ def split_by_tokens(seqlens: list[int], max_tokens: int, shared: list[int] | Non
     return groups
 
 
-def balance_across_ranks(seqlens: list[int], world_size: int) -> list[list[int]]:
-    """Assign samples to ranks so that token counts are balanced (longest first onto the lightest rank)."""
+def balance_across_ranks(seqlens: list[int], world_size: int, shared: list[int] | None = None) -> list[list[int]]:
+    """Assign samples to ranks so that the rows each computes are balanced (largest first onto the lightest rank).
+
+    shared[i] (as in split_by_tokens): leading tokens sample i shares with sample i - 1. A run of samples that
+    share their prompt stays on one rank, which computes the prompt once, unless the run alone exceeds a rank's
+    fair share of the rows: then it is cut into that many pieces, each computing the prompt again.
+    """
+    shared = shared or [0] * len(seqlens)
+    runs: list[list[int]] = []
+    for i in range(len(seqlens)):
+        if runs and shared[i] > 0:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+
+    def rows(piece: list[int]) -> int:
+        return seqlens[piece[0]] + sum(seqlens[i] - shared[i] for i in piece[1:])
+
+    fair = max(sum(rows(run) for run in runs) / world_size, 1.0)
+    pieces: list[list[int]] = []
+    for run in runs:
+        cuts = min(len(run), -(-rows(run) // int(fair)) if rows(run) > fair else 1)
+        pieces += [run[j * len(run) // cuts : (j + 1) * len(run) // cuts] for j in range(cuts)]
     loads = [0] * world_size
     assignment: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(seqlens)), key=lambda i: -seqlens[i]):
+    for piece in sorted(pieces, key=lambda p: -rows(p)):
         rank = loads.index(min(loads))
-        assignment[rank].append(i)
-        loads[rank] += seqlens[i]
+        assignment[rank].extend(piece)
+        loads[rank] += rows(piece)
     return [sorted(a) for a in assignment]
 
 

@@ -1,7 +1,8 @@
 """Rollouts: prompts from the task mixture → n samples each through the engine client → rewards → groups.
 
-One code path for every engine kind: all generation goes over HTTP in SGLang's protocol (`rollout.client`).
-A failed request, an aborted one or a crashing reward function costs that sample, counted, never the step.
+One code path for every engine kind: all generation goes over HTTP in SGLang's protocol (`rollout.client`), one
+batched /generate per group. A failed request costs its samples (the group's, or a requeued one's), an aborted
+sample or a crashing reward function costs that sample: counted, never the step.
 Two modes: `collect_step` fills one synchronous step; `produce` runs continuously for the asynchronous loop,
 starting groups as a StalenessGate admits them and putting each finished group into the buffer.
 """
@@ -24,10 +25,15 @@ from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.prompts import Prompt, Task, TaskMixture
 from slime_dsa.data.sample import Sample, SampleStatus
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
+from slime_dsa.orchestrator.limiter import SampleLimiter
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEUES = 3  # an aborted sample is regenerated at most this many times (asynchronous loop, abort mode)
+
+
+def _index_range(samples: list[Sample]) -> str:
+    return str(samples[0].index) if len(samples) == 1 else f"{samples[0].index}-{samples[-1].index}"
 
 
 def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter) -> list[Sample] | None:
@@ -53,7 +59,7 @@ class RolloutManager:
         self.seed = seed
         self.buffer = buffer or SampleBuffer()
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
-        self.semaphore = asyncio.Semaphore(rollout.max_concurrency)
+        self.limiter = SampleLimiter(rollout.max_concurrency)
         self.show_progress = show_progress
         self.next_sample_index = 0
         self.next_group_id = 0
@@ -107,23 +113,42 @@ class RolloutManager:
             params["stop"] = list(self.cfg.stop)
         return params
 
+    def sample_seed(self, sample: Sample) -> int:
+        """The sample's sampling seed: rollouts are reproducible (and resumption exact) whatever the batching or
+        routing."""
+        return (self.seed * 1_000_003 + sample.index) % 2**31
+
     async def generate_sample(self, sample: Sample, params: dict[str, Any], session_id: str | None) -> Sample:
         """Generate one response into `sample` and score it; failures mark the sample, never raise."""
-        # A seed per sample makes rollouts reproducible (and resumption exact) whatever the batching or routing.
-        params = {**params, "sampling_seed": (self.seed * 1_000_003 + sample.index) % 2**31}
-        async with self.semaphore:
+        return (await self.generate_samples([sample], params, session_id))[0]
+
+    async def generate_samples(self, samples: list[Sample], params: dict[str, Any],
+                               session_id: str | None) -> list[Sample]:
+        """Generate the responses of `samples` (one prompt's group) in ONE request, then score each; failures mark
+        the samples, never raise. One HTTP call per group instead of per sample: the driver's and the server's
+        per-request cost dominated rollout time for short responses."""
+        cfg = self.cfg
+        per_sample = [{**params, "sampling_seed": self.sample_seed(s)} for s in samples]
+        options = dict(return_logprob=True, session_id=session_id, return_indexer_topk=cfg.return_indexer_topk,
+                       timeout_s=cfg.request_timeout_s,
+                       indexer_topk_start_len=0)  # the prompt rows too: replay is exact only with every row
+        async with self.limiter.hold(len(samples)):
             try:
-                out = await self.client.generate(
-                    sample.prompt_ids, params, return_logprob=True, session_id=session_id,
-                    return_indexer_topk=self.cfg.return_indexer_topk, timeout_s=self.cfg.request_timeout_s,
-                    indexer_topk_start_len=0,  # the prompt rows too: replay is exact only with every row
-                )
-                topk = indexer_topk_rows(out["meta_info"]) if self.cfg.return_indexer_topk else (None, None)
+                if len(samples) == 1:
+                    outs = [await self.client.generate(samples[0].prompt_ids, per_sample[0], **options)]
+                else:
+                    outs = await self.client.generate_batch([s.prompt_ids for s in samples], per_sample, **options)
+                topks = [indexer_topk_rows(o["meta_info"]) if cfg.return_indexer_topk else (None, None) for o in outs]
             except (EngineError, asyncio.TimeoutError) as e:
-                sample.status = SampleStatus.FAILED
-                sample.metadata["error"] = f"{type(e).__name__}: {e}"
-                logger.warning("sample %d: generation failed: %s", sample.index, e)
-                return sample
+                for sample in samples:
+                    sample.status = SampleStatus.FAILED
+                    sample.metadata["error"] = f"{type(e).__name__}: {e}"
+                logger.warning("samples %s: generation failed: %s", _index_range(samples), e)
+                return samples
+        return list(await asyncio.gather(*(self._score(s, o, t) for s, o, t in zip(samples, outs, topks))))
+
+    async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
+        """Fill `sample` from its /generate response and compute its reward."""
         meta = out["meta_info"]
         ids = [int(tok) for _, tok, *_ in meta["output_token_logprobs"]]
         logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
@@ -153,9 +178,7 @@ class RolloutManager:
         samples = self._new_samples(prompt, n)
         params = self.sampling_params(greedy)
         # One session per group: the router keeps the n samples on one engine, which shares their prompt's cache.
-        session = f"group-{samples[0].group_id}"
-        done = await asyncio.gather(*(self._tracked(self.generate_sample(s, params, session)) for s in samples))
-        return list(done)
+        return await self._tracked(self.generate_samples(samples, params, f"group-{samples[0].group_id}"))
 
     # -- continuous production (asynchronous loop) -----------------------------------------------
 
@@ -196,17 +219,19 @@ class RolloutManager:
         params = self.sampling_params()
         session = f"group-{samples[0].group_id}"
 
-        async def one(sample: Sample) -> Sample:
-            for attempt in range(MAX_REQUEUES + 1):
-                done = await self.generate_sample(sample, params, session)
-                if done.status != SampleStatus.ABORTED or not requeue_aborted or attempt == MAX_REQUEUES:
+        async def requeued(done: Sample) -> Sample:
+            """An aborted sample regenerated from scratch, up to MAX_REQUEUES times (when asked)."""
+            for attempt in range(MAX_REQUEUES):
+                if done.status != SampleStatus.ABORTED or not requeue_aborted:
                     return done
                 sample = prompt.to_sample(index=done.index, group_id=done.group_id)
                 sample.metadata["requeued"] = attempt + 1
+                done = await self.generate_sample(sample, params, session)
             return done
 
         try:
-            group = list(await asyncio.gather(*(one(s) for s in samples)))
+            group = await self.generate_samples(samples, params, session)
+            group = list(await asyncio.gather(*(requeued(s) for s in group)))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug here costs this group, never the run (the trainer waits on it)
@@ -219,9 +244,10 @@ class RolloutManager:
         del self.in_flight[samples[0].group_id]  # no await since the put: a group is never in both places
 
     async def _tracked(self, coro):
+        """Await a coroutine that returns samples, advancing the progress bar by them."""
         result = await coro
         if self._progress is not None:
-            self._progress.advance(self._progress_task)
+            self._progress.advance(self._progress_task, len(result))
         return result
 
     # -- one RL step's worth ---------------------------------------------------------------------

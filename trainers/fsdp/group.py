@@ -7,8 +7,10 @@ import socket
 import ray
 import torch
 
+from slime_dsa.models.prefix_sharing import shared_prompt_lengths
 from trainers.base import TrainBatch, balance_across_ranks
-from trainers.fsdp.worker import FSDPWorker, LossFn, TrainerSpec
+from trainers.fsdp.worker import FSDPWorker, LossFn, TrainerSpec, shares_prompts
+from trainers.loss import DSATraining
 
 
 def free_port() -> int:
@@ -24,6 +26,8 @@ class TrainerGroup:
                  num_gpus_per_worker: float = 0, placement_group=None, bundle_offset: int = 0) -> None:
         actor_cls = ray.remote(FSDPWorker)
         port = free_port()
+        self.spec = spec
+        self.dsa: DSATraining = getattr(loss_fn, "dsa", None) or DSATraining()
         self.workers = []
         for rank in range(num_workers):
             options = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
@@ -41,7 +45,11 @@ class TrainerGroup:
         return len(self.workers)
 
     def _shards(self, batch: TrainBatch) -> tuple[list[list[int]], list[TrainBatch]]:
-        assignment = balance_across_ranks(batch.seqlens, self.world_size)
+        """(sample ids per rank, the rank's sub-batch): a group's samples stay on one rank when its prompt is
+        computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
+        shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
+                  if batch.seqlens and shares_prompts(batch, self.spec, self.dsa) else None)
+        assignment = balance_across_ranks(batch.seqlens, self.world_size, shared)
         return assignment, [batch.select(ids) for ids in assignment]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -116,10 +116,7 @@ class FSDPWorker:
     # -- forward helpers ---------------------------------------------------------------------
 
     def _shares_prompts(self, batch: TrainBatch) -> bool:
-        """Whether this batch runs with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
-        indexer loss work on the flat layout."""
-        return (self.spec.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
-                and batch.rollout_topk is None and self.dsa.indexer_loss_coef == 0)
+        return shares_prompts(batch, self.spec, self.dsa)
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """Micro-batches by token budget (rows computed: a shared prompt counts once); every rank runs the same
@@ -332,6 +329,13 @@ class FSDPWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def shares_prompts(batch: TrainBatch, spec: TrainerSpec, dsa: DSATraining) -> bool:
+    """Whether this batch trains with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
+    indexer loss work on the flat layout."""
+    return (spec.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
+            and batch.rollout_topk is None and dsa.indexer_loss_coef == 0)
 
 
 def average_gradients(params: list[torch.Tensor], world_size: int) -> None:

@@ -1,0 +1,119 @@
+"""One /generate per group: the rollout manager sends a group's n samples in one batched request (real embedded
+server over loopback), with the same per-sample seeds, so the samples equal those of one request per sample."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tests.hf_reference import make_hf_checkpoint
+
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("batching")
+    make_hf_checkpoint(directory)
+    return directory
+
+
+def _manager(client, tasks, rollout):
+    from slime_dsa.data.prompts import TaskMixture
+    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    return RolloutManager(client, tasks, TaskMixture(tasks), tokenizer, rollout, show_progress=False, seed=3)
+
+
+def test_a_group_is_one_request_with_the_per_sample_seeds(checkpoint):
+    from rollout.client import EngineClient
+    from rollout.server.launch import EmbeddedServer, load_engine
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task
+
+    prompt = Prompt(task="t", split="train", index=0, prompt_ids=[3, 4, 5, 6, 7], prompt_text="", answer="mixed")
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:digit_fraction",
+                train=[prompt], eval=None)
+    rollout = RolloutSection(n_samples_per_prompt=GROUP, prompts_per_step=1, max_response_length=6, temperature=1.0)
+
+    async def main():
+        engine, _ = load_engine(checkpoint, max_cache_tokens=4096)
+        server = await EmbeddedServer.start(engine)
+        try:
+            async with EngineClient([server.url]) as client:
+                grouped = await _manager(client, [task], rollout).generate_group(prompt, GROUP)
+                requests = client.stats()[server.url]["completed"]
+                one_by_one = _manager(client, [task], rollout)
+                samples = one_by_one._new_samples(prompt, GROUP)
+                params = one_by_one.sampling_params()
+                single = [await one_by_one.generate_sample(s, params, None) for s in samples]
+                return grouped, single, requests
+        finally:
+            await server.stop()
+
+    grouped, single, requests = asyncio.run(main())
+    assert requests == 1
+    assert [s.index for s in grouped] == [s.index for s in single] == list(range(GROUP))
+    assert len({tuple(s.response_ids) for s in grouped}) > 1  # seeds differ per sample
+    for a, b in zip(grouped, single):
+        assert a.response_ids == b.response_ids
+        assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
+        assert a.reward == b.reward and a.status == b.status
+
+
+def test_a_failed_group_request_costs_its_samples_not_the_step():
+    from rollout.client import EngineClient
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task
+    from slime_dsa.data.sample import SampleStatus
+
+    prompt = Prompt(task="t", split="train", index=0, prompt_ids=[3, 4, 5], prompt_text="", answer="x")
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:digit_fraction",
+                train=[prompt], eval=None)
+    rollout = RolloutSection(n_samples_per_prompt=GROUP, prompts_per_step=1, max_response_length=4,
+                             request_timeout_s=1.0)
+
+    async def main():
+        # Nothing listens there: every attempt fails to connect.
+        async with EngineClient(["127.0.0.1:9"], max_retries=0) as client:
+            return await _manager(client, [task], rollout).generate_group(prompt, GROUP)
+
+    group = asyncio.run(main())
+    assert [s.status for s in group] == [SampleStatus.FAILED] * GROUP
+    assert all("EngineUnavailableError" in s.metadata["error"] for s in group)
+
+
+def test_generate_batch_needs_one_sampling_params_per_prompt():
+    from rollout.client import EngineClient
+
+    async def main():
+        async with EngineClient(["127.0.0.1:9"]) as client:
+            await client.generate_batch([[1, 2], [3]], [{}])
+
+    with pytest.raises(ValueError, match="one sampling_params per prompt"):
+        asyncio.run(main())
+
+
+def test_sample_limiter_counts_samples_and_never_deadlocks():
+    from slime_dsa.orchestrator.limiter import SampleLimiter
+
+    async def main():
+        limiter = SampleLimiter(6)
+        peak = 0
+
+        async def group(n: int) -> None:
+            nonlocal peak
+            async with limiter.hold(n):
+                peak = max(peak, limiter.in_flight)
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(asyncio.gather(*(group(n) for n in [4, 4, 4, 1, 9, 2])), timeout=5)
+        return peak, limiter.in_flight
+
+    peak, left = asyncio.run(main())
+    assert peak == 6 and left == 0  # 9 > the limit runs alone, holding all 6 places
+    with pytest.raises(ValueError):
+        SampleLimiter(0)
