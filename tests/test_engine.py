@@ -33,8 +33,8 @@ def one_thread():
 
 @pytest.fixture(scope="module", autouse=True, params=["packed", "paged"])
 def decode_path(request):
-    """Every test runs on both decode paths: the packed forward (CPU default) and the paged decode (CUDA default,
-    whose graphs replay exactly this forward), so the paged path inherits every parity test."""
+    """Every test runs on both decode paths: the packed forward (paged_decode off) and the paged decode (the
+    default, whose CUDA graphs replay exactly this forward), so the paged path inherits every parity test."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(Engine.__init__.__kwdefaults__, "paged_decode", request.param == "paged")
         yield request.param

@@ -66,7 +66,8 @@ def rollout(model, monkeypatch, n=3, prompt_len=5, new_tokens=12) -> list[Sample
     prompts = [torch.randint(0, CONFIG["vocab_size"], (prompt_len + i,), generator=g).tolist() for i in range(n)]
     with monkeypatch.context() as m:
         m.setattr(ops, "indexer_topk", later_keys_win_topk)
-        engine = Engine(model, max_cache_tokens=512, block_size=4, seed=1)
+        # The packed forward in decode too: the stand-in replaces the packed top-k (the paged one is another op).
+        engine = Engine(model, max_cache_tokens=512, block_size=4, seed=1, paged_decode=False)
         for i, p in enumerate(prompts):
             engine.add_request(GenerateRequest(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), rid=str(i),
                                                return_indexer_topk=True))
