@@ -18,7 +18,8 @@ on the same prompts with the same reward and hyper-parameters:
   and trains in trainer Ray actors (1 CPU each, colocated: they take turns; float32 replicas, unsharded),
   TRL generates with HF `generate` and trains with transformers' GlmMoeDsaForCausalLM in this process
   (--trl-threads torch threads). Ours computes each group's prompt once in generation and in training
-  (trainer.share_prompt_prefix) and syncs weights through /dev/shm (rollout.weight_sync auto): its defaults.
+  (trainer.share_prompt_prefix) and syncs weights through /dev/shm, or by CUDA IPC when engine and trainer share
+  a GPU (rollout.weight_sync auto): its defaults.
 
 Step time: wall time between consecutive weight versions (ours: the `on_weights` hook; TRL: `on_step_end`), so each
 includes rollout, reward, training, weight sync and logging; median over steps 2..N (step 1 includes warm-up).

@@ -41,6 +41,7 @@ class EngineActor:
         self.engine_kwargs, self.server_kwargs = engine_kwargs or {}, server_kwargs or {}
         self.launcher_kwargs = launcher_kwargs or {}
         self._server: Any = None  # EmbeddedServer or SGLangServer
+        self._engine: Any = None  # the embedded AsyncEngine
         self._url: str | None = None
 
     def _public_host(self) -> str:
@@ -58,6 +59,7 @@ class EngineActor:
             from rollout.server.launch import EmbeddedServer, load_engine  # noqa: PLC0415
 
             engine, tokenizer = await asyncio.to_thread(load_engine, self.model_dir, **self.engine_kwargs)
+            self._engine = engine
             self._server = await EmbeddedServer.start(engine, tokenizer, host=self.host, port=self.port,
                                                       model_path=self.model_dir, **self.server_kwargs)
             port = self._server.port
@@ -89,6 +91,16 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    async def cuda_device(self) -> dict | None:
+        """{"uuid", "dtype"} of an embedded engine on a CUDA device, else None: cuda_ipc weight sync needs trainer
+        rank 0 on the GPU with that UUID (indices differ between actors: Ray sets CUDA_VISIBLE_DEVICES per actor)."""
+        if self._engine is None or self._engine.engine.device.type != "cuda":
+            return None
+        from slime_dsa.checkpoint.cuda_ipc import device_uuid, dtype_name  # noqa: PLC0415
+
+        engine = self._engine.engine
+        return {"uuid": device_uuid(engine.device), "dtype": dtype_name(engine.model.dtype)}
+
     async def stop(self) -> None:
         """Stop the server and the engine."""
         if self._server is None:
@@ -97,7 +109,7 @@ class EngineActor:
             await self._server.stop()
         else:
             await asyncio.to_thread(self._server.stop)
-        self._server, self._url = None, None
+        self._server, self._url, self._engine = None, None, None
 
 
 def create_engine_actors(

@@ -49,6 +49,36 @@ def test_choose_transport(tmp_path):
         choose_transport("disk", "embedded", ["a"], "a", 1000, shm_root=tmp_path)
 
 
+def test_choose_transport_picks_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
+    def choose(setting="auto", kind="embedded", nodes=("a", "a"), devices=("G0", "G0"), trainer="G0"):
+        return choose_transport(setting, kind, list(nodes), "a", 1000, shm_root=tmp_path,
+                                engine_devices=list(devices), trainer_device=trainer)
+
+    assert choose() == "cuda_ipc"
+    assert choose(devices=("G0", "G1")) == "shm"  # same node, another GPU
+    assert choose(devices=("G0", None)) == "shm"  # an engine on the CPU
+    assert choose(trainer=None) == "shm"  # trainer on the CPU
+    assert choose(nodes=("a", "b")) == "http"
+    assert choose(kind="sglang") == "http"
+    assert choose("shm") == "shm" and choose("http") == "http"  # as asked
+    assert choose("cuda_ipc") == "cuda_ipc"
+    for kwargs, message in (({"devices": ("G0", "G1")}, "rollout.weight_sync 'cuda_ipc' needs every engine on trainer "
+                                                         "rank 0's GPU (G0); engine 1 is on GPU G1"),
+                            ({"devices": (None, "G0")}, "engine 0 is not on a CUDA device"),
+                            ({"trainer": None}, "needs trainer rank 0 on a CUDA device"),
+                            ({"nodes": ("b", "a")}, "needs every engine on trainer rank 0's Ray node"),
+                            ({"kind": "external", "nodes": ()}, "needs embedded engines, got rollout.engine 'external'")):
+        with pytest.raises(ValueError) as err:
+            choose("cuda_ipc", **kwargs)
+        assert message in str(err.value)
+
+
+def test_cuda_ipc_weight_sync_needs_the_engine_dtype(tmp_path):
+    with pytest.raises(ValueError, match="cuda_ipc needs the engines' dtype"):
+        WeightSync.create(None, None, "cuda_ipc", tmp_path)
+    assert WeightSync.create(None, None, "cuda_ipc", tmp_path, engine_dtype="bfloat16").engine_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("transport", ["http", "shm"])
 def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, transport):  # noqa: F811
     from rollout.client import EngineClient  # noqa: PLC0415
@@ -117,3 +147,25 @@ def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
     quiet = FakeWeights()  # no hook: never a read-back, whatever want_state says
     asyncio.run(sync_weights(quiet, 1, want_state=True))
     assert quiet.asked == [False]
+
+
+def test_cuda_ipc_push_sends_rank_0s_table_between_pause_and_continue(tmp_path):
+    class Trainers:
+        def share_weights(self, engine_dtype):
+            return {"buffer": {"dtype_asked": engine_dtype}, "tensors": []}
+
+    class Client:
+        engines = {"e": None}
+        calls: list = []
+
+        async def broadcast(self, path, body):
+            self.calls.append((path, body))
+            return {"e": {"success": True}}
+
+    client = Client()
+    sync = WeightSync.create(client, Trainers(), "cuda_ipc", tmp_path, engine_dtype="bfloat16")
+    assert asyncio.run(sync.push(4, pause_mode="retract")) is None
+    assert [path for path, _ in client.calls] == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation"]
+    assert client.calls[0][1] == {"mode": "retract"}
+    assert client.calls[1][1] == {"serialized_named_tensors": [{"buffer": {"dtype_asked": "bfloat16"}, "tensors": []}],
+                                  "load_format": "cuda_ipc", "flush_cache": True, "weight_version": "4"}

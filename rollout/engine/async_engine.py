@@ -13,12 +13,15 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.engine.engine import Engine
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+
+if TYPE_CHECKING:
+    from slime_dsa.checkpoint.cuda_ipc import IpcWeights
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +120,30 @@ class AsyncEngine:
     async def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
         """Update the model in place between two steps. Raises RequestError naming a bad tensor."""
         await self._call(lambda: self.engine.update_weights(state_dict, weight_version, flush_cache=flush_cache))
+
+    async def update_weights_from_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None = None,
+                                           flush_cache: bool = True) -> None:
+        """Copy the tensors of a sender's CUDA buffer (same GPU, another process) into the model, device to device.
+
+        Names and shapes are checked before the handle is opened; RequestError names a bad tensor or the device.
+        """
+        await self._call(lambda: self._load_cuda_ipc(ipc, weight_version, flush_cache))
+
+    def _load_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None, flush_cache: bool) -> None:
+        from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, open_buffer, views  # noqa: PLC0415
+
+        engine = self.engine
+        try:
+            ipc.check_against({name: tuple(t.shape) for name, t in engine.model.state_dict().items()})
+            flat = open_buffer(ipc.buffer, engine.device)
+        except IpcFormatError as e:
+            raise RequestError(str(e)) from None
+        try:
+            engine.update_weights(views(flat, ipc.tensors), weight_version, flush_cache=flush_cache)
+            # The copies read the sender's memory: done before the view is released and the sender refills it.
+            torch.cuda.current_stream(engine.device).synchronize()
+        finally:
+            del flat  # closes the IPC mapping (torch keeps it open only while a storage uses it)
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> None:
         """Load safetensors from an HF-format directory (read off the engine thread), then update in place."""

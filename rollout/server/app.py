@@ -22,6 +22,7 @@ from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, 
 from rollout.server import protocol
 from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
 from rollout.server.weights import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
+from slime_dsa.checkpoint.cuda_ipc import LOAD_FORMAT_CUDA_IPC
 
 logger = logging.getLogger(__name__)
 
@@ -378,8 +379,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     load_format = body.get("load_format")
     if load_format in SGLANG_PICKLE_FORMATS:
         raise RequestError(PICKLE_REFUSAL.format(fmt=load_format))
-    if load_format != LOAD_FORMAT:
-        raise RequestError(f"load_format must be {LOAD_FORMAT!r} (base64 of safetensors bytes), got {load_format!r}")
+    if load_format not in (LOAD_FORMAT, LOAD_FORMAT_CUDA_IPC):
+        raise RequestError(f"load_format must be {LOAD_FORMAT!r} (base64 of safetensors bytes) or "
+                           f"{LOAD_FORMAT_CUDA_IPC!r} (a CUDA IPC handle table, same GPU), got {load_format!r}")
     entries = body.get("serialized_named_tensors")
     if not isinstance(entries, list) or len(entries) != 1:
         got = f"{len(entries)} entries" if isinstance(entries, list) else type(entries).__name__
@@ -387,6 +389,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     flush = _field(body, "flush_cache", (bool,), True)
     version = _field(body, "weight_version", (str,), None)
     abort_all = _field(body, "abort_all_requests", (bool,), False)
+    if load_format == LOAD_FORMAT_CUDA_IPC:
+        return await _update_from_cuda_ipc(st, entries[0], version, flush, abort_all)
     state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
     if abort_all:
         await st.engine.abort(abort_all=True)
@@ -396,6 +400,28 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         logger.warning("update_weights_from_tensor failed: %s", e)
         return _update_result(False, f"failed to update weights: {e}")
     return _update_result(True, f"Succeeded to update model weights ({len(state_dict)} tensors); "
+                                f"weight_version is {st.engine.weight_version}.")
+
+
+async def _update_from_cuda_ipc(st: ServerState, entry: Any, version: str | None, flush: bool,
+                                abort_all: bool) -> web.Response:
+    """load_format cuda_ipc: a JSON handle table (slime_dsa.checkpoint.cuda_ipc), checked, then copied on the GPU."""
+    from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
+
+    if not hasattr(st.engine, "update_weights_from_cuda_ipc"):
+        raise RequestError(f"load_format {LOAD_FORMAT_CUDA_IPC!r} is not supported by this engine; send {LOAD_FORMAT!r}")
+    try:
+        ipc = IpcWeights.from_json(entry)
+    except IpcFormatError as e:
+        raise RequestError(str(e)) from None
+    if abort_all:
+        await st.engine.abort(abort_all=True)
+    try:
+        await st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        logger.warning("update_weights_from_tensor (cuda_ipc) failed: %s", e)
+        return _update_result(False, f"failed to update weights: {e}")
+    return _update_result(True, f"Succeeded to update model weights ({len(ipc.tensors)} tensors, cuda_ipc); "
                                 f"weight_version is {st.engine.weight_version}.")
 
 

@@ -2,7 +2,8 @@
 
 SGLang's own format (load_format null | "direct" | "flattened_bucket") is base64 of a torch multiprocessing
 pickle holding CUDA IPC handles. Unpickling HTTP input runs arbitrary code, so the embedded server refuses it;
-trainers send `load_format: "safetensors_b64"` instead, built by `tensor_update_payloads`.
+trainers send `load_format: "safetensors_b64"` instead, built by `tensor_update_payloads`. Engines on the trainer's
+GPU also take `load_format: "cuda_ipc"`: a JSON table of CUDA IPC rebuild arguments (slime_dsa.checkpoint.cuda_ipc).
 """
 
 from __future__ import annotations

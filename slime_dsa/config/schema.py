@@ -210,12 +210,15 @@ class RolloutSection(Section):
         False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
                            "response (for algorithm.index_replay; embedded engines then keep each cached row's "
                            "top-k with the KV cache).")
-    weight_sync: Literal["auto", "http", "shm"] = Field(
+    weight_sync: Literal["auto", "http", "shm", "cuda_ipc"] = Field(
         "auto", description="How embedded or external engines get new weights after each step: http (the "
                             "state dict in /update_weights_from_tensor requests; engines anywhere), shm (trainer "
                             "rank 0 writes a safetensors file under /dev/shm that each engine loads through "
-                            "/update_weights_from_disk; engines on rank 0's host only); auto = shm when every "
-                            "engine is an embedded engine on rank 0's node and /dev/shm has room, else http.")
+                            "/update_weights_from_disk; engines on rank 0's host only), cuda_ipc (rank 0 keeps "
+                            "the weights in one buffer on its GPU and each engine copies them device to device "
+                            "through a CUDA IPC handle; embedded engines on rank 0's GPU only); auto = cuda_ipc "
+                            "when every engine is an embedded engine on rank 0's GPU, else shm when they are on "
+                            "rank 0's node and /dev/shm has room, else http.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 

@@ -126,6 +126,14 @@ class TrainerGroup:
         """Rank 0 writes the full state dict to the safetensors file `path` (atomically)."""
         ray.get([w.save_weights.remote(path) for w in self.workers])
 
+    def share_weights(self, engine_dtype: str) -> dict:
+        """Rank 0's cuda_ipc table of the current weights in one GPU buffer (see FSDPWorker.share_weights)."""
+        return ray.get([w.share_weights.remote(engine_dtype) for w in self.workers])[0]
+
+    def cuda_device(self) -> str | None:
+        """The GPU UUID of rank 0, whose memory cuda_ipc engines read."""
+        return ray.get(self.workers[0].cuda_device.remote())
+
     def node_id(self) -> str | None:
         """The Ray node of rank 0, which writes weight files."""
         return ray.get(self.workers[0].node_id.remote())

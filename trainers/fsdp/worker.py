@@ -30,6 +30,7 @@ from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
+from trainers.fsdp.shared_weights import SharedWeights
 from trainers.loss import DSATraining
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class FSDPWorker:
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
         self.step = 0
+        self._shared: SharedWeights | None = None  # built by the first share_weights (rollout.weight_sync cuda_ipc)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW; with dsa.indexer_learning_rate the indexers get their own param groups at that rate."""
@@ -300,6 +302,21 @@ class FSDPWorker:
         tmp = f"{path}.tmp-{os.getpid()}"
         save_file(tensors, tmp)
         os.replace(tmp, path)
+
+    def share_weights(self, engine_dtype: str) -> dict | None:
+        """The weights, cast to the engine's dtypes, in one buffer on rank 0's GPU that engines on that GPU open by
+        CUDA IPC; rank 0 returns its JSON table (slime_dsa.checkpoint.cuda_ipc), the others None. Collective."""
+        if self._shared is None:
+            if self.device.type != "cuda":
+                raise RuntimeError("share_weights (rollout.weight_sync cuda_ipc) needs trainer ranks on CUDA devices")
+            self._shared = SharedWeights(self.model, engine_dtype, sender=self.rank == 0)
+        return self._shared.fill(self.model)
+
+    def cuda_device(self) -> str | None:
+        """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
+        from slime_dsa.checkpoint.cuda_ipc import device_uuid  # noqa: PLC0415
+
+        return device_uuid(self.device) if self.device.type == "cuda" else None
 
     def node_id(self) -> str | None:
         """The Ray node this rank runs on (None outside Ray)."""

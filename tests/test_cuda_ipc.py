@@ -1,0 +1,266 @@
+"""cuda_ipc weight sync: the JSON handle table (encoding, checks, error messages) on CPU, the real IPC path on a GPU.
+
+The GPU test runs an embedded server in a second process on the same GPU; a real FSDP2 trainer rank (bf16 mixed
+precision, as recipes/gpu_single.yaml) shares its weights by CUDA IPC, and the engine's tensors must then equal the
+trainer's, cast to the engine's dtypes, bit for bit.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import multiprocessing as mp
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_dsa.checkpoint.cuda_ipc import (ALIGN_BYTES, IpcBuffer, IpcFormatError, IpcTensor, IpcWeights, layout,
+                                           open_buffer, views)
+
+HANDLE = b"\x01" * 64
+REF = b"/torch_123_456_7"
+
+
+def _table(**buffer_overrides) -> dict:
+    tensors, nbytes = layout([("a.weight", (3, 5), "bfloat16"), ("b.weight", (7,), "float32"), ("c", (), "int64")])
+    buffer = IpcBuffer("GPU-1234", HANDLE, nbytes, 4096, nbytes, REF, 3, b"\x02" * 64, True)
+    table = IpcWeights(buffer, tensors).to_json()
+    table["buffer"].update(buffer_overrides)
+    return table
+
+
+def test_layout_aligns_every_slice():
+    tensors, nbytes = layout([("a", (3, 5), "bfloat16"), ("b", (7,), "float32"), ("c", (0,), "float32"), ("d", (), "int64")])
+    assert [t.offset for t in tensors] == [0, ALIGN_BYTES, 2 * ALIGN_BYTES, 2 * ALIGN_BYTES]  # an empty tensor takes no room
+    assert [t.nbytes for t in tensors] == [30, 28, 0, 8] and nbytes == 3 * ALIGN_BYTES
+
+
+def test_table_round_trips_through_json():
+    table = _table()
+    parsed = IpcWeights.from_json(json.loads(json.dumps(table)))
+    assert parsed.to_json() == table
+    assert parsed.buffer.handle == HANDLE and parsed.buffer.ref_counter_handle == REF
+    assert parsed.tensors[0] == IpcTensor("a.weight", (3, 5), "bfloat16", 0)
+
+
+def test_views_read_each_slice_with_its_dtype_and_shape():
+    tensors, nbytes = layout([("a", (2, 3), "bfloat16"), ("b", (4,), "float32")])
+    flat = torch.zeros(nbytes, dtype=torch.uint8)
+    out = views(flat, tensors)
+    out["a"].copy_(torch.arange(6.0).view(2, 3))
+    out["b"].copy_(torch.tensor([1.5, 2.5, 3.5, 4.5]))
+    again = views(flat, tensors)
+    assert torch.equal(again["a"], torch.arange(6.0, dtype=torch.bfloat16).view(2, 3))
+    assert again["b"].tolist() == [1.5, 2.5, 3.5, 4.5]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("buffer"), "serialized_named_tensors[0].buffer must be an object"),
+    (lambda t: t.update(tensors=[]), "tensors must be a non-empty list"),
+    (lambda t: t["buffer"].update(device_uuid=3), "buffer.device_uuid must be a non-empty string"),
+    (lambda t: t["buffer"].update(handle="%%%"), "buffer.handle is not valid base64"),
+    (lambda t: t["buffer"].update(handle=""), "buffer.handle must decode to 1..1024 bytes"),
+    (lambda t: t["buffer"].update(storage_size_bytes=True), "buffer.storage_size_bytes must be an integer >= 1"),
+    (lambda t: t["buffer"].update(storage_offset_bytes=-1), "buffer.storage_offset_bytes must be an integer >= 0"),
+    (lambda t: t["buffer"].update(nbytes=10**9), "buffer.nbytes (1000000000) exceeds storage_size_bytes"),
+    (lambda t: t["buffer"].update(ref_counter_handle=base64.b64encode(b"/etc/passwd").decode()),
+     "buffer.ref_counter_handle must name a torch ref-counter file"),
+    (lambda t: t["buffer"].update(ref_counter_offset=10000), "buffer.ref_counter_offset (10000) must be below 10000"),
+    (lambda t: t["buffer"].update(event_sync_required="yes"), "buffer.event_sync_required must be true or false"),
+    (lambda t: t["buffer"].update(event_handle=None), "buffer.event_handle is required"),
+    (lambda t: t["tensors"][1].update(name=""), "tensors[1].name must be a non-empty string"),
+    (lambda t: t["tensors"][1].update(shape=[7, -1]), "tensors[1] (b.weight).shape must be a list of non-negative"),
+    (lambda t: t["tensors"][1].update(dtype="complex64"), "tensors[1] (b.weight).dtype must be one of"),
+    (lambda t: t["tensors"][1].update(offset=258), "tensors[1] (b.weight).offset (258) is not a multiple of the float32"),
+    (lambda t: t["tensors"][1].update(shape=[7000]), "tensors[1] (b.weight): offset + bytes (256 + 28000) exceeds"),
+    (lambda t: t["tensors"][2].update(name="a.weight"), "tensors[2]: tensor a.weight appears twice"),
+])
+def test_malformed_tables_are_refused_naming_the_field(change, message):
+    table = _table()
+    change(table)
+    with pytest.raises(IpcFormatError) as err:
+        IpcWeights.from_json(table)
+    assert message in str(err.value)
+
+
+def test_tables_are_checked_against_the_models_tensors():
+    ipc = IpcWeights.from_json(_table())
+    ipc.check_against({"a.weight": (3, 5), "b.weight": (7,), "c": (), "other": (1,)})  # a partial set is fine
+    with pytest.raises(IpcFormatError, match=r"tensor c: the model has no tensor of that name"):
+        ipc.check_against({"a.weight": (3, 5), "b.weight": (7,)})
+    with pytest.raises(IpcFormatError, match=r"tensor b.weight has shape \(7,\), the model expects \(8,\)"):
+        ipc.check_against({"a.weight": (3, 5), "b.weight": (8,), "c": ()})
+
+
+def test_open_buffer_needs_a_cuda_engine():
+    with pytest.raises(IpcFormatError, match="needs an engine on a CUDA device; this one runs on cpu"):
+        open_buffer(IpcWeights.from_json(_table()).buffer, torch.device("cpu"))
+
+
+def test_engine_dtypes_follow_the_models_cast_rule():
+    from slime_dsa.models import ModelConfig  # noqa: PLC0415
+    from tests.test_engine_gpu import CONFIG  # noqa: PLC0415
+    from trainers.fsdp.shared_weights import engine_dtypes  # noqa: PLC0415
+
+    dtypes = engine_dtypes(ModelConfig.from_dict(CONFIG), "bfloat16")
+    assert dtypes["lm_head.weight"] == torch.bfloat16
+    kept = {name for name, d in dtypes.items() if d == torch.float32}
+    assert kept and all(".gate." in n or "indexer.weights_proj" in n for n in kept), kept
+    with pytest.raises(ValueError, match="engine dtype must be one of"):
+        engine_dtypes(ModelConfig.from_dict(CONFIG), "fp8")
+
+
+def test_cpu_server_refuses_cuda_ipc_clearly(checkpoints):
+    from tests.test_server import post, serving  # noqa: PLC0415
+
+    good = {"load_format": "cuda_ipc", "weight_version": "5"}
+    with serving(checkpoints[0]) as srv:
+        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [_table()]}, headers={})
+        assert status == 400 and "the model has no tensor of that name" in reply["message"], reply
+        name = "model.embed_tokens.weight"
+        tensors, nbytes = layout([(name, tuple(_engine_state(srv)[name].shape), "bfloat16")])
+        table = IpcWeights(IpcBuffer("GPU-1", HANDLE, nbytes, 0, nbytes, REF, 0, None, False), tensors).to_json()
+        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [table]}, headers={})
+        assert status == 400 and "needs an engine on a CUDA device; this one runs on cpu" in reply["message"], reply
+        bad = _table(ref_counter_offset=-2)
+        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [bad]}, headers={})
+        assert status == 400 and "buffer.ref_counter_offset must be an integer >= 0" in reply["error"]["message"]
+        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": ["x"]}, headers={})
+        assert status == 400 and "must be a JSON object with buffer and tensors" in reply["error"]["message"]
+        status, reply = post(srv, "/update_weights_from_tensor", {"load_format": "npz", "serialized_named_tensors": ["x"]},
+                             headers={})
+        assert status == 400 and "'safetensors_b64'" in reply["error"]["message"] and "'cuda_ipc'" in reply["error"]["message"]
+        assert _get_json(srv.url + "/get_weight_version") == {"weight_version": "0"}
+
+
+def _engine_state(srv) -> dict[str, torch.Tensor]:
+    from rollout.server.app import STATE  # noqa: PLC0415
+
+    return srv.server.runner.app[STATE].engine.engine.model.state_dict()
+
+
+# ---- the real thing, on a GPU ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two checkpoints of one tiny architecture (seeds 0 and 1) with the GLM-style tokenizer."""
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer  # noqa: PLC0415
+    from tests.hf_reference import make_hf_checkpoint  # noqa: PLC0415
+
+    eos = build_tokenizer().eos_token_id
+    dirs = {}
+    for seed in (0, 1):
+        d = tmp_path_factory.mktemp(f"ipc_model{seed}")
+        make_hf_checkpoint(d, seed=seed, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=eos)
+        save_tokenizer(d)
+        dirs[seed] = d
+    return dirs
+
+
+def _engine_process(model_dir: str, conn) -> None:
+    """Serve `model_dir` in bf16 on this process's GPU; for each path received, write the engine's tensors there."""
+    import asyncio  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from rollout.server.launch import EmbeddedServer, load_engine  # noqa: PLC0415
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)  # noqa: E731
+    engine, tokenizer = load_engine(model_dir, dtype="bfloat16", device="cuda", max_cache_tokens=4096,
+                                    max_running_requests=8)
+    server = run(EmbeddedServer.start(engine, tokenizer, model_path=model_dir))
+    conn.send(server.url)
+    while (msg := conn.recv()) != "stop":
+        state = engine.engine.model.state_dict()
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, msg)
+        conn.send("ok")
+    run(server.stop())
+
+
+def _post_json(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_engine_holds(trainer_state: dict[str, torch.Tensor], conn, path: Path) -> None:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    conn.send(str(path))
+    assert conn.poll(120) and conn.recv() == "ok"
+    engine = load_file(str(path))
+    assert set(engine) == set(trainer_state)
+    for name, tensor in trainer_state.items():
+        assert torch.equal(engine[name], tensor.to(engine[name].dtype)), name
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
+    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
+    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+
+    spec = TrainerSpec(model_path=str(checkpoints[1]), mixed_precision=True)
+    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), spec, PolicyLossFn("grpo", {}))
+    assert worker.sharded  # FSDP2 with bf16 mixed precision: DTensor parameters, as in recipes/gpu_single.yaml
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_engine_process, args=(str(checkpoints[0]), child_conn), daemon=True)
+    proc.start()
+    try:
+        assert conn.poll(300), "the engine process did not start"
+        url = conn.recv()
+        body = {"load_format": "cuda_ipc", "flush_cache": True}
+        table = worker.share_weights("bfloat16")
+        assert table["buffer"]["device_uuid"] == worker.cuda_device()
+        status, reply = _post_json(url + "/update_weights_from_tensor",
+                                   {**body, "serialized_named_tensors": [table], "weight_version": "1"})
+        assert status == 200 and reply["success"], reply
+        _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v1.safetensors")
+
+        with torch.no_grad():  # a new version through the same buffer and handle
+            for p in worker.model.parameters():
+                p.mul_(1.5).add_(0.25)
+        again = worker.share_weights("bfloat16")
+        assert again["buffer"] == table["buffer"]
+        status, reply = _post_json(url + "/update_weights_from_tensor",
+                                   {**body, "serialized_named_tensors": [again], "weight_version": "2"})
+        assert status == 200 and reply["success"], reply
+        _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v2.safetensors")
+
+        wrong_shape = copy.deepcopy(again)
+        wrong_shape["tensors"][0]["shape"] = [1]
+        other_gpu = copy.deepcopy(again)
+        other_gpu["buffer"]["device_uuid"] = "GPU-00000000-0000-0000-0000-000000000000"
+        for bad, message in ((wrong_shape, f"tensor {again['tensors'][0]['name']} has shape (1,)"),
+                             (other_gpu, "is not this engine's GPU")):
+            status, reply = _post_json(url + "/update_weights_from_tensor",
+                                       {**body, "serialized_named_tensors": [bad], "weight_version": "3"})
+            assert status == 400 and message in reply["message"], reply
+        assert _get_json(url + "/get_weight_version") == {"weight_version": "2"}
+    finally:
+        conn.send("stop")
+        proc.join(60)
+        worker.shutdown()

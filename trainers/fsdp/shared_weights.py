@@ -1,0 +1,63 @@
+"""Rank 0's weights in one GPU buffer that engines on the same GPU read by CUDA IPC (rollout.weight_sync cuda_ipc).
+
+The buffer holds every tensor of the model's state dict, cast to the dtype the engine keeps it in (the model's
+`cast` rule: bf16 engines keep the routers and indexer head weights in float32). It is exported once and refilled
+for each weight version, so engines see the same handle every time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from slime_dsa.checkpoint.cuda_ipc import DTYPES, IpcWeights, dtype_name, export_buffer, layout, views
+from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+
+
+def engine_dtypes(config, engine_dtype: str) -> dict[str, torch.dtype]:
+    """name -> the dtype an engine loaded with `engine_dtype` keeps that tensor in (built on the meta device)."""
+    if engine_dtype not in DTYPES:
+        raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got {engine_dtype!r}")
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(config)
+    model.cast(DTYPES[engine_dtype])
+    return {name: t.dtype for name, t in model.state_dict().items()}
+
+
+class SharedWeights:
+    """The flat buffer (on the sender, rank 0, only) and its table; `fill` copies the current weights in. Every rank
+    builds one and calls fill: gathering a sharded tensor is a collective."""
+
+    def __init__(self, model: torch.nn.Module, engine_dtype: str, sender: bool) -> None:
+        targets = engine_dtypes(model.config, engine_dtype)
+        specs = [(name, tuple(t.shape), dtype_name(targets.get(name, t.dtype))) for name, t in model.state_dict().items()]
+        self.tensors, nbytes = layout(specs)
+        self.flat: torch.Tensor | None = None
+        self.weights: IpcWeights | None = None
+        if sender:
+            device = next(model.parameters()).device
+            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._views = views(self.flat, self.tensors)
+            self.weights = IpcWeights(export_buffer(self.flat), self.tensors)
+
+    @torch.no_grad()
+    def fill(self, model: torch.nn.Module) -> dict | None:
+        """Copy the model's current weights into the buffer (cast on the GPU); the sender returns the JSON table."""
+        for name, t in model.state_dict().items():  # the same order on every rank: full_tensor is a collective
+            full = _full(t) if isinstance(t, DTensor) else t
+            if self.flat is not None:
+                self._views[name].copy_(full)
+        if self.flat is None:
+            return None
+        # Engines read the buffer from another process, outside this stream's order: finish the copies first.
+        torch.cuda.current_stream(self.flat.device).synchronize()
+        return self.weights.to_json()
+
+
+def _full(t: DTensor) -> torch.Tensor:
+    """The whole tensor of a DTensor; on a one-rank mesh its local shard already is (no collective per tensor)."""
+    if t.device_mesh.size() == 1:
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local
+    return t.full_tensor()
