@@ -390,39 +390,35 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     version = _field(body, "weight_version", (str,), None)
     abort_all = _field(body, "abort_all_requests", (bool,), False)
     if load_format == LOAD_FORMAT_CUDA_IPC:
-        return await _update_from_cuda_ipc(st, entries[0], version, flush, abort_all)
-    state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        ipc = _parse_cuda_ipc(st, entries[0])
+        update = lambda: st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)  # noqa: E731
+        count, how = len(ipc.tensors), " (cuda_ipc)"
+    else:
+        state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        update = lambda: st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)  # noqa: E731
+        count, how = len(state_dict), ""
     if abort_all:
         await st.engine.abort(abort_all=True)
     try:
-        await st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)
+        await update()
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
-        logger.warning("update_weights_from_tensor failed: %s", e)
+        logger.warning("update_weights_from_tensor%s failed: %s", how, e)
         return _update_result(False, f"failed to update weights: {e}")
-    return _update_result(True, f"Succeeded to update model weights ({len(state_dict)} tensors); "
+    suffix = ", cuda_ipc" if how else ""
+    return _update_result(True, f"Succeeded to update model weights ({count} tensors{suffix}); "
                                 f"weight_version is {st.engine.weight_version}.")
 
 
-async def _update_from_cuda_ipc(st: ServerState, entry: Any, version: str | None, flush: bool,
-                                abort_all: bool) -> web.Response:
-    """load_format cuda_ipc: a JSON handle table (slime_dsa.checkpoint.cuda_ipc), checked, then copied on the GPU."""
+def _parse_cuda_ipc(st: ServerState, entry: Any) -> Any:
+    """load_format cuda_ipc: the checked JSON handle table (slime_dsa.checkpoint.cuda_ipc); RequestError otherwise."""
     from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
 
     if not hasattr(st.engine, "update_weights_from_cuda_ipc"):
         raise RequestError(f"load_format {LOAD_FORMAT_CUDA_IPC!r} is not supported by this engine; send {LOAD_FORMAT!r}")
     try:
-        ipc = IpcWeights.from_json(entry)
+        return IpcWeights.from_json(entry)
     except IpcFormatError as e:
         raise RequestError(str(e)) from None
-    if abort_all:
-        await st.engine.abort(abort_all=True)
-    try:
-        await st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)
-    except (ValueError, KeyError, RuntimeError, TypeError) as e:
-        logger.warning("update_weights_from_tensor (cuda_ipc) failed: %s", e)
-        return _update_result(False, f"failed to update weights: {e}")
-    return _update_result(True, f"Succeeded to update model weights ({len(ipc.tensors)} tensors, cuda_ipc); "
-                                f"weight_version is {st.engine.weight_version}.")
 
 
 async def unsupported_distributed(request: web.Request) -> web.Response:
