@@ -83,7 +83,7 @@ def run_sft(recipe: RecipeConfig) -> Path:
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
-    from trainers.fsdp.optim import build_optimizer, build_scheduler  # noqa: PLC0415
+    from trainers.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 
     tr, sft = recipe.trainer, recipe.sft
     torch.manual_seed(tr.seed)

@@ -21,7 +21,6 @@ from slime_dsa.algorithms import (
     ValueLossInputs,
     aggregate,
     broadcast_to_tokens,
-    build_policy_loss,
     decoupled_gae,
     entropy_mean,
     explained_variance,
@@ -365,7 +364,7 @@ def test_opd_advantage():
         diffs = [num(b["logprobs"][t] - teacher[t]) for t in range(len(adv)) if b["sample_index"][t] == i and b["loss_mask"][t]]
         assert math.isclose(num(per_sample[i]), sum(diffs) / len(diffs) if diffs else 0.0, abs_tol=1e-12)
     # the OPD advantage drives the ordinary clipped loss
-    out = build_policy_loss("grpo")(inputs_of(b, advantages=adv))
+    out = PPOLoss()(inputs_of(b, advantages=adv))
     assert_value_and_grad(out.loss, naive_ppo({**b, "advantages": adv}), b["logprobs"])
 
 
@@ -530,16 +529,9 @@ def test_value_loss_and_explained_variance():
 # ---------------------------------------------------------------------------------------------- plumbing
 
 
-def test_registry_and_errors():
-    assert isinstance(build_policy_loss("dis"), DISLoss)
-    assert build_policy_loss("icepop").is_correction == "icepop"
-    assert build_policy_loss("icepop", icepop_beta=5.0).icepop_beta == 5.0
-    with pytest.raises(ValueError, match="unknown policy loss 'ppg'"):
-        build_policy_loss("ppg")
-    with pytest.raises(ValueError, match="no option 'eps_clip'"):
-        build_policy_loss("ppo", eps_clip=0.2)
+def test_loss_option_errors():
     with pytest.raises(ValueError, match="bypass"):
-        build_policy_loss("icepop", bypass=True)
+        PPOLoss(is_correction="icepop", bypass=True)
     with pytest.raises(ValueError, match="dual_clip"):
         PPOLoss(dual_clip=0.5)
     with pytest.raises(ValueError, match="aggregation"):
@@ -556,7 +548,7 @@ def test_registry_and_errors():
 def test_float32_inputs_and_cu_seqlens():
     b = make_batch(seed=16, dtype=torch.float32)
     b = {k: (v.detach().float().requires_grad_(v.requires_grad) if v.is_floating_point() else v) for k, v in b.items()}
-    out = build_policy_loss("icepop")(inputs_of(b))
+    out = PPOLoss(is_correction="icepop")(inputs_of(b))
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
     out.loss.backward()
     assert torch.isfinite(b["logprobs"].grad).all()

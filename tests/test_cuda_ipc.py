@@ -219,11 +219,12 @@ def _assert_engine_holds(trainer_state: dict[str, torch.Tensor], conn, path: Pat
 
 @pytest.mark.gpu
 def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
-    spec = TrainerSpec(model_path=str(checkpoints[1]), mixed_precision=True)
-    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), spec, PolicyLossFn("grpo", {}))
+    config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), mixed_precision=True)
+    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
     assert worker.sharded  # FSDP2 with bf16 mixed precision: DTensor parameters, as in recipes/gpu_single.yaml
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -241,7 +242,7 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
         _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v1.safetensors")
 
         with torch.no_grad():  # a new version through the same buffer and handle
-            for p in worker.model.parameters():
+            for p in worker.policy.model.parameters():
                 p.mul_(1.5).add_(0.25)
         again = worker.share_weights("bfloat16")
         assert again["buffer"] == table["buffer"]

@@ -43,12 +43,14 @@ def _batch() -> TrainBatch:
 
 
 def _train_one_step(rank: int, world_size: int, port: int, ckpt: str, data_parallel: str, out: str) -> None:
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    spec = TrainerSpec(model_path=ckpt, learning_rate=1e-2, ops_backend="torch", data_parallel=data_parallel)
-    worker = FSDPWorker(rank, world_size, "127.0.0.1", port, spec, PolicyLossFn("grpo", {}))
+    config = policy_config(ckpt, PPOLoss(), OptimizerConfig(learning_rate=1e-2), frozen=(".indexer.",), ops_backend="torch",
+                           data_parallel=data_parallel)
+    worker = FSDPWorker(rank, world_size, "127.0.0.1", port, config)
     batch = _batch()
     loss_tokens = float(batch.loss_mask.sum())
     # pairs of samples stay together so each rank still shares prompts

@@ -91,16 +91,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def worker(tied_model, tmp_path_factory):
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import DSATraining, PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     path = tmp_path_factory.mktemp("tied")
     save_pretrained(tied_model, path)
-    spec = TrainerSpec(model_path=str(path), learning_rate=1e-3, ops_backend="torch", freeze_indexer=False,
-                       micro_batch_tokens=64)
-    loss = PolicyLossFn("grpo", {"eps_low": 0.2, "eps_high": 0.28,
-                                 "dsa": DSATraining(indexer_loss_coef=0.5, indexer_learning_rate=1e-2)})
-    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), spec, loss)
+    config = policy_config(str(path), PPOLoss(eps_low=0.2, eps_high=0.28), OptimizerConfig(learning_rate=1e-3),
+                           dsa=DSAOptions(indexer_loss_coef=0.5, indexer_learning_rate=1e-2), ops_backend="torch",
+                           micro_batch_tokens=64)
+    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
     yield w
     w.shutdown()
 
@@ -185,7 +185,7 @@ def test_replay_matches_engine_logprobs_and_mismatch_is_logged(tied_model, worke
     assert 0.2 < metrics["index_topk_mismatch"] <= 1.0
     # The auxiliary indexer loss ran on its own param group and learning rate.
     assert metrics["indexer_kl"] > 0 and 0 < metrics["indexer_recall/0"] <= 1 and "indexer_kl/2" in metrics
-    assert sorted({g["lr"] for g in worker.optimizer.param_groups}) == [1e-3, 1e-2]
+    assert sorted({g["lr"] for g in worker.policy.optimizer.param_groups}) == [1e-3, 1e-2]
 
     replayed.old_logprobs = logp
     metrics = worker.train_step(replayed, float(replayed.loss_mask.sum()), len(samples), detailed_metrics=False)

@@ -127,14 +127,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def worker(model, tmp_path_factory):
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import DSATraining, PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     path = tmp_path_factory.mktemp("fragile")
     save_pretrained(model, path)
-    spec = TrainerSpec(model_path=str(path), learning_rate=1e-3, ops_backend="torch", micro_batch_tokens=64)
-    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), spec,
-                   PolicyLossFn("grpo", {"eps_low": 0.2, "eps_high": 0.28, "dsa": DSATraining()}))
+    config = policy_config(str(path), PPOLoss(eps_low=0.2, eps_high=0.28), OptimizerConfig(learning_rate=1e-3),
+                           frozen=(".indexer.",), ops_backend="torch", micro_batch_tokens=64)
+    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
     yield w
     w.shutdown()
 

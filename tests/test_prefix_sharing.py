@@ -101,17 +101,18 @@ def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
     (Weights after one AdamW step are not compared: its first update is ±lr for any non-zero gradient, so
     float32 noise on a near-zero gradient flips whole steps.)"""
     from trainers.base import TrainBatch  # noqa: PLC0415
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     ids, seqlens, plens = _groups([7, 5], [[6, 3, 4], [4, 2]], seed=3)
     mask = torch.cat([torch.tensor([0.0] * p + [1.0] * (n - p)) for n, p in zip(seqlens, plens)])
     adv = torch.cat([torch.full((n,), a) for n, a in zip(seqlens, [1.0, -0.5, -0.5, 0.7, -0.7])])
     results = {}
     for share in (False, True):
-        spec = TrainerSpec(model_path=str(checkpoint), learning_rate=1e-2, ops_backend="torch",
-                           share_prompt_prefix=share)
-        worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), spec, PolicyLossFn("grpo", {}))
+        config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-2), frozen=(".indexer.",),
+                               ops_backend="torch", share_prompt_prefix=share)
+        worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
         try:
             batch = TrainBatch(input_ids=ids, seqlens=seqlens, loss_mask=mask, rollout_logprobs=torch.zeros(len(ids)),
                                advantages=adv, prompt_lens=plens)

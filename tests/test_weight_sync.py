@@ -24,11 +24,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def trainer(checkpoints):  # noqa: F811
-    from trainers.fsdp.worker import FSDPWorker, TrainerSpec  # noqa: PLC0415
-    from trainers.loss import PolicyLossFn  # noqa: PLC0415
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
-    spec = TrainerSpec(model_path=str(checkpoints[1]), ops_backend="torch")
-    w = FSDPWorker(0, 1, "127.0.0.1", _free_port(), spec, PolicyLossFn("grpo", {}))
+    config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), ops_backend="torch")
+    w = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
     yield w
     w.shutdown()
 
@@ -123,7 +124,7 @@ def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
     runs at every version, with None before the last."""
     from types import SimpleNamespace
 
-    from slime_dsa.orchestrator.train import Run, sync_weights
+    from slime_dsa.orchestrator.step import Run, sync_weights
 
     class FakeWeights:
         def __init__(self) -> None:
@@ -136,7 +137,7 @@ def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
     recipe = SimpleNamespace(trainer=SimpleNamespace(num_steps=3))
     for hook_state, wanted in (("every", [True, True, True, True]), ("last", [False, False, False, True])):
         seen: list = []
-        run = Run(recipe, None, None, None, None, None, None, None, FakeWeights(), 0,
+        run = Run(recipe, None, None, None, None, None, None, None, None, FakeWeights(), 0,
                   lambda v, s: seen.append((v, s)), hook_state)
         assert [run.hook_wants_state(v) for v in range(4)] == wanted
         for version in range(1, 4):

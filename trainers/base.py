@@ -1,7 +1,10 @@
-"""The backend-neutral trainer interface and the packed batch it consumes.
+"""The trainer seam: the packed batch a rank trains on, the typed config it is built from, and the interface the
+orchestrator calls on a group of ranks.
 
-The orchestrator speaks only to this interface; FSDP2 is the default backend, Megatron and DeepSpeed plug in
-behind the same methods.
+A backend (trainers/fsdp today; Megatron and DeepSpeed next) supplies only model wrapping, optimizer, collectives
+and checkpoint format: the step itself (micro-batches, loss reduction, indexer loss, metrics) is shared
+(trainers/rank.py), and so is the fan-out over Ray actors (trainers/group.py). Ranks are blind to the algorithm:
+they call the policy loss object their config carries on tensors the batch carries.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
 
 @dataclass
 class TrainBatch:
@@ -30,7 +32,6 @@ class TrainBatch:
     replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded, REPLAY_COMPUTE rows computed
     rollout_topk: torch.Tensor | None = None  # same layout: the engine's selection, only compared (mismatch metric)
     prompt_lens: list[int] | None = None  # prompt tokens per sample: lets consecutive samples share their prompt
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +52,7 @@ class TrainBatch:
             loss_mask=take(self.loss_mask), rollout_logprobs=take(self.rollout_logprobs), advantages=take(self.advantages),
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
             replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1),
-            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids], extra=self.extra,
+            prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids],
         )
 
 
@@ -106,25 +107,106 @@ def balance_across_ranks(seqlens: list[int], world_size: int, shared: list[int] 
     return [sorted(a) for a in assignment]
 
 
-class TrainerBackend(Protocol):
-    """What every training backend offers, per rank; a TrainerGroup fans calls out to all ranks."""
+@dataclass(frozen=True)
+class DSAOptions:
+    """How a rank trains the DSA indexer (ALGORITHMS.md section 6) and whether it replays the engines' top-k."""
 
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor: ...
+    indexer_loss_coef: float = 0.0  # 0 = no indexer loss (no capture, no extra cost)
+    indexer_stage: str = "sparse"  # sparse: KL on the selected keys; dense: on every causal key
+    indexer_target: str = "group"  # group: mean attention of the IndexShare group; own: the full layer only
+    indexer_learning_rate: float | None = None  # a separate AdamW param group for the indexers; None = the main lr
+    index_replay: bool = False  # replay the engines' top-k (batch.rollout_topk) instead of only comparing with it
 
-    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
-                   detailed_metrics: bool = True) -> dict[str, float]: ...
 
-    def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
-                      recompute_old_logprobs: bool = False, detailed_metrics: bool = True) -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]: ...
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None: ...
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    total_steps: int = 100
+    lr_schedule: str = "constant"
+    max_grad_norm: float = 1.0
 
-    def save_weights(self, path: str) -> None: ...
 
-    def share_weights(self, engine_dtype: str) -> dict | None: ...
+@dataclass(frozen=True)
+class RoleConfig:
+    """One model a trainer group holds (policy; critic and teachers next): its weights, and how it trains."""
 
-    def cuda_device(self) -> str | None: ...
+    model_path: str
+    optimizer: OptimizerConfig | None = None  # None: the role is only evaluated (a teacher, a reference)
+    loss: Any = None  # the per-token loss the rank calls (a slime_dsa.algorithms PolicyLoss); None = no training
+    frozen: tuple[str, ...] = ()  # parameters whose names contain one of these stay fixed (e.g. ".indexer.")
+    dsa: DSAOptions = field(default_factory=DSAOptions)
 
-    def save_checkpoint(self, directory: str) -> None: ...
+    @property
+    def trains(self) -> bool:
+        return self.optimizer is not None and self.loss is not None
 
-    def load_checkpoint(self, directory: str) -> None: ...
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Everything a rank needs to build itself; plain data, so it crosses process boundaries."""
+
+    roles: dict[str, RoleConfig]
+    micro_batch_tokens: int = 4096
+    mixed_precision: bool = False
+    gradient_checkpointing: bool = False
+    ops_backend: str = "auto"
+    temperature: float = 1.0  # log-probs are of the tempered distribution the engine sampled from
+    seed: int = 0
+    logprob_chunk_size: int = 1024
+    share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
+    data_parallel: str = "fsdp"  # fsdp: shard with FSDP2; replicate: whole model per rank, one gradient all-reduce
+
+
+def policy_config(model_path: str, loss: Any, optimizer: OptimizerConfig | None = None, frozen: tuple[str, ...] = (),
+                  dsa: DSAOptions | None = None, **rank: Any) -> RankConfig:
+    """A RankConfig holding one trained policy role (the common case, and the tests')."""
+    role = RoleConfig(model_path, optimizer or OptimizerConfig(), loss, frozen, dsa or DSAOptions())
+    return RankConfig(roles={"policy": role}, **rank)
+
+
+class TrainerGroup(Protocol):
+    """What the orchestrator calls on a group of training ranks. Every call reaches every rank."""
+
+    world_size: int
+
+    def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
+              detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
+        """One RL step's training: π_old first when asked, then num_mini_batches optimiser steps."""
+
+    def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
+        """(T,) log-probs of the batch's tokens under the role's current weights, in batch order."""
+
+    def full_state_dict(self, role: str = "policy") -> dict[str, torch.Tensor]:
+        """The role's whole float32 state dict on the driver (HF names)."""
+
+    def save_weights(self, path: str, role: str = "policy") -> None:
+        """Rank 0 writes the role's full state dict to the safetensors file `path`, atomically."""
+
+    def share_weights(self, engine_dtype: str) -> dict:
+        """Rank 0's CUDA IPC table of the policy's weights in one GPU buffer (engines on its GPU copy them)."""
+
+    def cuda_device(self) -> str | None:
+        """The GPU UUID of rank 0 (None on CPU)."""
+
+    def node_id(self) -> str | None:
+        """The Ray node of rank 0."""
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Every trained role, its optimizer and the ranks' RNG into `directory`."""
+
+    def load_checkpoint(self, directory: str) -> None:
+        """The inverse of save_checkpoint: training continues exactly."""
+
+    def release_memory(self) -> None:
+        """Give cached device memory back while the engines generate (colocated on a GPU)."""
+
+    def resume_memory(self) -> None:
+        """Ready the device memory for the next training call."""
+
+    def shutdown(self) -> None:
+        """Stop every rank."""

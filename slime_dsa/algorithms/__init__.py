@@ -15,65 +15,56 @@ Per-token tensors are (T,) over the concatenated tokens of a batch, with `loss_m
   kl.py             k1 / k2 / k3 / low_var_kl estimators
   entropy.py        entropy metric
   value_loss.py     clipped value loss, explained variance
-  registry.py       build_policy_loss(name, **cfg)
+  specs/            the algorithm specs (grpo, async_reinforce) and their registry: what the loops ask
 """
 
-from slime_dsa.algorithms.advantages import (
-    broadcast_to_tokens,
-    group_advantages,
-    group_centered_advantages,
-    group_index,
-    zero_std_groups,
-)
-from slime_dsa.algorithms.dis import DISLoss
-from slime_dsa.algorithms.entropy import entropy_mean
-from slime_dsa.algorithms.gae import GAEOutputs, advantage_metrics, decoupled_gae, gae, length_adaptive_lambda
-from slime_dsa.algorithms.is_correction import icepop_weights, tis_weights
-from slime_dsa.algorithms.kl import kl_estimate
-from slime_dsa.algorithms.opd import opd_advantages, reverse_kl_per_sample
-from slime_dsa.algorithms.policy_loss import PolicyLoss
-from slime_dsa.algorithms.ppo import PPOLoss
-from slime_dsa.algorithms.registry import POLICY_LOSSES, build_policy_loss
-from slime_dsa.algorithms.types import LossInputs, LossOutputs
-from slime_dsa.algorithms.utils import (
-    aggregate,
-    masked_mean,
-    masked_sum,
-    sample_index_from_cu_seqlens,
-    seq_mean,
-)
-from slime_dsa.algorithms.value_loss import ValueLoss, ValueLossInputs, explained_variance
+# Names load on first use (PEP 562): importing the package, e.g. for the spec registry that `recipe check` reads,
+# must not import torch.
+from __future__ import annotations
 
-__all__ = [
-    "DISLoss",
-    "GAEOutputs",
-    "LossInputs",
-    "LossOutputs",
-    "POLICY_LOSSES",
-    "PPOLoss",
-    "PolicyLoss",
-    "ValueLoss",
-    "ValueLossInputs",
-    "advantage_metrics",
-    "aggregate",
-    "broadcast_to_tokens",
-    "build_policy_loss",
-    "decoupled_gae",
-    "entropy_mean",
-    "explained_variance",
-    "gae",
-    "group_advantages",
-    "group_centered_advantages",
-    "group_index",
-    "icepop_weights",
-    "kl_estimate",
-    "length_adaptive_lambda",
-    "masked_mean",
-    "masked_sum",
-    "opd_advantages",
-    "reverse_kl_per_sample",
-    "sample_index_from_cu_seqlens",
-    "seq_mean",
-    "tis_weights",
-    "zero_std_groups",
-]
+import importlib
+from typing import Any
+
+_SUBMODULE = {
+    "DISLoss": "dis",
+    "GAEOutputs": "gae",
+    "LossInputs": "types",
+    "LossOutputs": "types",
+    "PPOLoss": "ppo",
+    "PolicyLoss": "policy_loss",
+    "ValueLoss": "value_loss",
+    "ValueLossInputs": "value_loss",
+    "advantage_metrics": "gae",
+    "aggregate": "utils",
+    "broadcast_to_tokens": "advantages",
+    "decoupled_gae": "gae",
+    "entropy_mean": "entropy",
+    "explained_variance": "value_loss",
+    "gae": "gae",
+    "group_advantages": "advantages",
+    "group_centered_advantages": "advantages",
+    "group_index": "advantages",
+    "icepop_weights": "is_correction",
+    "kl_estimate": "kl",
+    "length_adaptive_lambda": "gae",
+    "masked_mean": "utils",
+    "masked_sum": "utils",
+    "opd_advantages": "opd",
+    "reverse_kl_per_sample": "opd",
+    "sample_index_from_cu_seqlens": "utils",
+    "seq_mean": "utils",
+    "tis_weights": "is_correction",
+    "zero_std_groups": "advantages",
+}
+
+__all__ = sorted(_SUBMODULE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_SUBMODULE[name]}")
+    # Bind every name of that submodule at once: importing it set the package attribute of its own name (gae)
+    # to the module, which the function of the same name must replace.
+    globals().update({n: getattr(module, n) for n, sub in _SUBMODULE.items() if sub == _SUBMODULE[name]})
+    return globals()[name]

@@ -9,7 +9,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from slime_dsa.algorithms.specs import ALGORITHMS, algorithm_class
 from slime_dsa.config.errors import RecipeValueError
+
+# trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
+# backend is its folder under trainers/ and one line here.
+TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup"}
+PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/PP/EP/CP",
+                                            "deepspeed": "DeepSpeed ZeRO with CPU offload"}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -251,52 +258,53 @@ class RolloutSection(Section):
 class AlgorithmSection(Section):
     """The RL objective: advantages, clipping, importance-sampling corrections, KL, indexer training."""
 
-    name: Literal["grpo", "async_reinforce", "sao", "opd"] = Field(
-        "grpo", description="Algorithm: grpo (synchronous, clipped ratio), async_reinforce (asynchronous "
-                            "REINFORCE with double-sided IS), sao (single-rollout async with a value model), "
-                            "opd (on-policy distillation).")
+    name: str = Field(
+        "grpo", description="Algorithm (slime_dsa/algorithms/specs): grpo (synchronous, clipped ratio against "
+                            "π_old), async_reinforce (asynchronous REINFORCE with double-sided IS). Each algorithm "
+                            "reads the keys of this section its description names; setting another away from its "
+                            "default is an error.")
     advantage_std_normalize: bool = Field(
-        True, description="Divide group advantages by the group's reward std (GRPO); false = Dr. GRPO.")
+        True, description="grpo: divide group advantages by the group's reward std; false = Dr. GRPO.")
     eps_clip_low: float = Field(
-        0.2, ge=0, lt=1, description="PPO clip: the ratio π_θ/π_old is clipped below at 1 − eps_clip_low.")
+        0.2, ge=0, lt=1, description="grpo: the ratio π_θ/π_old is clipped below at 1 − eps_clip_low.")
     eps_clip_high: float = Field(
-        0.28, ge=0, description="Clip-Higher (DAPO): the ratio π_θ/π_old is clipped above at 1 + eps_clip_high.")
+        0.28, ge=0, description="grpo: Clip-Higher (DAPO), the ratio π_θ/π_old is clipped above at 1 + eps_clip_high.")
     dual_clip_c: float | None = Field(
-        None, gt=1, description="Dual clip for negative advantages: the loss of a token is bounded by c·|A| "
+        None, gt=1, description="grpo: dual clip for negative advantages: the loss of a token is bounded by c·|A| "
                                 "(typically 3.0); null = off.")
     is_correction: Literal["none", "icepop", "tis"] = Field(
-        "none", description="Correction for the training–inference mismatch k = π_old/π_roll: icepop drops "
+        "none", description="grpo: correction for the training–inference mismatch k = π_old/π_roll: icepop drops "
                             "tokens with k outside [icepop_alpha, icepop_beta], tis weights by min(k, tis_cap).")
     icepop_alpha: float = Field(
-        0.5, ge=0, le=1, description="IcePop: tokens with π_old/π_roll below this get no gradient.")
+        0.5, ge=0, le=1, description="grpo, IcePop: tokens with π_old/π_roll below this get no gradient.")
     icepop_beta: float = Field(
-        2.0, ge=1, description="IcePop: tokens with π_old/π_roll above this get no gradient.")
-    tis_cap: float = Field(2.0, ge=1, description="TIS: cap C of the importance weight min(π_old/π_roll, C).")
+        2.0, ge=1, description="grpo, IcePop: tokens with π_old/π_roll above this get no gradient.")
+    tis_cap: float = Field(2.0, ge=1, description="grpo, TIS: cap C of the importance weight min(π_old/π_roll, C).")
     loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
         "token_mean", description="How token losses make the batch loss: token_mean (over all masked tokens of "
                                   "the batch, DAPO) or seq_mean (per response first, then over responses).")
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the KL penalty to the reference (initial) policy; 0 = off, and no "
-                               "reference model is kept.")
+        0.0, ge=0, description="Weight of the KL penalty to the reference (initial) policy. Not available yet (no "
+                               "reference model is kept): must be 0.")
     kl_estimator: Literal["k1", "k3", "low_var_kl"] = Field(
-        "k3", description="Estimator of the KL penalty: k1 (log ratio), k3 (unbiased, non-negative), low_var_kl "
-                          "(k3 clamped to [-10, 10]).")
+        "k3", description="Estimator of the KL penalty (with kl_coef > 0, not available yet): k1 (log ratio), k3 "
+                          "(unbiased, non-negative), low_var_kl (k3 clamped to [-10, 10]).")
     use_rollout_logprobs: bool = Field(
-        False, description="Bypass mode: use the engine's log-probs as π_old instead of recomputing them on the "
+        False, description="grpo: bypass mode, use the engine's log-probs as π_old instead of recomputing them on the "
                            "trainer (saves a forward pass).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     dis_eps_low: float = Field(
-        0.3, ge=0, le=1, description="Double-sided IS (async_reinforce, sao): tokens with π_θ/π_roll at or below "
+        0.3, ge=0, le=1, description="async_reinforce: double-sided IS; tokens with π_θ/π_roll at or below "
                                      "1 − dis_eps_low get no gradient.")
     dis_eps_high: float = Field(
-        5.0, gt=0, description="Double-sided IS (async_reinforce, sao): tokens with π_θ/π_roll at or above "
+        5.0, gt=0, description="async_reinforce: double-sided IS; tokens with π_θ/π_roll at or above "
                                "1 + dis_eps_high get no gradient.")
     max_staleness: int = Field(
-        2, ge=0, description="Async algorithms: drop samples whose oldest token's policy version lags the "
+        2, ge=0, description="async_reinforce: drop samples whose oldest token's policy version lags the "
                              "trainer's by more than this many versions, and never let rollout run more than "
                              "this many steps ahead of training; 0 = on-policy only (the synchronous loop).")
     partial_rollout: Literal["retract", "in_place", "off"] = Field(
-        "retract", description="Async algorithms: responses in progress when new weights arrive are continued under "
+        "retract", description="async_reinforce: responses in progress when new weights arrive are continued under "
                                "them (a partial rollout; each token keeps the version and log-prob it was sampled "
                                "with): retract recomputes their cache under the new weights, in_place keeps the "
                                "cache computed under the old ones; off aborts and regenerates them from scratch.")
@@ -317,33 +325,48 @@ class AlgorithmSection(Section):
         "group", description="Target of the indexer loss: group = mean attention of every layer that reuses the "
                              "indexer's top-k (IndexShare group), own = the indexer's own layer only.")
 
+    @field_validator("name")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        try:
+            algorithm_class(name)
+        except ValueError as e:
+            raise RecipeValueError(str(e)) from None
+        return name
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmSection:
+        spec = algorithm_class(self.name)
+        for key, field in type(self).model_fields.items():
+            if not spec.reads(key) and getattr(self, key) != field.default:
+                readers = [name for name, other in ALGORITHMS.items() if other.reads(key)]
+                raise RecipeValueError(
+                    f"{key} is not read by algorithm '{self.name}' (it applies to {', '.join(readers) or 'none yet'}); "
+                    "remove it or change name", key, "name")
+        if self.kl_coef > 0:
+            raise RecipeValueError(
+                f"kl_coef ({self.kl_coef}) is not available yet: no reference model is kept; set it to 0", "kl_coef")
+        if self.kl_estimator != type(self).model_fields["kl_estimator"].default:
+            raise RecipeValueError("kl_estimator only applies with kl_coef > 0, which is not available yet",
+                                   "kl_estimator")
         if self.icepop_alpha >= self.icepop_beta:
             raise RecipeValueError(
                 f"icepop_alpha ({self.icepop_alpha}) must be below icepop_beta ({self.icepop_beta})",
                 "icepop_alpha", "icepop_beta")
-        if self.is_correction != "none" and self.name in ("async_reinforce", "sao"):
-            raise RecipeValueError(
-                f"is_correction ('{self.is_correction}') applies to grpo and opd; {self.name} already weights "
-                "tokens by π_θ/π_roll (dis_eps_low, dis_eps_high)", "is_correction", "name")
-        if self.is_correction != "none" and self.use_rollout_logprobs:
-            raise RecipeValueError(
-                f"is_correction ('{self.is_correction}') compares π_old with π_roll, which are the same with "
-                "use_rollout_logprobs: true", "is_correction", "use_rollout_logprobs")
         if self.freeze_indexer and self.indexer_loss_coef > 0:
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        spec.check(self)
         return self
 
 
 class TrainerSection(Section):
     """The training backend and the optimiser."""
 
-    backend: Literal["fsdp", "megatron", "deepspeed"] = Field(
-        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron "
-                            "(megatron-core, TP/PP/EP/CP), deepspeed (ZeRO-3 with offload).")
+    backend: str = Field(
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU). megatron and "
+                            "deepspeed are planned.")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
                              "the batch.")
@@ -384,6 +407,16 @@ class TrainerSection(Section):
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
                                 "error.")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, backend: str) -> str:
+        if backend in PLANNED_TRAINER_BACKENDS:
+            raise RecipeValueError(f"'{backend}' ({PLANNED_TRAINER_BACKENDS[backend]}) is not available yet; choose "
+                                   f"one of {', '.join(TRAINER_BACKENDS)}")
+        if backend not in TRAINER_BACKENDS:
+            raise RecipeValueError(f"unknown backend '{backend}'; choose one of {', '.join(TRAINER_BACKENDS)}")
+        return backend
 
     @field_validator("adam_betas")
     @classmethod
@@ -525,9 +558,10 @@ class RecipeConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> RecipeConfig:
         alg, ro, cl = self.algorithm, self.rollout, self.cluster
-        if alg.name in ("grpo", "async_reinforce") and ro.n_samples_per_prompt < 2:
+        min_group = algorithm_class(alg.name).min_group_size
+        if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(
-                f"rollout.n_samples_per_prompt ({ro.n_samples_per_prompt}) must be at least 2 for algorithm "
+                f"rollout.n_samples_per_prompt ({ro.n_samples_per_prompt}) must be at least {min_group} for algorithm "
                 f"'{alg.name}': a group of one sample has zero advantage",
                 "rollout.n_samples_per_prompt", "algorithm.name")
         if ro.dynamic_sampling and ro.n_samples_per_prompt < 2:
@@ -553,9 +587,6 @@ class RecipeConfig(Section):
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")
-        if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer == 0:
-            raise RecipeValueError("trainer.backend 'megatron' needs GPUs: set cluster.num_gpus_per_trainer",
-                                   "trainer.backend", "cluster.num_gpus_per_trainer")
         if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision and cl.num_gpus_per_trainer > 0:
             raise RecipeValueError(
                 "trainer.data_parallel 'replicate' trains in float32; bf16 mixed precision needs 'fsdp'",

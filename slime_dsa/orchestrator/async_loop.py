@@ -5,8 +5,8 @@ consumes them, one step of `prompts_per_step` groups at a time:
 1. take groups from the buffer in the order they finished; drop the samples whose oldest generated token is more
    than `max_staleness` versions behind the trainer (counted), discard groups left untrainable (their slot is
    regenerated);
-2. one optimiser step with the DIS loss (r = π_θ / π_roll per token, no π_old recomputed) on group-centred
-   advantages, while the producer keeps generating;
+2. the algorithm's training step (async_reinforce: the DIS loss, r = π_θ / π_roll per token with no π_old
+   recomputed, on group-centred advantages), while the producer keeps generating;
 3. push the new weights in flight: pause (retract | in_place: requests continue under the new weights, a
    partial rollout; abort: they are regenerated), update, resume. Every token records its own version;
 4. the StalenessGate lets the producer one step further, and the shared per-step tail (eval, log, checkpoint)
@@ -36,7 +36,7 @@ from pathlib import Path
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.rollout_manager import screen_group
-from slime_dsa.orchestrator.train import Run, after_step, sync_weights, train_on_samples
+from slime_dsa.orchestrator.step import Run, after_step, sync_weights, train_on_samples
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ async def run_async_loop(run: Run) -> None:
             last_batch = time.perf_counter()
             ledger.step(step + 1, step, fates)
             samples = [s for group in kept for s in group]
-            metrics.update(await train_on_samples(recipe, step, samples, run.trainers, old_logprobs="none"))
+            metrics.update(await train_on_samples(run, step, samples))
             metrics["perf/sync_time_s"] = await sync_weights(run.weights, version=step + 1, pause_mode=pause_mode,
                                                               on_weights=run.on_weights,
                                                               want_state=run.hook_wants_state(step + 1))

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from slime_dsa.algorithms import group_advantages, group_centered_advantages
+from slime_dsa.algorithms.specs import AdvantageInputs, Algorithm
 from slime_dsa.data.sample import Sample
 from trainers.base import TrainBatch
 
 
-def sample_advantages(samples: list[Sample], algorithm: str, std_normalize: bool) -> torch.Tensor:
-    """One advantage per sample: group-normalised (GRPO) or group-centred (async REINFORCE)."""
+def sample_advantages(samples: list[Sample], algorithm: Algorithm) -> torch.Tensor:
+    """One advantage per sample, from the algorithm's advantage function on the samples' rewards and groups."""
     rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
     group_ids = torch.tensor([s.group_id if s.group_id is not None else s.index for s in samples])
-    if algorithm == "grpo":
-        return group_advantages(rewards, group_ids=group_ids, normalize_std=std_normalize)
-    return group_centered_advantages(rewards, group_ids=group_ids)
+    return algorithm.advantages(AdvantageInputs(rewards=rewards, group_ids=group_ids))
 
 
 def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
@@ -49,7 +47,7 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     """Pack prompt+response of every sample; only response tokens the policy generated are trained on.
 
     The engines' top-k (when samples carry it) becomes `replay_topk` with index_replay, else `rollout_topk`
-    (kept to measure the rollout/training selection mismatch; a trainer whose DSATraining.index_replay is on
+    (kept to measure the rollout/training selection mismatch; a trainer whose DSAOptions.index_replay is on
     replays it all the same, so callers that do not pass index_replay still get replay from the recipe).
     """
     ids, mask, rollout_logp, adv, seqlens = [], [], [], [], []

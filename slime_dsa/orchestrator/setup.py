@@ -181,30 +181,6 @@ def _pin_process(_actor: Any, cores: list[int]) -> None:
             pass
 
 
-def start_trainers(recipe: RecipeConfig, model_dir: Path):
-    """The trainer group of the recipe's backend (FSDP2 today)."""
-    from trainers.fsdp.group import TrainerGroup  # noqa: PLC0415
-    from trainers.fsdp.worker import TrainerSpec  # noqa: PLC0415
-    from trainers.loss import PolicyLossFn, policy_loss_config  # noqa: PLC0415
-
-    tr, alg = recipe.trainer, recipe.algorithm
-    if tr.backend != "fsdp":
-        raise NotImplementedError(f"trainer.backend {tr.backend!r} is not available yet; use fsdp")
-    spec = TrainerSpec(
-        model_path=str(model_dir), learning_rate=tr.learning_rate, weight_decay=tr.weight_decay,
-        adam_betas=tuple(tr.adam_betas), warmup_steps=tr.warmup_steps, total_steps=tr.num_steps * tr.num_steps_per_rollout,
-        lr_schedule=tr.lr_schedule, max_grad_norm=tr.max_grad_norm, micro_batch_tokens=tr.micro_batch_tokens,
-        mixed_precision=tr.mixed_precision, gradient_checkpointing=recipe.model.gradient_checkpointing,
-        ops_backend=recipe.model.ops_backend, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed,
-        freeze_indexer=alg.freeze_indexer or alg.indexer_loss_coef == 0, share_prompt_prefix=tr.share_prompt_prefix,
-        data_parallel=tr.data_parallel,
-    )
-    name, options = policy_loss_config(alg)
-    return TrainerGroup(spec, PolicyLossFn(name, options), tr.num_workers,
-                        num_cpus_per_worker=recipe.cluster.num_cpus_per_actor,
-                        num_gpus_per_worker=recipe.cluster.num_gpus_per_trainer)
-
-
 def build_weight_sync(recipe: RecipeConfig, client: Any, trainers: Any, engine_actors: list[Any], model_dir: Path):
     """The run's WeightSync: rollout.weight_sync, with auto resolved from where engines and trainer rank 0 run."""
     import ray  # noqa: PLC0415

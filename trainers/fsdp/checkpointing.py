@@ -1,10 +1,11 @@
 """Resumable training checkpoints for FSDP2 ranks, without pickles: safetensors for tensors, JSON for the rest.
 
 Layout of a checkpoint directory (written into a temporary directory and renamed by the caller):
-  model.safetensors            full model state (rank 0)
-  optimizer.safetensors        AdamW moments, keyed "<param fqn>/<state key>" (rank 0)
-  optimizer.json               param groups (hyper-parameters, parameter names)
-  trainer.json                 step, scheduler state
+  model.safetensors            the policy's full model state (rank 0)
+  optimizer.safetensors        its AdamW moments, keyed "<param fqn>/<state key>" (rank 0)
+  optimizer.json               its param groups (hyper-parameters, parameter names)
+  trainer.json                 its step, scheduler state
+  <role>/...                   the same four files for every other trained role (a critic)
   rng_rank{r}.safetensors/.json  each rank's RNG streams
 Full (gathered) state keeps the format simple and pickle-free; a sharded format is the next step at GLM-5 scale.
 """
@@ -46,19 +47,17 @@ def _python_rng_from_json(state) -> tuple:
     return (version, tuple(internal), gauss)
 
 
+def role_directory(root: Path, name: str) -> Path:
+    """Where a role's files go: the policy's at the top (the layout export and older checkpoints read)."""
+    return root if name == "policy" else root / name
+
+
 def save_rank_checkpoint(worker, directory: str) -> None:
     """Every rank calls this; rank 0 writes the shared files."""
     out = Path(directory)
-    model_state = get_model_state_dict(worker.model, options=_FULL)
-    optim_state = get_optimizer_state_dict(worker.model, worker.optimizer, options=_FULL)
-    if worker.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model_state.items()}, out / "model.safetensors")
-        tensors = {f"{fqn}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
-                   for fqn, entry in optim_state["state"].items() for key, value in entry.items()}
-        save_file(tensors, out / "optimizer.safetensors")
-        (out / "optimizer.json").write_text(json.dumps({"param_groups": _jsonable(optim_state["param_groups"])}))
-        (out / "trainer.json").write_text(json.dumps({"step": worker.step, "scheduler": _jsonable(worker.scheduler.state_dict())}))
+    for name, role in worker.roles.items():
+        if role.optimizer is not None:
+            _save_role(role, role_directory(out, name), worker.rank == 0)
     dist.barrier()
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -68,25 +67,26 @@ def save_rank_checkpoint(worker, directory: str) -> None:
     dist.barrier()
 
 
+def _save_role(role, out: Path, writer: bool) -> None:
+    model_state = get_model_state_dict(role.model, options=_FULL)  # collective: every rank gathers
+    optim_state = get_optimizer_state_dict(role.model, role.optimizer, options=_FULL)
+    if not writer:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model_state.items()}, out / "model.safetensors")
+    tensors = {f"{fqn}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
+               for fqn, entry in optim_state["state"].items() for key, value in entry.items()}
+    save_file(tensors, out / "optimizer.safetensors")
+    (out / "optimizer.json").write_text(json.dumps({"param_groups": _jsonable(optim_state["param_groups"])}))
+    (out / "trainer.json").write_text(json.dumps({"step": role.step, "scheduler": _jsonable(role.scheduler.state_dict())}))
+
+
 def load_rank_checkpoint(worker, directory: str) -> None:
     """Every rank calls this; each reads the full state and keeps its shard."""
     src = Path(directory)
-    model_state = load_file(src / "model.safetensors")
-    set_model_state_dict(worker.model, model_state, options=StateDictOptions(full_state_dict=True))
-    flat = load_file(src / "optimizer.safetensors")
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for name, value in flat.items():
-        fqn, key = name.rsplit("/", 1)
-        state.setdefault(fqn, {})[key] = value
-    groups = json.loads((src / "optimizer.json").read_text())["param_groups"]
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-    set_optimizer_state_dict(worker.model, worker.optimizer, {"state": state, "param_groups": groups},
-                             options=StateDictOptions(full_state_dict=True))
-    trainer = json.loads((src / "trainer.json").read_text())
-    worker.step = trainer["step"]
-    worker.scheduler.load_state_dict(trainer["scheduler"])
+    for name, role in worker.roles.items():
+        if role.optimizer is not None:
+            _load_role(role, role_directory(src, name))
     rng_file = src / f"rng_rank{worker.rank}.safetensors"
     if rng_file.exists():
         rng = load_file(rng_file)
@@ -95,3 +95,20 @@ def load_rank_checkpoint(worker, directory: str) -> None:
             torch.cuda.set_rng_state(rng["cuda"])
         random.setstate(_python_rng_from_json(json.loads((src / f"rng_rank{worker.rank}.json").read_text())["python"]))
     dist.barrier()
+
+
+def _load_role(role, src: Path) -> None:
+    set_model_state_dict(role.model, load_file(src / "model.safetensors"), options=StateDictOptions(full_state_dict=True))
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in load_file(src / "optimizer.safetensors").items():
+        fqn, key = name.rsplit("/", 1)
+        state.setdefault(fqn, {})[key] = value
+    groups = json.loads((src / "optimizer.json").read_text())["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    set_optimizer_state_dict(role.model, role.optimizer, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+    trainer = json.loads((src / "trainer.json").read_text())
+    role.step = trainer["step"]
+    role.scheduler.load_state_dict(trainer["scheduler"])

@@ -1,10 +1,12 @@
-"""AdamW with warmup then constant / linear / cosine decay."""
+"""AdamW with warmup then constant / linear / cosine decay; shared by every backend and by SFT."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from trainers.base import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -21,6 +23,20 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     assert len(decay) + len(no_decay) == len(trainable), "parameter groups must cover the trainable parameters"
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=fused or None)
+
+
+def build_role_optimizer(model: torch.nn.Module, config: OptimizerConfig, indexer_learning_rate: float | None = None,
+                         fused: bool = False) -> torch.optim.AdamW:
+    """A role's AdamW; with indexer_learning_rate the DSA indexers get param groups of their own at that rate."""
+    if indexer_learning_rate is None:
+        return build_optimizer(model, config.learning_rate, config.weight_decay, tuple(config.adam_betas), fused=fused)
+    groups = []
+    for is_indexer, lr in ((False, config.learning_rate), (True, indexer_learning_rate)):
+        params = [p for n, p in model.named_parameters() if p.requires_grad and (".indexer." in n) == is_indexer]
+        groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay, "lr": lr},
+                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
+                             betas=tuple(config.adam_betas), eps=1e-8, fused=fused or None)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.1) -> float:

@@ -1,0 +1,155 @@
+"""What both RL loops share: the Run they drive, one step's training, the weight sync, and the per-step tail
+(eval, log, checkpoint). The synchronous loop is in train.py, the asynchronous one in async_loop.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from slime_dsa.algorithms.specs import Algorithm, OldLogprobs
+from slime_dsa.config import RecipeConfig
+
+logger = logging.getLogger(__name__)
+
+# Called with (weight version, full state dict) each time the engines get new weights, and once with the
+# starting weights; benchmarks use it to evaluate every version after the run, off the clock. With
+# hook_state "last" the state dict comes with the last version only (None before it): reading the weights back
+# cost the push ~0.5 s a step for a 160M-parameter model on an H200, which a benchmark timing steps must not add.
+WeightsHook = Callable[[int, dict | None], None]
+HookState = Literal["every", "last"]
+
+
+@dataclass
+class Run:
+    """Everything a loop needs, built once by `_run`."""
+
+    recipe: RecipeConfig
+    algorithm: Algorithm
+    run_dir: Path
+    model_dir: Path
+    client: Any  # rollout.client.EngineClient
+    trainers: Any  # trainers.base.TrainerGroup
+    manager: Any  # slime_dsa.orchestrator.rollout_manager.RolloutManager
+    ckpts: Any  # slime_dsa.checkpoint.training.CheckpointManager
+    metrics_log: Any  # slime_dsa.logging.MetricsLogger
+    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightSync
+    start_step: int = 0
+    on_weights: WeightsHook | None = None
+    hook_state: HookState = "every"
+
+    def hook_wants_state(self, version: int) -> bool:
+        """Whether on_weights gets the full state dict with weight `version`."""
+        return self.on_weights is not None and (self.hook_state == "every" or version == self.recipe.trainer.num_steps)
+
+
+async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
+    """The tail of every RL step, in either loop: eval when due, log, print, checkpoint when due."""
+    recipe = run.recipe
+    if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
+        metrics.update(await run.manager.evaluate())
+    if (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
+        run.metrics_log.log(metrics, step=step + 1)
+        print_step(step + 1, recipe.trainer.num_steps, metrics)
+    save_every = recipe.checkpoint.save_every
+    if (save_every and (step + 1) % save_every == 0) or step + 1 == recipe.trainer.num_steps:
+        # The data position is read here, on the event loop: in the asynchronous loop the producer moves it.
+        rollout_state = run.manager.state_dict()
+        await asyncio.to_thread(save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
+
+
+async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, float]:
+    """trainer.num_steps_per_rollout optimiser steps on `samples`; returns train/ and perf/ metrics.
+
+    The algorithm's π_old mode says how the step gets π_old: recompute = a trainer forward (and
+    train_rollout_logprob_abs_diff from it); rollout = bypass, π_old := π_roll (train_rollout_logprob_abs_diff from
+    the first optimiser step's forward); none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
+    train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
+    """
+    from slime_dsa.orchestrator.batching import build_train_batch, logprob_abs_diff, sample_advantages  # noqa: PLC0415
+
+    recipe, trainers, client = run.recipe, run.trainers, run.client
+    old_logprobs: OldLogprobs = run.algorithm.old_logprobs
+    metrics: dict[str, float] = {}
+    batch = build_train_batch(samples, sample_advantages(samples, run.algorithm),
+                              index_replay=recipe.algorithm.index_replay)
+    # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
+    colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
+    if colocated:
+        await client.broadcast("/pause_generation", {"mode": "retract"})
+        await client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
+        await asyncio.to_thread(trainers.resume_memory)
+    train_start = time.perf_counter()
+    if old_logprobs == "rollout":
+        batch.old_logprobs = batch.rollout_logprobs.clone()
+    recompute = old_logprobs == "recompute"
+    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
+    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
+    # One call per rank: π_old (recompute) and every optimiser step of this RL step.
+    old, train_metrics = await asyncio.to_thread(trainers.train, batch, recipe.trainer.num_steps_per_rollout,
+                                                 recompute, logged)
+    # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
+    sync_gap = train_metrics.pop("sync_logprob_abs_diff", None)
+    if recompute:
+        batch.old_logprobs = old
+        sync_gap = logprob_abs_diff(batch)
+    if sync_gap is not None and old_logprobs != "none":
+        metrics["train/train_rollout_logprob_abs_diff"] = sync_gap
+        if sync_gap > recipe.trainer.logprob_diff_warn_threshold:
+            logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
+                           "or numerics disagree", step + 1, sync_gap, recipe.trainer.logprob_diff_warn_threshold)
+    keep_loss_diff = old_logprobs == "none"
+    metrics.update({f"train/{k}": v for k, v in train_metrics.items()
+                    if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})
+    train_time = time.perf_counter() - train_start
+    if colocated:
+        await asyncio.to_thread(trainers.release_memory)
+        await client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        await client.broadcast("/continue_generation", {})
+    metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
+                    "train/num_tokens": batch.num_tokens})
+    return metrics
+
+
+async def sync_weights(weights, version: int, pause_mode: str = "abort",
+                       on_weights: WeightsHook | None = None, want_state: bool | None = None) -> float:
+    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took.
+    on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
+    start = time.perf_counter()
+    want = on_weights is not None and want_state is not False
+    state = await weights.push(version, pause_mode=pause_mode, want_state=want)
+    elapsed = time.perf_counter() - start
+    if on_weights is not None:
+        on_weights(version, state)
+    return elapsed
+
+
+def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:
+    def write(tmp: Path) -> None:
+        trainers.save_checkpoint(str(tmp))
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (model_dir / name).exists():
+                shutil.copy2(model_dir / name, tmp / name)
+
+    ckpts.save(step, write, {"rollout": rollout_state})
+
+
+def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
+    """One console line per step: the numbers a person watches."""
+    from rich.console import Console  # noqa: PLC0415
+
+    keys = [("rollout/reward_mean", "reward"), ("eval/pass@1", "eval pass@1"), ("train/loss", "loss"),
+            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("perf/step_time_s", "step s")]
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
+    # soft_wrap: one line per step also when stderr is a file or a narrow terminal
+    Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))
+
+
+def _nan(x: float) -> bool:
+    return isinstance(x, float) and math.isnan(x)

@@ -1,0 +1,140 @@
+"""A group of training ranks as Ray actors, for any backend: fans every call out to all ranks and gathers the
+answers. The batch is split by rank here (whole groups per rank where their prompt is computed once)."""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+import torch
+
+from slime_dsa.models.prefix_sharing import shared_prompt_lengths
+from trainers.base import RankConfig, TrainBatch, balance_across_ranks
+from trainers.rank import TrainerRank, shares_prompts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayTrainerGroup:
+    """N ranks of `rank_class` on one Ray cluster; the orchestrator's handle to training (trainers.base.TrainerGroup)."""
+
+    rank_class: type[TrainerRank]  # set by each backend's subclass
+
+    def __init__(self, config: RankConfig, num_workers: int, num_cpus_per_worker: float = 1,
+                 num_gpus_per_worker: float = 0) -> None:
+        actor_cls = ray.remote(self.rank_class)
+        port = free_port()
+        self.config = config
+        self.workers = [
+            actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)
+            .remote(rank, num_workers, "127.0.0.1", port, config)
+            for rank in range(num_workers)
+        ]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def _shards(self, batch: TrainBatch, role: str) -> tuple[list[list[int]], list[TrainBatch]]:
+        """(sample ids per rank, the rank's sub-batch): a group's samples stay on one rank when its prompt is
+        computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
+        shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
+                  if batch.seqlens and shares_prompts(batch, self.config, self.config.roles[role].dsa) else None)
+        assignment = balance_across_ranks(batch.seqlens, self.world_size, shared)
+        return assignment, [batch.select(ids) for ids in assignment]
+
+    def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
+        """(T,) log-probs of the whole batch under the role's weights, in the batch's token order."""
+        assignment, shards = self._shards(batch, role)
+        results = ray.get([w.compute_logprobs.remote(s, role) for w, s in zip(self.workers, shards)])
+        out = torch.zeros(batch.num_tokens)
+        _scatter_rows(out, batch.seqlens, list(range(len(batch.seqlens))), assignment, results)
+        return out
+
+    def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
+              detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
+        """An RL step's training in one call per rank: π_old (when asked, before any update) and num_mini_batches
+        optimiser steps, each on a contiguous slice of the samples (groups stay together as far as the split
+        allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's).
+        detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged."""
+        n = len(batch.seqlens)
+        parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
+        parts = [p for p in parts if p]
+        per_rank: list[list[TrainBatch]] = [[] for _ in self.workers]
+        layouts, totals = [], []
+        for part in parts:
+            mb = batch.select(part) if len(parts) > 1 else batch
+            assignment, shards = self._shards(mb, role)
+            for rank, shard in enumerate(shards):
+                per_rank[rank].append(shard)
+            layouts.append((part, assignment))
+            totals.append((float(mb.loss_mask.sum()), len(mb.seqlens)))
+        results = ray.get([w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
+                           for w, shards in zip(self.workers, per_rank)])
+        steps = results[0][1]
+        sync_gap = steps[0].pop("sync_logprob_abs_diff", None)  # the first step's alone: its weights are the engines'
+        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        metrics["lr"] = steps[-1]["lr"]
+        if sync_gap is not None:
+            metrics["sync_logprob_abs_diff"] = sync_gap
+        if not recompute_old_logprobs:
+            return None, metrics
+        old = torch.zeros(batch.num_tokens)
+        for m, (part, assignment) in enumerate(layouts):
+            _scatter_rows(old, batch.seqlens, part, assignment, [results[rank][0][m] for rank in range(self.world_size)])
+        return old, metrics
+
+    def full_state_dict(self, role: str = "policy") -> dict[str, torch.Tensor]:
+        return ray.get([w.full_state_dict.remote(role) for w in self.workers])[0]
+
+    def save_weights(self, path: str, role: str = "policy") -> None:
+        """Rank 0 writes the role's full state dict to the safetensors file `path` (atomically)."""
+        ray.get([w.save_weights.remote(path, role) for w in self.workers])
+
+    def share_weights(self, engine_dtype: str) -> dict:
+        """Rank 0's cuda_ipc table of the current weights in one GPU buffer (see FSDPWorker.share_weights)."""
+        return ray.get([w.share_weights.remote(engine_dtype) for w in self.workers])[0]
+
+    def cuda_device(self) -> str | None:
+        """The GPU UUID of rank 0, whose memory cuda_ipc engines read."""
+        return ray.get(self.workers[0].cuda_device.remote())
+
+    def node_id(self) -> str | None:
+        """The Ray node of rank 0, which writes weight files."""
+        return ray.get(self.workers[0].node_id.remote())
+
+    def save_checkpoint(self, directory: str) -> None:
+        ray.get([w.save_checkpoint.remote(directory) for w in self.workers])
+
+    def load_checkpoint(self, directory: str) -> None:
+        ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
+
+    def release_memory(self) -> None:
+        ray.get([w.release_memory.remote() for w in self.workers])
+
+    def resume_memory(self) -> None:
+        ray.get([w.resume_memory.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+
+
+def _scatter_rows(out: torch.Tensor, seqlens: list[int], part: list[int], assignment: list[list[int]],
+                  per_rank: list[torch.Tensor]) -> None:
+    """Write each rank's rows back in batch order: sample i of a rank's shard is sample part[i] of the batch."""
+    starts = [0]
+    for length in seqlens:
+        starts.append(starts[-1] + length)
+    for ids, logp in zip(assignment, per_rank):
+        offset = 0
+        for i in ids:
+            n = seqlens[part[i]]
+            out[starts[part[i]] : starts[part[i]] + n] = logp[offset : offset + n]
+            offset += n

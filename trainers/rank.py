@@ -1,0 +1,271 @@
+"""The training step every backend shares: micro-batches, the policy loss per micro-batch, the indexer loss, the
+metrics and their reduction across ranks, and the weight-sync check.
+
+A backend subclasses TrainerRank and supplies the rest: it builds `self.roles` (model wrapping and optimizer) and
+`self.device`, and may override the collectives (`all_reduce`), gradient averaging (`finish_gradients`),
+clipping (`clip_grad_norm`), and its checkpoint format. The rank never learns which algorithm it trains: it calls
+the loss object of its role's config on the tensors the batch carries.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slime_dsa.algorithms import LossInputs
+from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
+from slime_dsa.models import PackedBatch
+from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
+from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
+from trainers.base import DSAOptions, RankConfig, RoleConfig, TrainBatch, split_by_tokens
+
+logger = logging.getLogger(__name__)
+
+# Loss metrics already normalised by the step-wide denominator: their micro-batch values add up.
+SHARE_METRICS = {"loss", "pg_loss", "kl_ref"}
+
+
+@dataclass
+class Role:
+    """A model the rank holds, with its optimizer and schedule when it trains."""
+
+    config: RoleConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None  # torch.optim.lr_scheduler.LRScheduler
+    step: int = 0  # optimizer steps taken
+
+
+def shares_prompts(batch: TrainBatch, config: RankConfig, dsa: DSAOptions) -> bool:
+    """Whether this batch trains with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
+    indexer loss work on the flat layout."""
+    return (config.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
+            and batch.rollout_topk is None and dsa.indexer_loss_coef == 0)
+
+
+def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
+                     step_loss_tokens: float, step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of one micro-batch as its share of the whole step's loss, and token-weighted metrics."""
+    device = logprobs.device
+    sample_index = torch.repeat_interleave(torch.arange(len(mb.seqlens), device=device),
+                                           torch.tensor(mb.seqlens, device=device))
+    token_mean = loss.aggregation == "token_mean"
+
+    def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    inputs = LossInputs(
+        logprobs=logprobs, advantages=mb.advantages.to(device), loss_mask=mb.loss_mask.to(device).float(),
+        sample_index=sample_index, old_logprobs=on_device(mb.old_logprobs),
+        rollout_logprobs=on_device(mb.rollout_logprobs), ref_logprobs=on_device(mb.ref_logprobs), entropy=entropy,
+        denominator=max(step_loss_tokens, 1.0) if token_mean else max(step_num_samples, 1),
+    )
+    out = loss(inputs)
+    share = float(mb.loss_mask.sum()) / max(step_loss_tokens, 1.0)  # this micro-batch's share of the step's tokens
+    metrics = {}
+    for key, value in out.metrics.items():
+        value = float(value)
+        metrics[key] = value if key in SHARE_METRICS or key.endswith("_max") else value * share
+    return out.loss, metrics
+
+
+class TrainerRank:
+    """One training rank. Call every collective method on every rank of the group."""
+
+    def __init__(self, rank: int, world_size: int, config: RankConfig) -> None:
+        self.rank, self.world_size, self.config = rank, world_size, config
+        self.device = torch.device("cpu")
+        self.roles: dict[str, Role] = {}  # built by the backend
+
+    @property
+    def policy(self) -> Role:
+        return self.roles["policy"]
+
+    # -- collectives a backend may route elsewhere (e.g. Megatron's data-parallel group) ------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In place over the data-parallel ranks."""
+        dist.all_reduce(tensor, op=op)
+
+    def finish_gradients(self, params: list[torch.Tensor]) -> None:
+        """Make the gradients the global ones before clipping (a no-op where the wrapper already reduced them)."""
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip to max_norm; returns the total norm before clipping, a plain tensor."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # -- forward ----------------------------------------------------------------------------------------
+
+    def micro_batches(self, batch: TrainBatch, dsa: DSAOptions) -> list[TrainBatch | None]:
+        """Micro-batches by token budget (rows computed: a shared prompt counts once); every rank runs the same
+        count, padded with None (collectives of sharded models must pair up)."""
+        shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
+                  if batch.seqlens and shares_prompts(batch, self.config, dsa) else None)
+        groups = split_by_tokens(batch.seqlens, self.config.micro_batch_tokens, shared) if batch.seqlens else []
+        count = torch.tensor([len(groups)], device=self.device)
+        self.all_reduce(count, op=dist.ReduceOp.MAX)
+        micro: list[TrainBatch | None] = [batch.select(g) for g in groups]
+        micro += [None] * (int(count) - len(micro))
+        return micro
+
+    def forward(self, role: Role, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False):
+        """(logprobs, entropy, the micro-batch, its PackedBatch, the ModelOutput) of one micro-batch (None = a
+        one-token padding pass)."""
+        mb = mb if mb is not None else _padding_batch()
+        dsa = role.config.dsa
+        packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
+        replay = mb.replay_topk if mb.replay_topk is not None else (mb.rollout_topk if dsa.index_replay else None)
+        replay = None if replay is None else replay.to(self.device)
+        want_topk = replay is None and mb.rollout_topk is not None
+        pack = None
+        if shares_prompts(mb, self.config, dsa) and not capture_dsa:
+            pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
+        logp, ent, out = role.model.token_logprobs_with_output(
+            mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
+            chunk_size=self.config.logprob_chunk_size, return_entropy=return_entropy, replay_topk=replay,
+            capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack,
+        )
+        return logp, ent, mb, packed, out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
+        """log π of every token of the batch under the role's current weights, (T,) float32 on CPU."""
+        held = self.roles[role]
+        held.model.eval()
+        outs = []
+        for mb in self.micro_batches(batch, held.config.dsa):
+            logp, *_ = self.forward(held, mb)
+            if mb is not None:
+                outs.append(logp.float().cpu())
+        return torch.cat(outs) if outs else torch.zeros(0)
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
+                      recompute_old_logprobs: bool = False, detailed_metrics: bool = True,
+                      role: str = "policy") -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]:
+        """One RL step's training in one call: π_old of every shard first (when asked), then one optimiser step
+        per shard. totals[i] = (loss tokens, samples) of mini-batch i over all ranks. Returns (π_old per shard or
+        None, metrics per optimiser step)."""
+        old = None
+        if recompute_old_logprobs:
+            old = [self.compute_logprobs(shard, role) for shard in shards]  # before any update: π_old is π_θ now
+            for shard, logp in zip(shards, old):
+                shard.old_logprobs = logp
+        # Without a π_old pass, the first step's forward is the one that runs on the weights the engines sampled with.
+        metrics = [self.train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None,
+                                   role=role)
+                   for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
+        return old, metrics
+
+    def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
+                   detailed_metrics: bool = True, measure_sync: bool = False, role: str = "policy") -> dict[str, float]:
+        """One optimiser step of `role` over this rank's share; losses are normalised by the global counts.
+
+        detailed_metrics off skips the metrics that cost real compute (the indexer's dense recall): for steps whose
+        metrics nobody logs. Every rank must get the same value (the metric keys are reduced together).
+        measure_sync adds sync_logprob_abs_diff, the mean |log π_θ − log π_roll| of this step's forward (before
+        its update): the weight-sync check when no π_old pass computes it."""
+        held = self.roles[role]
+        if not held.config.trains:
+            raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
+        dsa = held.config.dsa
+        held.model.train()
+        held.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
+        self.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
+        for mb in self.micro_batches(batch, dsa):
+            logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True,
+                                                        capture_dsa=dsa.indexer_loss_coef > 0)
+            loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, global_loss_tokens, global_num_samples)
+            indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, float(step_rows), detailed_metrics)
+            if indexer_loss is not None:
+                loss = loss + indexer_loss
+            metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
+            if measure_sync:
+                gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
+                metrics["sync_logprob_abs_diff/num"] = float(gap.sum()) if mb is not None else 0.0
+                metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
+            if mb is None:
+                loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
+            # Ranks average gradients; the loss is already a share of the global mean, so undo that.
+            (loss * self.world_size).backward()
+            for k, v in metrics.items():
+                # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
+                sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+        if batch.rollout_topk is not None and batch.replay_topk is None and not dsa.index_replay:
+            for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
+                sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
+        grad_norm, lr = self._optimizer_step(held)
+        out = self._reduce_metrics(sums)
+        out.update({"grad_norm": grad_norm, "lr": lr})
+        return out
+
+    def _optimizer_step(self, held: Role) -> tuple[float, float]:
+        """Reduce, clip and apply the gradients; an update with a non-finite norm is skipped. (grad norm, lr)."""
+        trainable = [p for p in held.model.parameters() if p.requires_grad]
+        self.finish_gradients(trainable)
+        grad_norm = self.clip_grad_norm(trainable, held.config.optimizer.max_grad_norm)
+        lr = held.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            held.optimizer.step()
+        else:
+            logger.warning("step %d: non-finite grad norm %s, update skipped", held.step, grad_norm)
+        held.scheduler.step()
+        held.step += 1
+        return float(grad_norm), lr
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sum (or max, for "_max" keys) over ranks; "x/num" and "x/den" pairs become the ratio "x"."""
+        out: dict[str, float] = {}
+        for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
+                         (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
+            values = torch.tensor([sums[k] for k in keys] or [0.0], dtype=torch.float64, device=self.device)
+            self.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
+            out.update({k: float(v) for k, v in zip(keys, values.tolist())})
+        for num in [k for k in out if k.endswith("/num")]:
+            den = out.pop(num[: -len("num")] + "den", 0.0)
+            out[num[: -len("/num")]] = out.pop(num) / den if den else float("nan")
+        return out
+
+    def _dsa_metrics(self, held: Role, mb: TrainBatch, packed: PackedBatch, out, step_rows: float,
+                     recall: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Indexer loss (already a share of the step: sum over rows / step_rows) and DSA metrics of one micro-batch.
+
+        "…/num" and "…/den" pairs become ratios after the cross-rank sum. recall: also the recall of each group's
+        selection against its dense p_bar, which scores every causal key (O(T^2) per group, about a dense attention
+        forward per member layer: as much as the whole sparse forward and backward at 1K tokens).
+        """
+        dsa = held.config.dsa
+        metrics: dict[str, float] = {}
+        if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
+            engine = mb.rollout_topk.to(self.device)
+            rows = engine[0, :, 0] != REPLAY_COMPUTE
+            overlap = topk_overlap(engine[:, rows], out.topk_indices[:, rows])
+            metrics["index_topk_mismatch/num"] = float((1.0 - overlap).sum())
+            metrics["index_topk_mismatch/den"] = float(overlap.numel())
+        if out.dsa_layers is None:
+            return None, metrics
+        types = held.model.config.indexer_types
+        res = dsa_indexer_loss(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k,
+                               stage=dsa.indexer_stage, target=dsa.indexer_target,
+                               lse_matches_stage=dsa.indexer_stage == "sparse")
+        loss = res.loss_sum / max(step_rows, 1.0)
+        metrics["indexer_kl"] = float(loss.detach())
+        metrics.update({k: v / max(step_rows, 1.0) for k, v in res.metrics.items()})
+        if recall:
+            for key, value in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
+                metrics[f"indexer_{key}"] = float(value.sum()) / max(step_rows, 1.0)
+        return dsa.indexer_loss_coef * loss, metrics
+
+
+def _padding_batch() -> TrainBatch:
+    zero = torch.zeros(1)
+    return TrainBatch(input_ids=torch.zeros(1, dtype=torch.long), seqlens=[1], loss_mask=zero, rollout_logprobs=zero,
+                      advantages=zero, old_logprobs=zero)
