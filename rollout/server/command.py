@@ -8,19 +8,21 @@ import os
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
-    from rollout.server import defaults  # noqa: PLC0415
+    from rollout.engine.defaults import DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+    from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT  # noqa: PLC0415
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=defaults.DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
     parser.add_argument("--api-key", default=os.environ.get("SLIME_DSA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SLIME_DSA_API_KEY, else none)")
-    parser.add_argument("--max-body-bytes", type=int, default=defaults.DEFAULT_MAX_BODY_BYTES,
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body outside weight updates (default %(default)s)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=defaults.DEFAULT_MAX_PROMPT_TOKENS,
+    parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
                         help="longest prompt accepted (default %(default)s)")
-    parser.add_argument("--max-cache-tokens", type=int, default=defaults.DEFAULT_MAX_CACHE_TOKENS,
+    parser.add_argument("--max-cache-tokens", type=int, default=DEFAULT_MAX_CACHE_TOKENS,
                         help="KV cache size in tokens (default %(default)s)")
-    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
+                        help="requests decoded at once (default %(default)s)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--served-model-name", default=None, help="the model name /v1 answers with")

@@ -87,7 +87,7 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     derived token budget. Evaluation prompts are not counted (they queue behind the rollouts when the cache is
     full); the running-request cap never goes below the engine's default, for them.
     """
-    from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+    from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
 
     ro = recipe.rollout
     groups = ro.prompts_per_step
