@@ -7,6 +7,7 @@ stopped early (sft.stop_at_pass) so that RL has room to improve it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -77,20 +78,26 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
 def run_sft(recipe: RecipeConfig) -> Path:
     """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
+
+    with open_run_dir(recipe, "sft.log") as run_dir:
+        return _fine_tune(recipe, run_dir)
+
+
+def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """The fine-tuning itself, inside its run directory."""
     from rich.progress import Progress  # noqa: PLC0415
 
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 
     tr, sft = recipe.trainer, recipe.sft
     torch.manual_seed(tr.seed)
-    run_dir = setup.resolve_run_dir(recipe)
-    setup.write_resolved_recipe(recipe, run_dir)
-    model_dir = setup.prepare_model_dir(recipe, run_dir)
-    tokenizer = setup.load_tokenizer(recipe, model_dir)
+    model_dir = prepare_model_dir(recipe, run_dir)
+    tokenizer = load_tokenizer(recipe, model_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, dtype=torch.float32, device=device)  # float32 master weights
     # bf16 compute on a GPU when the recipe asks for bf16 (model.dtype) or mixed precision.
@@ -131,5 +138,5 @@ def run_sft(recipe: RecipeConfig) -> Path:
         log.close()
     save_pretrained(model, out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "sft_summary.json").write_text(__import__("json").dumps({"steps": step, **metrics}, indent=2))
+    (out_dir / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
     return out_dir

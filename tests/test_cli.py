@@ -117,13 +117,23 @@ def test_version(capsys):
 def test_help_and_check_do_not_import_heavy_libraries():
     # each in a fresh interpreter: what a user's `slime-dsa --help` or `recipe check` would load
     probe = ("import sys; from slime_dsa.cli import main; code = main({argv!r}); "
-             "heavy = sorted(m for m in ('torch', 'ray', 'transformers', 'datasets', 'wandb') if m in sys.modules); "
+             "heavy = sorted(m for m in ('torch', 'ray', 'transformers', 'datasets', 'wandb', 'aiohttp') if m in sys.modules); "
              "print('HEAVY', heavy); sys.exit(code)")
-    for argv in (["--help"], ["recipe", "check", BASE], ["recipe", "explain"]):
+    for argv in (["--help"], ["serve", "--help"], ["recipe", "check", BASE], ["recipe", "explain"]):
         result = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert "HEAVY []" in result.stdout, (argv, result.stdout[-200:])
+
+
+def test_serve_and_generate_take_the_model_directory_as_model(capsys, tmp_path):
+    for argv in (["serve"], ["serve", str(tmp_path)]):  # a bare directory is not taken
+        assert one_line_error(capsys, *argv).endswith("the following arguments are required: --model (see slime-dsa serve --help)")
+    err = one_line_error(capsys, "serve", "--model", str(tmp_path))
+    assert err == f"slime-dsa: error: --model {tmp_path} has no config.json: not an HF-format model directory"
+    for command in ("serve", "generate"):
+        assert main([command, "--help"]) == 0
+        assert "--model DIR" in capsys.readouterr().out
 
 
 def test_module_entry_point():

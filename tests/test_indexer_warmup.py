@@ -43,6 +43,7 @@ def test_indexer_warmup_writes_a_dsa_model_whose_indexers_alone_learned(tmp_path
     assert kl[-1] < kl[0]
     assert all(0 < r["indexer_warmup/topk_overlap_prev_step"] <= 1 for r in records)
     assert [r["step"] for r in records if "indexer_warmup/eval/recall" in r] == [4]
+    assert f"after {STEPS} steps: recall@{TOPK}" in (tmp_path / "run" / "indexer_warmup.log").read_text()
 
     # Recall of the group-mean attention at top-k = 25% recovers, and the KL falls, on held-out windows.
     out = tmp_path / "dsa_model"

@@ -139,7 +139,7 @@ def test_generate_text_and_text_in_logprobs(server):
 
 
 def _state_key():
-    from rollout.server.app import STATE
+    from rollout.server.state import STATE
 
     return STATE
 

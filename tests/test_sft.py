@@ -29,6 +29,7 @@ def test_sft_lowers_loss_and_writes_a_model(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["train/loss"] < records[0]["train/loss"]
     assert 0.0 <= records[-1]["eval/pass@1"] <= 1.0
+    assert (tmp_path / "run" / "recipe.yaml").exists() and "sft step 12: loss" in (tmp_path / "run" / "sft.log").read_text()
     model = slime_dsa.load_model(tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert model.config.vocab_size == len(tokenizer)

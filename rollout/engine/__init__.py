@@ -8,10 +8,26 @@ blocks.py        BlockManager: block allocation under a token budget, prefix cac
 sampling.py      batched sampling (temperature, top-k, top-p, min-p, seeds) and its log-probs
 stop.py          stop rules (length, stop tokens, stop strings) and SGLang's text trimming
 types.py         GenerateRequest / SamplingParams / GenerateOutput: the typed boundary
+defaults.py      default sizes (block, running requests, cache), readable without torch
+
+Exports load lazily, so that reading defaults.py (the CLI, the orchestrator's sizing) imports no torch.
 """
 
-from rollout.engine.async_engine import AsyncEngine, EngineStoppedError
-from rollout.engine.engine import Engine
-from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from __future__ import annotations
 
-__all__ = ["AsyncEngine", "Engine", "EngineStoppedError", "GenerateOutput", "GenerateRequest", "RequestError", "SamplingParams"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AsyncEngine": "rollout.engine.async_engine", "EngineStoppedError": "rollout.engine.async_engine",
+    "Engine": "rollout.engine.engine", "GenerateOutput": "rollout.engine.types",
+    "GenerateRequest": "rollout.engine.types", "RequestError": "rollout.engine.types",
+    "SamplingParams": "rollout.engine.types",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rollout.engine' has no attribute {name!r}")

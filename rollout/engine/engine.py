@@ -49,11 +49,11 @@ import torch
 
 from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
+from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
 from rollout.engine.stop import StopChecker
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
-from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
 logger = logging.getLogger(__name__)

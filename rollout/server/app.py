@@ -12,15 +12,17 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from rollout.engine.async_engine import EngineStoppedError
-from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
-from rollout.server import protocol
+from rollout.engine.types import GenerateRequest, RequestError, SamplingParams
+from rollout.server import openai_api, protocol
+from rollout.server.bodies import read_json, read_object
 from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
+from rollout.server.run import run_all, run_request
+from rollout.server.state import STATE, ServerState, state_of
 from rollout.server.weights import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
 from slime_dsa.checkpoint.cuda_ipc import LOAD_FORMAT_CUDA_IPC
 
@@ -33,38 +35,8 @@ UNSUPPORTED_DISTRIBUTED = (
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
 
 
-@dataclass
-class ServerState:
-    """What every handler needs: the engine, the tokenizer, the limits and the lifecycle state."""
-
-    engine: Any  # rollout.engine.async_engine.AsyncEngine
-    tokenizer: Any
-    api_key: str | None
-    max_body_bytes: int
-    max_weight_body_bytes: int
-    max_prompt_tokens: int | None
-    model_path: str | None
-    served_model_name: str
-    vocab_size: int | None = None
-    status: str = "starting"  # starting | ready | stopping
-    started_at: float = field(default_factory=time.time)
-
-    def check_ready(self) -> None:
-        if self.status != "ready":
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": {"message": f"server is {self.status}"}}), content_type="application/json"
-            )
-
-
-STATE = web.AppKey("state", ServerState)
-
-
 def error_response(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-def state_of(request: web.Request) -> ServerState:
-    return request.app[STATE]
 
 
 @web.middleware
@@ -98,35 +70,6 @@ async def _auth(request: web.Request, handler) -> web.StreamResponse:
     return await handler(request)
 
 
-async def read_json(request: web.Request, limit: int) -> Any:
-    """The JSON body, read up to `limit` bytes; RequestError (400) past the limit or when it is not JSON."""
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestError(f"request body is {request.content_length} bytes; the limit is {limit} (max_body_bytes)")
-    chunks, size = [], 0
-    async for chunk in request.content.iter_chunked(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"request body exceeds the limit of {limit} bytes (max_body_bytes)")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
-
-
-async def read_object(request: web.Request, limit: int | None = None) -> dict:
-    """A JSON object body (GET requests and empty bodies give {})."""
-    if request.method == "GET":
-        return dict(request.query)
-    body = await read_json(request, limit or state_of(request).max_body_bytes)
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 def _field(body: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
     value = body.get(key, default)
     if value is None:
@@ -138,27 +81,6 @@ def _field(body: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
 
 
 # ---- generation -------------------------------------------------------------------------------------------
-
-async def run_request(engine: Any, req: GenerateRequest) -> GenerateOutput:
-    """Drive one request to its final output (the one with finish_reason)."""
-    req.stream = False  # only the final state is used: the engine skips the per-step copies
-    last = None
-    gen = engine.generate(req)
-    try:
-        async for out in gen:
-            last = out
-    finally:
-        await gen.aclose()
-    if last is None or last.finish_reason is None:
-        last = GenerateOutput(
-            rid=req.rid, output_ids=list(last.output_ids) if last else [],
-            output_token_logprobs=list(last.output_token_logprobs) if last else [],
-            output_token_versions=list(last.output_token_versions) if last else [],
-            finish_reason={"type": "abort", "message": "the engine ended the request without a finish reason"},
-            prompt_tokens=len(req.input_ids), weight_version=str(engine.weight_version),
-        )
-    return last
-
 
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /generate: SGLang's native generation (single, batch, n samples, SSE stream)."""
@@ -179,18 +101,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         for out, req in zip(outputs, call.requests)
     ]
     return web.json_response(results if call.is_batch else results[0])
-
-
-async def run_all(engine: Any, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-    """Run the requests of one HTTP call concurrently; the first failure aborts the others and is raised."""
-    if len(requests) == 1:
-        return [await run_request(engine, requests[0])]
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(run_request(engine, r)) for r in requests]
-    except BaseExceptionGroup as group:
-        raise group.exceptions[0] from None
-    return [t.result() for t in tasks]
 
 
 async def _stream(request: web.Request, st: ServerState, call: protocol.GenerateCall, t0: float) -> web.StreamResponse:
@@ -454,8 +364,6 @@ def create_app(
     manage_engine: bool = True,
 ) -> web.Application:
     """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine."""
-    from rollout.server import openai_api
-
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max(max_body_bytes, max_weight_body_bytes))
     st = ServerState(
         engine=async_engine, tokenizer=tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,

@@ -1,4 +1,4 @@
-"""`slime-dsa serve MODEL_DIR`: serve a model directory over SGLang's HTTP protocol with the embedded engine."""
+"""`slime-dsa serve --model DIR`: serve a model directory over SGLang's HTTP protocol with the embedded engine."""
 
 from __future__ import annotations
 
@@ -8,19 +8,23 @@ import os
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
-    from rollout.server import defaults  # noqa: PLC0415
+    from rollout.engine.defaults import DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+    from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT  # noqa: PLC0415
 
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="HF-format model directory (config.json + safetensors)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=defaults.DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
     parser.add_argument("--api-key", default=os.environ.get("SLIME_DSA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SLIME_DSA_API_KEY, else none)")
-    parser.add_argument("--max-body-bytes", type=int, default=defaults.DEFAULT_MAX_BODY_BYTES,
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body outside weight updates (default %(default)s)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=defaults.DEFAULT_MAX_PROMPT_TOKENS,
+    parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
                         help="longest prompt accepted (default %(default)s)")
-    parser.add_argument("--max-cache-tokens", type=int, default=defaults.DEFAULT_MAX_CACHE_TOKENS,
+    parser.add_argument("--max-cache-tokens", type=int, default=DEFAULT_MAX_CACHE_TOKENS,
                         help="KV cache size in tokens (default %(default)s)")
-    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
+                        help="requests decoded at once (default %(default)s)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--served-model-name", default=None, help="the model name /v1 answers with")
@@ -34,7 +38,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `serve`."""
     parser = subparsers.add_parser("serve", help="serve a model directory over SGLang's HTTP API (embedded engine)",
                                    description=__doc__)
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="HF-format model directory (config.json + safetensors)")
     add_serve_arguments(parser)
     parser.set_defaults(run=run)
 
@@ -45,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
 
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
-    if not (Path(args.model_dir) / "config.json").exists():
-        raise UserError(f"MODEL_DIR {args.model_dir} has no config.json: not an HF-format model directory")
+    if not (Path(args.model) / "config.json").exists():
+        raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     from rollout.server.launch import serve  # noqa: PLC0415
 
-    serve(args.model_dir, args.host, args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    serve(args.model, args.host, args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk)

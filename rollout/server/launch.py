@@ -8,9 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout.engine.defaults import DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.server.app import create_app
-from rollout.server.defaults import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_PROMPT_TOKENS,
-                                     DEFAULT_MAX_RUNNING_REQUESTS, DEFAULT_PORT)
+from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT
 
 logger = logging.getLogger(__name__)
 

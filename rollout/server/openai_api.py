@@ -18,7 +18,9 @@ from aiohttp import web
 
 from rollout.engine.types import GenerateRequest, RequestError
 from rollout.server import protocol
-from rollout.server.app import run_all, read_json, state_of
+from rollout.server.bodies import read_json
+from rollout.server.run import run_all
+from rollout.server.state import state_of
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # OpenAI names -> SGLang sampling_params names; SGLang extensions pass through under their own names.

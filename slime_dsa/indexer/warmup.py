@@ -165,16 +165,22 @@ def train_indexers(
 
 def run_indexer_warmup(recipe: RecipeConfig) -> Path:
     """`slime-dsa indexer-warmup`: warm the indexers up, save the DSA model; returns the output directory."""
+    from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
+
+    with open_run_dir(recipe, "indexer_warmup.log") as run_dir:
+        return _warm_up(recipe, run_dir)
+
+
+def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """The warm-up itself, inside its run directory."""
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
-    run_dir = setup.resolve_run_dir(recipe)
-    setup.write_resolved_recipe(recipe, run_dir)
-    model_dir = setup.prepare_model_dir(recipe, run_dir)
-    tokenizer = setup.load_tokenizer(recipe, model_dir)
+    model_dir = prepare_model_dir(recipe, run_dir)
+    tokenizer = load_tokenizer(recipe, model_dir)
     model = load_model(model_dir, dtype=torch.float32)
     topk = cfg.index_topk or model.config.index_topk
     if topk >= cfg.seq_len:

@@ -670,12 +670,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
                 module.float()
         return self
 
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """Write an HF-format directory (config.json + safetensors)."""
-        from slime_dsa.checkpoint import save_pretrained  # noqa: PLC0415 (avoid an import cycle)
-
-        save_pretrained(self, directory, **kwargs)
-
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

@@ -1,59 +1,18 @@
-"""Everything a run needs before its first step: run directory, initial model, Ray, engines and trainers."""
+"""What an RL run needs before its first step, besides its run directory (slime_dsa/run_dir.py): Ray, engines, trainers."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-from slime_dsa.config import RecipeConfig, dump_recipe
+from slime_dsa.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
 
 OFFLINE_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
-
-
-def resolve_run_dir(recipe: RecipeConfig) -> Path:
-    """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
-    log = recipe.logging
-    if log.run_dir:
-        return Path(log.run_dir)
-    return Path("runs") / (log.run_name or time.strftime("run-%Y%m%d-%H%M%S"))
-
-
-def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
-    """The HF directory engines and trainers load: model.path, or a from-scratch preset saved into the run."""
-    from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
-    from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
-    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
-
-    if recipe.model.path:
-        path = Path(recipe.model.path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.path {path} is not a directory")
-        return path
-    target = run_dir / "initial_model"
-    if (target / "config.json").exists():
-        return target
-    tokenizer = build_tokenizer()
-    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
-    save_pretrained(build_model(config, seed=recipe.trainer.seed), target)
-    tokenizer.save_pretrained(target)
-    logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
-    return target
-
-
-def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    source = recipe.model.tokenizer_path or str(model_dir)
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no tokenizer at {source} (set model.tokenizer_path): {e}") from None
 
 
 def init_ray(recipe: RecipeConfig) -> None:
@@ -87,7 +46,7 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     derived token budget. Evaluation prompts are not counted (they queue behind the rollouts when the cache is
     full); the running-request cap never goes below the engine's default, for them.
     """
-    from rollout.server.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+    from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
 
     ro = recipe.rollout
     groups = ro.prompts_per_step
@@ -202,8 +161,3 @@ def build_weight_sync(recipe: RecipeConfig, client: Any, trainers: Any, engine_a
     where = f" through {sync.directory}" if sync.directory else ""
     logger.info("weight sync: %s%s (rollout.weight_sync %s)", transport, where, ro.weight_sync)
     return sync
-
-
-def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))

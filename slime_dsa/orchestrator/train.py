@@ -29,28 +29,29 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
     """
     if hook_state not in ("every", "last"):
         raise ValueError(f"hook_state must be every or last, got {hook_state!r}")
-    return asyncio.run(_run(recipe, resume or recipe.checkpoint.resume, loop, on_weights, hook_state))
+    if loop not in ("auto", "sync", "async"):
+        raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
+    from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
+
+    with open_run_dir(recipe, "train.log") as run_dir:
+        return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state))
 
 
-async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weights: WeightsHook | None = None,
-               hook_state: HookState = "every") -> Path:
+async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "auto",
+               on_weights: WeightsHook | None = None, hook_state: HookState = "every") -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
 
-    if loop not in ("auto", "sync", "async"):
-        raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
-    run_dir = setup.resolve_run_dir(recipe)
-    setup.write_resolved_recipe(recipe, run_dir)
-    _log_to_file(run_dir)
-    model_dir = setup.prepare_model_dir(recipe, run_dir)
-    tokenizer = setup.load_tokenizer(recipe, model_dir)
+    model_dir = prepare_model_dir(recipe, run_dir)
+    tokenizer = load_tokenizer(recipe, model_dir)
     setup.init_ray(recipe)
 
     ckpts = CheckpointManager(recipe.checkpoint.dir or run_dir / "checkpoints", recipe.checkpoint.keep_last)
@@ -138,13 +139,5 @@ def _shutdown(trainers, engine_actors) -> None:
         except Exception:  # noqa: BLE001
             logger.exception("engine shutdown failed")
         ray.kill(actor)
-
-
-def _log_to_file(run_dir: Path) -> None:
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    if logging.getLogger().level > logging.INFO:
-        logging.getLogger().setLevel(logging.INFO)
 
 

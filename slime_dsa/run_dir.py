@@ -1,0 +1,99 @@
+"""A run's directory and what the run starts from: the one setup that train, sft and indexer-warmup share.
+
+    with open_run_dir(recipe, "train.log") as run_dir:   # runs/<name>/, recipe.yaml, the log file
+        model_dir = prepare_model_dir(recipe, run_dir)    # model.path, or a from-scratch preset saved there
+        tokenizer = load_tokenizer(recipe, model_dir)
+
+The directory is held for the length of the `with` block; what a run must own exclusively (issue 21's lock)
+is taken and released in open_run_dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slime_dsa.config import RecipeConfig, dump_recipe
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def resolve_run_dir(recipe: RecipeConfig) -> Path:
+    """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
+    log = recipe.logging
+    if log.run_dir:
+        return Path(log.run_dir)
+    return Path("runs") / (log.run_name or time.strftime("run-%Y%m%d-%H%M%S"))
+
+
+def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
+    """run_dir/recipe.yaml: the recipe with every default and --set applied, as the run saw it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+
+
+@contextmanager
+def open_run_dir(recipe: RecipeConfig, log_name: str) -> Iterator[Path]:
+    """The run directory, created, with recipe.yaml written and this process's log copied to run_dir/log_name
+    until the block ends."""
+    run_dir = resolve_run_dir(recipe)
+    write_resolved_recipe(recipe, run_dir)
+    with log_to_file(run_dir / log_name):
+        yield run_dir
+
+
+@contextmanager
+def log_to_file(path: Path) -> Iterator[None]:
+    """Root-logger records of INFO and above also go to `path` until the block ends."""
+    root = logging.getLogger()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    level = root.level
+    root.addHandler(handler)
+    if level > logging.INFO:
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(level)
+
+
+def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """The HF directory engines and trainers load: model.path, or a from-scratch preset saved into the run."""
+    from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+
+    if recipe.model.path:
+        path = Path(recipe.model.path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.path {path} is not a directory")
+        return path
+    target = run_dir / "initial_model"
+    if (target / "config.json").exists():
+        return target
+    tokenizer = build_tokenizer()
+    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    save_pretrained(build_model(config, seed=recipe.trainer.seed), target)
+    tokenizer.save_pretrained(target)
+    logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
+    return target
+
+
+def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
+    """The tokenizer at model.tokenizer_path, else the one saved with the model."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    source = recipe.model.tokenizer_path or str(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no tokenizer at {source} (set model.tokenizer_path): {e}") from None

@@ -1,0 +1,33 @@
+"""The run directory that train, sft and indexer-warmup share: recipe.yaml, a log file for the block's length."""
+
+from __future__ import annotations
+
+import logging
+
+import yaml
+
+from slime_dsa.config import load_recipe
+from slime_dsa.run_dir import open_run_dir, resolve_run_dir
+
+
+def test_open_run_dir_writes_the_recipe_and_logs_only_inside_the_block(tmp_path):
+    recipe = load_recipe(None, [f"logging.run_dir={tmp_path / 'run'}", "rollout.temperature=0.5"])
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    root.setLevel(logging.WARNING)
+    try:
+        with open_run_dir(recipe, "job.log") as run_dir:
+            assert run_dir == tmp_path / "run"
+            logging.getLogger("slime_dsa.some.module").info("inside")
+        logging.getLogger("slime_dsa.some.module").warning("after")
+        assert root.handlers == handlers and root.level == logging.WARNING
+    finally:
+        root.setLevel(level)
+    assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["rollout"]["temperature"] == 0.5
+    text = (run_dir / "job.log").read_text()
+    assert "INFO slime_dsa.some.module: inside" in text and "after" not in text
+
+
+def test_run_dir_defaults_to_runs_and_the_run_name():
+    assert str(resolve_run_dir(load_recipe(None, ["logging.run_name=exp1"]))) == "runs/exp1"
+    assert str(resolve_run_dir(load_recipe(None, []))).startswith("runs/run-")
