@@ -30,7 +30,11 @@ def ray_cluster():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when torch sees no CUDA device."""
+    """Every test that starts Ray is `slow` (the fast lane, `pytest -m "not slow"`, never waits on a cluster); skip
+    tests marked `gpu` when torch sees no CUDA device."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
