@@ -98,7 +98,7 @@ def test_generate_batch_needs_one_sampling_params_per_prompt():
 
 
 def test_sample_limiter_counts_samples_and_never_deadlocks():
-    from slime_dsa.orchestrator.limiter import SampleLimiter
+    from rollout.limiter import SampleLimiter
 
     async def main():
         limiter = SampleLimiter(6)

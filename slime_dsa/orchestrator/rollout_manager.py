@@ -20,12 +20,12 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rollout.client import EngineClient, EngineError, indexer_topk_rows
+from rollout.limiter import SampleLimiter
 from rollout.rewards.compute import RewardStats, compute_reward
 from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.prompts import Prompt, Task, TaskMixture
 from slime_dsa.data.sample import Sample, SampleStatus
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
-from slime_dsa.orchestrator.limiter import SampleLimiter
 
 logger = logging.getLogger(__name__)
 
