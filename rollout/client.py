@@ -291,7 +291,7 @@ class EngineClient:
         rid = rid or uuid.uuid4().hex
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
                                    "return_logprob": return_logprob, "rid": rid}
-        _add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
+        add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
         n = payload["sampling_params"].get("n", 1)
         body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
                                        abort_rid=rid)
@@ -322,7 +322,7 @@ class EngineClient:
         payload: dict[str, Any] = {"input_ids": [list(p) for p in prompts],
                                    "sampling_params": [dict(sp) for sp in sampling_params],
                                    "return_logprob": return_logprob, "rid": rids}
-        _add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
+        add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
         body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
                                        abort_rid=rids)
         if not isinstance(body, list) or len(body) != len(prompts):
@@ -429,9 +429,9 @@ def _error_message(text: str) -> str:
     return str(text)[:500]
 
 
-def _add_generate_options(payload: dict[str, Any], session_id: str | None, return_indexer_topk: bool,
-                          indexer_topk_start_len: int) -> None:
-    """The optional /generate fields `generate` and `generate_batch` share."""
+def add_generate_options(payload: dict[str, Any], session_id: str | None, return_indexer_topk: bool,
+                         indexer_topk_start_len: int) -> None:
+    """The optional /generate fields `generate` and `generate_batch` share (and InProcessClient's)."""
     if session_id is not None:
         payload["session_id"] = session_id
     if return_indexer_topk:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,36 +45,35 @@ def sft_loss(model, examples: list[tuple[list[int], list[int]]]) -> torch.Tensor
     return -(logp * mask).sum() / mask.sum()
 
 
-def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int) -> dict[str, float]:
-    """Greedy answers on every task's eval split with the embedded engine: mean reward and pass@1."""
-    from rollout.engine.engine import Engine  # noqa: PLC0415
-    from rollout.engine.types import GenerateRequest, SamplingParams  # noqa: PLC0415
-    from rollout.rewards.compute import compute_reward  # noqa: PLC0415
-    from rollout.rewards.registry import load_reward_fn  # noqa: PLC0415
+def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int,
+                stop: Sequence[str] = ()) -> dict[str, float]:
+    """The RL loop's evaluation (rollout.evaluation.Evaluator: greedy answers on every task's eval split, eval/
+    metrics) through an embedded engine in this process."""
+    from rollout.engine import AsyncEngine, Engine  # noqa: PLC0415
+    from rollout.evaluation import Evaluator, eval_prompts  # noqa: PLC0415
+    from rollout.server.in_process import InProcessClient  # noqa: PLC0415
+    from slime_dsa.config.schema import RolloutSection  # noqa: PLC0415
+
+    # No deadline per request: a CPU eval of many long answers can outlast any, and SFT has no engine to give up on.
+    rollout = RolloutSection(max_response_length=max_new_tokens, stop=list(stop), request_timeout_s=math.inf)
+    prompts = eval_prompts(tasks, max_prompts)
+    longest = max((len(p.prompt_ids) for p in prompts), default=1) + max_new_tokens
+
+    async def evaluate() -> dict[str, float]:
+        engine = AsyncEngine(Engine(model, max_cache_tokens=max(4096, longest * min(len(prompts), 256)),
+                                    tokenizer=tokenizer))
+        await engine.start()
+        try:
+            client = InProcessClient(engine, tokenizer)
+            return await Evaluator(client, tasks, tokenizer, rollout, show_progress=False).evaluate(max_prompts)
+        finally:
+            await engine.stop()
 
     model.eval()
-    prompts = [(task, p) for task in tasks if task.eval is not None for p in list(task.eval)[:max_prompts]]
-    longest = max((len(p.prompt_ids) for _, p in prompts), default=1) + max_new_tokens
-    engine = Engine(model, max_cache_tokens=max(4096, longest * min(len(prompts), 256)), tokenizer=tokenizer)
-    samples = {}
-    for i, (task, p) in enumerate(prompts):
-        samples[str(i)] = p.to_sample(index=i)
-        engine.add_request(GenerateRequest(list(p.prompt_ids), SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), rid=str(i)))
-    while engine.has_work:
-        for out in engine.step():
-            if out.finish_reason is not None:
-                samples[out.rid].response_ids = list(out.output_ids)
-                samples[out.rid].response_text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
-
-    async def score() -> list[float]:
-        fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
-        results = await asyncio.gather(*(compute_reward(fns[s.task], s) for s in samples.values()))
-        return [r.reward for r in results]
-
-    rewards = asyncio.run(score()) if samples else []
-    model.train()
-    n = max(len(rewards), 1)
-    return {"eval/reward_mean": sum(rewards) / n, "eval/pass@1": sum(r >= 1.0 for r in rewards) / n}
+    try:
+        return asyncio.run(evaluate())
+    finally:
+        model.train()
 
 
 def run_sft(recipe: RecipeConfig) -> Path:
@@ -109,7 +109,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name, recipe.logging.wandb_mode,
                         config=recipe.model_dump(mode="json"))
     out_dir = Path(sft.output_dir or run_dir / "sft_model")
-    eval_args = (tokenizer, tasks, sft.eval_prompts, recipe.rollout.max_response_length)
+    eval_args = (tokenizer, tasks, sft.eval_prompts, recipe.rollout.max_response_length, recipe.rollout.stop)
     metrics: dict[str, float] = {}
     try:
         with Progress(transient=True) as progress:
@@ -126,10 +126,12 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
                 progress.advance(bar)
                 metrics = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm),
                            "train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start}
-                if (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps:
+                evaluated = (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps
+                if evaluated:
                     metrics.update(greedy_eval(model, *eval_args))
-                    logger.info("sft step %d: loss %.4f, eval pass@1 %.3f", step, metrics["train/loss"], metrics["eval/pass@1"])
-                if step % recipe.logging.log_every == 0 or "eval/pass@1" in metrics:
+                    logger.info("sft step %d: loss %.4f, eval pass@1 %.3f", step, metrics["train/loss"],
+                                metrics.get("eval/pass@1", math.nan))  # no eval split: no eval metrics
+                if step % recipe.logging.log_every == 0 or evaluated:
                     log.log(metrics, step=step)
                 if sft.stop_at_pass is not None and metrics.get("eval/pass@1", 0.0) >= sft.stop_at_pass:
                     logger.info("sft: eval pass@1 %.3f reached sft.stop_at_pass at step %d", metrics["eval/pass@1"], step)

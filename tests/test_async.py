@@ -144,8 +144,9 @@ def test_abort_mode_regenerates_samples_in_flight(checkpoint):
     from rollout.client import EngineClient
     from rollout.server.launch import EmbeddedServer, load_engine
     from slime_dsa.config.schema import RolloutSection
+    from rollout.groups import GroupRollout, SampleNumbering
     from slime_dsa.data.prompts import Prompt, Task, TaskMixture
-    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+    from slime_dsa.orchestrator.producer import GroupProducer
     from slime_dsa.orchestrator.weight_sync import push_weights
 
     g = torch.Generator().manual_seed(1)
@@ -162,22 +163,23 @@ def test_abort_mode_regenerates_samples_in_flight(checkpoint):
         engine, _ = load_engine(checkpoint, max_cache_tokens=2048)
         server = await EmbeddedServer.start(engine)
         client = EngineClient([server.url])
-        manager = RolloutManager(client, [task], TaskMixture([task]), tokenizer, rollout, show_progress=False)
-        producer = asyncio.ensure_future(manager.produce(StalenessGate(1, 0), requeue_aborted=True))
+        groups = GroupRollout(client, [task], tokenizer, rollout)
+        producer = GroupProducer(groups, TaskMixture([task]), SampleNumbering(), rollout)
+        running = asyncio.ensure_future(producer.produce(StalenessGate(1, 0), requeue_aborted=True))
         try:
             while engine.engine.stats["generated_tokens"] < 15:
                 await asyncio.sleep(0.002)
             await push_weights(client, new_state, version=1, pause_mode="abort")
-            (group,) = await asyncio.wait_for(manager.buffer.get(1), 60)
-            return group, manager
+            (group,) = await asyncio.wait_for(producer.buffer.get(1), 60)
+            return group, producer
         finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
             await client.close()
             await server.stop()
 
-    group, manager = asyncio.run(main())
-    assert sorted(s.index for s in group) == [0, 1, 2] and manager.in_flight == {}
+    group, producer = asyncio.run(main())
+    assert sorted(s.index for s in group) == [0, 1, 2] and producer.in_flight == {}
     requeued = [s for s in group if s.metadata.get("requeued")]
     assert requeued, "no request was in flight at the push"
     for s in group:

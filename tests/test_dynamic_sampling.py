@@ -1,4 +1,5 @@
-"""DAPO dynamic sampling against a real embedded server: rounds sized by the share of groups the last round kept.
+"""DAPO dynamic sampling (slime_dsa.orchestrator.collection.StepCollector) against a real embedded server: rounds
+sized by the share of groups the last round kept.
 
 Three prompts in four always score 0 (their groups are dropped); the rest always have mixed rewards. With fixed
 rounds the step needs many rounds and can end short; with adaptive rounds the second round asks for what the first
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fake_client import FakeClient
 from tests.hf_reference import make_hf_checkpoint
 
 PROMPTS_PER_STEP, GROUP = 4, 2
@@ -26,10 +28,11 @@ def checkpoint(tmp_path_factory):
 
 def _run_steps(checkpoint, max_oversample_factor: float, steps: int = 2):
     from rollout.client import EngineClient
+    from rollout.groups import GroupRollout, SampleNumbering
     from rollout.server.launch import EmbeddedServer, load_engine
     from slime_dsa.config.schema import RolloutSection
     from slime_dsa.data.prompts import Prompt, Task, TaskMixture
-    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+    from slime_dsa.orchestrator.collection import StepCollector
 
     prompts = [Prompt(task="t", split="train", index=i, prompt_ids=list(range(3 + i % 7, 9 + i % 7)), prompt_text="",
                       answer="mixed" if i % 4 == 0 else "zero") for i in range(400)]
@@ -44,22 +47,23 @@ def _run_steps(checkpoint, max_oversample_factor: float, steps: int = 2):
         server = await EmbeddedServer.start(engine)
         client = EngineClient([server.url])
         mixture = TaskMixture([task])
-        manager = RolloutManager(client, [task], mixture, tokenizer, rollout, show_progress=False)
+        groups = GroupRollout(client, [task], tokenizer, rollout)
+        collector = StepCollector(groups, mixture, SampleNumbering(), rollout, show_progress=False)
         drawn: list[list] = []
         take = mixture.take
         mixture.take = lambda n: drawn.append(take(n)) or drawn[-1]
         try:
-            results = [await manager.collect_step() for _ in range(steps)]
+            results = [await collector.collect() for _ in range(steps)]
         finally:
             await client.close()
             await server.stop()
-        return results, drawn, manager
+        return results, drawn, collector
 
     return asyncio.run(main())
 
 
 def test_adaptive_rounds_follow_the_keep_share(checkpoint):
-    results, drawn, manager = _run_steps(checkpoint, max_oversample_factor=4.0)
+    results, drawn, collector = _run_steps(checkpoint, max_oversample_factor=4.0)
     share, round_index = 1.0, 0
     for groups, metrics in results:
         kept = 0
@@ -72,11 +76,24 @@ def test_adaptive_rounds_follow_the_keep_share(checkpoint):
         assert len(groups) == kept
         assert all(s.answer == "mixed" for g in groups for s in g)
     assert round_index == len(drawn)
-    assert manager.keep_share == pytest.approx(share)
-    assert manager.state_dict()["keep_share"] == pytest.approx(share)
-    # A resumed manager sizes its next round from the saved share.
+    assert collector.keep_share == pytest.approx(share)
+
+
+def test_a_resumed_run_sizes_its_next_round_from_the_saved_keep_share():
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task, TaskMixture
+    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:mixed_or_zero",
+                train=[Prompt(task="t", split="train", index=0, prompt_ids=[3], prompt_text="", answer=None)],
+                eval=None)
+    rollout = RolloutSection(dynamic_sampling=True)
+    manager = RolloutManager(FakeClient(), [task], TaskMixture([task]), None, rollout, show_progress=False)
+    manager.collector.keep_share = 0.25
+    assert manager.state_dict()["keep_share"] == 0.25
     manager.load_state_dict({**manager.state_dict(), "keep_share": 0.5})
-    assert manager.keep_share == 0.5 and manager.round_size(3) == 6
+    assert manager.collector.keep_share == 0.5 and manager.collector.round_size(3) == 6
+
 
 def test_fixed_rounds_draw_only_what_is_missing(checkpoint):
     results, drawn, _ = _run_steps(checkpoint, max_oversample_factor=1.0, steps=1)

@@ -8,7 +8,7 @@ stand-in for a lower-precision GPU kernel), which turns those near-ties into exa
 reference orders them by the 1e-4 noise. So engine and trainer select different keys at prompt rows, and the keys
 and values of those rows feed every generated token.
 
-End to end over loopback HTTP: an EmbeddedServer (keep_indexer_topk) -> RolloutManager.generate_group (EngineClient,
+End to end over loopback HTTP: an EmbeddedServer (keep_indexer_topk) -> GroupRollout.generate_group (EngineClient,
 indexer_topk_start_len 0) -> Samples -> TrainBatch -> an FSDP2 rank (gloo). The three samples
 share the prompt's cached prefix (admitted together; or computed earlier by a request that asked for no top-k).
 """
@@ -28,17 +28,16 @@ from rollout.client import EngineClient
 from rollout.engine import Engine, GenerateRequest, SamplingParams
 from rollout.engine.async_engine import AsyncEngine
 from rollout.engine.types import RequestError
+from rollout.groups import GroupRollout, SampleNumbering
 from rollout.server.launch import EmbeddedServer
 from slime_dsa import ops
 from slime_dsa.algorithms.indexer_loss import topk_overlap
 from slime_dsa.checkpoint import build_model, save_pretrained
 from slime_dsa.config.schema import RolloutSection
-from slime_dsa.data.prompts import Prompt, Task, TaskMixture
 from slime_dsa.data.sample import Sample
 from slime_dsa.models import ModelConfig, PackedBatch
 from slime_dsa.ops import reference
 from slime_dsa.orchestrator.batching import build_train_batch
-from slime_dsa.orchestrator.rollout_manager import RolloutManager
 
 CONFIG = dict(
     vocab_size=53, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -77,8 +76,10 @@ def bf16_kernel_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, **_
 
 
 def rollout(model, monkeypatch, *, warm_prefix: bool) -> tuple[list[Sample], int]:
-    """One group of N samples of PROMPT through RolloutManager over HTTP (every row's top-k asked for), and the
+    """One group of N samples of PROMPT through GroupRollout over HTTP (every row's top-k asked for), and the
     prompt tokens the engine took from its prefix cache; warm_prefix first runs a request that caches the prompt."""
+    from slime_dsa.data.prompts import Prompt, Task
+
     rollout_cfg = RolloutSection(n_samples_per_prompt=N, prompts_per_step=1, max_response_length=10,
                                  return_indexer_topk=True)
     prompt = Prompt(task="t", split="train", index=0, prompt_ids=list(PROMPT), prompt_text="", answer=None)
@@ -93,8 +94,8 @@ def rollout(model, monkeypatch, *, warm_prefix: bool) -> tuple[list[Sample], int
             async with EngineClient([server.url]) as client:
                 if warm_prefix:
                     await client.generate(PROMPT, {"max_new_tokens": 1})
-                manager = RolloutManager(client, [task], TaskMixture([task]), tokenizer, rollout_cfg, show_progress=False)
-                return await manager.generate_group(prompt, N), engine.stats["cached_tokens"]
+                groups = GroupRollout(client, [task], tokenizer, rollout_cfg)
+                return await groups.generate_group(SampleNumbering().new_group(prompt, N)), engine.stats["cached_tokens"]
         finally:
             await server.stop()
 

@@ -1,5 +1,6 @@
-"""One /generate per group: the rollout manager sends a group's n samples in one batched request (real embedded
-server over loopback), with the same per-sample seeds, so the samples equal those of one request per sample."""
+"""One /generate per group: GroupRollout (rollout.groups) sends a group's n samples in one batched request (real
+embedded server over loopback), with the same per-sample seeds, so the samples equal those of one request per
+sample."""
 
 from __future__ import annotations
 
@@ -20,16 +21,16 @@ def checkpoint(tmp_path_factory):
     return directory
 
 
-def _manager(client, tasks, rollout):
-    from slime_dsa.data.prompts import TaskMixture
-    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+def _groups(client, tasks, rollout):
+    from rollout.groups import GroupRollout
 
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
-    return RolloutManager(client, tasks, TaskMixture(tasks), tokenizer, rollout, show_progress=False, seed=3)
+    return GroupRollout(client, tasks, tokenizer, rollout, seed=3)
 
 
 def test_a_group_is_one_request_with_the_per_sample_seeds(checkpoint):
     from rollout.client import EngineClient
+    from rollout.groups import SampleNumbering
     from rollout.server.launch import EmbeddedServer, load_engine
     from slime_dsa.config.schema import RolloutSection
     from slime_dsa.data.prompts import Prompt, Task
@@ -44,12 +45,11 @@ def test_a_group_is_one_request_with_the_per_sample_seeds(checkpoint):
         server = await EmbeddedServer.start(engine)
         try:
             async with EngineClient([server.url]) as client:
-                grouped = await _manager(client, [task], rollout).generate_group(prompt, GROUP)
+                samples = SampleNumbering().new_group(prompt, GROUP)
+                grouped = await _groups(client, [task], rollout).generate_group(samples)
                 requests = client.stats()[server.url]["completed"]
-                one_by_one = _manager(client, [task], rollout)
-                samples = one_by_one._new_samples(prompt, GROUP)
-                params = one_by_one.sampling_params()
-                single = [await one_by_one.generate_sample(s, params, None) for s in samples]
+                one_by_one = _groups(client, [task], rollout)
+                single = [(await one_by_one.generate_group([s]))[0] for s in SampleNumbering().new_group(prompt, GROUP)]
                 return grouped, single, requests
         finally:
             await server.stop()
@@ -66,6 +66,7 @@ def test_a_group_is_one_request_with_the_per_sample_seeds(checkpoint):
 
 def test_a_failed_group_request_costs_its_samples_not_the_step():
     from rollout.client import EngineClient
+    from rollout.groups import SampleNumbering
     from slime_dsa.config.schema import RolloutSection
     from slime_dsa.data.prompts import Prompt, Task
     from slime_dsa.data.sample import SampleStatus
@@ -79,7 +80,7 @@ def test_a_failed_group_request_costs_its_samples_not_the_step():
     async def main():
         # Nothing listens there: every attempt fails to connect.
         async with EngineClient(["127.0.0.1:9"], max_retries=0) as client:
-            return await _manager(client, [task], rollout).generate_group(prompt, GROUP)
+            return await _groups(client, [task], rollout).generate_group(SampleNumbering().new_group(prompt, GROUP))
 
     group = asyncio.run(main())
     assert [s.status for s in group] == [SampleStatus.FAILED] * GROUP
@@ -98,7 +99,7 @@ def test_generate_batch_needs_one_sampling_params_per_prompt():
 
 
 def test_sample_limiter_counts_samples_and_never_deadlocks():
-    from slime_dsa.orchestrator.limiter import SampleLimiter
+    from rollout.limiter import SampleLimiter
 
     async def main():
         limiter = SampleLimiter(6)

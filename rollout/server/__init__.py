@@ -1,4 +1,5 @@
-"""HTTP server speaking SGLang's native protocol (and OpenAI's) in front of the embedded engine.
+"""HTTP server speaking SGLang's native protocol (and OpenAI's) in front of the embedded engine; InProcessClient
+answers the same /generate in this process, without HTTP.
 
 Exports load lazily, so that `slime-dsa --help` (which imports rollout.server.command) stays fast.
 """
@@ -12,7 +13,7 @@ _EXPORTS = {
     "create_app": "rollout.server.app", "serve": "rollout.server.launch", "load_engine": "rollout.server.launch",
     "EmbeddedServer": "rollout.server.launch", "LOAD_FORMAT": "rollout.server.weights",
     "encode_named_tensors": "rollout.server.weights", "decode_named_tensors": "rollout.server.weights",
-    "tensor_update_payloads": "rollout.server.weights",
+    "tensor_update_payloads": "rollout.server.weights", "InProcessClient": "rollout.server.in_process",
 }
 __all__ = list(_EXPORTS)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
-from slime_dsa.orchestrator.rollout_manager import screen_group
+from slime_dsa.orchestrator.collection import screen_group
 from slime_dsa.orchestrator.step import Run, after_step, sync_weights, train_on_samples
 
 logger = logging.getLogger(__name__)

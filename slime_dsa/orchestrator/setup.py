@@ -40,7 +40,7 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
 
     Groups in flight over all engines: one step's largest round (x max_oversample_factor with dynamic sampling) in
     the synchronous loop; in the asynchronous one the StalenessGate lets (max_staleness + 1) steps' groups be started and not yet
-    trained. Samples in flight are capped by max_concurrency (the rollout manager's SampleLimiter). A group's samples stay on
+    trained. Samples in flight are capped by max_concurrency (rollout.limiter.SampleLimiter). A group's samples stay on
     one engine (session routing), so each engine takes ceil(groups / num_engines) groups. Each request reserves
     its prompt + response rows rounded up to whole cache blocks. rollout.max_cache_tokens, when set, replaces the
     derived token budget. Evaluation prompts are not counted (they queue behind the rollouts when the cache is

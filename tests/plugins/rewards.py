@@ -13,3 +13,8 @@ def always_fails(sample, response: str, answer, **metadata) -> float:
 def mixed_or_zero(sample, response: str, answer, **metadata) -> float:
     """Groups of prompts answered "mixed" score 0/1 by sample index (never all alike); the others always 0."""
     return float(sample.index % 2) if answer == "mixed" else 0.0
+
+
+def odd_last_token(sample, response: str, answer, **metadata) -> float:
+    """1 when the response's last token id is odd: a pass/fail that depends on what was generated."""
+    return float(bool(sample.response_ids) and sample.response_ids[-1] % 2 == 1)

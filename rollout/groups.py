@@ -1,0 +1,136 @@
+"""Groups of rewarded samples: the n samples of one prompt in ONE batched /generate, then a reward for each.
+
+One HTTP call per group instead of per sample: the driver's and the server's per-request cost dominated rollout
+time for short responses. Each sample carries its own sampling seed, so rollouts are reproducible (and resumption
+exact) whatever the batching or routing. A failed request costs its group's samples, an aborted sample or a
+crashing reward function costs that sample: marked on the sample and counted, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollout.client import EngineError, indexer_topk_rows
+from rollout.limiter import SampleLimiter
+from rollout.rewards.compute import RewardStats, compute_reward
+from rollout.rewards.registry import load_reward_fn
+from slime_dsa.data.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateClient(Protocol):
+    """What group generation needs of a client: EngineClient (over HTTP), InProcessClient (no server)."""
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None, *,
+                       return_logprob: bool = True, session_id: str | None = None, return_indexer_topk: bool = False,
+                       indexer_topk_start_len: int = -1, timeout_s: float | None = None) -> dict: ...
+
+    async def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict], *,
+                             return_logprob: bool = True, session_id: str | None = None,
+                             return_indexer_topk: bool = False, indexer_topk_start_len: int = -1,
+                             timeout_s: float | None = None) -> list[dict]: ...
+
+
+@dataclass
+class SampleNumbering:
+    """Run-unique sample indices and group ids, handed out in order; a sample's seed derives from its index."""
+
+    next_sample_index: int = 0
+    next_group_id: int = 0
+
+    def new_group(self, prompt: Prompt, n: int) -> list[Sample]:
+        """n fresh samples of `prompt` under a new group id."""
+        group_id = self.next_group_id
+        self.next_group_id += 1
+        first = self.next_sample_index
+        self.next_sample_index += n
+        return [prompt.to_sample(index=first + k, group_id=group_id) for k in range(n)]
+
+
+def _index_range(samples: list[Sample]) -> str:
+    return str(samples[0].index) if len(samples) == 1 else f"{samples[0].index}-{samples[-1].index}"
+
+
+class GroupRollout:
+    """Generates and scores groups through one client, at most rollout.max_concurrency samples in flight.
+
+    indexer_topk: ask for the DSA top-k of every row (index replay); default rollout.return_indexer_topk.
+    """
+
+    def __init__(self, client: GenerateClient, tasks: list[Task], tokenizer: Any, rollout: RolloutSection,
+                 seed: int = 0, limiter: SampleLimiter | None = None, indexer_topk: bool | None = None) -> None:
+        self.client, self.tasks, self.tokenizer, self.cfg, self.seed = client, tasks, tokenizer, rollout, seed
+        self.limiter = limiter or SampleLimiter(rollout.max_concurrency)
+        self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
+        self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
+        self.reward_stats = {t.name: RewardStats() for t in tasks}
+
+    def reset_reward_stats(self) -> None:
+        """Count reward calls and failures afresh."""
+        self.reward_stats = {t.name: RewardStats() for t in self.tasks}
+
+    @property
+    def reward_failures(self) -> int:
+        """Reward functions that failed since the last reset."""
+        return sum(stats.failures for stats in self.reward_stats.values())
+
+    def sampling_params(self, greedy: bool = False) -> dict[str, Any]:
+        cfg = self.cfg
+        params = {"max_new_tokens": cfg.max_response_length, "temperature": 0.0 if greedy else cfg.temperature,
+                  "top_p": cfg.top_p, "top_k": cfg.top_k}
+        if cfg.stop:
+            params["stop"] = list(cfg.stop)
+        return params
+
+    def sample_seed(self, sample: Sample) -> int:
+        return (self.seed * 1_000_003 + sample.index) % 2**31
+
+    async def generate_group(self, samples: list[Sample], greedy: bool = False) -> list[Sample]:
+        """Generate and score `samples` (one prompt's, numbered) in one request; failures mark the samples."""
+        params = self.sampling_params(greedy)
+        per_sample = [{**params, "sampling_seed": self.sample_seed(s)} for s in samples]
+        # One session per group: the router keeps the group on one engine, which shares its prompt's cache.
+        options = dict(return_logprob=True, session_id=f"group-{samples[0].group_id}",
+                       return_indexer_topk=self.indexer_topk, timeout_s=self.cfg.request_timeout_s,
+                       indexer_topk_start_len=0)  # the prompt rows too: replay is exact only with every row
+        async with self.limiter.hold(len(samples)):
+            try:
+                if len(samples) == 1:
+                    outs = [await self.client.generate(samples[0].prompt_ids, per_sample[0], **options)]
+                else:
+                    outs = await self.client.generate_batch([s.prompt_ids for s in samples], per_sample, **options)
+                topks = [indexer_topk_rows(o["meta_info"]) if self.indexer_topk else (None, None) for o in outs]
+            except (EngineError, asyncio.TimeoutError) as e:
+                for sample in samples:
+                    sample.status = SampleStatus.FAILED
+                    sample.metadata["error"] = f"{type(e).__name__}: {e}"
+                logger.warning("samples %s: generation failed: %s", _index_range(samples), e)
+                return samples
+        return list(await asyncio.gather(*(self._score(s, o, t) for s, o, t in zip(samples, outs, topks))))
+
+    async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
+        """Fill `sample` from its /generate response and compute its reward."""
+        meta = out["meta_info"]
+        ids = [int(tok) for _, tok, *_ in meta["output_token_logprobs"]]
+        logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
+        versions = meta.get("output_token_versions") or [int(meta.get("weight_version") or 0)] * len(ids)
+        sample.append_tokens(ids, logprobs, [int(v) for v in versions])
+        sample.indexer_topk, sample.indexer_topk_start = topk
+        sample.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        finish = (meta.get("finish_reason") or {}).get("type")
+        sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish,
+                                                                                             SampleStatus.COMPLETED)
+        result = await compute_reward(self.reward_fns[sample.task], sample, stats=self.reward_stats[sample.task])
+        sample.reward = result.reward
+        sample.metadata["reward_failed"] = result.failed
+        sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})
+        return sample

@@ -1,0 +1,114 @@
+"""One synchronous step's rollouts: which groups are trainable, DAPO dynamic sampling, and the step's rollout metrics.
+
+With dynamic sampling, a group whose rewards all agree teaches nothing and is dropped; the step samples more
+prompts, in rounds, until it holds rollout.prompts_per_step trainable groups or has run max_sampling_tries rounds.
+A round draws what the last round's keep share says is needed, so one round usually fills the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from rollout.groups import GroupRollout, SampleNumbering
+from rollout.progress import SampleProgress
+from slime_dsa.data.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import TaskMixture
+
+
+def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter) -> list[Sample] | None:
+    """The group's trainable samples, or None when the group cannot be trained on; counts why in `counters`."""
+    usable = [s for s in group if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+    counters["failed_samples"] += len(group) - len(usable)
+    if len(usable) < 2:
+        counters["dropped_groups"] += 1
+        return None
+    if len({s.reward for s in usable}) == 1:
+        counters["zero_std_groups"] += 1
+        if dynamic_sampling:
+            return None
+    return usable
+
+
+def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: Counter, elapsed: float,
+                    task_names: list[str], reward_failures: int) -> dict[str, float]:
+    """rollout/ and perf/ metrics of one step: `samples` all it generated, `kept` the groups it trains on."""
+    scored = [s for s in samples if s.reward is not None]
+    n = max(len(scored), 1)
+    out_tokens = sum(s.response_length for s in samples)
+    metrics = {
+        "rollout/reward_mean": sum(s.reward for s in scored) / n,
+        "rollout/response_length_mean": sum(s.response_length for s in scored) / n,
+        "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
+        "rollout/num_samples": len(samples),
+        "rollout/num_groups_trained": len(kept),
+        "rollout/zero_std_groups": counters["zero_std_groups"],
+        "rollout/dropped_groups": counters["dropped_groups"],
+        "rollout/failed_samples": counters["failed_samples"],
+        "rollout/reward_failures": reward_failures,
+        "perf/rollout_time_s": elapsed,
+        "perf/rollout_tok_s": out_tokens / max(elapsed, 1e-9),
+    }
+    for name in task_names:
+        mine = [s.reward for s in scored if s.task == name]
+        if mine and len(task_names) > 1:
+            metrics[f"rollout/{name}/reward_mean"] = sum(mine) / len(mine)
+    return metrics
+
+
+class StepCollector:
+    """The groups of one synchronous step, drawn from `mixture` and numbered by `numbering`; `keep_share` (the
+    share of groups the last round kept) sizes the next round and is part of the resume state."""
+
+    def __init__(self, groups: GroupRollout, mixture: TaskMixture, numbering: SampleNumbering,
+                 rollout: RolloutSection, show_progress: bool = True) -> None:
+        self.groups, self.mixture, self.numbering, self.cfg = groups, mixture, numbering, rollout
+        self.show_progress = show_progress
+        self.keep_share = 1.0
+
+    def round_size(self, need: int) -> int:
+        """Prompts to draw in a dynamic-sampling round that still needs `need` groups: enough to fill it at the
+        last round's keep share, times oversample_factor, at most max_oversample_factor times `need`."""
+        cfg = self.cfg
+        wanted = need * cfg.oversample_factor / max(self.keep_share, 1e-6)
+        return max(need, min(round(wanted), round(need * cfg.max_oversample_factor)))
+
+    async def collect(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The step's trainable groups, in prompt order, and its rollout metrics."""
+        cfg = self.cfg
+        self.groups.reset_reward_stats()
+        start = time.perf_counter()
+        kept: list[list[Sample]] = []
+        counters: Counter[str] = Counter()
+        every: list[Sample] = []
+        rounds, max_rounds = 0, cfg.max_sampling_tries if cfg.dynamic_sampling else 1
+        with SampleProgress("rollout", show=self.show_progress) as bar:
+            while len(kept) < cfg.prompts_per_step and rounds < max_rounds:
+                rounds += 1
+                need = cfg.prompts_per_step - len(kept)
+                prompts = self.mixture.take(self.round_size(need) if cfg.dynamic_sampling else need)
+                bar.add_total(len(prompts) * cfg.n_samples_per_prompt)
+                fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
+                done = await asyncio.gather(*(self._generate(group, bar) for group in fresh))
+                usable_groups = 0
+                for group in done:
+                    every.extend(group)
+                    usable = screen_group(group, cfg.dynamic_sampling, counters)
+                    usable_groups += usable is not None
+                    if usable is not None and len(kept) < cfg.prompts_per_step:
+                        kept.append(usable)
+                self.keep_share = usable_groups / len(done)
+        metrics = rollout_metrics(every, kept, counters, time.perf_counter() - start,
+                                  [t.name for t in self.groups.tasks], self.groups.reward_failures)
+        metrics["rollout/sampling_rounds"] = rounds
+        return kept, metrics
+
+    async def _generate(self, group: list[Sample], bar: SampleProgress) -> list[Sample]:
+        group = await self.groups.generate_group(group)
+        bar.advance(len(group))
+        return group

@@ -1,0 +1,95 @@
+"""Synchronous collection (slime_dsa.orchestrator.collection) against a fake client: the step's groups come straight
+back (no buffer), numbered in prompt order; DAPO rounds grow the progress bar's total, which is never exceeded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+
+from slime_dsa.data.sample import Sample, SampleStatus
+from tests.fake_client import FakeClient
+
+TOKENIZER = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+
+def _task(n_prompts: int = 64):
+    """Prompts answered "mixed" (every 4th: rewards 0/1 by sample index) or "zero" (always 0)."""
+    from slime_dsa.data.prompts import Prompt, Task
+
+    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=[3 + i % 40, 4, 5], prompt_text="",
+                      answer="mixed" if i % 4 == 0 else "zero") for i in range(n_prompts)]
+    return Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:mixed_or_zero",
+                train=prompts, eval=None)
+
+
+def _collector(**rollout):
+    from rollout.groups import GroupRollout, SampleNumbering
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import TaskMixture
+    from slime_dsa.orchestrator.collection import StepCollector
+
+    task, cfg = _task(), RolloutSection(max_response_length=3, **rollout)
+    groups = GroupRollout(FakeClient(), [task], TOKENIZER, cfg)
+    return StepCollector(groups, TaskMixture([task]), SampleNumbering(), cfg, show_progress=False)
+
+
+def test_a_step_returns_its_groups_in_prompt_order_without_a_buffer():
+    from slime_dsa.data.prompts import TaskMixture
+    from slime_dsa.orchestrator.rollout_manager import RolloutManager
+
+    task = _task()
+    cfg = _collector(n_samples_per_prompt=2, prompts_per_step=4).cfg
+    manager = RolloutManager(FakeClient(), [task], TaskMixture([task]), TOKENIZER, cfg, show_progress=False)
+
+    async def main():
+        return [await manager.collect_step() for _ in range(2)]
+
+    (first, m1), (second, m2) = asyncio.run(main())
+    assert [[s.index for s in g] for g in first + second] == [[2 * k, 2 * k + 1] for k in range(8)]
+    assert [g[0].group_id for g in first + second] == list(range(8))
+    assert len(manager.buffer) == 0 and manager.producer.in_flight == {}
+    assert m1["rollout/num_samples"] == m2["rollout/num_samples"] == 8 and m1["rollout/sampling_rounds"] == 1
+    assert m1["rollout/zero_std_groups"] == sum(g[0].answer == "zero" for g in first)  # kept without dynamic sampling
+    assert manager.state_dict()["next_sample_index"] == 16
+
+
+def test_dynamic_sampling_progress_total_grows_with_each_round(monkeypatch):
+    from rollout.progress import SampleProgress
+    from slime_dsa.orchestrator import collection
+
+    seen: list[tuple[int, int]] = []  # (done, total) after every change
+
+    class Recorded(SampleProgress):
+        def add_total(self, count: int) -> None:
+            super().add_total(count)
+            seen.append((self.done, self.total))
+
+        def advance(self, count: int) -> None:
+            super().advance(count)
+            seen.append((self.done, self.total))
+
+    monkeypatch.setattr(collection, "SampleProgress", Recorded)
+    collector = _collector(n_samples_per_prompt=2, prompts_per_step=4, dynamic_sampling=True)
+    groups, metrics = asyncio.run(collector.collect())
+    assert len(groups) == 4 and metrics["rollout/sampling_rounds"] > 1
+    assert all(done <= total for done, total in seen)
+    assert seen[-1] == (metrics["rollout/num_samples"], metrics["rollout/num_samples"])
+    assert seen[-1][1] > 4 * 2  # a fixed total of prompts_per_step x n would have been overshot
+
+
+def test_screen_group_counts_why_a_group_is_left_out():
+    from slime_dsa.orchestrator.collection import screen_group
+
+    def group(*rewards, status=SampleStatus.COMPLETED):
+        return [Sample(prompt_ids=[1], reward=r, status=status) for r in rewards]
+
+    counters: Counter[str] = Counter()
+    assert screen_group(group(0.0, 1.0), True, counters) is not None
+    assert screen_group(group(1.0, 1.0), True, counters) is None  # uniform rewards: dropped under dynamic sampling
+    assert screen_group(group(1.0, 1.0), False, counters) is not None  # counted, kept without
+    failed = group(0.0, 1.0, 1.0)
+    failed[0].status = SampleStatus.FAILED
+    assert screen_group(failed, False, counters) is not None
+    assert screen_group(group(0.0, 1.0, status=SampleStatus.ABORTED), False, counters) is None
+    assert counters == {"zero_std_groups": 3, "failed_samples": 3, "dropped_groups": 1}
