@@ -21,8 +21,9 @@ from rollout.engine.async_engine import EngineStoppedError
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from rollout.server import protocol
 from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
-from rollout.server.weights import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
-from slime_dsa.checkpoint.cuda_ipc import LOAD_FORMAT_CUDA_IPC
+from slime_dsa.weights import WeightFormatError
+from slime_dsa.weights.cuda_ipc import LOAD_FORMAT_CUDA_IPC
+from slime_dsa.weights.safetensors_b64 import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +395,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         update = lambda: st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)  # noqa: E731
         count, how = len(ipc.tensors), " (cuda_ipc)"
     else:
-        state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        try:
+            state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        except WeightFormatError as e:
+            raise RequestError(str(e)) from None
         update = lambda: st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)  # noqa: E731
         count, how = len(state_dict), ""
     if abort_all:
@@ -410,8 +414,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 
 def _parse_cuda_ipc(st: ServerState, entry: Any) -> Any:
-    """load_format cuda_ipc: the checked JSON handle table (slime_dsa.checkpoint.cuda_ipc); RequestError otherwise."""
-    from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
+    """load_format cuda_ipc: the checked JSON handle table (slime_dsa.weights.cuda_ipc); RequestError otherwise."""
+    from slime_dsa.weights.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
 
     if not hasattr(st.engine, "update_weights_from_cuda_ipc"):
         raise RequestError(f"load_format {LOAD_FORMAT_CUDA_IPC!r} is not supported by this engine; send {LOAD_FORMAT!r}")

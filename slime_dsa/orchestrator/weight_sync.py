@@ -8,7 +8,7 @@ Three transports, one protocol (SGLang's HTTP control API):
   socket. Engines must run on rank 0's host.
 - cuda_ipc: trainer rank 0 copies the weights, cast to the engine's dtypes, into one buffer on its GPU and every
   engine on that same GPU copies them out device to device, through a CUDA IPC handle sent as a JSON table to
-  /update_weights_from_tensor (load_format cuda_ipc; slime_dsa.checkpoint.cuda_ipc). Nothing touches host memory.
+  /update_weights_from_tensor (load_format cuda_ipc; slime_dsa.weights.cuda_ipc). Nothing touches host memory.
 `choose_transport` picks cuda_ipc for embedded engines on trainer rank 0's GPU, else shm for embedded engines on
 its node when /dev/shm has room, else http.
 """
@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from rollout.client import EngineClient
-from rollout.server.weights import tensor_update_payloads
+from slime_dsa.weights.safetensors_b64 import tensor_update_payloads
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ async def push_weights(client: EngineClient, state_dict: dict[str, torch.Tensor]
 async def load_weights_from_disk(client: EngineClient, model_path: str | Path, version: int,
                                  pause_mode: str = "abort") -> float:
     """Have every engine load `model_path` (a directory with model.safetensors) as `version`; returns seconds."""
-    from rollout.sglang.weight_sync import update_weights_from_disk_payload  # noqa: PLC0415
+    from slime_dsa.weights.payloads import update_weights_from_disk_payload  # noqa: PLC0415
 
     start = time.perf_counter()
     await client.broadcast("/pause_generation", {"mode": pause_mode})
@@ -84,7 +84,7 @@ async def update_weights_from_cuda_ipc(client: EngineClient, table: dict, versio
                                       pause_mode: str = "abort") -> float:
     """Have every engine copy the weights out of trainer rank 0's shared GPU buffer (`table`: its cuda_ipc JSON) as
     `version`; returns seconds."""
-    from slime_dsa.checkpoint.cuda_ipc import LOAD_FORMAT_CUDA_IPC  # noqa: PLC0415
+    from slime_dsa.weights.cuda_ipc import LOAD_FORMAT_CUDA_IPC  # noqa: PLC0415
 
     start = time.perf_counter()
     payload = {"serialized_named_tensors": [table], "load_format": LOAD_FORMAT_CUDA_IPC, "flush_cache": True,

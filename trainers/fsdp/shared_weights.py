@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from slime_dsa.checkpoint.cuda_ipc import DTYPES, IpcWeights, dtype_name, export_buffer, layout, views
+from slime_dsa.weights.cuda_ipc import DTYPES, IpcWeights, dtype_name, export_buffer, layout, views
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
 

@@ -305,7 +305,7 @@ class FSDPWorker:
 
     def share_weights(self, engine_dtype: str) -> dict | None:
         """The weights, cast to the engine's dtypes, in one buffer on rank 0's GPU that engines on that GPU open by
-        CUDA IPC; rank 0 returns its JSON table (slime_dsa.checkpoint.cuda_ipc), the others None. Collective."""
+        CUDA IPC; rank 0 returns its JSON table (slime_dsa.weights.cuda_ipc), the others None. Collective."""
         if self._shared is None:
             if self.device.type != "cuda":
                 raise RuntimeError("share_weights (rollout.weight_sync cuda_ipc) needs trainer ranks on CUDA devices")
@@ -314,7 +314,7 @@ class FSDPWorker:
 
     def cuda_device(self) -> str | None:
         """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
-        from slime_dsa.checkpoint.cuda_ipc import device_uuid  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
 
         return device_uuid(self.device) if self.device.type == "cuda" else None
 
