@@ -27,7 +27,7 @@ from tests.test_weight_formats import HANDLE, REF, ipc_table
 def test_engine_dtypes_follow_the_models_cast_rule():
     from slime_dsa.models import ModelConfig  # noqa: PLC0415
     from tests.test_engine_gpu import CONFIG  # noqa: PLC0415
-    from trainers.fsdp.shared_weights import engine_dtypes  # noqa: PLC0415
+    from trainers.weight_sender import engine_dtypes  # noqa: PLC0415
 
     dtypes = engine_dtypes(ModelConfig.from_dict(CONFIG), "bfloat16")
     assert dtypes["lm_head.weight"] == torch.bfloat16

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
+from slime_dsa.weights.payloads import TensorSpec
+
 
 @dataclass
 class TrainBatch:
@@ -122,6 +124,15 @@ class TrainerBackend(Protocol):
     def save_weights(self, path: str) -> None: ...
 
     def share_weights(self, engine_dtype: str) -> dict | None: ...
+
+    def weight_buckets(self, engine_dtype: str | None, bucket_bytes: int) -> list[list[TensorSpec]]: ...
+
+    def weight_group_address(self) -> tuple[str, int]: ...
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None: ...
+
+    def broadcast_weights(self, buckets: list[list[TensorSpec]]) -> None: ...
 
     def cuda_device(self) -> str | None: ...
 

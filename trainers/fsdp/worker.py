@@ -27,11 +27,13 @@ from slime_dsa.checkpoint import load_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
+from slime_dsa.weights.payloads import TensorSpec, bucket_specs
 from trainers.base import TrainBatch, split_by_tokens
 from trainers.fsdp.optim import build_optimizer, build_scheduler
 from trainers.fsdp.parallelize import apply_fsdp
-from trainers.fsdp.shared_weights import SharedWeights
 from trainers.loss import DSATraining
+from trainers.shared_weights import SharedWeights
+from trainers.weight_sender import broadcast_weights, group_address, weight_specs, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class FSDPWorker:
         self.scheduler = build_scheduler(self.optimizer, spec.warmup_steps, spec.total_steps, spec.lr_schedule)
         self.step = 0
         self._shared: SharedWeights | None = None  # built by the first share_weights (rollout.weight_sync cuda_ipc)
+        self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
 
     def _build_optimizer(self) -> torch.optim.AdamW:
         """AdamW; with dsa.indexer_learning_rate the indexers get their own param groups at that rate."""
@@ -281,27 +284,11 @@ class FSDPWorker:
         return state if self.rank == 0 else None
 
     def save_weights(self, path: str) -> None:
-        """Write the full state dict to the safetensors file `path` (rank 0), atomically. Collective.
-
-        Readers of `path` see the previous file or the new one, never a partial write (write, then rename).
-        """
-        from safetensors.torch import save_file  # noqa: PLC0415
-
+        """Write the full state dict to the safetensors file `path` (rank 0), atomically. Collective."""
         # One unsharded rank: its own tensors, written at once (no gathered copy needed).
         state = self.full_state_dict() if self.sharded else {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
-        if self.rank != 0:
-            return
-        seen: set[int] = set()
-        tensors = {}
-        for name, t in state.items():
-            t = t.contiguous()
-            if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
+        if self.rank == 0:
+            write_safetensors(state, path)
 
     def share_weights(self, engine_dtype: str) -> dict | None:
         """The weights, cast to the engine's dtypes, in one buffer on rank 0's GPU that engines on that GPU open by
@@ -311,6 +298,29 @@ class FSDPWorker:
                 raise RuntimeError("share_weights (rollout.weight_sync cuda_ipc) needs trainer ranks on CUDA devices")
             self._shared = SharedWeights(self.model, engine_dtype, sender=self.rank == 0)
         return self._shared.fill(self.model)
+
+    def weight_buckets(self, engine_dtype: str | None, bucket_bytes: int) -> list[list[TensorSpec]]:
+        """What broadcast_weights sends, in order: each tensor's name, dtype (cast for `engine_dtype`) and shape, in
+        buckets of about `bucket_bytes`."""
+        return bucket_specs(weight_specs(self.model, engine_dtype), bucket_bytes)
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """(address, free port) of this rank's node, where it can host the weight-update group."""
+        return group_address()
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None:
+        """Rank 0 joins the engines' weight-update group as its rank 0; blocks until every engine rank joined."""
+        from slime_dsa.weights.process_group import init_weight_update_group  # noqa: PLC0415
+
+        self._weight_group = init_weight_update_group(master_address, master_port, world_size,
+                                                      group_name=group_name, backend=backend)
+
+    def broadcast_weights(self, buckets: list[list[TensorSpec]]) -> None:
+        """Rank 0 broadcasts the tensors of `buckets` (from weight_buckets) to its weight-update group. Collective."""
+        if self.rank == 0 and self._weight_group is None:
+            raise RuntimeError("broadcast_weights needs join_weight_group first")
+        broadcast_weights(self.model.state_dict(), buckets, self._weight_group if self.rank == 0 else None)
 
     def cuda_device(self) -> str | None:
         """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
