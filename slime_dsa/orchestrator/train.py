@@ -41,7 +41,7 @@ class Run:
     manager: Any  # slime_dsa.orchestrator.rollout_manager.RolloutManager
     ckpts: Any  # slime_dsa.checkpoint.training.CheckpointManager
     metrics_log: Any  # slime_dsa.logging.MetricsLogger
-    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightSync
+    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightTransport
     start_step: int = 0
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
@@ -71,6 +71,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync import build_weight_sync  # noqa: PLC0415
 
     if loop not in ("auto", "sync", "async"):
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
@@ -93,7 +94,7 @@ async def _run(recipe: RecipeConfig, resume: bool, loop: str = "auto", on_weight
                           timeout_s=ro.request_timeout_s)
     trainers = await asyncio.to_thread(setup.start_trainers, recipe, model_dir)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(setup.build_weight_sync, recipe, client, trainers, engine_actors, model_dir)
+    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
@@ -228,7 +229,7 @@ async def train_on_samples(recipe: RecipeConfig, step: int, samples: list, train
 
 async def sync_weights(weights, version: int, pause_mode: str = "abort",
                        on_weights: WeightsHook | None = None, want_state: bool | None = None) -> float:
-    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took.
+    """The trainers' weights to every engine as `version` (a WeightTransport); returns the seconds it took.
     on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
     start = time.perf_counter()
     want = on_weights is not None and want_state is not False
