@@ -64,10 +64,9 @@ def test_tensor_update_payloads_set_the_version_once_with_the_last_bucket():
     assert [p["weight_version"] for p in payloads] == [None, None, "3"]
     assert [p["flush_cache"] for p in payloads] == [False, False, True]
     assert all(p["load_format"] == LOAD_FORMAT and len(p["serialized_named_tensors"]) == 1 for p in payloads)
-    got = {}
-    for p in payloads:
-        got.update(decode_named_tensors(p["serialized_named_tensors"][0]))
-    assert list(got) == list(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    buckets = [decode_named_tensors(p["serialized_named_tensors"][0]) for p in payloads]
+    assert [set(b) for b in buckets] == [{"t0", "t1"}, {"t2", "t3"}, {"t4"}]  # consecutive tensors, in order
+    assert all(torch.equal(b[k], state[k]) for b in buckets for k in b)
 
 
 # ---- SGLang's weight endpoints --------------------------------------------------------------------------------
