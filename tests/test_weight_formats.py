@@ -14,9 +14,8 @@ import torch
 from slime_dsa.weights import WeightFormatError
 from slime_dsa.weights.cuda_ipc import (ALIGN_BYTES, IpcBuffer, IpcFormatError, IpcTensor, IpcWeights, layout,
                                         open_buffer, views)
-from slime_dsa.weights.payloads import (TensorSpec, bucket_specs, destroy_weights_update_group_payload,
-                                        init_weights_update_group_payload, update_weights_from_disk_payload,
-                                        update_weights_from_distributed_payload)
+from slime_dsa.weights.payloads import (TensorSpec, bucket_specs, init_weights_update_group_payload,
+                                        update_weights_from_disk_payload, update_weights_from_distributed_payload)
 from slime_dsa.weights.safetensors_b64 import (LOAD_FORMAT, decode_named_tensors, encode_named_tensors,
                                                tensor_update_payloads)
 
@@ -83,7 +82,6 @@ def test_weight_update_payloads_use_sglang_field_names():
                     "abort_all_requests": False, "weight_version": "7"}
     assert update_weights_from_disk_payload("/ckpt/step_7", weight_version="7") == {
         "model_path": "/ckpt/step_7", "load_format": None, "abort_all_requests": False, "weight_version": "7"}
-    assert destroy_weights_update_group_payload() == {"group_name": "weight_update_group"}
 
 
 def test_bucket_specs_keeps_the_order_and_a_large_tensor_alone():

@@ -77,11 +77,6 @@ def update_weights_from_distributed_payload(specs: Sequence[TensorSpec], *, grou
     return payload
 
 
-def destroy_weights_update_group_payload(group_name: str = DEFAULT_GROUP) -> dict:
-    """Body of POST /destroy_weights_update_group."""
-    return {"group_name": group_name}
-
-
 def update_weights_from_disk_payload(model_path: str, *, weight_version: str | None = None,
                                      load_format: str | None = None, abort_all_requests: bool = False) -> dict:
     """Body of POST /update_weights_from_disk."""
