@@ -96,7 +96,7 @@ class EngineActor:
         rank 0 on the GPU with that UUID (indices differ between actors: Ray sets CUDA_VISIBLE_DEVICES per actor)."""
         if self._engine is None or self._engine.engine.device.type != "cuda":
             return None
-        from slime_dsa.checkpoint.cuda_ipc import device_uuid, dtype_name  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import device_uuid, dtype_name  # noqa: PLC0415
 
         engine = self._engine.engine
         return {"uuid": device_uuid(engine.device), "dtype": dtype_name(engine.model.dtype)}

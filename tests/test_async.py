@@ -92,7 +92,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_logprob(checkpoint, mode)
     retract every token's log-prob equals a trainer forward under its own version's weights."""
     from rollout.client import EngineClient
     from rollout.server.launch import EmbeddedServer, load_engine
-    from slime_dsa.orchestrator.weight_sync import push_weights
+    from slime_dsa.orchestrator.weight_sync.http import push_tensors
 
     old = slime_dsa.load_model(checkpoint).eval()
     g = torch.Generator().manual_seed(1)
@@ -111,7 +111,7 @@ def test_partial_rollout_keeps_each_tokens_version_and_logprob(checkpoint, mode)
             request = asyncio.ensure_future(client.generate(prompt, params))
             while engine.engine.stats["generated_tokens"] < 10:
                 await asyncio.sleep(0.002)
-            await push_weights(client, new_state, version=1, pause_mode=mode)
+            await push_tensors(client, new_state, version=1, pause_mode=mode)
             return await request
         finally:
             await client.close()
@@ -147,7 +147,7 @@ def test_abort_mode_regenerates_samples_in_flight(checkpoint):
     from rollout.groups import GroupRollout, SampleNumbering
     from slime_dsa.data.prompts import Prompt, Task, TaskMixture
     from slime_dsa.orchestrator.producer import GroupProducer
-    from slime_dsa.orchestrator.weight_sync import push_weights
+    from slime_dsa.orchestrator.weight_sync.http import push_tensors
 
     g = torch.Generator().manual_seed(1)
     state = slime_dsa.load_model(checkpoint).state_dict()
@@ -169,7 +169,7 @@ def test_abort_mode_regenerates_samples_in_flight(checkpoint):
         try:
             while engine.engine.stats["generated_tokens"] < 15:
                 await asyncio.sleep(0.002)
-            await push_weights(client, new_state, version=1, pause_mode="abort")
+            await push_tensors(client, new_state, version=1, pause_mode="abort")
             (group,) = await asyncio.wait_for(producer.buffer.get(1), 60)
             return group, producer
         finally:

@@ -68,6 +68,14 @@ def test_missing_defaults_file(tmp_path, capsys):
     assert "r.yaml:1: defaults: recipe file " in err and err.endswith("nowhere.yaml not found")
 
 
+def test_a_weight_sync_that_is_not_built_is_refused_in_one_line(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  sglang:\n    weight_sync: tensor\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert err.endswith("r.yaml:3: rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
+                        "or disk")
+
+
 def test_errors_in_a_subprocess_are_one_line_without_traceback(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  num_steps: many\n")

@@ -306,7 +306,7 @@ def test_thousand_concurrent_requests_survive_an_engine_kill(engines, model_dir)
 
 
 def test_push_weights_to_every_engine(engines, model_dir):
-    from rollout.server.weights import push_weights
+    from slime_dsa.orchestrator.weight_sync.http import push_tensors
     from slime_dsa.checkpoint import read_state_dict
 
     state = read_state_dict(model_dir)  # the same weights under a new version: outputs must not change
@@ -317,7 +317,7 @@ def test_push_weights_to_every_engine(engines, model_dir):
             before = await client.generate([7, 8, 9], greedy(3))
             running = asyncio.create_task(client.generate([1, 2, 3], greedy(500)))
             await asyncio.sleep(0.3)
-            await push_weights(client, state, weight_version="1", bucket_bytes=100_000)
+            await push_tensors(client, state, version=1, pause_mode="retract", bucket_bytes=100_000)
             versions = await client.broadcast("/get_weight_version", method="GET")
             assert all(v == {"weight_version": "1"} for v in versions.values())
             finished = await running  # retracted during the update, then finished on the new version

@@ -1,4 +1,6 @@
-"""cuda_ipc weight sync: the JSON handle table (encoding, checks, error messages) on CPU, the real IPC path on a GPU.
+"""cuda_ipc weight sync end to end: the engine's cast rule, a CPU server's clear refusals, the real IPC path on a GPU.
+
+The table's own encoding and checks are tested in test_weight_formats.py.
 
 The GPU test runs an embedded server in a second process on the same GPU; a real FSDP2 trainer rank (bf16 mixed
 precision, as recipes/gpu_single.yaml) shares its weights by CUDA IPC, and the engine's tensors must then equal the
@@ -7,7 +9,6 @@ trainer's, cast to the engine's dtypes, bit for bit.
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import multiprocessing as mp
@@ -19,93 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_dsa.checkpoint.cuda_ipc import (ALIGN_BYTES, IpcBuffer, IpcFormatError, IpcTensor, IpcWeights, layout,
-                                           open_buffer, views)
-
-HANDLE = b"\x01" * 64
-REF = b"/torch_123_456_7"
-
-
-def _table(**buffer_overrides) -> dict:
-    tensors, nbytes = layout([("a.weight", (3, 5), "bfloat16"), ("b.weight", (7,), "float32"), ("c", (), "int64")])
-    buffer = IpcBuffer("GPU-1234", HANDLE, nbytes, 4096, nbytes, REF, 3, b"\x02" * 64, True)
-    table = IpcWeights(buffer, tensors).to_json()
-    table["buffer"].update(buffer_overrides)
-    return table
-
-
-def test_layout_aligns_every_slice():
-    tensors, nbytes = layout([("a", (3, 5), "bfloat16"), ("b", (7,), "float32"), ("c", (0,), "float32"), ("d", (), "int64")])
-    assert [t.offset for t in tensors] == [0, ALIGN_BYTES, 2 * ALIGN_BYTES, 2 * ALIGN_BYTES]  # an empty tensor takes no room
-    assert [t.nbytes for t in tensors] == [30, 28, 0, 8] and nbytes == 3 * ALIGN_BYTES
-
-
-def test_table_round_trips_through_json():
-    table = _table()
-    parsed = IpcWeights.from_json(json.loads(json.dumps(table)))
-    assert parsed.to_json() == table
-    assert parsed.buffer.handle == HANDLE and parsed.buffer.ref_counter_handle == REF
-    assert parsed.tensors[0] == IpcTensor("a.weight", (3, 5), "bfloat16", 0)
-
-
-def test_views_read_each_slice_with_its_dtype_and_shape():
-    tensors, nbytes = layout([("a", (2, 3), "bfloat16"), ("b", (4,), "float32")])
-    flat = torch.zeros(nbytes, dtype=torch.uint8)
-    out = views(flat, tensors)
-    out["a"].copy_(torch.arange(6.0).view(2, 3))
-    out["b"].copy_(torch.tensor([1.5, 2.5, 3.5, 4.5]))
-    again = views(flat, tensors)
-    assert torch.equal(again["a"], torch.arange(6.0, dtype=torch.bfloat16).view(2, 3))
-    assert again["b"].tolist() == [1.5, 2.5, 3.5, 4.5]
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda t: t.pop("buffer"), "serialized_named_tensors[0].buffer must be an object"),
-    (lambda t: t.update(tensors=[]), "tensors must be a non-empty list"),
-    (lambda t: t["buffer"].update(device_uuid=3), "buffer.device_uuid must be a non-empty string"),
-    (lambda t: t["buffer"].update(handle="%%%"), "buffer.handle is not valid base64"),
-    (lambda t: t["buffer"].update(handle=""), "buffer.handle must decode to 1..1024 bytes"),
-    (lambda t: t["buffer"].update(storage_size_bytes=True), "buffer.storage_size_bytes must be an integer >= 1"),
-    (lambda t: t["buffer"].update(storage_offset_bytes=-1), "buffer.storage_offset_bytes must be an integer >= 0"),
-    (lambda t: t["buffer"].update(nbytes=10**9), "buffer.nbytes (1000000000) exceeds storage_size_bytes"),
-    (lambda t: t["buffer"].update(ref_counter_handle=base64.b64encode(b"/etc/passwd").decode()),
-     "buffer.ref_counter_handle must name a torch ref-counter file"),
-    (lambda t: t["buffer"].update(ref_counter_offset=10000), "buffer.ref_counter_offset (10000) must be below 10000"),
-    (lambda t: t["buffer"].update(event_sync_required="yes"), "buffer.event_sync_required must be true or false"),
-    (lambda t: t["buffer"].update(event_handle=None), "buffer.event_handle is required"),
-    (lambda t: t["tensors"][1].update(name=""), "tensors[1].name must be a non-empty string"),
-    (lambda t: t["tensors"][1].update(shape=[7, -1]), "tensors[1] (b.weight).shape must be a list of non-negative"),
-    (lambda t: t["tensors"][1].update(dtype="complex64"), "tensors[1] (b.weight).dtype must be one of"),
-    (lambda t: t["tensors"][1].update(offset=258), "tensors[1] (b.weight).offset (258) is not a multiple of the float32"),
-    (lambda t: t["tensors"][1].update(shape=[7000]), "tensors[1] (b.weight): offset + bytes (256 + 28000) exceeds"),
-    (lambda t: t["tensors"][2].update(name="a.weight"), "tensors[2]: tensor a.weight appears twice"),
-])
-def test_malformed_tables_are_refused_naming_the_field(change, message):
-    table = _table()
-    change(table)
-    with pytest.raises(IpcFormatError) as err:
-        IpcWeights.from_json(table)
-    assert message in str(err.value)
-
-
-def test_tables_are_checked_against_the_models_tensors():
-    ipc = IpcWeights.from_json(_table())
-    ipc.check_against({"a.weight": (3, 5), "b.weight": (7,), "c": (), "other": (1,)})  # a partial set is fine
-    with pytest.raises(IpcFormatError, match=r"tensor c: the model has no tensor of that name"):
-        ipc.check_against({"a.weight": (3, 5), "b.weight": (7,)})
-    with pytest.raises(IpcFormatError, match=r"tensor b.weight has shape \(7,\), the model expects \(8,\)"):
-        ipc.check_against({"a.weight": (3, 5), "b.weight": (8,), "c": ()})
-
-
-def test_open_buffer_needs_a_cuda_engine():
-    with pytest.raises(IpcFormatError, match="needs an engine on a CUDA device; this one runs on cpu"):
-        open_buffer(IpcWeights.from_json(_table()).buffer, torch.device("cpu"))
+from slime_dsa.weights.cuda_ipc import IpcBuffer, IpcWeights, layout
+from tests.test_weight_formats import HANDLE, REF, ipc_table
 
 
 def test_engine_dtypes_follow_the_models_cast_rule():
     from slime_dsa.models import ModelConfig  # noqa: PLC0415
     from tests.test_engine_gpu import CONFIG  # noqa: PLC0415
-    from trainers.fsdp.shared_weights import engine_dtypes  # noqa: PLC0415
+    from trainers.weight_sender import engine_dtypes  # noqa: PLC0415
 
     dtypes = engine_dtypes(ModelConfig.from_dict(CONFIG), "bfloat16")
     assert dtypes["lm_head.weight"] == torch.bfloat16
@@ -120,14 +42,15 @@ def test_cpu_server_refuses_cuda_ipc_clearly(checkpoints):
 
     good = {"load_format": "cuda_ipc", "weight_version": "5"}
     with serving(checkpoints[0]) as srv:
-        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [_table()]}, headers={})
+        status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [ipc_table()]},
+                             headers={})
         assert status == 400 and "the model has no tensor of that name" in reply["message"], reply
         name = "model.embed_tokens.weight"
         tensors, nbytes = layout([(name, tuple(_engine_state(srv)[name].shape), "bfloat16")])
         table = IpcWeights(IpcBuffer("GPU-1", HANDLE, nbytes, 0, nbytes, REF, 0, None, False), tensors).to_json()
         status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [table]}, headers={})
         assert status == 400 and "needs an engine on a CUDA device; this one runs on cpu" in reply["message"], reply
-        bad = _table(ref_counter_offset=-2)
+        bad = ipc_table(ref_counter_offset=-2)
         status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": [bad]}, headers={})
         assert status == 400 and "buffer.ref_counter_offset must be an integer >= 0" in reply["error"]["message"]
         status, reply = post(srv, "/update_weights_from_tensor", {**good, "serialized_named_tensors": ["x"]}, headers={})

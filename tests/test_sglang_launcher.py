@@ -1,28 +1,22 @@
-"""The SGLang launcher and weight-sync helpers. SGLang itself cannot run here, so:
-- command lines and payloads are checked against SGLang's flag and field names (verified in its sources);
-- process management runs a FAKE SGLang server (a tiny script that answers /health; labelled below);
-- the NCCL weight broadcast runs with gloo on CPU against a FAKE SGLang weight receiver that joins the group
-  exactly as SGLang's worker does (same rendezvous and payloads).
+"""The SGLang launcher. SGLang itself cannot run here, so:
+- command lines are checked against SGLang's flag names (verified in its sources);
+- process management runs a FAKE SGLang server (a tiny script that answers /health; labelled below).
+Weight sync with SGLang (payloads, the NCCL broadcast on gloo) is tested in test_weight_formats.py and
+test_weight_sync.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import os
 import socket
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from rollout.sglang import SGLangConfig, SGLangLaunchError, SGLangServer, SpeculativeConfig, build_command, external_urls
-from rollout.sglang import weight_sync
 
 # Every flag build_command can emit, each checked in sgl-project/sglang python/sglang/srt/server_args.py.
 VERIFIED_SGLANG_FLAGS = {
@@ -102,37 +96,6 @@ def test_external_urls():
     assert external_urls("10.0.0.1:30000, http://h:1/ ,") == ["http://10.0.0.1:30000", "http://h:1"]
     with pytest.raises(ValueError):
         external_urls(" , ")
-
-
-# ---- payloads -------------------------------------------------------------------------------------------
-
-def test_weight_update_payloads_use_sglang_field_names():
-    tensors = [("model.embed_tokens.weight", torch.zeros(4, 2, dtype=torch.bfloat16)),
-               ("lm_head.weight", torch.zeros(4, 2, dtype=torch.float32))]
-    init = weight_sync.init_weights_update_group_payload("10.0.0.1", 29500, rank_offset=1, world_size=9)
-    assert init == {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 9,
-                    "group_name": "weight_update_group", "backend": "nccl"}
-    dist = weight_sync.update_weights_from_distributed_payload(tensors, weight_version="7")
-    assert dist == {"names": ["model.embed_tokens.weight", "lm_head.weight"], "dtypes": ["bfloat16", "float32"],
-                    "shapes": [[4, 2], [4, 2]], "group_name": "weight_update_group", "flush_cache": True,
-                    "abort_all_requests": False, "weight_version": "7"}
-    assert weight_sync.update_weights_from_disk_payload("/ckpt/step_7", weight_version="7") == {
-        "model_path": "/ckpt/step_7", "load_format": None, "abort_all_requests": False, "weight_version": "7"}
-    assert weight_sync.destroy_weights_update_group_payload() == {"group_name": "weight_update_group"}
-
-
-def test_update_weights_from_tensor_payload_is_sglangs_pickle_format():
-    from multiprocessing.reduction import ForkingPickler
-
-    tensors = [("w", torch.arange(6.0).reshape(2, 3))]
-    payload = weight_sync.update_weights_from_tensor_payload(tensors, tp_size=2, weight_version="3")
-    assert set(payload) == {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests", "weight_version"}
-    assert payload["load_format"] is None and len(payload["serialized_named_tensors"]) == 2
-    raw = base64.b64decode(payload["serialized_named_tensors"][0])
-    assert raw[:1] == b"\x80"  # a pickle: exactly what our own server refuses
-    # What SGLang's MultiprocessingSerializer.deserialize does on the receiving side (here: our own bytes).
-    (name, tensor), = ForkingPickler.loads(raw)
-    assert name == "w" and torch.equal(tensor, tensors[0][1])
 
 
 # ---- process management with a FAKE SGLang server ---------------------------------------------------------
@@ -239,84 +202,6 @@ def test_watchdog_stops_after_max_restarts(tmp_path):
         assert server.restarts == 1 and "max_restarts is 1" in server.failed
     finally:
         server.stop(timeout_s=5)
-
-
-# ---- NCCL-path weight broadcast, on gloo, against a FAKE SGLang weight receiver ---------------------------
-
-FAKE_RECEIVER = textwrap.dedent('''
-    """FAKE SGLang weight receiver (NOT SGLang): serves /init_weights_update_group and
-    /update_weights_from_distributed with SGLang's payloads and joins the group the way SGLang's worker does
-    (rank = rank_offset), receiving each broadcast in `names` order. Writes what it got to OUT as JSON."""
-    import asyncio, json, sys
-    import torch, torch.distributed as dist
-    from aiohttp import web
-    from rollout.sglang.weight_sync import init_weight_update_group
-
-    port, out = int(sys.argv[1]), sys.argv[2]
-    state = {}
-
-    async def init_group(request):
-        p = await request.json()
-        state["group"] = await asyncio.to_thread(
-            init_weight_update_group, p["master_address"], p["master_port"], p["world_size"],
-            rank=p["rank_offset"], group_name=p["group_name"], backend=p["backend"])
-        return web.json_response({"success": True, "message": "ok"})
-
-    async def update(request):
-        p = await request.json()
-        def recv():
-            got = {}
-            for name, dtype, shape in zip(p["names"], p["dtypes"], p["shapes"]):
-                t = torch.empty(shape, dtype=getattr(torch, dtype))
-                dist.broadcast(t, src=0, group=state["group"])
-                got[name] = {"dtype": dtype, "values": t.float().flatten().tolist()}
-            return got
-        got = await asyncio.to_thread(recv)
-        state.setdefault("tensors", {}).update(got)
-        json.dump({"tensors": state["tensors"], "last_payload": p}, open(out, "w"))
-        return web.json_response({"success": True, "message": "ok"})
-
-    async def health(request):
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/init_weights_update_group", init_group)
-    app.router.add_post("/update_weights_from_distributed", update)
-    app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
-''')
-
-
-def test_broadcast_to_engines_over_gloo(tmp_path):
-    from rollout.client import EngineClient
-    from rollout.sglang.launcher import http_ok
-
-    script, out = tmp_path / "fake_receiver.py", tmp_path / "received.json"
-    script.write_text(FAKE_RECEIVER)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, str(script), str(port), str(out)], env=env)
-    try:
-        assert _wait(lambda: http_ok(f"http://127.0.0.1:{port}/health")), "fake receiver did not start"
-        tensors = [("a", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.bfloat16)), ("c", torch.ones(2))]
-
-        async def run():
-            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
-                await weight_sync.broadcast_to_engines(
-                    client, tensors, master_address="127.0.0.1", master_port=_free_port(), engine_tp_sizes=[1],
-                    backend="gloo", weight_version="5", bucket_bytes=40, group_name="test_group")
-
-        asyncio.run(asyncio.wait_for(run(), 60))
-        got = json.loads(out.read_text())
-        assert list(got["tensors"]) == ["a", "b", "c"]
-        for name, t in tensors:
-            assert got["tensors"][name]["dtype"] == str(t.dtype).removeprefix("torch.")
-            assert got["tensors"][name]["values"] == pytest.approx(t.float().flatten().tolist())
-        # bucketed: the last bucket carries the version and flushes the cache
-        assert got["last_payload"]["weight_version"] == "5" and got["last_payload"]["flush_cache"] is True
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.parametrize("new_api", [True, False])

@@ -1,18 +1,32 @@
-"""Weight sync from a trainer rank to a real embedded server over 127.0.0.1: both transports, and the choice.
+"""Weight transports (slime_dsa.orchestrator.weight_sync): the choice, the one pause → update → continue routine,
+and every transport from a real trainer rank to a real receiver over 127.0.0.1.
 
-The trainer is a real FSDPWorker (world size 1, gloo) holding checkpoint 1; the server starts from checkpoint 0.
-After a push, the engine must hold exactly the trainer's tensors and report the pushed version.
+The trainer is a real FSDPWorker (world size 1, gloo) holding checkpoint 1; embedded servers start from checkpoint
+0. After a push an engine must hold exactly the trainer's tensors and report the pushed version. SGLang cannot run
+here: the distributed transport broadcasts over gloo to a FAKE SGLang weight receiver (labelled below) that joins
+the group exactly as SGLang's worker does. cuda_ipc needs a GPU: its push is checked against a labelled fake
+client here, end to end in test_cuda_ipc.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from slime_dsa.orchestrator.weight_sync import SHM_ROOT, WeightSync, choose_transport
+from slime_dsa.orchestrator.weight_sync import (CudaIpcTransport, DiskTransport, DistributedTransport, HttpTransport,
+                                                SHM_ROOT, build_weight_sync, choose_sglang_transport, choose_transport,
+                                                paused_update)
+from slime_dsa.orchestrator.weight_sync.base import post_update
 from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
 
 
@@ -34,11 +48,19 @@ def trainer(checkpoints):  # noqa: F811
     w.shutdown()
 
 
+def _engine(srv):
+    from rollout.server.app import STATE  # noqa: PLC0415
+
+    return srv.server.runner.app[STATE].engine
+
+
+# ---- the choice ---------------------------------------------------------------------------------------------
+
+
 def test_choose_transport(tmp_path):
     assert choose_transport("auto", "embedded", ["a", "a"], "a", 1000, shm_root=tmp_path) == "shm"
     assert choose_transport("auto", "embedded", ["a", "b"], "a", 1000, shm_root=tmp_path) == "http"
     assert choose_transport("auto", "external", [], "a", 1000, shm_root=tmp_path) == "http"
-    assert choose_transport("auto", "sglang", ["a"], "a", 1000, shm_root=tmp_path) == "http"
     assert choose_transport("auto", "embedded", ["a"], None, 1000, shm_root=tmp_path) == "http"
     assert choose_transport("auto", "embedded", ["a"], "a", 10**18, shm_root=tmp_path) == "http"  # no room
     assert choose_transport("auto", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing") == "http"
@@ -48,6 +70,9 @@ def test_choose_transport(tmp_path):
         choose_transport("shm", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing")
     with pytest.raises(ValueError, match="rollout.weight_sync"):
         choose_transport("disk", "embedded", ["a"], "a", 1000, shm_root=tmp_path)
+    # SGLang servers never get our safetensors_b64 or cuda_ipc bodies: they have a key of their own
+    with pytest.raises(ValueError, match="rollout.sglang.weight_sync"):
+        choose_transport("auto", "sglang", ["a"], "a", 1000, shm_root=tmp_path)
 
 
 def test_choose_transport_picks_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
@@ -60,7 +85,6 @@ def test_choose_transport_picks_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
     assert choose(devices=("G0", None)) == "shm"  # an engine on the CPU
     assert choose(trainer=None) == "shm"  # trainer on the CPU
     assert choose(nodes=("a", "b")) == "http"
-    assert choose(kind="sglang") == "http"
     assert choose("shm") == "shm" and choose("http") == "http"  # as asked
     assert choose("cuda_ipc") == "cuda_ipc"
     for kwargs, message in (({"devices": ("G0", "G1")}, "rollout.weight_sync 'cuda_ipc' needs every engine on trainer "
@@ -74,32 +98,130 @@ def test_choose_transport_picks_cuda_ipc_only_on_the_trainers_gpu(tmp_path):
         assert message in str(err.value)
 
 
-def test_cuda_ipc_weight_sync_needs_the_engine_dtype(tmp_path):
-    with pytest.raises(ValueError, match="cuda_ipc needs the engines' dtype"):
-        WeightSync.create(None, None, "cuda_ipc", tmp_path)
-    assert WeightSync.create(None, None, "cuda_ipc", tmp_path, engine_dtype="bfloat16").engine_dtype == "bfloat16"
+def test_choose_sglang_transport():
+    assert choose_sglang_transport("auto", "disaggregated") == "distributed"
+    assert choose_sglang_transport("auto", "colocated") == "disk"  # NCCL cannot put two ranks on one GPU
+    assert choose_sglang_transport("distributed", "colocated") == "distributed"  # as asked
+    assert choose_sglang_transport("disk", "disaggregated") == "disk"
+    with pytest.raises(ValueError, match="rollout.sglang.weight_sync 'tensor' is not available"):
+        choose_sglang_transport("tensor", "colocated")
 
 
-@pytest.mark.parametrize("transport", ["http", "shm"])
-def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, transport):  # noqa: F811
+def test_build_weight_sync_follows_rollout_sglang_weight_sync(checkpoints, tmp_path):  # noqa: F811
+    from slime_dsa.config import validate_recipe  # noqa: PLC0415
+
+    def build(setting: str, placement: str):
+        recipe = validate_recipe({"rollout": {"engine": "sglang", "sglang": {"weight_sync": setting, "tp": 2}},
+                                  "cluster": {"placement": placement, "num_gpus_per_engine": 2}})
+        return build_weight_sync(recipe, None, None, [], checkpoints[1], tmp_path / "run")
+
+    nccl = build("auto", "disaggregated")
+    assert isinstance(nccl, DistributedTransport)
+    assert (nccl.ranks_per_engine, nccl.engine_dtype, nccl.backend) == (2, "bfloat16", "nccl")
+    disk = build("auto", "colocated")
+    assert isinstance(disk, DiskTransport) and disk.name == "disk"
+    assert disk.directory == (tmp_path / "run" / "engine_weights").resolve()
+    assert (disk.directory / "config.json").is_file()  # a loadable HF directory once rank 0 adds the weights
+    disk.close()
+    assert not disk.directory.exists()
+    assert isinstance(build("disk", "disaggregated"), DiskTransport)
+    assert isinstance(build("distributed", "colocated"), DistributedTransport)
+
+
+# ---- the one pause → update → continue routine ---------------------------------------------------------------
+
+
+def test_paused_update_runs_while_paused_and_continues_even_when_the_update_fails(checkpoints):  # noqa: F811
+    from rollout.client import EngineClient, EngineError  # noqa: PLC0415
+
+    with serving(checkpoints[0]) as srv:
+        engine = _engine(srv)
+        paused_during: list[bool] = []
+
+        async def scenario():
+            async with EngineClient([srv.url]) as client:
+                async def update() -> str:
+                    paused_during.append(engine.engine.paused)
+                    return "updated"
+
+                assert await paused_update(client, update, "retract") == "updated"
+                assert not engine.engine.paused
+
+                async def failing() -> None:
+                    paused_during.append(engine.engine.paused)
+                    await post_update(client, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+
+                refused = "/update_weights_from_disk failed on 1 of 1 engines.*/no/such/dir"
+                with pytest.raises(EngineError, match=refused):
+                    await paused_update(client, failing)
+                assert not engine.engine.paused  # continued after the failure
+                out = await client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+                assert out["meta_info"]["completion_tokens"] == 2
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert paused_during == [True, True]
+
+
+def test_paused_update_continues_the_engines_a_failed_pause_reached(checkpoints):  # noqa: F811
+    from rollout.client import EngineClient, EngineError  # noqa: PLC0415
+
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    with serving(checkpoints[0]) as srv:
+        engine = _engine(srv)
+        called: list[bool] = []
+
+        async def scenario():
+            async with EngineClient([srv.url, dead]) as client:
+                async def update() -> None:
+                    called.append(True)
+
+                with pytest.raises(EngineError, match="/pause_generation failed on 1 of 2 engines"):
+                    await paused_update(client, update, "retract")
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert called == [] and not engine.engine.paused
+
+
+def test_post_update_raises_on_a_success_false_reply():
+    class Client:  # FAKE: two engines, one of which answers 200 with {"success": false}
+        async def broadcast(self, path, body):
+            return {"http://a": {"success": True}, "http://b": {"success": False, "message": "bad tensor w"}}
+
+    refused = r"/update_weights_from_disk failed on 1 of 2 engines: http://b \(bad tensor w\)"
+    with pytest.raises(RuntimeError, match=refused):
+        asyncio.run(post_update(Client(), "/update_weights_from_disk", {}))
+
+
+# ---- transports into a real embedded server -------------------------------------------------------------------
+
+
+def _transport(kind: str, client, trainer, model_dir: Path, tmp_path: Path):
+    if kind == "http":
+        return HttpTransport(client, trainer, bucket_bytes=200_000)
+    if kind == "shm":
+        return DiskTransport.in_shm(client, trainer, model_dir)
+    return DiskTransport.in_directory(client, trainer, model_dir, tmp_path / "run" / "engine_weights")
+
+
+@pytest.mark.parametrize("kind", ["http", "shm", "disk"])
+def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, kind, tmp_path):  # noqa: F811
     from rollout.client import EngineClient  # noqa: PLC0415
-    from rollout.server.app import STATE  # noqa: PLC0415
 
-    if transport == "shm" and not SHM_ROOT.is_dir():
+    if kind == "shm" and not SHM_ROOT.is_dir():
         pytest.skip("no /dev/shm on this machine")
     expected = trainer.full_state_dict()
     with serving(checkpoints[0]) as srv:
-        engine = srv.server.runner.app[STATE].engine
+        engine = _engine(srv)
         before = engine.engine.model.state_dict()
         assert any(not torch.equal(before[k], expected[k]) for k in expected)  # the two checkpoints differ
 
         async def push():
             client = EngineClient([srv.url])
-            sync = WeightSync.create(client, trainer, transport, checkpoints[1])
+            sync = _transport(kind, client, trainer, checkpoints[1], tmp_path)
             try:
                 state = await sync.push(7, pause_mode="retract", want_state=True)
-                directory = sync.directory
-                if transport == "shm":
+                directory = getattr(sync, "directory", None)
+                if directory is not None:
                     assert (directory / "model.safetensors").is_file() and (directory / "config.json").is_file()
                     assert not list(directory.glob("*.tmp*"))  # written atomically: no leftovers
             finally:
@@ -115,8 +237,8 @@ def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, tr
             assert torch.equal(state[name], tensor), name
         assert engine.weight_version == "7"
         assert not engine.engine.paused  # generation continued after the update
-    if transport == "shm":
-        assert not directory.exists()  # close() freed the shared memory
+    if directory is not None:
+        assert not directory.exists()  # close() freed the directory (in /dev/shm: memory)
 
 
 def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
@@ -150,12 +272,12 @@ def test_weights_hook_gets_the_state_at_every_or_only_the_last_version():
     assert quiet.asked == [False]
 
 
-def test_cuda_ipc_push_sends_rank_0s_table_between_pause_and_continue(tmp_path):
-    class Trainers:
+def test_cuda_ipc_push_sends_rank_0s_table_between_pause_and_continue():
+    class Trainers:  # FAKE: CUDA IPC needs a GPU (the real path: test_cuda_ipc.py)
         def share_weights(self, engine_dtype):
             return {"buffer": {"dtype_asked": engine_dtype}, "tensors": []}
 
-    class Client:
+    class Client:  # FAKE: records the calls
         engines = {"e": None}
         calls: list = []
 
@@ -164,9 +286,122 @@ def test_cuda_ipc_push_sends_rank_0s_table_between_pause_and_continue(tmp_path):
             return {"e": {"success": True}}
 
     client = Client()
-    sync = WeightSync.create(client, Trainers(), "cuda_ipc", tmp_path, engine_dtype="bfloat16")
+    sync = CudaIpcTransport(client, Trainers(), engine_dtype="bfloat16")
     assert asyncio.run(sync.push(4, pause_mode="retract")) is None
     assert [path for path, _ in client.calls] == ["/pause_generation", "/update_weights_from_tensor", "/continue_generation"]
     assert client.calls[0][1] == {"mode": "retract"}
     assert client.calls[1][1] == {"serialized_named_tensors": [{"buffer": {"dtype_asked": "bfloat16"}, "tensors": []}],
                                   "load_format": "cuda_ipc", "flush_cache": True, "weight_version": "4"}
+
+
+# ---- distributed: gloo against a FAKE SGLang weight receiver ---------------------------------------------------
+
+FAKE_RECEIVER = textwrap.dedent('''
+    """FAKE SGLang weight receiver (NOT SGLang): serves /init_weights_update_group, /update_weights_from_distributed,
+    /pause_generation and /continue_generation with SGLang's payloads, and joins the group the way SGLang's worker
+    does (rank = rank_offset), receiving each broadcast in `names` order. Writes the calls it got to OUT.json and
+    the tensors of the last update to OUT.safetensors."""
+    import asyncio, json, sys
+    import torch, torch.distributed as dist
+    from aiohttp import web
+    from safetensors.torch import save_file
+    from slime_dsa.weights.process_group import init_weight_update_group
+
+    port, out = int(sys.argv[1]), sys.argv[2]
+    state = {"calls": [], "tensors": {}}
+
+    def record(call):
+        state["calls"].append(call)
+        with open(out + ".json", "w") as f:
+            json.dump(state["calls"], f)
+
+    async def init_group(request):
+        p = await request.json()
+        state["group"] = await asyncio.to_thread(
+            init_weight_update_group, p["master_address"], p["master_port"], p["world_size"],
+            rank=p["rank_offset"], group_name=p["group_name"], backend=p["backend"])
+        record({"path": "init", "world_size": p["world_size"], "rank_offset": p["rank_offset"]})
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def update(request):
+        p = await request.json()
+        def recv():
+            for name, dtype, shape in zip(p["names"], p["dtypes"], p["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(t, src=0, group=state["group"])
+                state["tensors"][name] = t
+        await asyncio.to_thread(recv)
+        if p["weight_version"] is not None:
+            save_file(state["tensors"], out + ".safetensors")
+        record({"path": "update", "names": p["names"], "version": p["weight_version"], "flush": p["flush_cache"]})
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def pause(request):
+        record({"path": "pause", "mode": (await request.json()).get("mode")})
+        return web.json_response({"message": "ok", "status": "ok"})
+
+    async def resume(request):
+        record({"path": "continue"})
+        return web.json_response({"message": "ok", "status": "ok"})
+
+    async def health(request):
+        return web.Response()
+
+    app = web.Application(client_max_size=2**30)
+    app.router.add_post("/init_weights_update_group", init_group)
+    app.router.add_post("/update_weights_from_distributed", update)
+    app.router.add_post("/pause_generation", pause)
+    app.router.add_post("/continue_generation", resume)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+''')
+
+
+def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path):
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from rollout.client import EngineClient  # noqa: PLC0415
+    from rollout.sglang.launcher import http_ok  # noqa: PLC0415
+    from trainers.weight_sender import engine_dtypes  # noqa: PLC0415
+
+    script, out = tmp_path / "fake_receiver.py", str(tmp_path / "received")
+    script.write_text(FAKE_RECEIVER)
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, str(script), str(port), out], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not http_ok(f"http://127.0.0.1:{port}/health") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert http_ok(f"http://127.0.0.1:{port}/health"), "the fake receiver did not start"
+
+        async def run() -> DistributedTransport:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+                sync = DistributedTransport(client, trainer, ranks_per_engine=1, engine_dtype="bfloat16",
+                                            backend="gloo", bucket_bytes=50_000, group_name="test_group")
+                assert await sync.push(1) is None
+                await sync.push(2, pause_mode="retract")  # the group stays: no second init
+                return sync
+
+        sync = asyncio.run(asyncio.wait_for(run(), 180))
+        calls = json.loads(Path(out + ".json").read_text())
+        buckets = len(sync.buckets)
+        assert buckets > 1
+        assert [c["path"] for c in calls] == (["init", "pause"] + ["update"] * buckets + ["continue", "pause"]
+                                              + ["update"] * buckets + ["continue"])
+        assert calls[0] == {"path": "init", "world_size": 2, "rank_offset": 1}
+        assert [c["mode"] for c in calls if c["path"] == "pause"] == ["abort", "retract"]
+        updates = [c for c in calls if c["path"] == "update"][buckets:]
+        # the version changes once, with the last bucket, which also flushes the cache
+        assert [(c["version"], c["flush"]) for c in updates] == [(None, False)] * (buckets - 1) + [("2", True)]
+        # every tensor arrived whole and in order, cast as a bf16 engine keeps it (routers, indexer head: float32)
+        dtypes = engine_dtypes(trainer.model.config, "bfloat16")
+        expected = trainer.full_state_dict()
+        assert [n for c in updates for n in c["names"]] == list(trainer.model.state_dict())
+        got = load_file(out + ".safetensors")
+        assert set(got) == set(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == dtypes[name] and torch.equal(got[name], tensor.to(dtypes[name])), name
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
+from slime_dsa.weights.payloads import TensorSpec
+
+
 @dataclass
 class TrainBatch:
     """Samples for one rank, packed: every per-token tensor has shape (T,) over prompt+response tokens.
@@ -189,6 +192,19 @@ class TrainerGroup(Protocol):
 
     def share_weights(self, engine_dtype: str) -> dict:
         """Rank 0's CUDA IPC table of the policy's weights in one GPU buffer (engines on its GPU copy them)."""
+
+    def weight_buckets(self, engine_dtype: str | None, bucket_bytes: int) -> list[list[TensorSpec]]:
+        """Names, dtypes and shapes of the policy's tensors in the order broadcast_weights sends them."""
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where rank 0 can host a weight-update group with the engines: (address, free port)."""
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None:
+        """Rank 0 joins the engines' weight-update group as its rank 0."""
+
+    def broadcast_weights(self, buckets: list[list[TensorSpec]]) -> None:
+        """Rank 0 broadcasts the policy's tensors of `buckets` to that group."""
 
     def cuda_device(self) -> str | None:
         """The GPU UUID of rank 0 (None on CPU)."""

@@ -3,20 +3,14 @@ answers. The batch is split by rank here (whole groups per rank where their prom
 
 from __future__ import annotations
 
-import socket
-
 import ray
 import torch
 
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
+from slime_dsa.weights.payloads import TensorSpec
+from slime_dsa.weights.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
 from trainers.rank import TrainerRank, shares_prompts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RayTrainerGroup:
@@ -99,6 +93,23 @@ class RayTrainerGroup:
     def share_weights(self, engine_dtype: str) -> dict:
         """Rank 0's cuda_ipc table of the current weights in one GPU buffer (see FSDPWorker.share_weights)."""
         return ray.get([w.share_weights.remote(engine_dtype) for w in self.workers])[0]
+
+    def weight_buckets(self, engine_dtype: str | None, bucket_bytes: int) -> list[list[TensorSpec]]:
+        """Rank 0's names, dtypes and shapes in the order broadcast_weights sends them, in buckets."""
+        return ray.get(self.workers[0].weight_buckets.remote(engine_dtype, bucket_bytes))
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where rank 0 can host the weight-update group: its node's address and a free port."""
+        return ray.get(self.workers[0].weight_group_address.remote())
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None:
+        """Rank 0 joins the engines' weight-update group (blocks until every engine rank joined)."""
+        ray.get(self.workers[0].join_weight_group.remote(master_address, master_port, world_size, group_name, backend))
+
+    def broadcast_weights(self, buckets: list[list[TensorSpec]]) -> None:
+        """Rank 0 broadcasts the weights to the engines, in the order of `buckets` (see TrainerRank.broadcast_weights)."""
+        ray.get([w.broadcast_weights.remote(buckets) for w in self.workers])
 
     def cuda_device(self) -> str | None:
         """The GPU UUID of rank 0, whose memory cuda_ipc engines read."""

@@ -21,7 +21,9 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
+from slime_dsa.weights.payloads import TensorSpec, bucket_specs
 from trainers.base import DSAOptions, RankConfig, RoleConfig, TrainBatch, split_by_tokens
+from trainers.weight_sender import broadcast_weights, group_address, weight_specs
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class TrainerRank:
         self.rank, self.world_size, self.config = rank, world_size, config
         self.device = torch.device("cpu")
         self.roles: dict[str, Role] = {}  # built by the backend
+        self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
 
     @property
     def policy(self) -> Role:
@@ -263,6 +266,32 @@ class TrainerRank:
             for key, value in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
                 metrics[f"indexer_{key}"] = float(value.sum()) / max(step_rows, 1.0)
         return dsa.indexer_loss_coef * loss, metrics
+
+
+    # -- the policy's weights to engines over a process group (rollout.sglang.weight_sync distributed) -------
+
+    def weight_buckets(self, engine_dtype: str | None, bucket_bytes: int) -> list[list[TensorSpec]]:
+        """What broadcast_weights sends, in order: each tensor's name, dtype (cast for `engine_dtype`) and shape, in
+        buckets of about `bucket_bytes`."""
+        return bucket_specs(weight_specs(self.policy.model, engine_dtype), bucket_bytes)
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """(address, free port) of this rank's node, where it can host the weight-update group."""
+        return group_address()
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None:
+        """Rank 0 joins the engines' weight-update group as its rank 0; blocks until every engine rank joined."""
+        from slime_dsa.weights.process_group import init_weight_update_group  # noqa: PLC0415
+
+        self._weight_group = init_weight_update_group(master_address, master_port, world_size,
+                                                      group_name=group_name, backend=backend)
+
+    def broadcast_weights(self, buckets: list[list[TensorSpec]]) -> None:
+        """Rank 0 broadcasts the tensors of `buckets` (from weight_buckets) to its weight-update group. Collective."""
+        if self.rank == 0 and self._weight_group is None:
+            raise RuntimeError("broadcast_weights needs join_weight_group first")
+        broadcast_weights(self.policy.model.state_dict(), buckets, self._weight_group if self.rank == 0 else None)
 
 
 def _padding_batch() -> TrainBatch:

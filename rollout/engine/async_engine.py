@@ -21,7 +21,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 
 if TYPE_CHECKING:
-    from slime_dsa.checkpoint.cuda_ipc import IpcWeights
+    from slime_dsa.weights.cuda_ipc import IpcWeights
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class AsyncEngine:
         await self._call(lambda: self._load_cuda_ipc(ipc, weight_version, flush_cache))
 
     def _load_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None, flush_cache: bool) -> None:
-        from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, open_buffer, views  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import IpcFormatError, open_buffer, views  # noqa: PLC0415
 
         engine = self.engine
         try:

@@ -11,9 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "create_app": "rollout.server.app", "serve": "rollout.server.launch", "load_engine": "rollout.server.launch",
-    "EmbeddedServer": "rollout.server.launch", "LOAD_FORMAT": "rollout.server.weights",
-    "encode_named_tensors": "rollout.server.weights", "decode_named_tensors": "rollout.server.weights",
-    "tensor_update_payloads": "rollout.server.weights", "InProcessClient": "rollout.server.in_process",
+    "EmbeddedServer": "rollout.server.launch", "InProcessClient": "rollout.server.in_process",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,8 +23,9 @@ from rollout.server.bodies import read_json, read_object
 from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
 from rollout.server.run import run_all, run_request
 from rollout.server.state import STATE, ServerState, state_of
-from rollout.server.weights import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
-from slime_dsa.checkpoint.cuda_ipc import LOAD_FORMAT_CUDA_IPC
+from slime_dsa.weights import WeightFormatError
+from slime_dsa.weights.cuda_ipc import LOAD_FORMAT_CUDA_IPC
+from slime_dsa.weights.safetensors_b64 import LOAD_FORMAT, PICKLE_REFUSAL, SGLANG_PICKLE_FORMATS, decode_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +305,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         update = lambda: st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)  # noqa: E731
         count, how = len(ipc.tensors), " (cuda_ipc)"
     else:
-        state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        try:
+            state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
+        except WeightFormatError as e:
+            raise RequestError(str(e)) from None
         update = lambda: st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)  # noqa: E731
         count, how = len(state_dict), ""
     if abort_all:
@@ -320,8 +324,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 
 def _parse_cuda_ipc(st: ServerState, entry: Any) -> Any:
-    """load_format cuda_ipc: the checked JSON handle table (slime_dsa.checkpoint.cuda_ipc); RequestError otherwise."""
-    from slime_dsa.checkpoint.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
+    """load_format cuda_ipc: the checked JSON handle table (slime_dsa.weights.cuda_ipc); RequestError otherwise."""
+    from slime_dsa.weights.cuda_ipc import IpcFormatError, IpcWeights  # noqa: PLC0415
 
     if not hasattr(st.engine, "update_weights_from_cuda_ipc"):
         raise RequestError(f"load_format {LOAD_FORMAT_CUDA_IPC!r} is not supported by this engine; send {LOAD_FORMAT!r}")

@@ -158,9 +158,14 @@ class SGLangSection(Section):
         default_factory=list, description="Extra arguments passed verbatim to sglang.launch_server, e.g. "
                                           "['--enable-dp-attention'].")
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = Field(
-        "auto", description="How new weights reach the servers: tensor (in memory, colocated only), distributed "
-                            "(NCCL broadcast), disk (safetensors, slowest); auto = tensor when colocated, else "
-                            "distributed.")
+        "auto", description="How new weights reach the SGLang servers after each step: distributed (trainer rank 0 "
+                            "and every server rank form an NCCL group; rank 0 broadcasts while the servers receive "
+                            "through /update_weights_from_distributed), disk (trainer rank 0 writes the weights as "
+                            "safetensors into <run directory>/engine_weights and every server loads them through "
+                            "/update_weights_from_disk: with several nodes, put logging.run_dir on a filesystem "
+                            "every node sees at the same path); auto = distributed when cluster.placement is "
+                            "disaggregated, disk when colocated (NCCL cannot put two ranks on one GPU). tensor "
+                            "(SGLang's in-memory CUDA-IPC format) is not available yet.")
 
 
 class RolloutSection(Section):
@@ -218,7 +223,8 @@ class RolloutSection(Section):
                            "response (for algorithm.index_replay; embedded engines then keep each cached row's "
                            "top-k with the KV cache).")
     weight_sync: Literal["auto", "http", "shm", "cuda_ipc"] = Field(
-        "auto", description="How embedded or external engines get new weights after each step: http (the "
+        "auto", description="How embedded or external engines get new weights after each step (SGLang servers "
+                            "launched for the run: rollout.sglang.weight_sync): http (the "
                             "state dict in /update_weights_from_tensor requests; engines anywhere), shm (trainer "
                             "rank 0 writes a safetensors file under /dev/shm that each engine loads through "
                             "/update_weights_from_disk; engines on rank 0's host only), cuda_ipc (rank 0 keeps "
@@ -595,10 +601,13 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
                 "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
-        if ro.sglang.weight_sync == "tensor" and cl.placement != "colocated":
+        if ro.sglang.weight_sync == "tensor":
+            raise RecipeValueError("rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
+                                   "or disk", "rollout.sglang.weight_sync")
+        if ro.engine == "sglang" and ro.weight_sync != "auto":
             raise RecipeValueError(
-                f"rollout.sglang.weight_sync 'tensor' needs cluster.placement 'colocated', got '{cl.placement}'",
-                "rollout.sglang.weight_sync", "cluster.placement")
+                f"rollout.weight_sync '{ro.weight_sync}' is for embedded and external engines; SGLang servers take "
+                "rollout.sglang.weight_sync", "rollout.weight_sync", "rollout.engine")
         if self.logging.eval_every > 0 and not any(t.has_eval_split for t in self.data.tasks):
             raise RecipeValueError(
                 f"logging.eval_every ({self.logging.eval_every}) needs held-out prompts: set eval_size or "

@@ -138,26 +138,3 @@ def _pin_process(_actor: Any, cores: list[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
-
-
-def build_weight_sync(recipe: RecipeConfig, client: Any, trainers: Any, engine_actors: list[Any], model_dir: Path):
-    """The run's WeightSync: rollout.weight_sync, with auto resolved from where engines and trainer rank 0 run."""
-    import ray  # noqa: PLC0415
-
-    from slime_dsa.orchestrator.weight_sync import WeightSync, choose_transport, full_state_bytes  # noqa: PLC0415
-
-    ro = recipe.rollout
-    embedded = ro.engine == "embedded"
-    nodes = ray.get([a.node_id.remote() for a in engine_actors]) if embedded else []
-    trainer_node = trainers.node_id() if ro.weight_sync in ("auto", "cuda_ipc") else None
-    # GPUs by UUID, not index: each Ray actor sees its own CUDA_VISIBLE_DEVICES numbering.
-    wants_gpu = embedded and ro.weight_sync in ("auto", "cuda_ipc")
-    engine_gpus = ray.get([a.cuda_device.remote() for a in engine_actors]) if wants_gpu else []
-    trainer_gpu = trainers.cuda_device() if wants_gpu else None
-    transport = choose_transport(ro.weight_sync, ro.engine, nodes, trainer_node, full_state_bytes(model_dir),
-                                 engine_devices=[g and g["uuid"] for g in engine_gpus], trainer_device=trainer_gpu)
-    engine_dtype = engine_gpus[0]["dtype"] if transport == "cuda_ipc" else None
-    sync = WeightSync.create(client, trainers, transport, model_dir, engine_dtype=engine_dtype)
-    where = f" through {sync.directory}" if sync.directory else ""
-    logger.info("weight sync: %s%s (rollout.weight_sync %s)", transport, where, ro.weight_sync)
-    return sync

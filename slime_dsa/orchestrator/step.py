@@ -39,7 +39,7 @@ class Run:
     manager: Any  # slime_dsa.orchestrator.rollout_manager.RolloutManager
     ckpts: Any  # slime_dsa.checkpoint.training.CheckpointManager
     metrics_log: Any  # slime_dsa.logging.MetricsLogger
-    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightSync
+    weights: Any  # slime_dsa.orchestrator.weight_sync.WeightTransport
     start_step: int = 0
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
@@ -119,7 +119,7 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
 
 async def sync_weights(weights, version: int, pause_mode: str = "abort",
                        on_weights: WeightsHook | None = None, want_state: bool | None = None) -> float:
-    """The trainers' weights to every engine as `version` (a WeightSync); returns the seconds it took.
+    """The trainers' weights to every engine as `version` (a WeightTransport); returns the seconds it took.
     on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
     start = time.perf_counter()
     want = on_weights is not None and want_state is not False

@@ -47,6 +47,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync import build_weight_sync  # noqa: PLC0415
 
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
@@ -65,7 +66,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                           timeout_s=ro.request_timeout_s)
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(setup.build_weight_sync, recipe, client, trainers, engine_actors, model_dir)
+    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 

@@ -21,9 +21,10 @@ from slime_dsa import ops
 from slime_dsa.checkpoint import load_model
 from trainers.base import RankConfig, RoleConfig
 from trainers.fsdp.parallelize import apply_fsdp
-from trainers.fsdp.shared_weights import SharedWeights
 from trainers.optim import build_role_optimizer, build_scheduler
 from trainers.rank import Role, TrainerRank
+from trainers.shared_weights import SharedWeights
+from trainers.weight_sender import write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -83,32 +84,16 @@ class FSDPWorker(TrainerRank):
         return state if self.rank == 0 else None
 
     def save_weights(self, path: str, role: str = "policy") -> None:
-        """Write the full state dict to the safetensors file `path` (rank 0), atomically. Collective.
-
-        Readers of `path` see the previous file or the new one, never a partial write (write, then rename).
-        """
-        from safetensors.torch import save_file  # noqa: PLC0415
-
+        """Write the role's full state dict to the safetensors file `path` (rank 0), atomically. Collective."""
         # One unsharded rank: its own tensors, written at once (no gathered copy needed).
         model = self.roles[role].model
         state = self.full_state_dict(role) if self.sharded else {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-        if self.rank != 0:
-            return
-        seen: set[int] = set()
-        tensors = {}
-        for name, t in state.items():
-            t = t.contiguous()
-            if t.data_ptr() in seen:  # tied weights: safetensors refuses shared storage
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, tmp)
-        os.replace(tmp, path)
+        if self.rank == 0:
+            write_safetensors(state, path)
 
     def share_weights(self, engine_dtype: str) -> dict | None:
         """The weights, cast to the engine's dtypes, in one buffer on rank 0's GPU that engines on that GPU open by
-        CUDA IPC; rank 0 returns its JSON table (slime_dsa.checkpoint.cuda_ipc), the others None. Collective."""
+        CUDA IPC; rank 0 returns its JSON table (slime_dsa.weights.cuda_ipc), the others None. Collective."""
         if self._shared is None:
             if self.device.type != "cuda":
                 raise RuntimeError("share_weights (rollout.weight_sync cuda_ipc) needs trainer ranks on CUDA devices")
@@ -117,7 +102,7 @@ class FSDPWorker(TrainerRank):
 
     def cuda_device(self) -> str | None:
         """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
-        from slime_dsa.checkpoint.cuda_ipc import device_uuid  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
 
         return device_uuid(self.device) if self.device.type == "cuda" else None
 

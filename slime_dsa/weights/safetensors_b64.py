@@ -3,7 +3,7 @@
 SGLang's own format (load_format null | "direct" | "flattened_bucket") is base64 of a torch multiprocessing
 pickle holding CUDA IPC handles. Unpickling HTTP input runs arbitrary code, so the embedded server refuses it;
 trainers send `load_format: "safetensors_b64"` instead, built by `tensor_update_payloads`. Engines on the trainer's
-GPU also take `load_format: "cuda_ipc"`: a JSON table of CUDA IPC rebuild arguments (slime_dsa.checkpoint.cuda_ipc).
+GPU also take `load_format: "cuda_ipc"`: a JSON table of CUDA IPC rebuild arguments (slime_dsa.weights.cuda_ipc).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import base64
 import binascii
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from rollout.engine.types import RequestError
+from slime_dsa.weights import WeightFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -22,7 +22,8 @@ SGLANG_PICKLE_FORMATS = (None, "direct", "flattened_bucket")
 PICKLE_REFUSAL = (
     "serialized_named_tensors in SGLang's torch-multiprocessing pickle format (load_format {fmt!r}) is never "
     "unpickled by the embedded server (unpickling HTTP input can run arbitrary code); send load_format "
-    f"{LOAD_FORMAT!r}: base64 of safetensors bytes (rollout.server.weights.tensor_update_payloads builds it)"
+    f"{LOAD_FORMAT!r}: base64 of safetensors bytes (slime_dsa.weights.safetensors_b64.tensor_update_payloads "
+    "builds it)"
 )
 
 
@@ -37,21 +38,21 @@ def encode_named_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[tu
 
 
 def decode_named_tensors(entry: Any, where: str = "serialized_named_tensors[0]") -> dict[str, torch.Tensor]:
-    """Inverse of encode_named_tensors; RequestError naming `where` for anything that is not safetensors."""
+    """Inverse of encode_named_tensors; WeightFormatError naming `where` for anything that is not safetensors."""
     from safetensors.torch import load
 
     if not isinstance(entry, str):
-        raise RequestError(f"{where} must be a base64 string, got {type(entry).__name__}")
+        raise WeightFormatError(f"{where} must be a base64 string, got {type(entry).__name__}")
     try:
         data = base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError(f"{where} is not valid base64") from None
+        raise WeightFormatError(f"{where} is not valid base64") from None
     if not _looks_like_safetensors(data) and data[:1] == b"\x80":  # pickle protocol 2+ opens with PROTO
-        raise RequestError(PICKLE_REFUSAL.format(fmt=LOAD_FORMAT) + f" ({where} holds a pickle)")
+        raise WeightFormatError(PICKLE_REFUSAL.format(fmt=LOAD_FORMAT) + f" ({where} holds a pickle)")
     try:
         return load(data)
     except Exception as e:  # safetensors raises its own SafetensorError for any malformed header
-        raise RequestError(f"{where} is not safetensors bytes: {e}") from None
+        raise WeightFormatError(f"{where} is not safetensors bytes: {e}") from None
 
 
 def _looks_like_safetensors(data: bytes) -> bool:
@@ -90,25 +91,3 @@ def tensor_update_payloads(
             "weight_version": weight_version if last else None,
         })
     return payloads
-
-
-async def push_weights(
-    client: Any,
-    named_tensors: Mapping[str, "torch.Tensor"],
-    *,
-    weight_version: str,
-    pause_mode: str = "retract",
-    bucket_bytes: int = 512 * 1024**2,
-) -> None:
-    """Send new weights to every engine of `client` (embedded servers): pause -> update in buckets -> continue.
-
-    "retract" frees running requests' KV cache and requeues them, so they resume on the new weights (their
-    earlier tokens keep the old version in output_token_versions); "abort" ends them; "in_place" keeps their
-    cache. Generation is continued even when an update fails, and the failure is raised.
-    """
-    await client.broadcast("/pause_generation", {"mode": pause_mode})
-    try:
-        for payload in tensor_update_payloads(named_tensors, weight_version=weight_version, bucket_bytes=bucket_bytes):
-            await client.broadcast("/update_weights_from_tensor", payload)
-    finally:
-        await client.broadcast("/continue_generation", {})

@@ -8,20 +8,9 @@ for each weight version, so engines see the same handle every time.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from slime_dsa.checkpoint.cuda_ipc import DTYPES, IpcWeights, dtype_name, export_buffer, layout, views
-from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
-
-
-def engine_dtypes(config, engine_dtype: str) -> dict[str, torch.dtype]:
-    """name -> the dtype an engine loaded with `engine_dtype` keeps that tensor in (built on the meta device)."""
-    if engine_dtype not in DTYPES:
-        raise ValueError(f"engine dtype must be one of {sorted(DTYPES)}, got {engine_dtype!r}")
-    with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(config)
-    model.cast(DTYPES[engine_dtype])
-    return {name: t.dtype for name, t in model.state_dict().items()}
+from slime_dsa.weights.cuda_ipc import IpcWeights, dtype_name, export_buffer, layout, views
+from trainers.weight_sender import engine_dtypes, full_tensor
 
 
 class SharedWeights:
@@ -44,7 +33,7 @@ class SharedWeights:
     def fill(self, model: torch.nn.Module) -> dict | None:
         """Copy the model's current weights into the buffer (cast on the GPU); the sender returns the JSON table."""
         for name, t in model.state_dict().items():  # the same order on every rank: full_tensor is a collective
-            full = _full(t) if isinstance(t, DTensor) else t
+            full = full_tensor(t)
             if self.flat is not None:
                 self._views[name].copy_(full)
         if self.flat is None:
@@ -52,12 +41,3 @@ class SharedWeights:
         # Engines read the buffer from another process, outside this stream's order: finish the copies first.
         torch.cuda.current_stream(self.flat.device).synchronize()
         return self.weights.to_json()
-
-
-def _full(t: DTensor) -> torch.Tensor:
-    """The whole tensor of a DTensor; on a one-rank mesh its local shard already is (no collective per tensor)."""
-    if t.device_mesh.size() == 1:
-        local = t.to_local()
-        if local.shape == t.shape:
-            return local
-    return t.full_tensor()

@@ -16,6 +16,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from slime_dsa.weights import WeightFormatError
+
 LOAD_FORMAT_CUDA_IPC = "cuda_ipc"
 ALIGN_BYTES = 256  # every slice starts on a 256-byte boundary: any dtype's view is aligned, copies vectorise
 DTYPES: dict[str, torch.dtype] = {
@@ -29,7 +31,7 @@ REF_COUNTER_SLOTS = 10000  # CUDA_IPC_REF_COUNTER_FILE_SIZE in torch/csrc/CudaIP
 _MAX_HANDLE_BYTES = 1024
 
 
-class IpcFormatError(ValueError):
+class IpcFormatError(WeightFormatError):
     """A cuda_ipc weights entry is malformed; the message names the field or tensor."""
 
 

@@ -1,0 +1,82 @@
+"""The weight-transport interface, and the one pause → update → continue routine that every transport runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import Any, Awaitable, Callable, TypeVar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_mode: str = "abort") -> T:
+    """Pause every engine of `client`, run `update`, continue; returns what `update` returned.
+
+    Paused, no token is sampled from half-updated weights. pause_mode says what happens to requests in flight:
+    abort (they end; the synchronous loop has none), retract or in_place (they continue under the new weights:
+    the partial rollouts of the asynchronous loop; each token records the version that produced it).
+    Continue is sent even when the pause or the update fails, and that failure is raised.
+    """
+    try:
+        await client.broadcast("/pause_generation", {"mode": pause_mode})
+        result = await update()
+    except BaseException:
+        try:
+            await client.broadcast("/continue_generation", {})
+        except Exception as e:  # noqa: BLE001 (the update's failure is the one to raise)
+            logger.warning("continue_generation after a failed weight update failed too: %s", e)
+        raise
+    await client.broadcast("/continue_generation", {})
+    return result
+
+
+def check_replies(path: str, replies: dict[str, Any]) -> None:
+    """RuntimeError naming each engine whose reply to `path` says {"success": false} (SGLang's update replies)."""
+    refused = {url: body.get("message") for url, body in replies.items()
+               if isinstance(body, dict) and body.get("success") is False}
+    if refused:
+        raise RuntimeError(f"{path} failed on {len(refused)} of {len(replies)} engines: "
+                           + "; ".join(f"{url} ({message})" for url, message in refused.items()))
+
+
+async def post_update(client: Any, path: str, body: dict) -> None:
+    """POST one weight update to every engine; an error status or {"success": false} raises, naming the engine."""
+    check_replies(path, await client.broadcast(path, body))
+
+
+class WeightTransport(ABC):
+    """How the trainers' weights reach every engine. `push` is the same for every transport: `prepare` while the
+    engines still generate, then `update` inside paused_update, then the state dict when asked."""
+
+    name = ""  # what the logs call it: the rollout.weight_sync value it came from
+
+    def __init__(self, client: Any, trainers: Any) -> None:
+        self.client = client  # rollout.client.EngineClient over every engine
+        self.trainers = trainers  # a trainer group (trainers.base.TrainerBackend, fanned out over ranks)
+
+    async def push(self, version: int, pause_mode: str = "abort", want_state: bool = False) -> dict | None:
+        """Send the weights as `version`; returns the full state dict when `want_state` (else None)."""
+        start = time.perf_counter()
+        prepared = await self.prepare(version)
+        await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
+        logger.info("weights v%d to %d engine(s) by %s in %.3fs", version, len(self.client.engines), self.name,
+                    time.perf_counter() - start)
+        return await self.read_state(prepared) if want_state else None
+
+    async def prepare(self, version: int) -> Any:
+        """Work done before the pause, while engines still generate; its result goes to update and read_state."""
+        return None
+
+    @abstractmethod
+    async def update(self, version: int, prepared: Any) -> None:
+        """Have every engine take the new weights as `version` (they are paused meanwhile)."""
+
+    async def read_state(self, prepared: Any) -> dict:
+        """The full state dict just sent (for the on_weights hook): by default gathered again from the trainers."""
+        return await asyncio.to_thread(self.trainers.full_state_dict)
+
+    def close(self) -> None:
+        """Free what the transport holds (idempotent)."""

@@ -1,0 +1,30 @@
+"""cuda_ipc: trainer rank 0 copies the weights, cast to the engines' dtypes, into one buffer on its GPU; every
+engine on that same GPU copies them out device to device, through a CUDA IPC handle sent as a JSON table to
+/update_weights_from_tensor (load_format cuda_ipc; slime_dsa.weights.cuda_ipc). Nothing touches host memory."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update
+from slime_dsa.weights.cuda_ipc import LOAD_FORMAT_CUDA_IPC
+
+
+class CudaIpcTransport(WeightTransport):
+    """Rank 0's shared GPU buffer, opened by embedded engines on its GPU."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, client: Any, trainers: Any, engine_dtype: str) -> None:
+        super().__init__(client, trainers)
+        self.engine_dtype = engine_dtype  # the engines' dtype, which rank 0 casts to
+
+    async def prepare(self, version: int) -> dict:
+        # The engines read the buffer only during the update, so rank 0 refills it while they still generate.
+        return await asyncio.to_thread(self.trainers.share_weights, self.engine_dtype)
+
+    async def update(self, version: int, prepared: dict) -> None:
+        await post_update(self.client, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [prepared], "load_format": LOAD_FORMAT_CUDA_IPC, "flush_cache": True,
+            "weight_version": str(version)})

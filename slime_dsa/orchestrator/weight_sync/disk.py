@@ -1,0 +1,75 @@
+"""Weights through a directory: trainer rank 0 writes one model.safetensors (write, then rename) next to the model's
+config.json, and every engine loads the directory through /update_weights_from_disk, which both our embedded
+server and SGLang serve. The state dict never crosses Ray, JSON or a socket.
+
+Two places for the directory: shm, a private directory under /dev/shm (a memory copy; engines on rank 0's host
+only), and the run directory (rollout.sglang.weight_sync disk; every engine's node must see it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update
+from slime_dsa.weights.payloads import update_weights_from_disk_payload
+
+logger = logging.getLogger(__name__)
+
+SHM_ROOT = Path("/dev/shm")
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DiskTransport(WeightTransport):
+    """Rank 0 writes `directory`/model.safetensors; engines load `directory`. close() removes the directory."""
+
+    def __init__(self, client: Any, trainers: Any, directory: Path, name: str = "disk") -> None:
+        super().__init__(client, trainers)
+        self.directory = directory
+        self.name = name  # shm or disk: one mechanism, two places
+        # The weights can be large (and in /dev/shm they are memory): freed even when the run dies before close().
+        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
+
+    @classmethod
+    def in_shm(cls, client: Any, trainers: Any, model_dir: Path, shm_root: Path = SHM_ROOT) -> DiskTransport:
+        """A private directory under `shm_root` (/dev/shm): engines on trainer rank 0's host read it from memory."""
+        directory = Path(tempfile.mkdtemp(prefix="slime-dsa-weights-", dir=shm_root))
+        return cls(client, trainers, _with_config(directory, model_dir), name="shm")
+
+    @classmethod
+    def in_directory(cls, client: Any, trainers: Any, model_dir: Path, directory: Path) -> DiskTransport:
+        """`directory` (made if missing), which trainer rank 0 and every engine must see at the same path."""
+        directory = directory.resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        return cls(client, trainers, _with_config(directory, model_dir))
+
+    @property
+    def path(self) -> Path:
+        return self.directory / WEIGHTS_FILE
+
+    async def prepare(self, version: int) -> None:
+        await asyncio.to_thread(self.trainers.save_weights, str(self.path))
+
+    async def update(self, version: int, prepared: None) -> None:
+        await post_update(self.client, "/update_weights_from_disk",
+                          update_weights_from_disk_payload(str(self.directory), weight_version=str(version)))
+
+    async def read_state(self, prepared: None) -> dict:
+        from safetensors.torch import load  # noqa: PLC0415
+
+        return load(self.path.read_bytes())  # its own memory: the file is rewritten by the next version
+
+    def close(self) -> None:
+        self._cleanup()
+
+
+def _with_config(directory: Path, model_dir: Path) -> Path:
+    """`directory` with the model's config.json: a loadable HF directory."""
+    if (model_dir / "config.json").exists():
+        shutil.copy2(model_dir / "config.json", directory / "config.json")
+    return directory
