@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 class EngineProcess:
-    """`python -m rollout.server MODEL_DIR --port P` as a subprocess (a real engine and server)."""
+    """`python -m rollout.server --model MODEL_DIR --port P` as a subprocess (a real engine and server)."""
 
     def __init__(self, model_dir: Path, log_dir: Path, port: int | None = None) -> None:
         self.model_dir, self.port = model_dir, port or free_port()
@@ -44,7 +44,7 @@ class EngineProcess:
 
     def start(self) -> "EngineProcess":
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "rollout.server", str(self.model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "rollout.server", "--model", str(self.model_dir), "--port", str(self.port),
                "--max-cache-tokens", "16384", "--max-running-requests", "256", "--log-level", "WARNING"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -305,7 +305,7 @@ FAKE_RECEIVER = textwrap.dedent('''
     import torch, torch.distributed as dist
     from aiohttp import web
     from safetensors.torch import save_file
-    from slime_dsa.weights.process_group import init_weight_update_group
+    from trainers.process_group import init_weight_update_group
 
     port, out = int(sys.argv[1]), sys.argv[2]
     state = {"calls": [], "tensors": {}}
@@ -395,9 +395,9 @@ def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path)
         # the version changes once, with the last bucket, which also flushes the cache
         assert [(c["version"], c["flush"]) for c in updates] == [(None, False)] * (buckets - 1) + [("2", True)]
         # every tensor arrived whole and in order, cast as a bf16 engine keeps it (routers, indexer head: float32)
-        dtypes = engine_dtypes(trainer.model.config, "bfloat16")
+        dtypes = engine_dtypes(trainer.policy.model.config, "bfloat16")
         expected = trainer.full_state_dict()
-        assert [n for c in updates for n in c["names"]] == list(trainer.model.state_dict())
+        assert [n for c in updates for n in c["names"]] == list(trainer.policy.model.state_dict())
         got = load_file(out + ".safetensors")
         assert set(got) == set(expected)
         for name, tensor in expected.items():

@@ -8,7 +8,7 @@ import torch
 
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
 from slime_dsa.weights.payloads import TensorSpec
-from slime_dsa.weights.process_group import free_port
+from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
 from trainers.rank import TrainerRank, shares_prompts
 

@@ -282,7 +282,7 @@ class TrainerRank:
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str) -> None:
         """Rank 0 joins the engines' weight-update group as its rank 0; blocks until every engine rank joined."""
-        from slime_dsa.weights.process_group import init_weight_update_group  # noqa: PLC0415
+        from trainers.process_group import init_weight_update_group  # noqa: PLC0415
 
         self._weight_group = init_weight_update_group(master_address, master_port, world_size,
                                                       group_name=group_name, backend=backend)

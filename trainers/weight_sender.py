@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from slime_dsa.weights.cuda_ipc import DTYPES
 from slime_dsa.weights.payloads import TensorSpec, dtype_name
-from slime_dsa.weights.process_group import free_port
+from trainers.process_group import free_port
 
 
 def engine_dtypes(config: Any, engine_dtype: str) -> dict[str, torch.dtype]:
