@@ -140,11 +140,6 @@ class EngineClient:
         if url not in self.engines:
             self.engines[url] = EngineState(url, asyncio.Semaphore(self.max_inflight_per_engine))
 
-    def remove_engine(self, url: str) -> None:
-        engine = self.engines.pop(normalize_url(url), None)
-        if engine is not None and engine.probe is not None:
-            engine.probe.cancel()
-
     def stats(self) -> dict[str, dict]:
         """Per engine: outstanding, completed, failures, healthy."""
         return {u: {"outstanding": e.outstanding, "completed": e.completed, "failures": e.failures,

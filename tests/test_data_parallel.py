@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from tests.hf_reference import TINY, make_hf_checkpoint
 from trainers.base import TrainBatch
 
+pytestmark = pytest.mark.slow  # spawns rank processes that build process groups
+
 NUM_SAMPLES, PROMPT, RESPONSE = 6, 5, 4
 
 

@@ -85,6 +85,7 @@ def test_bad_readme_fails(tmp_path: Path, case: str) -> None:
     assert marker in result.stderr
 
 
+@pytest.mark.slow  # makes a venv
 def test_run_uses_fresh_venv_and_fails_when_no_tests(tmp_path: Path) -> None:
     # Light stand-ins for the real commands: the install checks it runs inside the new venv, the test
     # exits 5 as pytest does when it collects nothing, which must fail CI.
