@@ -20,7 +20,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rollout.client import EngineClient, EngineError, indexer_topk_rows
-from rollout.rewards.compute import RewardStats, compute_reward
+from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
 from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.prompts import Prompt, Task, TaskMixture
 from slime_dsa.data.sample import Sample, SampleStatus
@@ -158,7 +158,8 @@ class RolloutManager:
         sample.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
         finish = (meta.get("finish_reason") or {}).get("type")
         sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish, SampleStatus.COMPLETED)
-        result = await compute_reward(self.reward_fns[sample.task], sample, stats=self._reward_stats[sample.task])
+        result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s,
+                                      stats=self._reward_stats[sample.task])
         sample.reward = result.reward
         sample.metadata["reward_failed"] = result.failed
         sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})
@@ -308,7 +309,7 @@ class RolloutManager:
             "rollout/zero_std_groups": counters["zero_std_groups"],
             "rollout/dropped_groups": counters["dropped_groups"],
             "rollout/failed_samples": counters["failed_samples"],
-            "rollout/reward_failures": sum(st.failures for st in self._reward_stats.values()),
+            **reward_step_metrics(self._reward_stats, self.cfg.reward_timeout_warn_share),
             "perf/rollout_time_s": elapsed,
             "perf/rollout_tok_s": out_tokens / max(elapsed, 1e-9),
         }
