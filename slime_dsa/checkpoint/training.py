@@ -1,7 +1,9 @@
 """Run checkpoints: written atomically (a temporary directory, then a rename), the last K kept, resumed exactly.
 
 A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
-config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step).
+config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, and the
+size of every file written). `latest()` skips a checkpoint damaged since (validate.py) for the newest intact one;
+`remove_orphans()` removes the temporary directories of saves that were killed.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest
+
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
 
 
 class CheckpointManager:
@@ -34,8 +39,23 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
-        ckpts = self.checkpoints()
-        return ckpts[-1] if ckpts else None
+        """The newest intact checkpoint; each damaged newer one is skipped with one WARNING saying what is wrong."""
+        for ckpt in reversed(self.checkpoints()):
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            logger.warning("checkpoint %s skipped: %s; falling back to the one before", ckpt, problem)
+        return None
+
+    def remove_orphans(self) -> list[Path]:
+        """Remove the temporary directories of saves that were killed (call at start, while no save runs)."""
+        if not self.directory.exists():
+            return []
+        orphans = sorted(p for p in self.directory.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
+        for orphan in orphans:
+            shutil.rmtree(orphan, ignore_errors=True)
+            logger.info("removed %s, left by a checkpoint save that did not finish", orphan)
+        return orphans
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:06d}"
@@ -46,7 +66,8 @@ class CheckpointManager:
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
         try:
             write(tmp)
-            (tmp / "orchestrator.json").write_text(json.dumps({"step": step, **orchestrator_state}, indent=2))
+            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp)}
+            (tmp / "orchestrator.json").write_text(json.dumps(state, indent=2))
             final = self.path_for(step)
             if final.exists():
                 shutil.rmtree(final)
