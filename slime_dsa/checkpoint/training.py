@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest
+from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, safetensors_problem
+from slime_dsa.config.errors import UserError
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -89,15 +90,38 @@ def read_orchestrator_state(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is."""
+    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is.
+
+    Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
+    intact checkpoint), unreadable weight files, and weights holding NaN or infinite values (naming the tensor)."""
     from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
-    if not (checkpoint / "model.safetensors").exists() and not (checkpoint / "model.safetensors.index.json").exists():
-        raise FileNotFoundError(f"{checkpoint} holds no model.safetensors: is it a slime-dsa checkpoint directory?")
+    _check_exportable(checkpoint)
     model = load_model(checkpoint, dtype=dtype)
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
     out = save_pretrained(model, out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
         if (checkpoint / name).exists():
             shutil.copy2(checkpoint / name, out / name)
     return out
+
+
+def _check_exportable(checkpoint: Path) -> None:
+    """Raise UserError unless `checkpoint` holds a config and readable weights."""
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} does not exist" if not checkpoint.exists() else f"{checkpoint} is a file, not a checkpoint directory")
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights or not (checkpoint / "config.json").is_file():
+        if (checkpoint / "checkpoints").is_dir() or (checkpoint / "metrics.jsonl").is_file():
+            manager = CheckpointManager(checkpoint / "checkpoints")
+            intact = next((c for c in reversed(manager.checkpoints()) if checkpoint_problem(c) is None), None)
+            hint = f"e.g. {intact}" if intact else f"but {manager.directory} holds no intact checkpoint"
+            raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
+        missing = "config.json" if weights else "model.safetensors"
+        raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
+    for path in weights:
+        if problem := safetensors_problem(path):
+            raise UserError(f"{path} {problem}")

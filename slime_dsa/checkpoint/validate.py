@@ -34,7 +34,7 @@ def checkpoint_problem(directory: Path) -> str | None:
     if not (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").is_file():
         return "model.safetensors is missing"
     for path in sorted(directory.iterdir()):
-        problem = _json_problem(path) if path.suffix == ".json" else _safetensors_problem(path) if path.suffix == ".safetensors" else None
+        problem = _json_problem(path) if path.suffix == ".json" else safetensors_problem(path) if path.suffix == ".safetensors" else None
         if problem:
             return f"{path.name} {problem}"
     return None
@@ -48,7 +48,8 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a readable safetensors file (header, coverage of the data), or None."""
     from safetensors import safe_open  # noqa: PLC0415 - the check is the only user here
 
     try:

@@ -26,7 +26,8 @@ class ModelSection(Section):
     """The policy model: where its weights and tokenizer come from and how it computes."""
 
     path: str | None = Field(
-        None, description="Hugging Face model directory or hub id to start from; null builds a tiny "
+        None, description="Local Hugging Face model directory (with config.json) to start from; a hub model is "
+                          "downloaded first (huggingface-cli download ORG/NAME --local-dir DIR); null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
     preset: Literal["tiny", "quickstart", "small"] = Field(
         "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "

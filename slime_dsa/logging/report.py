@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from slime_dsa.config.errors import UserError
 from slime_dsa.logging.metrics import read_metrics
 
 PANELS = {
@@ -22,6 +23,11 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
     records = read_metrics(run_dir)
     out = Path(out_dir or Path(run_dir) / "report")
     out.mkdir(parents=True, exist_ok=True)
