@@ -31,7 +31,7 @@ def _records(run_dir):
 
 
 def _comparable(record):
-    return {k: v for k, v in record.items() if not k.startswith("perf/")}
+    return {k: v for k, v in record.items() if not k.startswith("perf/") and k not in ("time", "elapsed_s")}
 
 
 @pytest.fixture(scope="module")
