@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.client import EngineError, indexer_topk_rows
 from rollout.limiter import SampleLimiter
-from rollout.rewards.compute import RewardStats, compute_reward
+from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
 from rollout.rewards.registry import load_reward_fn
 from slime_dsa.data.sample import Sample, SampleStatus
 
@@ -78,10 +78,10 @@ class GroupRollout:
         """Count reward calls and failures afresh."""
         self.reward_stats = {t.name: RewardStats() for t in self.tasks}
 
-    @property
-    def reward_failures(self) -> int:
-        """Reward functions that failed since the last reset."""
-        return sum(stats.failures for stats in self.reward_stats.values())
+    def reward_metrics(self) -> dict[str, float]:
+        """rollout/reward_failures and rollout/reward_timeouts since the last reset (a WARNING when too many timed
+        out)."""
+        return reward_step_metrics(self.reward_stats, self.cfg.reward_timeout_warn_share)
 
     def sampling_params(self, greedy: bool = False) -> dict[str, Any]:
         cfg = self.cfg
@@ -129,7 +129,8 @@ class GroupRollout:
         finish = (meta.get("finish_reason") or {}).get("type")
         sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish,
                                                                                              SampleStatus.COMPLETED)
-        result = await compute_reward(self.reward_fns[sample.task], sample, stats=self.reward_stats[sample.task])
+        result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s,
+                                      stats=self.reward_stats[sample.task])
         sample.reward = result.reward
         sample.metadata["reward_failed"] = result.failed
         sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})

@@ -454,6 +454,47 @@ def test_stop_tokens_eos_and_min_new_tokens(model):
     assert len(eos["min"].output_ids) >= first + 2
 
 
+def test_max_new_tokens_wins_over_min_new_tokens(model):
+    engine = Engine(model, max_cache_tokens=16, block_size=4)  # 4 blocks: a runaway would outgrow its reservation
+    finals = run(engine, {0: [GenerateRequest(input_ids=[1, 2, 3], sampling=greedy(4, min_new_tokens=40), rid="min"),
+                              GenerateRequest(input_ids=[4, 5, 6], sampling=greedy(4), rid="other")]})
+    assert len(finals["min"].output_ids) == 4 and finals["min"].finish_reason == {"type": "length", "length": 4}
+    assert len(finals["other"].output_ids) == 4 and finals["other"].finish_reason == {"type": "length", "length": 4}
+    assert engine.blocks.available == engine.blocks.num_blocks
+
+
+def test_context_caps_generation_and_the_others_go_on(model):
+    context = model.config.max_position_embeddings
+    long, short = prompts((context - 3, 6), seed=14)
+    alone = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [GenerateRequest(input_ids=short, sampling=greedy(12), rid="s")]})
+    engine = Engine(model, max_cache_tokens=1024, block_size=4)
+    finals = run(engine, {0: [GenerateRequest(input_ids=long, sampling=greedy(100, min_new_tokens=50), rid="long"),
+                              GenerateRequest(input_ids=short, sampling=greedy(12), rid="s")]})
+    assert len(finals["long"].output_ids) == 3 and finals["long"].finish_reason == {"type": "length", "length": 3}
+    assert finals["s"].output_ids == alone["s"].output_ids
+    assert engine.blocks.available == engine.blocks.num_blocks
+
+
+def test_a_scheduling_failure_costs_only_its_request(model):
+    ps = prompts((5, 7, 6), seed=15)
+    expect = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=p, sampling=greedy(8), rid=str(i)) for i, p in enumerate(ps)]})
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    grow = engine._grow
+
+    def failing_grow(seq, rows):  # fault injection: this request's cache growth fails mid-generation
+        if seq.req.rid == "1" and seq.num_output >= 3:
+            raise RuntimeError("no block for you")
+        return grow(seq, rows)
+
+    engine._grow = failing_grow
+    finals = run(engine, {0: [GenerateRequest(input_ids=p, sampling=greedy(8), rid=str(i)) for i, p in enumerate(ps)]})
+    assert finals["1"].finish_reason["type"] == "abort" and "no block for you" in finals["1"].finish_reason["message"]
+    assert finals["1"].output_ids == expect["1"].output_ids[:3]
+    for rid in ("0", "2"):
+        assert finals[rid].output_ids == expect[rid].output_ids and finals[rid].finish_reason["type"] == "length"
+    assert engine.blocks.available == engine.blocks.num_blocks
+
+
 def test_stop_strings_with_tokenizer():
     from slime_dsa.checkpoint import build_model
     from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer

@@ -179,6 +179,21 @@ def test_key_in_the_wrong_section_suggests_the_right_one():
         validate_recipe({"data": {"tasks": [{"nme": "x"}]}})
 
 
+@pytest.mark.parametrize("override, suggestion", [
+    ("trainer.lr=abc", "trainer.learning_rate"),  # an abbreviation: the initials of the words
+    ("trainer.wd=0.1", "trainer.weight_decay"),
+    ("algorithm.clip_eps_hihg=0.3", "algorithm.eps_clip_high"),  # words swapped, one misspelled
+    ("algorithm.eps_clip_hi=0.3", "algorithm.eps_clip_high"),
+    ("rollout.max_len=64", "rollout.max_response_length"),
+    ("rollout.temprature=1", "rollout.temperature"),
+    ("trainer.warmup=3", "trainer.warmup_steps"),
+])
+def test_suggestions_match_words_and_abbreviations(override, suggestion):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(None, [override])
+    assert str(info.value).endswith(f"unknown key, did you mean {suggestion}?")
+
+
 def test_wrong_type_says_what_was_expected(tmp_path):
     path = write(tmp_path, "r.yaml", "rollout:\n  temperature: hot\n")
     assert recipe_error(path) == f"{_shown(path)}:2: rollout.temperature: expected a number, got 'hot'"

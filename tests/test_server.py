@@ -232,6 +232,16 @@ def test_stop_token_trims_text_but_keeps_the_id(server):
     assert body["meta_info"]["output_token_logprobs"][-1][1] == stop_id
 
 
+def test_max_new_tokens_wins_over_min_new_tokens_and_the_context(server):
+    _, body = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(4, min_new_tokens=40)})
+    assert len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    context = 512  # the tiny checkpoint's max_position_embeddings
+    _, body = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(context, min_new_tokens=context)})
+    room = context - len(PROMPT)
+    assert len(body["output_ids"]) == room and body["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    assert_still_serving(server)
+
+
 # ---- bad requests -----------------------------------------------------------------------------------------
 
 BAD_GENERATE = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import warnings
@@ -26,6 +27,7 @@ from rollout.rewards import (
     load_reward_fn,
     math_verify_reward,
 )
+from rollout.rewards.compute import close_reward_pool, reward_step_metrics
 from rollout.rewards.countdown import parse_expression
 from rollout.rewards.math_verifier import get_math_verify_pool
 from slime_dsa.data.prompts import PromptDataError, Task, TaskMixture, build_tasks, encode_prompts, load_task
@@ -222,6 +224,8 @@ def test_math_verify_runs_off_the_main_thread_and_survives_a_hang() -> None:
 
 CUSTOM_REWARDS = '''
 import asyncio
+import os
+import time
 
 def exact(sample, response, answer, **metadata):
     return {"reward": float(response.strip() == answer), "length": len(response), "note": "ignored"}
@@ -250,6 +254,15 @@ class Graders:
     def prompt_len(sample, response, answer):
         return float(len(sample.prompt_text))
 
+def hang(sample, response, answer, **metadata):
+    with open(metadata["pid_dir"] + f"/{os.getpid()}", "w"):
+        pass
+    time.sleep(metadata.get("hang_s", 20.0))
+    return 1.0
+
+def whoami(sample, response, answer):
+    return float(os.getpid())
+
 NOT_CALLABLE = 3
 '''
 
@@ -258,7 +271,8 @@ NOT_CALLABLE = 3
 def custom_rewards(tmp_path, monkeypatch) -> str:
     (tmp_path / "my_rewards_mod.py").write_text(CUSTOM_REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "my_rewards_mod"
+    yield "my_rewards_mod"
+    close_reward_pool()  # its workers imported this test's module; the next test starts afresh
 
 
 def _sample(response: str, answer: str = "42", **metadata) -> Sample:
@@ -310,6 +324,53 @@ def test_failing_rewards_cost_one_sample(custom_rewards: str, caplog) -> None:
     assert own_timeout.failed and own_timeout.error == "TimeoutError: upstream judge timed out"
     assert (stats.calls, stats.failures, stats.timeouts) == (6, 5, 1)
     assert "verifier crashed" in caplog.text
+
+
+def test_hung_rewards_are_killed_and_replaced(custom_rewards: str, tmp_path) -> None:
+    stats = RewardStats()
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+
+    async def main():
+        hung = await asyncio.gather(*(compute_reward(f"{custom_rewards}:hang", _sample("42", pid_dir=str(pid_dir)),
+                                                     timeout_s=0.5, stats=stats) for _ in range(8)))
+        start = time.perf_counter()
+        fine = await asyncio.gather(*(compute_reward(f"{custom_rewards}:exact", _sample("42"), timeout_s=5, stats=stats)
+                                      for _ in range(8)))
+        return hung, fine, time.perf_counter() - start
+
+    hung, fine, fine_s = asyncio.run(main())
+    assert all(r.failed and r.timed_out and r.reward == 0.0 and r.error == "timed out after 0.5s" for r in hung)
+    assert all(r.reward == 1.0 and not r.failed for r in fine) and fine_s < 3  # the pool still has workers
+    assert (stats.calls, stats.failures, stats.timeouts) == (16, 8, 8)
+    pids = [int(p.name) for p in pid_dir.iterdir()]
+    assert pids and os.getpid() not in pids
+    for pid in pids:  # every worker that ran a hung call was killed
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_sync_custom_rewards_run_in_worker_processes_builtins_inline(custom_rewards: str) -> None:
+    async def main():
+        return await compute_reward(f"{custom_rewards}:whoami", _sample("42"))
+
+    assert asyncio.run(main()).reward not in (0.0, float(os.getpid()))
+    assert load_reward_fn(f"{custom_rewards}:whoami").isolation == "process"
+    assert load_reward_fn("arithmetic").isolation == load_reward_fn("countdown").isolation == "inline"
+
+
+def test_a_step_with_many_reward_timeouts_warns(caplog) -> None:
+    stats = {"math": RewardStats(calls=40, failures=3, timeouts=2), "arithmetic": RewardStats(calls=40)}
+    with caplog.at_level("WARNING", logger="rollout.rewards.compute"):
+        metrics = reward_step_metrics(stats, timeout_warn_share=0.02)
+    assert metrics == {"rollout/reward_failures": 3, "rollout/reward_timeouts": 2}
+    assert len(caplog.records) == 1
+    assert "2 of 80 reward calls (2.5%) timed out" in caplog.text and "math: 2 of 40" in caplog.text
+    assert "rollout.reward_timeout_warn_share (2.0%)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rollout.rewards.compute"):
+        reward_step_metrics(stats, timeout_warn_share=0.025)  # 2.5% is not more than 2.5%
+    assert not caplog.records
 
 
 @pytest.mark.parametrize("spec,message", [

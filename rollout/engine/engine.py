@@ -20,9 +20,10 @@ with identical tokens go further (a fork): only the first computes the prompt; t
 for what full blocks do not cover and sample their first token from its last row. Log-probs: see sampling.py (sampled
 tokens under the filtered distribution they were drawn from; greedy tokens under the raw logits).
 
-Memory: admission reserves the blocks of prompt + max_new_tokens - 1 rows (the last sampled token is never
-fed back), so a running request can always grow and nothing is ever preempted; requests that do not fit
-wait in the queue.
+Memory: admission reserves the blocks of prompt + limit - 1 rows (the last sampled token is never fed back; the
+limit is max_new_tokens capped by the context, stop.py), so a running request can always grow and nothing is
+ever preempted; requests that do not fit wait in the queue. A request that would grow past its reservation, or
+whose scheduling fails otherwise, is aborted alone with the error; the others go on.
 
 Index replay (`return_indexer_topk`): for output token j the engine returns the top-k that each full
 layer selected at the query row that PRODUCED it, i.e. the row of the token before it (the prompt's last
@@ -68,8 +69,7 @@ class _Sequence:
     req: GenerateRequest
     tokens: list[int]  # prompt + generated so far
     prompt_len: int
-    max_new_tokens: int
-    stop: StopChecker
+    stop: StopChecker  # owns the request's token limit
     generator: torch.Generator | None
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -92,6 +92,10 @@ class _Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.stop.max_new_tokens
 
 
 class Engine:
@@ -145,7 +149,7 @@ class Engine:
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._active: dict[str, _Sequence] = {}  # rid -> queued or running sequence
-        self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0)
+        self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0, a failure)
         self._paused: str | None = None
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
@@ -213,18 +217,17 @@ class Engine:
         context = self.config.max_position_embeddings
         if len(ids) >= context:
             raise RequestError(f"input_ids has {len(ids)} tokens, the model's context (max_position_embeddings) is {context}")
-        max_new = min(req.sampling.max_new_tokens, context - len(ids))
-        rows = len(ids) + max_new - 1
+        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context)
+        rows = len(ids) + stop.max_new_tokens - 1
         if -(-rows // self.block_size) > self.blocks.num_blocks:
             raise RequestError(
-                f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({max_new}) need {rows} cache tokens, "
-                f"more than the engine's max_cache_tokens ({self.max_cache_tokens})"
+                f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({stop.max_new_tokens}) need {rows} cache "
+                f"tokens, more than the engine's max_cache_tokens ({self.max_cache_tokens})"
             )
         generator = None
         if req.sampling.sampling_seed is not None:
             generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
-        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer)
-        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new, stop=stop, generator=generator)
+        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, generator=generator)
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -339,6 +342,7 @@ class Engine:
         self._step_registered = []  # blocks offered to the prefix cache by this step
         self._forks = {}
         scheduled = self._schedule()
+        outputs, self._ready = outputs + self._ready, []  # requests whose scheduling failed
         if not scheduled:
             return outputs
         self.stats["steps"] += 1
@@ -379,9 +383,15 @@ class Engine:
         scheduled = []
         prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
-        def add(seq: _Sequence, n: int) -> None:
-            self._grow(seq, seq.num_computed + n)
+        def add(seq: _Sequence, n: int) -> bool:
+            try:
+                self._grow(seq, seq.num_computed + n)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+                logger.exception("engine: scheduling request %s failed", seq.req.rid)
+                self._fail(seq, exc)
+                return False
             scheduled.append((seq, n))
+            return True
 
         head = self._queue[0] if self._queue else None
         if head is not None and head.failures and len(self._running) < self.max_running_requests and self._admit(head):
@@ -390,7 +400,7 @@ class Engine:
             self._running.append(head)
             add(head, min(len(head.tokens) - head.num_computed, budget))
             return scheduled
-        for seq in self._running:
+        for seq in list(self._running):
             pending = len(seq.tokens) - seq.num_computed
             n = 1 if pending == 1 else min(pending, budget)
             if n <= 0:
@@ -416,9 +426,8 @@ class Engine:
             else:
                 n = min(n, budget)
                 budget -= n
-                if key is not None and seq.num_computed + n == len(seq.tokens):
-                    prompts[key] = seq
-            add(seq, n)
+            if add(seq, n) and twin is None and key is not None and seq.num_computed + n == len(seq.tokens):
+                prompts[key] = seq
         return scheduled
 
     def _admit(self, seq: _Sequence) -> bool:
@@ -445,6 +454,8 @@ class Engine:
         """Give the sequence blocks for `rows` rows and offer its newly full blocks to the prefix cache."""
         bs = self.block_size
         while len(seq.blocks) * bs < rows:
+            if seq.reserved <= 0:  # taking a block anyway would take another request's
+                raise RuntimeError(f"request {seq.req.rid} needs more cache blocks than it reserved ({len(seq.blocks)})")
             seq.blocks.append(self.blocks.allocate())
             seq.reserved -= 1
         full = rows // bs
@@ -597,7 +608,7 @@ class Engine:
     def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
         rows, ids = [], []
         for b, seq in enumerate(seqs):
-            if seq.num_output < seq.req.sampling.min_new_tokens:
+            if seq.num_output < seq.stop.min_new_tokens:
                 masked = seq.stop.masked_ids
                 rows += [b] * len(masked)
                 ids += masked
@@ -664,6 +675,15 @@ class Engine:
             logger.exception("engine: final output of request %s failed", seq.req.rid)
             seq.finish_reason = {"type": "abort", "message": f"detokenization failed: {type(exc).__name__}: {exc}"}
             return self._output(seq)
+
+    def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
+        """End one request with finish_reason abort and the error; blocks it offered this step are not trusted."""
+        for block in seq.blocks:
+            if block in self._step_registered:
+                self.blocks.forget(block)
+        out = self._finish(seq, {"type": "abort", "message": f"engine error: {type(exc).__name__}: {exc}"})
+        self._ready.append(out)
+        return out
 
     def _retract(self, seq: _Sequence) -> None:
         """Back to the front of the queue without cache; generated tokens (and the seeded generator) are kept."""

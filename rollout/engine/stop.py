@@ -1,4 +1,8 @@
-"""When a request is finished, in SGLang's order: min_new_tokens guard, length, stop token, stop string.
+"""When a request is finished: length, min_new_tokens guard, stop token, stop string.
+
+The length limit is the one place a request's token budget is decided (`max_new_tokens` here): the request's
+max_new_tokens capped by the room left in the model's context. The engine reserves cache blocks for exactly that
+many tokens, and the limit wins over min_new_tokens (SGLang checks min first, so min > max would run past both).
 
 Stop strings are looked for in the decoded tail of the output (the last `window` tokens, window = the
 longest stop string's token count + 1, as SGLang does), so a step costs one short decode per request.
@@ -15,8 +19,12 @@ from rollout.engine.types import RequestError, SamplingParams
 class StopChecker:
     """Per-request stop rules; `check(output_ids)` returns a finish_reason dict or None."""
 
-    def __init__(self, params: SamplingParams, eos_token_ids: list[int], tokenizer: Any = None) -> None:
+    def __init__(self, params: SamplingParams, eos_token_ids: list[int], tokenizer: Any = None, *, prompt_len: int = 0,
+                 context: int | None = None) -> None:
         self.params = params
+        room = params.max_new_tokens if context is None else context - prompt_len
+        self.max_new_tokens = max(0, min(params.max_new_tokens, room))
+        self.min_new_tokens = min(params.min_new_tokens, self.max_new_tokens)
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
         self.stop_strings = list(params.stop)
         self.tokenizer = tokenizer
@@ -34,10 +42,10 @@ class StopChecker:
 
     def check(self, output_ids: list[int]) -> dict | None:
         n = len(output_ids)
-        if n < self.params.min_new_tokens:
+        if n >= self.max_new_tokens:
+            return {"type": "length", "length": self.max_new_tokens}
+        if n < self.min_new_tokens:
             return None
-        if n >= self.params.max_new_tokens:
-            return {"type": "length", "length": self.params.max_new_tokens}
         last = output_ids[-1]
         if last in self.stop_ids:
             return {"type": "stop", "matched": last}

@@ -1,27 +1,28 @@
 """`compute_reward`: score one sample without ever raising — a failing reward costs that sample, not the run.
 
-Sync functions run in a dedicated thread pool (so a hung one cannot starve the event loop's default executor),
-async ones are awaited; both under a timeout. A raise, a timeout or a malformed return value gives reward 0.0
-with `failed=True` and the error, counted in `RewardStats` and logged (rate-limited).
+Every call has a deadline (`timeout_s`, the recipe's rollout.reward_timeout_s). Where a call runs is the reward
+function's `isolation` (registry.py): worker processes killed and replaced at the deadline (pool.py), threads, the
+event loop. A raise, a timeout or a malformed return value gives reward 0.0 with `failed=True` and the error,
+counted in `RewardStats` and logged with the task and sample index (rate-limited); `reward_step_metrics` turns a
+step's counts into metrics and warns when more than the recipe's share of the step's calls timed out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import concurrent.futures
+import copy
 import inspect
 import logging
 import math
 import numbers
-import os
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.rewards.pool import CallTimeout, close_reward_pools, reward_pools
 from rollout.rewards.registry import RewardFunction, load_reward_fn
 from slime_dsa.data.sample import Sample
 
@@ -41,6 +42,7 @@ class RewardResult:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    timed_out: bool = False
 
 
 @dataclass
@@ -55,7 +57,7 @@ class RewardStats:
     def add(self, result: RewardResult) -> None:
         self.calls += 1
         self.failures += int(result.failed)
-        self.timeouts += int(result.failed and (result.error or "").startswith("timed out"))
+        self.timeouts += int(result.timed_out)
         self.total_s += result.elapsed_s
 
     def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
@@ -64,17 +66,26 @@ class RewardStats:
                 f"{prefix}mean_time_s": self.total_s / self.calls if self.calls else 0.0}
 
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+def reward_step_metrics(stats: Mapping[str, RewardStats], timeout_warn_share: float) -> dict[str, float]:
+    """rollout/reward_failures and rollout/reward_timeouts of one step (`stats` by task); a WARNING when more than
+    `timeout_warn_share` of the step's reward calls timed out."""
+    calls = sum(st.calls for st in stats.values())
+    timeouts = sum(st.timeouts for st in stats.values())
+    if calls and timeouts / calls > timeout_warn_share:
+        per_task = ", ".join(f"{task}: {st.timeouts} of {st.calls}" for task, st in stats.items() if st.timeouts)
+        logger.warning("%d of %d reward calls (%.1f%%) timed out this step (%s), more than "
+                       "rollout.reward_timeout_warn_share (%.1f%%); they scored 0. Is a reward function hanging, or "
+                       "is rollout.reward_timeout_s too short?", timeouts, calls, 100 * timeouts / calls, per_task,
+                       100 * timeout_warn_share)
+    return {"rollout/reward_failures": sum(st.failures for st in stats.values()), "rollout/reward_timeouts": timeouts}
+
+
+def close_reward_pool() -> None:
+    """Stop the reward worker processes and threads (they start again on the next call)."""
+    close_reward_pools()
+
+
 _failure_counts: Counter[str] = Counter()
-
-
-def _reward_executor() -> ThreadPoolExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="reward")
-        return _executor
 
 
 def _normalise(value: Any) -> tuple[float, dict[str, float]]:
@@ -108,7 +119,7 @@ async def compute_reward(
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     stats: RewardStats | None = None,
 ) -> RewardResult:
-    """Call `reward_fn(sample, sample.response_text, sample.answer, **sample.metadata)`.
+    """Call `reward_fn(sample, sample.response_text, sample.answer, **sample.metadata)` under a deadline.
 
     Never raises for what the function does (raise, timeout, bad return: reward 0.0, failed); only a `str` spec
     that does not resolve raises RewardLoadError. Resolve specs once with `load_reward_fn` at startup.
@@ -119,32 +130,53 @@ async def compute_reward(
     error: str | None = None
     exc: BaseException | None = None
     try:
-        value = await asyncio.wait_for(_call(reward_fn, sample), timeout_s)
-        reward, metrics = _normalise(value)
-    except asyncio.TimeoutError as e:
-        # Ours only if the deadline passed; a TimeoutError the function itself raised is reported as its own.
-        ours = timeout_s is not None and time.perf_counter() - start >= timeout_s
-        error, exc = (f"timed out after {timeout_s:g}s" if ours else f"{type(e).__name__}: {e}"), e
+        reward, metrics = _normalise(await _call(reward_fn, sample, timeout_s))
     except Exception as e:  # noqa: BLE001 - any failure of user code costs this sample only
-        error, exc = f"{type(e).__name__}: {e}", e
+        error, exc = (str(e) if isinstance(e, CallTimeout) else f"{type(e).__name__}: {e}"), e
     result = (RewardResult(reward, metrics=metrics) if error is None
-              else RewardResult(0.0, failed=True, error=error))
+              else RewardResult(0.0, failed=True, error=error, timed_out=isinstance(exc, CallTimeout)))
     result.elapsed_s = time.perf_counter() - start
     if error is not None:
-        _log_failure(reward_fn.name, sample, error, exc)
+        _log_failure(reward_fn.name, sample, error, None if isinstance(exc, CallTimeout) else exc)
     if stats is not None:
         stats.add(result)
     return result
 
 
-async def _call(reward_fn: RewardFunction, sample: Sample) -> Any:
-    args = (sample, sample.response_text, sample.answer)
+async def _call(reward_fn: RewardFunction, sample: Sample, timeout_s: float | None) -> Any:
     kwargs = reward_fn.metadata_kwargs(sample.metadata)
     if reward_fn.is_async:
-        value = await reward_fn.fn(*args, **kwargs)
+        value = await _with_deadline(reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs), timeout_s)
+    elif reward_fn.isolation == "inline":
+        value = reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs)
+    elif reward_fn.isolation == "process":
+        args = (_portable(sample), sample.response_text, sample.answer)
+        value = await asyncio.wrap_future(reward_pools().run_in_process(reward_fn.spec, args, kwargs, timeout_s))
     else:
-        loop = asyncio.get_running_loop()
-        value = await loop.run_in_executor(_reward_executor(), functools.partial(reward_fn.fn, *args, **kwargs))
+        future = reward_pools().run_in_thread(reward_fn.fn, (sample, sample.response_text, sample.answer), kwargs)
+        try:
+            value = await _with_deadline(asyncio.wrap_future(future), timeout_s)
+        except CallTimeout:
+            reward_pools().abandon(future)
+            raise
     if inspect.isawaitable(value):  # a sync callable that returned a coroutine (e.g. a lambda around an async fn)
-        value = await value
+        value = await _with_deadline(value, timeout_s)
     return value
+
+
+async def _with_deadline(awaitable: Awaitable[Any], timeout_s: float | None) -> Any:
+    """Await under the deadline; CallTimeout when it passes (a TimeoutError the function raises is its own)."""
+    start = time.perf_counter()
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except (asyncio.TimeoutError, concurrent.futures.TimeoutError):
+        if timeout_s is not None and time.perf_counter() - start >= timeout_s:
+            raise CallTimeout(f"timed out after {timeout_s:g}s") from None
+        raise
+
+
+def _portable(sample: Sample) -> Sample:
+    """The copy a worker process gets: without the index-replay arrays, which no verifier reads."""
+    light = copy.copy(sample)
+    light.indexer_topk = None
+    return light

@@ -9,6 +9,11 @@ The contract (sync or async):
 - `response`: the response text; `answer`: the ground truth (`sample.answer`); `metadata`: `sample.metadata`
   as keyword arguments. A function without `**kwargs` receives only the metadata keys it names.
 - Returns the reward, or a dict with a "reward" key plus extra numeric metrics (logged per task).
+
+Where a call runs (`RewardFunction.isolation`): async functions are awaited on the event loop; a sync function
+given as "package.module:function" runs in a worker process that is killed and replaced if it passes its deadline
+(it gets a copy of the sample, without `indexer_topk`; changes to it are not seen); the built-in pure-python
+verifiers (arithmetic, countdown: bounded work, microseconds) run inline; other callables run in threads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rollout.rewards.arithmetic import arithmetic_reward
 from rollout.rewards.countdown import countdown_reward
@@ -31,6 +36,8 @@ class RewardLoadError(ValueError):
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
+Isolation = Literal["inline", "thread", "process"]
+
 
 @dataclass(frozen=True)
 class RewardFunction:
@@ -41,10 +48,16 @@ class RewardFunction:
     is_async: bool
     accepts_any_metadata: bool  # has **kwargs
     metadata_names: frozenset[str]  # keyword parameters it names, past the three positional ones
+    isolation: Isolation = "thread"  # where a sync call runs (module doc); async functions run on the event loop
+    spec: str | None = None  # the "package.module:function" path a worker process imports (isolation process)
 
     @classmethod
-    def wrap(cls, fn: Callable[..., Any], name: str | None = None) -> RewardFunction:
-        """Check that `fn` takes (sample, response, answer, ...) and record how to pass it metadata."""
+    def wrap(cls, fn: Callable[..., Any], name: str | None = None, isolation: Isolation = "thread",
+             spec: str | None = None) -> RewardFunction:
+        """Check that `fn` takes (sample, response, answer, ...) and record how to pass it metadata and where it runs.
+
+        isolation process needs an import path a worker can follow (`spec`, else the function's module and name);
+        without one (__main__, a function defined inside another) the function runs in a thread."""
         name = name or getattr(fn, "__qualname__", None) or repr(fn)
         if not callable(fn):
             raise RewardLoadError(f"reward function {name!r} is not callable (got {type(fn).__name__})")
@@ -62,10 +75,17 @@ class RewardFunction:
         if required_extra:
             raise RewardLoadError(f"reward function {name!r}: parameter {required_extra[0]!r} past (sample, "
                                   "response, answer) needs a default; metadata arrives as keyword arguments")
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        if isolation == "process":
+            spec = spec or f"{getattr(fn, '__module__', '__main__')}:{getattr(fn, '__qualname__', '<none>')}"
+            if spec.startswith("__main__:") or "<" in spec:
+                isolation, spec = "thread", None
         return cls(
             name=name,
             fn=fn,
-            is_async=inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)),
+            is_async=is_async,
+            isolation="inline" if is_async else isolation,
+            spec=spec if isolation == "process" and not is_async else None,
             accepts_any_metadata=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params),
             metadata_names=frozenset(p.name for p in params[3:] if p.kind is not inspect.Parameter.VAR_KEYWORD
                                      and p.kind is not inspect.Parameter.VAR_POSITIONAL),
@@ -78,22 +98,23 @@ class RewardFunction:
         return {k: v for k, v in metadata.items() if k in self.metadata_names}
 
 
-_REGISTRY: dict[str, Callable[..., Any]] = {
-    "arithmetic": arithmetic_reward,
-    "countdown": countdown_reward,
-    "math_verify": math_verify_reward,
-    "math": math_verify_reward,
+# math_verify runs its checks in its own killable processes (math_verifier.py), so a thread always comes back.
+_REGISTRY: dict[str, tuple[Callable[..., Any], Isolation]] = {
+    "arithmetic": (arithmetic_reward, "inline"),
+    "countdown": (countdown_reward, "inline"),
+    "math_verify": (math_verify_reward, "thread"),
+    "math": (math_verify_reward, "thread"),
 }
 
 
-def register_reward(name: str, fn: Callable[..., Any] | None = None) -> Any:
+def register_reward(name: str, fn: Callable[..., Any] | None = None, isolation: Isolation = "thread") -> Any:
     """Register `fn` under `name` (also usable as a decorator: `@register_reward("mine")`)."""
     if ":" in name:
         raise ValueError(f"reward name {name!r} must not contain ':' (that marks an import path)")
     if fn is None:
-        return functools.partial(register_reward, name)
-    RewardFunction.wrap(fn, name)  # fail at registration, not at the first sample
-    _REGISTRY[name] = fn
+        return functools.partial(register_reward, name, isolation=isolation)
+    RewardFunction.wrap(fn, name, isolation)  # fail at registration, not at the first sample
+    _REGISTRY[name] = (fn, isolation)
     return fn
 
 
@@ -110,7 +131,8 @@ def load_reward_fn(spec: str) -> RewardFunction:
         if spec not in _REGISTRY:
             raise RewardLoadError(f"unknown reward function {spec!r}; registered: {', '.join(available_rewards())}; "
                                   "or give an import path 'package.module:function'")
-        return RewardFunction.wrap(_REGISTRY[spec], spec)
+        fn, isolation = _REGISTRY[spec]
+        return RewardFunction.wrap(fn, spec, isolation)
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path or ":" in attr_path:
         raise RewardLoadError(f"reward function {spec!r} must look like 'package.module:function'")
@@ -124,4 +146,4 @@ def load_reward_fn(spec: str) -> RewardFunction:
             raise RewardLoadError(f"reward function {spec!r}: {getattr(obj, '__name__', module_name)!r} "
                                   f"has no attribute {part!r}")
         obj = getattr(obj, part)
-    return RewardFunction.wrap(obj, spec)
+    return RewardFunction.wrap(obj, spec, "process", spec=spec)

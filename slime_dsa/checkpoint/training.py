@@ -1,7 +1,9 @@
 """Run checkpoints: written atomically (a temporary directory, then a rename), the last K kept, resumed exactly.
 
 A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
-config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step).
+config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, and the
+size of every file written). `latest()` skips a checkpoint damaged since (validate.py) for the newest intact one;
+`remove_orphans()` removes the temporary directories of saves that were killed.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, safetensors_problem
+from slime_dsa.config.errors import UserError
+
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
 
 
 class CheckpointManager:
@@ -34,8 +40,23 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     def latest(self) -> Path | None:
-        ckpts = self.checkpoints()
-        return ckpts[-1] if ckpts else None
+        """The newest intact checkpoint; each damaged newer one is skipped with one WARNING saying what is wrong."""
+        for ckpt in reversed(self.checkpoints()):
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            logger.warning("checkpoint %s skipped: %s; falling back to the one before", ckpt, problem)
+        return None
+
+    def remove_orphans(self) -> list[Path]:
+        """Remove the temporary directories of saves that were killed (call at start, while no save runs)."""
+        if not self.directory.exists():
+            return []
+        orphans = sorted(p for p in self.directory.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
+        for orphan in orphans:
+            shutil.rmtree(orphan, ignore_errors=True)
+            logger.info("removed %s, left by a checkpoint save that did not finish", orphan)
+        return orphans
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:06d}"
@@ -46,7 +67,8 @@ class CheckpointManager:
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
         try:
             write(tmp)
-            (tmp / "orchestrator.json").write_text(json.dumps({"step": step, **orchestrator_state}, indent=2))
+            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp)}
+            (tmp / "orchestrator.json").write_text(json.dumps(state, indent=2))
             final = self.path_for(step)
             if final.exists():
                 shutil.rmtree(final)
@@ -68,15 +90,38 @@ def read_orchestrator_state(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is."""
+    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is.
+
+    Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
+    intact checkpoint), unreadable weight files, and weights holding NaN or infinite values (naming the tensor)."""
     from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
-    if not (checkpoint / "model.safetensors").exists() and not (checkpoint / "model.safetensors.index.json").exists():
-        raise FileNotFoundError(f"{checkpoint} holds no model.safetensors: is it a slime-dsa checkpoint directory?")
+    _check_exportable(checkpoint)
     model = load_model(checkpoint, dtype=dtype)
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
     out = save_pretrained(model, out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
         if (checkpoint / name).exists():
             shutil.copy2(checkpoint / name, out / name)
     return out
+
+
+def _check_exportable(checkpoint: Path) -> None:
+    """Raise UserError unless `checkpoint` holds a config and readable weights."""
+    if not checkpoint.is_dir():
+        raise UserError(f"{checkpoint} does not exist" if not checkpoint.exists() else f"{checkpoint} is a file, not a checkpoint directory")
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights or not (checkpoint / "config.json").is_file():
+        if (checkpoint / "checkpoints").is_dir() or (checkpoint / "metrics.jsonl").is_file():
+            manager = CheckpointManager(checkpoint / "checkpoints")
+            intact = next((c for c in reversed(manager.checkpoints()) if checkpoint_problem(c) is None), None)
+            hint = f"e.g. {intact}" if intact else f"but {manager.directory} holds no intact checkpoint"
+            raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
+        missing = "config.json" if weights else "model.safetensors"
+        raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
+    for path in weights:
+        if problem := safetensors_problem(path):
+            raise UserError(f"{path} {problem}")

@@ -15,8 +15,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slime_dsa.config import load_recipe  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     recipe = load_recipe(args.recipe, args.overrides)
+    check_recipe_paths(recipe)
     from slime_dsa.sft import run_sft  # noqa: PLC0415
 
     print(f"model written: {run_sft(recipe)}")

@@ -18,9 +18,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slime_dsa.config import load_recipe  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     recipe = load_recipe(args.recipe, overrides)
+    check_recipe_paths(recipe)  # before Ray, engines and trainers start
     from slime_dsa.orchestrator.train import run_training  # noqa: PLC0415 (torch, ray: only now)
 
     run_dir = run_training(recipe, resume=args.resume)

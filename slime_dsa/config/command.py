@@ -47,10 +47,12 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Validate a recipe; print 'ok: FILE' and what it trains."""
+    """Validate a recipe and the files it points at; print 'ok: FILE' and what it trains."""
     from slime_dsa.config import dump_recipe, load_recipe  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     config = load_recipe(args.recipe, args.overrides)
+    check_recipe_paths(config)
     print(f"ok: {args.recipe}")
     print(config.summary())
     if args.print_recipe:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import textwrap
 import types
 from typing import Any, Literal, Union, get_args, get_origin
@@ -13,7 +12,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from slime_dsa.config.errors import RecipeError
-from slime_dsa.config.introspect import as_model, list_item, range_text, sections
+from slime_dsa.config.introspect import as_model, closest_name, list_item, range_text, sections
 from slime_dsa.config.schema import RecipeConfig
 
 _WIDTH = 100
@@ -34,8 +33,8 @@ def explain(section: str | None = None) -> str:
             lines += _render_section(name, *known[name])
         return "\n".join(lines).rstrip() + "\n"
     if section not in known:
-        match = difflib.get_close_matches(section, list(known), n=1, cutoff=0.6)
-        hint = f"did you mean {match[0]}? " if match else ""
+        match = closest_name(section, known, cutoff=0.6)
+        hint = f"did you mean {match}? " if match else ""
         raise RecipeError(f"recipe explain: unknown section '{section}'; {hint}sections: {', '.join(known)}")
     return "\n".join(_render_section(section, *known[section])).rstrip() + "\n"
 

@@ -3,8 +3,9 @@ Used by the loader (errors, suggestions, overrides) and by `explain`."""
 
 from __future__ import annotations
 
+import difflib
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
@@ -111,3 +112,32 @@ def range_text(field: FieldInfo) -> str:
     if high:
         return f"{'<' if high[-1] == ')' else '<='} {high[:-1]}"
     return ""
+
+
+def closest_name(name: str, candidates: Iterable[str], cutoff: float) -> str | None:
+    """The candidate key most like `name` with a score of at least `cutoff` (name_similarity), else None."""
+    scored = [(name_similarity(name, c), c) for c in candidates]
+    best = max(scored, default=(0.0, None), key=lambda sc: sc[0])
+    return best[1] if best[0] >= cutoff else None
+
+
+def name_similarity(typed: str, key: str) -> float:
+    """0..1: how likely `typed` was meant as `key`. Keys are words joined by '_': words may come in another order
+    or be cut short (hi: high, len: length), and a name may be the words' initials (lr: learning_rate)."""
+    typed, key = typed.lower(), key.lower()
+    words, key_words = [w for w in typed.split("_") if w], [w for w in key.split("_") if w]
+    if len(key_words) > 1 and typed == "".join(w[0] for w in key_words):
+        return 0.95
+    whole = difflib.SequenceMatcher(None, typed, key).ratio()
+    if not words or not key_words:
+        return whole
+    both = [max(_word_similarity(w, k) for k in key_words) for w in words]
+    both += [max(_word_similarity(w, k) for w in words) for k in key_words]
+    return max(whole, sum(both) / len(both))
+
+
+def _word_similarity(a: str, b: str) -> float:
+    shorter, longer = sorted((a, b), key=len)
+    if len(shorter) >= 2 and longer.startswith(shorter) and shorter != longer:
+        return 0.9
+    return difflib.SequenceMatcher(None, a, b).ratio()

@@ -8,7 +8,6 @@ set: "recipes/x.yaml:12" or "command line (--set a.b=1)". Keys left at their sch
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ from slime_dsa.config.errors import RecipeError, RecipeValueError
 from slime_dsa.config.introspect import (
     KeyPath,
     as_model,
+    closest_name,
     field_at,
     key_path,
     list_item,
@@ -323,12 +323,12 @@ def _suggest(path: KeyPath) -> str:
     everywhere = {p[-1]: _dotted(p) for p in reversed(list(schema_paths()))}  # first path per name
     if name in everywhere:
         return f", did you mean {everywhere[name]}?"
-    match = difflib.get_close_matches(name, here, n=1, cutoff=0.6)
+    match = closest_name(name, here, cutoff=0.6)
     if match:
-        return f", did you mean {_dotted((*parent, match[0]))}?"
-    match = difflib.get_close_matches(name, list(everywhere), n=1, cutoff=0.75)
+        return f", did you mean {_dotted((*parent, match))}?"
+    match = closest_name(name, everywhere, cutoff=0.75)
     if match:
-        return f", did you mean {everywhere[match[0]]}?"
+        return f", did you mean {everywhere[match]}?"
     if here and len(here) <= 10:
         return f"; valid keys here: {', '.join(here)}"
     section = _dotted([p for p in parent if isinstance(p, str)])

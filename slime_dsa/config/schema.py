@@ -33,7 +33,8 @@ class ModelSection(Section):
     """The policy model: where its weights and tokenizer come from and how it computes."""
 
     path: str | None = Field(
-        None, description="Hugging Face model directory or hub id to start from; null builds a tiny "
+        None, description="Local Hugging Face model directory (with config.json) to start from; a hub model is "
+                          "downloaded first (huggingface-cli download ORG/NAME --local-dir DIR); null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
     preset: Literal["tiny", "quickstart", "small"] = Field(
         "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
@@ -218,6 +219,12 @@ class RolloutSection(Section):
                              "groups collected so far.")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds one reward call may run; a call past it scores 0 and counts in "
+                                "rollout/reward_timeouts (a function given as 'package.module:function' has its "
+                                "worker process killed and replaced).")
+    reward_timeout_warn_share: float = Field(
+        0.01, ge=0, le=1, description="Log a WARNING when more than this share of a step's reward calls time out.")
     return_indexer_topk: bool = Field(
         False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
                            "response (for algorithm.index_replay; embedded engines then keep each cached row's "

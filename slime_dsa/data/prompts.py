@@ -25,8 +25,10 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
+from slime_dsa.config.errors import UserError
 from slime_dsa.data import tasks as builtin_tasks
 from slime_dsa.data.sample import Sample
 
@@ -37,7 +39,7 @@ DEFAULT_DATASET_REWARD = "math_verify"  # reward of kind "dataset" when none is 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-class PromptDataError(ValueError):
+class PromptDataError(UserError, ValueError):
     """A prompt source is unusable; the one-line message names the source, and the row and column if any."""
 
 
@@ -68,6 +70,26 @@ def load_prompt_dataset(path: str | Path, *, split: str = "train", cache_dir: st
         raise
     except Exception as exc:
         raise PromptDataError(f"{path}: cannot load prompts ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_utf8(ds: datasets.Dataset, source: str) -> None:
+    """Arrow keeps a file's bytes as they are; name the first row whose text is not UTF-8 before anything reads it."""
+    offset = 0
+    for batch in ds.with_format("arrow").iter(batch_size=10_000):
+        for name in batch.column_names:
+            column = batch[name]
+            try:
+                column.validate(full=True)
+                continue
+            except pa.ArrowInvalid:
+                pass
+            for row in range(len(column)):
+                try:
+                    column[row].as_py()
+                except UnicodeDecodeError as exc:
+                    raise PromptDataError(f"{source}: row {offset + row}, column {name!r}: not valid UTF-8 (byte "
+                                          f"0x{exc.object[exc.start]:02x} at position {exc.start} of the text)") from None
+        offset += batch.num_rows
 
 
 def _check_columns(ds: datasets.Dataset, source: str, prompt_column: str, answer_column: str | None) -> None:
@@ -115,6 +137,7 @@ def encode_prompts(
 ) -> datasets.Dataset:
     """Check every row and add `prompt_text`, `prompt_ids` and `source_row` (the row's index in `ds`)."""
     _check_columns(ds, source, prompt_column, answer_column)
+    _check_utf8(ds, source)
     if (apply_chat_template or _has_messages(ds, prompt_column)) and not getattr(tokenizer, "chat_template", None):
         raise PromptDataError(f"{source}: the tokenizer has no chat_template; set apply_chat_template: false and use "
                               "string prompts")

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,15 +22,19 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step."""
+    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step.
+
+    Each metrics.jsonl record also has `time` (unix seconds when it was logged) and `elapsed_s` (seconds of the run
+    so far: since logging began, continued from the last kept record on resume, so downtime is not counted).
+    W&B keeps its own clock and gets neither."""
 
     def __init__(self, run_dir: str | Path, project: str, run_name: str | None, wandb_mode: str = "auto",
                  config: dict[str, Any] | None = None, resume_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None:
-            self._truncate_after(resume_step)
+        elapsed_before = self._truncate_after(resume_step) if resume_step is not None else 0.0
+        self._start = time.monotonic() - elapsed_before
         self._file = self.path.open("a")
         self.wandb_run = None
         mode = resolve_wandb_mode(wandb_mode)
@@ -47,16 +52,20 @@ class MetricsLogger:
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int) -> float:
+        """Drop the records past `step`; returns the elapsed_s of the last one kept (0 without)."""
         if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+            return 0.0
+        lines = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [(line, r) for line, r in lines if r.get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line, _ in kept))
+        return max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))), default=0.0)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record metrics for a step; non-finite values are kept as strings in JSON so nothing is lost."""
         clean = {k: _plain(v) for k, v in metrics.items()}
-        self._file.write(json.dumps({"step": step, **clean}) + "\n")
+        clock = {"time": round(time.time(), 3), "elapsed_s": round(time.monotonic() - self._start, 3)}
+        self._file.write(json.dumps({"step": step, **clock, **clean}) + "\n")
         self._file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)

@@ -36,7 +36,7 @@ def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter)
 
 
 def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: Counter, elapsed: float,
-                    task_names: list[str], reward_failures: int) -> dict[str, float]:
+                    task_names: list[str], reward_metrics: dict[str, float]) -> dict[str, float]:
     """rollout/ and perf/ metrics of one step: `samples` all it generated, `kept` the groups it trains on."""
     scored = [s for s in samples if s.reward is not None]
     n = max(len(scored), 1)
@@ -50,7 +50,7 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
         "rollout/zero_std_groups": counters["zero_std_groups"],
         "rollout/dropped_groups": counters["dropped_groups"],
         "rollout/failed_samples": counters["failed_samples"],
-        "rollout/reward_failures": reward_failures,
+        **reward_metrics,
         "perf/rollout_time_s": elapsed,
         "perf/rollout_tok_s": out_tokens / max(elapsed, 1e-9),
     }
@@ -104,7 +104,7 @@ class StepCollector:
                         kept.append(usable)
                 self.keep_share = usable_groups / len(done)
         metrics = rollout_metrics(every, kept, counters, time.perf_counter() - start,
-                                  [t.name for t in self.groups.tasks], self.groups.reward_failures)
+                                  [t.name for t in self.groups.tasks], self.groups.reward_metrics())
         metrics["rollout/sampling_rounds"] = rounds
         return kept, metrics
 

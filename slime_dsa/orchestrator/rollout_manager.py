@@ -72,9 +72,9 @@ class RolloutManager:
 
     def rollout_metrics(self, samples: list[Sample], kept: list[list[Sample]], counters: Counter,
                         elapsed: float) -> dict[str, float]:
-        """collection.rollout_metrics, with the reward failures counted since reset_reward_stats."""
+        """collection.rollout_metrics, with the reward failures and timeouts counted since reset_reward_stats."""
         return rollout_metrics(samples, kept, counters, elapsed, [t.name for t in self.tasks],
-                               self.groups.reward_failures)
+                               self.groups.reward_metrics())
 
     def reset_reward_stats(self) -> None:
         self.groups.reset_reward_stats()

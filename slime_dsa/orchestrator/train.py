@@ -56,6 +56,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     setup.init_ray(recipe)
 
     ckpts = CheckpointManager(recipe.checkpoint.dir or run_dir / "checkpoints", recipe.checkpoint.keep_last)
+    ckpts.remove_orphans()
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
         logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)

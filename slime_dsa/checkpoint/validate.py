@@ -1,0 +1,60 @@
+"""Is a run checkpoint intact? Files present at the size they were written, JSON parseable, safetensors headers
+readable and covering their files. Cheap: no tensor is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MANIFEST_KEY = "files"  # in orchestrator.json: {file name: size in bytes} of what the save wrote
+
+
+def manifest(directory: Path) -> dict[str, int]:
+    """{name: size} of every file in a checkpoint directory being written (recorded in orchestrator.json)."""
+    return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """What is missing or corrupt in a checkpoint directory, in a few words; None when it is intact."""
+    state_path = directory / "orchestrator.json"
+    if not state_path.is_file():
+        return "orchestrator.json is missing"
+    try:
+        state = json.loads(state_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"orchestrator.json is not valid JSON ({exc})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return "orchestrator.json has no integer 'step'"
+    for name, size in (state.get(MANIFEST_KEY) or {}).items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, {size} were written"
+    if not (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").is_file():
+        return "model.safetensors is missing"
+    for path in sorted(directory.iterdir()):
+        problem = _json_problem(path) if path.suffix == ".json" else safetensors_problem(path) if path.suffix == ".safetensors" else None
+        if problem:
+            return f"{path.name} {problem}"
+    return None
+
+
+def _json_problem(path: Path) -> str | None:
+    try:
+        json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"is not valid JSON ({exc})"
+    return None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a readable safetensors file (header, coverage of the data), or None."""
+    from safetensors import safe_open  # noqa: PLC0415 - the check is the only user here
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass  # opening parses the header and checks that the data covers the file
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        return f"is not a readable safetensors file ({exc})"
+    return None

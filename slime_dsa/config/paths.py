@@ -1,0 +1,70 @@
+"""The files a recipe points at, checked before anything slow starts (`recipe check`, the start of train and sft).
+
+The rule: model.path is a local directory holding config.json (train and sft load no hub ids). The other paths
+(model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
+that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more than one '/', or ends in a data
+file suffix), must exist; a value shaped like a hub id ('name' or 'org/name') that is not on disk is left to the
+loader.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from slime_dsa.config.errors import RecipeError
+from slime_dsa.config.schema import RecipeConfig
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # what slime_dsa.data.prompts reads from a file
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """'name' or 'org/name', and no data file suffix."""
+    return bool(_HUB_ID.match(value)) and not value.lower().endswith(DATA_SUFFIXES)
+
+
+def check_recipe_paths(config: RecipeConfig) -> None:
+    """Raise RecipeError naming the first key whose path is unusable (and how many more are)."""
+    problems = path_problems(config)
+    if problems:
+        (key, message), rest = problems[0], problems[1:]
+        more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
+        raise RecipeError(f"{key}: {message}{more}")
+
+
+def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
+    """(key, what is wrong) for every path of the recipe that cannot be used."""
+    problems = []
+    if config.model.path is not None and (problem := _model_dir_problem(config.model.path)):
+        problems.append(("model.path", problem))
+    if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
+        problems.append(("model.tokenizer_path", problem))
+    for i, task in enumerate(config.data.tasks):
+        if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
+            problems.append((f"data.tasks.{i}.path", problem))
+    return problems
+
+
+def _model_dir_problem(value: str) -> str | None:
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"{value} holds no config.json (not a Hugging Face model directory)"
+    if path.exists():
+        return f"{value} is a file, not a model directory"
+    if looks_like_hub_id(value):
+        return (f"'{value}' is not a local directory; train and sft load a local model directory: download it first "
+                f"(huggingface-cli download {value} --local-dir DIR) and set model.path to DIR")
+    return f"{value} does not exist"
+
+
+def _local_problem(value: str, dir_only: bool = False) -> str | None:
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return None
+    if path.exists():
+        if dir_only:
+            return f"{value} is a file, not a directory"
+        suffix = path.suffix.lower()
+        return None if suffix in DATA_SUFFIXES else f"{value} is a {suffix or 'suffixless'} file; expected .jsonl, .json or .parquet"
+    return None if looks_like_hub_id(value) else f"{value} does not exist"

@@ -1,0 +1,64 @@
+"""metrics.jsonl records carry wall-clock time; `slime-dsa report` draws each quantity on an axis of its own unit."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from slime_dsa.logging.metrics import MetricsLogger, read_metrics
+from slime_dsa.logging.report import plan_panels, render_report
+
+
+def test_records_carry_time_and_elapsed_seconds_across_a_resume(tmp_path):
+    before = time.time()
+    log = MetricsLogger(tmp_path, "p", None, "disabled")
+    log.log({"rollout/reward_mean": 0.5}, step=1)
+    time.sleep(0.05)
+    log.log({"rollout/reward_mean": 0.6}, step=2)
+    log.close()
+    first, second = read_metrics(tmp_path)
+    assert before <= first["time"] <= second["time"] <= time.time()
+    assert 0 <= first["elapsed_s"] < second["elapsed_s"] and second["elapsed_s"] >= 0.05
+    resumed = MetricsLogger(tmp_path, "p", None, "disabled", resume_step=1)  # step 2 is dropped, time goes on
+    resumed.log({"rollout/reward_mean": 0.7}, step=2)
+    resumed.close()
+    kept, again = read_metrics(tmp_path)
+    assert kept == first and again["elapsed_s"] >= first["elapsed_s"] and again["time"] >= second["time"]
+
+
+def _records(n: int = 12) -> list[dict]:
+    start = 1_700_000_000.0
+    return [{"step": s, "time": start + 30 * s, "elapsed_s": 30.0 * s,
+             "rollout/reward_mean": s / n, "eval/reward_mean": s / n, "eval/pass@1": s / n,
+             "train/loss": 1 / s, "train/pg_loss": 0.9 / s, "train/entropy": 2 - s / n, "train/pg_clipfrac": 0.01,
+             "train/grad_norm": 1 + math.sin(s), "train/approx_kl": 1e-3 * s, "train/lr": 1e-6 * min(1, s / 4),
+             "rollout/zero_std_groups": s % 3, "rollout/response_length_mean": 20 + s,
+             "train/train_rollout_logprob_abs_diff": 1e-6, "perf/step_time_s": 30.0, "perf/rollout_time_s": 20.0}
+            for s in range(1, n + 1)]
+
+
+def test_panels_have_units_and_keep_quantities_apart():
+    panels = {p.filename: p for p in plan_panels(_records())}
+    for p in panels.values():
+        assert p.ylabel, p.filename
+    together = lambda *keys: any(all(k in p.keys for k in keys) for p in panels.values())  # noqa: E731
+    assert not together("eval/reward_mean", "eval/pass@1")
+    assert not together("train/loss", "train/entropy")
+    for key in ("train/grad_norm", "train/approx_kl", "train/lr", "rollout/zero_std_groups", "eval/pass@1"):
+        assert any(key in p.keys for p in panels.values()), key
+    wall = [p for p in panels.values() if p.x_key == "elapsed_s"]
+    assert wall and "rollout/reward_mean" in wall[0].keys and "time" in wall[0].xlabel
+
+
+def test_report_writes_the_panels_that_have_data(tmp_path):
+    records = _records()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = {p.name for p in render_report(tmp_path)}
+    assert {"reward.png", "pass_at_1.png", "entropy.png", "grad_norm.png", "kl.png", "learning_rate.png",
+            "zero_std_groups.png", "reward_vs_time.png"} <= written
+    old = [{k: v for k, v in r.items() if k not in ("time", "elapsed_s", "train/lr")} for r in records]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))  # a run from before
+    written_old = {p.name for p in render_report(tmp_path, tmp_path / "old")}
+    assert "reward_vs_time.png" not in written_old and "learning_rate.png" not in written_old
+    assert "reward.png" in written_old

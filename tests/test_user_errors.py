@@ -1,0 +1,131 @@
+"""Mistakes in what a user points us at fail at once with one line naming the key, row or tensor: recipe paths
+(model.path, dataset files) at `recipe check` and at the start of train/sft, a non-UTF-8 dataset row, `export` of a
+run directory or of NaN weights, `report` of a missing directory."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slime_dsa.cli import main
+from slime_dsa.config.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "recipes" / "base.yaml")
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    """Run main(argv) expecting a user error: exit code 2, nothing on stdout, one line on stderr."""
+    assert main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip().removeprefix("slime-dsa: error: ")
+
+
+# ---- recipe paths ----------------------------------------------------------------------------------------------
+
+def test_recipe_check_names_a_model_path_that_is_no_model_directory(capsys, tmp_path):
+    missing = tmp_path / "nope"
+    assert one_line_error(capsys, "recipe", "check", BASE, "--set", f"model.path={missing}") == \
+        f"model.path: {missing} does not exist"
+    assert one_line_error(capsys, "recipe", "check", BASE, "--set", f"model.path={tmp_path}") == \
+        f"model.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set", "model.path=zai-org/GLM-5")
+    assert err.startswith("model.path: 'zai-org/GLM-5' is not a local directory") and "--local-dir" in err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["recipe", "check", BASE, "--set", f"model.path={tmp_path}"]) == 0
+
+
+def test_recipe_check_names_missing_dataset_files(capsys, tmp_path):
+    task = "data.tasks=[{name: a, kind: dataset, path: %s}, {name: b, kind: dataset, path: %s}]"
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set",
+                         task % (tmp_path / "train.jsonl", tmp_path / "more.jsonl"))
+    assert err == f"data.tasks.0.path: {tmp_path / 'train.jsonl'} does not exist (and 1 more: data.tasks.1.path)"
+    (tmp_path / "train.txt").write_text("x")
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set", f"data.tasks.0.kind=dataset",
+                         "--set", f"data.tasks.0.path={tmp_path / 'train.txt'}")
+    assert err == f"data.tasks.0.path: {tmp_path / 'train.txt'} is a .txt file; expected .jsonl, .json or .parquet"
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    assert main(["recipe", "check", BASE, "--set", "data.tasks.0.kind=dataset",
+                 "--set", f"data.tasks.0.path={tmp_path / 'train.jsonl'}"]) == 0
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_train_and_sft_fail_at_once_on_a_missing_dataset_file(capsys, tmp_path, command):
+    start = time.perf_counter()
+    err = one_line_error(capsys, command, BASE, "--set", "data.tasks.0.kind=dataset",
+                         "--set", f"data.tasks.0.path={tmp_path / 'gone.jsonl'}", "--set", f"logging.run_dir={tmp_path / 'run'}",
+                         "--set", "logging.wandb_mode=disabled")
+    assert err == f"data.tasks.0.path: {tmp_path / 'gone.jsonl'} does not exist"
+    assert time.perf_counter() - start < 5 and not (tmp_path / "run").exists()
+
+
+# ---- dataset rows ----------------------------------------------------------------------------------------------
+
+def test_a_non_utf8_row_names_the_file_and_row(tmp_path):
+    from slime_dsa.data.prompts import PromptDataError, load_task
+    from slime_dsa.data.tokenizer import build_tokenizer
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": "4"}\n'
+                     b'{"prompt": "caf\xe9 3+3", "answer": "6"}\n')
+    with pytest.raises(PromptDataError) as info:
+        load_task("t", build_tokenizer(), path=str(path), cache_dir=str(tmp_path / "cache"))
+    assert isinstance(info.value, UserError)
+    assert str(info.value).startswith(f"{path}: row 2, column 'prompt': not valid UTF-8 (byte 0xe9 at position 3")
+
+
+# ---- export and report -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def model_dir(tmp_path, capsys) -> Path:
+    from tests.hf_reference import make_hf_checkpoint
+
+    directory = tmp_path / "model"
+    make_hf_checkpoint(directory)
+    capsys.readouterr()  # transformers' progress bar
+    return directory
+
+
+def test_export_of_a_run_directory_points_at_its_checkpoints(capsys, tmp_path, model_dir):
+    from slime_dsa.checkpoint.training import CheckpointManager
+
+    run = tmp_path / "run"
+    ckpts = CheckpointManager(run / "checkpoints", keep_last=0)
+    for step in (1, 2):
+        ckpts.save(step, lambda tmp: shutil.copytree(model_dir, tmp, dirs_exist_ok=True), {})
+    (run / "checkpoints" / "step_000003").mkdir()  # damaged: not suggested
+    (run / "metrics.jsonl").write_text("")
+    err = one_line_error(capsys, "export", str(run), "--out", str(tmp_path / "out"))
+    assert err == (f"{run} is a run directory, not a checkpoint: export one of its checkpoints, e.g. "
+                   f"{run / 'checkpoints' / 'step_000002'}")
+    err = one_line_error(capsys, "export", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"))
+    assert err == f"{tmp_path / 'nothing'} does not exist"
+
+
+def test_export_refuses_nan_weights_and_unreadable_files(capsys, tmp_path, model_dir):
+    assert main(["export", str(model_dir), "--out", str(tmp_path / "good")]) == 0
+    assert (tmp_path / "good" / "config.json").is_file() and (tmp_path / "good" / "model.safetensors").is_file()
+    capsys.readouterr()
+    weights = model_dir / "model.safetensors"
+    state = load_file(weights)
+    name = sorted(state)[3]
+    state[name][0] = float("nan")
+    save_file(state, weights)
+    err = one_line_error(capsys, "export", str(model_dir), "--out", str(tmp_path / "out"))
+    assert err == f"{model_dir}: tensor {name} holds NaN or infinite values; refusing to export it"
+    assert not (tmp_path / "out").exists()
+    weights.write_bytes(weights.read_bytes()[:-16])
+    err = one_line_error(capsys, "export", str(model_dir), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"{weights} is not a readable safetensors file")
+
+
+def test_report_of_a_missing_directory_is_one_line(capsys, tmp_path):
+    assert one_line_error(capsys, "report", str(tmp_path / "nope")) == f"run directory {tmp_path / 'nope'} does not exist"
+    assert one_line_error(capsys, "report", str(tmp_path)) == \
+        f"{tmp_path} holds no metrics.jsonl: is it a run directory?"
