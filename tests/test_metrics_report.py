@@ -18,8 +18,8 @@ def test_records_carry_time_and_elapsed_seconds_across_a_resume(tmp_path):
     log.log({"rollout/reward_mean": 0.6}, step=2)
     log.close()
     first, second = read_metrics(tmp_path)
-    assert before <= first["time"] <= second["time"] <= time.time()
-    assert 0 <= first["elapsed_s"] < second["elapsed_s"] and second["elapsed_s"] >= 0.05
+    assert round(before, 3) - 0.001 <= first["time"] <= second["time"] <= time.time() + 0.001  # ms resolution
+    assert 0 <= first["elapsed_s"] < second["elapsed_s"] and second["elapsed_s"] >= 0.049
     resumed = MetricsLogger(tmp_path, "p", None, "disabled", resume_step=1)  # step 2 is dropped, time goes on
     resumed.log({"rollout/reward_mean": 0.7}, step=2)
     resumed.close()

@@ -18,9 +18,9 @@ def _manager(client: FakeClient, n_samples: int = 2):
     from slime_dsa.data.prompts import Prompt, Task, TaskMixture
     from slime_dsa.orchestrator.rollout_manager import RolloutManager
 
-    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=[3 + i, 4, 5], prompt_text=f"p{i}", answer=None)
+    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=[3 + i, 4, 5], prompt_text=f"p{i}", answer="0")
                for i in range(40)]
-    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:digit_fraction",
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="arithmetic",  # inline: completion order is fixed
                 train=prompts, eval=None)
     cfg = RolloutSection(n_samples_per_prompt=n_samples, prompts_per_step=2, max_response_length=3)
     return RolloutManager(client, [task], TaskMixture([task], seed=5), TOKENIZER, cfg, show_progress=False, seed=1)

@@ -13,6 +13,7 @@ import atexit
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,12 +37,14 @@ class WorkerDied(Exception):
 _resolved: dict[str, Callable[..., Any]] = {}  # in a worker: spec -> function
 
 
-def _call_by_spec(spec: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+def _call_by_spec(spec: str, args: tuple, kwargs: dict[str, Any], driver_path: list[str]) -> Any:
     """Runs in a worker process: resolve the import path once, call the function."""
     fn = _resolved.get(spec)
     if fn is None:
         from rollout.rewards.registry import load_reward_fn  # noqa: PLC0415 - only workers need it
 
+        # The driver may have made the module importable after this worker started (sys.path edits).
+        sys.path.extend(entry for entry in driver_path if entry not in sys.path)
         fn = _resolved[spec] = load_reward_fn(spec).fn
     return fn(*args, **kwargs)
 
@@ -62,7 +65,7 @@ class RewardPools:
         with self._lock:
             if self._processes is None:
                 self._processes = ProcessPool(max_workers=self.max_workers, context=multiprocessing.get_context("spawn"))
-            inner = self._processes.schedule(_call_by_spec, args=(spec, args, kwargs), timeout=timeout_s)
+            inner = self._processes.schedule(_call_by_spec, args=(spec, args, kwargs, list(sys.path)), timeout=timeout_s)
         outer: Future = Future()
         inner.add_done_callback(lambda f: _translate(f, outer, timeout_s))
         outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)  # a cancelled call frees its worker
