@@ -133,7 +133,7 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
                 fates["stale"].append(s.index)
             else:
                 fresh.append(s)
-        usable = screen_group(fresh, cfg.dynamic_sampling, counters)
+        usable = screen_group(fresh, cfg.dynamic_sampling, counters, manager.min_group_size)
         if usable is None:
             fates["discarded"].extend(s.index for s in fresh)
             await gate.replace(1)
