@@ -12,11 +12,13 @@ Per-token tensors are (T,) over the concatenated tokens of a batch, with `loss_m
   ppo.py            PPO/GRPO clip (Clip-Higher, dual clip) with IcePop / TIS, bypass mode
   dis.py            async REINFORCE with direct double-sided importance sampling
   is_correction.py  IcePop mask and TIS weights from π_old / π_roll
-  opd.py            on-policy distillation advantage (sampled reverse KL to a teacher)
+  opd.py            on-policy distillation: sampled reverse-KL advantages (mixed with task advantages), the
+                    top-k distillation loss
+  topk_kl.py        sparse KL over a teacher's top-k plus a tail bucket
   kl.py             k1 / k2 / k3 / low_var_kl estimators
   entropy.py        entropy metric
   value_loss.py     clipped value loss, explained variance
-  specs/            the algorithm specs (grpo, async_reinforce, sao) and their registry: what the loops ask
+  specs/            the algorithm specs (grpo, async_reinforce, sao, opd) and their registry: what the loops ask
 """
 
 # Names load on first use (PEP 562): importing the package, e.g. for the spec registry that `recipe check` reads,
@@ -33,6 +35,7 @@ _SUBMODULE = {
     "LossOutputs": "types",
     "PPOLoss": "ppo",
     "PolicyLoss": "policy_loss",
+    "TopKDistillPPOLoss": "opd",
     "ValueLoss": "value_loss",
     "ValueLossInputs": "value_loss",
     "advantage_metrics": "gae",
@@ -48,13 +51,16 @@ _SUBMODULE = {
     "icepop_weights": "is_correction",
     "kl_estimate": "kl",
     "length_adaptive_lambda": "gae",
+    "log_tail_mass": "topk_kl",
     "masked_mean": "utils",
     "masked_sum": "utils",
+    "mixed_advantages": "opd",
     "opd_advantages": "opd",
     "reverse_kl_per_sample": "opd",
     "rewards_on_last_action": "gae",
     "sample_index_from_cu_seqlens": "utils",
     "seq_mean": "utils",
+    "sparse_topk_kl": "topk_kl",
     "tis_weights": "is_correction",
     "zero_std_groups": "advantages",
 }

@@ -48,7 +48,8 @@ def explain(section: str | None = None) -> str:
 
 def explain_algorithm(name: str) -> str:
     """What one algorithm is and every key it reads: its own keys of the algorithm section, then the sections of the
-    model roles it adds (a critic's), each with type, default and description (which names the default's source)."""
+    model roles it adds (a critic's) or the teachers it reads, each with type, default and description (which names
+    the default's source)."""
     spec = ALGORITHMS[name]
     doc = (spec.__doc__ or "").strip().splitlines()[0]
     module = (importlib.import_module(spec.__module__).__doc__ or "").strip()
@@ -63,15 +64,19 @@ def explain_algorithm(name: str) -> str:
     lines.append("")
     if "critic" in spec.roles:  # the role's own section: its weights, optimiser and placement
         lines += _render_section("critic", *sections()["critic"])
+    if spec.advantage_source == "teacher":  # the models whose log-probs make the advantages
+        lines += _render_section("teachers", *sections()["teachers"])
     lines.append("The policy's optimiser is the trainer section's (trainer.learning_rate, ...): recipe explain trainer.")
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _render_key(prefix: str, key: str, field: FieldInfo) -> list[str]:
-    """`  prefix.key: type = default  (range)` and the wrapped description."""
+    """`  prefix.key: type = default  (range)` (`type, required` for a key of a list item that has no default) and
+    the wrapped description."""
     bounds = range_text(field)
-    return [f"  {prefix}.{key}: {_type_text(field.annotation)} = {_inline(_default(field))}"
-            + (f"  ({bounds})" if bounds else ""), *_wrap(field.description or "", 6)]
+    value = ", required" if field.is_required() else f" = {_inline(_default(field))}"
+    return [f"  {prefix}.{key}: {_type_text(field.annotation)}{value}" + (f"  ({bounds})" if bounds else ""),
+            *_wrap(field.description or "", 6)]
 
 
 def _render_section(name: str, model: type[BaseModel], prefix: str) -> list[str]:
@@ -116,7 +121,7 @@ def _yaml_lines(config: BaseModel, indent: int) -> list[str]:
             lines.append("")
         choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
         comment = (field.description or "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
-        if indent == 0:  # a section's docstring says more than its one-word field description
+        if indent == 0 and isinstance(value, BaseModel):  # a section's docstring says more than its field description
             comment = (type(value).__doc__ or "").strip().splitlines()[0]
         lines += [f"{pad}# {line}" for line in textwrap.wrap(comment, _WIDTH - indent - 2)]
         if isinstance(value, BaseModel):

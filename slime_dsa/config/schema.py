@@ -7,10 +7,12 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from slime_dsa.algorithms.specs import ALGORITHMS, algorithm_class
 from slime_dsa.config.errors import RecipeValueError
+from slime_dsa.config.section import Section
+from slime_dsa.config.teachers import TeacherConfig, check_teachers
 
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
@@ -20,13 +22,6 @@ PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/P
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors and values are not coerced between types
-    (so `num_steps: 1.5` or `mixed_precision: "yes"` fail instead of being silently converted)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ModelSection(Section):
@@ -275,26 +270,27 @@ class AlgorithmSection(Section):
         "grpo", description="Algorithm (slime_dsa/algorithms/specs): grpo (synchronous, clipped ratio against "
                             "π_old), async_reinforce (asynchronous REINFORCE with double-sided IS), sao (single-rollout "
                             "asynchronous optimisation: double-sided IS on per-token GAE from a value model, the "
-                            "critic section). Each algorithm reads the keys of this section its description names; "
+                            "critic section), opd (on-policy distillation: GRPO's loss on per-token advantages from "
+                            "each domain's teacher, the teachers list). Each algorithm reads the keys of this section its description names; "
                             "setting another away from its default is an error (`slime-dsa recipe explain NAME` "
                             "lists one algorithm's keys).")
     advantage_std_normalize: bool = Field(
-        True, description="grpo: divide group advantages by the group's reward std; false = Dr. GRPO.")
+        True, description="grpo, opd: divide group advantages by the group's reward std; false = Dr. GRPO.")
     eps_clip_low: float = Field(
-        0.2, ge=0, lt=1, description="grpo: the ratio π_θ/π_old is clipped below at 1 − eps_clip_low.")
+        0.2, ge=0, lt=1, description="grpo, opd: the ratio π_θ/π_old is clipped below at 1 − eps_clip_low.")
     eps_clip_high: float = Field(
-        0.28, ge=0, description="grpo: Clip-Higher (DAPO), the ratio π_θ/π_old is clipped above at 1 + eps_clip_high.")
+        0.28, ge=0, description="grpo, opd: Clip-Higher (DAPO), the ratio π_θ/π_old is clipped above at 1 + eps_clip_high.")
     dual_clip_c: float | None = Field(
-        None, gt=1, description="grpo: dual clip for negative advantages: the loss of a token is bounded by c·|A| "
+        None, gt=1, description="grpo, opd: dual clip for negative advantages: the loss of a token is bounded by c·|A| "
                                 "(typically 3.0); null = off.")
     is_correction: Literal["none", "icepop", "tis"] = Field(
-        "none", description="grpo: correction for the training–inference mismatch k = π_old/π_roll: icepop drops "
+        "none", description="grpo, opd: correction for the training–inference mismatch k = π_old/π_roll: icepop drops "
                             "tokens with k outside [icepop_alpha, icepop_beta], tis weights by min(k, tis_cap).")
     icepop_alpha: float = Field(
-        0.5, ge=0, le=1, description="grpo, IcePop: tokens with π_old/π_roll below this get no gradient.")
+        0.5, ge=0, le=1, description="grpo, opd, IcePop: tokens with π_old/π_roll below this get no gradient.")
     icepop_beta: float = Field(
-        2.0, ge=1, description="grpo, IcePop: tokens with π_old/π_roll above this get no gradient.")
-    tis_cap: float = Field(2.0, ge=1, description="grpo, TIS: cap C of the importance weight min(π_old/π_roll, C).")
+        2.0, ge=1, description="grpo, opd, IcePop: tokens with π_old/π_roll above this get no gradient.")
+    tis_cap: float = Field(2.0, ge=1, description="grpo, opd, TIS: cap C of the importance weight min(π_old/π_roll, C).")
     loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
         "token_mean", description="How token losses make the batch loss: token_mean (over all masked tokens of "
                                   "the batch, DAPO) or seq_mean (per response first, then over responses).")
@@ -305,7 +301,7 @@ class AlgorithmSection(Section):
         "k3", description="Estimator of the KL penalty (with kl_coef > 0, not available yet): k1 (log ratio), k3 "
                           "(unbiased, non-negative), low_var_kl (k3 clamped to [-10, 10]).")
     use_rollout_logprobs: bool = Field(
-        False, description="grpo: bypass mode, use the engine's log-probs as π_old instead of recomputing them on the "
+        False, description="grpo, opd: bypass mode, use the engine's log-probs as π_old instead of recomputing them on the "
                            "trainer (saves a forward pass).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     dis_eps_low: float = Field(
@@ -354,6 +350,21 @@ class AlgorithmSection(Section):
                                "with): retract recomputes their cache under the new weights, in_place keeps the "
                                "cache computed under the old ones; off aborts and regenerates them from scratch. "
                                "Default retract: ours (SGLang's retract pause mode).")
+    opd_coef: float = Field(
+        1.0, ge=0, description="opd: λ, the weight of the teacher's signal: a taught token's advantage is −opd_coef · "
+                               "(log π_roll − log π_teacher), the sampled reverse KL (or, with opd_topk, the weight of "
+                               "the top-k KL in the loss). Default 1: Thinking Machines' on-policy distillation.")
+    opd_topk: int = Field(
+        0, ge=0, le=1024, description="opd: 0 = the teacher scores the sampled tokens only (the sampled estimate "
+                                      "above); k > 0 = each teacher returns its top-k log-probs per position "
+                                      "(top_logprobs_num) and the loss adds opd_coef × a sparse KL(student ‖ teacher) "
+                                      "over those k ids plus a tail bucket for the rest of the mass, instead of the "
+                                      "advantage (e.g. 16). Default 0: ours (the sampled estimate is the published "
+                                      "method).")
+    opd_task_advantage: bool = Field(
+        False, description="opd: add the group advantage of the task reward (as grpo computes it) to the advantages "
+                           "of taught samples too; reward domains (tasks without a teacher) always get it. Default "
+                           "false: pure distillation (ALGORITHMS.md section 7).")
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")
@@ -625,6 +636,9 @@ class RecipeConfig(Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Training backend and optimiser.")
     critic: CriticSection = Field(
         default_factory=CriticSection, description="The value model of algorithms with a critic (sao).")
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list, description="Expert models that score the student's samples, each owning some domains "
+                                          "(tasks), for algorithms whose advantages come from a teacher (opd).")
     cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster and placement.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Run directory, W&B, cadence.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Training checkpoints.")
@@ -636,6 +650,7 @@ class RecipeConfig(Section):
     def _check(self) -> RecipeConfig:
         alg, ro, cl = self.algorithm, self.rollout, self.cluster
         self._check_critic()
+        check_teachers(self)
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(

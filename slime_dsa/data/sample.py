@@ -4,6 +4,8 @@ Per-token lists (`loss_mask`, `rollout_logprobs`, `weight_versions`) cover the r
 `response_ids` token. `indexer_topk` (index replay) holds the engine's top-k of sequence rows `indexer_topk_start` ..
 P+R-2 (row p produced token p+1); with `indexer_topk_start` None it is one row per response token (from P-1). In a multi-turn rollout the response holds the model's tokens and the
 tool/environment tokens in between; those get `loss_mask` 0, `rollout_logprobs` 0.0 and `weight_versions` -1.
+A teacher's scores (on-policy distillation) cover the response tokens too: `teacher_logprobs` one per token, and
+with the top-k option `teacher_topk_ids` / `teacher_topk_logprobs` (R, k), the teacher's k likeliest ids at each.
 """
 
 from __future__ import annotations
@@ -47,11 +49,18 @@ class Sample:
     prompt_text: str = ""
     response_text: str = ""
     answer: Any = None  # ground truth handed to the reward function
+    teacher_logprobs: list[float] | None = None  # log π_T(y_t) of each response token under the domain's teacher
+    teacher_topk_ids: np.ndarray | None = None  # (R, k) int32: the teacher's top-k ids at each response token
+    teacher_topk_logprobs: np.ndarray | None = None  # (R, k) float32: their log-probs under the teacher
 
     def __post_init__(self) -> None:
         self.status = SampleStatus(self.status)
         if self.indexer_topk is not None:
             self.indexer_topk = np.asarray(self.indexer_topk, dtype=np.int32)
+        if self.teacher_topk_ids is not None:
+            self.teacher_topk_ids = np.asarray(self.teacher_topk_ids, dtype=np.int32)
+        if self.teacher_topk_logprobs is not None:
+            self.teacher_topk_logprobs = np.asarray(self.teacher_topk_logprobs, dtype=np.float32)
 
     @property
     def response_length(self) -> int:
@@ -99,15 +108,23 @@ class Sample:
             if start < 0 or self.indexer_topk.ndim != 3 or self.indexer_topk.shape[0] != rows:
                 raise ValueError(f"sample {self.index}: indexer_topk covers sequence rows {start} .. P+R-2 and must have "
                                  f"shape ({rows}, n_full_layers, index_topk), got {self.indexer_topk.shape}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"sample {self.index}: teacher_logprobs has {len(self.teacher_logprobs)} entries, "
+                             f"response_ids has {n}")
+        for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (value.ndim != 2 or value.shape[0] != n):
+                raise ValueError(f"sample {self.index}: {name} must have shape ({n}, k), got {value.shape}")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"sample {self.index}: loss_mask entries must be 0 or 1")
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (indexer_topk as nested lists, status as its string)."""
+        """A JSON-able dict (arrays as nested lists, status as its string)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["status"] = self.status.value
-        out["indexer_topk"] = None if self.indexer_topk is None else self.indexer_topk.tolist()
+        for name in ("indexer_topk", "teacher_topk_ids", "teacher_topk_logprobs"):
+            out[name] = None if getattr(self, name) is None else getattr(self, name).tolist()
         for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions"):
             out[name] = list(out[name])
         out["metadata"] = dict(self.metadata)

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
 from slime_dsa.models.config import ModelConfig
-from slime_dsa.models.logprobs import chunked_token_logprobs
+from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -95,6 +95,7 @@ class ModelOutput:
     topk_indices: torch.Tensor | None = None  # (n_full_layers, T, K) sequence-local positions, -1 padded
     dsa_layers: list[dict] | None = None  # per layer: what the indexer loss needs (see MLAttention.forward)
     mtp_hidden: list[torch.Tensor] | None = None  # per MTP layer (T, D), before the shared head
+    candidate_logprobs: torch.Tensor | None = None  # (T, K) log p(candidate_ids[t, j] | x_<t), flat token rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,37 +670,49 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         chunk_size: int = 1024,
         return_entropy: bool = False,
         prefix_pack=None,
+        candidate_ids: torch.Tensor | None = None,
         **forward_kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
         """`token_logprobs` plus the forward's ModelOutput (top-k, captured DSA tensors) for the trainer.
 
-        With prefix_pack the ModelOutput is over the pack's rows, not the flat tokens.
+        With prefix_pack the ModelOutput is over the pack's rows, not the flat tokens. candidate_ids (T, K): also
+        the log-probs of K given ids at each token row t (in the distribution over x_t), as out.candidate_logprobs
+        (T, K); with prefix_pack only response rows get them (prompt rows 0).
         """
         return self._token_logprobs(input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
-                                    prefix_pack)
+                                    prefix_pack, candidate_ids)
 
     def _token_logprobs(self, input_ids, batch, temperature, chunk_size, return_entropy, forward_kwargs,
-                        prefix_pack=None):
+                        prefix_pack=None, candidate_ids=None):
         # One body for both public entries, which FSDP registers separately (neither may call the other).
         if prefix_pack is not None:  # log-probs of response tokens only; prompt tokens get 0
             out = self.forward_packed(prefix_pack.input_ids, prefix_pack.batch, return_logits=False, **forward_kwargs)
             index = prefix_pack.response_index
             hidden = out.hidden_states.index_select(0, prefix_pack.response_rows)  # (R, D): the row before each
-            logp_r, ent_r = chunked_token_logprobs(hidden, self.lm_head.weight, input_ids.index_select(0, index),
-                                                   temperature, chunk_size, return_entropy)
-            logp = logp_r.new_zeros(input_ids.shape[0]).index_copy(0, index, logp_r)
-            ent = None if ent_r is None else ent_r.new_zeros(input_ids.shape[0]).index_copy(0, index, ent_r)
-            return logp, ent, out
+            cand = None if candidate_ids is None else candidate_ids.index_select(0, index)
+            res = chunked_logprobs(hidden, self.lm_head.weight, input_ids.index_select(0, index), temperature,
+                                   chunk_size, return_entropy, cand)
+
+            def scatter(rows: torch.Tensor | None) -> torch.Tensor | None:
+                if rows is None:
+                    return None
+                return rows.new_zeros(input_ids.shape[0], *rows.shape[1:]).index_copy(0, index, rows)
+
+            out.candidate_logprobs = scatter(res.candidate_logprobs)
+            return scatter(res.logprobs), scatter(res.entropy), out
         out = self.forward_packed(input_ids, batch, return_logits=False, **forward_kwargs)
         starts = batch.cu_seqlens_q[:-1]
         targets = torch.roll(input_ids, -1)  # row t predicts x_{t+1}
-        logp_next, ent_next = chunked_token_logprobs(
-            out.hidden_states, self.lm_head.weight, targets, temperature, chunk_size, return_entropy
-        )
-        logp = torch.roll(logp_next, 1)
-        logp[starts] = 0.0
-        ent = None
-        if ent_next is not None:
-            ent = torch.roll(ent_next, 1)
-            ent[starts] = 0.0
-        return logp, ent, out
+        cand = None if candidate_ids is None else torch.roll(candidate_ids, -1, dims=0)
+        res = chunked_logprobs(out.hidden_states, self.lm_head.weight, targets, temperature, chunk_size,
+                               return_entropy, cand)
+
+        def to_token_rows(next_rows: torch.Tensor | None) -> torch.Tensor | None:
+            if next_rows is None:
+                return None
+            rows = torch.roll(next_rows, 1, dims=0)
+            rows[starts] = 0.0
+            return rows
+
+        out.candidate_logprobs = to_token_rows(res.candidate_logprobs)
+        return to_token_rows(res.logprobs), to_token_rows(res.entropy), out

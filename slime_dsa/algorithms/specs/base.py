@@ -5,7 +5,7 @@ needs, and it builds its policy loss. The orchestrator asks the spec; nothing el
 Spec modules stay light (no torch at import): `recipe check` reads them to validate a recipe.
 
 Advantages come one per sample (advantage_level "sample": group sources; the batch broadcasts them to the sample's
-tokens) or one per token (advantage_level "token": a critic's GAE). A spec with a critic role also gives the
+tokens) or one per token (advantage_level "token": a critic's GAE, a teacher's reverse KL). A spec with a critic role also gives the
 critic's value targets and says how the critic trains in each step (critic_updates_per_step, trains_policy).
 """
 
@@ -35,7 +35,8 @@ COMMON_OPTIONS = frozenset({
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What an advantage function may read, as tensors: one reward and one group id per sample; for a critic's
-    advantages also the packed batch's per-token tensors (T,) and the critic's values."""
+    advantages also the packed batch's per-token tensors (T,) and the critic's values; for a teacher's, the
+    student's and the teachers' log-probs of the sampled tokens and which samples have a teacher."""
 
     rewards: torch.Tensor  # (N,) float32
     group_ids: torch.Tensor  # (N,) long: samples with the same id answered the same prompt
@@ -44,6 +45,9 @@ class AdvantageInputs:
     values: torch.Tensor | None = None  # (T,) V(s_t) of the critic before any update, row t: the state before token t
     final_values: torch.Tensor | None = None  # (N,) V of the state after each sample's last token
     truncated: torch.Tensor | None = None  # (N,) bool: the trajectory was cut by a limit (status truncated)
+    rollout_logprobs: torch.Tensor | None = None  # (T,) log π_roll of each token, as the engine sampled it
+    teacher_logprobs: torch.Tensor | None = None  # (T,) log π_T of each token under its sample's teacher (0: none)
+    taught: torch.Tensor | None = None  # (N,) bool: the sample's domain has a teacher
 
     def per_token(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss_mask, sample_index, values, final_values, truncated); ValueError naming the first one missing."""
@@ -51,6 +55,15 @@ class AdvantageInputs:
         for name in fields:
             if getattr(self, name) is None:
                 raise ValueError(f"AdvantageInputs.{name} is required for a critic's per-token advantages")
+        return tuple(getattr(self, name) for name in fields)  # type: ignore[return-value]
+
+    def teacher_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss_mask, sample_index, rollout_logprobs, teacher_logprobs, taught); ValueError naming the first one
+        missing."""
+        fields = ("loss_mask", "sample_index", "rollout_logprobs", "teacher_logprobs", "taught")
+        for name in fields:
+            if getattr(self, name) is None:
+                raise ValueError(f"AdvantageInputs.{name} is required for a teacher's per-token advantages")
         return tuple(getattr(self, name) for name in fields)  # type: ignore[return-value]
 
 
@@ -103,6 +116,12 @@ class Algorithm:
     def trains_policy(self, step: int) -> bool:
         """Whether RL step `step` (0-based) updates the policy; a critic warm-up says no to its first steps."""
         return True
+
+    @property
+    def teacher_topk(self) -> int:
+        """Top log-probs per position each teacher returns for the loss (advantage source "teacher"); 0 = only
+        the sampled tokens' log-probs."""
+        return 0
 
     def policy_loss(self) -> PolicyLoss:
         """The per-token policy loss the trainer calls on every micro-batch (a picklable frozen dataclass)."""
