@@ -140,6 +140,15 @@ class EngineClient:
         if url not in self.engines:
             self.engines[url] = EngineState(url, asyncio.Semaphore(self.max_inflight_per_engine))
 
+    def replace_engine(self, old_url: str, new_url: str) -> None:
+        """Route to `new_url` instead of `old_url` (an engine restarted elsewhere); requests on the old one fail and
+        are retried."""
+        old = self.engines.pop(normalize_url(old_url), None)
+        if old is not None and old.probe is not None:
+            old.probe.cancel()
+        self._sessions = OrderedDict((s, u) for s, u in self._sessions.items() if u != normalize_url(old_url))
+        self.add_engine(new_url)
+
     def stats(self) -> dict[str, dict]:
         """Per engine: outstanding, completed, failures, healthy."""
         return {u: {"outstanding": e.outstanding, "completed": e.completed, "failures": e.failures,

@@ -41,6 +41,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._preloaded: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint dir -> its weights in host memory
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -146,15 +147,36 @@ class AsyncEngine:
             del flat  # closes the IPC mapping (torch keeps it open only while a storage uses it)
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> None:
-        """Load safetensors from an HF-format directory (read off the engine thread), then update in place."""
+        """Load safetensors from an HF-format directory (read off the engine thread), then update in place; a
+        preloaded directory is copied from host memory instead."""
         from slime_dsa.checkpoint import read_state_dict  # noqa: PLC0415 (only needed here)
 
-        try:
-            state = await asyncio.to_thread(read_state_dict, path)
-        except (FileNotFoundError, OSError) as exc:
-            raise RequestError(f"update_weights_from_disk: model_path {str(path)!r}: {exc}") from exc
+        state = self._preloaded.get(_key(path))
+        if state is None:
+            try:
+                state = await asyncio.to_thread(read_state_dict, path)
+            except (FileNotFoundError, OSError) as exc:
+                raise RequestError(f"update_weights_from_disk: model_path {str(path)!r}: {exc}") from exc
         await self.update_weights(state, weight_version)
         self.model_path = str(path)
+
+    def preload_weights(self, paths: list[str | Path]) -> None:
+        """Read checkpoints into host memory now, in the model's dtypes, pinned when the engine is on a GPU (a copy
+        in then runs at full PCIe speed): update_weights_from_disk of one of them reads no disk. For teachers that
+        take turns on one engine (rollout/teachers/swap.py)."""
+        from slime_dsa.checkpoint import read_state_dict  # noqa: PLC0415
+
+        params = self.engine.model.state_dict()
+        pin = self.engine.device.type == "cuda"
+        for path in paths:
+            state = {}
+            for name, tensor in read_state_dict(path).items():
+                target = params.get(name)
+                tensor = tensor.to(target.dtype) if target is not None else tensor
+                state[name] = tensor.pin_memory() if pin else tensor.contiguous()
+            self._preloaded[_key(path)] = state
+            logger.info("preloaded %s (%.1f MiB%s)", path, sum(t.nbytes for t in state.values()) / 2**20,
+                        ", pinned" if pin else "")
 
     async def flush_cache(self) -> bool:
         return await self._call(self.engine.flush_cache)
@@ -279,6 +301,10 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit(fn, future)
         return await future
+
+
+def _key(path: str | Path) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -11,6 +11,8 @@ One `step()` is one scheduler iteration:
    replay on GPU);
 4. the requests whose last input row was in the batch sample one token each, in one batched call;
 5. stop rules run on the host, finished requests leave and free their blocks.
+Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
+cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
 The host waits on the device once per step (one `.tolist()` of tokens and log-probs; index replay adds one
 copy of the selected indices).
 
@@ -53,6 +55,7 @@ from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
+from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
@@ -149,13 +152,15 @@ class Engine:
         self._queue: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._active: dict[str, _Sequence] = {}  # rid -> queued or running sequence
+        self._scoring = ScoringQueue(model, max_prefill_tokens)  # prefill-only requests: they take no cache
         self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0, a failure)
         self._paused: str | None = None
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._step_registered: list[int] = []
         self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
-        self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0,
+                      "scored_tokens": 0}
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
             num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
@@ -173,7 +178,7 @@ class Engine:
 
     @property
     def num_queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._scoring)
 
     @property
     def paused(self) -> bool:
@@ -182,12 +187,17 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Whether `step()` would make progress now."""
-        return bool(self._ready) or (self._paused is None and bool(self._running or self._queue))
+        return bool(self._ready) or (self._paused is None and bool(self._running or self._queue or self._scoring))
 
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request; it joins the running batch at the next step that has room. Raises RequestError."""
+        if req.scores_input:
+            if req.rid in self._active:
+                raise RequestError(f"rid {req.rid!r} is already in use")
+            self._scoring.add(req)
+            return
         seq = self._new_sequence(req)
         if seq.max_new_tokens == 0:
             seq.finish_reason = {"type": "length", "length": 0}
@@ -235,7 +245,9 @@ class Engine:
             targets = list(self._running) + list(self._queue)
         else:
             targets = [self._active[rid]] if rid in self._active else []
-        return [self._finish(seq, {"type": "abort", "message": message}) for seq in targets]
+        reason = {"type": "abort", "message": message}
+        return ([self._finish(seq, reason) for seq in targets]
+                + self._scoring.abort(rid, abort_all, reason, self._weight_version))
 
     def pause(self, mode: str = "abort") -> list[GenerateOutput]:
         """Stop scheduling. abort: end every request; retract: free running requests' cache and requeue them
@@ -321,7 +333,7 @@ class Engine:
         tags = list(self.MEMORY_TAGS if tags is None else tags)
         if bad := [t for t in tags if t not in self.MEMORY_TAGS]:
             raise RequestError(f"tags may hold only {list(self.MEMORY_TAGS)}, got {bad}")
-        if releasing and (self._running or self._queue):
+        if releasing and (self._running or self._queue or self._scoring):
             raise RequestError("memory can be released only while no request runs or waits: pause generation first")
         return tags
 
@@ -339,6 +351,8 @@ class Engine:
         outputs, self._ready = self._ready, []
         if self._paused is not None:
             return outputs
+        if self._scoring:
+            outputs += self._scoring.step(self._weight_version, self.stats)
         self._step_registered = []  # blocks offered to the prefix cache by this step
         self._forks = {}
         scheduled = self._schedule()

@@ -78,6 +78,18 @@ class GenerateRequest:
     indexer_topk_start_len: int = -1
     session_id: str | None = None  # multi-turn affinity / prefix reuse hint
     stream: bool = True  # False: the engine emits only the final output (no per-step copies of the state)
+    # Prefill-only scoring (sampling.max_new_tokens 0, return_logprob): the log-probs of input tokens
+    # logprob_start_len .. P-1 (SGLang's input_token_logprobs; the first is None), each row's top_logprobs_num
+    # likeliest ids, under softmax(logits / input_logprob_temperature).
+    logprob_start_len: int = -1  # -1 = no input log-probs
+    top_logprobs_num: int = 0
+    input_logprob_temperature: float = 1.0
+
+    @property
+    def scores_input(self) -> bool:
+        """Whether this request is prefill-only scoring: input log-probs and no generation."""
+        return (self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+                and self.sampling.max_new_tokens == 0)
 
 
 @dataclass
@@ -100,3 +112,5 @@ class GenerateOutput:
     indexer_topk_start: int | None = None  # P - 1 unless the request set indexer_topk_start_len >= 0
     text: str | None = None  # decoded output, trimmed at a matched stop string unless no_stop_trim; final output
     # only, and only from an engine that has a tokenizer
+    input_token_logprobs: list[float | None] | None = None  # scoring: one per input token from logprob_start_len
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None  # scoring: (logprob, id) pairs per token

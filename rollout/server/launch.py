@@ -37,11 +37,14 @@ def load_engine(
     weight_version: str = "0",
     ops_backend: str = "auto",
     keep_indexer_topk: bool = False,
+    preload_weights: list[str] | None = None,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
     `ops_backend` (auto | torch | triton) picks the DSA kernels for this process, as the recipe's model.ops_backend.
     `keep_indexer_topk` keeps every cached row's DSA top-k, so requests can get their prompt rows' (index replay).
+    `preload_weights`: checkpoint directories read into (pinned) host memory now, which /update_weights_from_disk
+    then copies from (teachers taking turns on one engine).
     """
     import torch
 
@@ -57,7 +60,9 @@ def load_engine(
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
                     tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk)
-    return AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None), tokenizer
+    async_engine = AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None)
+    async_engine.preload_weights(preload_weights or [])
+    return async_engine, tokenizer
 
 
 class EmbeddedServer:
@@ -106,6 +111,7 @@ def serve(
     device: str | None = None,
     served_model_name: str | None = None,
     keep_indexer_topk: bool = False,
+    preload_weights: list[str] | None = None,
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -113,7 +119,7 @@ def serve(
                        "replace the weights", host)
     engine, tokenizer = load_engine(model_dir, max_cache_tokens=max_cache_tokens,
                                     max_running_requests=max_running_requests, dtype=dtype, device=device,
-                                    keep_indexer_topk=keep_indexer_topk)
+                                    keep_indexer_topk=keep_indexer_topk, preload_weights=preload_weights)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name)

@@ -34,13 +34,14 @@ _SAMPLING_TEXT_ONLY = {"spaces_between_special_tokens"}
 
 # Top-level /generate fields SGLang defines that we do not implement, with their neutral value.
 _GENERATE_NEUTRAL: dict[str, Any] = {
-    "top_logprobs_num": 0, "token_ids_logprob": None, "return_hidden_states": False, "return_routed_experts": False,
+    "token_ids_logprob": None, "return_hidden_states": False, "return_routed_experts": False,
     "lora_path": None, "lora_id": None, "image_data": None, "video_data": None, "audio_data": None,
     "input_embeds": None, "custom_logit_processor": None,
 }
 _GENERATE_KNOWN = {
     "text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
-    "stream", "session_id", "session_params", "return_indexer_topk", "indexer_topk_start_len", *_GENERATE_NEUTRAL,
+    "stream", "session_id", "session_params", "return_indexer_topk", "indexer_topk_start_len", "top_logprobs_num",
+    "input_logprob_temperature", *_GENERATE_NEUTRAL,
 }
 
 MAX_EXPANDED_REQUESTS = 4096  # prompts x n in one HTTP request: bounds the memory one request can claim
@@ -214,16 +215,7 @@ def parse_generate(
             raise RequestError(f"{key} must be a boolean, got {value!r}")
         flags[key] = value
 
-    logprob_start_len = body.get("logprob_start_len", -1)
-    if logprob_start_len is None:
-        logprob_start_len = -1
-    if not _is_int(logprob_start_len) or logprob_start_len < -1:
-        raise RequestError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
-    if flags["return_logprob"] and logprob_start_len != -1 and any(logprob_start_len < len(p) for p in prompts):
-        raise RequestError(
-            f"logprob_start_len={logprob_start_len} asks for prompt log-probs, which the embedded engine does not "
-            "compute; use -1 (output tokens only)"
-        )
+    scoring = _scoring_fields(body, prompts, parsed, is_batch, flags["return_logprob"])
 
     topk_start_len = body.get("indexer_topk_start_len", -1)
     if topk_start_len is None:
@@ -260,6 +252,7 @@ def parse_generate(
                     indexer_topk_start_len=topk_start_len,
                     session_id=session_id,
                     stream=flags["stream"],
+                    **scoring[i],
                 )
             )
     return GenerateCall(
@@ -268,6 +261,38 @@ def parse_generate(
         stream=flags["stream"],
         return_text_in_logprobs=flags["return_text_in_logprobs"],
     )
+
+
+def _scoring_fields(body: dict, prompts: list[list[int]], parsed: list[tuple[SamplingParams, int]], is_batch: bool,
+                    return_logprob: bool) -> list[dict[str, Any]]:
+    """Per prompt: logprob_start_len, top_logprobs_num and input_logprob_temperature (each one value or a list with
+    one per prompt, as SGLang takes them). Input log-probs come from prefill-only requests (max_new_tokens 0)."""
+    count = len(prompts)
+    starts = _per_item(-1 if body.get("logprob_start_len") is None else body["logprob_start_len"],
+                       "logprob_start_len", count, is_batch)
+    tops = _per_item(body.get("top_logprobs_num") or 0, "top_logprobs_num", count, is_batch)
+    temps = _per_item(1.0 if body.get("input_logprob_temperature") is None else body["input_logprob_temperature"],
+                      "input_logprob_temperature", count, is_batch)
+    out = []
+    for i, (prompt, (params, _), start, top, temp) in enumerate(zip(prompts, parsed, starts, tops, temps)):
+        at = f"[{i}]" if is_batch else ""
+        if not _is_int(start) or start < -1:
+            raise RequestError(f"logprob_start_len{at} must be an integer >= -1, got {start!r}")
+        if not _is_int(top) or top < 0:
+            raise RequestError(f"top_logprobs_num{at} must be a non-negative integer, got {top!r}")
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp <= 0:
+            raise RequestError(f"input_logprob_temperature{at} must be a finite number > 0, got {temp!r}")
+        prefill_only = params.max_new_tokens == 0
+        if return_logprob and start != -1 and start < len(prompt) and not prefill_only:
+            raise RequestError(
+                f"logprob_start_len{at}={start} asks for prompt log-probs, which the embedded engine computes only "
+                "for prefill-only requests (sampling_params.max_new_tokens 0); use -1 (output tokens only)")
+        if top and not (return_logprob and prefill_only and start >= 0):
+            raise RequestError(f"top_logprobs_num{at}={top} is supported by the embedded engine only for input "
+                               "log-probs of a prefill-only request (return_logprob, logprob_start_len >= 0, "
+                               "sampling_params.max_new_tokens 0)")
+        out.append({"logprob_start_len": start, "top_logprobs_num": top, "input_logprob_temperature": float(temp)})
+    return out
 
 
 def nth_sample(params: SamplingParams, j: int) -> SamplingParams:
@@ -340,6 +365,13 @@ def build_response(
             [float(lp), int(tok), txt] for lp, tok, txt in zip(out.output_token_logprobs, out.output_ids, texts)
         ]
         meta["input_token_logprobs"] = []
+        if out.input_token_logprobs is not None:  # prefill-only scoring, aligned with input_ids[logprob_start_len:]
+            ids = req.input_ids[req.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(out.input_token_logprobs, ids)]
+            meta["input_logprob_temperature"] = req.input_logprob_temperature
+            if out.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = [None if row is None else [[lp, tok, None] for lp, tok in row]
+                                              for row in out.input_top_logprobs]
     if req.return_indexer_topk and out.indexer_topk is not None:
         meta["indexer_topk"], meta["indexer_topk_shape"] = encode_int32(out.indexer_topk)
         meta["indexer_topk_start"] = out.indexer_topk_start

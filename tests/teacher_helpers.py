@@ -1,0 +1,60 @@
+"""Helpers for the teacher tests: tiny expert checkpoints with the built-in tokenizer, an embedded server on a
+background event loop, and the direct forward a teacher's scores must equal."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import torch
+
+
+def make_expert(directory: Path, seed: int, preset: str = "tiny") -> Path:
+    """A randomly initialised GLM-MoE-DSA checkpoint (float32) with the built-in tokenizer, as a teacher's path."""
+    from slime_dsa.checkpoint import build_model, save_pretrained
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from slime_dsa.models.presets import preset_config
+
+    config = preset_config(preset, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_pretrained(build_model(config, seed=seed), directory)
+    save_tokenizer(directory)
+    return directory
+
+
+def direct_scores(model_dir: Path, sequence: list[int], prompt_len: int, temperature: float = 1.0,
+                  top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log π_T of the tokens after the prompt (R,) and the top-k (R, k) ids and log-probs, from one plain forward."""
+    import slime_dsa
+
+    model = slime_dsa.load_model(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(sequence)[None]).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)[prompt_len - 1:-1]  # row p predicts token p + 1
+    chosen = logp.gather(1, torch.tensor(sequence[prompt_len:])[:, None]).squeeze(1)
+    if not top_k:
+        return chosen, None, None
+    values, ids = logp.topk(top_k, -1)
+    return chosen, ids, values
+
+
+class ServerThread:
+    """An EmbeddedServer on 127.0.0.1 in its own event loop thread (engine_kwargs go to load_engine)."""
+
+    def __init__(self, model_dir: Path, **engine_kwargs) -> None:
+        from rollout.server.launch import EmbeddedServer, load_engine
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        engine, tokenizer = load_engine(model_dir, max_cache_tokens=1024, **engine_kwargs)
+        self.server = self.run(EmbeddedServer.start(engine, tokenizer, model_path=str(model_dir)))
+        self.url = self.server.url
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.run(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
