@@ -22,6 +22,7 @@ from slime_dsa.data.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:
     from slime_dsa.config.schema import RolloutSection
+    from rollout.teachers.pool import TeacherPool
     from slime_dsa.data.prompts import Prompt, Task
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,14 @@ class GroupRollout:
     """Generates and scores groups through one client, at most rollout.max_concurrency samples in flight.
 
     indexer_topk: ask for the DSA top-k of every row (index replay); default rollout.return_indexer_topk.
+    teachers: score each sampled (not greedy) group with its domain's teacher.
     """
 
     def __init__(self, client: GenerateClient, tasks: list[Task], tokenizer: Any, rollout: RolloutSection,
-                 seed: int = 0, limiter: SampleLimiter | None = None, indexer_topk: bool | None = None) -> None:
+                 seed: int = 0, limiter: SampleLimiter | None = None, indexer_topk: bool | None = None,
+                 teachers: TeacherPool | None = None) -> None:
         self.client, self.tasks, self.tokenizer, self.cfg, self.seed = client, tasks, tokenizer, rollout, seed
+        self.teachers = teachers
         self.limiter = limiter or SampleLimiter(rollout.max_concurrency)
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
@@ -115,7 +119,10 @@ class GroupRollout:
                     sample.metadata["error"] = f"{type(e).__name__}: {e}"
                 logger.warning("samples %s: generation failed: %s", _index_range(samples), e)
                 return samples
-        return list(await asyncio.gather(*(self._score(s, o, t) for s, o, t in zip(samples, outs, topks))))
+        samples = list(await asyncio.gather(*(self._score(s, o, t) for s, o, t in zip(samples, outs, topks))))
+        if self.teachers is not None and not greedy:
+            await self.teachers.score_group(samples)
+        return samples
 
     async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
         """Fill `sample` from its /generate response and compute its reward."""

@@ -37,6 +37,11 @@ class TrainBatch:
     prompt_lens: list[int] | None = None  # prompt tokens per sample: lets consecutive samples share their prompt
     returns: torch.Tensor | None = None  # (T,) float32, a critic's value targets on action tokens
     old_values: torch.Tensor | None = None  # (T,) float32, V_old(s_t) of the critic before this step's updates
+    # A target distribution known at K candidate ids per token (a teacher's top-k): the rank computes the policy's
+    # log-probs at those ids and hands both to the loss (a sparse KL).
+    candidate_ids: torch.Tensor | None = None  # (T, K) long, ids in the distribution over token t
+    candidate_target_logprobs: torch.Tensor | None = None  # (T, K) float32, the target's log-probs at them
+    candidate_mask: torch.Tensor | None = None  # (T,) float32, 1 on tokens whose loss uses them
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +63,8 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
             replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1),
             prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids],
-            returns=take(self.returns), old_values=take(self.old_values),
+            returns=take(self.returns), old_values=take(self.old_values), candidate_ids=take(self.candidate_ids),
+            candidate_target_logprobs=take(self.candidate_target_logprobs), candidate_mask=take(self.candidate_mask),
         )
 
 

@@ -64,8 +64,10 @@ def _share_metrics(metrics: dict[str, torch.Tensor], share: float) -> dict[str, 
 
 
 def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
-                     step_loss_tokens: float, step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of one micro-batch as its share of the whole step's loss, and token-weighted metrics."""
+                     step_loss_tokens: float, step_num_samples: int,
+                     candidate_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of one micro-batch as its share of the whole step's loss, and token-weighted metrics.
+    candidate_logprobs (T, K): the policy's log-probs at mb.candidate_ids, when the batch carries candidates."""
     device = logprobs.device
     sample_index = _sample_index(mb.seqlens, device)
     token_mean = loss.aggregation == "token_mean"
@@ -77,6 +79,9 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
         logprobs=logprobs, advantages=mb.advantages.to(device), loss_mask=mb.loss_mask.to(device).float(),
         sample_index=sample_index, old_logprobs=on_device(mb.old_logprobs),
         rollout_logprobs=on_device(mb.rollout_logprobs), ref_logprobs=on_device(mb.ref_logprobs), entropy=entropy,
+        candidate_logprobs=candidate_logprobs,
+        candidate_target_logprobs=None if candidate_logprobs is None else on_device(mb.candidate_target_logprobs),
+        candidate_mask=None if candidate_logprobs is None else on_device(mb.candidate_mask),
         denominator=max(step_loss_tokens, 1.0) if token_mean else max(step_num_samples, 1),
     )
     out = loss(inputs)
@@ -141,9 +146,10 @@ class TrainerRank:
         micro += [None] * (int(count) - len(micro))
         return micro
 
-    def forward(self, role: Role, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False):
+    def forward(self, role: Role, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False,
+                with_candidates: bool = False):
         """(logprobs, entropy, the micro-batch, its PackedBatch, the ModelOutput) of one micro-batch (None = a
-        one-token padding pass)."""
+        one-token padding pass). with_candidates: also the log-probs at mb.candidate_ids (out.candidate_logprobs)."""
         mb = mb if mb is not None else _padding_batch()
         dsa = role.config.dsa
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
@@ -153,10 +159,11 @@ class TrainerRank:
         pack = None
         if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
+        candidates = mb.candidate_ids.to(self.device) if with_candidates and mb.candidate_ids is not None else None
         logp, ent, out = role.model.token_logprobs_with_output(
             mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
             chunk_size=self.config.logprob_chunk_size, return_entropy=return_entropy, replay_topk=replay,
-            capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack,
+            capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack, candidate_ids=candidates,
         )
         return logp, ent, mb, packed, out
 
@@ -256,8 +263,10 @@ class TrainerRank:
                            measure_sync: bool) -> tuple[torch.Tensor, dict[str, float]]:
         """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics."""
         dsa = held.config.dsa
-        logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0)
-        loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, step_loss_tokens, step_num_samples)
+        logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0,
+                                                    with_candidates=True)
+        loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, step_loss_tokens, step_num_samples,
+                                         out.candidate_logprobs)
         indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, step_rows, detailed_metrics)
         if indexer_loss is not None:
             loss = loss + indexer_loss

@@ -20,6 +20,7 @@ from slime_dsa.orchestrator.collection import StepCollector, rollout_metrics
 from slime_dsa.orchestrator.producer import GroupProducer
 
 if TYPE_CHECKING:
+    from rollout.teachers.pool import TeacherPool
     from slime_dsa.config.schema import RolloutSection
     from slime_dsa.data.prompts import Task, TaskMixture
 
@@ -29,10 +30,10 @@ class RolloutManager:
 
     def __init__(self, client: GenerateClient, tasks: list[Task], mixture: TaskMixture, tokenizer: Any,
                  rollout: RolloutSection, buffer: SampleBuffer | None = None, show_progress: bool = True,
-                 seed: int = 0, min_group_size: int = 2) -> None:
+                 seed: int = 0, min_group_size: int = 2, teachers: TeacherPool | None = None) -> None:
         self.tasks, self.mixture = tasks, mixture
         self.numbering = SampleNumbering()
-        self.groups = GroupRollout(client, tasks, tokenizer, rollout, seed)
+        self.groups = GroupRollout(client, tasks, tokenizer, rollout, seed, teachers=teachers)
         self.min_group_size = min_group_size  # the fewest usable samples a group needs (Algorithm.min_group_size)
         self.collector = StepCollector(self.groups, mixture, self.numbering, rollout, show_progress, min_group_size)
         self.producer = GroupProducer(self.groups, mixture, self.numbering, rollout, buffer)

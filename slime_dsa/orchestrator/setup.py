@@ -32,7 +32,9 @@ def init_ray(recipe: RecipeConfig) -> None:
 def _actors_needed(recipe: RecipeConfig) -> int:
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
     critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
-    return int((engines + recipe.trainer.num_workers + critics) * recipe.cluster.num_cpus_per_actor) + 1
+    teachers = sum(t.num_engines for t in recipe.teachers if t.serving in ("embedded", "sglang"))
+    teachers += len({t.swap_group for t in recipe.teachers if t.serving == "swap"})
+    return int((engines + recipe.trainer.num_workers + critics + teachers) * recipe.cluster.num_cpus_per_actor) + 1
 
 
 def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
@@ -71,15 +73,10 @@ def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False
     if ro.engine == "external":
         return list(ro.engine_urls), []
     if ro.engine == "sglang":
-        from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
-
-        sg = ro.sglang
-        config = SGLangConfig(model_path=str(model_dir), tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
-                              kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
-                              enable_return_indexer_topk=ro.return_indexer_topk, extra_args=list(sg.extra_args),
-                              enable_memory_saver=cl.placement == "colocated")
         actors = create_engine_actors(ro.num_engines, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
-                                      num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
+                                      num_cpus_per_engine=cl.num_cpus_per_actor,
+                                      sglang_config=sglang_config(recipe, model_dir, ro.return_indexer_topk,
+                                                                  cl.placement == "colocated"))
     else:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         max_tokens, max_requests = engine_capacity(recipe, use_async)
@@ -93,6 +90,18 @@ def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False
     urls = start_engine_actors(actors)
     logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
     return urls, actors
+
+
+def sglang_config(recipe: RecipeConfig, model_dir: Path | str, return_indexer_topk: bool = False,
+                  memory_saver: bool = False) -> Any:
+    """The SGLangConfig of a server launched for the run (rollout.sglang's settings) that serves `model_dir`."""
+    from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
+
+    sg = recipe.rollout.sglang
+    return SGLangConfig(model_path=str(model_dir), tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
+                        kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
+                        enable_return_indexer_topk=return_indexer_topk, extra_args=list(sg.extra_args),
+                        enable_memory_saver=memory_saver)
 
 
 def actor_cores(cores: list[int], num_actors: int, cores_per_actor: float) -> list[list[int]] | None:

@@ -43,6 +43,7 @@ class Run:
     start_step: int = 0
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
+    teachers: Any = None  # rollout.teachers.TeacherPool of algorithms whose advantages come from a teacher
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -69,7 +70,8 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     returns train/, critic/, advantage/ and perf/ metrics.
 
     With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
-    model moves; the critic trains every step, the policy once the algorithm says so (trains_policy: after a critic
+    model moves; with teachers (distill.py), the per-token reverse KL to each sample's teacher. The critic trains
+    every step, the policy once the algorithm says so (trains_policy: after a critic
     warm-up). A critic placed apart (critic.placement separate) trains while the policy trains.
     """
     import torch  # noqa: PLC0415
@@ -92,6 +94,10 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
     logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
     metrics: dict[str, float] = await critic_estimates(trainers, algorithm, batch, samples) if with_critic else {}
+    if algorithm.advantage_source == "teacher":
+        from slime_dsa.orchestrator.distill import teacher_estimates  # noqa: PLC0415
+
+        metrics.update(teacher_estimates(algorithm, run.teachers, batch, samples))
     mini_batches = recipe.trainer.num_steps_per_rollout
     jobs = [train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
     trains_policy = algorithm.trains_policy(step)
@@ -179,7 +185,8 @@ def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     from rich.console import Console  # noqa: PLC0415
 
     keys = [("rollout/reward_mean", "reward"), ("eval/pass@1", "eval pass@1"), ("train/loss", "loss"),
-            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("perf/step_time_s", "step s")]
+            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("advantage/teacher_reverse_kl", "reverse KL"),
+            ("perf/step_time_s", "step s")]
     parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
     # soft_wrap: one line per step also when stderr is a file or a narrow terminal
     Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))

@@ -1,7 +1,8 @@
 """`slime-dsa train`: builds a run and drives the loop its algorithm declares. The synchronous loop (rollout →
 train → weight sync) lives here; the asynchronous one in async_loop.py; both share step.py.
 
-Built in the order a reader follows: run directory → model → Ray → engines → client → trainers → data → loop.
+Built in the order a reader follows: run directory → model → Ray → engines → client → teachers (on-policy
+distillation) → trainers → data → loop.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
+    if recipe.teachers:
+        from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers  # noqa: PLC0415
+
+        check_tokenizers(recipe.teachers, tokenizer)  # before anything slow starts
     setup.init_ray(recipe)
 
     ckpts = CheckpointManager(recipe.checkpoint.dir or run_dir / "checkpoints", recipe.checkpoint.keep_last)
@@ -65,12 +70,14 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     ro = recipe.rollout
     client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s)
+    teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
+    pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir)
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
-                             min_group_size=algorithm.min_group_size)
+                             min_group_size=algorithm.min_group_size, teachers=pool)
 
     start_step = 0
     if resume_from is not None:
@@ -88,7 +95,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state)
+              on_weights, hook_state, pool)
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -104,6 +111,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     finally:
         metrics_log.close()
         await client.close()
+        if teachers is not None:
+            await teachers.close()
         await asyncio.to_thread(_shutdown, trainers, engine_actors)
         weights.close()
     return run_dir
