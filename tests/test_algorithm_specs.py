@@ -17,6 +17,7 @@ from slime_dsa.algorithms import (
     group_advantages,
     group_centered_advantages,
     length_adaptive_lambda,
+    mixed_advantages,
     rewards_on_last_action,
 )
 from slime_dsa.algorithms.specs import ALGORITHMS, AdvantageInputs, build_algorithm
@@ -71,6 +72,14 @@ def _critic_gae(record: dict) -> torch.Tensor:
                bootstrap_values=bootstrap).advantages
 
 
+def _teacher_advantages(record: dict) -> torch.Tensor:
+    """OPD's advantages from the recorded inputs: −(log π_roll − log π_T) on taught tokens (ALGORITHMS.md §7)."""
+    rewards, groups = torch.tensor(record["rewards"]), torch.tensor(record["group_ids"])
+    return mixed_advantages(torch.tensor(record["rollout_logprobs"]), torch.tensor(record["teacher_logprobs"]),
+                            torch.tensor(record["loss_mask"]), torch.tensor(record["sample_index"]),
+                            torch.tensor(record["taught"]).bool(), group_advantages(rewards, group_ids=groups))
+
+
 EXPECTED = {
     # name: (advantage function of the recorded inputs, loss class, π_old given to the loss, π_old equal to π_roll)
     "grpo": (lambda r: group_advantages(torch.tensor(r["rewards"]), group_ids=torch.tensor(r["group_ids"])),
@@ -79,6 +88,7 @@ EXPECTED = {
                                                             group_ids=torch.tensor(r["group_ids"])),
                         "DISLoss", False, False),
     "sao": (_critic_gae, "DISLoss", False, False),
+    "opd": (_teacher_advantages, "PPOLoss", True, False),
 }
 OPTIONS = {"sao": {"critic_warmup_steps": 0}}  # the policy trains in the one step
 
@@ -96,6 +106,11 @@ def test_one_real_step_runs_the_algorithms_advantages_and_loss(name, tmp_path, m
 
     record = tmp_path / "loss.jsonl"
     monkeypatch.setitem(specs.ALGORITHMS, name, recording(ALGORITHMS[name], str(record)))
+    teachers = []
+    if ALGORITHMS[name].advantage_source == "teacher":
+        from tests.teacher_helpers import make_expert
+
+        teachers = [{"name": "calc", "path": str(make_expert(tmp_path / "expert", seed=7)), "domains": ["arithmetic"]}]
     recipe = {
         "model": {"preset": "tiny"}, "algorithm": {"name": name, **OPTIONS.get(name, {})},
         "data": {"tasks": [{"kind": "arithmetic", "reward_fn": "tests.plugins.rewards:digit_fraction"}],
@@ -103,6 +118,7 @@ def test_one_real_step_runs_the_algorithms_advantages_and_loss(name, tmp_path, m
         "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 2, "max_response_length": 8},
         "trainer": {"num_steps": 1, "micro_batch_tokens": 256, "learning_rate": 1e-3},
         "logging": {"wandb_mode": "disabled", "run_dir": str(tmp_path / "run")},
+        "teachers": teachers,
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -121,3 +137,6 @@ def test_one_real_step_runs_the_algorithms_advantages_and_loss(name, tmp_path, m
     assert seen and seen <= {round(a, 4) for a in adv["advantages"]}
     (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics["train/num_tokens"] > 0 and sum(r["tokens"] for r in losses) > 0
+    if teachers:  # every sample was scored by its teacher, and the step logged what it cost
+        assert all(adv["taught"]) and "opd/arithmetic/reverse_kl" in metrics
+        assert metrics["teacher/calc/samples"] == 8 and metrics["teacher/calc/tok_s"] > 0

@@ -51,7 +51,8 @@ def recording(spec_class: type, path: str) -> type:
             out = super().advantages(inputs)
             record = {"rewards": _summary(inputs.rewards), "group_ids": inputs.group_ids.tolist(),
                       "advantages": _summary(out)}
-            for name in ("loss_mask", "values", "final_values", "truncated"):  # a critic's per-token inputs
+            for name in ("loss_mask", "values", "final_values", "truncated",  # a critic's per-token inputs
+                         "rollout_logprobs", "teacher_logprobs", "taught"):  # a teacher's
                 if getattr(inputs, name) is not None:
                     record[name] = _summary(getattr(inputs, name))
             if inputs.sample_index is not None:
