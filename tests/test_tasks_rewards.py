@@ -26,6 +26,7 @@ from rollout.rewards import (
     last_number,
     load_reward_fn,
     math_verify_reward,
+    sort_reward,
 )
 from rollout.rewards.compute import close_reward_pool, reward_step_metrics
 from rollout.rewards.countdown import parse_expression
@@ -73,7 +74,7 @@ def test_sample_round_trip_through_json() -> None:
 # ---------------------------------------------------------------------------------------------------- tasks
 
 
-@pytest.mark.parametrize("kind", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("kind", ["arithmetic", "countdown", "sort"])
 def test_task_generators_deterministic_with_disjoint_eval(kind: str) -> None:
     a = build_task_splits(kind, train_size=300, eval_size=50, seed=5)
     b = build_task_splits(kind, train_size=300, eval_size=50, seed=5)
@@ -100,7 +101,8 @@ def test_train_split_follows_the_eval_distribution() -> None:
     assert not set(train) & set(evals)
 
 
-@pytest.mark.parametrize("kind,reward", [("arithmetic", arithmetic_reward), ("countdown", countdown_reward)])
+@pytest.mark.parametrize("kind,reward", [("arithmetic", arithmetic_reward), ("countdown", countdown_reward),
+                                         ("sort", sort_reward)])
 def test_reference_solutions_score_one(kind: str, reward) -> None:
     rows = build_task_splits(kind, train_size=200, eval_size=0, seed=1)["train"]
     for row in rows:
@@ -168,6 +170,19 @@ COUNTDOWN = {"target": 24, "numbers": [4, 6, 8, 2], "use_all": False}
 ])
 def test_countdown_reward(response: str, reward: float) -> None:
     assert countdown_reward(None, response, COUNTDOWN)["reward"] == reward
+
+
+@pytest.mark.parametrize("response,reward", [
+    ("<answer>3, 7, 19, 42</answer>", 1.0),
+    ("First 3 then 7.\n<answer>3 7 19 42</answer>", 1.0),  # separators do not matter, the numbers and order do
+    ("3, 7, 19, 42", 1.0),  # untagged: the last line
+    ("<answer>3, 19, 7, 42</answer>", 0.0),
+    ("<answer>3, 7, 19</answer>", 0.0),
+    ("<answer>3, 7, 19, 42, 42</answer>", 0.0),
+])
+def test_sort_reward(response: str, reward: float) -> None:
+    assert sort_reward(None, response, [3, 7, 19, 42])["reward"] == reward
+    assert sort_reward(None, response, "[3, 7, 19, 42]")["reward"] == reward  # a JSON string from a dataset file
 
 
 def test_countdown_model_text_parses_without_warnings() -> None:

@@ -1,4 +1,4 @@
-"""Reward functions: built-in verifiers (arithmetic, countdown, math-verify), custom ones by import path, and
+"""Reward functions: built-in verifiers (arithmetic, countdown, sort, math-verify), custom ones by import path, and
 `compute_reward`, which scores a sample without ever raising. The calling contract is in `registry`."""
 
 from rollout.rewards.answer import answer_text, extract_tagged, last_number
@@ -13,6 +13,7 @@ from rollout.rewards.registry import (
     load_reward_fn,
     register_reward,
 )
+from rollout.rewards.sort import sort_reward
 
 __all__ = [
     "MathVerifyPool",
@@ -31,5 +32,6 @@ __all__ = [
     "load_reward_fn",
     "math_verify_reward",
     "register_reward",
+    "sort_reward",
     "verify_math",
 ]

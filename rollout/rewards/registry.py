@@ -13,7 +13,7 @@ The contract (sync or async):
 Where a call runs (`RewardFunction.isolation`): async functions are awaited on the event loop; a sync function
 given as "package.module:function" runs in a worker process that is killed and replaced if it passes its deadline
 (it gets a copy of the sample, without `indexer_topk`; changes to it are not seen); the built-in pure-python
-verifiers (arithmetic, countdown: bounded work, microseconds) run inline; other callables run in threads.
+verifiers (arithmetic, countdown, sort: bounded work, microseconds) run inline; other callables run in threads.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Literal
 from rollout.rewards.arithmetic import arithmetic_reward
 from rollout.rewards.countdown import countdown_reward
 from rollout.rewards.math_verifier import math_verify_reward
+from rollout.rewards.sort import sort_reward
 
 
 class RewardLoadError(ValueError):
@@ -101,6 +102,7 @@ class RewardFunction:
 # math_verify runs its checks in its own killable processes (math_verifier.py), so a thread always comes back.
 _REGISTRY: dict[str, tuple[Callable[..., Any], Isolation]] = {
     "arithmetic": (arithmetic_reward, "inline"),
+    "sort": (sort_reward, "inline"),
     "countdown": (countdown_reward, "inline"),
     "math_verify": (math_verify_reward, "thread"),
     "math": (math_verify_reward, "thread"),

@@ -51,8 +51,8 @@ class TaskConfig(Section):
 
     name: str | None = Field(
         None, description="Name of the task in metrics and logs, unique within data.tasks; null = the kind.")
-    kind: Literal["arithmetic", "countdown", "dataset"] = Field(
-        "arithmetic", description="Where prompts come from: a built-in generator (arithmetic, countdown) or a "
+    kind: Literal["arithmetic", "countdown", "sort", "dataset"] = Field(
+        "arithmetic", description="Where prompts come from: a built-in generator (arithmetic, countdown, sort) or a "
                                   "dataset at `path`.")
     weight: float = Field(
         1.0, ge=0, description="Relative share of this task in each step's prompts (normalised over all tasks).")
@@ -65,12 +65,12 @@ class TaskConfig(Section):
     answer_column: str = Field(
         "answer", description="Column holding the reference answer given to the reward function (kind dataset).")
     reward_fn: str | None = Field(
-        None, description="Reward function: a registered name (arithmetic, countdown, math_verify) or "
+        None, description="Reward function: a registered name (arithmetic, countdown, sort, math_verify) or "
                           "'package.module:function'; null = the task's built-in verifier.")
     system_prompt: str | None = Field(
         None, description="System message put before every prompt of this task; null = none.")
     train_size: int = Field(
-        20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown).")
+        20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown, sort).")
     task_args: dict[str, int | float | bool | str] = Field(
         default_factory=dict, strict=False,
         description="Parameters of a built-in task generator, e.g. {max_digits: 2} for arithmetic or "
@@ -96,7 +96,8 @@ class TaskConfig(Section):
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
                 "reward_fn")
         if self.task_args and self.kind == "dataset":
-            raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown)", "task_args", "kind")
+            raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort)", "task_args",
+                                   "kind")
         if self.eval_fraction > 0 and self.eval_size > 0:
             raise RecipeValueError(
                 f"set at most one of eval_fraction ({self.eval_fraction}) and eval_size ({self.eval_size})",

@@ -3,6 +3,8 @@
 - `arithmetic`: multi-digit addition/subtraction ("Compute 47 + 385. ..." → "432"). Difficulty knobs:
   `max_digits` (main one), `num_operands`, `allow_negative`.
 - `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/.
+- `sort`: list the given numbers from smallest to largest ("Sort 42, 7, 19 from smallest to largest. ..." →
+  "7, 19, 42"); knobs `min_numbers`, `max_numbers`, `max_number`.
 
 Rows: `prompt` (a self-contained user message, str), `answer` (ground truth for the task's reward function in
 `rollout/rewards`, same name as the task) and `solution` (a reference response that the reward scores 1.0, for SFT
@@ -72,6 +74,22 @@ class CountdownParams:
             raise ValueError(f"countdown: ops ({self.ops!r}) must be a non-empty string of '+', '-', '*', '/'")
 
 
+@dataclass(frozen=True)
+class SortParams:
+    """min_numbers..max_numbers integers in 0..max_number (repeats allowed) to put in ascending order."""
+
+    min_numbers: int = 3
+    max_numbers: int = 5
+    max_number: int = 99
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_numbers <= self.max_numbers <= 16:
+            raise ValueError(f"sort: need 2 <= min_numbers ({self.min_numbers}) <= max_numbers "
+                             f"({self.max_numbers}) <= 16")
+        if self.max_number < 1:
+            raise ValueError(f"sort: max_number ({self.max_number}) must be >= 1")
+
+
 Problem = tuple[str, Any, str]  # (prompt, answer, solution)
 
 
@@ -139,6 +157,14 @@ def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
     return prompt, answer, f"<answer>{expression}</answer>"
 
 
+def sort_problem(rng: random.Random, params: SortParams) -> Problem:
+    """Numbers in random order; the answer is the sorted list, written comma-separated."""
+    numbers = [rng.randint(0, params.max_number) for _ in range(rng.randint(params.min_numbers, params.max_numbers))]
+    ordered = ", ".join(str(n) for n in sorted(numbers))
+    prompt = f"Sort {', '.join(str(n) for n in numbers)} from smallest to largest. {ANSWER_INSTRUCTION}"
+    return prompt, sorted(numbers), f"<answer>{ordered}</answer>"
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """A built-in task: its parameters, its problem generator, and the reward function that verifies it."""
@@ -152,6 +178,7 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", ArithmeticParams, arithmetic_problem, reward="arithmetic"),
     "countdown": TaskSpec("countdown", CountdownParams, countdown_problem, reward="countdown"),
+    "sort": TaskSpec("sort", SortParams, sort_problem, reward="sort"),
 }
 
 
