@@ -62,3 +62,15 @@ def test_report_writes_the_panels_that_have_data(tmp_path):
     written_old = {p.name for p in render_report(tmp_path, tmp_path / "old")}
     assert "reward_vs_time.png" not in written_old and "learning_rate.png" not in written_old
     assert "reward.png" in written_old
+
+
+def test_per_domain_panels_draw_one_line_per_matching_key():
+    from slime_dsa.logging.report import PANELS, panel_series
+
+    records = [{"step": s, "opd/arithmetic/reverse_kl": 1.0 / s, "opd/sort/reverse_kl": 2.0 / s,
+                "opd/sort/reward": 0.5, "eval/sort/pass@1": 0.1 * s} for s in (1, 2, 3)]
+    panel = next(p for p in PANELS if p.filename == "reverse_kl_by_domain.png")
+    series = panel_series(panel, records)
+    assert sorted(series) == ["opd/arithmetic/reverse_kl", "opd/sort/reverse_kl"]
+    assert series["opd/sort/reverse_kl"] == [(1, 2.0), (2, 1.0), (3, 2.0 / 3)]
+    assert "pass_at_1_by_task.png" in {p.filename for p in plan_panels(records)}

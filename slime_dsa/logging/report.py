@@ -7,6 +7,7 @@ time (`elapsed_s`, records written since metrics carry it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ class Panel:
     xlabel: str = "step"
     x_scale: float = 1.0  # x values are divided by this (seconds -> minutes)
     log_y: bool = False
+    pattern: str | None = None  # also every key that matches this glob (one line per task, domain, teacher)
 
 
 PANELS = (
@@ -47,6 +49,10 @@ PANELS = (
     Panel("response_length.png", "Response length", "tokens", ("rollout/response_length_mean",)),
     Panel("step_time.png", "Step time", "seconds",
           ("perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/sync_time_s")),
+    Panel("pass_at_1_by_task.png", "Eval pass@1 (greedy) per task", "share of eval prompts solved", (),
+          pattern="eval/*/pass@1"),
+    Panel("reverse_kl_by_domain.png", "Reverse KL to each domain's teacher (on-policy distillation)",
+          "log π_student − log π_teacher per token", (), pattern="opd/*/reverse_kl"),
 )
 
 
@@ -55,9 +61,12 @@ def _number(value: Any) -> bool:
 
 
 def panel_series(panel: Panel, records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    """{key: [(x, y), ...]} of the panel's keys that have data, x in the panel's unit."""
+    """{key: [(x, y), ...]} of the panel's keys (and those matching its pattern) that have data, x in the panel's unit."""
+    keys = list(panel.keys)
+    if panel.pattern:
+        keys += sorted({k for r in records for k in r if fnmatchcase(k, panel.pattern)} - set(keys))
     series = {k: [(r[panel.x_key] / panel.x_scale, r[k]) for r in records if _number(r.get(k)) and _number(r.get(panel.x_key))]
-              for k in panel.keys}
+              for k in keys}
     return {k: v for k, v in series.items() if v}
 
 
