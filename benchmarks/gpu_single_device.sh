@@ -2,9 +2,11 @@
 # The one-GPU recipes on a bare GPU machine without the project's dependencies (this workplace's H200 device):
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from a copy of the repo whose parent holds
 # whl/ (cp312 manylinux wheels + ray as a .tar.xz: see benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof sft rl vstrl opd test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
+# opd (benchmarks/opd_swap_gpu.py: two teachers swapped from pinned memory into one engine, OPD_STEPS steps, OPD_T
+# cap) writes $OUT/opd_swap.md (swap time per teacher, teacher-scoring tok/s) and $OUT/opd_metrics.jsonl.
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
@@ -53,6 +55,13 @@ rl)
     --set data.tasks.0.train_size=${RL_TRAIN:-20000} ${RL_SET} \
     2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/rl.log | tail -40
   cp $W/rl/metrics.jsonl $OUT/rl_metrics.jsonl 2>/dev/null
+  ;;
+opd)
+  stamp opd
+  rm -rf $W/opd
+  timeout -s INT -k 30 ${OPD_T:-420} python3 benchmarks/opd_swap_gpu.py --steps ${OPD_STEPS:-10} --workdir $W/opd \
+    --out $OUT/opd_swap.md 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/opd.log | tail -40
+  cp $W/opd/run/metrics.jsonl $OUT/opd_metrics.jsonl 2>/dev/null
   ;;
 vstrl)
   N=${VSTRL_NAME:-vstrl}

@@ -132,3 +132,45 @@ def test_ten_teachers_score_a_hundred_concurrent_samples_each(experts, ray_clust
         assert metrics[f"teacher/t{i}/samples"] == 100 and metrics[f"teacher/t{i}/failed_samples"] == 0
     logger.warning("10 teachers x 100 concurrent samples (24 tokens, top-4): %.1f s wall; tok/s per teacher: %s",
                    wall, {f"t{i}": round(metrics[f"teacher/t{i}/tok_s"]) for i in range(10)})
+
+
+def test_one_real_step_mixes_a_taught_domain_and_a_reward_domain_under_the_topk_kl(tmp_path, monkeypatch, ray_cluster):
+    """The whole loop with opd_topk: arithmetic has a teacher (top-4 KL in the loss, no advantage), countdown has
+    none (GRPO's group advantages), in one batch."""
+    import json
+
+    import yaml
+
+    from slime_dsa.algorithms import specs
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import run_training
+    from tests.plugins.recording import recording
+
+    record = tmp_path / "loss.jsonl"
+    monkeypatch.setitem(specs.ALGORITHMS, "opd", recording(specs.ALGORITHMS["opd"], str(record)))
+    recipe = {
+        "model": {"preset": "tiny"}, "algorithm": {"name": "opd", "opd_topk": 4},
+        "data": {"tasks": [{"kind": "arithmetic", "reward_fn": "tests.plugins.rewards:digit_fraction"},
+                           {"kind": "countdown", "reward_fn": "tests.plugins.rewards:digit_fraction"}],
+                 "max_prompt_length": 128},
+        "rollout": {"n_samples_per_prompt": 2, "prompts_per_step": 4, "max_response_length": 8},
+        "trainer": {"num_steps": 1, "micro_batch_tokens": 512, "learning_rate": 1e-3},
+        "teachers": [{"name": "calc", "path": str(make_expert(tmp_path / "expert", seed=7)),
+                      "domains": ["arithmetic"], "serving": "swap"}],
+        "logging": {"wandb_mode": "disabled", "run_dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_dir = run_training(load_recipe(path))
+    (adv,) = [json.loads(line) for line in record.with_suffix(".advantages.jsonl").read_text().splitlines()]
+    index, mask = torch.tensor(adv["sample_index"]), torch.tensor(adv["loss_mask"])
+    taught = torch.tensor(adv["taught"]).bool()
+    assert taught.any() and not taught.all()  # both domains in the batch
+    advantages = torch.tensor(adv["advantages"])
+    assert bool((advantages[taught[index] & (mask > 0)] == 0).all())  # the KL, not an advantage, teaches them
+    losses = [json.loads(line) for line in record.read_text().splitlines()]
+    assert sum(r["candidate_rows"] for r in losses) == int((taught[index].float() * mask).sum())
+    assert all(r["loss"] == "TopKDistillPPOLoss" and r["metrics"]["topk_kl"] >= 0 for r in losses)
+    (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["train/topk_kl"] > 0 and "opd/arithmetic/reverse_kl" in metrics
+    assert "opd/countdown/reward" in metrics and "opd/countdown/reverse_kl" not in metrics

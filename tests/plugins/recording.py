@@ -37,10 +37,13 @@ class RecordingLoss:
             "has_rollout_logprobs": inputs.rollout_logprobs is not None,
             "old_equals_rollout": (inputs.old_logprobs is not None and inputs.rollout_logprobs is not None
                                    and bool(torch.equal(inputs.old_logprobs, inputs.rollout_logprobs))),
+            "candidate_rows": None if inputs.candidate_mask is None else int((inputs.candidate_mask * mask).sum()),
         }
+        out = self.inner(inputs)
+        record["metrics"] = {k: float(v) for k, v in out.metrics.items()}
         with Path(self.path).open("a") as f:
             f.write(json.dumps(record) + "\n")
-        return self.inner(inputs)
+        return out
 
 
 def recording(spec_class: type, path: str) -> type:
