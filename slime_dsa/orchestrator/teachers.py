@@ -6,6 +6,7 @@ an engine that dies mid-run (rollout/teachers retries its samples once the repla
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,6 @@ def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any) -> N
     """UserError (one line, naming the teacher) when a teacher's tokenizer or vocabulary differs from the student's."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from slime_dsa.models.config import ModelConfig  # noqa: PLC0415
-
     student_vocab = student_tokenizer.get_vocab()
     for teacher in teachers:
         where = f"teacher '{teacher.name}' ({teacher.path})"
@@ -37,8 +36,8 @@ def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any) -> N
         if problem:
             raise UserError(f"{where}: its tokenizer differs from the student's ({problem}); on-policy distillation "
                             "scores the student's token ids, so the tokenizers must be the same")
-        vocab = ModelConfig.from_pretrained(teacher.path).vocab_size
-        if vocab < len(student_vocab):
+        vocab = json.loads((Path(teacher.path) / "config.json").read_text()).get("vocab_size")
+        if isinstance(vocab, int) and vocab < len(student_vocab):
             raise UserError(f"{where}: its model has {vocab} logits, fewer than the tokenizer's {len(student_vocab)} "
                             "tokens")
 
@@ -100,6 +99,8 @@ class Teachers:
         for scorer, result in zip(scorers, probes):
             if isinstance(result, (EngineError, RuntimeError)):
                 raise UserError(f"teacher '{scorer.name}' cannot score: {result}")
+            if isinstance(result, BaseException):
+                raise result
         self.pool.reset_metrics()
         logger.info("%d teacher(s) ready: %s", len(scorers), ", ".join(self.pool.scorers))
         return self.pool
