@@ -272,9 +272,9 @@ class AlgorithmSection(Section):
                             "π_old), async_reinforce (asynchronous REINFORCE with double-sided IS), sao (single-rollout "
                             "asynchronous optimisation: double-sided IS on per-token GAE from a value model, the "
                             "critic section), opd (on-policy distillation: GRPO's loss on per-token advantages from "
-                            "each domain's teacher, the teachers list). Each algorithm reads the keys of this section its description names; "
-                            "setting another away from its default is an error (`slime-dsa recipe explain NAME` "
-                            "lists one algorithm's keys).")
+                            "each domain's teacher, the teachers list). Each algorithm reads the keys of this "
+                            "section its description names; setting another away from its default is an error "
+                            "(`slime-dsa recipe explain NAME` lists one algorithm's keys).")
     advantage_std_normalize: bool = Field(
         True, description="grpo, opd: divide group advantages by the group's reward std; false = Dr. GRPO.")
     eps_clip_low: float = Field(

@@ -5,8 +5,9 @@ needs, and it builds its policy loss. The orchestrator asks the spec; nothing el
 Spec modules stay light (no torch at import): `recipe check` reads them to validate a recipe.
 
 Advantages come one per sample (advantage_level "sample": group sources; the batch broadcasts them to the sample's
-tokens) or one per token (advantage_level "token": a critic's GAE, a teacher's reverse KL). A spec with a critic role also gives the
-critic's value targets and says how the critic trains in each step (critic_updates_per_step, trains_policy).
+tokens) or one per token (advantage_level "token": a critic's GAE, a teacher's reverse KL). A spec with a critic
+role also gives the critic's value targets and says how the critic trains in each step (critic_updates_per_step,
+trains_policy); a spec whose advantages come from a teacher says how many top log-probs it wants (teacher_topk).
 """
 
 from __future__ import annotations
