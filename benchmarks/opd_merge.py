@@ -205,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge-steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-prompts", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of this process (SFT, eval)")
     parser.add_argument("--fresh", action="store_true", help="remove --root first")
     parser.add_argument("--figure", type=Path, default=Path("docs/opd_merge.png"))
     parser.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import ray
+    import torch
+
+    torch.set_num_threads(args.threads)  # on a shared machine one thread per process keeps step times steady
 
     if args.fresh:
         shutil.rmtree(args.root, ignore_errors=True)

@@ -67,7 +67,15 @@ class Teachers:
 
     async def start(self, probe_ids: list[int]) -> Any:
         """Start every teacher's engines, build the pool and have each teacher score `probe_ids` once (a teacher
-        that cannot, e.g. one that ignores the rollout temperature, stops the run here with one line)."""
+        that cannot, e.g. one that ignores the rollout temperature, stops the run here with one line, and every
+        teacher engine started so far is stopped)."""
+        try:
+            return await self._start(probe_ids)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self, probe_ids: list[int]) -> Any:
         from rollout.client import EngineError  # noqa: PLC0415
         from rollout.teachers import DirectScorer, SwapEngine, TeacherPool  # noqa: PLC0415
 
