@@ -53,7 +53,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         sets += ["model.dtype=float32", "model.ops_backend=torch", "trainer.mixed_precision=false",
                  "cluster.num_gpus_per_engine=0", "cluster.num_gpus_per_trainer=0", "cluster.placement=colocated",
                  "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4", "rollout.max_response_length=16",
-                 "trainer.micro_batch_tokens=8192"]
+                 "trainer.micro_batch_tokens=8192", "data.tasks.0.train_size=2000", "data.tasks.1.train_size=2000"]
     return sets
 
 
