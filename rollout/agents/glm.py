@@ -25,5 +25,8 @@ class GLMToolAgent:
             calls, error = parse_tool_calls(turn.text)
             if not calls and error is None:
                 break
-            trajectory.observe([f"error: {error}"] if error else await trajectory.call_tools(calls))
+            outputs = [f"error: {error}"] if error else await trajectory.call_tools(calls)
+            if trajectory.done:  # the calls ran out the trajectory's wall time
+                break
+            trajectory.observe(outputs)
         return trajectory.finish()

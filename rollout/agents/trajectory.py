@@ -139,9 +139,11 @@ class Trajectory:
         self._topk = np.concatenate([self._topk, rows[expected - start:]])
 
     async def call_tools(self, calls: Sequence[ToolCall]) -> list[str]:
-        """Run a turn's calls (at once, each under its deadline) and return their outputs in order."""
+        """Run a turn's calls (at once, each under its deadline) and return their outputs in order. A call cut by the
+        trajectory's wall time (not its own deadline) ends the trajectory: truncated by wall_time."""
         limits = self.env.limits
         timeout = max(0.0, min(limits.tool_timeout_s, self.remaining_s))
+        cut_by_wall = timeout < limits.tool_timeout_s
         allowed = calls[: limits.max_tool_calls_per_turn]
         results: list[ToolResult] = list(await asyncio.gather(*(
             call_tool(self.env.tools, call, timeout_s=timeout, max_output_chars=limits.max_tool_output_chars)
@@ -149,6 +151,8 @@ class Trajectory:
         results += [ToolResult(f"error: at most {limits.max_tool_calls_per_turn} tool calls run per turn", "error")
                     for _ in calls[len(allowed):]]
         self.tool_status.update(r.status for r in results)
+        if cut_by_wall and any(r.status == "timeout" for r in results):
+            self.truncate("wall_time")
         return [r.output for r in results]
 
     def observe(self, outputs: Sequence[str]) -> None:

@@ -14,7 +14,7 @@ class Broken:
     """Fails in the way its `mode` says: raise, hang (past any deadline) or crash (its sandboxed process segfaults)."""
 
     description = "A tool that always goes wrong."
-    parameters: dict[str, Any] = {"type": "object", "properties": {"x": {"type": "string"}}}
+    parameters: dict[str, Any] = {"type": "object", "properties": {"expression": {"type": "string"}}}
 
     def __init__(self, mode: str = "raise", name: str = "broken") -> None:
         self.mode, self.name = mode, name
@@ -52,3 +52,19 @@ class FlakyCalculator(Calculator):
             return await misbehave(mode)
         self.modes["ok"] += 1
         return await super().call(expression)
+
+
+def hanging_calculator() -> Broken:
+    return Broken("hang", name="calculator")
+
+
+def broken_calculator_raise() -> Broken:
+    return Broken("raise", name="calculator")
+
+
+def broken_calculator_hang() -> Broken:
+    return Broken("hang", name="calculator")
+
+
+def broken_calculator_crash() -> Broken:
+    return Broken("crash", name="calculator")
