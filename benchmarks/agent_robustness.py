@@ -3,8 +3,9 @@ fail, hang or crash. Counts the trajectories lost (an exception, or a FAILED sam
 
 Engines: `python -m rollout.server` subprocesses on 127.0.0.1 serving tests/assets/agent-tiny, a tiny model that
 memorised a few trajectories of the agentic tasks (tests/agent_model.py), sampled at temperature 1 so trajectories
-differ. Tools: tests.plugins.tools:FlakyCalculator (the calculator; a `--fail-share` of its calls raise, hang past
-the tool deadline, or crash a sandboxed subprocess with SIGSEGV, a third each) and the built-in search.
+differ. Tools: tests.plugins.tools:FlakyCalculator and FlakySearch, the built-in calculator and search except that a
+`--fail-share` of all tool calls raise, hang past the tool deadline, or crash a sandboxed subprocess with SIGSEGV
+(a third each).
 
     PYTHONPATH=. python benchmarks/agent_robustness.py --trajectories 1000 --out benchmarks/RESULTS.md
 """
@@ -60,14 +61,14 @@ async def play(args: argparse.Namespace, urls: list[str]) -> dict:
     from slime_dsa.config.schema import AgentConfig
     from slime_dsa.data.sample import Sample, SampleStatus
     from tests.agent_model import memorised_prompts
-    from tests.plugins.tools import FlakyCalculator
+    from tests.plugins.tools import Faults
 
-    FlakyCalculator.fail_share = args.fail_share
+    Faults.fail_share = args.fail_share
     tokenizer = load_tokenizer(args.model)
-    agent = AgentRuntime.build(AgentConfig(tools=["tests.plugins.tools:FlakyCalculator", "search"], max_turns=6,
+    agent = AgentRuntime.build(AgentConfig(tools=["tests.plugins.tools:FlakyCalculator",
+                                                  "tests.plugins.tools:FlakySearch"], max_turns=6,
                                            max_turn_tokens=96, tool_timeout_s=args.tool_timeout_s,
                                            max_wall_time_s=args.wall_time_s), tokenizer, 400)
-    flaky = agent.tools["calculator"]
     prompts = memorised_prompts(tokenizer)
     async with EngineClient(urls, max_inflight_per_engine=1024, timeout_s=600) as client:
         await client.wait_healthy(timeout_s=300)
@@ -92,7 +93,7 @@ async def play(args: argparse.Namespace, urls: list[str]) -> dict:
         "wall_s": round(wall, 1), "turns": sum(s.metadata.get("turns", 0) for s in done),
         "multi_turn": sum(s.metadata.get("turns", 0) > 1 for s in done),
         "tool_calls": calls, "tool_failures": sum(s.metadata.get("tool_failures", 0) for s in done),
-        "injected": dict(flaky.modes), "response_tokens": sum(len(s.response_ids) for s in done),
+        "injected": dict(Faults.modes), "response_tokens": sum(len(s.response_ids) for s in done),
         "engine_requests": {u: st["completed"] for u, st in engine_stats.items()},
         "errors": sorted({str(s.metadata.get("error")) for s in done if s.status == SampleStatus.FAILED})[:5]
                   + [repr(r) for r in raised[:5]],
@@ -109,8 +110,8 @@ def markdown(result: dict, command: str) -> str:
         f"{os.cpu_count()} cores (shared); python {platform.python_version()}",
         f"- command: `{command}`",
         f"- model: tests/assets/agent-tiny (memorised trajectories of calc_chain and fact_lookup), temperature 1; "
-        f"tools: a calculator whose calls fail {r['fail_share']:.0%} of the time (raise, hang past the "
-        "tool deadline, SIGSEGV in a sandboxed subprocess) and BM25 search",
+        f"tools: calculator and BM25 search, {r['fail_share']:.0%} of all calls made to raise, hang past the "
+        "2 s tool deadline, or SIGSEGV in a sandboxed subprocess; lost = an exception or a FAILED trajectory",
         "",
         "| trajectories | lost | wall s | completed / truncated | turns | multi-turn | tool calls | failed calls | "
         "injected faults |",

@@ -22,11 +22,18 @@ class PythonTool:
                                   "properties": {"code": {"type": "string", "description": "the script"}}}
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = 4) -> None:
-        self.limits = limits
-        self.slots = asyncio.Semaphore(max_concurrent)
+        self.limits, self.max_concurrent = limits, max_concurrent
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        """The running loop's semaphore (a tool may outlive a loop: SFT evaluates in a fresh one each time)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(self.max_concurrent))
+        return self._slots[1]
 
     async def call(self, code: str) -> ToolResult:
-        async with self.slots:
+        async with self._semaphore():
             result = await run_python(code, self.limits)
         if result.timed_out:
             return ToolResult(f"{result.output}\nerror: the script ran past {self.limits.wall_s:g}s and was killed",

@@ -7,7 +7,8 @@ import hashlib
 from typing import Any
 
 from rollout.tools.calculator import Calculator
-from rollout.tools.sandbox import SandboxLimits, run_python
+from rollout.tools.search import Search
+from rollout.tools.sandbox import SandboxLimits
 
 
 class Broken:
@@ -33,25 +34,38 @@ async def misbehave(mode: str) -> Any:
     return await PythonTool(SandboxLimits(wall_s=5)).call("import ctypes\nctypes.string_at(0)")  # a real SIGSEGV
 
 
-class FlakyCalculator(Calculator):
-    """The calculator, except that `fail_share` of its calls (chosen by a hash of the call and a counter) raise, hang
-    or crash, a third each."""
+class Faults:
+    """Makes `fail_share` of a tool's calls (chosen by a hash of the call and a counter) raise, hang or crash, a third
+    each; counts what it did in `modes` (shared by every flaky tool, for the benchmark's report)."""
 
     fail_share = 0.10
+    modes: dict[str, int] = {"ok": 0, "raise": 0, "hang": 0, "crash": 0}
+    _calls = 0
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.modes: dict[str, int] = {"ok": 0, "raise": 0, "hang": 0, "crash": 0}
+    async def faulty(self, key: str) -> Any:
+        """Misbehave for this call (raise, hang, or return the crashed sandbox's result), or return None."""
+        Faults._calls += 1
+        h = int(hashlib.sha256(f"{Faults._calls}:{key}".encode()).hexdigest(), 16)
+        if h % 1000 >= self.fail_share * 1000:
+            Faults.modes["ok"] += 1
+            return None
+        mode = ("raise", "hang", "crash")[h // 1000 % 3]
+        Faults.modes[mode] += 1
+        return await misbehave(mode)
+
+
+class FlakyCalculator(Calculator, Faults):
+    """The calculator, with Faults."""
 
     async def call(self, expression: str) -> Any:
-        self.calls += 1
-        h = int(hashlib.sha256(f"{self.calls}:{expression}".encode()).hexdigest(), 16)
-        if h % 1000 < self.fail_share * 1000:
-            mode = ("raise", "hang", "crash")[h // 1000 % 3]
-            self.modes[mode] += 1
-            return await misbehave(mode)
-        self.modes["ok"] += 1
-        return await super().call(expression)
+        return await self.faulty(expression) or await super().call(expression)
+
+
+class FlakySearch(Search, Faults):
+    """The built-in search, with Faults."""
+
+    async def call(self, query: str, k: str | int = 1) -> Any:
+        return await self.faulty(query) or await super().call(query, k)
 
 
 def hanging_calculator() -> Broken:
