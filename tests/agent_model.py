@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from slime_dsa.data.tasks import get_task, task_params
 from slime_dsa.data.tool_calls import ChatFormat, solution_ids
 from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer, save_tokenizer
 from slime_dsa.sft import SupervisedExample, sft_loss
@@ -49,6 +48,8 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
 def task_examples(tokenizer: Any, kind: str, n: int, seed: int = 0) -> list[tuple[str, str, SupervisedExample]]:
     """(prompt text, answer, example) of `n` problems of a built-in agentic task."""
+    from slime_dsa.data.tasks import get_task, task_params  # imports datasets: not at module level
+
     rng, params, fmt = random.Random(seed), task_params(kind), ChatFormat.from_tokenizer(tokenizer)
     out = []
     for _ in range(n):

@@ -15,7 +15,6 @@ from rollout.tools.registry import load_tools
 from slime_dsa.config.errors import RecipeError
 from slime_dsa.config.loader import validate_recipe
 from slime_dsa.config.schema import AGENTIC_TASK_TOOLS
-from slime_dsa.data.tasks import TASKS, build_task_splits, get_task, task_params
 from slime_dsa.data.tokenizer import build_tokenizer
 from slime_dsa.data.tool_calls import ChatFormat, ToolCall, parse_tool_calls, render_tool_call, solution_ids
 
@@ -23,6 +22,18 @@ from slime_dsa.data.tool_calls import ChatFormat, ToolCall, parse_tool_calls, re
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
+
+
+def get_task(kind: str):
+    from slime_dsa.data.tasks import get_task  # imports datasets: not at module level
+
+    return get_task(kind)
+
+
+def task_params(kind: str, **params):
+    from slime_dsa.data.tasks import task_params
+
+    return task_params(kind, **params)
 
 
 def test_tool_call_text_round_trips():
@@ -95,6 +106,8 @@ def test_reference_trajectories_match_the_real_tools_and_score_one(kind):
 
 
 def test_agentic_tasks_build_deterministic_splits():
+    from slime_dsa.data.tasks import build_task_splits
+
     for kind in ("calc_chain", "fact_lookup"):
         a = build_task_splits(kind, train_size=8, eval_size=4, seed=1)
         b = build_task_splits(kind, train_size=8, eval_size=4, seed=1)
@@ -106,6 +119,8 @@ def test_agentic_tasks_build_deterministic_splits():
 
 
 def test_schema_knows_each_agentic_kinds_tools():
+    from slime_dsa.data.tasks import TASKS
+
     assert AGENTIC_TASK_TOOLS == {kind: spec.tools for kind, spec in TASKS.items() if spec.tools}
 
 

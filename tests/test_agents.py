@@ -245,3 +245,23 @@ def test_grpo_groups_and_evaluation_run_trajectories(memorised, tokenizer):
     advantages = group_advantages(rewards, group_size=4)
     batch = build_train_batch(group, advantages)
     assert batch is not None
+
+
+def test_agent_loops_by_import_path(memorised, tokenizer):
+    from rollout.agents.glm import GLMToolAgent
+    from rollout.agents.runtime import load_agent_loop
+
+    assert isinstance(load_agent_loop("glm"), GLMToolAgent)
+    assert isinstance(load_agent_loop("rollout.agents.glm:GLMToolAgent"), GLMToolAgent)
+    with pytest.raises(ValueError, match="unknown agent loop 'react'"):
+        load_agent_loop("react")
+    with pytest.raises(ValueError, match="without an async run"):
+        load_agent_loop("tests.plugins.tools:__doc__")
+    agent = AgentRuntime.build(AgentConfig(loop="tests.plugins.agents:OneTurn", tools=["calculator"]), tokenizer, 400)
+
+    async def scenario():
+        async with serving() as client:
+            return await agent.run(fresh(memorised["calc0"]), client, GREEDY, seed=0)
+
+    out = run(scenario())
+    assert out.status == SampleStatus.COMPLETED and out.metadata["turns"] == 1 and all(out.loss_mask)
