@@ -16,7 +16,8 @@ from rollout.agents.base import AgentEnv, AgentLimits, AgentLoop
 from rollout.agents.glm import GLMToolAgent
 from rollout.tools.base import Tool
 from rollout.tools.registry import load_tools
-from slime_dsa.config.plugins import import_object
+from slime_dsa.config.errors import UserError
+from slime_dsa.config.plugins import PluginError, import_object
 from slime_dsa.data.sample import Sample, SampleStatus
 from slime_dsa.data.tool_calls import ChatFormat
 
@@ -25,18 +26,27 @@ logger = logging.getLogger(__name__)
 BUILTIN_LOOPS = {"glm": GLMToolAgent}
 
 
+class AgentLoadError(UserError, ValueError):
+    """An agent setting that does not give a working loop; the one-line message names it."""
+
+
 def load_agent_loop(spec: str) -> AgentLoop:
     """The loop named `spec` (glm) or at the import path `spec` (a loop, or a class or function that makes one)."""
     if ":" not in spec:
         if spec not in BUILTIN_LOOPS:
-            raise ValueError(f"unknown agent loop {spec!r}; built-in: {', '.join(BUILTIN_LOOPS)}, or give "
+            raise AgentLoadError(f"unknown agent loop {spec!r}; built-in: {', '.join(BUILTIN_LOOPS)}, or give "
                              "'package.module:attribute'")
         return BUILTIN_LOOPS[spec]()
-    obj = import_object(spec, "agent loop")
-    if isinstance(obj, type) or (not hasattr(obj, "run") and callable(obj)):
-        obj = obj()
+    try:
+        obj = import_object(spec, "agent loop")
+        if isinstance(obj, type) or (not hasattr(obj, "run") and callable(obj)):
+            obj = obj()
+    except PluginError as e:
+        raise AgentLoadError(str(e)) from e
+    except Exception as e:
+        raise AgentLoadError(f"agent loop {spec!r}: making it failed ({type(e).__name__}: {e})") from e
     if not callable(getattr(obj, "run", None)):
-        raise ValueError(f"agent loop {spec!r} is a {type(obj).__name__} without an async run(sample, env)")
+        raise AgentLoadError(f"agent loop {spec!r} is a {type(obj).__name__} without an async run(sample, env)")
     return obj
 
 
@@ -52,9 +62,13 @@ class AgentRuntime:
 
     @classmethod
     def build(cls, agent: Any, tokenizer: Any, max_response_length: int) -> AgentRuntime:
-        """From a recipe's AgentConfig (data.tasks.<i>.agent)."""
+        """From a recipe's AgentConfig (data.tasks.<i>.agent); AgentLoadError / ToolLoadError name what fails."""
+        try:
+            chat_format = ChatFormat.from_tokenizer(tokenizer)
+        except ValueError as e:
+            raise AgentLoadError(f"agent: {e}") from e
         return cls(load_agent_loop(agent.loop), load_tools(agent.tools),
-                   AgentLimits.from_config(agent, max_response_length), ChatFormat.from_tokenizer(tokenizer), tokenizer)
+                   AgentLimits.from_config(agent, max_response_length), chat_format, tokenizer)
 
     async def run(self, sample: Sample, client: Any, sampling_params: dict[str, Any], *, seed: int,
                   session_id: str | None = None, indexer_topk: bool = False,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from rollout.tools.base import Tool
-from slime_dsa.config.plugins import import_object
+from slime_dsa.config.errors import UserError
+from slime_dsa.config.plugins import PluginError, import_object
 
 
 def _calculator() -> Tool:
@@ -30,8 +31,8 @@ def _python() -> Tool:
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": _calculator, "search": _search, "python": _python}
 
 
-class ToolLoadError(ValueError):
-    """A tool spec that does not give a tool; the message names the spec."""
+class ToolLoadError(UserError, ValueError):
+    """A tool spec that does not give a tool; the one-line message names the spec."""
 
 
 def load_tool(spec: str) -> Tool:
@@ -41,7 +42,10 @@ def load_tool(spec: str) -> Tool:
             raise ToolLoadError(f"unknown tool {spec!r}; built-in tools: {', '.join(sorted(BUILTIN_TOOLS))}, or give "
                                 "'package.module:attribute'")
         return BUILTIN_TOOLS[spec]()
-    obj = import_object(spec, "tool")
+    try:
+        obj = import_object(spec, "tool")
+    except PluginError as e:
+        raise ToolLoadError(str(e)) from e
     if isinstance(obj, type) or (not isinstance(obj, Tool) and callable(obj)):
         try:
             obj = obj()
