@@ -43,7 +43,7 @@ class AdvantageInputs:
     sample_index: torch.Tensor | None = None  # (T,) long: which sample each token belongs to
     values: torch.Tensor | None = None  # (T,) V(s_t) of the critic before any update, row t: the state before token t
     final_values: torch.Tensor | None = None  # (N,) V of the state after each sample's last token
-    truncated: torch.Tensor | None = None  # (N,) bool: the trajectory was cut by a limit (status truncated)
+    truncated: torch.Tensor | None = None  # (N,) bool: an agent loop cut the trajectory at a limit; it goes on
 
     def per_token(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss_mask, sample_index, values, final_values, truncated); ValueError naming the first one missing."""
