@@ -344,10 +344,11 @@ class AlgorithmSection(Section):
                                 "0.2–0.5 in PPO critics); null = plain masked MSE. Default null: implementers of "
                                 "the SAO paper read it as unclipped, and sources disagree.")
     bootstrap_truncated: bool = Field(
-        True, description="sao: a trajectory cut by a limit (status truncated: max_response_length, or an agent's "
-                          "turn, token or time limit) ends its GAE on γ·V(state after its last token) instead of 0, "
-                          "its reward still on its last action token. Default true: issue 15 (a limit is not the end "
-                          "of the episode).")
+        True, description="sao: a trajectory an agent loop cut at one of its limits (turns, tokens, wall time: status "
+                          "truncated with metadata truncated_by) ends its GAE on γ·V(state after its last token) "
+                          "instead of 0, its reward still on its last action token. A single response cut at "
+                          "rollout.max_response_length ends its episode (its reward function scored it): never "
+                          "bootstrapped. Default true: issue 15 (an agent's limit is not the end of the episode).")
     partial_rollout: Literal["retract", "in_place", "off"] = Field(
         "retract", description="async_reinforce, sao: responses in progress when new weights arrive are continued "
                                "under them (a partial rollout; each token keeps the version and log-prob it was sampled "
@@ -592,8 +593,8 @@ class CriticSection(Section):
     path: str | None = Field(
         None, description="Directory the value model starts from: a value model (a value pre-training run's "
                           "checkpoints/step_N/critic, recipes/value_pretrain.yaml) or a policy (its backbone under a "
-                          "fresh value head); null = the policy's starting weights (model.path), as in the SAO "
-                          "paper.")
+                          "fresh value head). Default null: the policy's starting weights (model.path) under a fresh "
+                          "head, as in the SAO paper.")
     learning_rate: float = Field(
         5e-6, gt=0, description="The critic's own AdamW learning rate, constant (trainer.learning_rate is the "
                                 "actor's). Default 5e-6: public SAO reproductions (5e-6 against the actor's 1e-6).")
