@@ -179,7 +179,8 @@ def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     from rich.console import Console  # noqa: PLC0415
 
     keys = [("rollout/reward_mean", "reward"), ("eval/pass@1", "eval pass@1"), ("train/loss", "loss"),
-            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("perf/step_time_s", "step s")]
+            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("critic/value_loss", "value loss"),
+            ("critic/explained_variance", "EV"), ("perf/step_time_s", "step s")]
     parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
     # soft_wrap: one line per step also when stderr is a file or a narrow terminal
     Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))
