@@ -45,7 +45,8 @@ def _run(root, name, recipe, resume_from=None):
     if resume_from is not None:  # a fresh run directory holding one checkpoint of another run
         (run_dir / "checkpoints").mkdir(parents=True)
         shutil.copytree(resume_from, run_dir / "checkpoints" / resume_from.name)
-        shutil.copytree(resume_from.parents[1] / "initial_model", run_dir / "initial_model")
+        if (resume_from.parents[1] / "initial_model").is_dir():  # a from-scratch preset's starting weights
+            shutil.copytree(resume_from.parents[1] / "initial_model", run_dir / "initial_model")
     return run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]), resume=resume_from is not None)
 
 
