@@ -79,10 +79,8 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
 
     recipe, trainers, client, algorithm = run.recipe, run.trainers, run.client, run.algorithm
     with_critic = "critic" in algorithm.roles
-    if algorithm.advantage_level == "token" and not with_critic:
-        raise ValueError(f"algorithm {algorithm.name!r}: per-token advantages come from a critic here; it has none")
     per_sample = (sample_advantages(samples, algorithm) if algorithm.advantage_level == "sample"
-                  else torch.zeros(len(samples)))  # replaced by the critic's per-token advantages
+                  else torch.zeros(len(samples)))
     batch = build_train_batch(samples, per_sample, index_replay=recipe.algorithm.index_replay)
     # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
     colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
