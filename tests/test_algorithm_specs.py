@@ -10,7 +10,15 @@ import pytest
 import torch
 import yaml
 
-from slime_dsa.algorithms import DISLoss, PPOLoss, group_advantages, group_centered_advantages
+from slime_dsa.algorithms import (
+    DISLoss,
+    PPOLoss,
+    gae,
+    group_advantages,
+    group_centered_advantages,
+    length_adaptive_lambda,
+    rewards_on_last_action,
+)
 from slime_dsa.algorithms.specs import ALGORITHMS, AdvantageInputs, build_algorithm
 from slime_dsa.config import load_recipe, validate_recipe
 
@@ -53,11 +61,26 @@ def test_spec_modules_stay_light():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
+def _critic_gae(record: dict) -> torch.Tensor:
+    """SAO's advantages from the recorded per-token inputs: skip-observation GAE, γ = 1, λ = 1 - 1/(1.5·l)."""
+    mask, index = torch.tensor(record["loss_mask"]), torch.tensor(record["sample_index"])
+    values, final = torch.tensor(record["values"]), torch.tensor(record["final_values"])
+    rewards = rewards_on_last_action(torch.tensor(record["rewards"]), mask, index)
+    bootstrap = final * torch.tensor(record["truncated"])
+    return gae(rewards, values, mask, index, 1.0, length_adaptive_lambda(mask, index, 1.5),
+               bootstrap_values=bootstrap).advantages
+
+
 EXPECTED = {
-    # name: (advantage function, loss class, π_old given to the loss, π_old equal to π_roll)
-    "grpo": (group_advantages, "PPOLoss", True, False),
-    "async_reinforce": (group_centered_advantages, "DISLoss", False, False),
+    # name: (advantage function of the recorded inputs, loss class, π_old given to the loss, π_old equal to π_roll)
+    "grpo": (lambda r: group_advantages(torch.tensor(r["rewards"]), group_ids=torch.tensor(r["group_ids"])),
+             "PPOLoss", True, False),
+    "async_reinforce": (lambda r: group_centered_advantages(torch.tensor(r["rewards"]),
+                                                            group_ids=torch.tensor(r["group_ids"])),
+                        "DISLoss", False, False),
+    "sao": (_critic_gae, "DISLoss", False, False),
 }
+OPTIONS = {"sao": {"critic_warmup_steps": 0}}  # the policy trains in the one step
 
 
 def test_every_registered_algorithm_has_a_loop_test():
@@ -74,7 +97,7 @@ def test_one_real_step_runs_the_algorithms_advantages_and_loss(name, tmp_path, m
     record = tmp_path / "loss.jsonl"
     monkeypatch.setitem(specs.ALGORITHMS, name, recording(ALGORITHMS[name], str(record)))
     recipe = {
-        "model": {"preset": "tiny"}, "algorithm": {"name": name},
+        "model": {"preset": "tiny"}, "algorithm": {"name": name, **OPTIONS.get(name, {})},
         "data": {"tasks": [{"kind": "arithmetic", "reward_fn": "tests.plugins.rewards:digit_fraction"}],
                  "max_prompt_length": 64},
         "rollout": {"n_samples_per_prompt": 4, "prompts_per_step": 2, "max_response_length": 8},
@@ -87,9 +110,8 @@ def test_one_real_step_runs_the_algorithms_advantages_and_loss(name, tmp_path, m
 
     advantage_fn, loss_name, has_old, old_is_rollout = EXPECTED[name]
     (adv,) = [json.loads(line) for line in record.with_suffix(".advantages.jsonl").read_text().splitlines()]
-    rewards, groups = torch.tensor(adv["rewards"]), torch.tensor(adv["group_ids"])
-    assert len(rewards) == 8 and len(set(adv["group_ids"])) == 2
-    assert torch.allclose(torch.tensor(adv["advantages"]), advantage_fn(rewards, group_ids=groups).float(), atol=1e-5)
+    assert len(adv["rewards"]) == 8 and len(set(adv["group_ids"])) == 2
+    assert torch.allclose(torch.tensor(adv["advantages"]), advantage_fn(adv).float(), atol=1e-4)
     losses = [json.loads(line) for line in record.read_text().splitlines()]
     assert losses and all(r["loss"] == loss_name for r in losses)
     assert all(r["has_old_logprobs"] == has_old and r["has_rollout_logprobs"] for r in losses)

@@ -73,12 +73,13 @@ def test_every_field_has_a_description_and_sections_forbid_extra_keys():
 
 def test_sections_and_key_names():
     assert list(RecipeConfig.model_fields) == [
-        "model", "data", "rollout", "algorithm", "trainer", "cluster", "logging", "checkpoint", "sft", "indexer_warmup"]
+        "model", "data", "rollout", "algorithm", "trainer", "critic", "cluster", "logging", "checkpoint", "sft",
+        "indexer_warmup"]
     keys = {".".join(p) for p in schema_paths()}
     for key in ("model.ops_backend", "data.tasks.<i>.reward_fn", "rollout.sglang.weight_sync",
                 "rollout.return_indexer_topk", "algorithm.icepop_beta", "algorithm.dis_eps_high",
                 "trainer.logprob_diff_warn_threshold", "cluster.placement", "logging.wandb_mode",
-                "checkpoint.keep_last"):
+                "checkpoint.keep_last", "algorithm.critic_updates_per_step", "critic.learning_rate"):
         assert key in keys
 
 
@@ -115,9 +116,10 @@ def test_null_section_means_empty(tmp_path):
     ({"algorithm": {"freeze_indexer": True, "indexer_loss_coef": 1.0}}, r"freeze_indexer is true"),
     ({"algorithm": {"name": "async_reinforce", "is_correction": "icepop"}},
      r"is_correction is not read by algorithm 'async_reinforce' \(it applies to grpo\)"),
-    ({"algorithm": {"name": "sao"}}, r"algorithm\.name: 'sao' .* is not available yet"),
+    ({"algorithm": {"name": "sao"}, "critic": {"num_workers": 2}}, r"critic\.num_workers \(2\) applies to placement"),
+    ({"critic": {"path": "v"}}, r"critic\.path is read only by algorithms with a value model \(sao\)"),
     ({"algorithm": {"name": "opd"}}, r"algorithm\.name: 'opd' .* is not available yet"),
-    ({"algorithm": {"name": "ppo"}}, r"unknown algorithm 'ppo'; choose one of grpo, async_reinforce"),
+    ({"algorithm": {"name": "ppo"}}, r"unknown algorithm 'ppo'; choose one of grpo, async_reinforce, sao"),
     ({"algorithm": {"kl_coef": 0.1}}, r"kl_coef \(0\.1\) is not available yet"),
     ({"algorithm": {"max_staleness": 4}}, r"max_staleness is not read by algorithm 'grpo'"),
     ({"algorithm": {"is_correction": "tis", "use_rollout_logprobs": True}}, r"which are the same with"),

@@ -10,7 +10,7 @@ they call the policy loss object their config carries on tensors the batch carri
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -29,12 +29,14 @@ class TrainBatch:
     seqlens: list[int]  # tokens per sample, in order
     loss_mask: torch.Tensor  # (T,) float, 1 on generated tokens the policy is trained on
     rollout_logprobs: torch.Tensor  # (T,) float32, log π_roll of each token (0 on prompt)
-    advantages: torch.Tensor  # (T,) float32, advantage broadcast to the sample's tokens
+    advantages: torch.Tensor  # (T,) float32, the sample's advantage on each of its tokens, or one per token (GAE)
     old_logprobs: torch.Tensor | None = None  # (T,) log π_old, filled by compute_logprobs unless bypass mode
     ref_logprobs: torch.Tensor | None = None  # (T,) for the optional KL term
     replay_topk: torch.Tensor | None = None  # (n_full_layers, T, K) index replay, -1 padded, REPLAY_COMPUTE rows computed
     rollout_topk: torch.Tensor | None = None  # same layout: the engine's selection, only compared (mismatch metric)
     prompt_lens: list[int] | None = None  # prompt tokens per sample: lets consecutive samples share their prompt
+    returns: torch.Tensor | None = None  # (T,) float32, a critic's value targets on action tokens
+    old_values: torch.Tensor | None = None  # (T,) float32, V_old(s_t) of the critic before this step's updates
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +58,7 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs), ref_logprobs=take(self.ref_logprobs),
             replay_topk=take(self.replay_topk, dim=1), rollout_topk=take(self.rollout_topk, dim=1),
             prompt_lens=None if self.prompt_lens is None else [self.prompt_lens[i] for i in sample_ids],
+            returns=take(self.returns), old_values=take(self.old_values),
         )
 
 
@@ -134,15 +137,19 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
 
+ModelKind = Literal["policy", "value"]  # a causal LM (log-probs) or a value model (per-token values)
+
+
 @dataclass(frozen=True)
 class RoleConfig:
-    """One model a trainer group holds (policy; critic and teachers next): its weights, and how it trains."""
+    """One model a trainer group holds (the policy, a critic; teachers next): its weights, and how it trains."""
 
-    model_path: str
+    model_path: str  # an HF directory; for kind value a value model, or a policy whose backbone starts a fresh head
     optimizer: OptimizerConfig | None = None  # None: the role is only evaluated (a teacher, a reference)
-    loss: Any = None  # the per-token loss the rank calls (a slime_dsa.algorithms PolicyLoss); None = no training
+    loss: Any = None  # the per-token loss the rank calls: a PolicyLoss (kind policy), a ValueLoss (kind value)
     frozen: tuple[str, ...] = ()  # parameters whose names contain one of these stay fixed (e.g. ".indexer.")
     dsa: DSAOptions = field(default_factory=DSAOptions)
+    kind: ModelKind = "policy"
 
     @property
     def trains(self) -> bool:
@@ -179,10 +186,15 @@ class TrainerGroup(Protocol):
 
     def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
               detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
-        """One RL step's training: π_old first when asked, then num_mini_batches optimiser steps."""
+        """One RL step's training of `role`: π_old first when asked (a policy), then num_mini_batches optimiser
+        steps. A value role trains on batch.returns (and batch.old_values, for the value clip)."""
 
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """(T,) log-probs of the batch's tokens under the role's current weights, in batch order."""
+
+    def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
+        """A value role's (values (T,) in batch order, row t = V(s_t) before token t; final (N,) V after each
+        sample's last token), float32 on the driver."""
 
     def full_state_dict(self, role: str = "policy") -> dict[str, torch.Tensor]:
         """The role's whole float32 state dict on the driver (HF names)."""

@@ -38,7 +38,7 @@ class RayTrainerGroup:
         """(sample ids per rank, the rank's sub-batch): a group's samples stay on one rank when its prompt is
         computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
         shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
-                  if batch.seqlens and shares_prompts(batch, self.config, self.config.roles[role].dsa) else None)
+                  if batch.seqlens and shares_prompts(batch, self.config, self.config.roles[role]) else None)
         assignment = balance_across_ranks(batch.seqlens, self.world_size, shared)
         return assignment, [batch.select(ids) for ids in assignment]
 
@@ -49,6 +49,16 @@ class RayTrainerGroup:
         out = torch.zeros(batch.num_tokens)
         _scatter_rows(out, batch.seqlens, list(range(len(batch.seqlens))), assignment, results)
         return out
+
+    def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
+        """A value role's (values (T,) in the batch's token order, final (N,) in its sample order)."""
+        assignment, shards = self._shards(batch, role)
+        results = ray.get([w.compute_values.remote(s, role) for w, s in zip(self.workers, shards)])
+        values, final = torch.zeros(batch.num_tokens), torch.zeros(len(batch.seqlens))
+        samples = list(range(len(batch.seqlens)))
+        _scatter_rows(values, batch.seqlens, samples, assignment, [v for v, _ in results])
+        _scatter_rows(final, [1] * len(samples), samples, assignment, [f for _, f in results])
+        return values, final
 
     def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
               detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:

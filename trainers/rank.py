@@ -1,10 +1,11 @@
-"""The training step every backend shares: micro-batches, the policy loss per micro-batch, the indexer loss, the
-metrics and their reduction across ranks, and the weight-sync check.
+"""The training step every backend shares: micro-batches, the policy loss (or a value role's loss) per micro-batch,
+the indexer loss, the metrics and their reduction across ranks, and the weight-sync check.
 
 A backend subclasses TrainerRank and supplies the rest: it builds `self.roles` (model wrapping and optimizer) and
 `self.device`, and may override the collectives (`all_reduce`), gradient averaging (`finish_gradients`),
 clipping (`clip_grad_norm`), and its checkpoint format. The rank never learns which algorithm it trains: it calls
-the loss object of its role's config on the tensors the batch carries.
+the loss object of its role's config on the tensors the batch carries: a policy role's on log-probs, a value role's
+(RoleConfig.kind "value") on the values of its model against batch.returns.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime_dsa.algorithms import LossInputs
+from slime_dsa.algorithms import LossInputs, ValueLossInputs
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
 from slime_dsa.weights.payloads import TensorSpec, bucket_specs
-from trainers.base import DSAOptions, RankConfig, RoleConfig, TrainBatch, split_by_tokens
+from trainers.base import RankConfig, RoleConfig, TrainBatch, split_by_tokens
 from trainers.weight_sender import broadcast_weights, group_address, weight_specs
 
 logger = logging.getLogger(__name__)
 
 # Loss metrics already normalised by the step-wide denominator: their micro-batch values add up.
-SHARE_METRICS = {"loss", "pg_loss", "kl_ref"}
+SHARE_METRICS = {"loss", "pg_loss", "kl_ref", "value_loss"}
 
 
 @dataclass
@@ -42,19 +43,31 @@ class Role:
     step: int = 0  # optimizer steps taken
 
 
-def shares_prompts(batch: TrainBatch, config: RankConfig, dsa: DSAOptions) -> bool:
-    """Whether this batch trains with shared-prompt packing. Top-k replay, the top-k mismatch metric and the
-    indexer loss work on the flat layout."""
-    return (config.share_prompt_prefix and batch.prompt_lens is not None and batch.replay_topk is None
-            and batch.rollout_topk is None and dsa.indexer_loss_coef == 0)
+def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> bool:
+    """Whether this batch trains the role with shared-prompt packing. Top-k replay, the top-k mismatch metric, the
+    indexer loss and value models work on the flat layout."""
+    return (config.share_prompt_prefix and role.kind == "policy" and batch.prompt_lens is not None
+            and batch.replay_topk is None and batch.rollout_topk is None and role.dsa.indexer_loss_coef == 0)
+
+
+def _sample_index(seqlens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+
+
+def _share_metrics(metrics: dict[str, torch.Tensor], share: float) -> dict[str, float]:
+    """A micro-batch's metrics as its token-weighted share of the step's (step-wide losses and maxima as they are)."""
+    out = {}
+    for key, value in metrics.items():
+        value = float(value)
+        out[key] = value if key in SHARE_METRICS or key.endswith("_max") else value * share
+    return out
 
 
 def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
                      step_loss_tokens: float, step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of one micro-batch as its share of the whole step's loss, and token-weighted metrics."""
     device = logprobs.device
-    sample_index = torch.repeat_interleave(torch.arange(len(mb.seqlens), device=device),
-                                           torch.tensor(mb.seqlens, device=device))
+    sample_index = _sample_index(mb.seqlens, device)
     token_mean = loss.aggregation == "token_mean"
 
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -68,11 +81,23 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
     )
     out = loss(inputs)
     share = float(mb.loss_mask.sum()) / max(step_loss_tokens, 1.0)  # this micro-batch's share of the step's tokens
-    metrics = {}
-    for key, value in out.metrics.items():
-        value = float(value)
-        metrics[key] = value if key in SHARE_METRICS or key.endswith("_max") else value * share
-    return out.loss, metrics
+    return out.loss, _share_metrics(out.metrics, share)
+
+
+def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step_loss_tokens: float,
+                           step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """A value role's loss on one micro-batch (values (T,) V(s_t) of its model) as its share of the step's loss."""
+    if mb.returns is None:
+        raise ValueError("a value role trains on batch.returns, which this batch lacks")
+    device = values.device
+    old = mb.old_values if mb.old_values is not None else values.detach()
+    inputs = ValueLossInputs(
+        values=values, old_values=old.to(device), returns=mb.returns.to(device),
+        loss_mask=mb.loss_mask.to(device).float(), sample_index=_sample_index(mb.seqlens, device),
+        denominator=max(step_loss_tokens, 1.0) if loss.aggregation == "token_mean" else max(step_num_samples, 1),
+    )
+    out = loss(inputs)
+    return out.loss, _share_metrics(out.metrics, float(mb.loss_mask.sum()) / max(step_loss_tokens, 1.0))
 
 
 class TrainerRank:
@@ -104,11 +129,11 @@ class TrainerRank:
 
     # -- forward ----------------------------------------------------------------------------------------
 
-    def micro_batches(self, batch: TrainBatch, dsa: DSAOptions) -> list[TrainBatch | None]:
+    def micro_batches(self, batch: TrainBatch, role: RoleConfig) -> list[TrainBatch | None]:
         """Micro-batches by token budget (rows computed: a shared prompt counts once); every rank runs the same
         count, padded with None (collectives of sharded models must pair up)."""
         shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
-                  if batch.seqlens and shares_prompts(batch, self.config, dsa) else None)
+                  if batch.seqlens and shares_prompts(batch, self.config, role) else None)
         groups = split_by_tokens(batch.seqlens, self.config.micro_batch_tokens, shared) if batch.seqlens else []
         count = torch.tensor([len(groups)], device=self.device)
         self.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -126,7 +151,7 @@ class TrainerRank:
         replay = None if replay is None else replay.to(self.device)
         want_topk = replay is None and mb.rollout_topk is not None
         pack = None
-        if shares_prompts(mb, self.config, dsa) and not capture_dsa:
+        if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
         logp, ent, out = role.model.token_logprobs_with_output(
             mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
@@ -135,13 +160,32 @@ class TrainerRank:
         )
         return logp, ent, mb, packed, out
 
+    def value_forward(self, role: Role, mb: TrainBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A value role's (values (T,), final (S,)) of one micro-batch (None = a one-token padding pass)."""
+        mb = mb if mb is not None else _padding_batch()
+        packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
+        return role.model.token_values(mb.input_ids.to(self.device), packed)
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
+        """A value role's V(s_t) of every token of the batch (T,) and V after each sample (N,), float32 on CPU."""
+        held = self.roles[role]
+        held.model.eval()
+        values, finals = [], []
+        for mb in self.micro_batches(batch, held.config):
+            v, final = self.value_forward(held, mb)
+            if mb is not None:
+                values.append(v.float().cpu())
+                finals.append(final.float().cpu())
+        return (torch.cat(values), torch.cat(finals)) if values else (torch.zeros(0), torch.zeros(0))
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """log π of every token of the batch under the role's current weights, (T,) float32 on CPU."""
         held = self.roles[role]
         held.model.eval()
         outs = []
-        for mb in self.micro_batches(batch, held.config.dsa):
+        for mb in self.micro_batches(batch, held.config):
             logp, *_ = self.forward(held, mb)
             if mb is not None:
                 outs.append(logp.float().cpu())
@@ -183,18 +227,14 @@ class TrainerRank:
         sums: dict[str, float] = {}
         step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
         self.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
-        for mb in self.micro_batches(batch, dsa):
-            logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True,
-                                                        capture_dsa=dsa.indexer_loss_coef > 0)
-            loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, global_loss_tokens, global_num_samples)
-            indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, float(step_rows), detailed_metrics)
-            if indexer_loss is not None:
-                loss = loss + indexer_loss
-            metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
-            if measure_sync:
-                gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
-                metrics["sync_logprob_abs_diff/num"] = float(gap.sum()) if mb is not None else 0.0
-                metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
+        for mb in self.micro_batches(batch, held.config):
+            if held.config.kind == "value":
+                values, _ = self.value_forward(held, mb)
+                loss, metrics = micro_batch_value_loss(held.config.loss, values, mb if mb is not None else _padding_batch(),
+                                                       global_loss_tokens, global_num_samples)
+            else:
+                loss, metrics = self._policy_micro_loss(held, mb, global_loss_tokens, global_num_samples,
+                                                        float(step_rows), detailed_metrics, measure_sync)
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             # Ranks average gradients; the loss is already a share of the global mean, so undo that.
@@ -202,13 +242,31 @@ class TrainerRank:
             for k, v in metrics.items():
                 # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
                 sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
-        if batch.rollout_topk is not None and batch.replay_topk is None and not dsa.index_replay:
+        if (held.config.kind == "policy" and batch.rollout_topk is not None and batch.replay_topk is None
+                and not dsa.index_replay):
             for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
         grad_norm, lr = self._optimizer_step(held)
         out = self._reduce_metrics(sums)
         out.update({"grad_norm": grad_norm, "lr": lr})
         return out
+
+    def _policy_micro_loss(self, held: Role, mb: TrainBatch | None, step_loss_tokens: float, step_num_samples: int,
+                           step_rows: float, detailed_metrics: bool,
+                           measure_sync: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics."""
+        dsa = held.config.dsa
+        logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0)
+        loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, step_loss_tokens, step_num_samples)
+        indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, step_rows, detailed_metrics)
+        if indexer_loss is not None:
+            loss = loss + indexer_loss
+        metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
+        if measure_sync:
+            gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
+            metrics["sync_logprob_abs_diff/num"] = float(gap.sum()) if mb is not None else 0.0
+            metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
+        return loss, metrics
 
     def _optimizer_step(self, held: Role) -> tuple[float, float]:
         """Reduce, clip and apply the gradients; an update with a non-finite norm is skipped. (grad norm, lr)."""
@@ -297,4 +355,4 @@ class TrainerRank:
 def _padding_batch() -> TrainBatch:
     zero = torch.zeros(1)
     return TrainBatch(input_ids=torch.zeros(1, dtype=torch.long), seqlens=[1], loss_mask=zero, rollout_logprobs=zero,
-                      advantages=zero, old_logprobs=zero)
+                      advantages=zero, old_logprobs=zero, returns=zero, old_values=zero)

@@ -6,7 +6,8 @@ Per-token tensors are (T,) over the concatenated tokens of a batch, with `loss_m
   utils.py          masked_sum / masked_mean / seq_mean / aggregate (token_mean | seq_mean)
   types.py          LossInputs, LossOutputs
   advantages.py     GRPO / Dr. GRPO / group-centred advantages, zero-std groups (dynamic sampling)
-  gae.py            GAE, skip-observation GAE, length-adaptive λ, decoupled actor/critic GAE
+  gae.py            GAE (skip-observation, bootstrapped at a cut), length-adaptive λ, decoupled actor/critic GAE,
+                    the trajectory reward on the last action token
   policy_loss.py    the frame shared by policy losses: aggregation, KL to reference, entropy bonus
   ppo.py            PPO/GRPO clip (Clip-Higher, dual clip) with IcePop / TIS, bypass mode
   dis.py            async REINFORCE with direct double-sided importance sampling
@@ -15,7 +16,7 @@ Per-token tensors are (T,) over the concatenated tokens of a batch, with `loss_m
   kl.py             k1 / k2 / k3 / low_var_kl estimators
   entropy.py        entropy metric
   value_loss.py     clipped value loss, explained variance
-  specs/            the algorithm specs (grpo, async_reinforce) and their registry: what the loops ask
+  specs/            the algorithm specs (grpo, async_reinforce, sao) and their registry: what the loops ask
 """
 
 # Names load on first use (PEP 562): importing the package, e.g. for the spec registry that `recipe check` reads,
@@ -51,6 +52,7 @@ _SUBMODULE = {
     "masked_sum": "utils",
     "opd_advantages": "opd",
     "reverse_kl_per_sample": "opd",
+    "rewards_on_last_action": "gae",
     "sample_index_from_cu_seqlens": "utils",
     "seq_mean": "utils",
     "tis_weights": "is_correction",

@@ -4,7 +4,9 @@ With `skip_observations` (default) the steps of a trajectory are its action toke
 tool/environment tokens in between get no value target and no advantage, and the last action token of a
 turn bootstraps from the first action token of the next turn,
   δ(a_{i,N}) = r + γ V(a_{i+1,0}) - V(a_{i,N}),   Â(a_{i,N}) = δ + γ λ Â(a_{i+1,0}).
-After the last step of a sample the value is 0 (the episode ended).
+After the last step of a sample the value is 0 (the episode ended), or its bootstrap value when the trajectory was
+cut by a limit (V of the state after its last token: the episode goes on past the cut).
+The trajectory's reward sits on its last action token (`rewards_on_last_action`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,20 @@ from slime_dsa.algorithms.utils import masked_mean, num_samples, per_sample_sum,
 class GAEOutputs:
     advantages: torch.Tensor  # (T,) Â_t on steps, 0 elsewhere
     returns: torch.Tensor  # (T,) value targets Â_t + V(s_t) on steps, 0 elsewhere
+
+
+def rewards_on_last_action(rewards: torch.Tensor, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """(N,) trajectory rewards -> (T,) with each on its sample's last action token (loss_mask 1), 0 elsewhere.
+
+    A sample without action tokens gets its reward nowhere (it has no step to credit)."""
+    positions = torch.arange(loss_mask.numel(), device=loss_mask.device)
+    action = loss_mask > 0
+    last = torch.full((rewards.numel(),), -1, dtype=torch.long, device=loss_mask.device)
+    last = last.scatter_reduce(0, sample_index[action], positions[action], reduce="amax")
+    out = torch.zeros(loss_mask.shape, dtype=upcast(rewards).dtype, device=rewards.device)
+    has = last >= 0
+    out[last[has]] = upcast(rewards)[has]
+    return out
 
 
 def length_adaptive_lambda(loss_mask: torch.Tensor, sample_index: torch.Tensor, alpha: float = 1.5) -> torch.Tensor:
@@ -53,10 +69,12 @@ def gae(
     gamma: float = 1.0,
     lam: float | torch.Tensor = 1.0,
     skip_observations: bool = True,
+    bootstrap_values: torch.Tensor | None = None,
 ) -> GAEOutputs:
     """GAE per sample, backwards in time. rewards/values/loss_mask/sample_index (T,); lam a float or (N,).
 
-    Without `skip_observations` every token of a sample is a step (single-turn responses).
+    Without `skip_observations` every token of a sample is a step (single-turn responses). bootstrap_values (N,):
+    V after each sample's last step (nonzero for a trajectory cut by a limit); None = 0 for every sample.
     """
     for name, t in (("values", values), ("loss_mask", loss_mask), ("sample_index", sample_index)):
         if t.shape != rewards.shape:
@@ -69,13 +87,19 @@ def gae(
     lam_rows = torch.as_tensor(lam, dtype=torch.float64, device=rewards.device)
     if lam_rows.dim() > 1 or lam_rows.numel() not in (1, n):
         raise ValueError(f"lam must be a float or a ({n},) tensor, one per sample, got shape {tuple(lam_rows.shape)}")
-    # (L+1, N) grid of steps, time-major so each backward step is contiguous; the zero row/padding past a
-    # sample's last step makes V(after it) = 0 and stops the recursion there.
+    # (L+1, N) grid of steps, time-major so each backward step is contiguous. The row after a sample's last step
+    # holds V(after it): 0, or its bootstrap value; the deltas past it are masked, which stops the recursion there.
     r = rewards.new_zeros(width + 1, n, dtype=torch.float64)
     v = r.clone()
     r[col, row] = rewards[steps].double()
     v[col, row] = values[steps].double()
-    delta = r[:-1] + gamma * v[1:] - v[:-1]  # (L, N)
+    counts = torch.zeros(n, dtype=torch.long, device=rewards.device).index_add(0, sample_index, steps.long())  # (N,)
+    if bootstrap_values is not None:
+        if bootstrap_values.shape != (n,):
+            raise ValueError(f"bootstrap_values must have shape ({n},), one per sample, got {tuple(bootstrap_values.shape)}")
+        v[counts, torch.arange(n, device=rewards.device)] = bootstrap_values.double()
+    live = torch.arange(width, device=rewards.device)[:, None] < counts[None, :]  # (L, N): a step of that sample
+    delta = (r[:-1] + gamma * v[1:] - v[:-1]) * live  # (L, N)
     adv = torch.zeros_like(r)
     decay = gamma * lam_rows.expand(n)  # (N,)
     for t in range(width - 1, -1, -1):  # L iterations, each vectorised over samples
@@ -96,11 +120,12 @@ def decoupled_gae(
     gamma: float = 1.0,
     alpha: float = 1.5,
     lam_critic: float = 1.0,
+    bootstrap_values: torch.Tensor | None = None,
 ) -> GAEOutputs:
     """SAO/VAPO: actor advantages with length-adaptive λ_policy, critic returns with λ_critic (1 = Monte Carlo)."""
     lam_policy = length_adaptive_lambda(loss_mask, sample_index, alpha)
-    policy = gae(rewards, values, loss_mask, sample_index, gamma, lam_policy)
-    critic = gae(rewards, values, loss_mask, sample_index, gamma, lam_critic)
+    policy = gae(rewards, values, loss_mask, sample_index, gamma, lam_policy, bootstrap_values=bootstrap_values)
+    critic = gae(rewards, values, loss_mask, sample_index, gamma, lam_critic, bootstrap_values=bootstrap_values)
     return GAEOutputs(advantages=policy.advantages, returns=critic.returns)
 
 

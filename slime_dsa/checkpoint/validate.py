@@ -10,8 +10,9 @@ MANIFEST_KEY = "files"  # in orchestrator.json: {file name: size in bytes} of wh
 
 
 def manifest(directory: Path) -> dict[str, int]:
-    """{name: size} of every file in a checkpoint directory being written (recorded in orchestrator.json)."""
-    return {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
+    """{relative path: size} of every file in a checkpoint directory being written, a role's subdirectory (critic/)
+    included (recorded in orchestrator.json)."""
+    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def checkpoint_problem(directory: Path) -> str | None:
@@ -33,10 +34,10 @@ def checkpoint_problem(directory: Path) -> str | None:
             return f"{name} is {path.stat().st_size} bytes, {size} were written"
     if not (directory / "model.safetensors").is_file() and not (directory / "model.safetensors.index.json").is_file():
         return "model.safetensors is missing"
-    for path in sorted(directory.iterdir()):
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         problem = _json_problem(path) if path.suffix == ".json" else safetensors_problem(path) if path.suffix == ".safetensors" else None
         if problem:
-            return f"{path.name} {problem}"
+            return f"{path.relative_to(directory).as_posix()} {problem}"
     return None
 
 

@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     explain = actions.add_parser("explain", help="list every recipe key with its type, default and meaning")
     explain.add_argument("section", nargs="?", metavar="SECTION",
-                         help="one section, e.g. rollout, rollout.sglang, data.tasks (default: all)")
+                         help="one section, e.g. rollout, rollout.sglang, data.tasks, or the keys one algorithm reads, "
+                              "e.g. sao (default: all)")
     explain.add_argument("--yaml", action="store_true",
                          help="print every default as a commented YAML recipe instead")
     explain.set_defaults(run=run_explain)

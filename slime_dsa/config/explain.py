@@ -1,8 +1,10 @@
-"""Render the recipe schema for people: `explain()` lists every key with its type, default and description;
-`defaults_yaml()` writes every default as a commented recipe (recipes/base.yaml is its output)."""
+"""Render the recipe schema for people: `explain()` lists every key with its type, default and description (of the
+whole recipe, one section, or the keys one algorithm reads); `defaults_yaml()` writes every default as a commented
+recipe (recipes/base.yaml is its output)."""
 
 from __future__ import annotations
 
+import importlib
 import textwrap
 import types
 from typing import Any, Literal, Union, get_args, get_origin
@@ -11,9 +13,10 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from slime_dsa.algorithms.specs import ALGORITHMS, COMMON_OPTIONS
 from slime_dsa.config.errors import RecipeError
 from slime_dsa.config.introspect import as_model, closest_name, list_item, range_text, sections
-from slime_dsa.config.schema import RecipeConfig
+from slime_dsa.config.schema import AlgorithmSection, RecipeConfig
 
 _WIDTH = 100
 _DEFAULTS_KEY = ("defaults", "str | list[str] = null",
@@ -22,7 +25,8 @@ _DEFAULTS_KEY = ("defaults", "str | list[str] = null",
 
 
 def explain(section: str | None = None) -> str:
-    """Every key of the recipe (or of one section) with its type, default and description."""
+    """Every key of the recipe (or of one section, or the keys of one algorithm: `explain("sao")`) with its type,
+    default and description."""
     known = sections()
     if section is None:
         intro = ("A recipe is a YAML mapping of the sections below; every key is optional. "
@@ -32,11 +36,42 @@ def explain(section: str | None = None) -> str:
         for name in RecipeConfig.model_fields:
             lines += _render_section(name, *known[name])
         return "\n".join(lines).rstrip() + "\n"
+    if section in ALGORITHMS and section not in known:
+        return explain_algorithm(section)
     if section not in known:
-        match = closest_name(section, known, cutoff=0.6)
+        match = closest_name(section, [*known, *ALGORITHMS], cutoff=0.6)
         hint = f"did you mean {match}? " if match else ""
-        raise RecipeError(f"recipe explain: unknown section '{section}'; {hint}sections: {', '.join(known)}")
+        raise RecipeError(f"recipe explain: unknown section '{section}'; {hint}sections: {', '.join(known)}; "
+                          f"algorithms: {', '.join(ALGORITHMS)}")
     return "\n".join(_render_section(section, *known[section])).rstrip() + "\n"
+
+
+def explain_algorithm(name: str) -> str:
+    """What one algorithm is and every key it reads: its own keys of the algorithm section, then the sections of the
+    model roles it adds (a critic's), each with type, default and description (which names the default's source)."""
+    spec = ALGORITHMS[name]
+    doc = (spec.__doc__ or "").strip().splitlines()[0]
+    module = (importlib.import_module(spec.__module__).__doc__ or "").strip()
+    lines = [f"{name}: {doc}", *(f"  {line}".rstrip() for line in module.splitlines()),
+             f"  loop: {spec.loop}; advantages: {spec.advantage_source}, one per {spec.advantage_level}; model roles: "
+             f"{', '.join(spec.roles)}; smallest group: {spec.min_group_size}", "",
+             f"algorithm: the keys {name} reads beside those every algorithm reads (recipe explain algorithm)",
+             f"  algorithm.name: {name}"]
+    for key, field in AlgorithmSection.model_fields.items():
+        if key in spec.options and key not in COMMON_OPTIONS:
+            lines += _render_key("algorithm", key, field)
+    lines.append("")
+    if "critic" in spec.roles:  # the role's own section: its weights, optimiser and placement
+        lines += _render_section("critic", *sections()["critic"])
+    lines.append("The policy's optimiser is the trainer section's (trainer.learning_rate, ...): recipe explain trainer.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _render_key(prefix: str, key: str, field: FieldInfo) -> list[str]:
+    """`  prefix.key: type = default  (range)` and the wrapped description."""
+    bounds = range_text(field)
+    return [f"  {prefix}.{key}: {_type_text(field.annotation)} = {_inline(_default(field))}"
+            + (f"  ({bounds})" if bounds else ""), *_wrap(field.description or "", 6)]
 
 
 def _render_section(name: str, model: type[BaseModel], prefix: str) -> list[str]:
@@ -50,11 +85,9 @@ def _render_section(name: str, model: type[BaseModel], prefix: str) -> list[str]
             subsections.append(key)
             kind = "section" if sub else f"list of sections = {_inline(_default(field))}"
             lines.append(f"  {prefix}.{key}: {kind}, see {_join(name, key)} below")
+            lines += _wrap(field.description or "", 6)
         else:
-            bounds = range_text(field)
-            lines.append(f"  {prefix}.{key}: {_type_text(field.annotation)} = {_inline(_default(field))}"
-                         + (f"  ({bounds})" if bounds else ""))
-        lines += _wrap(field.description or "", 6)
+            lines += _render_key(prefix, key, field)
     lines.append("")
     for key in subsections:
         sub_name = _join(name, key)

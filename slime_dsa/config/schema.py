@@ -335,9 +335,11 @@ class AlgorithmSection(Section):
 
     name: str = Field(
         "grpo", description="Algorithm (slime_dsa/algorithms/specs): grpo (synchronous, clipped ratio against "
-                            "π_old), async_reinforce (asynchronous REINFORCE with double-sided IS). Each algorithm "
-                            "reads the keys of this section its description names; setting another away from its "
-                            "default is an error.")
+                            "π_old), async_reinforce (asynchronous REINFORCE with double-sided IS), sao (single-rollout "
+                            "asynchronous optimisation: double-sided IS on per-token GAE from a value model, the "
+                            "critic section). Each algorithm reads the keys of this section its description names; "
+                            "setting another away from its default is an error (`slime-dsa recipe explain NAME` "
+                            "lists one algorithm's keys).")
     advantage_std_normalize: bool = Field(
         True, description="grpo: divide group advantages by the group's reward std; false = Dr. GRPO.")
     eps_clip_low: float = Field(
@@ -369,20 +371,52 @@ class AlgorithmSection(Section):
                            "trainer (saves a forward pass).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     dis_eps_low: float = Field(
-        0.3, ge=0, le=1, description="async_reinforce: double-sided IS; tokens with π_θ/π_roll at or below "
-                                     "1 − dis_eps_low get no gradient.")
+        0.3, ge=0, le=1, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or below "
+                                     "1 − dis_eps_low get no gradient. Default 0.3: the SAO paper's maths setting "
+                                     "(its code setting: 0.8).")
     dis_eps_high: float = Field(
-        5.0, gt=0, description="async_reinforce: double-sided IS; tokens with π_θ/π_roll at or above "
-                               "1 + dis_eps_high get no gradient.")
+        5.0, gt=0, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or above "
+                               "1 + dis_eps_high get no gradient. Default 5.0: the SAO paper's maths setting (its "
+                               "code setting: 3.0).")
     max_staleness: int = Field(
-        2, ge=0, description="async_reinforce: drop samples whose oldest token's policy version lags the "
+        2, ge=0, description="async_reinforce, sao: drop samples whose oldest token's policy version lags the "
                              "trainer's by more than this many versions, and never let rollout run more than "
-                             "this many steps ahead of training; 0 = on-policy only (the synchronous loop).")
+                             "this many steps ahead of training; 0 = on-policy only (the synchronous loop). "
+                             "Default 2: ours (GLM-5 leaves it undisclosed).")
+    gae_gamma: float = Field(
+        1.0, ge=0, le=1, description="sao: discount γ of GAE over action tokens. Default 1 (no discount): the SAO "
+                                     "paper.")
+    gae_lambda_alpha: float = Field(
+        1.5, gt=0, description="sao: α of the actor's length-adaptive λ = 1 − 1/(α·l), l the trajectory's action "
+                               "tokens, clamped to [0, 1]. Default 1.5: the SAO paper, after VAPO.")
+    critic_gae_lambda: float = Field(
+        1.0, ge=0, le=1, description="sao: λ of the critic's value targets; 1 = Monte-Carlo returns. Default 1: the "
+                                     "SAO paper.")
+    critic_updates_per_step: int = Field(
+        2, ge=1, description="sao: K, passes of critic updates over each step's trajectories for the actor's one "
+                             "(each pass takes trainer.num_steps_per_rollout optimizer steps, as the actor does). "
+                             "Default 2: the SAO paper.")
+    critic_warmup_steps: int = Field(
+        10, ge=0, description="sao: the first this many RL steps train only the critic (the policy's weights stay "
+                              "as they are; rollout goes on with them). Equal to trainer.num_steps, the run is value "
+                              "pre-training of a fixed policy (recipes/value_pretrain.yaml). Default 10: the SAO "
+                              "paper's example (its exact value is undisclosed).")
+    value_clip: float | None = Field(
+        None, gt=0, description="sao: clip each value update to V_old ± value_clip in the value loss (PPO-style; "
+                                "0.2–0.5 in PPO critics); null = plain masked MSE. Default null: implementers of "
+                                "the SAO paper read it as unclipped, and sources disagree.")
+    bootstrap_truncated: bool = Field(
+        True, description="sao: a trajectory an agent loop cut at one of its limits (turns, tokens, wall time: status "
+                          "truncated with metadata truncated_by) ends its GAE on γ·V(state after its last token) "
+                          "instead of 0, its reward still on its last action token. A single response cut at "
+                          "rollout.max_response_length ends its episode (its reward function scored it): never "
+                          "bootstrapped. Default true: issue 15 (an agent's limit is not the end of the episode).")
     partial_rollout: Literal["retract", "in_place", "off"] = Field(
-        "retract", description="async_reinforce: responses in progress when new weights arrive are continued under "
-                               "them (a partial rollout; each token keeps the version and log-prob it was sampled "
+        "retract", description="async_reinforce, sao: responses in progress when new weights arrive are continued "
+                               "under them (a partial rollout; each token keeps the version and log-prob it was sampled "
                                "with): retract recomputes their cache under the new weights, in_place keeps the "
-                               "cache computed under the old ones; off aborts and regenerates them from scratch.")
+                               "cache computed under the old ones; off aborts and regenerates them from scratch. "
+                               "Default retract: ours (SGLang's retract pause mode).")
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")
@@ -615,6 +649,35 @@ class IndexerWarmupSection(Section):
         return self
 
 
+class CriticSection(Section):
+    """The value model of algorithms with a critic (sao): its starting weights, optimiser and placement."""
+
+    path: str | None = Field(
+        None, description="Directory the value model starts from: a value model (a value pre-training run's "
+                          "checkpoints/step_N/critic, recipes/value_pretrain.yaml) or a policy (its backbone under a "
+                          "fresh value head). Default null: the policy's starting weights (model.path) under a fresh "
+                          "head, as in the SAO paper.")
+    learning_rate: float = Field(
+        5e-6, gt=0, description="The critic's own AdamW learning rate, constant (trainer.learning_rate is the "
+                                "actor's). Default 5e-6: public SAO reproductions (5e-6 against the actor's 1e-6).")
+    weight_decay: float = Field(0.0, ge=0, description="The critic's AdamW decoupled weight decay. Default 0: ours.")
+    max_grad_norm: float = Field(
+        1.0, ge=0, description="Clip the critic's global gradient norm to this value; 0 = no clipping. Default 1.0: "
+                               "ours, as the actor's.")
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: the critic lives in the policy's trainer workers (same devices; critic "
+                                 "and actor train in turn); separate: in critic.num_workers workers of its own "
+                                 "(critic.num_gpus_per_worker each), which train the critic while the policy "
+                                 "trains. Default colocated: ours (one device holds both on the CPU and one-GPU "
+                                 "recipes).")
+    num_workers: int = Field(
+        1, ge=1, description="placement separate: the critic's trainer workers (Ray actors, one per device). "
+                             "Default 1: ours.")
+    num_gpus_per_worker: float = Field(
+        0.0, ge=0, description="placement separate: GPUs per critic worker; 0 = CPU. Default 0: ours (the CPU "
+                               "default of every recipe).")
+
+
 class RecipeConfig(Section):
     """A whole recipe. An empty one is valid and trains a tiny random model on a laptop CPU."""
 
@@ -623,6 +686,8 @@ class RecipeConfig(Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Generation engines and sampling.")
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="The RL objective.")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Training backend and optimiser.")
+    critic: CriticSection = Field(
+        default_factory=CriticSection, description="The value model of algorithms with a critic (sao).")
     cluster: ClusterSection = Field(default_factory=ClusterSection, description="Ray cluster and placement.")
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Run directory, W&B, cadence.")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Training checkpoints.")
@@ -633,6 +698,7 @@ class RecipeConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> RecipeConfig:
         alg, ro, cl = self.algorithm, self.rollout, self.cluster
+        self._check_critic()
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(
@@ -699,6 +765,23 @@ class RecipeConfig(Section):
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
                 "logging.run_name (the default run name is new on every run)", "checkpoint.resume")
         return self
+
+    def _check_critic(self) -> None:
+        """The critic section is read only by algorithms with a critic role; separate-placement keys only there."""
+        critic, spec = self.critic, algorithm_class(self.algorithm.name)
+        defaults = CriticSection()
+        changed = [k for k in type(critic).model_fields if getattr(critic, k) != getattr(defaults, k)]
+        if changed and "critic" not in spec.roles:
+            readers = [name for name, other in ALGORITHMS.items() if "critic" in other.roles]
+            raise RecipeValueError(
+                f"critic.{changed[0]} is read only by algorithms with a value model ({', '.join(readers)}), but "
+                f"algorithm.name is '{self.algorithm.name}'", f"critic.{changed[0]}", "algorithm.name")
+        if critic.placement == "colocated":
+            for key in ("num_workers", "num_gpus_per_worker"):
+                if getattr(critic, key) != getattr(defaults, key):
+                    raise RecipeValueError(
+                        f"critic.{key} ({getattr(critic, key)}) applies to placement 'separate'; a colocated critic "
+                        "uses the trainer's workers", f"critic.{key}", "critic.placement")
 
     def summary(self) -> str:
         """One line that says what this recipe trains, on what, and how."""

@@ -45,6 +45,10 @@ PANELS = (
     Panel("logprob_diff.png", "Trainer vs rollout log-prob gap", "mean |Δ log-prob| per token",
           ("train/train_rollout_logprob_abs_diff",), log_y=True),
     Panel("response_length.png", "Response length", "tokens", ("rollout/response_length_mean",)),
+    Panel("value_loss.png", "Critic value loss", "masked MSE", ("critic/value_loss",)),
+    Panel("explained_variance.png", "Critic explained variance (V_old vs targets)", "1 - Var(R - V) / Var(R)",
+          ("critic/explained_variance",)),
+    Panel("advantage.png", "Advantages over action tokens", "advantage", ("advantage/mean", "advantage/std")),
     Panel("step_time.png", "Step time", "seconds",
           ("perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/sync_time_s")),
 )

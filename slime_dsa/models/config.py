@@ -147,7 +147,7 @@ class ModelConfig:
         out["num_key_value_heads"] = self.num_attention_heads
         out["head_dim"] = self.qk_rope_head_dim
         out["model_type"] = "glm_moe_dsa"
-        out["architectures"] = ["GlmMoeDsaForCausalLM"]
+        out.setdefault("architectures", ["GlmMoeDsaForCausalLM"])  # a value model's config says GlmMoeDsaForValue
         if not self.num_nextn_predict_layers:
             out.pop("num_nextn_predict_layers")
         return out

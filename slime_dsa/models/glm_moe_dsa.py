@@ -468,18 +468,139 @@ class GlmMoeDsaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GlmMoeDsaForCausalLM(nn.Module):
-    """Causal LM over packed sequences. Parameter names equal transformers' GlmMoeDsaForCausalLM."""
+class GlmMoeDsaPreTrainedModel(nn.Module):
+    """What every model on the GLM-MoE-DSA backbone shares: the backbone at `model.`, RoPE, the packed forward to
+    the final hidden states, initialisation and casting. A head on top makes the causal LM or the value model."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = GlmMoeDsaModel(config)
+        self.gradient_checkpointing = False
+        self._inv_freq, self._rope_scaling = rope_inv_freq(config)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        batch: PackedBatch,
+        *,
+        replay_topk: torch.Tensor | None = None,
+        return_topk: bool = False,
+        capture_dsa: bool = False,
+        return_mtp: bool = False,
+        index_topk: int | None = None,
+    ) -> ModelOutput:
+        """Packed forward to the final hidden states: input_ids (T,) -> ModelOutput without logits.
+
+        replay_topk (n_full_layers, T, K) replays a selection; its rows that start with REPLAY_COMPUTE are
+        selected by the indexer as usual (partial replay). index_topk overrides config.index_topk for this call.
+        """
+        h = self.model.embed_tokens(input_ids)  # (T, D)
+        if self._inv_freq.device != h.device:  # kept on the device: a host copy per forward would sync
+            with torch.inference_mode(False):  # a normal tensor, usable by later autograd forwards too
+                self._inv_freq = self._inv_freq.to(h.device)
+        cos, sin = rope_cos_sin(batch.positions, self._inv_freq, self._rope_scaling, h.dtype)
+        capture = [] if capture_dsa else None
+        record = None
+        full_ids = {layer: i for i, layer in enumerate(self.config.full_layer_ids)}
+        selections, shared_rows = [], None
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
+            idx = layer.self_attn.layer_idx
+            replay = replay_topk[full_ids[idx]] if replay_topk is not None and idx in full_ids else None
+            if self.gradient_checkpointing and torch.is_grad_enabled() and capture is None:  # recompute would capture twice
+                h, local, shared_rows, _ = checkpoint(
+                    layer, h, cos, sin, batch, shared_rows, replay, False, index_topk, use_reentrant=False
+                )
+            else:
+                h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
+            if record is not None:
+                capture.append(record)
+            if local is not None:
+                selections.append(local)
+        mtp_hidden = self._mtp_forward(h, input_ids, cos, sin, batch) if return_mtp else None
+        h = self.model.norm(h)
+        return ModelOutput(
+            logits=None,
+            hidden_states=h,
+            topk_indices=torch.stack(selections) if return_topk else None,
+            dsa_layers=capture,
+            mtp_hidden=mtp_hidden,
+        )
+
+    def _mtp_forward(self, h, input_ids, cos, sin, batch) -> list[torch.Tensor]:
+        """Each MTP layer combines h_t with the embedding of token t+1 (0 past a sequence's end)."""
+        outs = []
+        next_ids = torch.roll(input_ids, -1)
+        last = batch.cu_seqlens_q[1:] - 1
+        for layer in self.model.layers[self.config.num_hidden_layers :]:
+            emb = self.model.embed_tokens(next_ids)
+            emb[last] = 0
+            x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
+            h, _, _, _ = layer(x, cos, sin, batch, None)
+            outs.append(layer.shared_head.norm(h))
+        return outs
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random initialisation, in one place: normal(0, initializer_range) matrices, unit norms, zero biases."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.weight.fill_(1.0)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Router):
+                module.weight.normal_(0.0, std)
+                module.e_score_correction_bias.zero_()
+
+    def graph_safe(self) -> bool:
+        """Whether an inference forward waits on no host, so that it can be captured in a CUDA graph: every MoE
+        layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
+        return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
+
+    def refresh_inference_caches(self) -> None:
+        """Bring the derived weight copies up to date now, in place where they exist (after a weight update)."""
+        for module in self.modules():
+            if isinstance(module, Experts) and module._stacked is not None:
+                module.stacked()
+
+    def drop_inference_caches(self) -> None:
+        """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.drop_stacked()
+
+    def cast(self, dtype: torch.dtype) -> "GlmMoeDsaPreTrainedModel":
+        """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
+        self.to(dtype)
+        for name, module in self.named_modules():
+            if isinstance(module, Router) or name.endswith("indexer.weights_proj"):
+                module.float()
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+
+class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
+    """Causal LM over packed sequences. Parameter names equal transformers' GlmMoeDsaForCausalLM."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.gradient_checkpointing = False
-        self._inv_freq, self._rope_scaling = rope_inv_freq(config)
 
     # -- forwards ------------------------------------------------------------------------------
 
@@ -511,55 +632,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return_mtp: bool = False,
         index_topk: int | None = None,
     ) -> ModelOutput:
-        """Packed forward: input_ids (T,) -> ModelOutput.
-
-        replay_topk (n_full_layers, T, K) replays a selection; its rows that start with REPLAY_COMPUTE are
-        selected by the indexer as usual (partial replay). index_topk overrides config.index_topk for this call.
-        """
-        h = self.model.embed_tokens(input_ids)  # (T, D)
-        if self._inv_freq.device != h.device:  # kept on the device: a host copy per forward would sync
-            with torch.inference_mode(False):  # a normal tensor, usable by later autograd forwards too
-                self._inv_freq = self._inv_freq.to(h.device)
-        cos, sin = rope_cos_sin(batch.positions, self._inv_freq, self._rope_scaling, h.dtype)
-        capture = [] if capture_dsa else None
-        record = None
-        full_ids = {layer: i for i, layer in enumerate(self.config.full_layer_ids)}
-        selections, shared_rows = [], None
-        for layer in self.model.layers[: self.config.num_hidden_layers]:
-            idx = layer.self_attn.layer_idx
-            replay = replay_topk[full_ids[idx]] if replay_topk is not None and idx in full_ids else None
-            if self.gradient_checkpointing and torch.is_grad_enabled() and capture is None:  # recompute would capture twice
-                h, local, shared_rows, _ = checkpoint(
-                    layer, h, cos, sin, batch, shared_rows, replay, False, index_topk, use_reentrant=False
-                )
-            else:
-                h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
-            if record is not None:
-                capture.append(record)
-            if local is not None:
-                selections.append(local)
-        mtp_hidden = self._mtp_forward(h, input_ids, cos, sin, batch) if return_mtp else None
-        h = self.model.norm(h)
-        return ModelOutput(
-            logits=self.lm_head(h) if return_logits else None,
-            hidden_states=h,
-            topk_indices=torch.stack(selections) if return_topk else None,
-            dsa_layers=capture,
-            mtp_hidden=mtp_hidden,
-        )
-
-    def _mtp_forward(self, h, input_ids, cos, sin, batch) -> list[torch.Tensor]:
-        """Each MTP layer combines h_t with the embedding of token t+1 (0 past a sequence's end)."""
-        outs = []
-        next_ids = torch.roll(input_ids, -1)
-        last = batch.cu_seqlens_q[1:] - 1
-        for layer in self.model.layers[self.config.num_hidden_layers :]:
-            emb = self.model.embed_tokens(next_ids)
-            emb[last] = 0
-            x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(h)], dim=-1))
-            h, _, _, _ = layer(x, cos, sin, batch, None)
-            outs.append(layer.shared_head.norm(h))
-        return outs
+        """Packed forward: input_ids (T,) -> ModelOutput, with logits (T, V) when return_logits (see forward_hidden)."""
+        out = self.forward_hidden(input_ids, batch, replay_topk=replay_topk, return_topk=return_topk,
+                                  capture_dsa=capture_dsa, return_mtp=return_mtp, index_topk=index_topk)
+        if return_logits:
+            out.logits = self.lm_head(out.hidden_states)
+        return out
 
     def token_logprobs(
         self,
@@ -625,55 +703,3 @@ class GlmMoeDsaForCausalLM(nn.Module):
             ent = torch.roll(ent_next, 1)
             ent[starts] = 0.0
         return logp, ent, out
-
-    # -- weights -------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Random initialisation, in one place: normal(0, initializer_range) matrices, unit norms, zero biases."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
-                module.weight.fill_(1.0)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, Router):
-                module.weight.normal_(0.0, std)
-                module.e_score_correction_bias.zero_()
-
-    def graph_safe(self) -> bool:
-        """Whether an inference forward waits on no host, so that it can be captured in a CUDA graph: every MoE
-        layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
-        return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
-
-    def refresh_inference_caches(self) -> None:
-        """Bring the derived weight copies up to date now, in place where they exist (after a weight update)."""
-        for module in self.modules():
-            if isinstance(module, Experts) and module._stacked is not None:
-                module.stacked()
-
-    def drop_inference_caches(self) -> None:
-        """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.drop_stacked()
-
-    def cast(self, dtype: torch.dtype) -> "GlmMoeDsaForCausalLM":
-        """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
-        self.to(dtype)
-        for name, module in self.named_modules():
-            if isinstance(module, Router) or name.endswith("indexer.weights_proj"):
-                module.float()
-        return self
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype

@@ -6,7 +6,8 @@ consumes them, one step of `prompts_per_step` groups at a time:
    than `max_staleness` versions behind the trainer (counted), discard groups left untrainable (their slot is
    regenerated);
 2. the algorithm's training step (async_reinforce: the DIS loss, r = π_θ / π_roll per token with no π_old
-   recomputed, on group-centred advantages), while the producer keeps generating;
+   recomputed, on group-centred advantages; sao: the same loss on a critic's per-token GAE, groups of one, and the
+   critic's own updates, step.train_on_samples), while the producer keeps generating;
 3. push the new weights in flight: pause (retract | in_place: requests continue under the new weights, a
    partial rollout; abort: they are regenerated), update, resume. Every token records its own version;
 4. the StalenessGate lets the producer one step further, and the shared per-step tail (eval, log, checkpoint)
@@ -133,7 +134,7 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
                 fates["stale"].append(s.index)
             else:
                 fresh.append(s)
-        usable = screen_group(fresh, cfg.dynamic_sampling, counters)
+        usable = screen_group(fresh, cfg.dynamic_sampling, counters, manager.min_group_size)
         if usable is None:
             fates["discarded"].extend(s.index for s in fresh)
             await gate.replace(1)

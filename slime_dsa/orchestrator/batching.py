@@ -1,19 +1,45 @@
-"""Samples → the trainer's packed TrainBatch: advantages, loss masks and per-token rollout log-probs."""
+"""Samples → the trainer's packed TrainBatch: advantages, loss masks and per-token rollout log-probs; and what a
+critic's per-token advantages read besides the batch (its values, which trajectories were cut by a limit)."""
 
 from __future__ import annotations
 
 import torch
 
 from slime_dsa.algorithms.specs import AdvantageInputs, Algorithm
-from slime_dsa.data.sample import Sample
+from slime_dsa.data.sample import Sample, SampleStatus
 from trainers.base import TrainBatch
+
+
+def _rewards_and_groups(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([s.group_id if s.group_id is not None else s.index for s in samples])
+    return rewards, group_ids
 
 
 def sample_advantages(samples: list[Sample], algorithm: Algorithm) -> torch.Tensor:
     """One advantage per sample, from the algorithm's advantage function on the samples' rewards and groups."""
-    rewards = torch.tensor([float(s.reward or 0.0) for s in samples], dtype=torch.float32)
-    group_ids = torch.tensor([s.group_id if s.group_id is not None else s.index for s in samples])
+    rewards, group_ids = _rewards_and_groups(samples)
     return algorithm.advantages(AdvantageInputs(rewards=rewards, group_ids=group_ids))
+
+
+def cut_by_limit(sample: Sample) -> bool:
+    """An agent loop stopped the trajectory at one of its limits (turns, tokens, wall time): the episode goes on."""
+    return sample.status == SampleStatus.TRUNCATED and bool(sample.metadata.get("truncated_by"))
+
+
+def critic_advantage_inputs(samples: list[Sample], batch: TrainBatch, values: torch.Tensor,
+                            final_values: torch.Tensor) -> AdvantageInputs:
+    """What a critic's per-token advantages read: rewards and groups, the batch's loss mask and sample index, the
+    critic's values (T,) and final values (N,) (TrainerGroup.compute_values), and which trajectories an agent loop
+    cut by one of its limits (status truncated with metadata["truncated_by"]).
+
+    A single response cut at rollout.max_response_length is not among them: its reward function scored it, so its
+    episode ended there."""
+    rewards, group_ids = _rewards_and_groups(samples)
+    sample_index = torch.repeat_interleave(torch.arange(len(batch.seqlens)), torch.tensor(batch.seqlens))
+    truncated = torch.tensor([cut_by_limit(s) for s in samples], dtype=torch.bool)
+    return AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask, sample_index=sample_index,
+                           values=values, final_values=final_values, truncated=truncated)
 
 
 def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
@@ -45,6 +71,8 @@ def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
 
 def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_replay: bool = False) -> TrainBatch:
     """Pack prompt+response of every sample; only response tokens the policy generated are trained on.
+
+    advantages: (N,) one per sample, broadcast to its tokens (a critic's per-token advantages replace them later).
 
     The engines' top-k (when samples carry it) becomes `replay_topk` with index_replay, else `rollout_topk`
     (kept to measure the rollout/training selection mismatch; a trainer whose DSAOptions.index_replay is on

@@ -21,14 +21,18 @@ if TYPE_CHECKING:
     from slime_dsa.data.prompts import TaskMixture
 
 
-def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter) -> list[Sample] | None:
-    """The group's trainable samples, or None when the group cannot be trained on; counts why in `counters`."""
+def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter,
+                 min_samples: int = 2) -> list[Sample] | None:
+    """The group's trainable samples, or None when the group cannot be trained on; counts why in `counters`.
+
+    min_samples: the fewest usable samples that teach the algorithm something (2 for group advantages, 1 for a
+    critic's: Algorithm.min_group_size)."""
     usable = [s for s in group if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
     counters["failed_samples"] += len(group) - len(usable)
-    if len(usable) < 2:
+    if len(usable) < max(min_samples, 1):
         counters["dropped_groups"] += 1
         return None
-    if len({s.reward for s in usable}) == 1:
+    if len(usable) > 1 and len({s.reward for s in usable}) == 1:
         counters["zero_std_groups"] += 1
         if dynamic_sampling:
             return None
@@ -46,6 +50,8 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
         "rollout/response_length_mean": sum(s.response_length for s in scored) / n,
         "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
         "rollout/num_samples": len(samples),
+        # what the policy generated (loss_mask 1: tool/environment tokens excluded): the budget comparisons count
+        "rollout/generated_tokens": sum(sum(s.loss_mask) for s in samples),
         "rollout/num_groups_trained": len(kept),
         "rollout/zero_std_groups": counters["zero_std_groups"],
         "rollout/dropped_groups": counters["dropped_groups"],
@@ -66,9 +72,10 @@ class StepCollector:
     share of groups the last round kept) sizes the next round and is part of the resume state."""
 
     def __init__(self, groups: GroupRollout, mixture: TaskMixture, numbering: SampleNumbering,
-                 rollout: RolloutSection, show_progress: bool = True) -> None:
+                 rollout: RolloutSection, show_progress: bool = True, min_group_size: int = 2) -> None:
         self.groups, self.mixture, self.numbering, self.cfg = groups, mixture, numbering, rollout
         self.show_progress = show_progress
+        self.min_group_size = min_group_size  # screen_group's min_samples
         self.keep_share = 1.0
 
     def round_size(self, need: int) -> int:
@@ -98,7 +105,7 @@ class StepCollector:
                 usable_groups = 0
                 for group in done:
                     every.extend(group)
-                    usable = screen_group(group, cfg.dynamic_sampling, counters)
+                    usable = screen_group(group, cfg.dynamic_sampling, counters, self.min_group_size)
                     usable_groups += usable is not None
                     if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)

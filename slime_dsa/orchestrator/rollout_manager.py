@@ -29,11 +29,12 @@ class RolloutManager:
 
     def __init__(self, client: GenerateClient, tasks: list[Task], mixture: TaskMixture, tokenizer: Any,
                  rollout: RolloutSection, buffer: SampleBuffer | None = None, show_progress: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, min_group_size: int = 2) -> None:
         self.tasks, self.mixture = tasks, mixture
         self.numbering = SampleNumbering()
         self.groups = GroupRollout(client, tasks, tokenizer, rollout, seed)
-        self.collector = StepCollector(self.groups, mixture, self.numbering, rollout, show_progress)
+        self.min_group_size = min_group_size  # the fewest usable samples a group needs (Algorithm.min_group_size)
+        self.collector = StepCollector(self.groups, mixture, self.numbering, rollout, show_progress, min_group_size)
         self.producer = GroupProducer(self.groups, mixture, self.numbering, rollout, buffer)
         # Evaluation shares the numbering (its samples have always taken indices between two steps') and the
         # limit on samples in flight, which it runs beside the producer in the asynchronous loop.

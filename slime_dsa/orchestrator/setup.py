@@ -31,7 +31,8 @@ def init_ray(recipe: RecipeConfig) -> None:
 
 def _actors_needed(recipe: RecipeConfig) -> int:
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
-    return int((engines + recipe.trainer.num_workers) * recipe.cluster.num_cpus_per_actor) + 1
+    critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
+    return int((engines + recipe.trainer.num_workers + critics) * recipe.cluster.num_cpus_per_actor) + 1
 
 
 def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:

@@ -65,20 +65,23 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
 
 
 async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, float]:
-    """trainer.num_steps_per_rollout optimiser steps on `samples`; returns train/ and perf/ metrics.
+    """trainer.num_steps_per_rollout optimiser steps of the policy on `samples`, and an algorithm's critic steps;
+    returns train/, critic/, advantage/ and perf/ metrics.
 
-    The algorithm's π_old mode says how the step gets π_old: recompute = a trainer forward (and
-    train_rollout_logprob_abs_diff from it); rollout = bypass, π_old := π_roll (train_rollout_logprob_abs_diff from
-    the first optimiser step's forward); none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
-    train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
+    With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
+    model moves; the critic trains every step, the policy once the algorithm says so (trains_policy: after a critic
+    warm-up). A critic placed apart (critic.placement separate) trains while the policy trains.
     """
-    from slime_dsa.orchestrator.batching import build_train_batch, logprob_abs_diff, sample_advantages  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
-    recipe, trainers, client = run.recipe, run.trainers, run.client
-    old_logprobs: OldLogprobs = run.algorithm.old_logprobs
-    metrics: dict[str, float] = {}
-    batch = build_train_batch(samples, sample_advantages(samples, run.algorithm),
-                              index_replay=recipe.algorithm.index_replay)
+    from slime_dsa.orchestrator.batching import build_train_batch, sample_advantages  # noqa: PLC0415
+    from slime_dsa.orchestrator.critic import critic_estimates, train_critic  # noqa: PLC0415
+
+    recipe, trainers, client, algorithm = run.recipe, run.trainers, run.client, run.algorithm
+    with_critic = "critic" in algorithm.roles
+    per_sample = (sample_advantages(samples, algorithm) if algorithm.advantage_level == "sample"
+                  else torch.zeros(len(samples)))
+    batch = build_train_batch(samples, per_sample, index_replay=recipe.algorithm.index_replay)
     # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
     colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
     if colocated:
@@ -86,13 +89,49 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
         await client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
         await asyncio.to_thread(trainers.resume_memory)
     train_start = time.perf_counter()
+    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
+    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
+    metrics: dict[str, float] = await critic_estimates(trainers, algorithm, batch, samples) if with_critic else {}
+    mini_batches = recipe.trainer.num_steps_per_rollout
+    jobs = [train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
+    trains_policy = algorithm.trains_policy(step)
+    if trains_policy:
+        jobs.append(_train_policy(run, step, batch, logged))
+    if with_critic and recipe.critic.placement == "separate":
+        results = await asyncio.gather(*jobs)  # different ranks: the critic trains while the policy does
+    else:
+        results = [await job for job in jobs]  # the same ranks: one call at a time (their collectives must pair)
+    for result in results:
+        metrics.update(result)
+    metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0
+    train_time = time.perf_counter() - train_start
+    if colocated:
+        await asyncio.to_thread(trainers.release_memory)
+        await client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        await client.broadcast("/continue_generation", {})
+    metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
+                    "train/num_tokens": batch.num_tokens})
+    return metrics
+
+
+async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, float]:
+    """The policy's optimiser steps of one RL step; train/ metrics.
+
+    The algorithm's π_old mode says how the step gets π_old: recompute = a trainer forward (and
+    train_rollout_logprob_abs_diff from it); rollout = bypass, π_old := π_roll (train_rollout_logprob_abs_diff from
+    the first optimiser step's forward); none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
+    train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
+    """
+    from slime_dsa.orchestrator.batching import logprob_abs_diff  # noqa: PLC0415
+
+    recipe = run.recipe
+    old_logprobs: OldLogprobs = run.algorithm.old_logprobs
+    metrics: dict[str, float] = {}
     if old_logprobs == "rollout":
         batch.old_logprobs = batch.rollout_logprobs.clone()
     recompute = old_logprobs == "recompute"
-    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
-    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
     # One call per rank: π_old (recompute) and every optimiser step of this RL step.
-    old, train_metrics = await asyncio.to_thread(trainers.train, batch, recipe.trainer.num_steps_per_rollout,
+    old, train_metrics = await asyncio.to_thread(run.trainers.train, batch, recipe.trainer.num_steps_per_rollout,
                                                  recompute, logged)
     # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
     sync_gap = train_metrics.pop("sync_logprob_abs_diff", None)
@@ -107,13 +146,8 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     keep_loss_diff = old_logprobs == "none"
     metrics.update({f"train/{k}": v for k, v in train_metrics.items()
                     if keep_loss_diff or k != "train_rollout_logprob_abs_diff"})
-    train_time = time.perf_counter() - train_start
-    if colocated:
-        await asyncio.to_thread(trainers.release_memory)
-        await client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        await client.broadcast("/continue_generation", {})
-    metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
-                    "train/num_tokens": batch.num_tokens})
+    if "train/dis_frac_below" in metrics and "train/dis_frac_above" in metrics:
+        metrics["train/dis_frac_outside"] = metrics["train/dis_frac_below"] + metrics["train/dis_frac_above"]
     return metrics
 
 
@@ -145,7 +179,8 @@ def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
     from rich.console import Console  # noqa: PLC0415
 
     keys = [("rollout/reward_mean", "reward"), ("eval/pass@1", "eval pass@1"), ("train/loss", "loss"),
-            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("perf/step_time_s", "step s")]
+            ("train/train_rollout_logprob_abs_diff", "|Δlogp|"), ("critic/value_loss", "value loss"),
+            ("critic/explained_variance", "EV"), ("perf/step_time_s", "step s")]
     parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
     # soft_wrap: one line per step also when stderr is a file or a narrow terminal
     Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))

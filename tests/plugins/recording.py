@@ -49,9 +49,15 @@ def recording(spec_class: type, path: str) -> type:
     class Recording(spec_class):  # type: ignore[misc, valid-type]
         def advantages(self, inputs):
             out = super().advantages(inputs)
+            record = {"rewards": _summary(inputs.rewards), "group_ids": inputs.group_ids.tolist(),
+                      "advantages": _summary(out)}
+            for name in ("loss_mask", "values", "final_values", "truncated"):  # a critic's per-token inputs
+                if getattr(inputs, name) is not None:
+                    record[name] = _summary(getattr(inputs, name))
+            if inputs.sample_index is not None:
+                record["sample_index"] = inputs.sample_index.tolist()
             with Path(path).with_suffix(".advantages.jsonl").open("a") as f:
-                f.write(json.dumps({"rewards": _summary(inputs.rewards), "group_ids": inputs.group_ids.tolist(),
-                                    "advantages": _summary(out)}) + "\n")
+                f.write(json.dumps(record) + "\n")
             return out
 
         def policy_loss(self):

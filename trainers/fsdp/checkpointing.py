@@ -5,8 +5,10 @@ Layout of a checkpoint directory (written into a temporary directory and renamed
   optimizer.safetensors        its AdamW moments, keyed "<param fqn>/<state key>" (rank 0)
   optimizer.json               its param groups (hyper-parameters, parameter names)
   trainer.json                 its step, scheduler state
-  <role>/...                   the same four files for every other trained role (a critic)
-  rng_rank{r}.safetensors/.json  each rank's RNG streams
+  <role>/...                   the same four files for every other trained role, and a value role's config.json (its
+                               directory is then a value-model directory: critic.path may point at it)
+  rng_rank{r}.safetensors/.json  each rank's RNG streams, in the directory of the rank's first role (a group holding
+                               only the critic, placed apart from the policy's, writes them under critic/)
 Full (gathered) state keeps the format simple and pickle-free; a sharded format is the next step at GLM-5 scale.
 """
 
@@ -52,6 +54,11 @@ def role_directory(root: Path, name: str) -> Path:
     return root if name == "policy" else root / name
 
 
+def rng_directory(root: Path, worker) -> Path:
+    """Where a rank's RNG streams go: the directory of its first role."""
+    return role_directory(root, next(iter(worker.roles)))
+
+
 def save_rank_checkpoint(worker, directory: str) -> None:
     """Every rank calls this; rank 0 writes the shared files."""
     out = Path(directory)
@@ -62,8 +69,10 @@ def save_rank_checkpoint(worker, directory: str) -> None:
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, out / f"rng_rank{worker.rank}.safetensors")
-    (out / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": _jsonable(random.getstate())}))
+    rng_dir = rng_directory(out, worker)
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    save_file(rng, rng_dir / f"rng_rank{worker.rank}.safetensors")
+    (rng_dir / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": _jsonable(random.getstate())}))
     dist.barrier()
 
 
@@ -79,6 +88,8 @@ def _save_role(role, out: Path, writer: bool) -> None:
     save_file(tensors, out / "optimizer.safetensors")
     (out / "optimizer.json").write_text(json.dumps({"param_groups": _jsonable(optim_state["param_groups"])}))
     (out / "trainer.json").write_text(json.dumps({"step": role.step, "scheduler": _jsonable(role.scheduler.state_dict())}))
+    if role.config.kind == "value":
+        role.model.config.save(out)  # architectures GlmMoeDsaForValue: a value-model directory
 
 
 def load_rank_checkpoint(worker, directory: str) -> None:
@@ -87,13 +98,14 @@ def load_rank_checkpoint(worker, directory: str) -> None:
     for name, role in worker.roles.items():
         if role.optimizer is not None:
             _load_role(role, role_directory(src, name))
-    rng_file = src / f"rng_rank{worker.rank}.safetensors"
+    rng_dir = rng_directory(src, worker)
+    rng_file = rng_dir / f"rng_rank{worker.rank}.safetensors"
     if rng_file.exists():
         rng = load_file(rng_file)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-        random.setstate(_python_rng_from_json(json.loads((src / f"rng_rank{worker.rank}.json").read_text())["python"]))
+        random.setstate(_python_rng_from_json(json.loads((rng_dir / f"rng_rank{worker.rank}.json").read_text())["python"]))
     dist.barrier()
 
 

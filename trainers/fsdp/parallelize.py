@@ -6,15 +6,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from slime_dsa.models import GlmMoeDsaForCausalLM
+from slime_dsa.models.glm_moe_dsa import GlmMoeDsaPreTrainedModel
 
 
-def apply_fsdp(model: GlmMoeDsaForCausalLM, mesh: DeviceMesh, mixed_precision: bool) -> GlmMoeDsaForCausalLM:
+def apply_fsdp(model: GlmMoeDsaPreTrainedModel, mesh: DeviceMesh, mixed_precision: bool,
+               entry_points: tuple[str, ...] = ("token_logprobs",)) -> GlmMoeDsaPreTrainedModel:
     """Shard every decoder layer and the root with FSDP2; bf16 compute with float32 reduction when asked."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    # The trainer enters through token_logprobs, not forward: FSDP must gather the root's weights there too.
-    register_fsdp_forward_method(model, "token_logprobs")
+    # The trainer enters through methods other than forward (token_logprobs, token_values): FSDP must gather the
+    # root's weights there too.
+    for name in entry_points:
+        register_fsdp_forward_method(model, name)
     return model

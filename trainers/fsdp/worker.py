@@ -15,10 +15,9 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from slime_dsa import ops
-from slime_dsa.checkpoint import load_model
+from slime_dsa.checkpoint import load_model, load_value_model
 from trainers.base import RankConfig, RoleConfig
 from trainers.fsdp.parallelize import apply_fsdp
 from trainers.optim import build_role_optimizer, build_scheduler
@@ -27,6 +26,9 @@ from trainers.shared_weights import SharedWeights
 from trainers.weight_sender import write_safetensors
 
 logger = logging.getLogger(__name__)
+
+# The methods each model kind is entered through by the rank (FSDP gathers the root's weights in each).
+ENTRY_POINTS = {"policy": ("token_logprobs", "token_logprobs_with_output"), "value": ("token_values",)}
 
 
 class FSDPWorker(TrainerRank):
@@ -53,15 +55,19 @@ class FSDPWorker(TrainerRank):
         self._shared: SharedWeights | None = None  # built by the first share_weights (rollout.weight_sync cuda_ipc)
 
     def _build_role(self, config: RoleConfig) -> Role:
-        """Load the role's float32 weights, freeze what it keeps fixed, shard, and give it an optimizer if it trains."""
-        model = load_model(config.model_path, dtype=torch.float32, device=self.device)
+        """Load the role's float32 weights, freeze what it keeps fixed, shard, and give it an optimizer if it trains.
+
+        A value role loads a value model, or a policy's backbone under a fresh head seeded by the run's seed."""
+        if config.kind == "value":
+            model = load_value_model(config.model_path, dtype=torch.float32, device=self.device, seed=self.config.seed)
+        else:
+            model = load_model(config.model_path, dtype=torch.float32, device=self.device)
         model.gradient_checkpointing = self.config.gradient_checkpointing
         for name, p in model.named_parameters():
             if not config.trains or any(part in name for part in config.frozen):
                 p.requires_grad_(False)
         if self.sharded:
-            model = apply_fsdp(model, self.mesh, self.mixed_precision)
-            register_fsdp_forward_method(model, "token_logprobs_with_output")
+            model = apply_fsdp(model, self.mesh, self.mixed_precision, ENTRY_POINTS[config.kind])
         role = Role(config, model)
         if config.trains:
             # Fused kernels for plain tensors (one rank): one pass over all parameters instead of ~10 ops each.

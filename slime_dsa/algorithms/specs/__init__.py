@@ -11,15 +11,16 @@ from typing import Any
 from slime_dsa.algorithms.specs.async_reinforce import AsyncReinforce
 from slime_dsa.algorithms.specs.base import COMMON_OPTIONS, AdvantageInputs, Algorithm, Loop, OldLogprobs
 from slime_dsa.algorithms.specs.grpo import GRPO
+from slime_dsa.algorithms.specs.sao import SAO
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     "grpo": GRPO,
     "async_reinforce": AsyncReinforce,
+    "sao": SAO,
 }
 
 # Promised and not built yet: recipe check says so in one line instead of running something else.
 PLANNED: dict[str, str] = {
-    "sao": "single-rollout asynchronous optimisation with a value model",
     "opd": "on-policy distillation from teacher models",
 }
 
