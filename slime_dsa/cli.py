@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"slime-dsa: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("slime-dsa: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # a run's says which steps since its last checkpoint are lost
+        print(f"slime-dsa: interrupted{f': {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
         return 130
 
 

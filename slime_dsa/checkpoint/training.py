@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, safetensors_problem
 from slime_dsa.config.errors import UserError
@@ -23,6 +23,12 @@ from slime_dsa.config.errors import UserError
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
+
+
+class HeldLock(Protocol):
+    """The run directory's lock (slime_dsa.run_lock.RunLock): only its holder removes temporary directories."""
+
+    held: bool
 
 
 class CheckpointManager:
@@ -48,8 +54,11 @@ class CheckpointManager:
             logger.warning("checkpoint %s skipped: %s; falling back to the one before", ckpt, problem)
         return None
 
-    def remove_orphans(self) -> list[Path]:
-        """Remove the temporary directories of saves that were killed (call at start, while no save runs)."""
+    def remove_orphans(self, lock: HeldLock) -> list[Path]:
+        """Remove the temporary directories of saves that were killed. Only while holding the run directory's
+        `lock`: without it, the temporary directory of another run's save in progress would look orphaned."""
+        if not getattr(lock, "held", False):
+            raise RuntimeError("remove_orphans needs the run directory's lock held (slime_dsa.run_dir.held_lock)")
         if not self.directory.exists():
             return []
         orphans = sorted(p for p in self.directory.iterdir() if p.is_dir() and TMP_DIR.match(p.name))

@@ -89,6 +89,7 @@ async def run_async_loop(run: Run) -> None:
     last_batch = time.perf_counter()
     try:
         for step in range(run.start_step, recipe.trainer.num_steps):
+            run.progress.current = step + 1
             step_start = time.perf_counter()
             kept, metrics, fates = await _collect(run, gate, producer, version=step, totals=totals,
                                                   since=last_batch)

@@ -9,7 +9,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +24,25 @@ logger = logging.getLogger(__name__)
 # cost the push ~0.5 s a step for a 160M-parameter model on an H200, which a benchmark timing steps must not add.
 WeightsHook = Callable[[int, dict | None], None]
 HookState = Literal["every", "last"]
+
+
+@dataclass
+class StepProgress:
+    """How far a run got: the step in progress and the last one checkpointed (both 1-based), for what an
+    interruption loses."""
+
+    current: int = 0  # the step being run (0 before the first)
+    saved: int = 0  # the step of the newest checkpoint written or resumed from (0: none)
+    finished: int = 0  # the last step whose training and weight push completed
+
+    def lost_line(self, checkpoint_dir: Path) -> str:
+        """One line: the steps since the last checkpoint that an interruption now loses."""
+        if self.current <= self.saved:
+            return f"no step lost (the last checkpoint is step {self.saved})"
+        lost = f"step {self.current}" if self.current == self.saved + 1 else f"steps {self.saved + 1}-{self.current}"
+        since = f"the checkpoint of step {self.saved}" if self.saved else "the start (no checkpoint yet)"
+        resume = f"; --resume continues from step {self.saved}" if self.saved else ""
+        return f"interrupted during step {self.current}: {lost} since {since} in {checkpoint_dir} are lost{resume}"
 
 
 @dataclass
@@ -43,6 +62,7 @@ class Run:
     start_step: int = 0
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
+    progress: StepProgress = field(default_factory=StepProgress)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -62,6 +82,7 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         # The data position is read here, on the event loop: in the asynchronous loop the producer moves it.
         rollout_state = run.manager.state_dict()
         await asyncio.to_thread(save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
+        run.progress.saved = step + 1
 
 
 async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, float]:

@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.orchestrator.async_loop import run_async_loop
-from slime_dsa.orchestrator.step import HookState, Run, WeightsHook, after_step, print_step, sync_weights, train_on_samples
+from slime_dsa.orchestrator.step import (
+    HookState, Run, StepProgress, WeightsHook, after_step, print_step, sync_weights, train_on_samples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +37,25 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
+    progress = StepProgress()
     with open_run_dir(recipe, "train.log") as run_dir:
-        return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state))
+        try:
+            return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state,
+                                    progress))
+        except KeyboardInterrupt:
+            line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
+            logger.warning("interrupted%s", f": {line}" if line else "")
+            raise KeyboardInterrupt(line) from None
+
+
+def checkpoint_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """checkpoint.dir, else run_dir/checkpoints."""
+    return Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints"
 
 
 async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "auto",
-               on_weights: WeightsHook | None = None, hook_state: HookState = "every") -> Path:
+               on_weights: WeightsHook | None = None, hook_state: HookState = "every",
+               progress: StepProgress | None = None) -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
@@ -51,15 +68,18 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
-    model_dir = prepare_model_dir(recipe, run_dir)
-    tokenizer = load_tokenizer(recipe, model_dir)
-    setup.init_ray(recipe)
-
-    ckpts = CheckpointManager(recipe.checkpoint.dir or run_dir / "checkpoints", recipe.checkpoint.keep_last)
-    ckpts.remove_orphans()
+    progress = progress or StepProgress()
+    ckpts = CheckpointManager(checkpoint_dir(recipe, run_dir), recipe.checkpoint.keep_last)
+    with checkpoints_locked(run_dir, ckpts.directory) as lock:
+        ckpts.remove_orphans(lock)
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
         logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
+    if resume_from is not None:
+        check_not_finished(recipe, resume_from)
+    model_dir = prepare_model_dir(recipe, run_dir)
+    tokenizer = load_tokenizer(recipe, model_dir)
+    setup.init_ray(recipe)
 
     urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async)
     ro = recipe.rollout
@@ -76,7 +96,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         state = read_orchestrator_state(resume_from)
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
-        start_step = state["step"]
+        start_step = progress.saved = progress.finished = state["step"]
         await sync_weights(weights, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
@@ -87,7 +107,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state)
+              on_weights, hook_state, progress)
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -108,8 +128,36 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     return run_dir
 
 
+def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
+    """UserError (one line) when `checkpoint` is already at trainer.num_steps: resuming would train nothing."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    step, total = read_orchestrator_state(checkpoint)["step"], recipe.trainer.num_steps
+    if step >= total:
+        raise UserError(f"the run is already at step {step} of trainer.num_steps {total} ({checkpoint}): nothing to "
+                        f"resume; to train further, raise trainer.num_steps (e.g. --resume --set "
+                        f"trainer.num_steps={max(2 * total, step + 1)})")
+
+
+@contextmanager
+def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
+    """The lock that covers `ckpt_dir`: the run directory's (held by open_run_dir), or, for a checkpoint.dir outside
+    it, a lock of its own held for the block."""
+    from slime_dsa.run_dir import held_lock  # noqa: PLC0415
+    from slime_dsa.run_lock import RunLock  # noqa: PLC0415
+
+    lock = held_lock(run_dir)
+    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
+        yield lock
+        return
+    with RunLock(ckpt_dir) as own:
+        yield own
+
+
 async def _sync_loop(run: Run) -> None:
     for step in range(run.start_step, run.recipe.trainer.num_steps):
+        run.progress.current = step + 1
         metrics = await _one_step(run, step)
         await after_step(run, step, metrics)
 
