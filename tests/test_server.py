@@ -285,7 +285,7 @@ def test_bad_json_and_big_body_and_non_object(server):
     assert status == 400 and "not valid JSON" in reply["error"]["message"]
     big = json.dumps({"input_ids": [1] * (MAX_BODY // 2)}).encode()
     status, reply = post(server, "/generate", data=big, headers={**AUTH, "Content-Type": "application/json"})
-    assert status == 400 and "limit is 65536" in reply["error"]["message"] and "max_body_bytes" in reply["error"]["message"]
+    assert status == 413 and "limit is 65536" in reply["error"]["message"] and "max_body_bytes" in reply["error"]["message"]
     status, reply = post(server, "/generate", [1, 2])
     assert status == 400 and "JSON object" in reply["error"]["message"]
     assert_still_serving(server)

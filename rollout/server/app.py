@@ -8,6 +8,7 @@ that holds thousands of concurrent requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -20,7 +21,10 @@ from rollout.engine.async_engine import EngineStoppedError
 from rollout.engine.types import GenerateRequest, RequestError, SamplingParams
 from rollout.server import openai_api, protocol
 from rollout.server.bodies import read_json, read_object
-from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
+from rollout.server.defaults import (
+    DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES,
+    DEFAULT_WEIGHT_BODY_TIMEOUT_S,
+)
 from rollout.server.run import run_all, run_request
 from rollout.server.state import STATE, ServerState, state_of
 from slime_dsa.weights import WeightFormatError
@@ -45,9 +49,10 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     """RequestError -> 400 naming the field; an unexpected error costs its request a 500, never the server."""
     try:
         return await handler(request)
-    except RequestError as e:
-        logger.info("400 %s %s: %s", request.method, request.path, e)
-        return error_response(str(e))
+    except RequestError as e:  # 400, or the status its class says (413 too large, 408 body too slow)
+        status = getattr(e, "status", 400)
+        logger.info("%d %s %s: %s", status, request.method, request.path, e)
+        return error_response(str(e), status)
     except web.HTTPException as e:
         if e.content_type == "application/json" or e.status < 400:
             raise
@@ -89,9 +94,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st.check_ready()
     body = await read_json(request, st.max_body_bytes)
-    call = protocol.parse_generate(
-        body, tokenizer=st.tokenizer, vocab_size=st.vocab_size, max_prompt_tokens=st.max_prompt_tokens
-    )
+    parse = functools.partial(protocol.parse_generate, body, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
+                              max_prompt_tokens=st.max_prompt_tokens)
+    # Text is tokenised off the event loop (sizes are checked first), so /health and other requests go on meanwhile.
+    call = await asyncio.to_thread(parse) if protocol.has_text(body) else parse()
     if call.stream:
         return await _stream(request, st, call, t0)
     outputs = await run_all(st.engine, call.requests)
@@ -286,7 +292,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     st = state_of(request)
-    body = await read_object(request, st.max_weight_body_bytes)
+    body = await read_object(request, st.max_weight_body_bytes, max(st.body_timeout_s, DEFAULT_WEIGHT_BODY_TIMEOUT_S))
     load_format = body.get("load_format")
     if load_format in SGLANG_PICKLE_FORMATS:
         raise RequestError(PICKLE_REFUSAL.format(fmt=load_format))
@@ -366,6 +372,7 @@ def create_app(
     model_path: str | None = None,
     served_model_name: str | None = None,
     manage_engine: bool = True,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine."""
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max(max_body_bytes, max_weight_body_bytes))
@@ -373,6 +380,7 @@ def create_app(
         engine=async_engine, tokenizer=tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
         max_weight_body_bytes=max_weight_body_bytes, max_prompt_tokens=max_prompt_tokens,
         model_path=model_path, served_model_name=served_model_name or (model_path or "slime-dsa"),
+        body_timeout_s=body_timeout_s,
     )
     app[STATE] = st
 
