@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, safetensors_problem
+from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, model_dir_problem
 from slime_dsa.config.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -103,11 +103,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
     intact checkpoint), unreadable weight files, and weights holding NaN or infinite values (naming the tensor)."""
-    from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import CheckpointError, load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
     _check_exportable(checkpoint)
-    model = load_model(checkpoint, dtype=dtype)
+    try:
+        model = load_model(checkpoint, dtype=dtype)
+    except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named
+        raise UserError(f"{checkpoint}: {e}") from None
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
@@ -131,6 +134,5 @@ def _check_exportable(checkpoint: Path) -> None:
             raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
         missing = "config.json" if weights else "model.safetensors"
         raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
-    for path in weights:
-        if problem := safetensors_problem(path):
-            raise UserError(f"{path} {problem}")
+    if problem := model_dir_problem(checkpoint):  # config.json unreadable, a safetensors file truncated
+        raise UserError(problem)

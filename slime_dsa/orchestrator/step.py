@@ -33,7 +33,11 @@ class StepProgress:
 
     current: int = 0  # the step being run (0 before the first)
     saved: int = 0  # the step of the newest checkpoint written or resumed from (0: none)
-    finished: int = 0  # the last step whose training and weight push completed
+    trained: int = 0  # the last step whose optimiser steps are done
+    trained_state: dict | None = None  # the rollout state right after that step's training (emergency checkpoint)
+
+    def mark_trained(self, step: int, rollout_state: dict) -> None:
+        self.trained, self.trained_state = step, rollout_state
 
     def lost_line(self, checkpoint_dir: Path) -> str:
         """One line: the steps since the last checkpoint that an interruption now loses."""
@@ -63,6 +67,7 @@ class Run:
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
     progress: StepProgress = field(default_factory=StepProgress)
+    fleet: Any = None  # slime_dsa.orchestrator.engines.EngineFleet (None: no engine actors to watch)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -149,6 +154,35 @@ async def sync_weights(weights, version: int, pause_mode: str = "abort",
     if on_weights is not None:
         on_weights(version, state)
     return elapsed
+
+
+async def ensure_engines(run: Run, version: int) -> None:
+    """Before generating: when every engine is gone, wait for the replacements being started and give them the
+    weights of `version`; rollout.client.NoEnginesLeftError when none comes."""
+    from rollout.client import NoEnginesLeftError  # noqa: PLC0415
+
+    if run.client.engines:
+        return
+    if run.fleet is not None and await run.fleet.wait_for_restarts():
+        await sync_weights(run.weights, version)  # the staged replacements join with the current weights
+        return
+    raise NoEnginesLeftError(f"every engine was lost ({len(run.client.lost)} in all; the last: "
+                             f"{run.client.lost[-1][0] if run.client.lost else 'none'})")
+
+
+async def probe_engines(run: Run) -> None:
+    """GET /health on every engine, dropping those that cannot be reached (a step that got no sample at all)."""
+    await run.client.broadcast("/health", method="GET", check=False, drop_unreachable=True, timeout_s=30)
+
+
+async def emergency_checkpoint(run: Run) -> Path | None:
+    """A checkpoint of the last trained step when it has none yet (the run cannot go on); the newest otherwise."""
+    progress = run.progress
+    if progress.trained > progress.saved and progress.trained_state is not None:
+        await asyncio.to_thread(save_checkpoint, run.ckpts, progress.trained, run.trainers, progress.trained_state,
+                                run.model_dir)
+        progress.saved = progress.trained
+    return run.ckpts.path_for(progress.saved) if progress.saved else None
 
 
 def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:

@@ -18,7 +18,8 @@ from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.step import (
-    HookState, Run, StepProgress, WeightsHook, after_step, print_step, sync_weights, train_on_samples,
+    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, ensure_engines, print_step,
+    probe_engines, sync_weights, train_on_samples,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,19 @@ def checkpoint_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "auto",
                on_weights: WeightsHook | None = None, hook_state: HookState = "every",
                progress: StepProgress | None = None) -> Path:
-    from rollout.client import EngineClient  # noqa: PLC0415
+    from rollout.client import EngineClient, EngineLossError  # noqa: PLC0415
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
-    from slime_dsa.orchestrator.weight_sync import build_weight_sync  # noqa: PLC0415
+    from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync import (  # noqa: PLC0415
+        build_weight_sync, engine_weight_dirs, remove_stale_shm_dirs, shm_dir_name,
+    )
 
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
@@ -80,14 +85,22 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     setup.init_ray(recipe)
+    remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
+    shm_dir = shm_dir_name()
+    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
 
-    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async)
+    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access)
     ro = recipe.rollout
     client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
-                          timeout_s=ro.request_timeout_s)
+                          timeout_s=ro.request_timeout_s, api_key=access.api_key)
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir)
+    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
+                                      shm_dir)
+    fleet = EngineFleet(client, dict(zip(urls, engine_actors)),
+                        _restarter(recipe, model_dir, use_async, access)
+                        if ro.restart_dead_engines and weights.name != "distributed" else None)
+    fleet.start()
     tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
@@ -96,7 +109,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         state = read_orchestrator_state(resume_from)
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
-        start_step = progress.saved = progress.finished = state["step"]
+        start_step = progress.saved = progress.trained = state["step"]
         await sync_weights(weights, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
@@ -107,7 +120,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state, progress)
+              on_weights, hook_state, progress, fleet)
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -120,12 +133,30 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             await run_async_loop(run)
         else:
             await _sync_loop(run)
+    except EngineLossError as e:
+        saved = await emergency_checkpoint(run)
+        where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
+        raise UserError(f"rollout engines lost at step {progress.current}: {e}; {where}") from None
     finally:
         metrics_log.close()
+        await fleet.close()
         await client.close()
-        await asyncio.to_thread(_shutdown, trainers, engine_actors)
+        await asyncio.to_thread(_shutdown, trainers, fleet.all_actors())
         weights.close()
     return run_dir
+
+
+def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -> Any:
+    """start_one for the EngineFleet: one new engine actor as the recipe asks, started; (url, actor)."""
+    from rollout.actors import start_engine_actors  # noqa: PLC0415
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def start_one() -> tuple[str, Any]:
+        (actor,) = setup.create_engines(recipe, model_dir, use_async, access, 1)
+        (url,) = start_engine_actors([actor], timeout_s=600)
+        return url, actor
+
+    return start_one
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
@@ -164,12 +195,15 @@ async def _sync_loop(run: Run) -> None:
 
 async def _one_step(run: Run, step: int) -> dict[str, float]:
     step_start = time.perf_counter()
+    await ensure_engines(run, version=step)
     groups, metrics = await run.manager.collect_step()
     samples = [s for group in groups for s in group]
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
+        await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
     metrics.update(await train_on_samples(run, step, samples))
+    run.progress.mark_trained(step + 1, run.manager.state_dict())
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
                                    want_state=run.hook_wants_state(step + 1))
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})
