@@ -15,7 +15,6 @@ from slime_dsa.config import RecipeConfig
 logger = logging.getLogger(__name__)
 
 OFFLINE_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
-LOOPBACK = "127.0.0.1"
 API_KEY_ENV = "SLIME_DSA_API_KEY"  # external engines' key (the one their `serve --api-key` was given)
 
 
@@ -38,9 +37,10 @@ class EngineAccess:
 def init_ray(recipe: RecipeConfig) -> None:
     """Local cluster by default; cluster.address joins an existing one.
 
-    A local cluster runs on 127.0.0.1: its processes address each other over loopback. Ray 2.60's own gRPC servers
-    (GCS, raylet) still listen on every interface whatever the node address; Ray's token authentication, on by
-    default, is what keeps other hosts from driving them, so it is left on (a warning if RAY_AUTH_MODE turns it off).
+    A local cluster takes commands only with its token (Ray's token authentication, on by default in Ray 2.60):
+    Ray 2.60 cannot be bound to 127.0.0.1 (ray.init turns a loopback node address into the machine's address, and
+    its GCS and raylet listen on every interface), so the token is what keeps other hosts, and processes without
+    the user's ~/.ray/auth_token, from driving it. RAY_AUTH_MODE=disabled turns it off: warned.
     """
     import ray  # noqa: PLC0415
 
@@ -51,10 +51,9 @@ def init_ray(recipe: RecipeConfig) -> None:
     if address is None:
         # Logical CPUs: a small model's actors mostly wait on each other, so let more of them share the cores.
         kwargs["num_cpus"] = max(os.cpu_count() or 1, _actors_needed(recipe))
-        kwargs["_node_ip_address"] = LOOPBACK
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-            logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports take commands from any host that "
-                           "reaches this machine")
+            logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports, open on every interface, take "
+                           "commands from any host that reaches this machine")
     ray.init(address=address, **kwargs)
 
 
