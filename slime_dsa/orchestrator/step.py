@@ -186,13 +186,25 @@ async def emergency_checkpoint(run: Run) -> Path | None:
 
 
 def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:
+    """Checkpoint `step`; a full disk (or any OSError, raised here or in a trainer rank) is one UserError naming the
+    checkpoint and the newest intact one (the temporary directory is already removed)."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
     def write(tmp: Path) -> None:
         trainers.save_checkpoint(str(tmp))
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (model_dir / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
 
-    ckpts.save(step, write, {"rollout": rollout_state})
+    try:
+        ckpts.save(step, write, {"rollout": rollout_state})
+    except Exception as e:
+        cause = e if isinstance(e, OSError) else getattr(e, "cause", None)  # a Ray task error carries the rank's
+        if not isinstance(cause, OSError):
+            raise
+        newest = ckpts.latest()
+        raise UserError(f"checkpoint of step {step} not written to {ckpts.directory}: {cause.strerror or cause}; "
+                        f"the newest intact checkpoint is {newest or 'none'}") from None
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:

@@ -84,6 +84,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         check_not_finished(recipe, resume_from)
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
+    tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
@@ -101,7 +102,6 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                         _restarter(recipe, model_dir, use_async, access)
                         if ro.restart_dead_engines and weights.name != "distributed" else None)
     fleet.start()
-    tasks = build_tasks(recipe.data, tokenizer)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
     start_step = 0
@@ -137,6 +137,12 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         saved = await emergency_checkpoint(run)
         where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
         raise UserError(f"rollout engines lost at step {progress.current}: {e}; {where}") from None
+    except Exception as e:
+        if not _is_actor_death(e):
+            raise
+        newest = ckpts.latest()
+        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
+        raise UserError(f"a trainer rank died at step {progress.current} ({type(e).__name__}); {where}") from None
     finally:
         metrics_log.close()
         await fleet.close()
@@ -144,6 +150,13 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         await asyncio.to_thread(_shutdown, trainers, fleet.all_actors())
         weights.close()
     return run_dir
+
+
+def _is_actor_death(error: BaseException) -> bool:
+    """A Ray actor's process died under a call: in the loop, a trainer rank (engines are reached over HTTP)."""
+    from ray.exceptions import RayActorError  # noqa: PLC0415
+
+    return isinstance(error, RayActorError)
 
 
 def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -> Any:
