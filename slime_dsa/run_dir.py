@@ -51,6 +51,7 @@ def open_run_dir(recipe: RecipeConfig, log_name: str) -> Iterator[Path]:
         try:
             write_resolved_recipe(recipe, run_dir)
             with log_to_file(run_dir / log_name):
+                lock.log_takeover()
                 yield run_dir
         finally:
             _HELD.pop(run_dir.resolve(), None)

@@ -29,6 +29,7 @@ class RunLock:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self._fd: int | None = None
+        self.taken_over = ""  # '<pid> <host>' of a killed run whose lock this one took over ('' if none)
 
     @property
     def held(self) -> bool:
@@ -46,14 +47,17 @@ class RunLock:
                 raise
             raise UserError(f"run directory {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
                             " wait for it to end or set logging.run_dir to another directory") from None
-        previous = _read_fd(fd)
-        if previous:
-            logger.warning("run directory %s: took over the lock left by %s, which no longer holds it (killed?)",
-                           self.run_dir, _describe(previous))
+        self.taken_over = _read_fd(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         os.fsync(fd)
         self._fd = fd
+
+    def log_takeover(self) -> None:
+        """One WARNING when this lock was left by a run that no longer holds it (call once the run's log is set up)."""
+        if self.taken_over:
+            logger.warning("run directory %s: took over the lock left by %s, which no longer holds it (killed?)",
+                           self.run_dir, _describe(self.taken_over))
 
     def release(self) -> None:
         """Empty the file and drop the lock (idempotent)."""

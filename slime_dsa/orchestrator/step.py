@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -199,12 +200,23 @@ def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: 
     try:
         ckpts.save(step, write, {"rollout": rollout_state})
     except Exception as e:
-        cause = e if isinstance(e, OSError) else getattr(e, "cause", None)  # a Ray task error carries the rank's
-        if not isinstance(cause, OSError):
+        problem = _write_problem(getattr(e, "cause", None) or e)  # a Ray task error carries the rank's error
+        if problem is None:
             raise
         newest = ckpts.latest()
-        raise UserError(f"checkpoint of step {step} not written to {ckpts.directory}: {cause.strerror or cause}; "
+        raise UserError(f"checkpoint of step {step} not written to {ckpts.directory}: {problem}; "
                         f"the newest intact checkpoint is {newest or 'none'}") from None
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"I/O error: (.+?) \(os error \d+\)")  # how safetensors reports a failed write
+
+
+def _write_problem(error: BaseException) -> str | None:
+    """The operating system's words for a failed write (a full disk, a quota), or None for any other error."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    match = _OS_ERROR_IN_TEXT.search(str(error))
+    return match.group(1) if match else None
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
