@@ -28,9 +28,13 @@ def _train(recipe: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(tmp_path, ray_cluster):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, ray_cluster):
+    """A reference run in this process; the same recipe in a `slime-dsa train` subprocess SIGKILLed after step 2, its
+    newest checkpoint damaged, then `--resume`d in another subprocess."""
     from slime_dsa.orchestrator.train import run_training
 
+    tmp_path = tmp_path_factory.mktemp("driver_kill")
     recipe = write_recipe(tmp_path / "recipe.yaml", recipe_dict(STEPS, engines=1))
     reference = run_training(load_recipe(recipe, [f"logging.run_dir={tmp_path / 'reference'}"]))
 
@@ -41,8 +45,8 @@ def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(tmp_pat
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of its session, Ray's included
         driver.wait()
-    assert (run_dir / ".lock").read_text().split()[0] == str(driver.pid)  # left held by a dead pid
-    shm_left = list(Path("/dev/shm").glob(f"slime-dsa-weights-{driver.pid}-*"))
+    left = {"lock": (run_dir / ".lock").read_text().split()[0],
+            "shm": list(Path("/dev/shm").glob(f"slime-dsa-weights-{driver.pid}-*"))}
     checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
     newest = checkpoints[-1] / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:-64])  # and the newest checkpoint is damaged
@@ -50,14 +54,33 @@ def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(tmp_pat
     resumed = _train(recipe, run_dir, "--resume")
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
-    assert f"run finished: {run_dir}" in out
-    log = (run_dir / "train.log").read_text()
-    assert f"pid {driver.pid}" in log and "took over the lock" in log
-    assert f"checkpoint {checkpoints[-1]} skipped" in log
-    for left in shm_left:
-        assert not left.exists() and f"removed {left}" in log
+    return {"reference": reference, "run_dir": run_dir, "driver": driver.pid, "left": left,
+            "damaged": checkpoints[-1], "out": out, "err": err}
 
-    got, want = records(run_dir), records(reference)
+
+def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(killed_and_resumed):
+    run = killed_and_resumed
+    assert f"run finished: {run['run_dir']}" in run["out"]
+    got, want = records(run["run_dir"]), records(run["reference"])
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for a, b in zip(got, want):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
+    assert f"checkpoint {run['damaged']} skipped" in (run["run_dir"] / "train.log").read_text()
+
+
+def test_resume_clears_what_the_killed_run_left(killed_and_resumed):
+    run = killed_and_resumed
+    assert run["left"]["lock"] == str(run["driver"])  # the lock file still named the dead driver
+    log = (run["run_dir"] / "train.log").read_text()
+    assert f"pid {run['driver']}" in log and "took over the lock" in log
+    for left in run["left"]["shm"]:
+        assert not left.exists() and f"removed {left}" in log
+
+
+def test_the_console_shows_one_line_per_step(killed_and_resumed):
+    """The README's promise: between the first and the last step line, the console shows only step lines (the INFO
+    messages of each step go to train.log)."""
+    lines = [line for line in killed_and_resumed["err"].splitlines() if line.strip()]
+    steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
+    assert len(steps) >= 2
+    assert all(line.startswith("step ") for line in lines[steps[0]:steps[-1] + 1]), lines[steps[0]:steps[-1] + 1]
