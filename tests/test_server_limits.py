@@ -70,7 +70,7 @@ def assert_still_serving(srv):
     assert status == 200 and body["meta_info"]["completion_tokens"] == 2
 
 
-def test_a_15_mib_text_is_refused_by_its_size_before_tokenising(server):
+def test_a_15_mib_text_is_refused_by_its_size_before_tokenising(server, figures):
     text = "12+34=" * (15 * 2**20 // 6)
     with HealthWatch(server.url) as watch:
         start = time.perf_counter()
@@ -78,6 +78,7 @@ def test_a_15_mib_text_is_refused_by_its_size_before_tokenising(server):
         elapsed = time.perf_counter() - start
     assert status == 413 and reply["error"]["message"].startswith(f"text has {len(text)} characters")
     assert elapsed < 5 and watch.worst < 1.0, (elapsed, watch.worst)
+    figures["text_15_mib"] = {"status": status, "answer_s": round(elapsed, 3), "worst_health_s": round(watch.worst, 3)}
     for path, body in (("/v1/completions", {"prompt": text}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
         status, reply = _post(server, path, body)
@@ -85,12 +86,13 @@ def test_a_15_mib_text_is_refused_by_its_size_before_tokenising(server):
     assert_still_serving(server)
 
 
-def test_text_is_tokenised_off_the_event_loop(model_dir):
+def test_text_is_tokenised_off_the_event_loop(model_dir, figures):
     text = "12+34=" * 400_000  # 2.4M characters: seconds of tokenising, within a 100k-token limit's size bound
     with serving(model_dir, max_prompt_tokens=100_000) as srv, HealthWatch(srv.url) as watch:
         status, reply = _post(srv, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}}, timeout=60)
     assert status == 400 and "tokens; the limit is 100000" in reply["error"]["message"]  # it was tokenised
     assert watch.worst < 1.0, watch.worst
+    figures["text_2_4m_chars_tokenised"] = {"status": status, "worst_health_s": round(watch.worst, 3)}
 
 
 def test_a_body_that_stalls_half_sent_gets_408(server):

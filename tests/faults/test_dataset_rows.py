@@ -37,7 +37,7 @@ def fresh_logging(monkeypatch):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_malformed_row_is_one_line_before_anything_starts(case, tmp_path, capsys):
+def test_a_malformed_row_is_one_line_before_anything_starts(case, tmp_path, capsys, figures):
     content, words = CASES[case]
     data = tmp_path / "train.jsonl"
     data.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -51,4 +51,5 @@ def test_a_malformed_row_is_one_line_before_anything_starts(case, tmp_path, caps
     assert code == 2 and "Traceback" not in err, err[-2000:]
     assert str(data) in line and words in line, line
     assert time.perf_counter() - start < 60
+    figures.setdefault("dataset_rows", {})[case] = line.removeprefix("slime-dsa: error: ").replace(str(data), "FILE")
     assert not (tmp_path / "run" / "checkpoints").exists() and "engine(s) up" not in (tmp_path / "run" / "train.log").read_text()

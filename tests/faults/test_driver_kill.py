@@ -58,7 +58,7 @@ def killed_and_resumed(tmp_path_factory, ray_cluster):
             "damaged": checkpoints[-1], "out": out, "err": err}
 
 
-def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(killed_and_resumed):
+def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(killed_and_resumed, figures):
     run = killed_and_resumed
     assert f"run finished: {run['run_dir']}" in run["out"]
     got, want = records(run["run_dir"]), records(run["reference"])
@@ -66,6 +66,9 @@ def test_resume_after_a_sigkilled_driver_gives_the_uninterrupted_records(killed_
     for a, b in zip(got, want):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}, a["step"]
     assert f"checkpoint {run['damaged']} skipped" in (run["run_dir"] / "train.log").read_text()
+    figures["driver_killed"] = {"records_compared": len(got), "identical": sum(
+        {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED} for a, b in zip(got, want)),
+        "resumed_from_step": int(run["damaged"].name.split("_")[1]) - 1, "fields": list(COMPARED)}
 
 
 def test_resume_clears_what_the_killed_run_left(killed_and_resumed):

@@ -65,12 +65,21 @@ def test_a_killed_engine_is_dropped_replaced_and_the_run_finishes(faulty_run):
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in records(run_dir))  # weights stayed in sync
 
 
-def test_no_sample_is_lost(faulty_run):
+def test_no_sample_is_lost(faulty_run, figures):
     """Every sample of every step is accounted for: trained on, or counted as failed (its engine died under it)."""
     run_dir, _ = faulty_run
-    for r in records(run_dir):
+    rs = records(run_dir)
+    for r in rs:
         assert r["rollout/num_samples"] == PROMPTS * N
         assert r["rollout/failed_samples"] <= PROMPTS * N
+    log = (run_dir / "train.log").read_text()
+    figures["engine_killed"] = {
+        "steps": len(rs), "samples_started": STEPS * PROMPTS * N, "samples_recorded": sum(r["rollout/num_samples"] for r in rs),
+        "samples_failed": sum(r["rollout/failed_samples"] for r in rs), "samples_lost": STEPS * PROMPTS * N - sum(
+            r["rollout/num_samples"] for r in rs), "engines_lost": log.count(" lost ("), "engines_replaced": log.count(" replaced by "),
+        "reward_timeouts": sum(r["rollout/reward_timeouts"] for r in rs),
+        "reward_failures": sum(r["rollout/reward_failures"] for r in rs),
+        "max_rollout_time_s": max(r["perf/rollout_time_s"] for r in rs)}
 
 
 def test_a_hanging_and_a_raising_reward_cost_their_samples_only(faulty_run):
@@ -80,7 +89,7 @@ def test_a_hanging_and_a_raising_reward_cost_their_samples_only(faulty_run):
     assert all(r["perf/rollout_time_s"] < 60 for r in rs)  # a hung reward waits out its 2 s deadline, no more
 
 
-def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path, ray_cluster):
+def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path, ray_cluster, figures):
     from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state
     from slime_dsa.config.errors import UserError
     from slime_dsa.orchestrator.train import run_training
@@ -99,3 +108,4 @@ def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path,
     newest = CheckpointManager(run_dir / "checkpoints").latest()
     assert newest is not None and str(newest) in message
     assert read_orchestrator_state(newest)["step"] >= 2  # the steps trained before the loss are kept
+    figures["every_engine_lost"] = {"line": message, "emergency_checkpoint_step": read_orchestrator_state(newest)["step"]}

@@ -28,7 +28,8 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_the_last_one_intact(tmp_path, small_disk, ray_cluster):
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_the_last_one_intact(tmp_path, small_disk, ray_cluster,
+                                                                                       figures):
     from slime_dsa.checkpoint.training import CheckpointManager
     from slime_dsa.checkpoint.validate import checkpoint_problem
     from slime_dsa.config.errors import UserError
@@ -42,3 +43,4 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_the_last_one_int
                               f"intact checkpoint is {first}")
     assert checkpoint_problem(first) is None and CheckpointManager(small_disk).latest() == first
     assert [p.name for p in small_disk.iterdir() if p.name.startswith(".step_")] == []  # no partial save left
+    figures["full_disk"] = {"line": str(err.value), "how": "a 2 MiB tmpfs mounted as checkpoint.dir"}

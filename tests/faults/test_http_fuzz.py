@@ -126,8 +126,10 @@ def test_raw_bytes_to_every_route_are_never_a_5xx(server, data):
     _send(server, method, path, raw=raw)
 
 
-def test_the_server_is_still_correct_after_the_fuzzing(server):
+def test_the_server_is_still_correct_after_the_fuzzing(server, figures):
     assert requests.get(server.url + "/health", timeout=TIMEOUT_S).status_code == 200
     out = requests.post(server.url + "/generate", json=GREEDY, timeout=TIMEOUT_S).json()
     assert out["output_ids"] == server.reference
     assert server.statuses[5] == 0 and server.statuses[4] > 0 and server.statuses[2] > 0, server.statuses
+    figures["http_fuzz"] = {"routes": len(server.routes), "requests": sum(server.statuses.values()),
+                            **{f"{k}xx": v for k, v in sorted(server.statuses.items())}}

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-def test_a_killed_trainer_rank_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path, ray_cluster):
+def test_a_killed_trainer_rank_stops_the_run_in_one_line_and_resume_finishes_it(tmp_path, ray_cluster, figures):
     from slime_dsa.config.errors import UserError
     from slime_dsa.orchestrator.train import run_training
 
@@ -45,3 +45,4 @@ def test_a_killed_trainer_rank_stops_the_run_in_one_line_and_resume_finishes_it(
 
     run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]), resume=True)
     assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
+    figures["trainer_rank_killed"] = {"line": message, "resumed_to_step": STEPS}
