@@ -57,8 +57,8 @@ def checkpoint_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "auto",
                on_weights: WeightsHook | None = None, hook_state: HookState = "every",
                progress: StepProgress | None = None) -> Path:
-    from rollout.client import EngineClient, EngineLossError  # noqa: PLC0415
-    from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
+    from rollout.client import EngineClient  # noqa: PLC0415
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
@@ -66,7 +66,6 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
-    from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
     from slime_dsa.orchestrator.weight_sync import (  # noqa: PLC0415
         build_weight_sync, engine_weight_dirs, remove_stale_shm_dirs, shm_dir_name,
     )
@@ -74,14 +73,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
     progress = progress or StepProgress()
-    ckpts = CheckpointManager(checkpoint_dir(recipe, run_dir), recipe.checkpoint.keep_last)
-    with checkpoints_locked(run_dir, ckpts.directory) as lock:
-        ckpts.remove_orphans(lock)
-    resume_from = ckpts.latest() if resume else None
-    if resume and resume_from is None:
-        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
-    if resume_from is not None:
-        check_not_finished(recipe, resume_from)
+    ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
@@ -98,10 +90,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
                                       shm_dir)
-    fleet = EngineFleet(client, dict(zip(urls, engine_actors)),
-                        _restarter(recipe, model_dir, use_async, access)
-                        if ro.restart_dead_engines and weights.name != "distributed" else None)
-    fleet.start()
+    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed)
 
     start_step = 0
@@ -133,16 +122,11 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             await run_async_loop(run)
         else:
             await _sync_loop(run)
-    except EngineLossError as e:
-        saved = await emergency_checkpoint(run)
-        where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
-        raise UserError(f"rollout engines lost at step {progress.current}: {e}; {where}") from None
     except Exception as e:
-        if not _is_actor_death(e):
+        line = await _failure_line(run, e)
+        if line is None:
             raise
-        newest = ckpts.latest()
-        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
-        raise UserError(f"a trainer rank died at step {progress.current} ({type(e).__name__}); {where}") from None
+        raise UserError(line) from None
     finally:
         metrics_log.close()
         await fleet.close()
@@ -152,11 +136,36 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     return run_dir
 
 
-def _is_actor_death(error: BaseException) -> bool:
-    """A Ray actor's process died under a call: in the loop, a trainer rank (engines are reached over HTTP)."""
+async def _failure_line(run: Run, error: Exception) -> str | None:
+    """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
+    checkpoint is written first), or a trainer rank dead (a Ray actor's process died under a call: in the loop, a
+    trainer rank; engines are reached over HTTP)."""
     from ray.exceptions import RayActorError  # noqa: PLC0415
 
-    return isinstance(error, RayActorError)
+    from rollout.client import EngineLossError  # noqa: PLC0415
+
+    step = run.progress.current
+    if isinstance(error, EngineLossError):
+        saved = await emergency_checkpoint(run)
+        where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
+        return f"rollout engines lost at step {step}: {error}; {where}"
+    if isinstance(error, RayActorError):
+        newest = run.ckpts.latest()
+        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
+        return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
+    return None
+
+
+def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
+                   use_async: bool, access: Any) -> Any:
+    """The run's EngineFleet, watching `actors`; it replaces lost engines when rollout.restart_dead_engines allows
+    (never for the distributed transport, whose NCCL group cannot take a new member)."""
+    from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
+
+    restart = recipe.rollout.restart_dead_engines and transport != "distributed"
+    fleet = EngineFleet(client, actors, _restarter(recipe, model_dir, use_async, access) if restart else None)
+    fleet.start()
+    return fleet
 
 
 def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -> Any:
@@ -170,6 +179,22 @@ def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -
         return url, actor
 
     return start_one
+
+
+def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any, Path | None]:
+    """(the run's CheckpointManager, the checkpoint to resume from or None): orphans of killed saves removed under the
+    lock; a finished run refused in one line."""
+    from slime_dsa.checkpoint.training import CheckpointManager  # noqa: PLC0415
+
+    ckpts = CheckpointManager(checkpoint_dir(recipe, run_dir), recipe.checkpoint.keep_last)
+    with checkpoints_locked(run_dir, ckpts.directory) as lock:
+        ckpts.remove_orphans(lock)
+    resume_from = ckpts.latest() if resume else None
+    if resume and resume_from is None:
+        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
+    if resume_from is not None:
+        check_not_finished(recipe, resume_from)
+    return ckpts, resume_from
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:

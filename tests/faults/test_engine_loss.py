@@ -28,6 +28,9 @@ def _kill_an_engine_after(run_dir, after_records: int, out: dict) -> threading.T
         if not wait_for(lambda: len(records(run_dir)) >= after_records, 300):
             return
         urls = engine_urls(run_dir / "train.log")
+        import requests  # the run's engines take commands only with the run's key: a local process has none
+
+        out["keyless_pause"] = requests.post(urls[-1] + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code
         pid = pid_listening_on(int(urls[0].rsplit(":", 1)[1]), descendants(os.getpid()))
         if pid is not None:
             out["url"], out["pid"] = urls[0], pid
@@ -63,6 +66,11 @@ def test_a_killed_engine_is_dropped_replaced_and_the_run_finishes(faulty_run):
     assert f"engine {killed['url']} lost" in log
     assert f"engine {killed['url']} replaced by" in log and "joined" in log
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in records(run_dir))  # weights stayed in sync
+
+
+def test_the_runs_engines_refuse_a_process_without_the_runs_key(faulty_run):
+    _, killed = faulty_run
+    assert killed["keyless_pause"] == 401
 
 
 def test_no_sample_is_lost(faulty_run, figures):
