@@ -52,6 +52,26 @@ JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5) | st.dict
 TOKENS = st.lists(st.integers(-2, 300) | st.integers(), min_size=0, max_size=12)
 
 
+EXTREME = st.sampled_from([2**31, 2**63, 2**64, 2**70, -2**63 - 1, -1, 0.5, float("inf"), "7", None]) | st.integers()
+ANY_TEXT = st.text(alphabet=st.characters(exclude_categories=()), max_size=24) | WORDS  # lone surrogates included
+PROMPT = st.lists(st.integers(0, 255), min_size=1, max_size=8)  # token ids the tiny model has: requests reach the engine
+SAMPLING_PARAMS = st.fixed_dictionaries({"max_new_tokens": st.integers(0, 4)}, optional={
+    "temperature": SCALARS, "top_p": SCALARS, "top_k": EXTREME, "min_p": SCALARS, "sampling_seed": EXTREME,
+    "min_new_tokens": EXTREME, "stop": st.lists(ANY_TEXT, max_size=2) | SCALARS, "stop_token_ids": TOKENS,
+    "n": st.integers(-1, 3), "ignore_eos": SCALARS, "no_stop_trim": SCALARS, "skip_special_tokens": SCALARS,
+    "frequency_penalty": SCALARS, "json_schema": SCALARS})
+OPTIONS = {"rid": SCALARS | ANY_TEXT, "return_logprob": SCALARS, "stream": st.booleans(), "logprob_start_len": EXTREME,
+           "return_text_in_logprobs": SCALARS, "return_indexer_topk": SCALARS, "indexer_topk_start_len": EXTREME,
+           "session_id": SCALARS | ANY_TEXT}
+GENERATE = (st.fixed_dictionaries({"input_ids": PROMPT | st.lists(PROMPT, min_size=1, max_size=3),
+                                   "sampling_params": SAMPLING_PARAMS}, optional=OPTIONS)
+            | st.fixed_dictionaries({"text": ANY_TEXT | st.lists(ANY_TEXT, min_size=1, max_size=3),
+                                     "sampling_params": SAMPLING_PARAMS}, optional=OPTIONS)
+            | st.fixed_dictionaries({}, optional={"input_ids": TOKENS, "text": JSON,
+                                                 "sampling_params": JSON | st.lists(SAMPLING_PARAMS), **OPTIONS}))
+DEEP = st.integers(100, 100_000).map(lambda n: b"[" * n + b"]" * n)
+
+
 def _shaped(path: str) -> st.SearchStrategy:
     """A dict of the route's own field names with random values (token lists and sampling dicts where they go)."""
     values = JSON | TOKENS | st.lists(TOKENS, max_size=3) | st.dictionaries(st.sampled_from(SAMPLING), SCALARS,
@@ -117,12 +137,20 @@ def test_bodies_shaped_like_each_routes_fields_are_never_a_5xx(server, data):
     _send(server, method, path, body=data.draw(_shaped(path), label="body"))
 
 
+@given(body=GENERATE)
+@settings(FUZZ, max_examples=150)
+def test_generate_bodies_that_reach_the_engine_are_never_a_5xx(server, body):
+    """Valid token ids with random sampling values (extreme integers, lone surrogates, wrong types) get past the
+    shape checks and into the engine: where a 2**70 seed or a lone surrogate used to cost a 500."""
+    _send(server, "POST", "/generate", body=body)
+
+
 @given(data=st.data())
 @FUZZ
 def test_raw_bytes_to_every_route_are_never_a_5xx(server, data):
     method, path = data.draw(st.sampled_from([r for r in server.routes if r[0] == "POST"]), label="route")
-    raw = data.draw(st.binary(max_size=200) | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
-                    label="raw")
+    raw = data.draw(st.binary(max_size=200) | ANY_TEXT.map(lambda t: json.dumps({"text": t}).encode()) | DEEP
+                    | st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")), label="raw")
     _send(server, method, path, raw=raw)
 
 
