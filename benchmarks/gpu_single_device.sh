@@ -1,7 +1,8 @@
 #!/bin/bash
 # The one-GPU recipes on a bare GPU machine without the project's dependencies (this workplace's H200 device):
-# install carried wheels, run stages, copy logs and metrics to $OUT. Run from a copy of the repo whose parent holds
-# whl/ (cp312 manylinux wheels + ray as a .tar.xz: see benchmarks/RESULTS.md, "One-GPU recipes on an H200").
+# install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
+# (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
+# benchmarks/RESULTS.md, "One-GPU recipes on an H200").
 #   STAGES="setup prof sft rl vstrl opd test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
@@ -22,12 +23,12 @@ for s in $STAGES; do case $s in
 setup)
   stamp setup
   if [ ! -f /tmp/site/.done ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../whl/*.whl || exit 1
-    tar xJf ../whl/ray-*.tar.xz -C /tmp/site || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.whl}/*.whl || exit 1
+    tar xJf ${WHL:-.whl}/ray-*.tar.xz -C /tmp/site || exit 1
     touch /tmp/site/.done
   fi
   stamp installed
-  python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
+  python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, pebble, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
   ;;
 test)

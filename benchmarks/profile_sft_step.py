@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from slime_dsa.checkpoint import build_model
 from slime_dsa.models.glm_moe_dsa import Experts
 from slime_dsa.models.presets import preset_config
-from slime_dsa.sft import sft_loss
+from slime_dsa.sft import SupervisedExample, sft_loss
 
 PROMPT_TOKENS, SOLUTION_TOKENS, BATCH, VOCAB = 104, 18, 256, 384
 
@@ -32,8 +32,9 @@ def main() -> None:
                         device="cuda").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
-    examples = [(torch.randint(2, VOCAB, (PROMPT_TOKENS,), generator=g).tolist(),
-                 torch.randint(2, VOCAB, (SOLUTION_TOKENS,), generator=g).tolist()) for _ in range(BATCH)]
+    examples = [SupervisedExample(torch.randint(2, VOCAB, (PROMPT_TOKENS,), generator=g).tolist(),
+                                  torch.randint(2, VOCAB, (SOLUTION_TOKENS,), generator=g).tolist(),
+                                  [1] * SOLUTION_TOKENS) for _ in range(BATCH)]
 
     def step() -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):

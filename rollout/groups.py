@@ -1,5 +1,8 @@
 """Groups of rewarded samples: the n samples of one prompt in ONE batched /generate, then a reward for each.
 
+A task with an agent (data.tasks.<i>.agent) plays n multi-turn trajectories instead (rollout/agents), concurrently,
+each its own sequence of /generate calls in the group's session; GRPO then compares the n trajectories.
+
 One HTTP call per group instead of per sample: the driver's and the server's per-request cost dominated rollout
 time for short responses. Each sample carries its own sampling seed, so rollouts are reproducible (and resumption
 exact) whatever the batching or routing. A failed request costs its group's samples, an aborted sample or a
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rollout.agents.runtime import AgentRuntime
 from rollout.client import EngineError, indexer_topk_rows
 from rollout.limiter import SampleLimiter
 from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
@@ -77,6 +81,8 @@ class GroupRollout:
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
         self.reward_stats = {t.name: RewardStats() for t in tasks}
+        self.agents = {t.name: AgentRuntime.build(t.agent, tokenizer, rollout.max_response_length)
+                       for t in tasks if getattr(t, "agent", None) is not None}
 
     def reset_reward_stats(self) -> None:
         """Count reward calls and failures afresh."""
@@ -99,7 +105,11 @@ class GroupRollout:
         return (self.seed * 1_000_003 + sample.index) % 2**31
 
     async def generate_group(self, samples: list[Sample], greedy: bool = False) -> list[Sample]:
-        """Generate and score `samples` (one prompt's, numbered) in one request; failures mark the samples."""
+        """Generate and score `samples` (one prompt's, numbered) in one request, or as agent trajectories when their
+        task has an agent; failures mark the samples."""
+        agent = self.agents.get(samples[0].task)
+        if agent is not None:
+            return await self._generate_trajectories(samples, agent, greedy)
         params = self.sampling_params(greedy)
         per_sample = [{**params, "sampling_seed": self.sample_seed(s)} for s in samples]
         # One session per group: the router keeps the group on one engine, which shares its prompt's cache.
@@ -124,6 +134,17 @@ class GroupRollout:
             await self.teachers.score_group(samples)
         return samples
 
+    async def _generate_trajectories(self, samples: list[Sample], agent: AgentRuntime, greedy: bool) -> list[Sample]:
+        """Play and score one trajectory per sample, all at once, in the group's session."""
+        params = self.sampling_params(greedy)
+        del params["max_new_tokens"]  # per turn, from the trajectory's budget
+        async with self.limiter.hold(len(samples)):
+            done = await asyncio.gather(*(
+                agent.run(s, self.client, params, seed=self.sample_seed(s), session_id=f"group-{s.group_id}",
+                          indexer_topk=self.indexer_topk, request_timeout_s=self.cfg.request_timeout_s)
+                for s in samples))
+        return list(await asyncio.gather(*(self._reward(s) for s in done)))
+
     async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
         """Fill `sample` from its /generate response and compute its reward."""
         meta = out["meta_info"]
@@ -136,6 +157,12 @@ class GroupRollout:
         finish = (meta.get("finish_reason") or {}).get("type")
         sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish,
                                                                                              SampleStatus.COMPLETED)
+        return await self._reward(sample)
+
+    async def _reward(self, sample: Sample) -> Sample:
+        """Score a generated sample (a failed one is left unscored: it is never trained on)."""
+        if sample.status == SampleStatus.FAILED:
+            return sample
         result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s,
                                       stats=self.reward_stats[sample.task])
         sample.reward = result.reward

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +23,46 @@ from slime_dsa.config import RecipeConfig
 logger = logging.getLogger(__name__)
 
 
-def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, solution ids + EOS) for each prompt; the solution comes from the task's `solution` column."""
+@dataclass(frozen=True)
+class SupervisedExample:
+    """A prompt and its reference response; loss_mask (one per response token) is 0 on tool output, which the model
+    reads but is not taught to write."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+
+
+def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[SupervisedExample]:
+    """One example per prompt from the task's `solution` column: a response string (+ EOS), or a multi-turn trajectory
+    (a list of assistant/tool turns, laid out as the agent loop lays them out: slime_dsa.data.tool_calls)."""
+    from slime_dsa.data.tool_calls import ChatFormat, solution_ids  # noqa: PLC0415
+
     eos = tokenizer.eos_token_id
+    chat_format = None
     out = []
     for p in prompts:
         solution = p.metadata.get("solution")
         if solution is None:
             raise ValueError(f"task {p.task!r} row {p.index} has no 'solution' column to fine-tune on")
-        out.append((list(p.prompt_ids), tokenizer.encode(solution, add_special_tokens=False) + [eos]))
+        if isinstance(solution, str):
+            ids = tokenizer.encode(solution, add_special_tokens=False) + [eos]
+            mask = [1] * len(ids)
+        else:
+            chat_format = chat_format or ChatFormat.from_tokenizer(tokenizer)
+            ids, mask = solution_ids(solution, chat_format)
+        out.append(SupervisedExample(list(p.prompt_ids), ids, mask))
     return out
 
 
-def sft_loss(model, examples: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Mean negative log-likelihood of the solution tokens, over one packed batch."""
+def sft_loss(model, examples: list[SupervisedExample]) -> torch.Tensor:
+    """Mean negative log-likelihood of the response tokens whose loss_mask is 1, over one packed batch."""
     from slime_dsa.models import PackedBatch  # noqa: PLC0415
 
-    ids = torch.tensor([t for prompt, resp in examples for t in prompt + resp], device=model.device)
-    mask = torch.tensor([m for prompt, resp in examples for m in [0.0] * len(prompt) + [1.0] * len(resp)], device=model.device)
-    batch = PackedBatch.from_seqlens([len(p) + len(r) for p, r in examples], model.device)
+    ids = torch.tensor([t for e in examples for t in e.prompt_ids + e.response_ids], device=model.device)
+    mask = torch.tensor([float(m) for e in examples for m in [0] * len(e.prompt_ids) + e.loss_mask],
+                        device=model.device)
+    batch = PackedBatch.from_seqlens([len(e.prompt_ids) + len(e.response_ids) for e in examples], model.device)
     logp, _ = model.token_logprobs(ids, batch)
     return -(logp * mask).sum() / mask.sum()
 

@@ -48,7 +48,9 @@ class ServerThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         engine, tokenizer = load_engine(model_dir, max_cache_tokens=1024, **engine_kwargs)
-        self.server = self.run(EmbeddedServer.start(engine, tokenizer, model_path=str(model_dir)))
+        weight_dirs = [str(d) for d in engine_kwargs.get("preload_weights") or []]  # what a swap may load
+        self.server = self.run(EmbeddedServer.start(engine, tokenizer, model_path=str(model_dir),
+                                                    weight_dirs=weight_dirs))
         self.url = self.server.url
 
     def run(self, coro, timeout: float = 120):

@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -371,13 +372,16 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, ray_cluster):
     assert end["buffered"] == end["in_flight"] == []  # the gate let nothing start beyond the last step
 
 
+# Async reward functions run on the driver's event loop (sync ones given by import path run in worker processes),
+# so these two share state with the test in memory and wait without holding a reward worker.
 STALL = threading.Event()
 
 
-def stall_group_zero(sample, response: str, answer, **metadata) -> float:
+async def stall_group_zero(sample, response: str, answer, **metadata) -> float:
     """digit_fraction, but group 0 waits for weight version 2 first: it finishes stale by construction."""
-    if sample.group_id == 0:
-        STALL.wait(timeout=20)
+    deadline = time.monotonic() + 20
+    while sample.group_id == 0 and not STALL.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
@@ -414,7 +418,7 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
 SEEN: dict[int, str] = {}
 
 
-def record_prompt(sample, response: str, answer, **metadata) -> float:
+async def record_prompt(sample, response: str, answer, **metadata) -> float:
     """digit_fraction, noting which prompt each sample index was generated for."""
     SEEN[sample.index] = sample.prompt_text
     return sum(c.isdigit() for c in response) / max(len(response), 1)
@@ -441,6 +445,7 @@ def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_clust
     recipe["trainer"]["num_steps"] = 4
     SEEN.clear()
     _, ledger = _run(tmp_path, "resume", recipe, resume=True)
+    seen = dict(SEEN)
     first, second = ledger[:3], ledger[3:]
     assert [line.get("step") for line in first[:2]] == [1, 2] and first[2]["end"]
     *steps, end = second
@@ -454,5 +459,5 @@ def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_clust
     assert set(pending_indices) <= {i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]}
     # Samples scored in both runs (pending groups that had finished before the save; on a loaded machine there may
     # be none, as all pending groups can still be generating then) carry the same prompt.
-    same = set(before) & set(SEEN)
-    assert all(before[i] == SEEN[i] for i in same), "a regenerated sample has another prompt"
+    same = set(before) & set(seen)
+    assert all(before[i] == seen[i] for i in same), "a regenerated sample has another prompt"

@@ -5,9 +5,11 @@ transcription of the formulas written here, walking each trajectory's own token 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
+import yaml
 
 from slime_dsa.algorithms import DISLoss, ValueLoss
 from slime_dsa.algorithms.specs import build_algorithm
@@ -42,9 +44,11 @@ SAMPLES = [
     _trajectory(1, 2, [("model", 6)], reward=0.0),  # single turn, ended
     _trajectory(2, 3, [("model", 2), ("tool", 4), ("model", 2), ("tool", 3)], reward=0.5,
                 truncated_by="max_turns"),  # cut after a tool output: bootstraps from V after it
-    _trajectory(3, 5, [("model", 7)], reward=0.25, truncated_by="max_response_length"),  # cut mid-answer
+    _trajectory(3, 5, [("model", 7)], reward=0.25, truncated_by="max_tokens"),  # the agent's token limit
     _trajectory(4, 1, [("model", 1), ("tool", 2), ("model", 1)], reward=-1.0),  # l = 2 action tokens
+    _trajectory(5, 2, [("model", 3)], reward=0.0),  # below: a single response cut at max_response_length
 ]
+SAMPLES[5].status = SampleStatus.TRUNCATED  # no truncated_by: its reward function scored it, the episode ended
 
 
 def transcription(sample: Sample, values: list[float], bootstrap: float, gamma: float, lam: float,
@@ -83,7 +87,7 @@ def test_gae_over_packed_trajectories_matches_the_transcription(gamma, bootstrap
     for i, sample in enumerate(SAMPLES):
         p, n = len(sample.prompt_ids), sample.response_length
         values = inputs.values[start + p : start + p + n].tolist()  # V(s_t) of each response token
-        cut = sample.status == SampleStatus.TRUNCATED and bootstrap_truncated
+        cut = "truncated_by" in sample.metadata and bootstrap_truncated
         bootstrap = float(inputs.final_values[i]) if cut else 0.0
         actions = sum(sample.loss_mask)
         lam_actor = min(max(1 - 1 / (1.5 * actions), 0.0), 1.0)
@@ -107,7 +111,7 @@ def test_lambda_one_returns_are_monte_carlo():
     start = 0
     for i, sample in enumerate(SAMPLES):
         p, n = len(sample.prompt_ids), sample.response_length
-        cut = float(inputs.final_values[i]) if sample.status == SampleStatus.TRUNCATED else 0.0
+        cut = float(inputs.final_values[i]) if "truncated_by" in sample.metadata else 0.0
         for t, m in enumerate(sample.loss_mask):
             if m:
                 assert math.isclose(float(returns[start + p + t]), sample.reward + cut, abs_tol=1e-5)
@@ -131,11 +135,11 @@ def test_sao_declares_its_loop_roles_losses_and_critic_schedule():
 def test_sao_metrics_report_lambda_statistics():
     _, inputs = _packed(SAMPLES)
     metrics = _spec().advantage_metrics(inputs)
-    lengths = [sum(s.loss_mask) for s in SAMPLES]  # 12, 6, 4, 7, 2 action tokens
+    lengths = [sum(s.loss_mask) for s in SAMPLES]  # 12, 6, 4, 7, 2, 3 action tokens
     lambdas = [1 - 1 / (1.5 * n) for n in lengths]
     assert metrics["lambda_min"] == pytest.approx(min(lambdas)) and metrics["lambda_max"] == pytest.approx(max(lambdas))
     assert metrics["lambda_mean"] == pytest.approx(sum(lambdas) / len(lambdas))
-    assert metrics["bootstrapped_frac"] == pytest.approx(2 / 5)
+    assert metrics["bootstrapped_frac"] == pytest.approx(2 / 6)
 
 
 def test_sao_recipe_keys():
@@ -151,3 +155,29 @@ def test_sao_recipe_keys():
     with pytest.raises(RecipeError, match=r"critic_updates_per_step is not read by algorithm 'async_reinforce' "
                                           r"\(it applies to sao\)"):
         validate_recipe({"algorithm": {"name": "async_reinforce", "critic_updates_per_step": 3}})
+
+
+def test_recipe_explain_sao_gives_every_key_its_default_and_source():
+    from slime_dsa.algorithms.specs import COMMON_OPTIONS, SAO
+    from slime_dsa.config import explain
+    from slime_dsa.config.schema import AlgorithmSection, CriticSection
+
+    blocks: dict[str, str] = {}  # key -> its line and description
+    heads: dict[str, str] = {}  # key -> its line
+    key = None
+    for line in explain("sao").splitlines():
+        if re.match(r"^  [a-z_]+\.[a-z_]+: ", line):
+            key = line.split(":", 1)[0].strip()
+            blocks[key] = heads[key] = line
+        elif key is not None and line.startswith("      "):
+            blocks[key] += " " + line.strip()
+    own = sorted(SAO.options - COMMON_OPTIONS)
+    assert own and all(f"algorithm.{k}" in blocks for k in own)
+    assert all(f"critic.{k}" in blocks for k in CriticSection.model_fields)
+    for key, block in blocks.items():
+        if key.startswith(("algorithm.", "critic.")) and key != "algorithm.name":
+            section = AlgorithmSection if key.startswith("algorithm.") else CriticSection
+            default = section.model_fields[key.split(".")[1]].default
+            shown = heads[key].split(" = ", 1)[1].split("  ")[0]
+            assert yaml.safe_load(shown) == default, key  # the default, on the key's line
+            assert "Default " in " ".join(block.split()), key  # and where it comes from, in its description

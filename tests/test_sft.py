@@ -33,3 +33,23 @@ def test_sft_lowers_loss_and_writes_a_model(tmp_path):
     model = slime_dsa.load_model(tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert model.config.vocab_size == len(tokenizer)
+
+
+def test_sft_on_multi_turn_tool_solutions(tmp_path):
+    """SFT on the agentic tasks' reference trajectories (tool output masked), and its eval plays agent rollouts."""
+    recipe = {
+        "model": {"preset": "tiny"},
+        "data": {"tasks": [{"kind": "calc_chain", "eval_size": 2, "train_size": 32},
+                           {"kind": "fact_lookup", "eval_size": 2, "train_size": 32}],
+                 "apply_chat_template": True, "max_prompt_length": 96},
+        "rollout": {"max_response_length": 48},
+        "trainer": {"learning_rate": 3.0e-3, "num_steps": 3, "micro_batch_tokens": 2048},
+        "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 2, "output_dir": str(tmp_path / "model")},
+        "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    assert "eval/calc_chain/pass@1" in records[-1] and "eval/fact_lookup/pass@1" in records[-1]

@@ -14,6 +14,7 @@ from slime_dsa.data.tokenizer import (
     MODEL_VOCAB_SIZE,
     SPECIAL_TOKENS,
     TAG_TOKENS,
+    TOOL_TAG_TOKENS,
     VOCAB_SIZE,
     build_tokenizer,
     save_tokenizer,
@@ -68,10 +69,11 @@ def test_special_tokens_are_single_ids(tokenizer) -> None:
 
 
 def test_skip_special_tokens_keeps_tags(tokenizer) -> None:
-    tags = "<think>hmm</think><tool_call>x</tool_call>"
+    tags = ("<think>hmm</think><tool_call>x\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>"
+            "<tool_response>\n1\n</tool_response>")
     ids = tokenizer.encode(f"[gMASK]<sop><|assistant|>\n{tags}<|endoftext|>", add_special_tokens=False)
     assert tokenizer.decode(ids, skip_special_tokens=True) == "\n" + tags
-    assert set(TAG_TOKENS) <= set(tokenizer.convert_ids_to_tokens(ids))
+    assert set(TAG_TOKENS) | set(TOOL_TAG_TOKENS) <= set(tokenizer.convert_ids_to_tokens(ids))
 
 
 MESSAGES = [
@@ -85,13 +87,15 @@ MESSAGES = [
         "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expression": "2 + 3"}}}],
     },
     {"role": "tool", "content": "5"},
+    {"role": "tool", "content": "<|endoftext|>"},
 ]
 RENDERED = (
     "[gMASK]<sop><|system|>\nBe brief.<|user|>\nCompute 2 + 3."
     "<|assistant|>\n<think>2 + 3 = 5</think><answer>5</answer><|endoftext|>"
     "<|user|>\nUse the calculator."
-    '<|assistant|>\n<tool_call>{"name": "calc", "arguments": {"expression": "2 + 3"}}</tool_call><|endoftext|>'
-    "<|observation|>\n5<|assistant|>\n"
+    "<|assistant|>\n<tool_call>calc\n<arg_key>expression</arg_key>\n<arg_value>2 + 3</arg_value>\n</tool_call>"
+    "<|observation|>\n<tool_response>\n5\n</tool_response>\n<tool_response>\n<|endoftext|>\n</tool_response>"
+    "<|assistant|>\n"
 )
 
 
@@ -101,8 +105,8 @@ def test_chat_template(tokenizer) -> None:
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids == tokenizer.encode(RENDERED, add_special_tokens=False)
     assert ids[:2] == tokenizer.convert_tokens_to_ids(["[gMASK]", "<sop>"])
-    # the eos token is the one that ends every assistant turn
-    assert RENDERED.count(tokenizer.eos_token) == 2
+    # the eos token ends the assistant turn without tool calls; the one with calls ends at <|observation|>
+    assert RENDERED.split("<|observation|>")[0].count(tokenizer.eos_token) == 1
 
 
 def test_chat_template_rejects_unknown_role(tokenizer) -> None:

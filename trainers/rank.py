@@ -23,7 +23,7 @@ from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
 from slime_dsa.weights.payloads import TensorSpec, bucket_specs
-from trainers.base import DSAOptions, RankConfig, RoleConfig, TrainBatch, split_by_tokens
+from trainers.base import RankConfig, RoleConfig, TrainBatch, split_by_tokens
 from trainers.weight_sender import broadcast_weights, group_address, weight_specs
 
 logger = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from rollout.rewards.arithmetic import arithmetic_reward
 from rollout.rewards.countdown import countdown_reward
 from rollout.rewards.math_verifier import math_verify_reward
 from rollout.rewards.sort import sort_reward
+from rollout.rewards.tool_answer import tool_answer_reward
 
 
 class RewardLoadError(ValueError):
@@ -106,6 +107,7 @@ _REGISTRY: dict[str, tuple[Callable[..., Any], Isolation]] = {
     "countdown": (countdown_reward, "inline"),
     "math_verify": (math_verify_reward, "thread"),
     "math": (math_verify_reward, "thread"),
+    "tool_answer": (tool_answer_reward, "inline"),
 }
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from slime_dsa.checkpoint.hf_format import CheckpointError, _parse_dtype, read_state_dict, save_pretrained
+from slime_dsa.checkpoint.hf_format import _parse_dtype, check_and_assign, read_state_dict, save_pretrained
 from slime_dsa.models.config import ModelConfig
-from slime_dsa.models.value_model import VALUE_HEAD, GlmMoeDsaForValue, value_config
+from slime_dsa.models.value_model import VALUE_HEAD, GlmMoeDsaForValue, fresh_value_head, value_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,31 +46,16 @@ def load_value_model(path: str | Path, dtype: torch.dtype | str | None = None,
         raise FileNotFoundError(f"value model directory {directory} does not exist")
     config = value_config(ModelConfig.from_pretrained(directory))
     state = read_state_dict(directory)
-    fresh_head = not is_value_state(state)
     wanted = value_state_from(state, config)
-    if not fresh_head:
+    if is_value_state(state):
         wanted.update({k: v for k, v in state.items() if k.startswith(f"{VALUE_HEAD}.")})
+    else:
+        wanted.update(fresh_value_head(config, seed))
+        logger.info("value model: the backbone of the policy in %s under a fresh value head", directory)
+    target = _parse_dtype(dtype) or next(iter(state.values())).dtype
     with torch.device("meta"):
         model = GlmMoeDsaForValue(config)
-    expected = model.state_dict()
-    if fresh_head:
-        expected = {k: v for k, v in expected.items() if not k.startswith(f"{VALUE_HEAD}.")}
-    missing = sorted(set(expected) - set(wanted))
-    if missing:
-        raise CheckpointError(f"{directory}: missing tensor {missing[0]} for the value model; {len(missing)} missing in all")
-    for name, tensor in wanted.items():
-        if name not in expected:
-            raise CheckpointError(f"{directory}: unexpected tensor {name} for the value model")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(tensor.shape)}, the value model "
-                                  f"expects {tuple(expected[name].shape)}")
-    target = _parse_dtype(dtype) or next(iter(wanted.values())).dtype
-    if fresh_head:
-        model.value_head.to_empty(device="cpu")
-        model.init_value_head(seed)
-        wanted.update({k: v for k, v in model.value_head.state_dict(prefix=f"{VALUE_HEAD}.").items()})
-        logger.info("value model: backbone from the policy in %s, a fresh value head", directory)
-    model.load_state_dict(wanted, strict=True, assign=True)
+    check_and_assign(model, wanted)
     model.cast(target)
     return model.to(device) if device is not None else model
 

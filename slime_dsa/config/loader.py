@@ -336,7 +336,8 @@ def _suggest(path: KeyPath) -> str:
 
 
 def _empty_sections(data: Any, model: type[BaseModel]) -> Any:
-    """Read a null section (`rollout:` with everything under it commented out) as an empty one."""
+    """Read a null section (`rollout:` with everything under it commented out) as an empty one; a section whose
+    default is null (data.tasks.<i>.agent) stays null."""
     if not isinstance(data, dict):
         return data
     for key, value in data.items():
@@ -344,7 +345,7 @@ def _empty_sections(data: Any, model: type[BaseModel]) -> Any:
         if field is None:
             continue
         sub, item = as_model(field.annotation), as_model(list_item(field.annotation))
-        if sub is not None:
+        if sub is not None and not (value is None and field.default is None):
             data[key] = _empty_sections({} if value is None else value, sub)
         elif item is not None and isinstance(value, list):
             data[key] = [_empty_sections({} if v is None else v, item) for v in value]

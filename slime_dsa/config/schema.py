@@ -46,14 +46,64 @@ class ModelSection(Section):
         False, description="Recompute activations during the backward pass to save trainer memory.")
 
 
+# Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
+# keeps the two equal). Kept here so that `recipe check` answers without importing datasets.
+AGENTIC_TASK_TOOLS: dict[str, tuple[str, ...]] = {"calc_chain": ("calculator",), "fact_lookup": ("search", "calculator")}
+BUILTIN_TOOLS = ("calculator", "search", "python")
+
+
+class AgentConfig(Section):
+    """Multi-turn tool use on a task: the agent loop, the tools it may call, and the limits of one trajectory."""
+
+    loop: str = Field(
+        "glm", description="Agent loop: glm (the model calls tools in GLM-4.5's <tool_call> format; rollout/agents) "
+                           "or 'package.module:attribute' (an AgentLoop, or a class or function that makes one).")
+    tools: list[str] = Field(
+        default_factory=list, description="Tools the agent may call: calculator, search (BM25 over the built-in "
+                                          "fact corpus), python (a sandboxed subprocess) or 'package.module:attribute'"
+                                          " (a tool, or a class or function that makes one).")
+    max_turns: int = Field(
+        8, ge=1, description="Most model turns per trajectory; a trajectory still calling a tool in its last turn "
+                             "ends truncated (metadata truncated_by: turns).")
+    max_turn_tokens: int | None = Field(
+        None, ge=1, description="Most tokens the model writes in one turn; null = rollout.max_response_length. The "
+                                "whole trajectory, model and tool tokens, is capped by rollout.max_response_length; "
+                                "either cut ends it truncated (truncated_by: tokens).")
+    max_wall_time_s: float = Field(
+        300.0, gt=0, description="Seconds one trajectory may take, generation and tools together; past it the "
+                                 "trajectory ends truncated at its last finished turn (truncated_by: wall_time).")
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds one tool call may run; past it the call's output says it timed out.")
+    max_tool_calls_per_turn: int = Field(
+        4, ge=1, description="Tool calls run per turn; further calls in the same turn get an error as output.")
+    max_tool_output_chars: int = Field(
+        1000, ge=32, description="Characters of one tool output the model sees; the rest is cut, with a note.")
+
+    @model_validator(mode="after")
+    def _check(self) -> AgentConfig:
+        if self.loop != "glm" and not _IMPORT_PATH.match(self.loop):
+            raise RecipeValueError(f"loop ('{self.loop}') must be glm or look like 'package.module:attribute'", "loop")
+        for tool in self.tools:
+            if tool not in BUILTIN_TOOLS and not _IMPORT_PATH.match(tool):
+                raise RecipeValueError(f"tools: '{tool}' is not a built-in tool ({', '.join(BUILTIN_TOOLS)}) or "
+                                       "'package.module:attribute'", "tools")
+        if len(set(self.tools)) != len(self.tools):
+            raise RecipeValueError(f"tools lists a tool twice: {self.tools}", "tools")
+        if self.tool_timeout_s > self.max_wall_time_s:
+            raise RecipeValueError(f"tool_timeout_s ({self.tool_timeout_s:g}) exceeds max_wall_time_s "
+                                   f"({self.max_wall_time_s:g}), the whole trajectory's time", "tool_timeout_s",
+                                   "max_wall_time_s")
+        return self
+
+
 class TaskConfig(Section):
     """One prompt source; `data.tasks` mixes several by weight."""
 
     name: str | None = Field(
         None, description="Name of the task in metrics and logs, unique within data.tasks; null = the kind.")
-    kind: Literal["arithmetic", "countdown", "sort", "dataset"] = Field(
-        "arithmetic", description="Where prompts come from: a built-in generator (arithmetic, countdown, sort) or a "
-                                  "dataset at `path`.")
+    kind: Literal["arithmetic", "countdown", "sort", "calc_chain", "fact_lookup", "dataset"] = Field(
+        "arithmetic", description="Where prompts come from: a built-in generator (arithmetic, countdown, sort; the "
+                                  "agentic calc_chain and fact_lookup, which need tools) or a dataset at `path`.")
     weight: float = Field(
         1.0, ge=0, description="Relative share of this task in each step's prompts (normalised over all tasks).")
     path: str | None = Field(
@@ -81,11 +131,22 @@ class TaskConfig(Section):
     eval_size: int = Field(
         0, ge=0, description="Number of the task's prompts held out for evaluation; set at most one of "
                              "eval_fraction and eval_size.")
+    agent: AgentConfig | None = Field(
+        None, description="Multi-turn tool use: each rollout of this task is a trajectory of model turns and tool "
+                          "results; null = one response per rollout (the agentic kinds calc_chain and fact_lookup "
+                          "then get the glm loop with the tools they need).")
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
         if self.name is None:
             self.name = self.kind
+        needed = AGENTIC_TASK_TOOLS.get(self.kind, ())
+        if needed and self.agent is None:
+            self.agent = AgentConfig(tools=list(needed))
+        missing = [t for t in needed if self.agent is not None and t not in self.agent.tools]
+        if missing:
+            raise RecipeValueError(f"kind '{self.kind}' needs the tool '{missing[0]}' in agent.tools", "agent.tools",
+                                   "kind")
         if self.kind == "dataset" and not self.path:
             raise RecipeValueError("kind 'dataset' needs a path (a dataset id, file or directory)", "path", "kind")
         if self.kind != "dataset" and self.path is not None:
@@ -96,8 +157,8 @@ class TaskConfig(Section):
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
                 "reward_fn")
         if self.task_args and self.kind == "dataset":
-            raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort)", "task_args",
-                                   "kind")
+            raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort, calc_chain, "
+                                   "fact_lookup)", "task_args", "kind")
         if self.eval_fraction > 0 and self.eval_size > 0:
             raise RecipeValueError(
                 f"set at most one of eval_fraction ({self.eval_fraction}) and eval_size ({self.eval_size})",
@@ -235,6 +296,11 @@ class RolloutSection(Section):
                             "through a CUDA IPC handle; embedded engines on rank 0's GPU only); auto = cuda_ipc "
                             "when every engine is an embedded engine on rank 0's GPU, else shm when they are on "
                             "rank 0's node and /dev/shm has room, else http.")
+    restart_dead_engines: bool = Field(
+        True, description="Replace an engine the run started (embedded, sglang) whose process died: the run goes on "
+                          "with the others meanwhile, and the new engine joins at the next weight update. Off, the "
+                          "run goes on with fewer engines. Either way, when none is left the run writes an "
+                          "emergency checkpoint and stops.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
@@ -341,10 +407,11 @@ class AlgorithmSection(Section):
                                 "0.2–0.5 in PPO critics); null = plain masked MSE. Default null: implementers of "
                                 "the SAO paper read it as unclipped, and sources disagree.")
     bootstrap_truncated: bool = Field(
-        True, description="sao: a trajectory cut by a limit (status truncated: max_response_length, or an agent's "
-                          "turn, token or time limit) ends its GAE on γ·V(state after its last token) instead of 0, "
-                          "its reward still on its last action token. Default true: issue 15 (a limit is not the end "
-                          "of the episode).")
+        True, description="sao: a trajectory an agent loop cut at one of its limits (turns, tokens, wall time: status "
+                          "truncated with metadata truncated_by) ends its GAE on γ·V(state after its last token) "
+                          "instead of 0, its reward still on its last action token. A single response cut at "
+                          "rollout.max_response_length ends its episode (its reward function scored it): never "
+                          "bootstrapped. Default true: issue 15 (an agent's limit is not the end of the episode).")
     partial_rollout: Literal["retract", "in_place", "off"] = Field(
         "retract", description="async_reinforce, sao: responses in progress when new weights arrive are continued "
                                "under them (a partial rollout; each token keeps the version and log-prob it was sampled "
@@ -604,8 +671,8 @@ class CriticSection(Section):
     path: str | None = Field(
         None, description="Directory the value model starts from: a value model (a value pre-training run's "
                           "checkpoints/step_N/critic, recipes/value_pretrain.yaml) or a policy (its backbone under a "
-                          "fresh value head); null = the policy's starting weights (model.path), as in the SAO "
-                          "paper.")
+                          "fresh value head). Default null: the policy's starting weights (model.path) under a fresh "
+                          "head, as in the SAO paper.")
     learning_rate: float = Field(
         5e-6, gt=0, description="The critic's own AdamW learning rate, constant (trainer.learning_rate is the "
                                 "actor's). Default 5e-6: public SAO reproductions (5e-6 against the actor's 1e-6).")
@@ -678,6 +745,19 @@ class RecipeConfig(Section):
                 f"rollout.max_cache_tokens ({ro.max_cache_tokens}) must hold one rollout, data.max_prompt_length + "
                 f"rollout.max_response_length = {longest}", "rollout.max_cache_tokens", "data.max_prompt_length",
                 "rollout.max_response_length")
+        for i, task in enumerate(self.data.tasks):
+            if task.agent is None:
+                continue
+            if not self.data.apply_chat_template:
+                raise RecipeValueError(
+                    f"data.tasks.{i} ('{task.name}') runs an agent, whose tool results are chat turns: set "
+                    "data.apply_chat_template: true", f"data.tasks.{i}.agent", "data.apply_chat_template")
+            turn = task.agent.max_turn_tokens
+            if turn is not None and turn > ro.max_response_length:
+                raise RecipeValueError(
+                    f"data.tasks.{i}.agent.max_turn_tokens ({turn}) exceeds rollout.max_response_length "
+                    f"({ro.max_response_length}), which caps the whole trajectory", f"data.tasks.{i}.agent.max_turn_tokens",
+                    "rollout.max_response_length")
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")

@@ -15,6 +15,8 @@ are dropped, so the two never share a prompt.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import math
 import zlib
@@ -69,7 +71,26 @@ def load_prompt_dataset(path: str | Path, *, split: str = "train", cache_dir: st
     except PromptDataError:
         raise
     except Exception as exc:
+        if where := _bad_json_row(p):  # datasets says only "An error occurred while generating the dataset"
+            raise PromptDataError(f"{path}: {where}") from exc
         raise PromptDataError(f"{path}: cannot load prompts ({type(exc).__name__}: {exc})") from exc
+
+
+def _bad_json_row(path: Path) -> str | None:
+    """'row N: not valid JSON (...)' for the first line of a .jsonl file that does not parse as a JSON object."""
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None
+    with path.open("rb") as f:
+        for row, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                return f"row {row}: not valid JSON ({getattr(e, 'msg', e)})"
+            if not isinstance(value, dict):
+                return f"row {row}: expected a JSON object, got {type(value).__name__}"
+    return None
 
 
 def _check_utf8(ds: datasets.Dataset, source: str) -> None:
@@ -251,6 +272,7 @@ class Task:
     eval: PromptSet | None
     num_dropped_too_long: dict[str, int] = field(default_factory=dict)
     num_dropped_duplicate: int = 0  # train rows dropped because their prompt is in eval
+    agent: Any = None  # slime_dsa.config.schema.AgentConfig: rollouts are multi-turn tool-using trajectories
 
 
 def _eval_count(n: int, eval_size: int, eval_fraction: float) -> int:
@@ -271,9 +293,11 @@ def load_task(
     reward_fn: str | None = None, weight: float = 1.0, eval_size: int = 0, eval_fraction: float = 0.0,
     apply_chat_template: bool = False, max_prompt_length: int = 512, seed: int = 0,
     train_size: int = builtin_tasks.DEFAULT_TRAIN_SIZE, task_args: dict[str, Any] | None = None,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, agent: Any = None,
 ) -> Task:
-    """Load, check, tokenize and split one task. Built-in kinds generate `train_size` prompts from `task_args`."""
+    """Load, check, tokenize and split one task. Built-in kinds generate `train_size` prompts from `task_args`.
+    `agent` (an AgentConfig) makes its rollouts tool-using trajectories; an agentic built-in kind gets the glm loop
+    with its tools when none is given."""
     encode_kwargs = dict(prompt_column=prompt_column, answer_column=answer_column,
                          apply_chat_template=apply_chat_template, system_prompt=system_prompt)
     if kind == "dataset":
@@ -299,6 +323,10 @@ def load_task(
         train_ds = encode_prompts(splits["train"], tokenizer, source=f"{source} train", **encode_kwargs)
         eval_ds = encode_prompts(splits["eval"], tokenizer, source=f"{source} eval", **encode_kwargs)
         default_reward = spec.reward
+        if agent is None and spec.tools:
+            from slime_dsa.config.schema import AgentConfig  # noqa: PLC0415
+
+            agent = AgentConfig(tools=list(spec.tools))
 
     train_ds, train_long = drop_long_prompts(train_ds, max_prompt_length, source=f"{source} (train)")
     eval_ds, eval_long = drop_long_prompts(eval_ds, max_prompt_length, source=f"{source} (eval)")
@@ -319,7 +347,7 @@ def load_task(
         name=name, kind=kind, weight=weight, reward_fn=reward_fn or default_reward,
         train=PromptSet(name, "train", train_ds, **columns),
         eval=PromptSet(name, "eval", eval_ds, **columns) if len(eval_ds) else None,
-        num_dropped_too_long={"train": train_long, "eval": eval_long}, num_dropped_duplicate=duplicates,
+        num_dropped_too_long={"train": train_long, "eval": eval_long}, num_dropped_duplicate=duplicates, agent=agent,
     )
 
 
@@ -335,7 +363,7 @@ def build_tasks(data: Any, tokenizer: Any, *, train_size: int | None = None, cac
             eval_fraction=t.eval_fraction, apply_chat_template=data.apply_chat_template,
             max_prompt_length=data.max_prompt_length, seed=data.seed, cache_dir=cache_dir,
             train_size=train_size or getattr(t, "train_size", builtin_tasks.DEFAULT_TRAIN_SIZE), task_args=dict(getattr(t, "task_args", {}) or {}) or None,
-            system_prompt=getattr(t, "system_prompt", None),
+            system_prompt=getattr(t, "system_prompt", None), agent=getattr(t, "agent", None),
         )
         for t in data.tasks
     ]

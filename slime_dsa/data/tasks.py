@@ -5,10 +5,15 @@
 - `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/.
 - `sort`: list the given numbers from smallest to largest ("Sort 42, 7, 19 from smallest to largest. ..." →
   "7, 19, 42"); knobs `min_numbers`, `max_numbers`, `max_number`.
+- `calc_chain` (agentic): a chain of operations on a start number, one calculator call per step.
+- `fact_lookup` (agentic): a sum or difference of two towns' populations from the fictional fact corpus
+  (`slime_dsa.data.facts`): two searches, then one calculator call.
 
 Rows: `prompt` (a self-contained user message, str), `answer` (ground truth for the task's reward function in
-`rollout/rewards`, same name as the task) and `solution` (a reference response that the reward scores 1.0, for SFT
-warm-up and tests).
+`rollout/rewards`) and `solution` (a reference response that the reward scores 1.0, for SFT warm-up and tests). An
+agentic task's solution is a trajectory: a list of {"role": "assistant" | "tool", "content": str} turns whose
+assistant turns call the task's `tools` in GLM's format (`slime_dsa.data.tool_calls`) and whose tool turns are what
+those tools return.
 Answer convention, shared by all verifiers: the response ends with its answer, optionally inside
 `<answer>...</answer>`; the last tagged answer wins, else the verifier reads the end of the response.
 Splits: the eval problems (distinct) are drawn first from the seed's stream, then train takes the next problems whose
@@ -27,6 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
+
+from slime_dsa.data import facts
+from slime_dsa.data.tool_calls import render_tool_call
 
 ANSWER_INSTRUCTION = "Put the final answer in <answer></answer>."
 DEFAULT_TRAIN_SIZE = 20_000
@@ -90,7 +98,7 @@ class SortParams:
             raise ValueError(f"sort: max_number ({self.max_number}) must be >= 1")
 
 
-Problem = tuple[str, Any, str]  # (prompt, answer, solution)
+Problem = tuple[str, Any, Any]  # (prompt, answer, solution: a response string, or a list of turns for agentic tasks)
 
 
 def _random_number(rng: random.Random, digits: int) -> int:
@@ -166,6 +174,79 @@ def sort_problem(rng: random.Random, params: SortParams) -> Problem:
 
 
 @dataclass(frozen=True)
+class CalcChainParams:
+    """A start number of start_digits digits, then min_steps..max_steps operations (+, -, *), one per tool call."""
+
+    start_digits: int = 3
+    min_steps: int = 2
+    max_steps: int = 3
+    operand_digits: int = 2  # of + and - operands; multipliers have one digit less (at least one)
+    ops: str = "+-*"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_steps <= self.max_steps <= 8:
+            raise ValueError(f"calc_chain: need 1 <= min_steps ({self.min_steps}) <= max_steps ({self.max_steps}) <= 8")
+        if not 1 <= self.start_digits <= 9 or not 1 <= self.operand_digits <= 9:
+            raise ValueError(f"calc_chain: start_digits ({self.start_digits}) and operand_digits "
+                             f"({self.operand_digits}) must be in 1..9")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"calc_chain: ops ({self.ops!r}) must be a non-empty string of '+', '-', '*'")
+
+
+@dataclass(frozen=True)
+class FactLookupParams:
+    """Two different towns of the fact corpus; questions of the given kinds ("sum", "difference")."""
+
+    questions: str = "sum,difference"
+
+    def __post_init__(self) -> None:
+        kinds = self.questions.split(",")
+        if not kinds or set(kinds) - {"sum", "difference"}:
+            raise ValueError(f"fact_lookup: questions ({self.questions!r}) must list some of 'sum', 'difference'")
+
+
+_STEP_WORDS = {"+": "add {x}", "-": "subtract {x}", "*": "multiply by {x}"}
+
+
+def _call_turn(tool: str, **arguments: Any) -> dict[str, str]:
+    return {"role": "assistant", "content": render_tool_call(tool, arguments)}
+
+
+def calc_chain_problem(rng: random.Random, params: CalcChainParams) -> Problem:
+    """Start with x, then apply each step; the solution calls the calculator once per step."""
+    start = value = _random_number(rng, params.start_digits)
+    steps, turns = [], []
+    for _ in range(rng.randint(params.min_steps, params.max_steps)):
+        op = rng.choice(params.ops)
+        x = _random_number(rng, max(1, params.operand_digits - (op == "*"))) + (op == "*") * 2  # never * 0 or * 1
+        steps.append(_STEP_WORDS[op].format(x=x))
+        turns.append(_call_turn("calculator", expression=f"{value} {op} {x}"))
+        value = {"+": value + x, "-": value - x, "*": value * x}[op]
+        turns.append({"role": "tool", "content": str(value)})
+    turns.append({"role": "assistant", "content": f"<answer>{value}</answer>"})
+    prompt = f"Start with {start}, then {', then '.join(steps)}. Use the calculator for each step. {ANSWER_INSTRUCTION}"
+    return prompt, str(value), turns
+
+
+def fact_lookup_problem(rng: random.Random, params: FactLookupParams) -> Problem:
+    """The sum or difference of two towns' populations: two searches and a calculator call."""
+    a, b = rng.sample(facts.towns(), 2)
+    if rng.choice(params.questions.split(",")) == "sum":
+        question, expression, value = (f"How many people live in {a.name} and {b.name} together?",
+                                       f"{a.population} + {b.population}", a.population + b.population)
+    else:
+        a, b = (a, b) if a.population >= b.population else (b, a)
+        question, expression, value = (f"How many more people live in {a.name} than in {b.name}?",
+                                       f"{a.population} - {b.population}", a.population - b.population)
+    turns = [_call_turn("search", query=f"{a.name} population"), {"role": "tool", "content": facts.document(a)},
+             _call_turn("search", query=f"{b.name} population"), {"role": "tool", "content": facts.document(b)},
+             _call_turn("calculator", expression=expression), {"role": "tool", "content": str(value)},
+             {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+    prompt = f"{question} Use the search tool, then the calculator. {ANSWER_INSTRUCTION}"
+    return prompt, str(value), turns
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     """A built-in task: its parameters, its problem generator, and the reward function that verifies it."""
 
@@ -173,12 +254,17 @@ class TaskSpec:
     params_cls: type
     make_problem: Callable[[random.Random, Any], Problem]
     reward: str  # name in rollout.rewards' registry
+    tools: tuple[str, ...] = ()  # tools the reference solutions call (an agentic task); () = single turn
 
 
 TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", ArithmeticParams, arithmetic_problem, reward="arithmetic"),
     "countdown": TaskSpec("countdown", CountdownParams, countdown_problem, reward="countdown"),
     "sort": TaskSpec("sort", SortParams, sort_problem, reward="sort"),
+    "calc_chain": TaskSpec("calc_chain", CalcChainParams, calc_chain_problem, reward="tool_answer",
+                           tools=("calculator",)),
+    "fact_lookup": TaskSpec("fact_lookup", FactLookupParams, fact_lookup_problem, reward="tool_answer",
+                            tools=("search", "calculator")),
 }
 
 

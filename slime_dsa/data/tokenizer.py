@@ -9,8 +9,13 @@ Design:
   single ids but not "special": `decode(..., skip_special_tokens=True)` keeps them, as reward parsers need.
 
 Chat template (GLM-4/5 layout): `[gMASK]<sop>` then `<|role|>\\n{content}` per message; the generation prompt
-is `<|assistant|>\\n`. Convention: every assistant turn ends with `<|endoftext|>`, which is `eos_token` (and
-`pad_token`): the model stops on it, also after a tool call; tool results follow as `<|observation|>\\n...`.
+is `<|assistant|>\\n`. Tool calls and results follow GLM-4.5's template (its chat_template.jinja): a call is
+`<tool_call>{name}\\n<arg_key>{k}</arg_key>\\n<arg_value>{v}</arg_value>\\n</tool_call>` (string values as they are,
+others as JSON), and a run of tool results is `<|observation|>` then `\\n<tool_response>\\n{output}\\n</tool_response>`
+per result. Convention: an assistant turn that calls tools ends where the `<|observation|>` of their results begins
+(the model stops on it, as GLM's generation config says); every other assistant turn ends with `<|endoftext|>`, which
+is `eos_token` (and `pad_token`). GLM's empty `<think></think>` prefix and the newline before `<tool_call>` are left
+out: a tiny model learns less boilerplate.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from transformers import PreTrainedTokenizerFast
 EOS_TOKEN = "<|endoftext|>"
 CONTROL_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
 TAG_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
-SPECIAL_TOKENS = (EOS_TOKEN, *CONTROL_TOKENS, *TAG_TOKENS)
+# GLM-4.5's tool-call markup (its tokenizer has each as one added token); appended last so earlier ids stay put.
+TOOL_TAG_TOKENS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>")
+SPECIAL_TOKENS = (EOS_TOKEN, *CONTROL_TOKENS, *TAG_TOKENS, *TOOL_TAG_TOKENS)
+NOT_SPECIAL = (*TAG_TOKENS, *TOOL_TAG_TOKENS)  # single ids that decode(skip_special_tokens=True) keeps
 
 NUM_BYTES = 256
 NUM_MERGES = 117
@@ -49,10 +57,16 @@ CHAT_TEMPLATE = (
     "{{ text(message.content) }}"
     "{% for call in message.tool_calls or [] %}"
     "{% set call = call.function if call.function is defined else call %}"
-    "<tool_call>{{ {'name': call.name, 'arguments': call.arguments} | tojson }}</tool_call>"
+    "<tool_call>{{ call.name }}\n"
+    "{% for key, value in call.arguments.items() %}"
+    "<arg_key>{{ key }}</arg_key>\n<arg_value>{{ value if value is string else value | tojson }}</arg_value>\n"
     "{% endfor %}"
-    "<|endoftext|>"
-    "{% elif message.role in ('tool', 'observation') %}<|observation|>\n{{ text(message.content) }}"
+    "</tool_call>"
+    "{% endfor %}"
+    "{% if not message.tool_calls %}<|endoftext|>{% endif %}"
+    "{% elif message.role in ('tool', 'observation') %}"
+    "{% if loop.first or loop.previtem.role not in ('tool', 'observation') %}<|observation|>{% endif %}"
+    "{{ '\\n<tool_response>\\n' ~ text(message.content) ~ '\\n</tool_response>' }}"
     "{% else %}{{ raise_exception('unknown chat role ' ~ message.role ~ '; expected system, user, assistant or tool') }}"
     "{% endif %}"
     "{% endfor %}"
@@ -145,7 +159,7 @@ def _build_backend() -> Tokenizer:
     tokenizer.pre_tokenizer = _pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_tokens(
-        [AddedToken(t, special=t not in TAG_TOKENS, normalized=False) for t in SPECIAL_TOKENS]
+        [AddedToken(t, special=t not in NOT_SPECIAL, normalized=False) for t in SPECIAL_TOKENS]
     )
     assert tokenizer.get_vocab_size() == VOCAB_SIZE, (tokenizer.get_vocab_size(), VOCAB_SIZE)
     return tokenizer

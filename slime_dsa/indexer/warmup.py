@@ -54,15 +54,20 @@ def reinit_indexers(model: GlmMoeDsaForCausalLM, seed: int = 0) -> None:
 
 
 def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int) -> Iterator[list[int]]:
-    """Endless token documents from the recipe's tasks: prompt then reference solution then EOS."""
+    """Endless token documents from the recipe's tasks: prompt then reference solution then EOS (a multi-turn
+    solution with its tool turns, as the agent loop lays them out)."""
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
+    from slime_dsa.data.tool_calls import ChatFormat, solution_ids  # noqa: PLC0415
 
     mixture = TaskMixture(build_tasks(recipe.data, tokenizer), seed=seed)
     eos = tokenizer.eos_token_id
     while True:
         for p in mixture.take(64):
             solution = p.metadata.get("solution") or ""
-            yield list(p.prompt_ids) + tokenizer.encode(solution, add_special_tokens=False) + [eos]
+            if isinstance(solution, str):
+                yield list(p.prompt_ids) + tokenizer.encode(solution, add_special_tokens=False) + [eos]
+            else:
+                yield list(p.prompt_ids) + solution_ids(solution, ChatFormat.from_tokenizer(tokenizer))[0]
 
 
 def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterator[list[int]]:

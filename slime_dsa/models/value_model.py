@@ -29,8 +29,16 @@ VALUE_FROZEN = (".self_attn.", "model.embed_tokens.")
 def value_config(policy: ModelConfig) -> ModelConfig:
     """The value model's config from the policy's: the same backbone without MTP layers (no next-token heads),
     saved with architectures GlmMoeDsaForValue."""
-    return dataclasses.replace(policy, num_nextn_predict_layers=0,
+    return dataclasses.replace(policy, num_nextn_predict_layers=0, tie_word_embeddings=False,  # no lm_head to tie
                                extra={**policy.extra, "architectures": [VALUE_ARCHITECTURE]})
+
+
+def fresh_value_head(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A new head's tensors as init_weights draws any Linear (normal(0, initializer_range), bias 0), from a generator
+    of its own: every rank draws the same head."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(1, config.hidden_size, generator=generator) * config.initializer_range
+    return {f"{VALUE_HEAD}.weight": weight, f"{VALUE_HEAD}.bias": torch.zeros(1)}
 
 
 class GlmMoeDsaForValue(GlmMoeDsaPreTrainedModel):
@@ -50,14 +58,6 @@ class GlmMoeDsaForValue(GlmMoeDsaPreTrainedModel):
         values[batch.cu_seqlens_q[:-1]] = 0.0
         final = after[batch.cu_seqlens_q[1:] - 1]  # (S,)
         return values, final
-
-    @torch.no_grad()
-    def init_value_head(self, seed: int = 0) -> None:
-        """A fresh head: normal(0, initializer_range) weight from its own generator (the same on every rank), bias 0."""
-        generator = torch.Generator().manual_seed(seed)
-        weight = torch.randn(self.value_head.weight.shape, generator=generator) * self.config.initializer_range
-        self.value_head.weight.copy_(weight.to(self.value_head.weight))
-        self.value_head.bias.zero_()
 
     def cast(self, dtype: torch.dtype) -> GlmMoeDsaForValue:
         """As the policy's cast, with the head kept in float32 (one number per token: keep its precision)."""

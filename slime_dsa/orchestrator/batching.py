@@ -22,13 +22,22 @@ def sample_advantages(samples: list[Sample], algorithm: Algorithm) -> torch.Tens
     return algorithm.advantages(AdvantageInputs(rewards=rewards, group_ids=group_ids))
 
 
+def cut_by_limit(sample: Sample) -> bool:
+    """An agent loop stopped the trajectory at one of its limits (turns, tokens, wall time): the episode goes on."""
+    return sample.status == SampleStatus.TRUNCATED and bool(sample.metadata.get("truncated_by"))
+
+
 def critic_advantage_inputs(samples: list[Sample], batch: TrainBatch, values: torch.Tensor,
                             final_values: torch.Tensor) -> AdvantageInputs:
     """What a critic's per-token advantages read: rewards and groups, the batch's loss mask and sample index, the
-    critic's values (T,) and final values (N,) (TrainerGroup.compute_values), and which samples were truncated."""
+    critic's values (T,) and final values (N,) (TrainerGroup.compute_values), and which trajectories an agent loop
+    cut by one of its limits (status truncated with metadata["truncated_by"]).
+
+    A single response cut at rollout.max_response_length is not among them: its reward function scored it, so its
+    episode ended there."""
     rewards, group_ids = _rewards_and_groups(samples)
     sample_index = torch.repeat_interleave(torch.arange(len(batch.seqlens)), torch.tensor(batch.seqlens))
-    truncated = torch.tensor([s.status == SampleStatus.TRUNCATED for s in samples], dtype=torch.bool)
+    truncated = torch.tensor([cut_by_limit(s) for s in samples], dtype=torch.bool)
     return AdvantageInputs(rewards=rewards, group_ids=group_ids, loss_mask=batch.loss_mask, sample_index=sample_index,
                            values=values, final_values=final_values, truncated=truncated)
 

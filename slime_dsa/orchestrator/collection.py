@@ -50,6 +50,8 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
         "rollout/response_length_mean": sum(s.response_length for s in scored) / n,
         "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
         "rollout/num_samples": len(samples),
+        # what the policy generated (loss_mask 1: tool/environment tokens excluded): the budget comparisons count
+        "rollout/generated_tokens": sum(sum(s.loss_mask) for s in samples),
         "rollout/num_groups_trained": len(kept),
         "rollout/zero_std_groups": counters["zero_std_groups"],
         "rollout/dropped_groups": counters["dropped_groups"],

@@ -131,7 +131,10 @@ class Teachers:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         engine_kwargs = {"dtype": dtype, "max_cache_tokens": SCORING_CACHE_TOKENS,
                          "ops_backend": recipe.model.ops_backend, "preload_weights": list(preload or [])}
-        return lambda: create_engine_actors(1, model_dir=str(path), engine_kwargs=engine_kwargs, **common)[0]
+        # The engine's /update_weights_from_disk loads only from these (the swap group's members)
+        server_kwargs = {"weight_dirs": list(preload or [])}
+        return lambda: create_engine_actors(1, model_dir=str(path), engine_kwargs=engine_kwargs,
+                                            server_kwargs=server_kwargs, **common)[0]
 
     def _recoverer(self, key: str) -> Callable[[list[str]], Any]:
         """The recover callback of teacher (or swap group) `key`: replace its actors at the dead URLs."""

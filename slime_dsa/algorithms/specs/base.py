@@ -45,7 +45,7 @@ class AdvantageInputs:
     sample_index: torch.Tensor | None = None  # (T,) long: which sample each token belongs to
     values: torch.Tensor | None = None  # (T,) V(s_t) of the critic before any update, row t: the state before token t
     final_values: torch.Tensor | None = None  # (N,) V of the state after each sample's last token
-    truncated: torch.Tensor | None = None  # (N,) bool: the trajectory was cut by a limit (status truncated)
+    truncated: torch.Tensor | None = None  # (N,) bool: an agent loop cut the trajectory at a limit; it goes on
     rollout_logprobs: torch.Tensor | None = None  # (T,) log π_roll of each token, as the engine sampled it
     teacher_logprobs: torch.Tensor | None = None  # (T,) log π_T of each token under its sample's teacher (0: none)
     taught: torch.Tensor | None = None  # (N,) bool: the sample's domain has a teacher

@@ -3,8 +3,8 @@ loss against π_roll, and per-token advantages by skip-observation GAE from a va
 
   actor:  Â = GAE(γ, λ_policy = clamp(1 - 1/(α·l), 0, 1)) over action tokens, l the trajectory's action tokens
   critic: R = GAE(γ, λ_critic) + V (λ_critic = 1: Monte-Carlo returns), masked MSE, optional clip around V_old
-The reward sits on the last model-generated token; a trajectory cut by a limit bootstraps from V after its last
-token. Each RL step the critic takes critic_updates_per_step passes over the step's trajectories for the actor's one;
+The reward sits on the last model-generated token; a trajectory an agent loop cut at a limit bootstraps from V
+after its last token. Each RL step the critic takes critic_updates_per_step passes over the step's trajectories for the actor's one;
 during the first critic_warmup_steps RL steps only the critic trains.
 """
 

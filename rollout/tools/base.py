@@ -1,0 +1,87 @@
+"""The tool seam: what a tool is, and `call_tool`, which turns any call into output for the model and never raises.
+
+A tool is an object with `name`, `description`, `parameters` (a JSON schema of its arguments, as in OpenAI's tool
+definitions) and `async call(**arguments) -> str | ToolResult`. It may raise: an error, a timeout or a crash of the
+call becomes the call's output ("error: ..."), which the model reads like any other result. A tool must not block
+the event loop: CPU-bound or untrusted work goes to a thread or a subprocess (the python tool uses the sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from slime_dsa.data.tool_calls import ToolCall
+
+logger = logging.getLogger(__name__)
+
+ToolStatus = Literal["ok", "error", "timeout", "crashed"]
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What the model reads back from one call, and how the call ended (for metrics)."""
+
+    output: str
+    status: ToolStatus = "ok"
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A callable tool; see the module docstring."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    async def call(self, **arguments: Any) -> str | ToolResult: ...
+
+
+def tool_definition(tool: Tool) -> dict[str, Any]:
+    """The OpenAI-style definition of `tool` (what a chat template's `tools` list takes)."""
+    return {"type": "function",
+            "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+
+
+def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
+    """Why `arguments` do not fit the tool's schema (an unknown or a missing argument), or None."""
+    properties = tool.parameters.get("properties", {})
+    unknown = sorted(set(arguments) - set(properties))
+    if unknown:
+        return f"{tool.name} takes no argument {unknown[0]!r}; its arguments are {sorted(properties)}"
+    missing = [k for k in tool.parameters.get("required", []) if k not in arguments]
+    if missing:
+        return f"{tool.name} needs the argument {missing[0]!r}"
+    return None
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """`text`, or its head and a note saying how many characters were cut, `max_chars` long at most."""
+    if len(text) <= max_chars:
+        return text
+    kept = max(0, max_chars - len(f"\n... [{len(text)} more characters cut]"))
+    return text[:kept] + f"\n... [{len(text) - kept} more characters cut]"
+
+
+async def call_tool(tools: Mapping[str, Tool], call: ToolCall, *, timeout_s: float,
+                    max_output_chars: int) -> ToolResult:
+    """Run one call under a deadline; whatever happens becomes a ToolResult (cancellation alone propagates)."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(f"error: unknown tool {call.name!r}; the tools are {sorted(tools)}", "error")
+    problem = check_arguments(tool, call.arguments)
+    if problem:
+        return ToolResult(f"error: {problem}", "error")
+    try:
+        out = await asyncio.wait_for(tool.call(**call.arguments), timeout_s)
+    except asyncio.TimeoutError:
+        result = ToolResult(f"error: {call.name} timed out after {timeout_s:g}s", "timeout")
+    except Exception as e:  # noqa: BLE001 - a failing tool costs its call only
+        logger.debug("tool %s failed", call.name, exc_info=True)
+        result = ToolResult(f"error: {call.name} failed: {type(e).__name__}: {e}", "error")
+    else:
+        result = out if isinstance(out, ToolResult) else ToolResult(str(out))
+    return ToolResult(truncate(result.output, max_output_chars), result.status)

@@ -1,0 +1,68 @@
+"""Tools by name: the built-in ones, or any given as "package.module:attribute" (a tool, or a class or function
+that makes one with no arguments)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rollout.tools.base import Tool
+from slime_dsa.config.errors import UserError
+from slime_dsa.config.plugins import PluginError, import_object
+
+
+def _calculator() -> Tool:
+    from rollout.tools.calculator import Calculator  # noqa: PLC0415
+
+    return Calculator()
+
+
+def _search() -> Tool:
+    from rollout.tools.search import Search  # noqa: PLC0415
+
+    return Search()
+
+
+def _python() -> Tool:
+    from rollout.tools.python_tool import PythonTool  # noqa: PLC0415
+
+    return PythonTool()
+
+
+BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": _calculator, "search": _search, "python": _python}
+
+
+class ToolLoadError(UserError, ValueError):
+    """A tool spec that does not give a tool; the one-line message names the spec."""
+
+
+def load_tool(spec: str) -> Tool:
+    """The tool named `spec` (built-in) or at the import path `spec`."""
+    if ":" not in spec:
+        if spec not in BUILTIN_TOOLS:
+            raise ToolLoadError(f"unknown tool {spec!r}; built-in tools: {', '.join(sorted(BUILTIN_TOOLS))}, or give "
+                                "'package.module:attribute'")
+        return BUILTIN_TOOLS[spec]()
+    try:
+        obj = import_object(spec, "tool")
+    except PluginError as e:
+        raise ToolLoadError(str(e)) from e
+    if isinstance(obj, type) or (not isinstance(obj, Tool) and callable(obj)):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise ToolLoadError(f"tool {spec!r}: making it failed ({type(e).__name__}: {e})") from e
+    if not isinstance(obj, Tool):
+        raise ToolLoadError(f"tool {spec!r} is a {type(obj).__name__}, not a tool (name, description, parameters and "
+                            "async call(**arguments))")
+    return obj
+
+
+def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
+    """{tool name: tool} for `specs`; two tools of one name are an error."""
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        tool = load_tool(spec)
+        if tool.name in tools:
+            raise ToolLoadError(f"two tools are named {tool.name!r} ({spec!r} and an earlier one)")
+        tools[tool.name] = tool
+    return tools
