@@ -7,7 +7,8 @@
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # opd (benchmarks/opd_swap_gpu.py: two teachers swapped from pinned memory into one engine, OPD_STEPS steps, OPD_T
-# cap) writes $OUT/opd_swap.md (swap time per teacher, teacher-scoring tok/s) and $OUT/opd_metrics.jsonl.
+# cap, OPD_ARGS extra arguments, e.g. "--cpu --preset tiny" for a CPU dry run) writes one file, $OUT/opd.log: the
+# result table (swap time per teacher, teacher-scoring tok/s) and the run log's tail.
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
@@ -59,10 +60,11 @@ rl)
   ;;
 opd)
   stamp opd
-  rm -rf $W/opd
-  timeout -s INT -k 30 ${OPD_T:-420} python3 benchmarks/opd_swap_gpu.py --steps ${OPD_STEPS:-10} --workdir $W/opd \
-    --out $OUT/opd_swap.md 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/opd.log | tail -40
-  cp $W/opd/run/metrics.jsonl $OUT/opd_metrics.jsonl 2>/dev/null
+  rm -rf $W/opd $W/opd.log
+  timeout -s INT -k 30 ${OPD_T:-210} python3 benchmarks/opd_swap_gpu.py --steps ${OPD_STEPS:-6} --workdir $W/opd \
+    --out $W/opd/opd_swap.md ${OPD_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" > $W/opd.log
+  { cat $W/opd/opd_swap.md 2>/dev/null || echo "no result: see the log's tail"; echo; echo "--- log tail"
+    tail -n 80 $W/opd.log; } | tee $OUT/opd.log | tail -40
   ;;
 vstrl)
   N=${VSTRL_NAME:-vstrl}

@@ -6,6 +6,7 @@ teacher; a tokenizer that differs from the student's stops the run in one line."
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import requests
@@ -125,3 +126,7 @@ def test_a_tokenizer_mismatch_stops_the_run_in_one_line(tmp_path, experts):
     assert message.startswith(f"teacher 'odd' ({odd}): its tokenizer differs from the student's")
     assert f"{len(student) + 1} tokens against {len(student)}" in message and "\n" not in message
     check_tokenizers(recipe.teachers[:1], student)  # the same tokenizer passes
+    logits = json.loads((experts[0] / "config.json").read_text())["vocab_size"]
+    check_tokenizers(recipe.teachers[:1], student, logits)
+    with pytest.raises(UserError, match=f"its model has {logits} logits against the student's {logits + 64}; "):
+        check_tokenizers(recipe.teachers[:1], student, logits + 64)

@@ -149,7 +149,7 @@ def test_one_real_step_mixes_a_taught_domain_and_a_reward_domain_under_the_topk_
     record = tmp_path / "loss.jsonl"
     monkeypatch.setitem(specs.ALGORITHMS, "opd", recording(specs.ALGORITHMS["opd"], str(record)))
     recipe = {
-        "model": {"preset": "tiny"}, "algorithm": {"name": "opd", "opd_topk": 4},
+        "model": {"path": str(make_expert(tmp_path / "student", seed=0))}, "algorithm": {"name": "opd", "opd_topk": 4},
         "data": {"tasks": [{"kind": "arithmetic", "reward_fn": "tests.plugins.rewards:digit_fraction"},
                            {"kind": "countdown", "reward_fn": "tests.plugins.rewards:digit_fraction"}],
                  "max_prompt_length": 128},

@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 SCORING_CACHE_TOKENS = 1024  # prefill-only scoring takes no KV cache; this only serves /health_generate
 
 
-def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any) -> None:
-    """UserError (one line, naming the teacher) when a teacher's tokenizer or vocabulary differs from the student's."""
+def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any, student_logits: int | None = None) -> None:
+    """UserError (one line, naming the teacher) when a teacher's tokenizer differs from the student's, or its model
+    has another number of logits than the student's (`student_logits`; None: at least one per token)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     student_vocab = student_tokenizer.get_vocab()
@@ -36,10 +37,24 @@ def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any) -> N
         if problem:
             raise UserError(f"{where}: its tokenizer differs from the student's ({problem}); on-policy distillation "
                             "scores the student's token ids, so the tokenizers must be the same")
-        vocab = json.loads((Path(teacher.path) / "config.json").read_text()).get("vocab_size")
-        if isinstance(vocab, int) and vocab < len(student_vocab):
+        vocab = model_logits(Path(teacher.path))
+        if vocab is None:
+            continue
+        if student_logits is not None and vocab != student_logits:
+            raise UserError(f"{where}: its model has {vocab} logits against the student's {student_logits}; its "
+                            "log-probs and top-k ids must range over the student's vocabulary")
+        if vocab < len(student_vocab):
             raise UserError(f"{where}: its model has {vocab} logits, fewer than the tokenizer's {len(student_vocab)} "
                             "tokens")
+
+
+def model_logits(model_dir: Path) -> int | None:
+    """vocab_size of an HF directory's config.json (any architecture), or None when it has none."""
+    try:
+        vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+    return vocab if isinstance(vocab, int) else None
 
 
 def _tokenizer_difference(student_vocab: dict[str, int], student: Any, teacher: Any) -> str | None:

@@ -78,9 +78,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     if recipe.teachers:
-        from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers  # noqa: PLC0415
+        from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
 
-        check_tokenizers(recipe.teachers, tokenizer)  # before anything slow starts
+        check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
