@@ -9,6 +9,10 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# dscap (benchmarks/deepspeed_capacity.py: the largest model FSDP2 and DeepSpeed ZeRO-3 + CPU offload train on this GPU,
+# tokens/s of each) needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo, ninja, einops, msgpack, psutil);
+# DSCAP_ARGS replaces its arguments, DSCAP_T caps it. The bf16 conformance test: STAGES="setup test"
+# TEST_FILES=tests/test_deepspeed_gpu.py.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -64,6 +68,13 @@ vstrl)
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  ;;
+dscap)
+  stamp dscap
+  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+  timeout -k 30 ${DSCAP_T:-560} python3 benchmarks/deepspeed_capacity.py ${DSCAP_ARGS:---backend both --layers 8,16,20,24} \
+    --out $OUT/deepspeed_capacity.jsonl 2>&1 | grep --line-buffered -v "FutureWarning\|return func" \
+    | tee $OUT/deepspeed_capacity.log | tail -25
   ;;
 esac; done
 stamp done

@@ -87,7 +87,7 @@ def skip_shared_memory_comm_op() -> None:
 def build_engine(load: Callable[[torch.device], nn.Module], role: RoleConfig, ds_config: dict,
                  options: DeepSpeedOptions, device: torch.device) -> BuiltEngine:
     """`load(device)` gives the role's float32 model; ZeRO-3 loads it on the host and partitions it before it
-    reaches the device."""
+    reaches the device (or `load` builds it under deepspeed.zero.Init, partitioned from the start)."""
     import deepspeed  # noqa: PLC0415
 
     stage3 = options.zero_stage == 3
@@ -96,15 +96,15 @@ def build_engine(load: Callable[[torch.device], nn.Module], role: RoleConfig, ds
         if any(part in name for part in role.frozen):
             p.requires_grad_(False)
     names = {id(p): name for name, p in model.named_parameters()}
-    # Built over whole tensors (ZeRO-3's partitioned ones all look 1-d): weight decay goes to the matrices only.
     basic = _optimizer(model, role, options)
     group_names = [[names[id(p)] for p in g["params"]] for g in basic.param_groups]  # before ZeRO swaps in partitions
     entry = Entry(model)
     if stage3:
         # MoE: every expert's weights are gathered when the experts module starts; its grouped GEMM reads them all
         # without calling each expert, and the loop skips experts no token reached (ranks would disagree).
-        deepspeed.utils.set_z3_leaf_modules(entry, [Experts])
-        deepspeed.zero.Init(module=entry, config_dict_or_path=ds_config)  # offload_param says where partitions live
+        deepspeed.utils.set_z3_leaf_modules(entry, [Experts], raise_if_not_found=False)  # a dense model has none
+        if not any(hasattr(p, "ds_id") for p in model.parameters()):  # not built under deepspeed.zero.Init already
+            deepspeed.zero.Init(module=entry, config_dict_or_path=ds_config)  # offload_param: where partitions live
     engine, *_ = deepspeed.initialize(model=entry, optimizer=basic, config=ds_config, dist_init_required=False)
     return BuiltEngine(engine, basic, group_names)
 
