@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from trainers.deepspeed.gather import whole_tensors
+from trainers.deepspeed.gather import set_full, whole_tensors, write_whole_tensors
 from trainers.fsdp.checkpointing import jsonable, load_rng_state, role_directory, save_rng_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -102,43 +102,6 @@ def _load_role(worker, name: str, src: Path) -> None:
     trainer = json.loads((src / "trainer.json").read_text())
     held.step = trainer["step"]
     held.scheduler.load_state_dict(trainer["scheduler"])
-
-
-@torch.no_grad()
-def write_whole_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into the model's parameters and buffers (ZeRO-3: into each rank's partition). Collective."""
-    import deepspeed  # noqa: PLC0415
-
-    entries = model.state_dict(keep_vars=True)
-    for key, t in entries.items():
-        value = state[key]
-        if hasattr(t, "ds_id"):  # every rank writes the same value; rank 0's is partitioned again on exit
-            with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
-                t.data.copy_(value)
-        else:
-            t.data.copy_(value)
-
-
-def set_full(p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
-    """Write a trainable parameter's float32 master weight (key None) or optimizer moment from its full tensor."""
-    import deepspeed  # noqa: PLC0415
-
-    if not hasattr(p, "ds_id"):
-        if key is None:
-            deepspeed.utils.safe_set_full_fp32_param(p, value.to(p.device))
-        else:
-            deepspeed.utils.safe_set_full_optimizer_state(p, value.to(p.device), key)
-        return
-    # ZeRO-3: this rank's slice of the flattened tensor, zero-padded like its partition (DeepSpeed's full setter
-    # reads past the end of a tensor whose size the ranks do not divide).
-    n = p.ds_tensor.numel()
-    flat = torch.zeros(n * dist.get_world_size(), dtype=torch.float32)
-    flat[: value.numel()] = value.flatten()
-    local = flat[n * dist.get_rank(): n * (dist.get_rank() + 1)]
-    if key is None:
-        deepspeed.utils.safe_set_local_fp32_param(p, local)
-    else:
-        deepspeed.utils.safe_set_local_optimizer_state(p, local, key)
 
 
 def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 from slime_dsa.models.glm_moe_dsa import Experts
 from trainers.base import RoleConfig
 from trainers.deepspeed.config import DeepSpeedOptions
+from trainers.deepspeed.gather import set_full
 from trainers.optim import build_role_optimizer
 
 
@@ -96,6 +97,12 @@ def build_engine(load: Callable[[torch.device], nn.Module], role: RoleConfig, ds
         if any(part in name for part in role.frozen):
             p.requires_grad_(False)
     names = {id(p): name for name, p in model.named_parameters()}
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # built under deepspeed.zero.Init
+    masters = None
+    if ds_config["bf16"]["enabled"] and not partitioned:
+        # DeepSpeed derives its float32 master weights from the bf16 copy it casts the model to: keep the
+        # checkpoint's float32 values to start them from, as FSDP2's float32 parameters do.
+        masters = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
     basic = _optimizer(model, role, options)
     group_names = [[names[id(p)] for p in g["params"]] for g in basic.param_groups]  # before ZeRO swaps in partitions
     entry = Entry(model)
@@ -103,9 +110,15 @@ def build_engine(load: Callable[[torch.device], nn.Module], role: RoleConfig, ds
         # MoE: every expert's weights are gathered when the experts module starts; its grouped GEMM reads them all
         # without calling each expert, and the loop skips experts no token reached (ranks would disagree).
         deepspeed.utils.set_z3_leaf_modules(entry, [Experts], raise_if_not_found=False)  # a dense model has none
-        if not any(hasattr(p, "ds_id") for p in model.parameters()):  # not built under deepspeed.zero.Init already
+        if not partitioned:
+            if masters is not None:  # zero.Init(module=) partitions parameters as they are: cast them first (not buffers)
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
             deepspeed.zero.Init(module=entry, config_dict_or_path=ds_config)  # offload_param: where partitions live
     engine, *_ = deepspeed.initialize(model=entry, optimizer=basic, config=ds_config, dist_init_required=False)
+    for name, p in model.named_parameters():
+        if masters is not None and name in masters:
+            set_full(p, masters.pop(name), None)
     return BuiltEngine(engine, basic, group_names)
 
 

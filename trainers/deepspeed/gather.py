@@ -1,4 +1,4 @@
-"""Whole tensors out of ZeRO's partitions, a bucket at a time, in state-dict order.
+"""Whole tensors out of ZeRO's partitions, a bucket at a time, in state-dict order; and back into them.
 
 Stages 1 and 2 keep whole parameters on every rank. ZeRO-3 gathers one bucket of parameters (GatheredParameters: an
 all-gather, so every rank walks the same names in the same order) and partitions it again before the next: no rank
@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slime_dsa.weights.payloads import TensorSpec, dtype_name
@@ -65,3 +66,40 @@ def _buckets(entries: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iter
         size += _nbytes(t)
     if bucket:
         yield bucket
+
+
+@torch.no_grad()
+def write_whole_tensors(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into the model's parameters and buffers (ZeRO-3: into each rank's partition). Collective."""
+    import deepspeed  # noqa: PLC0415
+
+    entries = model.state_dict(keep_vars=True)
+    for key, t in entries.items():
+        value = state[key]
+        if hasattr(t, "ds_id"):  # every rank writes the same value; rank 0's is partitioned again on exit
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=0):
+                t.data.copy_(value)
+        else:
+            t.data.copy_(value)
+
+
+def set_full(p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """Write a trainable parameter's float32 master weight (key None) or optimizer moment from its full tensor."""
+    import deepspeed  # noqa: PLC0415
+
+    if not hasattr(p, "ds_id"):
+        if key is None:
+            deepspeed.utils.safe_set_full_fp32_param(p, value.to(p.device))
+        else:
+            deepspeed.utils.safe_set_full_optimizer_state(p, value.to(p.device), key)
+        return
+    # ZeRO-3: this rank's slice of the flattened tensor, zero-padded like its partition (DeepSpeed's full setter
+    # reads past the end of a tensor whose size the ranks do not divide).
+    n = p.ds_tensor.numel()
+    flat = torch.zeros(n * dist.get_world_size(), dtype=torch.float32)
+    flat[: value.numel()] = value.flatten()
+    local = flat[n * dist.get_rank(): n * (dist.get_rank() + 1)]
+    if key is None:
+        deepspeed.utils.safe_set_local_fp32_param(p, local)
+    else:
+        deepspeed.utils.safe_set_local_optimizer_state(p, local, key)
