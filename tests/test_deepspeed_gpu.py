@@ -2,10 +2,10 @@
 against FSDP2 with bf16 mixed precision, five steps of the same batches on the tiny GLM-MoE-DSA (the CPU test's,
 tests/test_deepspeed_conformance.py, with bf16 compute).
 
-Tolerances (bf16): both compute with bf16 weights rounded from float32 masters and update in float32, but DeepSpeed
-starts its masters from the bf16-rounded checkpoint and accumulates a step's micro-batch gradients in bf16 (FSDP2:
-float32 masters from the checkpoint, gradients reduced in float32). Losses agree to 2e-2 relative, the weights to 2e-3
-absolute (five Adam steps at lr 1e-3 move a weight by at most 5e-3); the measured gaps are printed.
+Tolerances (bf16): both compute with bf16 weights rounded from float32 masters that start from the checkpoint's
+float32 values, and update in float32; DeepSpeed reduces and accumulates a step's micro-batch gradients in bf16, FSDP2
+in float32. Losses agree to 2e-2 relative, the weights to 2e-3 absolute (five Adam steps at lr 1e-3 move a weight by
+at most 5e-3); the measured gaps are printed (-s), to tighten these once measured.
 """
 
 from __future__ import annotations
