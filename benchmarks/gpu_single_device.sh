@@ -9,10 +9,11 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
-# dscap (benchmarks/deepspeed_capacity.py: the largest model FSDP2 and DeepSpeed ZeRO-3 + CPU offload train on this GPU,
-# tokens/s of each) needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo, ninja, einops, msgpack, psutil);
-# DSCAP_ARGS replaces its arguments, DSCAP_T caps it. The bf16 conformance test: STAGES="setup test"
-# TEST_FILES=tests/test_deepspeed_gpu.py.
+# ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
+# DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
+# offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
+# everything in one file, $OUT/deepspeed.log. Needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo,
+# ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -69,12 +70,16 @@ vstrl)
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
   ;;
-dscap)
-  stamp dscap
-  python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-  timeout -k 30 ${DSCAP_T:-560} python3 benchmarks/deepspeed_capacity.py ${DSCAP_ARGS:---backend both --layers 8,16,20,24} \
-    --out $OUT/deepspeed_capacity.jsonl 2>&1 | grep --line-buffered -v "FutureWarning\|return func" \
-    | tee $OUT/deepspeed_capacity.log | tail -25
+ds)
+  stamp ds
+  python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site ${WHL:-.whl}/{deepspeed,hjson,py_cpuinfo,ninja,einops,msgpack,psutil}-*.whl
+  ( export CUDA_VISIBLE_DEVICES=${DS_GPU:-0}
+    python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)"
+    timeout -k 10 ${DS_TEST_T:-120} python3 -m pytest -q -s -m gpu tests/test_deepspeed_gpu.py -p no:cacheprovider
+    stamp capacity
+    timeout -k 30 ${DSCAP_T:-210} python3 benchmarks/deepspeed_capacity.py ${DSCAP_ARGS:---backend both --steps 1 --budget-s 190 --attempt-s 140}
+  ) 2>&1 | grep --line-buffered -v "FutureWarning\|return func" | tee $OUT/deepspeed.log | tail -40
   ;;
 esac; done
 stamp done
