@@ -14,6 +14,7 @@ reduce-scatters), and offload computes the gradient norm and update on host copi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 
@@ -25,7 +26,10 @@ from safetensors.torch import load_file
 from tests.hf_reference import TINY, make_hf_checkpoint
 from trainers.base import TrainBatch
 
-pytestmark = pytest.mark.slow  # spawns rank processes that build process groups
+# Where DeepSpeed is absent (the `deepspeed` extra not installed), every DeepSpeed test says so and skips.
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+pytestmark = [pytest.mark.slow, needs_deepspeed]  # spawns rank processes that build process groups
 
 NUM_STEPS, RESUME_AT = 5, 3
 VARIANTS = {

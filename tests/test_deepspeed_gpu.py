@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
-from tests.test_deepspeed_conformance import _free_port, run_variants
+from tests.test_deepspeed_conformance import _free_port, needs_deepspeed, run_variants
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_deepspeed]
 
 GPU_VARIANTS = {
     "fsdp": None,

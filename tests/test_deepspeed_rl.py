@@ -13,7 +13,10 @@ import pytest
 import yaml
 
 from slime_dsa.config import load_recipe
+from tests.test_deepspeed_conformance import needs_deepspeed
 from tests.test_rl_loop import RECIPE, _comparable, _records
+
+pytestmark = [pytest.mark.slow, needs_deepspeed]  # Ray and rank processes
 
 DEEPSPEED = {**RECIPE, "trainer": {**RECIPE["trainer"], "backend": "deepspeed",
                                    "deepspeed": {"zero_stage": 3, "param_persistence_threshold": 0,

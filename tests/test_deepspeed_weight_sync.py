@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
+from tests.test_deepspeed_conformance import needs_deepspeed
 from tests.test_weight_sync import FAKE_RECEIVER, _free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs_deepspeed]
 
 
 @pytest.fixture(scope="module")
