@@ -175,3 +175,12 @@ def test_log_level_before_or_after_the_subcommand(argv):
 
     assert build_parser().parse_args(argv).log_level == "INFO"
     assert build_parser().parse_args(["train", "r.yaml"]).log_level is None  # unset: the command's default level
+
+
+def test_a_closed_pipe_ends_the_output_without_a_traceback():
+    """`slime-dsa recipe explain --yaml | head -1`: the reader leaves before the CLI writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "slime_dsa.cli", "recipe", "explain", "--yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the CLI has imported anything: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err, err.decode()
