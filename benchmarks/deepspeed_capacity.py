@@ -133,6 +133,7 @@ def attempt(backend: str, layers: int, tokens: int, steps: int, device_name: str
     start = time.perf_counter()
     model, update = build(backend, config, device, offload_param)
     built_s = time.perf_counter() - start
+    logger.info("%s, %d layers: built in %.1f s", backend, layers, built_s)  # on stderr: a timed-out attempt's progress
     seq = min(SEQ, tokens)
     batch = PackedBatch.from_seqlens([seq] * (tokens // seq), device)
     g = torch.Generator().manual_seed(0)
@@ -147,6 +148,7 @@ def attempt(backend: str, layers: int, tokens: int, steps: int, device_name: str
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        logger.info("%s, %d layers: step %d in %.1f s", backend, layers, len(times), times[-1])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     timed = times[1:]
     return {"backend": backend, "layers": layers, "params_b": num_params(layers, tiny) / 1e9, "ok": True,
@@ -229,8 +231,11 @@ def search(args) -> list[dict]:
                 lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
                 result = json.loads(lines[-1]) if run.returncode == 0 and lines else {
                     "backend": backend, "layers": layers, "ok": False, "error": _error(run)}
-            except subprocess.TimeoutExpired:
-                result = {"backend": backend, "layers": layers, "ok": False, "error": "timed out"}
+            except subprocess.TimeoutExpired as e:
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                progress = [x for x in err.splitlines() if " layers: " in x]
+                result = {"backend": backend, "layers": layers, "ok": False,
+                          "error": "timed out" + (f" after '{progress[-1]}'" if progress else "")}
             result.setdefault("params_b", num_params(layers, args.tiny) / 1e9)
             logger.info("%s", json.dumps(result))
             results.append(result)
