@@ -80,7 +80,8 @@ def test_the_deepspeed_backend_without_deepspeed_is_refused_in_one_line(tmp_path
     import importlib.util  # noqa: PLC0415
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  backend: deepspeed\n")
     err = one_line_error(capsys, "recipe", "check", str(recipe))
