@@ -115,7 +115,7 @@ def balance_across_ranks(seqlens: list[int], world_size: int, shared: list[int] 
 
 @dataclass(frozen=True)
 class DSAOptions:
-    """How a rank trains the DSA indexer (ALGORITHMS.md section 6) and whether it replays the engines' top-k."""
+    """How a rank trains the DSA indexer (docs/algorithms.md section 6) and whether it replays the engines' top-k."""
 
     indexer_loss_coef: float = 0.0  # 0 = no indexer loss (no capture, no extra cost)
     indexer_stage: str = "sparse"  # sparse: KL on the selected keys; dense: on every causal key
