@@ -78,13 +78,9 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
 
     ro = recipe.rollout
-    groups = ro.prompts_per_step
-    if use_async:
-        groups *= recipe.algorithm.max_staleness + 1
-    elif ro.dynamic_sampling:
-        groups = max(groups, round(groups * ro.max_oversample_factor))  # the largest round
+    groups = recipe.in_flight_samples(use_async) // ro.n_samples_per_prompt
     per_engine = -(-groups // ro.num_engines) * ro.n_samples_per_prompt
-    requests = max(1, min(per_engine, -(-ro.max_concurrency // ro.num_engines)))
+    requests = max(1, min(per_engine, -(-recipe.max_concurrency(use_async) // ro.num_engines)))
     rows = recipe.data.max_prompt_length + ro.max_response_length - 1  # the last token is never fed back
     per_request = -(-rows // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
     return ro.max_cache_tokens or max(requests * per_request, 4096), max(requests, DEFAULT_MAX_RUNNING_REQUESTS)

@@ -84,7 +84,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access)
     ro = recipe.rollout
-    client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
+    concurrency = recipe.max_concurrency(use_async)
+    logger.info("%s", recipe.concurrency_line(use_async))
+    client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s, api_key=access.api_key)
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
@@ -92,7 +94,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                       shm_dir)
     fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
-                             min_group_size=algorithm.min_group_size)
+                             min_group_size=algorithm.min_group_size, max_concurrency=concurrency)
 
     start_step = 0
     if resume_from is not None:
