@@ -607,6 +607,11 @@ class LoggingSection(Section):
     eval_at_start: bool = Field(
         True, description="With eval_every: also evaluate the starting policy before the first step (logged as "
                           "step 0; not repeated on resume), so curves start where training did.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one trainer device at the training precision, the denominator "
+                                "of perf/train_mfu; null = looked up from the GPU's name (H100, H200, A100, L40S: "
+                                "bf16 with trainer.mixed_precision, else fp32), and no perf/train_mfu on a CPU or "
+                                "another GPU (perf/train_model_tflops is logged either way).")
 
 
 class CheckpointSection(Section):
