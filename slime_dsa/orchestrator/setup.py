@@ -98,7 +98,8 @@ def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False
         return list(ro.engine_urls), []
     actors = create_engines(recipe, model_dir, use_async, access, ro.num_engines, log_dir)
     urls = start_engine_actors(actors)
-    logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
+    logger.info("%d %s engine(s) up: %s%s", len(urls), ro.engine, ", ".join(urls),
+                f" (their logs: {Path(log_dir) / 'engine_<i>.log'})" if log_dir is not None else "")
     return urls, actors
 
 
