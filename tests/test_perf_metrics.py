@@ -108,3 +108,38 @@ def test_host_gap_is_finite_when_nothing_decoded():
     d = dict(zip(perf.COUNTERS, (1, 4, 0.01, 0.01, 0, 0.0, 0.0, 4)))
     m = perf.step_metrics([d], [4])
     assert m["host_gap_share"] == 0.0 and "decode_step_ms" not in m and all(math.isfinite(v) for v in m.values())
+
+
+def test_engine_stats_reads_every_engine_between_steps():
+    import asyncio
+
+    from slime_dsa.orchestrator.perf import EngineStats
+
+    def info(steps: int, tokens: int, seconds: float) -> dict:
+        counters = dict(zip(perf.COUNTERS, (steps, tokens, seconds, seconds / 2, steps, seconds, seconds / 2, tokens)))
+        return {"max_running_requests": 8, **{f"stats_{k}": v for k, v in counters.items()}}
+
+    class Client:  # EngineClient.broadcast's reply: {url: body}; an SGLang server's body has no counters
+        replies: list[dict] = []
+
+        async def broadcast(self, path, json=None, *, method="POST", timeout_s=None, check=True):
+            assert (path, method, check) == ("/get_server_info", "GET", False)
+            return self.replies.pop(0)
+
+    async def scenario() -> list[dict]:
+        client = Client()
+        client.replies = [{"a": info(1, 4, 0.1), "sglang": {"version": "x"}},  # reset before step 1
+                          {"a": info(11, 44, 1.1), "sglang": {"version": "x"}},  # step 1
+                          {"a": info(30, 100, 3.0)},  # reset after an evaluation
+                          {"a": info(40, 140, 4.0), "b": info(5, 10, 0.5)}]  # step 2; engine b joined meanwhile
+        stats = EngineStats(client)
+        await stats.reset()
+        first = await stats.metrics()
+        await stats.reset()
+        return [first, await stats.metrics()]
+
+    first, second = asyncio.run(scenario())
+    assert first["perf/engine_steps"] == 10 and first["perf/engine_tok_s"] == pytest.approx(40 / 1.0)
+    assert second["perf/engine_steps"] == 10 + 5  # the evaluation's 19 steps are left out; b counts from its start
+    assert second["perf/engine_tok_s"] == pytest.approx(40 / 1.0 + 10 / 0.5)
+    assert second["perf/engine_host_gap_share"] == pytest.approx(0.5)

@@ -32,16 +32,23 @@ class EngineStats:
                 readings[url] = (found, int(body.get("max_running_requests") or 1))
         return readings
 
+    async def _read_or_none(self) -> dict[str, tuple[dict[str, float], int]] | None:
+        try:
+            return await self._read()
+        except Exception as e:  # noqa: BLE001 (a metric must not stop the run; the engines' health is watched elsewhere)
+            logger.warning("engine stats not read: %s: %s", type(e).__name__, e)
+            return None
+
     async def reset(self) -> None:
         """Start a new interval now (what ran before is not counted: evaluation)."""
-        self._last = {url: c for url, (c, _) in (await self._read()).items()}
+        now = await self._read_or_none()
+        if now is not None:
+            self._last = {url: c for url, (c, _) in now.items()}
 
     async def metrics(self) -> dict[str, float]:
         """perf/engine_* since the last reading or reset (rollout.engine.perf.step_metrics says what each is)."""
-        try:
-            now = await self._read()
-        except Exception as e:  # noqa: BLE001 (a metric must not stop the run; the engines' health is watched elsewhere)
-            logger.warning("engine stats not read: %s: %s", type(e).__name__, e)
+        now = await self._read_or_none()
+        if now is None:
             return {}
         deltas = [engine_perf.delta(self._last.get(url), c) for url, (c, _) in now.items()]
         self._last = {url: c for url, (c, _) in now.items()}
@@ -70,9 +77,17 @@ class TrainFlops:
         return out
 
 
-def train_flops_for_run(recipe: RecipeConfig, model_dir: Path, trainers: Any) -> TrainFlops:
+def train_flops_for_run(recipe: RecipeConfig, model_dir: Path, trainers: Any) -> TrainFlops | None:
     """The run's TrainFlops: active parameters from the model's config, the peak from logging.peak_tflops or rank
-    0's GPU name."""
+    0's GPU name; None (a warning, no FLOPs metrics) when they cannot be found."""
+    try:
+        return _train_flops(recipe, model_dir, trainers)
+    except Exception as e:  # noqa: BLE001 (a metric must not stop the run)
+        logger.warning("no perf/train_model_tflops or perf/train_mfu: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _train_flops(recipe: RecipeConfig, model_dir: Path, trainers: Any) -> TrainFlops:
     from slime_dsa.models import ModelConfig  # noqa: PLC0415
     from slime_dsa.models.flops import active_params, peak_tflops  # noqa: PLC0415
 
