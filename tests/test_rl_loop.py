@@ -72,9 +72,9 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
     _, *records = _records(run_dir)
     for r in records:
         # the engines' step loops over the step's rollouts (rollout.engine.perf): both engines stepped
-        # each engine: a prefill step and 7 decode steps of its 2 groups (a group joining late adds a step or two);
-        # the evaluations (before step 1 and at step 3, 8 more prompts) are counted in no step
-        assert 2 * 8 <= r["perf/engine_steps"] <= 2 * 10
+        # each engine: a prefill step and 7 decode steps for its 2 groups together, 16 for them one after the other
+        # (a loaded machine); evaluation is left out (tests/test_perf_metrics.py)
+        assert 2 * 8 <= r["perf/engine_steps"] <= 2 * 2 * 8
         assert r["perf/engine_decode_steps"] > 0 and r["perf/engine_tok_s"] > 0
         assert 0 < r["perf/engine_occupancy"] <= 1 and 0 < r["perf/engine_batch"] <= 16
         assert 0 <= r["perf/engine_host_gap_share"] <= 1 and 0 <= r["perf/engine_decode_host_gap_share"] <= 1
