@@ -1,4 +1,5 @@
-"""The files a recipe points at, checked before anything slow starts (`recipe check`, the start of train and sft).
+"""The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
+check`, the start of train and sft).
 
 The rule: model.path (and each teachers.N.path) is a local directory holding config.json (train and sft load no
 hub ids). The other paths
@@ -10,6 +11,7 @@ loader.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -47,6 +49,9 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     for i, teacher in enumerate(config.teachers):
         if problem := _model_dir_problem(teacher.path):
             problems.append((f"teachers.{i}.path", problem))
+    if config.trainer.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append(("trainer.backend", "'deepspeed' needs DeepSpeed, which is not installed here "
+                                            "(pip install -e '.[deepspeed]')"))
     return problems
 
 
