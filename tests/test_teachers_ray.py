@@ -81,9 +81,11 @@ def test_killing_a_teacher_engine_mid_step_loses_no_sample(experts, ray_cluster)
         teachers = Teachers(recipe, temperature=0.8, top_k=0)
         pool = await teachers.start([5, 6, 7])
         try:
-            victim = [_samples("a", 1, 60, seed, seed) for seed in range(60)]  # 60 groups of one
-            bystander = [_samples("b", 1, 60, 100 + seed, 100 + seed) for seed in range(60)]
-            jobs = [asyncio.create_task(pool.score_group(g)) for pair in zip(victim, bystander) for g in pair]
+            # 240 groups of one: enough that most are still queued or in flight when the kill comes, also on a
+            # loaded machine where this loop's polls come late
+            victim = [_samples("a", 1, 120, seed, seed) for seed in range(240)]
+            bystander = [_samples("b", 1, 60, 1000 + seed, 1000 + seed) for seed in range(60)]
+            jobs = [asyncio.create_task(pool.score_group(g)) for g in victim + bystander]
             stats = pool.scorers["victim"].stats
             while stats.requests < 3:  # some of its requests are done, most are in flight or queued
                 await asyncio.sleep(0.01)
@@ -98,7 +100,7 @@ def test_killing_a_teacher_engine_mid_step_loses_no_sample(experts, ray_cluster)
     every = [s for g in victim + bystander for s in g]
     assert all(s.status == SampleStatus.COMPLETED and s.teacher_logprobs is not None for s in every)
     assert metrics["teacher/victim/restarts"] == 1 and metrics["teacher/victim/retried_samples"] > 0
-    assert metrics["teacher/victim/failed_samples"] == 0 and metrics["teacher/victim/samples"] == 60
+    assert metrics["teacher/victim/failed_samples"] == 0 and metrics["teacher/victim/samples"] == 240
     assert metrics["teacher/bystander/retried_samples"] == 0 and metrics["teacher/bystander/restarts"] == 0
     sample = victim[-1][0]  # scored by the replacement engine: the same teacher
     want, _, _ = direct_scores(experts[0], sample.tokens, len(sample.prompt_ids), 0.8)
