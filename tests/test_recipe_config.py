@@ -55,6 +55,12 @@ def test_empty_recipe_is_valid(tmp_path):
     assert [t.name for t in config.data.tasks] == ["arithmetic"]
 
 
+def test_model_index_topk_applies_to_a_model_built_from_scratch_only(tmp_path):
+    assert load_recipe(None, ["model.index_topk=512"]).model.index_topk == 512
+    message = recipe_error(None, ["model.index_topk=512", "model.path=some/dir"])
+    assert "index_topk" in message and "model.path" in message
+
+
 def _models(model: type[BaseModel]):
     yield model
     for field in model.model_fields.values():
