@@ -55,10 +55,9 @@ def test_empty_recipe_is_valid(tmp_path):
     assert [t.name for t in config.data.tasks] == ["arithmetic"]
 
 
-def test_model_index_topk_applies_to_a_model_built_from_scratch_only(tmp_path):
+def test_model_index_topk_is_a_recipe_key(tmp_path):
     assert load_recipe(None, ["model.index_topk=512"]).model.index_topk == 512
-    message = recipe_error(None, ["model.index_topk=512", "model.path=some/dir"])
-    assert "index_topk" in message and "model.path" in message
+    assert "index_topk" in recipe_error(None, ["model.index_topk=0"])
 
 
 def _models(model: type[BaseModel]):
