@@ -14,6 +14,12 @@ higher. Any task runs (--task, a data.tasks kind, with --task-args as JSON):
 
     python benchmarks/sao_vs_grpo.py --task arithmetic --model recipes/assets/quickstart-sft --out benchmarks/RESULTS.md
 
+The agentic task (multi-turn, the real calculator) from the tool-using SFT policy of recipes/agentic_sft.yaml:
+
+    python benchmarks/sao_vs_grpo.py --task calc_chain --model recipes/assets/agentic-sft --lr 1e-4 \
+        --task-args '{"min_steps": 1, "max_steps": 1, "start_digits": 2, "operand_digits": 1}' \
+        --max-prompt-length 64 --max-response-length 96 --samples-per-step 64 --eval-every 5 --eval-size 128
+
 Each invocation trains one seed and keeps its runs and result.json under --work-dir. Seeds and algorithms may run
 as separate invocations (in parallel on a loaded machine); --combine DIR... then writes one section for all of
 them: a table per seed, the verdict per seed, and every curve in one plot.
