@@ -3,12 +3,22 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof sft rl vstrl test ds engthr" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
+# DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
+# offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
+# everything in one file, $OUT/deepspeed.log. Needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo,
+# ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
+# engthr (benchmarks/engine_throughput.py, preset 300m, bf16, 128 new tokens, as RESULTS.md's "Engine throughput:
+# preset 300m" entries): the simple path and the rollout path (groups of 16: 16x16 and 64x16) at ENGTHR_BATCHES
+# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun;
+# ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
+# closing Ray-log archive too).
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -64,6 +74,23 @@ vstrl)
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  ;;
+engthr)
+  stamp engthr
+  timeout -k 10 ${ENGTHR_T:-150} python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m \
+    --new-tokens 128 --batch-sizes ${ENGTHR_BATCHES:-256,1024} --hf-batch-sizes ${ENGTHR_HF:-256} --group-size 16 \
+    --no-eager ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
+  ;;
+ds)
+  stamp ds
+  python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site ${WHL:-.whl}/{deepspeed,hjson,py_cpuinfo,ninja,einops,msgpack,psutil}-*.whl
+  ( export CUDA_VISIBLE_DEVICES=${DS_GPU:-0}
+    python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)"
+    timeout -k 10 ${DS_TEST_T:-120} python3 -m pytest -q -s -m gpu tests/test_deepspeed_gpu.py -p no:cacheprovider
+    stamp capacity
+    timeout -k 30 ${DSCAP_T:-210} python3 benchmarks/deepspeed_capacity.py ${DSCAP_ARGS:---backend both --steps 1 --budget-s 190 --attempt-s 140}
+  ) 2>&1 | grep --line-buffered -v "FutureWarning\|return func" | tee $OUT/deepspeed.log | tail -40
   ;;
 esac; done
 stamp done

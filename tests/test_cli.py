@@ -37,13 +37,29 @@ def test_recipe_check_ok(capsys):
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == f"ok: {BASE}"
-    assert len(lines) == 2 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
+    assert len(lines) == 3 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
+    assert lines[2] == ("rollout.max_concurrency: 256 samples in flight (null: one step: 4 prompts × 8 samples, at "
+                        "least 256 per engine; synchronous loop)")
+
+
+def test_recipe_check_resolves_max_concurrency_to_cover_the_step(capsys):
+    step = ["--set", "rollout.prompts_per_step=64", "--set", "rollout.n_samples_per_prompt=16"]
+    assert main(["recipe", "check", BASE, *step]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("rollout.max_concurrency: 1024 samples in flight")
+    assert main(["recipe", "check", BASE, *step, "--set", "algorithm.name=async_reinforce"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith(
+        "rollout.max_concurrency: 3072 samples in flight (null: (max_staleness + 1 = 3) steps × 64 prompts × 16")
+    # the old default: one line says what it costs (a warning, not a refusal: a server may need the cap)
+    assert main(["recipe", "check", BASE, *step, "--set", "rollout.max_concurrency=1000"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == (
+        "rollout.max_concurrency (1000) is below one step's 1024 samples: 24 wait for a free place and the step "
+        "waits on their tail; null covers the step")
 
 
 def test_recipe_check_print_and_set(capsys):
     assert main(["recipe", "check", BASE, "--set", "rollout.temperature=0.25", "--print"]) == 0
     out, _ = capsys.readouterr()
-    resolved = yaml.safe_load(out.split("\n", 2)[2])
+    resolved = yaml.safe_load(out.split("\n", 3)[3])
     assert resolved["rollout"]["temperature"] == 0.25
 
 
@@ -74,6 +90,19 @@ def test_a_weight_sync_that_is_not_built_is_refused_in_one_line(tmp_path, capsys
     err = one_line_error(capsys, "recipe", "check", str(recipe))
     assert err.endswith("r.yaml:3: rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
                         "or disk")
+
+
+def test_the_deepspeed_backend_without_deepspeed_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util  # noqa: PLC0415
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  backend: deepspeed\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert err.endswith("trainer.backend: 'deepspeed' needs DeepSpeed, which is not installed here "
+                        "(pip install -e '.[deepspeed]')")
 
 
 def test_errors_in_a_subprocess_are_one_line_without_traceback(tmp_path):
@@ -165,3 +194,22 @@ def test_recipe_check_refuses_every_unbuilt_option_in_one_line(capsys, override)
     key = override.split("=")[0].rsplit(".", 1)[1]
     err = one_line_error(capsys, "recipe", "check", BASE, "--set", override)
     assert key in err and "not available yet" in err
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "INFO", "train", "r.yaml"], ["train", "r.yaml", "--log-level", "INFO"],
+                                  ["recipe", "check", "r.yaml", "--log-level", "INFO"]])
+def test_log_level_before_or_after_the_subcommand(argv):
+    """The README's `--log-level INFO` may follow `slime-dsa train RECIPE` as well as precede the subcommand."""
+    from slime_dsa.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == "INFO"
+    assert build_parser().parse_args(["train", "r.yaml"]).log_level is None  # unset: the command's default level
+
+
+def test_a_closed_pipe_ends_the_output_without_a_traceback():
+    """`slime-dsa recipe explain --yaml | head -1`: the reader leaves before the CLI writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "slime_dsa.cli", "recipe", "explain", "--yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the CLI has imported anything: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err, err.decode()

@@ -50,7 +50,7 @@ def test_empty_recipe_is_valid(tmp_path):
     config = RecipeConfig()
     assert config.model.path is None and config.rollout.engine == "embedded"
     assert config.cluster.num_gpus_per_engine == 0 and config.cluster.num_gpus_per_trainer == 0
-    assert config.rollout.max_concurrency == 1000 and config.rollout.n_samples_per_prompt == 8
+    assert config.rollout.max_concurrency is None and config.rollout.n_samples_per_prompt == 8
     assert (config.algorithm.eps_clip_low, config.algorithm.eps_clip_high) == (0.2, 0.28)
     assert [t.name for t in config.data.tasks] == ["arithmetic"]
 
@@ -129,7 +129,17 @@ def test_null_section_means_empty(tmp_path):
     ({"algorithm": {"max_staleness": 4}}, r"max_staleness is not read by algorithm 'grpo'"),
     ({"algorithm": {"is_correction": "tis", "use_rollout_logprobs": True}}, r"which are the same with"),
     ({"trainer": {"backend": "megatron"}}, r"trainer\.backend: 'megatron' .* is not available yet"),
-    ({"trainer": {"backend": "deepspeed"}}, r"trainer\.backend: 'deepspeed' .* is not available yet"),
+    ({"trainer": {"deepspeed": {"zero_stage": 2}}}, r"trainer: deepspeed\.zero_stage applies to backend 'deepspeed', but backend is 'fsdp'"),
+    ({"trainer": {"backend": "deepspeed", "data_parallel": "replicate"}},
+     r"trainer: data_parallel 'replicate' applies to backend 'fsdp'"),
+    ({"trainer": {"backend": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_param": "cpu"}}},
+     r"trainer\.deepspeed: offload_param 'cpu' needs zero_stage 3"),
+    ({"trainer": {"backend": "deepspeed", "deepspeed": {"cpu_adam": True}}},
+     r"trainer\.deepspeed: cpu_adam runs the optimizer step on the host: it needs offload_optimizer 'cpu'"),
+    ({"trainer": {"backend": "deepspeed", "deepspeed": {"zero_stage": 1, "param_persistence_threshold": 0}}},
+     r"trainer\.deepspeed: param_persistence_threshold applies to zero_stage 3"),
+    ({"trainer": {"backend": "deepspeed", "deepspeed": {"offload_optimizer": "nvme"}}},
+     r"trainer\.deepspeed\.offload_optimizer: expected one of 'none' or 'cpu'"),
     ({"rollout": {"n_samples_per_prompt": 1}}, r"rollout\.n_samples_per_prompt \(1\) must be at least 2"),
     ({"algorithm": {"index_replay": True}}, r"needs rollout\.return_indexer_topk"),
     ({"rollout": {"max_response_length": 8192}}, r"trainer\.micro_batch_tokens \(4096\) must hold"),
@@ -409,3 +419,23 @@ def test_every_shipped_recipe_is_valid(path):
 def _shown(path: Path) -> str:
     rel = os.path.relpath(path)
     return rel if not rel.startswith("..") else str(path)
+
+
+def test_null_max_concurrency_covers_what_the_loop_has_in_flight():
+    from rollout.engine.defaults import DEFAULT_MAX_RUNNING_REQUESTS
+    from slime_dsa.config.schema import ENGINE_RUNNING_REQUESTS
+
+    assert ENGINE_RUNNING_REQUESTS == DEFAULT_MAX_RUNNING_REQUESTS
+
+    def recipe(**rollout) -> RecipeConfig:
+        return RecipeConfig.model_validate({"rollout": {"prompts_per_step": 64, "n_samples_per_prompt": 16, **rollout}})
+
+    assert recipe().max_concurrency() == 1024 == recipe().in_flight_samples()  # synchronous: one step
+    assert recipe().max_concurrency(use_async=True) == 3 * 1024  # the staleness window: max_staleness (2) + 1 steps
+    dynamic = recipe(dynamic_sampling=True, oversample_factor=1.5, max_oversample_factor=2.0)
+    assert dynamic.max_concurrency() == 2 * 1024  # the largest sampling round
+    small = RecipeConfig.model_validate({"rollout": {"num_engines": 3}})
+    assert small.in_flight_samples() == 32 and small.max_concurrency() == 3 * 256  # what the engines run at once
+    assert recipe(max_concurrency=1000).max_concurrency() == 1000  # a set value is kept
+    assert "24 wait for a free place" in recipe(max_concurrency=1000).concurrency_line()
+    assert recipe(max_concurrency=2000).concurrency_line().startswith("rollout.max_concurrency: 2000 samples in flight")

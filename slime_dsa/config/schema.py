@@ -14,12 +14,17 @@ from slime_dsa.config.errors import RecipeValueError
 
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
-TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup"}
-PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/PP/EP/CP",
-                                            "deepspeed": "DeepSpeed ZeRO with CPU offload"}
+TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup",
+                                    "deepspeed": "trainers.deepspeed.group:DeepSpeedTrainerGroup"}
+PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/PP/EP/CP"}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
+# Requests an embedded engine runs at once by default (rollout.engine.defaults.DEFAULT_MAX_RUNNING_REQUESTS; a test
+# keeps the two equal): the least a null rollout.max_concurrency resolves to per engine, so evaluation fills them.
+ENGINE_RUNNING_REQUESTS = 256
 
 
 class Section(BaseModel):
@@ -254,7 +259,13 @@ class RolloutSection(Section):
     prompts_per_step: int = Field(
         4, ge=1, description="Prompts per RL step; a step trains on prompts_per_step × n_samples_per_prompt "
                              "samples.")
-    max_concurrency: int = Field(1000, ge=1, description="Most rollouts in flight at once, over all engines.")
+    max_concurrency: int | None = Field(
+        None, ge=1, description="Most rollouts in flight at once, over all engines; null = every rollout the loop "
+                                "can start at once: one step's samples, prompts_per_step × n_samples_per_prompt "
+                                "(x max_oversample_factor with dynamic_sampling), in the synchronous loop; "
+                                "max_staleness + 1 steps' samples in the asynchronous one; at least 256 per "
+                                "engine, what an embedded engine runs at once (`recipe check` shows the value). A value below one step's samples leaves the rest waiting for a free "
+                                "place, and the step waits on their tail (`recipe check` says so).")
     max_cache_tokens: int | None = Field(
         None, ge=16, description="KV cache of each embedded engine, in tokens; null = room for every rollout that "
                                  "can be in flight at once, so none waits in the engine's queue: one step's groups "
@@ -340,6 +351,14 @@ class RolloutSection(Section):
                 f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
                 f"({self.oversample_factor})", "max_oversample_factor", "oversample_factor")
         return self
+
+    def step_samples(self) -> int:
+        """Samples of one synchronous step's largest sampling round: prompts_per_step × n_samples_per_prompt, the
+        rounds of dynamic sampling up to max_oversample_factor times that."""
+        groups = self.prompts_per_step
+        if self.dynamic_sampling:
+            groups = max(groups, round(groups * self.max_oversample_factor))
+        return groups * self.n_samples_per_prompt
 
 
 class AlgorithmSection(Section):
@@ -482,12 +501,58 @@ class AlgorithmSection(Section):
         return self
 
 
+class DeepSpeedSection(Section):
+    """DeepSpeed ZeRO (trainer.backend deepspeed): what the workers partition, and what lives in host memory."""
+
+    zero_stage: Literal[1, 2, 3] = Field(
+        3, description="ZeRO stage: 1 partitions the optimizer state (and float32 master weights) across workers, 2 "
+                       "also the gradients, 3 also the parameters, which are gathered layer by layer in forward and "
+                       "backward (memory / num_workers for all three, as FSDP2's).")
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none", description="Where the optimizer state and float32 master weights live: none = on the device; cpu = "
+                            "in host memory, and the optimizer step runs on the host (torch's AdamW unless cpu_adam).")
+    offload_param: Literal["none", "cpu"] = Field(
+        "none", description="zero_stage 3: where the parameters' partitions live between uses: none = on the "
+                            "device; cpu = in host memory, copied to the device layer by layer as it runs (the "
+                            "device then holds about one layer's weights: models larger than the device).")
+    cpu_adam: bool = Field(
+        False, description="offload_optimizer cpu: DeepSpeed's CPU Adam (vectorised C++, several times faster than "
+                           "torch's AdamW on the host) instead of torch's AdamW. It is compiled on first use (about "
+                           "45 s, cached in TORCH_EXTENSIONS_DIR), so it is off by default.")
+    param_persistence_threshold: int = Field(
+        100_000, ge=0, description="zero_stage 3: parameters with fewer elements than this stay whole on every worker "
+                                   "(norms, biases, routers: a gather per use costs more than they weigh); 0 = "
+                                   "partition every parameter (DeepSpeed's stage3_param_persistence_threshold).")
+    prefetch_bucket_size: int = Field(
+        50_000_000, ge=0, description="zero_stage 3: elements of parameters gathered ahead of the layer that needs "
+                                      "them (DeepSpeed's stage3_prefetch_bucket_size); 0 = no prefetch.")
+    reduce_bucket_size: int = Field(
+        500_000_000, ge=1, description="Elements of gradients reduced per collective: larger buckets mean fewer "
+                                       "collectives and more memory (DeepSpeed's reduce_bucket_size).")
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepSpeedSection:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise RecipeValueError(f"offload_param '{self.offload_param}' needs zero_stage 3 (stages 1 and 2 keep "
+                                   f"whole parameters on every worker), got {self.zero_stage}", "offload_param",
+                                   "zero_stage")
+        if self.cpu_adam and self.offload_optimizer == "none":
+            raise RecipeValueError("cpu_adam runs the optimizer step on the host: it needs offload_optimizer 'cpu'",
+                                   "cpu_adam", "offload_optimizer")
+        if self.zero_stage != 3:
+            for key in ("param_persistence_threshold", "prefetch_bucket_size"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise RecipeValueError(f"{key} applies to zero_stage 3, which partitions parameters; got "
+                                           f"zero_stage {self.zero_stage}", key, "zero_stage")
+        return self
+
+
 class TrainerSection(Section):
     """The training backend and the optimiser."""
 
     backend: str = Field(
-        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU). megatron and "
-                            "deepspeed are planned.")
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU) or deepspeed (DeepSpeed "
+                            "ZeRO 1/2/3 with optional host offload: trainer.deepspeed). megatron is planned.")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
                              "the batch.")
@@ -528,6 +593,8 @@ class TrainerSection(Section):
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
                                 "error.")
+    deepspeed: DeepSpeedSection = Field(
+        default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings (backend deepspeed).")
 
     @field_validator("backend")
     @classmethod
@@ -546,8 +613,21 @@ class TrainerSection(Section):
             raise RecipeValueError(f"both betas must be in [0, 1), got {list(betas)}")
         return betas
 
+    def backend_options(self) -> dict:
+        """The chosen backend's own section (trainer.<backend>) as plain data; {} for a backend without one."""
+        section = getattr(self, self.backend, None)
+        return section.model_dump() if isinstance(section, Section) else {}
+
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
+        changed = [k for k in DeepSpeedSection.model_fields
+                   if getattr(self.deepspeed, k) != DeepSpeedSection.model_fields[k].default]
+        if changed and self.backend != "deepspeed":
+            raise RecipeValueError(f"deepspeed.{changed[0]} applies to backend 'deepspeed', but backend is "
+                                   f"'{self.backend}'", f"deepspeed.{changed[0]}", "backend")
+        if self.backend == "deepspeed" and self.data_parallel != "fsdp":
+            raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; DeepSpeed "
+                                   "partitions by deepspeed.zero_stage", "data_parallel", "backend")
         total = self.num_steps * self.num_steps_per_rollout
         if self.warmup_steps > total:
             raise RecipeValueError(
@@ -595,6 +675,11 @@ class LoggingSection(Section):
     eval_at_start: bool = Field(
         True, description="With eval_every: also evaluate the starting policy before the first step (logged as "
                           "step 0; not repeated on resume), so curves start where training did.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one trainer device at the training precision, the denominator "
+                                "of perf/train_mfu; null = looked up from the GPU's name (H100, H200, A100, L40S: "
+                                "bf16 with trainer.mixed_precision, else fp32), and no perf/train_mfu on a CPU or "
+                                "another GPU (perf/train_model_tflops is logged either way).")
 
 
 class CheckpointSection(Section):
@@ -794,6 +879,45 @@ class RecipeConfig(Section):
                     raise RecipeValueError(
                         f"critic.{key} ({getattr(critic, key)}) applies to placement 'separate'; a colocated critic "
                         "uses the trainer's workers", f"critic.{key}", "critic.placement")
+
+    def uses_async_loop(self) -> bool:
+        """Whether the algorithm's own loop is the asynchronous one."""
+        return algorithm_class(self.algorithm.name).loop == "async"
+
+    def in_flight_samples(self, use_async: bool | None = None) -> int:
+        """Samples the loop can have started and not yet trained: one step's largest round in the synchronous loop,
+        max_staleness + 1 steps' in the asynchronous one (its StalenessGate). use_async None: the algorithm's loop."""
+        ro = self.rollout
+        use_async = self.uses_async_loop() if use_async is None else use_async
+        if use_async:
+            return (self.algorithm.max_staleness + 1) * ro.prompts_per_step * ro.n_samples_per_prompt
+        return ro.step_samples()
+
+    def max_concurrency(self, use_async: bool | None = None) -> int:
+        """rollout.max_concurrency resolved: the recipe's value, or when null every sample the loop can have in
+        flight (in_flight_samples), at least what the engines run at once (evaluation fills them)."""
+        ro = self.rollout
+        engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
+        return ro.max_concurrency or max(self.in_flight_samples(use_async), ENGINE_RUNNING_REQUESTS * engines)
+
+    def concurrency_line(self, use_async: bool | None = None) -> str:
+        """One line: rollout.max_concurrency as the loop will use it, and why; a value that cannot hold one step's
+        samples says what that costs."""
+        ro = self.rollout
+        use_async = self.uses_async_loop() if use_async is None else use_async
+        loop = "asynchronous" if use_async else "synchronous"
+        step = ro.step_samples()
+        if ro.max_concurrency is None:
+            how = (f"(max_staleness + 1 = {self.algorithm.max_staleness + 1}) steps × " if use_async else "one step: ")
+            oversampled = " × max_oversample_factor" if ro.dynamic_sampling and not use_async else ""
+            return (f"rollout.max_concurrency: {self.max_concurrency(use_async)} samples in flight (null: {how}"
+                    f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples{oversampled}, at least "
+                    f"{ENGINE_RUNNING_REQUESTS} per engine; {loop} loop)")
+        if ro.max_concurrency < step:
+            return (f"rollout.max_concurrency ({ro.max_concurrency}) is below one step's {step} samples: "
+                    f"{step - ro.max_concurrency} wait for a free place and the step waits on their tail; "
+                    "null covers the step")
+        return f"rollout.max_concurrency: {ro.max_concurrency} samples in flight (set; one step has {step}; {loop} loop)"
 
     def summary(self) -> str:
         """One line that says what this recipe trains, on what, and how."""
