@@ -55,6 +55,11 @@ def test_empty_recipe_is_valid(tmp_path):
     assert [t.name for t in config.data.tasks] == ["arithmetic"]
 
 
+def test_model_index_topk_is_a_recipe_key(tmp_path):
+    assert load_recipe(None, ["model.index_topk=512"]).model.index_topk == 512
+    assert "index_topk" in recipe_error(None, ["model.index_topk=0"])
+
+
 def _models(model: type[BaseModel]):
     yield model
     for field in model.model_fields.values():
@@ -434,3 +439,19 @@ def test_null_max_concurrency_covers_what_the_loop_has_in_flight():
     assert recipe(max_concurrency=1000).max_concurrency() == 1000  # a set value is kept
     assert "24 wait for a free place" in recipe(max_concurrency=1000).concurrency_line()
     assert recipe(max_concurrency=2000).concurrency_line().startswith("rollout.max_concurrency: 2000 samples in flight")
+
+
+def test_explain_sao_documents_every_key_with_default_and_source():
+    from slime_dsa.algorithms.specs import ALGORITHMS, COMMON_OPTIONS  # noqa: PLC0415
+    from slime_dsa.config.explain import explain_algorithm  # noqa: PLC0415
+    from slime_dsa.config.schema import CriticSection  # noqa: PLC0415
+
+    text = explain_algorithm("sao")
+    keys = [f"algorithm.{k}" for k in ALGORITHMS["sao"].options if k not in COMMON_OPTIONS]
+    keys += [f"critic.{k}" for k in CriticSection.model_fields]
+    assert "algorithm.critic_updates_per_step" in keys and "critic.learning_rate" in keys
+    for key in keys:
+        entry = text.split(f"  {key}: ", 1)[1].split("\n  ", 1)[0] if f"  {key}: " in text else ""
+        assert " = " in entry, f"{key} is not listed with its default"
+        body = text.split(f"  {key}: ", 1)[1].split("\n  algorithm.", 1)[0].split("\n  critic.", 1)[0]
+        assert "Default" in body, f"{key}: no source of its default"

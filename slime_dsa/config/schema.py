@@ -49,6 +49,13 @@ class ModelSection(Section):
                             "auto = triton on GPU, torch on CPU.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations during the backward pass to save trainer memory.")
+    index_topk: int | None = Field(
+        None, ge=1, description="DSA keys each query attends to; null = the preset's (model built from scratch) or "
+                                "model.path's config.json. At or above the sequence length attention is dense: DSA's "
+                                "dense stage (train, then `slime-dsa indexer-warmup` to a sparse budget), which a "
+                                "randomly initialised indexer needs, as it cannot learn which keys to select. With "
+                                "model.path the model is copied into the run directory (initial_model) with this "
+                                "budget in its config.json; the weights are the same.")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
