@@ -14,9 +14,9 @@ from slime_dsa.config.errors import RecipeValueError
 
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
-TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup"}
-PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/PP/EP/CP",
-                                            "deepspeed": "DeepSpeed ZeRO with CPU offload"}
+TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup",
+                                    "megatron": "trainers.megatron.group:MegatronTrainerGroup"}
+PLANNED_TRAINER_BACKENDS: dict[str, str] = {"deepspeed": "DeepSpeed ZeRO with CPU offload"}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -470,12 +470,28 @@ class AlgorithmSection(Section):
         return self
 
 
+class MegatronSection(Section):
+    """Model-parallel sizes of trainer.backend megatron; data parallel is what remains of trainer.num_workers."""
+
+    tensor_parallel: int = Field(
+        1, ge=1, description="Tensor-parallel ranks: attention heads, MLP width and vocabulary split across them, "
+                             "with sequence parallelism between layers.")
+    pipeline_parallel: int = Field(
+        1, ge=1, description="Pipeline stages, each beginning on a layer that computes its own indexer "
+                             "(IndexShare); only 1 is built yet.")
+    expert_parallel: int = Field(
+        1, ge=1, description="Expert-parallel ranks: the routed experts are split across them (expert tensor "
+                             "parallelism is 1).")
+    context_parallel: int = Field(1, ge=1, description="Context-parallel ranks; only 1 is built yet.")
+
+
 class TrainerSection(Section):
     """The training backend and the optimiser."""
 
     backend: str = Field(
-        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU). megatron and "
-                            "deepspeed are planned.")
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU) or megatron "
+                            "(megatron-core with tensor and expert parallelism; sizes in trainer.megatron). deepspeed "
+                            "is planned.")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
                              "the batch.")
@@ -512,6 +528,8 @@ class TrainerSection(Section):
         100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
                                "optimizer steps.")
     seed: int = Field(42, description="Seed for random initialisation and trainer-side randomness.")
+    megatron: MegatronSection = Field(
+        default_factory=MegatronSection, description="Parallel sizes for trainer.backend megatron.")
     logprob_diff_warn_threshold: float = Field(
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
@@ -541,6 +559,19 @@ class TrainerSection(Section):
             raise RecipeValueError(
                 f"warmup_steps ({self.warmup_steps}) exceeds the run's {total} optimizer steps (num_steps × "
                 "num_steps_per_rollout)", "warmup_steps", "num_steps")
+        mg = self.megatron
+        if mg != MegatronSection() and self.backend != "megatron":
+            raise RecipeValueError(f"trainer.megatron is read only by backend 'megatron', but backend is "
+                                   f"'{self.backend}'", "megatron", "backend")
+        for key in ("pipeline_parallel", "context_parallel"):
+            if getattr(mg, key) > 1:
+                raise RecipeValueError(f"trainer.megatron.{key} ({getattr(mg, key)}) > 1 is not built yet",
+                                       f"megatron.{key}")
+        if self.num_workers % mg.tensor_parallel or self.num_workers % mg.expert_parallel:
+            raise RecipeValueError(
+                f"num_workers ({self.num_workers}) must be a multiple of megatron.tensor_parallel "
+                f"({mg.tensor_parallel}) and megatron.expert_parallel ({mg.expert_parallel})", "num_workers",
+                "megatron.tensor_parallel", "megatron.expert_parallel")
         return self
 
 
@@ -699,6 +730,9 @@ class RecipeConfig(Section):
     def _check(self) -> RecipeConfig:
         alg, ro, cl = self.algorithm, self.rollout, self.cluster
         self._check_critic()
+        if self.trainer.backend == "megatron" and "critic" in algorithm_class(alg.name).roles:
+            raise RecipeValueError(f"algorithm '{alg.name}' trains a value model, which trainer.backend megatron does "
+                                   "not build yet; use fsdp", "trainer.backend", "algorithm.name")
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(
