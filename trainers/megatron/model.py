@@ -1,6 +1,7 @@
 """GLM-MoE-DSA from megatron-core pieces: vocab-parallel embedding and output layer, megatron's MLP (dense layers)
 and MoE layer (sigmoid router with the selection bias and group-limited top-k, shared expert), our DSA attention
-(attention.py) and RMSNorm. The same packed-batch interface as slime_dsa.models' causal LM, so the shared step
+(attention.py) and RMSNorm. The routed experts are megatron's SequentialMLP, with grouped GEMMs on a GPU
+(experts.py). The same packed-batch interface as slime_dsa.models' causal LM, so the shared step
 (trainers/rank.py) trains it unchanged: token_logprobs_with_output returns a ModelOutput with HF-shaped contents.
 
 Layout: activations between layers are (T / tp, 1, D) sequence shards when tp > 1 (sequence parallelism, which
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -31,6 +31,7 @@ from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE, ModelOutput, PackedBatc
 from slime_dsa.models.logprobs import chunked_token_logprobs
 from slime_dsa.models.rope import rope_cos_sin, rope_inv_freq
 from trainers.megatron.attention import DSAAttention
+from trainers.megatron.experts import moe_spec
 from trainers.megatron.logprobs import vocab_parallel_logprobs
 
 
@@ -51,8 +52,7 @@ class DecoderLayer(nn.Module):
         self.self_attention = DSAAttention(config, megatron, layer_idx)
         self.pre_mlp_layernorm = _norm(config, megatron)
         if config.mlp_layer_types[layer_idx] == "sparse":
-            spec = get_moe_module_spec(use_te=False, num_experts=config.n_routed_experts)
-            self.mlp = spec(config=megatron, layer_number=layer_idx + 1, pg_collection=groups)
+            self.mlp = moe_spec(config.n_routed_experts)(config=megatron, layer_number=layer_idx + 1, pg_collection=groups)
             self.mlp.router.frozen_expert_bias = True  # e_score_correction_bias is loaded, never updated in training
         else:
             self.mlp = MLP(megatron, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),

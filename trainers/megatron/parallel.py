@@ -39,7 +39,7 @@ def initialize(sizes: ParallelSizes) -> tuple[ProcessGroupCollection, RankPlace]
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tensor_parallel, pipeline_model_parallel_size=sizes.pipeline_parallel,
             context_parallel_size=sizes.context_parallel, expert_model_parallel_size=sizes.expert_parallel,
-            expert_tensor_parallel_size=1, create_gloo_process_groups=dist.get_backend() != "gloo")
+            expert_tensor_parallel_size=1)
     place = RankPlace(tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                       ep_rank=parallel_state.get_expert_model_parallel_rank(),
                       dp_rank=parallel_state.get_data_parallel_rank(),

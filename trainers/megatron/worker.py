@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from slime_dsa import ops
-from slime_dsa.checkpoint import load_model
+from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import check_parallel_sizes
 from trainers.base import RankConfig, RoleConfig
@@ -56,6 +56,7 @@ class MegatronWorker(TrainerRank):
             model_parallel_cuda_manual_seed(config.seed)
         ops.set_backend(config.ops_backend)
         self.dtype = torch.bfloat16 if config.mixed_precision and use_cuda else torch.float32
+        self.distributed_optimizer = use_cuda  # megatron's DistributedOptimizer allocates on CUDA
         self.ddp: dict[str, DistributedDataParallel] = {}
         self.roles = {name: self._build_role(name, role) for name, role in config.roles.items()}
 
@@ -68,10 +69,15 @@ class MegatronWorker(TrainerRank):
         check_parallel_sizes(model_config, self.sizes, self.world_size)
         megatron = transformer_config(model_config, self.sizes, self.dtype)
         model = MegatronGlmMoeDsa(model_config, megatron, self.groups)
-        hf = load_model(config.model_path, dtype=torch.float32, device="cpu").state_dict()
+        hf = {k: v.float() for k, v in read_state_dict(config.model_path).items()}
         load_shard(model, hf_to_megatron(hf, model_config, self.sizes.tensor_parallel, self.sizes.expert_parallel,
                                          self.place.tp_rank, self.place.ep_rank))
         model.to(self.device)
+        if self.dtype != torch.float32:  # megatron's layers are built in it; ours follow, the indexer head as in HF
+            model.to(self.dtype)
+            for module_name, module in model.named_modules():
+                if module_name.endswith("indexer.weights_proj"):
+                    module.float()
         model.gradient_checkpointing = self.config.gradient_checkpointing
         for pname, p in model.named_parameters():
             if not config.trains or any(part in pname for part in config.frozen):
@@ -80,10 +86,10 @@ class MegatronWorker(TrainerRank):
         if not config.trains:
             return role
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=self.device.type == "cuda")
+                                                   use_distributed_optimizer=self.distributed_optimizer)
         self.ddp[name] = DistributedDataParallel(megatron, ddp_config, model, pg_collection=self.groups)
         opt = config.optimizer
-        if self.device.type == "cuda":
+        if self.distributed_optimizer:
             from trainers.megatron.optimizer import DistributedAdam, LambdaSchedule  # noqa: PLC0415
 
             role.optimizer = DistributedAdam(self.ddp[name], opt, config.dsa.indexer_learning_rate, self.dtype)
@@ -112,7 +118,7 @@ class MegatronWorker(TrainerRank):
         for ddp in self.ddp.values():
             if any(p is params[0] for p in ddp.module.parameters()):
                 finalize_model_grads([ddp], pg_collection=None)
-        if self.device.type != "cuda":
+        if not self.distributed_optimizer:
             for p in params:
                 p.grad = p.main_grad
 
