@@ -29,10 +29,14 @@ from torch.utils.checkpoint import checkpoint
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE, ModelOutput, PackedBatch, RMSNorm
 from slime_dsa.models.logprobs import chunked_token_logprobs
+from slime_dsa.models.prefix_sharing import GatheredKeys
 from slime_dsa.models.rope import rope_cos_sin, rope_inv_freq
 from trainers.megatron.attention import DSAAttention
 from trainers.megatron.experts import moe_spec
 from trainers.megatron.logprobs import vocab_parallel_logprobs
+
+
+KEY_ROWS = ("kv", "index_k")  # capture-record tensors over key rows; the others are over query rows
 
 
 def _norm(config: ModelConfig, megatron: TransformerConfig) -> RMSNorm:
@@ -103,9 +107,14 @@ class MegatronGlmMoeDsa(nn.Module):
             return input_ids, batch, replay_topk
         dev = input_ids.device
         input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-        cu = torch.cat([batch.cu_seqlens_q, batch.cu_seqlens_q[-1:] + pad])
-        batch = PackedBatch(positions=torch.cat([batch.positions, torch.arange(pad, device=dev)]), cu_seqlens_q=cu,
-                            cu_seqlens_k=cu)
+        keys = batch.kv_cache
+        if isinstance(keys, GatheredKeys):  # shared-prompt packing: the padding sequence's keys are its own rows
+            keys = GatheredKeys(torch.cat([keys.key_rows, torch.arange(T, target, device=dev)]))
+        elif keys is not None:
+            raise ValueError("a packed batch with a KV cache cannot be padded for tensor/expert parallelism")
+        batch = PackedBatch(positions=torch.cat([batch.positions, torch.arange(pad, device=dev)]),
+                            cu_seqlens_q=torch.cat([batch.cu_seqlens_q, batch.cu_seqlens_q[-1:] + pad]),
+                            cu_seqlens_k=torch.cat([batch.cu_seqlens_k, batch.cu_seqlens_k[-1:] + pad]), kv_cache=keys)
         if replay_topk is not None:
             fill = replay_topk.new_full((replay_topk.shape[0], pad, replay_topk.shape[2]), REPLAY_COMPUTE)
             replay_topk = torch.cat([replay_topk, fill], dim=1)
@@ -114,7 +123,7 @@ class MegatronGlmMoeDsa(nn.Module):
     def forward_hidden(self, input_ids: torch.Tensor, batch: PackedBatch, *, replay_topk: torch.Tensor | None = None,
                        return_topk: bool = False, capture_dsa: bool = False, index_topk: int | None = None) -> ModelOutput:
         """Packed forward to the final hidden states (T, D), whole on every rank (see GlmMoeDsaForCausalLM)."""
-        T = input_ids.shape[0]
+        T, Tk = input_ids.shape[0], int(batch.cu_seqlens_k[-1])  # query rows, key rows (more with shared prompts)
         input_ids, batch, replay_topk = self._pad(input_ids, batch, replay_topk)
         h = self.embedding(input_ids[None])  # (T / tp, 1, D) reduce-scattered, or (1, T, D)
         if not self.megatron.sequence_parallel:
@@ -133,7 +142,8 @@ class MegatronGlmMoeDsa(nn.Module):
             else:
                 h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
             if record is not None:
-                records.append({k: v[:T] if isinstance(v, torch.Tensor) else v for k, v in record.items()})
+                records.append({k: v[: Tk if k in KEY_ROWS else T] if isinstance(v, torch.Tensor) else v
+                                for k, v in record.items()})
             if local is not None:
                 selections.append(local[:T])
         h = self.final_norm(h)
