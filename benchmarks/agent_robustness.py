@@ -63,7 +63,7 @@ async def play(args: argparse.Namespace, urls: list[str]) -> dict:
     from tests.agent_model import memorised_prompts
     from tests.plugins.tools import Faults
 
-    Faults.fail_share = args.fail_share
+    Faults.fail_share, Faults.fault_modes = args.fail_share, tuple(args.faults.split(","))
     tokenizer = load_tokenizer(args.model)
     agent = AgentRuntime.build(AgentConfig(tools=["tests.plugins.tools:FlakyCalculator",
                                                   "tests.plugins.tools:FlakySearch"], max_turns=6,
@@ -86,7 +86,7 @@ async def play(args: argparse.Namespace, urls: list[str]) -> dict:
     status = Counter(s.status.value for s in done)
     calls = sum(s.metadata.get("tool_calls", 0) for s in done)
     return {
-        "trajectories": args.trajectories, "engines": len(urls), "fail_share": args.fail_share,
+        "trajectories": args.trajectories, "engines": len(urls), "fail_share": args.fail_share, "faults": args.faults,
         "lost": len(raised) + status.get(SampleStatus.FAILED.value, 0), "raised": len(raised),
         "status": dict(status), "truncated_by": dict(Counter(s.metadata.get("truncated_by") for s in done
                                                               if s.status == SampleStatus.TRUNCATED)),
@@ -110,8 +110,9 @@ def markdown(result: dict, command: str) -> str:
         f"{os.cpu_count()} cores (shared); python {platform.python_version()}",
         f"- command: `{command}`",
         f"- model: tests/assets/agent-tiny (memorised trajectories of calc_chain and fact_lookup), temperature 1; "
-        f"tools: calculator and BM25 search, {r['fail_share']:.0%} of all calls made to raise, hang past the "
-        "2 s tool deadline, or SIGSEGV in a sandboxed subprocess; lost = an exception or a FAILED trajectory",
+        f"tools: calculator and BM25 search, {r['fail_share']:.0%} of all calls made to misbehave ({r['faults']}: "
+        "raise, hang past the 2 s tool deadline, or run a SIGSEGV / fork bomb / 10 GB allocation in the sandbox); "
+        "lost = an exception or a FAILED trajectory",
         "",
         "| trajectories | lost | wall s | completed / truncated | turns | multi-turn | tool calls | failed calls | "
         "injected faults |",
@@ -126,6 +127,8 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=1000)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--fail-share", type=float, default=0.10)
+    parser.add_argument("--faults", default="raise,hang,crash",
+                        help="how failing calls fail, in equal shares: raise, hang, crash, fork_bomb, alloc_10gb")
     parser.add_argument("--tool-timeout-s", type=float, default=2.0)
     parser.add_argument("--wall-time-s", type=float, default=900.0)
     parser.add_argument("--model", type=Path, default=REPO / "tests" / "assets" / "agent-tiny")

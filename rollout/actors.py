@@ -43,6 +43,7 @@ class EngineActor:
         self._server: Any = None  # EmbeddedServer or SGLangServer
         self._engine: Any = None  # the embedded AsyncEngine
         self._url: str | None = None
+        self._stopped: asyncio.Event | None = None  # set by stop(); wait_stopped returns then
 
     def _public_host(self) -> str:
         if self.host not in ("0.0.0.0", "::"):
@@ -85,6 +86,19 @@ class EngineActor:
     async def url(self) -> str | None:
         return self._url
 
+    async def pid(self) -> int:
+        """This actor's process id (the embedded engine runs in it)."""
+        import os  # noqa: PLC0415
+
+        return os.getpid()
+
+    async def wait_stopped(self) -> None:
+        """Returns when stop() is called. The orchestrator keeps one call pending per engine: if the process dies
+        instead, Ray fails that call at once (RayActorError), which is how a lost engine is noticed."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        await self._stopped.wait()
+
     async def node_id(self) -> str:
         """The Ray node this engine runs on (engines on a trainer's node can load weights from its /dev/shm)."""
         import ray  # noqa: PLC0415
@@ -103,6 +117,8 @@ class EngineActor:
 
     async def stop(self) -> None:
         """Stop the server and the engine."""
+        if self._stopped is not None:
+            self._stopped.set()
         if self._server is None:
             return
         if self.kind == "embedded":

@@ -6,6 +6,11 @@ sticks to the engine that served it while that engine stays healthy. Each engine
 exponential backoff; an engine that fails `max_failures` times in a row is marked dead and probed on
 /health until it answers again. 4xx answers are the caller's mistake and are raised at once.
 
+Lost engines: a control broadcast with drop_unreachable (the weight update's pause, update and continue) drops every
+engine it cannot reach, tells the on_engine_lost listeners (the orchestrator restarts it), and goes on with the rest;
+NoEnginesLeftError when none is left. A replacement is staged (stage_engine) and joins when admit_staged is called,
+between the pause and the update, so that it serves only weights of the current version.
+
 One aiohttp session with a large connection pool carries every request (see rollout/server/app.py for why
 aiohttp). Responses are validated; a malformed one raises an error that names the engine and the field.
 """
@@ -20,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -43,6 +48,14 @@ class EngineRequestError(EngineError):
 
 class EngineUnavailableError(EngineError):
     """Every attempt failed (connection errors, timeouts, 5xx) or no engine is configured."""
+
+
+class EngineLossError(EngineUnavailableError):
+    """Engines were lost and the run cannot go on without them."""
+
+
+class NoEnginesLeftError(EngineLossError):
+    """Every engine of the client was lost (dropped as unreachable); none is staged to replace them."""
 
 
 class MalformedResponseError(EngineError):
@@ -105,6 +118,9 @@ class EngineClient:
         self._max_sessions = max_sessions
         self._http: aiohttp.ClientSession | None = None
         self._rr = 0  # tie-breaker among equally loaded engines
+        self._lost_listeners: list[Callable[[str, str], None]] = []
+        self._staged: list[str] = []  # replacements that join at the next admit_staged
+        self.lost: list[tuple[str, str]] = []  # (url, reason) of every engine dropped, in order
         for url in urls:
             self.add_engine(url)
 
@@ -139,6 +155,52 @@ class EngineClient:
         url = normalize_url(url)
         if url not in self.engines:
             self.engines[url] = EngineState(url, asyncio.Semaphore(self.max_inflight_per_engine))
+
+    def on_engine_lost(self, listener: Callable[[str, str], None]) -> None:
+        """Call listener(url, reason) for every engine dropped from now on."""
+        self._lost_listeners.append(listener)
+
+    def drop_engine(self, url: str, reason: str) -> bool:
+        """Stop routing to `url` (lost); tells the listeners. False when it was not an engine of this client."""
+        url = normalize_url(url)
+        engine = self.engines.pop(url, None)
+        if engine is None:
+            return False
+        if engine.probe is not None:
+            engine.probe.cancel()
+        for session in [s for s, u in self._sessions.items() if u == url]:
+            del self._sessions[session]
+        self.lost.append((url, reason))
+        logger.warning("engine %s lost (%s); %d engine(s) left", url, reason, len(self.engines))
+        for listener in self._lost_listeners:
+            listener(url, reason)
+        return True
+
+    def stage_engine(self, url: str) -> None:
+        """A new engine that joins at the next admit_staged (the weight update: it must get the current weights)."""
+        self._staged.append(normalize_url(url))
+
+    @property
+    def staged(self) -> list[str]:
+        return list(self._staged)
+
+    def unstage(self, url: str, reason: str) -> None:
+        """A staged engine that died before it joined: lost (the listeners hear of it)."""
+        url = normalize_url(url)
+        if url in self._staged:
+            self._staged.remove(url)
+            self.lost.append((url, reason))
+            logger.warning("engine %s lost before it joined (%s)", url, reason)
+            for listener in self._lost_listeners:
+                listener(url, reason)
+
+    def admit_staged(self) -> list[str]:
+        """Route to the staged engines from now on; returns their URLs."""
+        admitted, self._staged = self._staged, []
+        for url in admitted:
+            self.add_engine(url)
+            logger.info("engine %s joined (%d engine(s))", url, len(self.engines))
+        return admitted
 
     def stats(self) -> dict[str, dict]:
         """Per engine: outstanding, completed, failures, healthy."""
@@ -199,7 +261,7 @@ class EngineClient:
     async def _post_once(self, engine: EngineState, path: str, payload: Any, headers: dict | None,
                          timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
-        async with self._session().post(engine.url + path, json=payload, headers=headers, timeout=timeout) as resp:
+        async with self._session().post(engine.url + path, json=_body(payload), headers=headers, timeout=timeout) as resp:
             if resp.status >= 400:
                 text = await resp.text()
                 message = _error_message(text)
@@ -334,35 +396,50 @@ class EngineClient:
         return body
 
     async def broadcast(self, path: str, json: Any = None, *, method: str = "POST", timeout_s: float | None = None,
-                        check: bool = True, healthy_only: bool = False) -> dict[str, Any]:
+                        check: bool = True, healthy_only: bool = False,
+                        drop_unreachable: bool = False) -> dict[str, Any]:
         """Send one control request (pause, flush, update weights, ...) to every engine at once.
 
         Returns {url: parsed body (JSON, else text)}; with `check`, raises EngineError naming each engine that
         failed (status >= 400 or unreachable). Not retried: control calls are not idempotent in general.
+        drop_unreachable: an engine that cannot be reached (connection refused or reset, timeout) is dropped as lost
+        and left out of the reply; NoEnginesLeftError when that leaves none.
         """
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         targets = [e for e in self.engines.values() if e.healthy or not healthy_only]
 
-        async def one(engine: EngineState) -> tuple[str, Any, str | None]:
+        async def one(engine: EngineState) -> tuple[str, Any, str | None, bool]:
             try:
-                async with self._session().request(method, engine.url + path, json=json, timeout=timeout) as resp:
+                body = _body(json) if method == "POST" else json
+                async with self._session().request(method, engine.url + path, json=body, timeout=timeout) as resp:
                     text = await resp.text()
                     body = _parse_body(text)
-                    return engine.url, body, None if resp.status < 400 else f"{resp.status}: {_error_message(text)}"
+                    return engine.url, body, None if resp.status < 400 else f"{resp.status}: {_error_message(text)}", False
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                return engine.url, None, f"{type(e).__name__}: {e}"
+                return engine.url, None, f"{type(e).__name__}: {e}", True
 
         results = await asyncio.gather(*(one(e) for e in targets))
-        failed = [f"{url} ({err})" for url, _, err in results if err]
+        if drop_unreachable:
+            for url, _, err, unreachable in results:
+                if unreachable:
+                    self.drop_engine(url, f"{method} {path}: {err}")
+            results = [r for r in results if not r[3]]
+            if not self.engines and not self._staged:
+                raise NoEnginesLeftError(f"every engine was lost: {self._lost_summary()}")
+        failed = [f"{url} ({err})" for url, _, err, _ in results if err]
         if check and failed:
             raise EngineError(f"{method} {path} failed on {len(failed)} of {len(results)} engines: " + "; ".join(failed))
-        return {url: body for url, body, _ in results}
+        return {url: body for url, body, _, _ in results}
+
+    def _lost_summary(self) -> str:
+        last = "; ".join(f"{url} ({reason})" for url, reason in self.lost[-3:])
+        return f"{len(self.lost)} dropped, the last {last}" if self.lost else "none configured"
 
     async def post_to(self, url: str, path: str, json: Any = None, *, timeout_s: float | None = None) -> Any:
         """POST to one named engine, not routed or retried; EngineError naming the engine on failure."""
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
         try:
-            async with self._session().post(normalize_url(url) + path, json=json, timeout=timeout) as resp:
+            async with self._session().post(normalize_url(url) + path, json=_body(json), timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineRequestError(url, resp.status, _error_message(text))
@@ -395,6 +472,11 @@ class EngineClient:
                 if time.monotonic() > deadline:
                     raise EngineUnavailableError(f"engines not healthy after {timeout_s:.0f}s: {sorted(pending)}")
                 await asyncio.sleep(interval_s)
+
+
+def _body(payload: Any) -> Any:
+    """A POST's JSON, {} for none: servers refuse a POST without Content-Type: application/json (browser CSRF)."""
+    return {} if payload is None else payload
 
 
 class _ServerError(Exception):

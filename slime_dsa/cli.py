@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every registered subcommand."""
     parser = _Parser(prog="slime-dsa", description="RL post-training for DeepSeek-Sparse-Attention models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="level of log messages on stderr (default: INFO)")
+    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="level of log messages on stderr (default: WARNING for train, sft and indexer-warmup, "
+                             "whose INFO goes to the run directory's log; INFO otherwise)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).add_parser(subparsers)
@@ -59,14 +60,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or getattr(args, "console_log_level", "INFO")
+    root = logging.getLogger()
+    before = list(root.handlers)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in root.handlers:
+        if handler not in before:  # the console keeps its level when a run's log file lowers the root's to INFO
+            handler.setLevel(level)
     try:
         return int(args.run(args) or 0)
     except UserError as err:
         print(f"slime-dsa: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("slime-dsa: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # a run's says which steps since its last checkpoint are lost
+        print(f"slime-dsa: interrupted{f': {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
         return 130
 
 

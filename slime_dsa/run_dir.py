@@ -4,8 +4,9 @@
         model_dir = prepare_model_dir(recipe, run_dir)    # model.path, or a from-scratch preset saved there
         tokenizer = load_tokenizer(recipe, model_dir)
 
-The directory is held for the length of the `with` block; what a run must own exclusively (issue 21's lock)
-is taken and released in open_run_dir.
+The directory is held for the length of the `with` block: open_run_dir takes its lock (slime_dsa/run_lock.py), so a
+second run in the same directory fails at once; `held_lock(run_dir)` is that lock, for what only its holder may do
+(removing the temporary directories of killed checkpoint saves).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
+from slime_dsa.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
+_HELD: dict[Path, RunLock] = {}  # run directory (resolved) -> the lock this process holds on it
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -40,12 +43,23 @@ def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
 
 @contextmanager
 def open_run_dir(recipe: RecipeConfig, log_name: str) -> Iterator[Path]:
-    """The run directory, created, with recipe.yaml written and this process's log copied to run_dir/log_name
-    until the block ends."""
+    """The run directory, locked for this run, with recipe.yaml written and this process's log copied to
+    run_dir/log_name until the block ends. UserError (one line, the holder's pid) when another run holds it."""
     run_dir = resolve_run_dir(recipe)
-    write_resolved_recipe(recipe, run_dir)
-    with log_to_file(run_dir / log_name):
-        yield run_dir
+    with RunLock(run_dir) as lock:
+        _HELD[run_dir.resolve()] = lock
+        try:
+            write_resolved_recipe(recipe, run_dir)
+            with log_to_file(run_dir / log_name):
+                lock.log_takeover()
+                yield run_dir
+        finally:
+            _HELD.pop(run_dir.resolve(), None)
+
+
+def held_lock(run_dir: Path) -> RunLock | None:
+    """The lock this process holds on `run_dir` (inside open_run_dir), else None."""
+    return _HELD.get(Path(run_dir).resolve())
 
 
 @contextmanager

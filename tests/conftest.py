@@ -29,6 +29,20 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def figures():
+    """Numbers the fault tests measure, by test; written as JSON to $SLIME_DSA_FAULT_FIGURES at the session's end
+    (benchmarks/RESULTS.md quotes them)."""
+    found: dict = {}
+    yield found
+    path = os.environ.get("SLIME_DSA_FAULT_FIGURES")
+    if path and found:
+        import json  # noqa: PLC0415
+
+        with open(path, "w") as f:
+            json.dump(found, f, indent=2, sort_keys=True, default=str)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that starts Ray is `slow` (the fast lane, `pytest -m "not slow"`, never waits on a cluster); skip
     tests marked `gpu` when torch sees no CUDA device."""

@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import multiprocessing
-import os
-import tempfile
+import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -375,19 +372,16 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, ray_cluster):
     assert end["buffered"] == end["in_flight"] == []  # the gate let nothing start beyond the last step
 
 
-def _driver_file(name: str) -> Path:
-    """A file the test (the driver) and its reward worker processes (its children) both find: reward functions given
-    by import path run in worker processes, so they share nothing in memory with the test."""
-    driver = os.getpid() if multiprocessing.parent_process() is None else os.getppid()
-    return Path(tempfile.gettempdir()) / f"slime-dsa-test-{name}-{driver}"
+# Async reward functions run on the driver's event loop (sync ones given by import path run in worker processes),
+# so these two share state with the test in memory and wait without holding a reward worker.
+STALL = threading.Event()
 
 
-def stall_group_zero(sample, response: str, answer, **metadata) -> float:
+async def stall_group_zero(sample, response: str, answer, **metadata) -> float:
     """digit_fraction, but group 0 waits for weight version 2 first: it finishes stale by construction."""
-    if sample.group_id == 0:
-        deadline = time.monotonic() + 20
-        while not _driver_file("stall").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    deadline = time.monotonic() + 20
+    while sample.group_id == 0 and not STALL.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
@@ -401,11 +395,11 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
     recipe["rollout"].update(max_concurrency=1, max_response_length=12)
     recipe["algorithm"].update(max_staleness=1, partial_rollout="retract")
     recipe["trainer"]["num_steps"] = 5  # group 0 is released after step 2: two more steps to take it
-    _driver_file("stall").unlink(missing_ok=True)
+    STALL.clear()
 
     def on_weights(version, state):
         if version >= 2:
-            _driver_file("stall").touch()
+            STALL.set()
 
     records, ledger = _run(tmp_path, "async1", recipe, on_weights=on_weights)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
@@ -421,18 +415,13 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
     assert any(r["async/staleness_mean"] > 0 for r in records)
 
 
-def record_prompt(sample, response: str, answer, **metadata) -> float:
-    """digit_fraction, noting which prompt each sample index was generated for (a line in the driver's file)."""
-    with _driver_file("seen").open("a") as f:
-        f.write(json.dumps([sample.index, sample.prompt_text]) + "\n")
+SEEN: dict[int, str] = {}
+
+
+async def record_prompt(sample, response: str, answer, **metadata) -> float:
+    """digit_fraction, noting which prompt each sample index was generated for."""
+    SEEN[sample.index] = sample.prompt_text
     return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
-def _seen() -> dict[int, str]:
-    path = _driver_file("seen")
-    seen = dict(json.loads(line) for line in path.read_text().splitlines()) if path.exists() else {}
-    path.unlink(missing_ok=True)
-    return seen
 
 
 def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_cluster):
@@ -446,16 +435,17 @@ def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_clust
     recipe["logging"]["eval_every"] = 0
     recipe["algorithm"]["max_staleness"] = 1
     recipe["trainer"]["num_steps"] = 2
-    _seen()
+    SEEN.clear()
     _run(tmp_path, "resume", recipe)
-    before = _seen()
+    before = dict(SEEN)
     pending = read_orchestrator_state(tmp_path / "resume" / "checkpoints" / "step_000002")["rollout"]["pending_groups"]
     assert pending, "nothing was pending at the checkpoint: the test shows nothing"
     pending_indices = [g["first_index"] + k for g in pending for k in range(g["num_samples"])]
 
     recipe["trainer"]["num_steps"] = 4
+    SEEN.clear()
     _, ledger = _run(tmp_path, "resume", recipe, resume=True)
-    seen = _seen()
+    seen = dict(SEEN)
     first, second = ledger[:3], ledger[3:]
     assert [line.get("step") for line in first[:2]] == [1, 2] and first[2]["end"]
     *steps, end = second

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,7 +70,16 @@ def test_orphan_temporary_directories_are_removed_at_start(manager, caplog):
     orphan.mkdir()
     (orphan / "model.safetensors").write_bytes(b"partial")
     with caplog.at_level(logging.INFO, logger="slime_dsa.checkpoint.training"):
-        removed = manager.remove_orphans()
+        removed = manager.remove_orphans(SimpleNamespace(held=True))
     assert removed == [orphan] and not orphan.exists()
     assert any(str(orphan) in r.getMessage() for r in caplog.records)
     assert manager.latest() == manager.path_for(3)
+
+
+def test_orphans_are_removed_only_under_the_run_directory_lock(manager):
+    """Another run's save in progress looks like an orphan: only the holder of the run directory's lock removes them."""
+    busy = manager.directory / ".step_000004.tmp-other-run"
+    busy.mkdir()
+    with pytest.raises(RuntimeError, match="lock"):
+        manager.remove_orphans(SimpleNamespace(held=False))
+    assert busy.exists()

@@ -21,7 +21,7 @@ CORE = ("models", "ops", "algorithms", "config", "data", "checkpoint", "weights"
 DRIVERS = (
     "orchestrator", "commands", "cli",  # the Ray driver and the command line
     "sft", "indexer",  # one-process jobs: they train with trainers/ pieces and evaluate with rollout/'s engine
-    "run_dir", "logging",  # what only drivers use: the run directory, metrics.jsonl + W&B, reports
+    "run_dir", "run_lock", "logging",  # what only drivers use: the run directory and its lock, metrics.jsonl + W&B, reports
 )
 NOT_IN_CORE = ("ray", "aiohttp", "http", "socket", "subprocess", "multiprocessing", "concurrent")
 # Within a floor: the engine stays below its HTTP front; the one-process jobs stay off the Ray driver.

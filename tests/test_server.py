@@ -84,7 +84,9 @@ def server(checkpoints):
 
 
 def post(srv, path, body=None, *, headers=AUTH, data=None, timeout=60):
-    r = requests.post(srv.url + path, json=body if data is None else None, data=data, headers=headers, timeout=timeout)
+    # every POST is JSON, an empty one {} (the server refuses a POST without Content-Type: application/json)
+    r = requests.post(srv.url + path, json=({} if body is None else body) if data is None else None, data=data,
+                      headers=headers, timeout=timeout)
     return r.status_code, _body(r)
 
 
@@ -285,7 +287,7 @@ def test_bad_json_and_big_body_and_non_object(server):
     assert status == 400 and "not valid JSON" in reply["error"]["message"]
     big = json.dumps({"input_ids": [1] * (MAX_BODY // 2)}).encode()
     status, reply = post(server, "/generate", data=big, headers={**AUTH, "Content-Type": "application/json"})
-    assert status == 400 and "limit is 65536" in reply["error"]["message"] and "max_body_bytes" in reply["error"]["message"]
+    assert status == 413 and "limit is 65536" in reply["error"]["message"] and "max_body_bytes" in reply["error"]["message"]
     status, reply = post(server, "/generate", [1, 2])
     assert status == 400 and "JSON object" in reply["error"]["message"]
     assert_still_serving(server)
@@ -360,7 +362,7 @@ def test_flush_refused_while_running_then_abort_request(server):
     asyncio.run(scenario())
     status, text = post(server, "/flush_cache")
     assert status == 200 and text.startswith("Cache flushed")
-    assert get(server, "/flush_cache")[0] == 200
+    assert get(server, "/flush_cache")[0] == 405  # POST only: a web page can make a browser GET any URL
 
 
 def test_pause_abort_and_continue(server):
@@ -442,7 +444,7 @@ def test_weight_updates_from_tensor_and_disk(checkpoints):
     from slime_dsa.checkpoint import read_state_dict
 
     n = 6
-    with serving(checkpoints[0]) as srv:
+    with serving(checkpoints[0], weight_dirs=[str(checkpoints[2].parent)]) as srv:
         body = {"input_ids": PROMPT, "sampling_params": greedy(n), "return_logprob": True}
         _, before = post(srv, "/generate", body, headers={})
         _check_matches(before, *hf_greedy(checkpoints[0], PROMPT, n), "0")
@@ -485,8 +487,9 @@ def test_weight_updates_from_tensor_and_disk(checkpoints):
         _check_matches(after, *hf_greedy(checkpoints[2], PROMPT, n), "2")
         assert get(srv, "/get_model_info", headers={})[1]["weight_version"] == "2"
 
-        status, reply = post(srv, "/update_weights_from_disk", {"model_path": "/no/such/dir"}, headers={})
-        assert status == 400 and reply["success"] is False and "/no/such/dir" in reply["message"]
+        status, reply = post(srv, "/update_weights_from_disk", {"model_path": str(checkpoints[2].parent / "nope")},
+                             headers={})
+        assert status == 400 and reply["success"] is False and "nope" in reply["message"]
         status, reply = post(srv, "/update_weights_from_disk", {}, headers={})
         assert status == 400 and "model_path" in reply["error"]["message"]
         assert get(srv, "/get_weight_version", headers={})[1] == {"weight_version": "2"}

@@ -20,7 +20,7 @@ SMALL = SandboxLimits(cpu_s=2, wall_s=3.0, memory_mb=256, max_processes=6, max_o
 
 
 def run(coro):
-    return asyncio.run(coro)
+    return asyncio.run(asyncio.wait_for(coro, 60))  # a hang fails in a minute, not at pytest's timeout
 
 
 # ---- calculator --------------------------------------------------------------------------------------------------
@@ -170,6 +170,9 @@ def test_sandbox_cpu_wall_and_output_limits():
     assert sleep.timed_out and sleep.exit_code is None
     spam = run(run_python("while True:\n    print('x' * 1000)", SMALL))
     assert spam.truncated and len(spam.output) == SMALL.max_output_bytes
+    # Megabyte writes fill the pipe's buffer before the kill: the pipe pauses, and its close must still be seen.
+    flood = run(run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 1000000)", SMALL))
+    assert flood.truncated and len(flood.output) == SMALL.max_output_bytes
 
 
 def test_sandbox_crash_is_reported():

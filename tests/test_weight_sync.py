@@ -151,7 +151,7 @@ def test_paused_update_runs_while_paused_and_continues_even_when_the_update_fail
                     paused_during.append(engine.engine.paused)
                     await post_update(client, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
 
-                refused = "/update_weights_from_disk failed on 1 of 1 engines.*/no/such/dir"
+                refused = "/update_weights_from_disk failed on 1 of 1 engines.*not in a directory this server may load"
                 with pytest.raises(EngineError, match=refused):
                     await paused_update(client, failing)
                 assert not engine.engine.paused  # continued after the failure
@@ -162,29 +162,60 @@ def test_paused_update_runs_while_paused_and_continues_even_when_the_update_fail
         assert paused_during == [True, True]
 
 
-def test_paused_update_continues_the_engines_a_failed_pause_reached(checkpoints):  # noqa: F811
-    from rollout.client import EngineClient, EngineError  # noqa: PLC0415
+def test_a_dead_engine_is_dropped_and_the_update_goes_on_with_the_rest(checkpoints):  # noqa: F811
+    """Issue 21: the pause reached a dead engine and the whole weight sync raised. Now the dead engine is lost (dropped,
+    its listeners told) and the live one is paused, updated and continued; with none left, NoEnginesLeftError."""
+    from rollout.client import EngineClient, NoEnginesLeftError  # noqa: PLC0415
 
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     with serving(checkpoints[0]) as srv:
         engine = _engine(srv)
         called: list[bool] = []
+        lost: list[str] = []
 
         async def scenario():
             async with EngineClient([srv.url, dead]) as client:
-                async def update() -> None:
-                    called.append(True)
+                client.on_engine_lost(lambda url, reason: lost.append(url))
 
-                with pytest.raises(EngineError, match="/pause_generation failed on 1 of 2 engines"):
-                    await paused_update(client, update, "retract")
+                async def update() -> str:
+                    called.append(engine.engine.paused)
+                    return "updated"
+
+                assert await paused_update(client, update, "retract") == "updated"
+                assert list(client.engines) == [srv.url]
+            async with EngineClient([dead]) as alone:
+                with pytest.raises(NoEnginesLeftError, match="every engine was lost"):
+                    await paused_update(alone, update, "retract")
 
         asyncio.run(asyncio.wait_for(scenario(), 120))
-        assert called == [] and not engine.engine.paused
+        assert called == [True] and not engine.engine.paused and lost == [dead]
+
+
+def test_a_staged_replacement_is_paused_and_joins_at_the_update(checkpoints):  # noqa: F811
+    from rollout.client import EngineClient  # noqa: PLC0415
+
+    with serving(checkpoints[0]) as old, serving(checkpoints[0]) as new:
+        paused_during: list[bool] = []
+
+        async def scenario():
+            async with EngineClient([old.url]) as client:
+                client.stage_engine(new.url)
+                assert list(client.engines) == [old.url]  # nothing routes to it before it has the weights
+
+                async def update() -> None:
+                    assert list(client.engines) == [old.url, new.url]
+                    paused_during.append(_engine(new).engine.paused)
+
+                await paused_update(client, update, "in_place")
+                assert client.staged == []
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert paused_during == [True] and not _engine(new).engine.paused
 
 
 def test_post_update_raises_on_a_success_false_reply():
     class Client:  # FAKE: two engines, one of which answers 200 with {"success": false}
-        async def broadcast(self, path, body):
+        async def broadcast(self, path, body, **options):
             return {"http://a": {"success": True}, "http://b": {"success": False, "message": "bad tensor w"}}
 
     refused = r"/update_weights_from_disk failed on 1 of 2 engines: http://b \(bad tensor w\)"
@@ -210,7 +241,7 @@ def test_push_puts_the_trainers_weights_into_the_engine(checkpoints, trainer, ki
     if kind == "shm" and not SHM_ROOT.is_dir():
         pytest.skip("no /dev/shm on this machine")
     expected = trainer.full_state_dict()
-    with serving(checkpoints[0]) as srv:
+    with serving(checkpoints[0], weight_dirs=[str(SHM_ROOT), str(tmp_path)]) as srv:
         engine = _engine(srv)
         before = engine.engine.model.state_dict()
         assert any(not torch.equal(before[k], expected[k]) for k in expected)  # the two checkpoints differ
@@ -279,9 +310,13 @@ def test_cuda_ipc_push_sends_rank_0s_table_between_pause_and_continue():
 
     class Client:  # FAKE: records the calls
         engines = {"e": None}
+        staged: list = []
         calls: list = []
 
-        async def broadcast(self, path, body):
+        def admit_staged(self):
+            return []
+
+        async def broadcast(self, path, body, **options):
             self.calls.append((path, body))
             return {"e": {"success": True}}
 

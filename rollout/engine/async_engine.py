@@ -148,9 +148,16 @@ class AsyncEngine:
     async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> None:
         """Load safetensors from an HF-format directory (read off the engine thread), then update in place."""
         from slime_dsa.checkpoint import read_state_dict  # noqa: PLC0415 (only needed here)
+        from slime_dsa.checkpoint.validate import safetensors_problem  # noqa: PLC0415
+
+        def read() -> dict[str, torch.Tensor]:
+            for file in sorted(Path(path).glob("*.safetensors")):  # a truncated or corrupt file: named, nothing read
+                if problem := safetensors_problem(file):
+                    raise RequestError(f"update_weights_from_disk: {file} {problem}")
+            return read_state_dict(path)
 
         try:
-            state = await asyncio.to_thread(read_state_dict, path)
+            state = await asyncio.to_thread(read)
         except (FileNotFoundError, OSError) as exc:
             raise RequestError(f"update_weights_from_disk: model_path {str(path)!r}: {exc}") from exc
         await self.update_weights(state, weight_version)

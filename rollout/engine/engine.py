@@ -261,21 +261,24 @@ class Engine:
     def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
         """Copy tensors into the model in place (a partial dict updates only those); the prefix cache is flushed.
 
-        Names and shapes are checked before anything is written, so a bad dict changes nothing. Requests that
-        are running (pause in_place) continue; their later tokens report the new version.
+        All or nothing: names, shapes, dtypes (floating point, cast on copy) and finiteness are checked before
+        anything is written (slime_dsa.weights.checks), so a bad dict changes nothing. weight_version, or the next
+        version when none is given, is set once all are in. Requests that are running (pause in_place) continue;
+        their later tokens report the new version.
         """
+        from slime_dsa.weights import WeightFormatError  # noqa: PLC0415
+        from slime_dsa.weights.checks import check_update  # noqa: PLC0415
+
         params = self.model.state_dict(keep_vars=True)
-        for name, tensor in state_dict.items():
-            if name not in params:
-                raise RequestError(f"update_weights: the model has no tensor named {name}")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise RequestError(f"update_weights: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
+        try:
+            check_update(state_dict, params)
+        except WeightFormatError as e:
+            raise RequestError(f"update_weights: {e}") from None
         for name, tensor in state_dict.items():
             params[name].copy_(tensor)
         self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
-        if weight_version is not None:
-            self._weight_version = str(weight_version)
+        self._weight_version = str(weight_version) if weight_version is not None else _next_version(self._weight_version)
         self._version_int = _version_number(self._weight_version, self._num_updates)
         if flush_cache:
             self._reset_prefix_cache()
@@ -707,6 +710,14 @@ class Engine:
             self._running.remove(seq)
             self._retract(seq)
         return outputs
+
+
+def _next_version(weight_version: str) -> str:
+    """The version an update without one gets: the next integer, else the old one marked as updated."""
+    try:
+        return str(int(weight_version) + 1)
+    except ValueError:
+        return f"{weight_version}+1"
 
 
 def _version_number(weight_version: str, fallback: int) -> int:

@@ -55,8 +55,10 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 raise RequestError(f"sampling_params.stop_token_ids holds {tok!r}, not a token id in [0, {vocab_size})")
-        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
-            raise RequestError(f"sampling_params.sampling_seed must be an integer, got {self.sampling_seed!r}")
+        if self.sampling_seed is not None and (not isinstance(self.sampling_seed, int)
+                                               or not -2**63 <= self.sampling_seed < 2**64):
+            raise RequestError(f"sampling_params.sampling_seed must be an integer in [-2**63, 2**64) (a torch "
+                               f"generator seed), got {self.sampling_seed!r}")
         return self
 
 

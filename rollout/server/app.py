@@ -8,11 +8,13 @@ that holds thousands of concurrent requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -20,7 +22,10 @@ from rollout.engine.async_engine import EngineStoppedError
 from rollout.engine.types import GenerateRequest, RequestError, SamplingParams
 from rollout.server import openai_api, protocol
 from rollout.server.bodies import read_json, read_object
-from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES
+from rollout.server.defaults import (
+    DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES,
+    DEFAULT_WEIGHT_BODY_TIMEOUT_S,
+)
 from rollout.server.run import run_all, run_request
 from rollout.server.state import STATE, ServerState, state_of
 from slime_dsa.weights import WeightFormatError
@@ -34,6 +39,9 @@ UNSUPPORTED_DISTRIBUTED = (
     f"/update_weights_from_tensor (load_format {LOAD_FORMAT!r}) or /update_weights_from_disk"
 )
 PUBLIC_PATHS = frozenset({"/health", "/health_generate"})
+JSON_TYPES = ("application/json",)  # and any application/*+json
+OUTSIDE_WEIGHT_DIRS = ("model_path is not in a directory this server may load weights from (start it with --weight-dir "
+                       "DIR)")  # the same words whether the path exists or not: the reply must not reveal it
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -45,9 +53,10 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     """RequestError -> 400 naming the field; an unexpected error costs its request a 500, never the server."""
     try:
         return await handler(request)
-    except RequestError as e:
-        logger.info("400 %s %s: %s", request.method, request.path, e)
-        return error_response(str(e))
+    except RequestError as e:  # 400, or the status its class says (413 too large, 408 body too slow)
+        status = getattr(e, "status", 400)
+        logger.info("%d %s %s: %s", status, request.method, request.path, e)
+        return error_response(str(e), status)
     except web.HTTPException as e:
         if e.content_type == "application/json" or e.status < 400:
             raise
@@ -63,12 +72,27 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler) -> web.StreamResponse:
+    """With an API key, every route but the health checks needs it: generation, and everything that changes state."""
     key = state_of(request).api_key
     if key and request.path not in PUBLIC_PATHS:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401)
     return await handler(request)
+
+
+@web.middleware
+async def _json_only(request: web.Request, handler) -> web.StreamResponse:
+    """Every POST says Content-Type: application/json, even with an empty body. A web page can POST a form or text to
+    127.0.0.1 without the browser asking first; for JSON the browser asks (CORS preflight), and we never allow it."""
+    if request.method == "POST" and not _is_json(request.content_type):
+        return error_response(f"POST {request.path} needs Content-Type: application/json, got "
+                              f"{request.headers.get('Content-Type') or 'none'}", 415)
+    return await handler(request)
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type in JSON_TYPES or (content_type.startswith("application/") and content_type.endswith("+json"))
 
 
 def _field(body: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
@@ -89,9 +113,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     st.check_ready()
     body = await read_json(request, st.max_body_bytes)
-    call = protocol.parse_generate(
-        body, tokenizer=st.tokenizer, vocab_size=st.vocab_size, max_prompt_tokens=st.max_prompt_tokens
-    )
+    parse = functools.partial(protocol.parse_generate, body, tokenizer=st.tokenizer, vocab_size=st.vocab_size,
+                              max_prompt_tokens=st.max_prompt_tokens)
+    # Text is tokenised off the event loop (sizes are checked first), so /health and other requests go on meanwhile.
+    call = await asyncio.to_thread(parse) if protocol.has_text(body) else parse()
     if call.stream:
         return await _stream(request, st, call, t0)
     outputs = await run_all(st.engine, call.requests)
@@ -268,6 +293,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     model_path = body.get("model_path")
     if not isinstance(model_path, str) or not model_path:
         raise RequestError("model_path must be a non-empty string (a model directory on the server's disk)")
+    if not _in_weight_dirs(model_path, st.weight_dirs):
+        logger.warning("update_weights_from_disk refused %r: outside --weight-dir %s", model_path, st.weight_dirs)
+        return web.json_response({"success": False, "message": OUTSIDE_WEIGHT_DIRS}, status=403)
     load_format = _field(body, "load_format", (str,), None)
     if load_format not in (None, "auto", "safetensors"):
         raise RequestError(f"load_format {load_format!r} is not supported; the embedded engine reads safetensors only")
@@ -284,9 +312,18 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                                          f"weight_version is {st.engine.weight_version}."})
 
 
+def _in_weight_dirs(model_path: str, weight_dirs: tuple[str, ...]) -> bool:
+    """Whether `model_path`, symlinks resolved, is one of `weight_dirs` or inside one."""
+    try:
+        path = os.path.realpath(model_path)
+    except (OSError, ValueError):  # a NUL byte, a path too long
+        return False
+    return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in weight_dirs)
+
+
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     st = state_of(request)
-    body = await read_object(request, st.max_weight_body_bytes)
+    body = await read_object(request, st.max_weight_body_bytes, max(st.body_timeout_s, DEFAULT_WEIGHT_BODY_TIMEOUT_S))
     load_format = body.get("load_format")
     if load_format in SGLANG_PICKLE_FORMATS:
         raise RequestError(PICKLE_REFUSAL.format(fmt=load_format))
@@ -366,13 +403,20 @@ def create_app(
     model_path: str | None = None,
     served_model_name: str | None = None,
     manage_engine: bool = True,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    weight_dirs: Sequence[str] = (),
 ) -> web.Application:
-    """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max(max_body_bytes, max_weight_body_bytes))
+    """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine.
+
+    api_key: required (Authorization: Bearer) on every route but /health and /health_generate. weight_dirs: the only
+    directories /update_weights_from_disk loads from (none: it loads nothing)."""
+    app = web.Application(middlewares=[_errors, _auth, _json_only],
+                          client_max_size=max(max_body_bytes, max_weight_body_bytes))
     st = ServerState(
         engine=async_engine, tokenizer=tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
         max_weight_body_bytes=max_weight_body_bytes, max_prompt_tokens=max_prompt_tokens,
         model_path=model_path, served_model_name=served_model_name or (model_path or "slime-dsa"),
+        body_timeout_s=body_timeout_s, weight_dirs=tuple(os.path.realpath(d) for d in weight_dirs),
     )
     app[STATE] = st
 
@@ -403,8 +447,7 @@ def create_app(
     for path in ("/get_server_info", "/server_info"):
         r.add_get(path, server_info)
     r.add_get("/get_weight_version", get_weight_version)
-    r.add_get("/flush_cache", flush_cache)
-    r.add_post("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)  # POST only (SGLang also takes GET, which any web page can send)
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)

@@ -17,6 +17,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
     parser.add_argument("--api-key", default=os.environ.get("SLIME_DSA_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $SLIME_DSA_API_KEY, else none)")
+    parser.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
+                        help="a directory /update_weights_from_disk may load from (repeat for more; default: none, "
+                             "so that endpoint loads nothing)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body outside weight updates (default %(default)s)")
     parser.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     from rollout.server.launch import serve  # noqa: PLC0415
 
-    serve(args.model, args.host, args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    serve(args.model, args.host, args.port, api_key=args.api_key, weight_dirs=args.weight_dir,
+          max_body_bytes=args.max_body_bytes,
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk)

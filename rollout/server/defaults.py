@@ -7,3 +7,5 @@ DEFAULT_PORT = 30000  # SGLang's
 DEFAULT_MAX_BODY_BYTES = 16 * 1024**2
 DEFAULT_MAX_WEIGHT_BODY_BYTES = 4 * 1024**3
 DEFAULT_MAX_PROMPT_TOKENS = 32768
+DEFAULT_BODY_TIMEOUT_S = 60.0  # a request body must arrive within this (a client that stalls mid-body gets 408)
+DEFAULT_WEIGHT_BODY_TIMEOUT_S = 600.0  # weight updates: up to DEFAULT_MAX_WEIGHT_BODY_BYTES over a slow link

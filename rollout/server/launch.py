@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -92,12 +94,48 @@ class EmbeddedServer:
         await self.runner.cleanup()
 
 
+def check_port(host: str, port: int) -> None:
+    """UserError (one line) when `port` on `host` cannot be bound: checked before the model loads."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds: a TIME_WAIT port is free
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise UserError(f"port {port} on {host} {why}; choose another with --port") from None
+
+
+def load_checked_engine(model_dir: str | Path, **engine_kwargs: Any) -> tuple[Any, Any]:
+    """load_engine, with a bad model directory as one UserError naming the file or tensor: unreadable config or
+    safetensors files, tensors missing or misshapen, NaN or infinite weights."""
+    import torch  # noqa: PLC0415
+
+    from slime_dsa.checkpoint.hf_format import CheckpointError  # noqa: PLC0415
+    from slime_dsa.checkpoint.validate import model_dir_problem  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if problem := model_dir_problem(Path(model_dir)):
+        raise UserError(problem)
+    try:
+        engine, tokenizer = load_engine(model_dir, **engine_kwargs)
+    except CheckpointError as e:
+        raise UserError(f"{model_dir}: {e}") from None
+    for name, tensor in engine.engine.model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(f"{model_dir}: tensor {name} holds NaN or infinite values; refusing to serve it")
+    return engine, tokenizer
+
+
 def serve(
     model_dir: str | Path,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
     *,
     api_key: str | None = None,
+    weight_dirs: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
     max_cache_tokens: int = DEFAULT_MAX_CACHE_TOKENS,
@@ -107,15 +145,18 @@ def serve(
     served_model_name: str | None = None,
     keep_indexer_topk: bool = False,
 ) -> None:
-    """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise."""
+    """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise.
+
+    A busy port and a bad model directory fail first, as one UserError."""
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without an API key: anyone who reaches this port can generate and "
                        "replace the weights", host)
-    engine, tokenizer = load_engine(model_dir, max_cache_tokens=max_cache_tokens,
-                                    max_running_requests=max_running_requests, dtype=dtype, device=device,
-                                    keep_indexer_topk=keep_indexer_topk)
+    check_port(host, port)
+    engine, tokenizer = load_checked_engine(model_dir, max_cache_tokens=max_cache_tokens,
+                                            max_running_requests=max_running_requests, dtype=dtype, device=device,
+                                            keep_indexer_topk=keep_indexer_topk)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
-                     served_model_name=served_model_name)
+                     served_model_name=served_model_name, weight_dirs=weight_dirs)
     web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=2048, access_log=None,
                 shutdown_timeout=5.0, print=lambda msg: logger.info(msg.strip()))

@@ -8,6 +8,7 @@ reasoning_content and each `<tool_call>...</tool_call>` a tool call (JSON body, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -84,6 +85,7 @@ def _prompts_from(prompt: Any, st) -> list[list[int]]:
         if isinstance(p, str):
             if st.tokenizer is None:
                 raise RequestError(f"{name}: this server has no tokenizer; send token ids")
+            protocol.check_text_size(p, name, st.max_prompt_tokens)
             p = list(st.tokenizer.encode(p))
         prompts.append(protocol.check_input_ids(p, name, vocab_size=st.vocab_size, max_prompt_tokens=st.max_prompt_tokens))
     return prompts
@@ -117,7 +119,7 @@ async def completions(request: web.Request) -> web.Response:
         raise RequestError(f"logprobs must be null, 0 or 1 (top alternatives are not computed), got {logprobs!r}")
     sampling = _sampling_from_openai(body, 16, {"prompt", "echo", "best_of", "suffix", "logprobs", "stream"})
     params, n = protocol.parse_sampling_params(sampling)
-    prompts = _prompts_from(body["prompt"], st)
+    prompts = await asyncio.to_thread(_prompts_from, body["prompt"], st)  # tokenising: off the event loop
     reqs = _expand(prompts, params, n, return_logprob=logprobs is not None)
     outs = await run_all(st.engine, reqs)
     choices = []
@@ -165,6 +167,7 @@ def _chat_prompt(body: dict, st) -> list[int]:
         return protocol.check_input_ids(body["input_ids"], "input_ids", vocab_size=st.vocab_size,
                                         max_prompt_tokens=st.max_prompt_tokens)
     messages = _check_messages(body.get("messages"))
+    protocol.check_text_size(json.dumps(messages, ensure_ascii=False), "messages", st.max_prompt_tokens)
     if st.tokenizer is None or not getattr(st.tokenizer, "chat_template", None):
         raise RequestError("this server has no tokenizer with a chat template; send input_ids")
     tools = body.get("tools")
@@ -239,7 +242,7 @@ async def chat_completions(request: web.Request) -> web.Response:
         raise RequestError("response_format other than text is not supported by the embedded server")
     sampling = _sampling_from_openai(body, None, extra)
     params, n = protocol.parse_sampling_params(sampling)
-    prompt = _chat_prompt(body, st)
+    prompt = await asyncio.to_thread(_chat_prompt, body, st)  # templating and tokenising: off the event loop
     parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
     separate = body.get("separate_reasoning", True) is not False
     reqs = _expand([prompt], params, n, return_logprob=want_logprobs)

@@ -22,6 +22,8 @@ class ServerState:
     max_prompt_tokens: int | None
     model_path: str | None
     served_model_name: str
+    body_timeout_s: float = 60.0  # a request body must arrive within this (bodies.read_json)
+    weight_dirs: tuple[str, ...] = ()  # real paths /update_weights_from_disk may load from
     vocab_size: int | None = None
     status: str = "starting"  # starting | ready | stopping
     started_at: float = field(default_factory=time.time)

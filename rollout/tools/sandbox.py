@@ -33,6 +33,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 NOBODY = 65534
+_DRAIN_S = 5.0  # after the kill, how long the pipe may stay open
 
 # Runs as the child's pid 1: sets the limits, forks the code's process and reports how it ended. A pid namespace's
 # init ignores signals it has no handler for (os.kill(os.getpid(), SIGSEGV) would be a no-op), so the code is not it.
@@ -187,6 +188,7 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         finally:  # also when the caller is cancelled: the run never outlives its call
             if truncated or timed_out or proc.returncode is None:
                 _kill(proc)
+            await _discard_output(proc)
             code_ = await proc.wait()
     output = b"".join(chunks)[: limits.max_output_bytes].decode("utf-8", errors="replace")
     if truncated or timed_out:
@@ -207,6 +209,18 @@ async def _read(proc: asyncio.subprocess.Process, chunks: list[bytes], limit: in
             return True
     await proc.wait()
     return False
+
+
+async def _discard_output(proc: asyncio.subprocess.Process) -> None:
+    """Read the pipe to EOF, so that `wait()` returns: it waits for the pipe's close, which a full, paused pipe
+    never reports. A writer outside the killed process group could hold it open: then the transport is closed."""
+    async def to_eof() -> None:
+        while await proc.stdout.read(1 << 20):
+            pass
+    try:
+        await asyncio.wait_for(to_eof(), _DRAIN_S)
+    except asyncio.TimeoutError:
+        proc._transport.close()  # no public way to drop a subprocess's pipes
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:

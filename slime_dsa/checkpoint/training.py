@@ -15,14 +15,20 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, safetensors_problem
+from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, model_dir_problem
 from slime_dsa.config.errors import UserError
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
+
+
+class HeldLock(Protocol):
+    """The run directory's lock (slime_dsa.run_lock.RunLock): only its holder removes temporary directories."""
+
+    held: bool
 
 
 class CheckpointManager:
@@ -48,8 +54,11 @@ class CheckpointManager:
             logger.warning("checkpoint %s skipped: %s; falling back to the one before", ckpt, problem)
         return None
 
-    def remove_orphans(self) -> list[Path]:
-        """Remove the temporary directories of saves that were killed (call at start, while no save runs)."""
+    def remove_orphans(self, lock: HeldLock) -> list[Path]:
+        """Remove the temporary directories of saves that were killed. Only while holding the run directory's
+        `lock`: without it, the temporary directory of another run's save in progress would look orphaned."""
+        if not getattr(lock, "held", False):
+            raise RuntimeError("remove_orphans needs the run directory's lock held (slime_dsa.run_dir.held_lock)")
         if not self.directory.exists():
             return []
         orphans = sorted(p for p in self.directory.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
@@ -94,11 +103,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
     intact checkpoint), unreadable weight files, and weights holding NaN or infinite values (naming the tensor)."""
-    from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import CheckpointError, load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
     _check_exportable(checkpoint)
-    model = load_model(checkpoint, dtype=dtype)
+    try:
+        model = load_model(checkpoint, dtype=dtype)
+    except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named
+        raise UserError(f"{checkpoint}: {e}") from None
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
@@ -122,6 +134,5 @@ def _check_exportable(checkpoint: Path) -> None:
             raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
         missing = "config.json" if weights else "model.safetensors"
         raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
-    for path in weights:
-        if problem := safetensors_problem(path):
-            raise UserError(f"{path} {problem}")
+    if problem := model_dir_problem(checkpoint):  # config.json unreadable, a safetensors file truncated
+        raise UserError(problem)

@@ -59,3 +59,22 @@ def safetensors_problem(path: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
         return f"is not a readable safetensors file ({exc})"
     return None
+
+
+def model_dir_problem(directory: Path) -> str | None:
+    """What keeps `directory` from loading as an HF model directory, naming the file (one line); None when its
+    config.json and safetensors files are readable. Tensor names and shapes are checked when the model loads."""
+    config = directory / "config.json"
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    if not config.is_file():
+        return f"{directory} has no config.json: not an HF-format model directory"
+    if problem := _json_problem(config):
+        return f"{config} {problem}"
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return f"{directory} holds no .safetensors weights"
+    for path in files:
+        if problem := safetensors_problem(path):
+            return f"{path} {problem}"
+    return None

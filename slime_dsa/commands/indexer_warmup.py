@@ -13,7 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Dense indexer warm-up: train only the indexers, against the mean attention of their IndexShare "
                     "group, on a text corpus; writes the model with index_topk set (see indexer_warmup.*).")
     add_recipe_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, console_log_level="WARNING")  # one line a step; INFO in the run's log
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ from slime_dsa.config.command import add_recipe_arguments
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("sft", help="fine-tune on the tasks' reference solutions (makes RL starting policies)")
     add_recipe_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, console_log_level="WARNING")  # one line a step; INFO in the run's log
 
 
 def run(args: argparse.Namespace) -> int:

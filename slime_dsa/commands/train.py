@@ -13,7 +13,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_recipe_arguments(parser)
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint of the run (same as --set checkpoint.resume=true)")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, console_log_level="WARNING")  # one line a step; INFO in the run's log
 
 
 def run(args: argparse.Namespace) -> int:

@@ -301,6 +301,11 @@ class RolloutSection(Section):
                             "through a CUDA IPC handle; embedded engines on rank 0's GPU only); auto = cuda_ipc "
                             "when every engine is an embedded engine on rank 0's GPU, else shm when they are on "
                             "rank 0's node and /dev/shm has room, else http.")
+    restart_dead_engines: bool = Field(
+        True, description="Replace an engine the run started (embedded, sglang) whose process died: the run goes on "
+                          "with the others meanwhile, and the new engine joins at the next weight update. Off, the "
+                          "run goes on with fewer engines. Either way, when none is left the run writes an "
+                          "emergency checkpoint and stops.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 

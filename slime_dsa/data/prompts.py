@@ -15,6 +15,8 @@ are dropped, so the two never share a prompt.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import math
 import zlib
@@ -69,7 +71,26 @@ def load_prompt_dataset(path: str | Path, *, split: str = "train", cache_dir: st
     except PromptDataError:
         raise
     except Exception as exc:
+        if where := _bad_json_row(p):  # datasets says only "An error occurred while generating the dataset"
+            raise PromptDataError(f"{path}: {where}") from exc
         raise PromptDataError(f"{path}: cannot load prompts ({type(exc).__name__}: {exc})") from exc
+
+
+def _bad_json_row(path: Path) -> str | None:
+    """'row N: not valid JSON (...)' for the first line of a .jsonl file that does not parse as a JSON object."""
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None
+    with path.open("rb") as f:
+        for row, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                return f"row {row}: not valid JSON ({getattr(e, 'msg', e)})"
+            if not isinstance(value, dict):
+                return f"row {row}: expected a JSON object, got {type(value).__name__}"
+    return None
 
 
 def _check_utf8(ds: datasets.Dataset, source: str) -> None:

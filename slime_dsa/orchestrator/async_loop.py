@@ -37,7 +37,7 @@ from pathlib import Path
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.collection import screen_group
-from slime_dsa.orchestrator.step import Run, after_step, sync_weights, train_on_samples
+from slime_dsa.orchestrator.step import Run, after_step, ensure_engines, sync_weights, train_on_samples
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ async def run_async_loop(run: Run) -> None:
     last_batch = time.perf_counter()
     try:
         for step in range(run.start_step, recipe.trainer.num_steps):
+            run.progress.current = step + 1
             step_start = time.perf_counter()
             kept, metrics, fates = await _collect(run, gate, producer, version=step, totals=totals,
                                                   since=last_batch)
@@ -97,6 +98,7 @@ async def run_async_loop(run: Run) -> None:
             ledger.step(step + 1, step, fates)
             samples = [s for group in kept for s in group]
             metrics.update(await train_on_samples(run, step, samples))
+            run.progress.mark_trained(step + 1, manager.state_dict())
             metrics["perf/sync_time_s"] = await sync_weights(run.weights, version=step + 1, pause_mode=pause_mode,
                                                               on_weights=run.on_weights,
                                                               want_state=run.hook_wants_state(step + 1))
@@ -126,6 +128,7 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
     counters: Counter[str] = Counter()
     fates: dict[str, list[int]] = {"trained": [], "stale": [], "discarded": []}
     while len(kept) < cfg.prompts_per_step:
+        await ensure_engines(run, version)  # none left: wait for replacements (or stop the run)
         group = await _next_group(manager.buffer, producer)
         taken.extend(group)
         fresh = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,33 @@ from slime_dsa.config import RecipeConfig
 logger = logging.getLogger(__name__)
 
 OFFLINE_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+API_KEY_ENV = "SLIME_DSA_API_KEY"  # external engines' key (the one their `serve --api-key` was given)
+
+
+@dataclass(frozen=True)
+class EngineAccess:
+    """What the run's engines require of a caller: the API key (a fresh one per run for the engines the run starts,
+    so no other local process or web page can drive them) and the directories they may load weights from."""
+
+    api_key: str | None
+    weight_dirs: tuple[str, ...] = ()
+
+    @classmethod
+    def for_run(cls, recipe: RecipeConfig, weight_dirs: list[str]) -> EngineAccess:
+        """A new key for engines the run starts; $SLIME_DSA_API_KEY (or none) for external ones."""
+        if recipe.rollout.engine == "external":
+            return cls(os.environ.get(API_KEY_ENV) or None)
+        return cls(secrets.token_urlsafe(32), tuple(weight_dirs))
 
 
 def init_ray(recipe: RecipeConfig) -> None:
-    """Local cluster by default; cluster.address joins an existing one."""
+    """Local cluster by default; cluster.address joins an existing one.
+
+    A local cluster takes commands only with its token (Ray's token authentication, on by default in Ray 2.60):
+    Ray 2.60 cannot be bound to 127.0.0.1 (ray.init turns a loopback node address into the machine's address, and
+    its GCS and raylet listen on every interface), so the token is what keeps other hosts, and processes without
+    the user's ~/.ray/auth_token, from driving it. RAY_AUTH_MODE=disabled turns it off: warned.
+    """
     import ray  # noqa: PLC0415
 
     if ray.is_initialized():
@@ -26,6 +51,9 @@ def init_ray(recipe: RecipeConfig) -> None:
     if address is None:
         # Logical CPUs: a small model's actors mostly wait on each other, so let more of them share the cores.
         kwargs["num_cpus"] = max(os.cpu_count() or 1, _actors_needed(recipe))
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports, open on every interface, take "
+                           "commands from any host that reaches this machine")
     ray.init(address=address, **kwargs)
 
 
@@ -62,14 +90,29 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     return ro.max_cache_tokens or max(requests * per_request, 4096), max(requests, DEFAULT_MAX_RUNNING_REQUESTS)
 
 
-def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False) -> tuple[list[str], list[Any]]:
+def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False,
+                  access: EngineAccess | None = None) -> tuple[list[str], list[Any]]:
     """(URLs, actor handles) of the rollout engines; external engines have no actors. `use_async`: the
-    asynchronous loop will drive them (more rollouts in flight: see engine_capacity)."""
-    from rollout.actors import create_engine_actors, start_engine_actors  # noqa: PLC0415
+    asynchronous loop will drive them (more rollouts in flight: see engine_capacity). `access`: the key they
+    require and the directories they may load weights from."""
+    from rollout.actors import start_engine_actors  # noqa: PLC0415
 
-    ro, cl = recipe.rollout, recipe.cluster
+    ro = recipe.rollout
     if ro.engine == "external":
         return list(ro.engine_urls), []
+    actors = create_engines(recipe, model_dir, use_async, access, ro.num_engines)
+    urls = start_engine_actors(actors)
+    logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
+    return urls, actors
+
+
+def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, access: EngineAccess | None,
+                   count: int) -> list[Any]:
+    """`count` engine actors as the recipe asks (not started): at the run's start, and to replace a lost one."""
+    from rollout.actors import create_engine_actors  # noqa: PLC0415
+
+    ro, cl = recipe.rollout, recipe.cluster
+    access = access or EngineAccess(None)
     if ro.engine == "sglang":
         from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
 
@@ -77,22 +120,19 @@ def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False
         config = SGLangConfig(model_path=str(model_dir), tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
                               kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
                               enable_return_indexer_topk=ro.return_indexer_topk, extra_args=list(sg.extra_args),
-                              enable_memory_saver=cl.placement == "colocated")
-        actors = create_engine_actors(ro.num_engines, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
-                                      num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
-    else:
-        dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
-        max_tokens, max_requests = engine_capacity(recipe, use_async)
-        logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
-        actors = create_engine_actors(
-            ro.num_engines, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
-            num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
-            engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
-                           "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk},
-        )
-    urls = start_engine_actors(actors)
-    logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
-    return urls, actors
+                              enable_memory_saver=cl.placement == "colocated", api_key=access.api_key)
+        return create_engine_actors(count, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
+                                    num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
+    dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
+    max_tokens, max_requests = engine_capacity(recipe, use_async)
+    logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
+    return create_engine_actors(
+        count, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
+        num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
+        engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
+                       "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk},
+        server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
+    )
 
 
 def actor_cores(cores: list[int], num_actors: int, cores_per_actor: float) -> list[list[int]] | None:

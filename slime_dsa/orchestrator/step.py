@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +25,29 @@ logger = logging.getLogger(__name__)
 # cost the push ~0.5 s a step for a 160M-parameter model on an H200, which a benchmark timing steps must not add.
 WeightsHook = Callable[[int, dict | None], None]
 HookState = Literal["every", "last"]
+
+
+@dataclass
+class StepProgress:
+    """How far a run got: the step in progress and the last one checkpointed (both 1-based), for what an
+    interruption loses."""
+
+    current: int = 0  # the step being run (0 before the first)
+    saved: int = 0  # the step of the newest checkpoint written or resumed from (0: none)
+    trained: int = 0  # the last step whose optimiser steps are done
+    trained_state: dict | None = None  # the rollout state right after that step's training (emergency checkpoint)
+
+    def mark_trained(self, step: int, rollout_state: dict) -> None:
+        self.trained, self.trained_state = step, rollout_state
+
+    def lost_line(self, checkpoint_dir: Path) -> str:
+        """One line: the steps since the last checkpoint that an interruption now loses."""
+        if self.current <= self.saved:
+            return f"no step lost (the last checkpoint is step {self.saved})"
+        lost = f"step {self.current}" if self.current == self.saved + 1 else f"steps {self.saved + 1}-{self.current}"
+        since = f"the checkpoint of step {self.saved}" if self.saved else "the start (no checkpoint yet)"
+        resume = f"; --resume continues from step {self.saved}" if self.saved else ""
+        return f"interrupted during step {self.current}: {lost} since {since} in {checkpoint_dir} are lost{resume}"
 
 
 @dataclass
@@ -43,6 +67,8 @@ class Run:
     start_step: int = 0
     on_weights: WeightsHook | None = None
     hook_state: HookState = "every"
+    progress: StepProgress = field(default_factory=StepProgress)
+    fleet: Any = None  # slime_dsa.orchestrator.engines.EngineFleet (None: no engine actors to watch)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -62,6 +88,7 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         # The data position is read here, on the event loop: in the asynchronous loop the producer moves it.
         rollout_state = run.manager.state_dict()
         await asyncio.to_thread(save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
+        run.progress.saved = step + 1
 
 
 async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, float]:
@@ -164,14 +191,66 @@ async def sync_weights(weights, version: int, pause_mode: str = "abort",
     return elapsed
 
 
+async def ensure_engines(run: Run, version: int) -> None:
+    """Before generating: when every engine is gone, wait for the replacements being started and give them the
+    weights of `version`; rollout.client.NoEnginesLeftError when none comes."""
+    from rollout.client import NoEnginesLeftError  # noqa: PLC0415
+
+    if run.client.engines:
+        return
+    if run.fleet is not None and await run.fleet.wait_for_restarts():
+        await sync_weights(run.weights, version)  # the staged replacements join with the current weights
+        return
+    raise NoEnginesLeftError(f"every engine was lost ({len(run.client.lost)} in all; the last: "
+                             f"{run.client.lost[-1][0] if run.client.lost else 'none'})")
+
+
+async def probe_engines(run: Run) -> None:
+    """GET /health on every engine, dropping those that cannot be reached (a step that got no sample at all)."""
+    await run.client.broadcast("/health", method="GET", check=False, drop_unreachable=True, timeout_s=30)
+
+
+async def emergency_checkpoint(run: Run) -> Path | None:
+    """A checkpoint of the last trained step when it has none yet (the run cannot go on); the newest otherwise."""
+    progress = run.progress
+    if progress.trained > progress.saved and progress.trained_state is not None:
+        await asyncio.to_thread(save_checkpoint, run.ckpts, progress.trained, run.trainers, progress.trained_state,
+                                run.model_dir)
+        progress.saved = progress.trained
+    return run.ckpts.path_for(progress.saved) if progress.saved else None
+
+
 def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:
+    """Checkpoint `step`; a full disk (or any OSError, raised here or in a trainer rank) is one UserError naming the
+    checkpoint and the newest intact one (the temporary directory is already removed)."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
     def write(tmp: Path) -> None:
         trainers.save_checkpoint(str(tmp))
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (model_dir / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
 
-    ckpts.save(step, write, {"rollout": rollout_state})
+    try:
+        ckpts.save(step, write, {"rollout": rollout_state})
+    except Exception as e:
+        problem = _write_problem(getattr(e, "cause", None) or e)  # a Ray task error carries the rank's error
+        if problem is None:
+            raise
+        newest = ckpts.latest()
+        raise UserError(f"checkpoint of step {step} not written to {ckpts.directory}: {problem}; "
+                        f"the newest intact checkpoint is {newest or 'none'}") from None
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"I/O error: (.+?) \(os error \d+\)")  # how safetensors reports a failed write
+
+
+def _write_problem(error: BaseException) -> str | None:
+    """The operating system's words for a failed write (a full disk, a quota), or None for any other error."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    match = _OS_ERROR_IN_TEXT.search(str(error))
+    return match.group(1) if match else None
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:

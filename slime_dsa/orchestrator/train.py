@@ -9,13 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.orchestrator.async_loop import run_async_loop
-from slime_dsa.orchestrator.step import HookState, Run, WeightsHook, after_step, print_step, sync_weights, train_on_samples
+from slime_dsa.orchestrator.step import (
+    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, ensure_engines, print_step,
+    probe_engines, sync_weights, train_on_samples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,42 +38,59 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
+    progress = StepProgress()
     with open_run_dir(recipe, "train.log") as run_dir:
-        return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state))
+        try:
+            return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state,
+                                    progress))
+        except KeyboardInterrupt:
+            line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
+            logger.warning("interrupted%s", f": {line}" if line else "")
+            raise KeyboardInterrupt(line) from None
+
+
+def checkpoint_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
+    """checkpoint.dir, else run_dir/checkpoints."""
+    return Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints"
 
 
 async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "auto",
-               on_weights: WeightsHook | None = None, hook_state: HookState = "every") -> Path:
+               on_weights: WeightsHook | None = None, hook_state: HookState = "every",
+               progress: StepProgress | None = None) -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
-    from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
-    from slime_dsa.orchestrator.weight_sync import build_weight_sync  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync import (  # noqa: PLC0415
+        build_weight_sync, engine_weight_dirs, remove_stale_shm_dirs, shm_dir_name,
+    )
 
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
+    progress = progress or StepProgress()
+    ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
+    tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
+    remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
+    shm_dir = shm_dir_name()
+    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
 
-    ckpts = CheckpointManager(recipe.checkpoint.dir or run_dir / "checkpoints", recipe.checkpoint.keep_last)
-    ckpts.remove_orphans()
-    resume_from = ckpts.latest() if resume else None
-    if resume and resume_from is None:
-        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
-
-    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async)
+    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access)
     ro = recipe.rollout
     client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
-                          timeout_s=ro.request_timeout_s)
+                          timeout_s=ro.request_timeout_s, api_key=access.api_key)
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir)
-    tasks = build_tasks(recipe.data, tokenizer)
+    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
+                                      shm_dir)
+    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
                              min_group_size=algorithm.min_group_size)
 
@@ -77,7 +99,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         state = read_orchestrator_state(resume_from)
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
-        start_step = state["step"]
+        start_step = progress.saved = progress.trained = state["step"]
         await sync_weights(weights, version=start_step)  # engines started from the initial weights
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
@@ -88,7 +110,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state)
+              on_weights, hook_state, progress, fleet)
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -101,28 +123,126 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             await run_async_loop(run)
         else:
             await _sync_loop(run)
+    except Exception as e:
+        line = await _failure_line(run, e)
+        if line is None:
+            raise
+        raise UserError(line) from None
     finally:
         metrics_log.close()
+        await fleet.close()
         await client.close()
-        await asyncio.to_thread(_shutdown, trainers, engine_actors)
+        await asyncio.to_thread(_shutdown, trainers, fleet.all_actors())
         weights.close()
     return run_dir
 
 
+async def _failure_line(run: Run, error: Exception) -> str | None:
+    """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
+    checkpoint is written first), or a trainer rank dead (a Ray actor's process died under a call: in the loop, a
+    trainer rank; engines are reached over HTTP)."""
+    from ray.exceptions import RayActorError  # noqa: PLC0415
+
+    from rollout.client import EngineLossError  # noqa: PLC0415
+
+    step = run.progress.current
+    if isinstance(error, EngineLossError):
+        saved = await emergency_checkpoint(run)
+        where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
+        return f"rollout engines lost at step {step}: {error}; {where}"
+    if isinstance(error, RayActorError):
+        newest = run.ckpts.latest()
+        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
+        return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
+    return None
+
+
+def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
+                   use_async: bool, access: Any) -> Any:
+    """The run's EngineFleet, watching `actors`; it replaces lost engines when rollout.restart_dead_engines allows
+    (never for the distributed transport, whose NCCL group cannot take a new member)."""
+    from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
+
+    restart = recipe.rollout.restart_dead_engines and transport != "distributed"
+    fleet = EngineFleet(client, actors, _restarter(recipe, model_dir, use_async, access) if restart else None)
+    fleet.start()
+    return fleet
+
+
+def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -> Any:
+    """start_one for the EngineFleet: one new engine actor as the recipe asks, started; (url, actor)."""
+    from rollout.actors import start_engine_actors  # noqa: PLC0415
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def start_one() -> tuple[str, Any]:
+        (actor,) = setup.create_engines(recipe, model_dir, use_async, access, 1)
+        (url,) = start_engine_actors([actor], timeout_s=600)
+        return url, actor
+
+    return start_one
+
+
+def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any, Path | None]:
+    """(the run's CheckpointManager, the checkpoint to resume from or None): orphans of killed saves removed under the
+    lock; a finished run refused in one line."""
+    from slime_dsa.checkpoint.training import CheckpointManager  # noqa: PLC0415
+
+    ckpts = CheckpointManager(checkpoint_dir(recipe, run_dir), recipe.checkpoint.keep_last)
+    with checkpoints_locked(run_dir, ckpts.directory) as lock:
+        ckpts.remove_orphans(lock)
+    resume_from = ckpts.latest() if resume else None
+    if resume and resume_from is None:
+        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
+    if resume_from is not None:
+        check_not_finished(recipe, resume_from)
+    return ckpts, resume_from
+
+
+def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
+    """UserError (one line) when `checkpoint` is already at trainer.num_steps: resuming would train nothing."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    step, total = read_orchestrator_state(checkpoint)["step"], recipe.trainer.num_steps
+    if step >= total:
+        raise UserError(f"the run is already at step {step} of trainer.num_steps {total} ({checkpoint}): nothing to "
+                        f"resume; to train further, raise trainer.num_steps (e.g. --resume --set "
+                        f"trainer.num_steps={max(2 * total, step + 1)})")
+
+
+@contextmanager
+def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
+    """The lock that covers `ckpt_dir`: the run directory's (held by open_run_dir), or, for a checkpoint.dir outside
+    it, a lock of its own held for the block."""
+    from slime_dsa.run_dir import held_lock  # noqa: PLC0415
+    from slime_dsa.run_lock import RunLock  # noqa: PLC0415
+
+    lock = held_lock(run_dir)
+    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
+        yield lock
+        return
+    with RunLock(ckpt_dir) as own:
+        yield own
+
+
 async def _sync_loop(run: Run) -> None:
     for step in range(run.start_step, run.recipe.trainer.num_steps):
+        run.progress.current = step + 1
         metrics = await _one_step(run, step)
         await after_step(run, step, metrics)
 
 
 async def _one_step(run: Run, step: int) -> dict[str, float]:
     step_start = time.perf_counter()
+    await ensure_engines(run, version=step)
     groups, metrics = await run.manager.collect_step()
     samples = [s for group in groups for s in group]
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
+        await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
     metrics.update(await train_on_samples(run, step, samples))
+    run.progress.mark_trained(step + 1, run.manager.state_dict())
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
                                    want_state=run.hook_wants_state(step + 1))
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start})

@@ -18,3 +18,14 @@ def mixed_or_zero(sample, response: str, answer, **metadata) -> float:
 def odd_last_token(sample, response: str, answer, **metadata) -> float:
     """1 when the response's last token id is odd: a pass/fail that depends on what was generated."""
     return float(bool(sample.response_ids) and sample.response_ids[-1] % 2 == 1)
+
+
+def hangs_or_raises(sample, response: str, answer, **metadata) -> float:
+    """A faulty user reward: hangs on every 11th sample, raises on every 7th, else digit_fraction."""
+    if sample.index % 11 == 3:
+        import time
+
+        time.sleep(3600)
+    if sample.index % 7 == 5:
+        raise ValueError(f"reward crashed on sample {sample.index}")
+    return digit_fraction(sample, response, answer)

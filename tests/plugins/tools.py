@@ -11,8 +11,16 @@ from rollout.tools.search import Search
 from rollout.tools.sandbox import SandboxLimits
 
 
+# Code a misbehaving tool runs in the real sandbox: a SIGSEGV, a fork bomb, a 10 GB allocation.
+SANDBOXED = {
+    "crash": "import ctypes\nctypes.string_at(0)",
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "alloc_10gb": "blob = bytearray(10 * 1024**3)\nprint(len(blob))",
+}
+
+
 class Broken:
-    """Fails in the way its `mode` says: raise, hang (past any deadline) or crash (its sandboxed process segfaults)."""
+    """Fails in the way its `mode` says: raise, hang (past any deadline), or run SANDBOXED[mode] in the sandbox."""
 
     description = "A tool that always goes wrong."
     parameters: dict[str, Any] = {"type": "object", "properties": {"expression": {"type": "string"}}}
@@ -31,15 +39,16 @@ async def misbehave(mode: str) -> Any:
         await asyncio.sleep(3600)
     from rollout.tools.python_tool import PythonTool
 
-    return await PythonTool(SandboxLimits(wall_s=5)).call("import ctypes\nctypes.string_at(0)")  # a real SIGSEGV
+    return await PythonTool(SandboxLimits(wall_s=5)).call(SANDBOXED[mode])
 
 
 class Faults:
-    """Makes `fail_share` of a tool's calls (chosen by a hash of the call and a counter) raise, hang or crash, a third
-    each; counts what it did in `modes` (shared by every flaky tool, for the benchmark's report)."""
+    """Makes `fail_share` of a tool's calls (chosen by a hash of the call and a counter) misbehave in one of
+    `fault_modes`, in equal shares; counts what it did in `modes` (shared by every flaky tool, for the report)."""
 
     fail_share = 0.10
-    modes: dict[str, int] = {"ok": 0, "raise": 0, "hang": 0, "crash": 0}
+    fault_modes: tuple[str, ...] = ("raise", "hang", "crash")
+    modes: dict[str, int] = {"ok": 0}
     _calls = 0
 
     async def faulty(self, key: str) -> Any:
@@ -49,8 +58,8 @@ class Faults:
         if h % 1000 >= self.fail_share * 1000:
             Faults.modes["ok"] += 1
             return None
-        mode = ("raise", "hang", "crash")[h // 1000 % 3]
-        Faults.modes[mode] += 1
+        mode = self.fault_modes[h // 1000 % len(self.fault_modes)]
+        Faults.modes[mode] = Faults.modes.get(mode, 0) + 1
         return await misbehave(mode)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from slime_dsa.orchestrator.weight_sync.base import WeightTransport, paused_update
 from slime_dsa.orchestrator.weight_sync.cuda_ipc import CudaIpcTransport
-from slime_dsa.orchestrator.weight_sync.disk import SHM_ROOT, DiskTransport
+from slime_dsa.orchestrator.weight_sync.disk import SHM_ROOT, DiskTransport, remove_stale_shm_dirs, shm_dir_name
 from slime_dsa.orchestrator.weight_sync.distributed import DistributedTransport
 from slime_dsa.orchestrator.weight_sync.http import HttpTransport
 
@@ -33,7 +33,14 @@ ENGINE_WEIGHTS_DIR = "engine_weights"  # rollout.sglang.weight_sync disk: under 
 
 __all__ = ["WeightTransport", "paused_update", "HttpTransport", "DiskTransport", "CudaIpcTransport",
            "DistributedTransport", "choose_transport", "choose_sglang_transport", "build_weight_sync",
-           "full_state_bytes", "SHM_ROOT", "TRANSPORTS", "Transport"]
+           "full_state_bytes", "SHM_ROOT", "TRANSPORTS", "Transport", "remove_stale_shm_dirs", "shm_dir_name",
+           "engine_weight_dirs", "ENGINE_WEIGHTS_DIR"]
+
+
+def engine_weight_dirs(run_dir: Path, shm_dir: Path) -> list[str]:
+    """The directories engines the run starts may load weights from (/update_weights_from_disk): the shm directory
+    and the run's engine_weights directory, whichever transport is chosen later."""
+    return [str(shm_dir), str(Path(run_dir).resolve() / ENGINE_WEIGHTS_DIR)]
 
 
 def choose_transport(setting: str, engine_kind: str, engine_nodes: list[str | None], trainer_node: str | None,
@@ -119,9 +126,9 @@ def full_state_bytes(model_dir: Path) -> int:
 
 
 def build_weight_sync(recipe: Any, client: Any, trainers: Any, engine_actors: list[Any], model_dir: Path,
-                      run_dir: Path) -> WeightTransport:
+                      run_dir: Path, shm_dir: Path | None = None) -> WeightTransport:
     """The run's transport: rollout.sglang.weight_sync for SGLang servers, else rollout.weight_sync; auto is
-    resolved from where the engines and trainer rank 0 run."""
+    resolved from where the engines and trainer rank 0 run. shm_dir: the shm directory the engines were told of."""
     ro = recipe.rollout
     if ro.engine == "sglang":
         name = choose_sglang_transport(ro.sglang.weight_sync, recipe.cluster.placement)
@@ -136,7 +143,7 @@ def build_weight_sync(recipe: Any, client: Any, trainers: Any, engine_actors: li
     elif name == "cuda_ipc":
         transport = CudaIpcTransport(client, trainers, engine_dtype)
     elif name == "shm":
-        transport = DiskTransport.in_shm(client, trainers, model_dir)
+        transport = DiskTransport.in_shm(client, trainers, model_dir, directory=shm_dir)
     elif name == "disk":
         transport = DiskTransport.in_directory(client, trainers, model_dir, Path(run_dir) / ENGINE_WEIGHTS_DIR)
     else:

@@ -19,18 +19,36 @@ async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_m
     abort (they end; the synchronous loop has none), retract or in_place (they continue under the new weights:
     the partial rollouts of the asynchronous loop; each token records the version that produced it).
     Continue is sent even when the pause or the update fails, and that failure is raised.
+
+    A lost engine does not stop the update: every engine that cannot be reached is dropped from the client and the
+    rest go on (rollout.client.NoEnginesLeftError when none is left). Replacements staged since the last update
+    are paused before they join, so they serve nothing until they hold this version.
     """
     try:
-        await client.broadcast("/pause_generation", {"mode": pause_mode})
+        await _pause_staged(client, pause_mode)
+        await client.broadcast("/pause_generation", {"mode": pause_mode}, drop_unreachable=True)
+        client.admit_staged()
         result = await update()
     except BaseException:
-        try:
-            await client.broadcast("/continue_generation", {})
-        except Exception as e:  # noqa: BLE001 (the update's failure is the one to raise)
-            logger.warning("continue_generation after a failed weight update failed too: %s", e)
+        if client.engines:
+            try:
+                await client.broadcast("/continue_generation", {}, drop_unreachable=True)
+            except Exception as e:  # noqa: BLE001 (the update's failure is the one to raise)
+                logger.warning("continue_generation after a failed weight update failed too: %s", e)
         raise
-    await client.broadcast("/continue_generation", {})
+    await client.broadcast("/continue_generation", {}, drop_unreachable=True)
     return result
+
+
+async def _pause_staged(client: Any, pause_mode: str) -> None:
+    """Pause the replacements that join at this update (nothing routes to them yet); one that is gone is lost."""
+    from rollout.client import EngineError  # noqa: PLC0415
+
+    for url in client.staged:
+        try:
+            await client.post_to(url, "/pause_generation", {"mode": pause_mode})
+        except EngineError as e:
+            client.unstage(url, str(e))
 
 
 def check_replies(path: str, replies: dict[str, Any]) -> None:
@@ -43,8 +61,9 @@ def check_replies(path: str, replies: dict[str, Any]) -> None:
 
 
 async def post_update(client: Any, path: str, body: dict) -> None:
-    """POST one weight update to every engine; an error status or {"success": false} raises, naming the engine."""
-    check_replies(path, await client.broadcast(path, body))
+    """POST one weight update to every engine; an error status or {"success": false} raises, naming the engine. An
+    engine that cannot be reached is dropped as lost (see paused_update)."""
+    check_replies(path, await client.broadcast(path, body, drop_unreachable=True))
 
 
 class WeightTransport(ABC):

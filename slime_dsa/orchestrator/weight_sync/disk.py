@@ -4,14 +4,19 @@ server and SGLang serve. The state dict never crosses Ray, JSON or a socket.
 
 Two places for the directory: shm, a private directory under /dev/shm (a memory copy; engines on rank 0's host
 only), and the run directory (rollout.sglang.weight_sync disk; every engine's node must see it).
+
+A shm directory is named after the driver's pid (slime-dsa-weights-<pid>-<random>): a run that was SIGKILLed cannot
+remove its model-sized copy, and the next run's remove_stale_shm_dirs removes those whose pid is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
+import secrets
 import shutil
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,37 @@ logger = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")
 WEIGHTS_FILE = "model.safetensors"
+SHM_PREFIX = "slime-dsa-weights-"
+_SHM_NAME = re.compile(rf"^{SHM_PREFIX}(\d+)-[0-9a-f]+$")
+
+
+def shm_dir_name(shm_root: Path = SHM_ROOT) -> Path:
+    """A fresh path for this process's weights under `shm_root` (not created): the pid, then a random part."""
+    return shm_root / f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_shm_dirs(shm_root: Path = SHM_ROOT) -> list[Path]:
+    """Remove the weight directories under `shm_root` whose run's pid is gone (left by a SIGKILLed run)."""
+    removed = []
+    for path in sorted(shm_root.glob(f"{SHM_PREFIX}*")) if shm_root.is_dir() else []:
+        match = _SHM_NAME.match(path.name)
+        if match is None or not path.is_dir() or _pid_alive(int(match.group(1))):
+            continue  # not ours to judge, or its run still lives
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            logger.info("removed %s, left by run pid %s, which is gone", path, match.group(1))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 class DiskTransport(WeightTransport):
@@ -36,9 +72,12 @@ class DiskTransport(WeightTransport):
         self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
 
     @classmethod
-    def in_shm(cls, client: Any, trainers: Any, model_dir: Path, shm_root: Path = SHM_ROOT) -> DiskTransport:
-        """A private directory under `shm_root` (/dev/shm): engines on trainer rank 0's host read it from memory."""
-        directory = Path(tempfile.mkdtemp(prefix="slime-dsa-weights-", dir=shm_root))
+    def in_shm(cls, client: Any, trainers: Any, model_dir: Path, shm_root: Path = SHM_ROOT,
+               directory: Path | None = None) -> DiskTransport:
+        """A private directory under `shm_root` (/dev/shm; `directory` when the engines were told it in advance, else a
+        fresh shm_dir_name): engines on trainer rank 0's host read it from memory."""
+        directory = Path(directory or shm_dir_name(shm_root))
+        directory.mkdir(mode=0o700)
         return cls(client, trainers, _with_config(directory, model_dir), name="shm")
 
     @classmethod

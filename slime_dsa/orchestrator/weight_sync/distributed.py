@@ -30,6 +30,7 @@ class DistributedTransport(WeightTransport):
         self.ranks_per_engine, self.engine_dtype, self.backend = ranks_per_engine, engine_dtype, backend
         self.bucket_bytes, self.group_name = bucket_bytes, group_name
         self.buckets: list[list[TensorSpec]] | None = None  # set when the group is formed
+        self.group_urls: list[str] = []  # the engines in the group, in rank order
 
     async def prepare(self, version: int) -> None:
         if self.buckets is None:
@@ -39,7 +40,7 @@ class DistributedTransport(WeightTransport):
     async def _form_group(self) -> None:
         """Every engine and trainer rank 0 join one group; each side blocks until all have."""
         address, port = await asyncio.to_thread(self.trainers.weight_group_address)
-        urls = list(self.client.engines)
+        urls = self.group_urls = list(self.client.engines)
         world_size = 1 + self.ranks_per_engine * len(urls)
 
         async def init(i: int, url: str) -> None:
@@ -53,6 +54,12 @@ class DistributedTransport(WeightTransport):
         await asyncio.gather(join, *(init(i, url) for i, url in enumerate(urls)))
 
     async def update(self, version: int, prepared: None) -> None:
+        from rollout.client import EngineLossError  # noqa: PLC0415
+
+        if gone := [url for url in self.group_urls if url not in self.client.engines]:
+            raise EngineLossError(f"engine {gone[0]} was lost, and the distributed weight group (NCCL) cannot go on "
+                                  f"without its ranks")
+
         async def announce() -> None:  # each POST returns once the engines have received that bucket
             for i, bucket in enumerate(self.buckets):
                 last = i == len(self.buckets) - 1

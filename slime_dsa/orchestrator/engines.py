@@ -1,0 +1,122 @@
+"""The run's engines while it trains: a lost engine is dropped and, if the recipe allows, replaced.
+
+An engine is lost when its Ray actor's process dies (noticed at once: each actor has a wait_stopped call pending,
+which Ray fails when the process goes) or when a weight update cannot reach it (rollout.client drops it; external
+engines are noticed only so). The run goes on with the others; its samples in flight there are retried on the
+others or counted as failed. With rollout.restart_dead_engines, a new actor is started in the background and
+staged: it joins at the next weight update, with that update's weights. When none is left, the loops stop with
+rollout.client.NoEnginesLeftError (the driver writes an emergency checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RESTARTS_PER_ENGINE = 2  # a run replaces at most this many engines per configured engine (no crash loop)
+
+
+class EngineFleet:
+    """Watches `actors` ({url: Ray actor handle}) of `client`; `start_one()` (blocking) starts a replacement and returns
+    (url, actor), or is None when lost engines are not replaced."""
+
+    def __init__(self, client: Any, actors: dict[str, Any], start_one: Callable[[], tuple[str, Any]] | None) -> None:
+        from rollout.client import normalize_url  # noqa: PLC0415
+
+        self.client = client
+        self.actors = {normalize_url(url): actor for url, actor in actors.items()}
+        self.start_one = start_one
+        self.max_restarts = self.restarts_left = RESTARTS_PER_ENGINE * max(1, len(actors))
+        self._watchers: dict[str, asyncio.Task] = {}
+        self._restarts: set[asyncio.Task] = set()
+        self._closed = False
+        client.on_engine_lost(self._on_lost)
+
+    def start(self) -> None:
+        """Begin watching every actor (call on the running event loop)."""
+        for url, actor in self.actors.items():
+            self._watch(url, actor)
+
+    @property
+    def restarting(self) -> int:
+        """Replacements being started."""
+        return len(self._restarts)
+
+    def _watch(self, url: str, actor: Any) -> None:
+        self._watchers[url] = asyncio.create_task(self._wait_for_death(url, actor), name=f"watch {url}")
+
+    async def _wait_for_death(self, url: str, actor: Any) -> None:
+        try:
+            await actor.wait_stopped.remote()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - RayActorError and its kin: the process is gone
+            if not self._closed:
+                reason = f"its process died ({type(e).__name__})"
+                if not self.client.drop_engine(url, reason):
+                    self.client.unstage(url, reason)
+
+    def _on_lost(self, url: str, reason: str) -> None:
+        """The client dropped `url`: end its actor, and start a replacement when allowed."""
+        watcher = self._watchers.pop(url, None)
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+        actor = self.actors.pop(url, None)
+        if actor is not None:
+            _kill(actor)  # it may be hung rather than dead
+        if self._closed or self.start_one is None or actor is None:
+            return
+        if self.restarts_left <= 0:
+            logger.warning("engine %s is not replaced: the run has used its %d replacements", url, self.max_restarts)
+            return
+        self.restarts_left -= 1
+        task = asyncio.get_running_loop().create_task(self._restart(url), name=f"restart {url}")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, lost_url: str) -> None:
+        try:
+            url, actor = await asyncio.to_thread(self.start_one)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the run goes on with fewer engines
+            logger.warning("could not replace engine %s: %s: %s", lost_url, type(e).__name__, e)
+            return
+        if self._closed:
+            _kill(actor)
+            return
+        self.actors[url] = actor
+        self._watch(url, actor)
+        self.client.stage_engine(url)
+        logger.info("engine %s replaced by %s; it joins at the next weight update", lost_url, url)
+
+    async def wait_for_restarts(self, timeout_s: float = 600.0) -> bool:
+        """Wait for the replacements being started; True when some engine is staged to join."""
+        if self._restarts:
+            await asyncio.wait(set(self._restarts), timeout=timeout_s)
+        return bool(self.client.staged)
+
+    def all_actors(self) -> list[Any]:
+        """Every live actor (for shutdown)."""
+        return list(self.actors.values())
+
+    async def close(self) -> None:
+        """Stop watching and restarting (before the actors are stopped on purpose)."""
+        self._closed = True
+        tasks = list(self._watchers.values()) + list(self._restarts)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _kill(actor: Any) -> None:
+    import ray  # noqa: PLC0415
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

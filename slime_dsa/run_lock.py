@@ -1,0 +1,96 @@
+"""One run per run directory: an exclusive flock on `<run_dir>/.lock`, which holds the holder's pid and host.
+
+The kernel drops a flock when its process dies, SIGKILL included, so a lock left by a killed run is free: the next
+run takes it over and says so. A live holder refuses the second run at once, in one line naming the directory and
+the pid. The file is never removed (removing it would let two runs lock two different files of one name); a clean
+release empties it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+
+from slime_dsa.config.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+
+
+class RunLock:
+    """The exclusive lock of one run directory, taken by `acquire` and dropped by `release`."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+        self.taken_over = ""  # '<pid> <host>' of a killed run whose lock this one took over ('' if none)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock; UserError naming the directory and the holder's pid when another run holds it."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise UserError(f"run directory {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
+                            " wait for it to end or set logging.run_dir to another directory") from None
+        self.taken_over = _read_fd(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def log_takeover(self) -> None:
+        """One WARNING when this lock was left by a run that no longer holds it (call once the run's log is set up)."""
+        if self.taken_over:
+            logger.warning("run directory %s: took over the lock left by %s, which no longer holds it (killed?)",
+                           self.run_dir, _describe(self.taken_over))
+
+    def release(self) -> None:
+        """Empty the file and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_holder(path: Path) -> str:
+    """'<pid> <host>' of the lock file at `path`, or '' when empty or unreadable."""
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_fd(fd: int) -> str:
+    return os.pread(fd, 256, 0).decode(errors="replace").strip()
+
+
+def _describe(holder: str) -> str:
+    pid, _, host = holder.partition(" ")
+    if not pid:
+        return "pid unknown"
+    return f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")

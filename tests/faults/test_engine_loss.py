@@ -1,0 +1,119 @@
+"""Faults in the rollout side of a real run: an engine process SIGKILLed mid-run, a reward that hangs and one that
+raises (one run covers the three), and every engine lost (an emergency checkpoint and one line).
+
+Real parts: the session's local Ray cluster, embedded engines over HTTP on 127.0.0.1, an FSDP rank over gloo, the
+reward pool's worker processes. The engine is found by the port its run announced, among this session's processes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from slime_dsa.config import load_recipe
+from tests.faults.runs import (descendants, engine_urls, pid_listening_on, recipe_dict, records, sigkill, wait_for,
+                               write_recipe)
+
+pytestmark = pytest.mark.slow
+
+STEPS, PROMPTS, N = 5, 4, 4
+
+
+def _kill_an_engine_after(run_dir, after_records: int, out: dict) -> threading.Thread:
+    """A thread that SIGKILLs the run's first engine once metrics.jsonl has `after_records` records (mid-run)."""
+    import os
+
+    def kill() -> None:
+        if not wait_for(lambda: len(records(run_dir)) >= after_records, 300):
+            return
+        urls = engine_urls(run_dir / "train.log")
+        import requests  # the run's engines take commands only with the run's key: a local process has none
+
+        out["keyless_pause"] = requests.post(urls[-1] + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code
+        pid = pid_listening_on(int(urls[0].rsplit(":", 1)[1]), descendants(os.getpid()))
+        if pid is not None:
+            out["url"], out["pid"] = urls[0], pid
+            sigkill(pid)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, ray_cluster):
+    from slime_dsa.orchestrator.train import run_training
+
+    root = tmp_path_factory.mktemp("engine_loss")
+    recipe = recipe_dict(STEPS, engines=2, rollout__reward_timeout_s=2.0,
+                         data__tasks=[{"kind": "arithmetic", "eval_size": 8,
+                                       "reward_fn": "tests.plugins.rewards:hangs_or_raises"}])
+    path = write_recipe(root / "recipe.yaml", recipe)
+    run_dir = root / "run"
+    killed: dict = {}
+    killer = _kill_an_engine_after(run_dir, 1, killed)
+    run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
+    killer.join(5)
+    return run_dir, killed
+
+
+def test_a_killed_engine_is_dropped_replaced_and_the_run_finishes(faulty_run):
+    run_dir, killed = faulty_run
+    assert killed, "no engine was killed"
+    assert [r["step"] for r in records(run_dir)] == list(range(1, STEPS + 1))
+    log = (run_dir / "train.log").read_text()
+    assert f"engine {killed['url']} lost" in log
+    assert f"engine {killed['url']} replaced by" in log and "joined" in log
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in records(run_dir))  # weights stayed in sync
+
+
+def test_the_runs_engines_refuse_a_process_without_the_runs_key(faulty_run):
+    _, killed = faulty_run
+    assert killed["keyless_pause"] == 401
+
+
+def test_no_sample_is_lost(faulty_run, figures):
+    """Every sample of every step is accounted for: trained on, or counted as failed (its engine died under it)."""
+    run_dir, _ = faulty_run
+    rs = records(run_dir)
+    for r in rs:
+        assert r["rollout/num_samples"] == PROMPTS * N
+        assert r["rollout/failed_samples"] <= PROMPTS * N
+    log = (run_dir / "train.log").read_text()
+    figures["engine_killed"] = {
+        "steps": len(rs), "samples_started": STEPS * PROMPTS * N, "samples_recorded": sum(r["rollout/num_samples"] for r in rs),
+        "samples_failed": sum(r["rollout/failed_samples"] for r in rs), "samples_lost": STEPS * PROMPTS * N - sum(
+            r["rollout/num_samples"] for r in rs), "engines_lost": log.count(" lost ("), "engines_replaced": log.count(" replaced by "),
+        "reward_timeouts": sum(r["rollout/reward_timeouts"] for r in rs),
+        "reward_failures": sum(r["rollout/reward_failures"] for r in rs),
+        "max_rollout_time_s": max(r["perf/rollout_time_s"] for r in rs)}
+
+
+def test_a_hanging_and_a_raising_reward_cost_their_samples_only(faulty_run):
+    run_dir, _ = faulty_run
+    rs = records(run_dir)
+    assert sum(r["rollout/reward_timeouts"] for r in rs) >= 1 and sum(r["rollout/reward_failures"] for r in rs) >= 1
+    assert all(r["perf/rollout_time_s"] < 60 for r in rs)  # a hung reward waits out its 2 s deadline, no more
+
+
+def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path, ray_cluster, figures):
+    from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.orchestrator.train import run_training
+
+    recipe = recipe_dict(STEPS, engines=1, rollout__restart_dead_engines=False, checkpoint__save_every=100)
+    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    run_dir = tmp_path / "run"
+    killed: dict = {}
+    killer = _kill_an_engine_after(run_dir, 2, killed)
+    with pytest.raises(UserError) as err:
+        run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
+    killer.join(5)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("rollout engines lost at step")
+    assert "emergency checkpoint" in message and "--resume" in message
+    newest = CheckpointManager(run_dir / "checkpoints").latest()
+    assert newest is not None and str(newest) in message
+    assert read_orchestrator_state(newest)["step"] >= 2  # the steps trained before the loss are kept
+    figures["every_engine_lost"] = {"line": message, "emergency_checkpoint_step": read_orchestrator_state(newest)["step"]}

@@ -1,0 +1,120 @@
+"""One run per run directory (slime_dsa/run_lock.py): a second run fails at once naming the directory and the
+holder's pid; a lock left by a SIGKILLed run is taken over with a log line; a clean exit releases it. And what a
+person reads when a run cannot go on: `--resume` of a finished run, and Ctrl-C (the steps since the last checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slime_dsa.cli import main
+from slime_dsa.config import load_recipe
+from slime_dsa.config.errors import UserError
+from slime_dsa.orchestrator.step import StepProgress
+from slime_dsa.run_dir import held_lock, open_run_dir
+from slime_dsa.run_lock import RunLock
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "recipes" / "base.yaml")
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from slime_dsa.config import load_recipe
+    from slime_dsa.run_dir import open_run_dir
+    with open_run_dir(load_recipe(None, ["logging.run_dir=" + sys.argv[1]]), "job.log"):
+        print("locked", flush=True)
+        time.sleep(120)
+""")
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """A process that holds `run_dir` (open_run_dir) until killed; returns once it holds it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_run_in_the_same_directory_fails_at_once_naming_it_and_the_pid(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir)
+    try:
+        with pytest.raises(UserError) as err:
+            with open_run_dir(load_recipe(None, [f"logging.run_dir={run_dir}"]), "train.log"):
+                pass
+        assert str(run_dir) in str(err.value) and f"pid {holder.pid}" in str(err.value)
+        # the command line: one line, exit code 2, before Ray or any engine starts
+        assert main(["train", BASE, "--set", f"logging.run_dir={run_dir}"]) == 2
+        _, stderr = capsys.readouterr()
+        line = stderr.strip().splitlines()[-1]
+        assert line.startswith("slime-dsa: error: run directory") and f"pid {holder.pid}" in line
+        assert "Traceback" not in stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_left_by_a_sigkilled_run_is_taken_over_with_a_log_line(tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    with caplog.at_level(logging.WARNING, logger="slime_dsa.run_lock"):
+        with open_run_dir(load_recipe(None, [f"logging.run_dir={run_dir}"]), "train.log"):
+            assert held_lock(run_dir).held
+            assert (run_dir / ".lock").read_text().split()[0] == str(os.getpid())
+    assert any(f"pid {holder.pid}" in r.getMessage() and "took over" in r.getMessage() for r in caplog.records)
+    # released on exit: the next run takes it without a word
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slime_dsa.run_lock"), RunLock(run_dir) as lock:
+        assert lock.held
+    assert not caplog.records and held_lock(run_dir) is None
+
+
+def _finished_checkpoint(run_dir: Path, step: int) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    ckpt.mkdir(parents=True)
+    save_file({"w": torch.zeros(4)}, ckpt / "model.safetensors")
+    (ckpt / "orchestrator.json").write_text(json.dumps({"step": step, "rollout": {}}))
+    return ckpt
+
+
+def test_resume_of_a_finished_run_says_how_to_go_further(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _finished_checkpoint(run_dir, 400)
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=400"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert "already at step 400" in line and "raise trainer.num_steps" in line and "trainer.num_steps=800" in line
+    assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
+
+
+def test_ctrl_c_says_which_steps_since_the_last_checkpoint_are_lost(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    assert StepProgress(current=57, saved=50).lost_line(ckpts) == (
+        f"interrupted during step 57: steps 51-57 since the checkpoint of step 50 in {ckpts} are lost; "
+        "--resume continues from step 50")
+    assert "step 1 since the start (no checkpoint yet)" in StepProgress(current=1).lost_line(ckpts)
+    assert StepProgress(current=50, saved=50).lost_line(ckpts).startswith("no step lost")
+
+
+def test_the_command_line_prints_the_interruption_in_one_line(capsys, monkeypatch):
+    from slime_dsa.commands import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt("interrupted during step 3: steps 3 since ...")
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert main(["train", BASE]) == 130
+    assert capsys.readouterr().err == "slime-dsa: interrupted: interrupted during step 3: steps 3 since ...\n"
