@@ -30,7 +30,8 @@ def check_recipe_paths(config: RecipeConfig) -> None:
     if problems:
         (key, message), rest = problems[0], problems[1:]
         more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
-        raise RecipeError(f"{key}: {message}{more}")
+        # a message that already begins with its key (the parallel sizes' do) is not prefixed twice
+        raise RecipeError(f"{message if message.startswith(key) else f'{key}: {message}'}{more}")
 
 
 def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
@@ -39,7 +40,7 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     if config.model.path is not None and (problem := _model_dir_problem(config.model.path)):
         problems.append(("model.path", problem))
     elif config.model.path is not None and (problem := _parallel_problem(config)):
-        problems.append(("trainer.megatron", problem))
+        problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
     if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     for i, task in enumerate(config.data.tasks):
