@@ -9,6 +9,9 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a ~1.2B GLM-MoE-DSA model, bf16 conformance
+# over 5 steps, then train tokens/s and MFU) needs the megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments,
+# MGBENCH_T caps it (default 240 s); writes $OUT/megatron_vs_fsdp.json and .log.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -64,6 +67,13 @@ vstrl)
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  ;;
+mgbench)
+  stamp mgbench
+  python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" 2>&1 | tail -1
+  timeout -k 20 ${MGBENCH_T:-240} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench ${MGBENCH_ARGS} \
+    --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
+    | tee $OUT/megatron_vs_fsdp.log | tail -20
   ;;
 esac; done
 stamp done
