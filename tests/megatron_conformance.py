@@ -31,11 +31,12 @@ def batches(vocab_size: int, count: int = STEPS, seed: int = 0):
     return out
 
 
-def rank_config(checkpoint: str, backend_options: dict, mixed_precision: bool = False, lr: float = 1e-3):
+def rank_config(checkpoint: str, backend_options: dict, mixed_precision: bool = False, lr: float = 1e-3,
+                indexer_loss_coef: float = 1.0):
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
     from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
 
-    dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
+    dsa = DSAOptions(indexer_loss_coef=indexer_loss_coef, indexer_stage="sparse", indexer_target="group")
     return policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=lr, max_grad_norm=1e6), dsa=dsa,
                          ops_backend="auto", data_parallel="fsdp", backend_options=backend_options,
                          mixed_precision=mixed_precision, micro_batch_tokens=32, seed=0)
@@ -81,6 +82,38 @@ def train(rank: int, world_size: int, port: int, backend: str, checkpoint: str, 
                 from safetensors.torch import save_file  # noqa: PLC0415
 
                 save_file(grads, f"{out}.grads.safetensors")
+    if rank == 0:
+        Path(out).write_text(json.dumps(record))
+    worker.shutdown()
+
+
+def recompute(rank: int, world_size: int, port: int, checkpoint: str, options: dict, out: str) -> None:
+    """One rank: the gradients of one step without, then with activation recomputation (learning rate 0, so the
+    weights stay put), and how many decoder-layer forwards each ran. The indexer loss is off: its capture, as in
+    FSDP2, keeps every layer's activations, so recomputation would not run."""
+    torch.set_num_threads(1)
+    from trainers.megatron.worker import MegatronWorker  # noqa: PLC0415
+
+    worker = MegatronWorker(rank, world_size, "127.0.0.1", port,
+                            rank_config(checkpoint, options, lr=0.0, indexer_loss_coef=0.0))
+    model, calls = worker.policy.model, [0]
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    dp_rank, dp_size = worker.data_parallel_layout()
+    batch = batches(vocab, count=1)[0]
+    mine = batch.select([i for i in range(NUM_SAMPLES) if i % dp_size == dp_rank])
+    mine.old_logprobs = worker.compute_logprobs(mine)
+    record = {}
+    for flag in (False, True):
+        model.gradient_checkpointing, calls[0] = flag, 0
+        norm = worker.train_step(mine, float(batch.loss_mask.sum()), NUM_SAMPLES)["grad_norm"]
+        grads = gradients(worker)
+        record[str(flag)] = {"grad_norm": norm, "layer_forwards": calls[0]}
+        if rank == 0:
+            from safetensors.torch import save_file  # noqa: PLC0415
+
+            save_file(grads, f"{out}.{flag}.safetensors")
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     worker.shutdown()

@@ -131,6 +131,25 @@ def test_same_trajectory_as_fsdp(fsdp_run, checkpoint, layout):
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
+def test_activation_recomputation_gives_the_same_gradients(checkpoint, tmp_path):
+    """TP=2 (sequence parallel): every layer runs its forward again in backward, and every gradient is unchanged."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_conformance import recompute
+
+    out = tmp_path / "recompute.json"
+    mp.start_processes(recompute, args=(2, _free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
+                       start_method="spawn")
+    record = json.loads(out.read_text())
+    assert record["True"]["layer_forwards"] == 2 * record["False"]["layer_forwards"] > 0
+    assert record["True"]["grad_norm"] == pytest.approx(record["False"]["grad_norm"], rel=1e-6)
+    plain, again = load_file(f"{out}.False.safetensors"), load_file(f"{out}.True.safetensors")
+    assert plain.keys() == again.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(again[name], grad, rtol=1e-6, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def _rows(share: list[int], keep: list[int] | None = None) -> torch.Tensor:
     """Row indices of the samples `keep` (default: all) within a share's packed log-probs."""
     from tests.megatron_conformance import NUM_SAMPLES, batches
