@@ -1,13 +1,10 @@
-"""math-verify in a child process, one JSON request per line on stdin, one JSON reply per line on stdout.
+"""The math-verify check that runs in a worker process of `rollout.rewards.math_verifier`'s pool.
 
-Run as a script (`python _math_worker.py`) by `rollout.rewards.math_verifier`, so it imports nothing of ours.
-sympy can hang on inputs like 10^{10^{10}}; here math-verify's own signal-based timeouts work (main thread), and
-the parent kills this process if a reply takes longer than its hard timeout.
+sympy can hang on inputs like 10^{10^{10}}. In a worker process math-verify's own signal-based timeouts work (its
+main thread), and the pool kills the worker if the call passes its hard deadline.
 """
 
-import json
 import logging
-import sys
 
 
 def _as_latex(text: str) -> str:
@@ -17,25 +14,17 @@ def _as_latex(text: str) -> str:
     return text
 
 
-def main() -> None:
-    logging.disable(logging.WARNING)  # math-verify logs every timeout; the parent reports failures
-    from math_verify import parse, verify
-
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            timeout = int(request.get("timeout", 5))
-            gold = parse(_as_latex(request["gold"]), parsing_timeout=timeout)
-            pred = parse(_as_latex(request["pred"]), parsing_timeout=timeout)
-            correct = bool(gold and pred and verify(gold, pred, timeout_seconds=timeout))
-            reply = {"correct": correct, "pred_parsed": bool(pred), "gold_parsed": bool(gold)}
-        except Exception as exc:  # a reply per request, whatever happens: the parent waits for one line
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+def load() -> None:
+    """A worker's initializer: the import (seconds on a loaded machine) must not count against a check's deadline."""
+    logging.disable(logging.WARNING)  # math-verify logs every timeout; the caller reports failures
+    import math_verify  # noqa: F401, PLC0415 - imported in the workers only
 
 
-if __name__ == "__main__":
-    main()
+def check(pred: str, gold: str, timeout: int) -> dict[str, bool]:
+    """{'correct', 'pred_parsed', 'gold_parsed'} for a predicted and a ground-truth answer text."""
+    from math_verify import parse, verify  # noqa: PLC0415 - loaded by `load`
+
+    gold_parsed = parse(_as_latex(gold), parsing_timeout=timeout)
+    pred_parsed = parse(_as_latex(pred), parsing_timeout=timeout)
+    correct = bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    return {"correct": correct, "pred_parsed": bool(pred_parsed), "gold_parsed": bool(gold_parsed)}
