@@ -54,7 +54,7 @@ def make_batch(vocab: int, samples: int, length: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     prompt = length // 4
     mask = ([0.0] * prompt + [1.0] * (length - prompt)) * samples
-    adv = sum(([0.0] * prompt + [1.0 if s % 4 else -1.0] * (length - prompt) for s in range(samples)), [])
+    adv = sum(([0.0] * prompt + [-1.0 if s % 4 == 3 else 1.0] * (length - prompt) for s in range(samples)), [])
     n = samples * length
     return TrainBatch(input_ids=torch.randint(0, vocab, (n,), generator=g), seqlens=[length] * samples,
                       loss_mask=torch.tensor(mask), rollout_logprobs=torch.full((n,), -2.0),
