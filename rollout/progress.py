@@ -4,20 +4,24 @@ from __future__ import annotations
 
 from types import TracebackType
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 
 class SampleProgress:
-    """A transient rich bar (it leaves no lines behind) whose total grows as work starts, so it never overshoots;
-    does nothing when `show` is False."""
+    """A transient rich bar (it leaves no lines behind) whose total grows as work starts, so it never overshoots.
+
+    Drawn on stderr, beside the step lines, and only when stderr is an interactive terminal (a log file or a pipe
+    would get a blank line per bar); does nothing when `show` is False."""
 
     def __init__(self, label: str, total: int = 0, show: bool = True) -> None:
         self.label, self.total, self.done = label, total, 0
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        if show:
+        console = Console(stderr=True) if show else None
+        if console is not None and console.is_interactive:
             self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=True)
+                                 TimeElapsedColumn(), console=console, transient=True)
             self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self) -> SampleProgress:

@@ -37,17 +37,33 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every registered subcommand."""
     parser = _Parser(prog="slime-dsa", description="RL post-training for DeepSeek-Sparse-Attention models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--log-level", default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    parser.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                         help="level of log messages on stderr (default: WARNING for train, sft and indexer-warmup, "
                              "whose INFO goes to the run directory's log; INFO otherwise)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).add_parser(subparsers)
+    for sub in _subcommand_parsers(parser):  # `slime-dsa train FILE --log-level INFO` works too
+        sub.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                         help="level of log messages on stderr (as slime-dsa --log-level)")
     return parser
+
+
+def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser under `parser`'s subcommands, nested ones (recipe check) included."""
+    found: list[argparse.ArgumentParser] = []
+    for action in parser._actions:  # noqa: SLF001 (argparse keeps its subparsers nowhere else)
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                found += [sub, *_subcommand_parsers(sub)]
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

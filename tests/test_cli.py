@@ -165,3 +165,13 @@ def test_recipe_check_refuses_every_unbuilt_option_in_one_line(capsys, override)
     key = override.split("=")[0].rsplit(".", 1)[1]
     err = one_line_error(capsys, "recipe", "check", BASE, "--set", override)
     assert key in err and "not available yet" in err
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "INFO", "train", "r.yaml"], ["train", "r.yaml", "--log-level", "INFO"],
+                                  ["recipe", "check", "r.yaml", "--log-level", "INFO"]])
+def test_log_level_before_or_after_the_subcommand(argv):
+    """The README's `--log-level INFO` may follow `slime-dsa train RECIPE` as well as precede the subcommand."""
+    from slime_dsa.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == "INFO"
+    assert build_parser().parse_args(["train", "r.yaml"]).log_level is None  # unset: the command's default level

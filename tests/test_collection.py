@@ -93,3 +93,16 @@ def test_screen_group_counts_why_a_group_is_left_out():
     assert screen_group(failed, False, counters) is not None
     assert screen_group(group(0.0, 1.0, status=SampleStatus.ABORTED), False, counters) is None
     assert counters == {"zero_std_groups": 3, "failed_samples": 3, "dropped_groups": 1}
+
+
+def test_progress_bar_writes_nothing_to_a_pipe_or_file(capfd):
+    """Off a terminal the bar is not drawn: a log file or pipe gets no blank line per step (stdout nor stderr)."""
+    from rollout.progress import SampleProgress
+
+    for _ in range(3):
+        with SampleProgress("rollout", 4) as bar:
+            bar.add_total(4)
+            bar.advance(8)
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert (bar.done, bar.total) == (8, 8)
