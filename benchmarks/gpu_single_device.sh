@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl test" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof sft rl vstrl test ds" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
@@ -12,6 +12,11 @@
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a ~1.2B GLM-MoE-DSA model, bf16 conformance
 # over 5 steps, then train tokens/s and MFU) needs the megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments,
 # MGBENCH_T caps it (default 240 s); writes $OUT/megatron_vs_fsdp.json and .log.
+# ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
+# DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
+# offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
+# everything in one file, $OUT/deepspeed.log. Needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo,
+# ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -74,6 +79,17 @@ mgbench)
   timeout -k 20 ${MGBENCH_T:-240} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench ${MGBENCH_ARGS} \
     --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
     | tee $OUT/megatron_vs_fsdp.log | tail -20
+  ;;
+ds)
+  stamp ds
+  python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/site ${WHL:-.whl}/{deepspeed,hjson,py_cpuinfo,ninja,einops,msgpack,psutil}-*.whl
+  ( export CUDA_VISIBLE_DEVICES=${DS_GPU:-0}
+    python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)"
+    timeout -k 10 ${DS_TEST_T:-120} python3 -m pytest -q -s -m gpu tests/test_deepspeed_gpu.py -p no:cacheprovider
+    stamp capacity
+    timeout -k 30 ${DSCAP_T:-210} python3 benchmarks/deepspeed_capacity.py ${DSCAP_ARGS:---backend both --steps 1 --budget-s 190 --attempt-s 140}
+  ) 2>&1 | grep --line-buffered -v "FutureWarning\|return func" | tee $OUT/deepspeed.log | tail -40
   ;;
 esac; done
 stamp done

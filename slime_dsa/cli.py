@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -91,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # a run's says which steps since its last checkpoint are lost
         print(f"slime-dsa: interrupted{f': {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `slime-dsa recipe explain | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush of stdout would raise again
+        return 141
 
 
 if __name__ == "__main__":

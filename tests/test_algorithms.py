@@ -1,4 +1,4 @@
-"""slime_dsa.algorithms against direct, loop-by-loop transcriptions of shared/ALGORITHMS.md §1–§5, §7.
+"""slime_dsa.algorithms against direct, loop-by-loop transcriptions of docs/algorithms.md §1–§5, §7.
 
 Every reference below walks tokens and samples with plain Python loops (scalars, Python min/max) and never
 calls the code under test; gradients are compared through torch.autograd.grad on both sides.

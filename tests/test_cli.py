@@ -76,6 +76,19 @@ def test_a_weight_sync_that_is_not_built_is_refused_in_one_line(tmp_path, capsys
                         "or disk")
 
 
+def test_the_deepspeed_backend_without_deepspeed_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util  # noqa: PLC0415
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  backend: deepspeed\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert err.endswith("trainer.backend: 'deepspeed' needs DeepSpeed, which is not installed here "
+                        "(pip install -e '.[deepspeed]')")
+
+
 def test_errors_in_a_subprocess_are_one_line_without_traceback(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  num_steps: many\n")
@@ -175,3 +188,12 @@ def test_log_level_before_or_after_the_subcommand(argv):
 
     assert build_parser().parse_args(argv).log_level == "INFO"
     assert build_parser().parse_args(["train", "r.yaml"]).log_level is None  # unset: the command's default level
+
+
+def test_a_closed_pipe_ends_the_output_without_a_traceback():
+    """`slime-dsa recipe explain --yaml | head -1`: the reader leaves before the CLI writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "slime_dsa.cli", "recipe", "explain", "--yaml"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the CLI has imported anything: its first write meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err, err.decode()

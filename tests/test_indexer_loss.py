@@ -1,4 +1,4 @@
-"""The DSA indexer loss (ALGORITHMS.md section 6): equal to a direct, unchunked transcription of the formula, in
+"""The DSA indexer loss (docs/algorithms.md section 6): equal to a direct, unchunked transcription of the formula, in
 the dense and the sparse stage; its gradient reaches only indexer parameters; recall and overlap metrics; a short
 dense warm-up that lowers the loss. CPU, float64, a tiny model with IndexShare groups of 1, 2 and 3 layers.
 """
@@ -44,7 +44,7 @@ def forward(model, index_topk=None):
 
 
 def direct_loss(capture, batch, stage, indexer_types, target="group"):
-    """ALGORITHMS.md section 6 written out query by query: no chunks, no helpers shared with the code under test."""
+    """docs/algorithms.md section 6 written out query by query: no chunks, no helpers shared with the code under test."""
     by_layer = {c["layer"]: c for c in capture}
     per_group = []
     for full, members in indexshare_groups(indexer_types).items():

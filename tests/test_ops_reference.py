@@ -1,7 +1,7 @@
 """The torch reference DSA ops equal direct transcriptions of their formulas (CPU, float64, tiny shapes).
 
 Naive versions below loop over queries and heads with no chunking, masking tricks or batching, so they read
-as the definitions: dense masked softmax, brute-force sorted top-k, and ALGORITHMS.md section 6's KL.
+as the definitions: dense masked softmax, brute-force sorted top-k, and docs/algorithms.md section 6's KL.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def naive_topk(q, k, w, lens_q, lens_k, topk, scale):
 
 
 def naive_kl(iq, ik, iw, iscale, attn_q, attn_kv, ascale, lens_q, lens_k, rows):
-    """ALGORITHMS.md section 6, one query at a time, everything dense."""
+    """docs/algorithms.md section 6, one query at a time, everything dense."""
     kl = torch.zeros(iq.shape[0], dtype=F64)
     for t, key0, pos in _positions(lens_q, lens_k):
         keys = [int(r) for r in rows[t] if r >= 0] if rows is not None else list(range(key0, key0 + pos + 1))

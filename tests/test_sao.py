@@ -1,4 +1,4 @@
-"""SAO's spec (ALGORITHMS.md section 5): what it declares, and its per-token advantages and value targets on packed
+"""SAO's spec (docs/algorithms.md section 5): what it declares, and its per-token advantages and value targets on packed
 multi-turn trajectories (tool spans, a trajectory cut after a tool output, bootstrapping) against a direct
 transcription of the formulas written here, walking each trajectory's own token lists."""
 

@@ -1,7 +1,7 @@
 """The trainer seam: the packed batch a rank trains on, the typed config it is built from, and the interface the
 orchestrator calls on a group of ranks.
 
-A backend (trainers/fsdp today; Megatron and DeepSpeed next) supplies only model wrapping, optimizer, collectives
+A backend (trainers/fsdp, trainers/deepspeed; Megatron next) supplies only model wrapping, optimizer, collectives
 and checkpoint format: the step itself (micro-batches, loss reduction, indexer loss, metrics) is shared
 (trainers/rank.py), and so is the fan-out over Ray actors (trainers/group.py). Ranks are blind to the algorithm:
 they call the policy loss object their config carries on tensors the batch carries.
@@ -115,7 +115,7 @@ def balance_across_ranks(seqlens: list[int], world_size: int, shared: list[int] 
 
 @dataclass(frozen=True)
 class DSAOptions:
-    """How a rank trains the DSA indexer (ALGORITHMS.md section 6) and whether it replays the engines' top-k."""
+    """How a rank trains the DSA indexer (docs/algorithms.md section 6) and whether it replays the engines' top-k."""
 
     indexer_loss_coef: float = 0.0  # 0 = no indexer loss (no capture, no extra cost)
     indexer_stage: str = "sparse"  # sparse: KL on the selected keys; dense: on every causal key
@@ -170,7 +170,7 @@ class RankConfig:
     logprob_chunk_size: int = 1024
     share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
     data_parallel: str = "fsdp"  # fsdp: shard with FSDP2; replicate: whole model per rank, one gradient all-reduce
-    backend_options: dict[str, Any] = field(default_factory=dict)  # the recipe's trainer.<backend> section, if any
+    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's own recipe section (trainer.<backend>)
 
 
 def policy_config(model_path: str, loss: Any, optimizer: OptimizerConfig | None = None, frozen: tuple[str, ...] = (),

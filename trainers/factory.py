@@ -53,13 +53,7 @@ def rank_config(recipe: RecipeConfig, model_dir: Path, algorithm: Algorithm,
         roles=held, micro_batch_tokens=tr.micro_batch_tokens, mixed_precision=tr.mixed_precision,
         gradient_checkpointing=recipe.model.gradient_checkpointing, ops_backend=recipe.model.ops_backend,
         temperature=recipe.rollout.temperature or 1.0, seed=tr.seed, share_prompt_prefix=tr.share_prompt_prefix,
-        data_parallel=tr.data_parallel, backend_options=_backend_options(recipe))
-
-
-def _backend_options(recipe: RecipeConfig) -> dict:
-    """The recipe's section named after the backend (trainer.megatron for megatron), as plain data."""
-    section = getattr(recipe.trainer, recipe.trainer.backend, None)
-    return section.model_dump() if section is not None else {}
+        data_parallel=tr.data_parallel, backend_options=tr.backend_options())
 
 
 def build_trainer_group(recipe: RecipeConfig, model_dir: Path, algorithm: Algorithm) -> TrainerGroup:

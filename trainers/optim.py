@@ -18,7 +18,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if _ndim(p) >= 2 else no_decay).append(p)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert len(decay) + len(no_decay) == len(trainable), "parameter groups must cover the trainable parameters"
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -33,10 +33,15 @@ def build_role_optimizer(model: torch.nn.Module, config: OptimizerConfig, indexe
     groups = []
     for is_indexer, lr in ((False, config.learning_rate), (True, indexer_learning_rate)):
         params = [p for n, p in model.named_parameters() if p.requires_grad and (".indexer." in n) == is_indexer]
-        groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay, "lr": lr},
-                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": lr}]
+        groups += [{"params": [p for p in params if _ndim(p) >= 2], "weight_decay": config.weight_decay, "lr": lr},
+                   {"params": [p for p in params if _ndim(p) < 2], "weight_decay": 0.0, "lr": lr}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
                              betas=tuple(config.adam_betas), eps=1e-8, fused=fused or None)
+
+
+def _ndim(p: torch.Tensor) -> int:
+    """A parameter's rank; a DeepSpeed ZeRO-3 partition (a flat slice) keeps its whole shape as ds_shape."""
+    return len(getattr(p, "ds_shape", p.shape))
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.1) -> float:

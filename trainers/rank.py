@@ -3,7 +3,8 @@ the indexer loss, the metrics and their reduction across ranks, and the weight-s
 
 A backend subclasses TrainerRank and supplies the rest: it builds `self.roles` (model wrapping and optimizer) and
 `self.device`, and may override the collectives (`all_reduce`), gradient averaging (`finish_gradients`),
-clipping (`clip_grad_norm`), and its checkpoint format. The rank never learns which algorithm it trains: it calls
+clipping (`clip_grad_norm`), and its checkpoint format; a backend whose engine owns the backward pass and the update
+(DeepSpeed) overrides `backward` and `apply_gradients` instead. The rank never learns which algorithm it trains: it calls
 the loss object of its role's config on the tensors the batch carries: a policy role's on log-probs, a value role's
 (RoleConfig.kind "value") on the values of its model against batch.returns.
 """
@@ -137,6 +138,20 @@ class TrainerRank:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def backward(self, held: Role, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss into the role's gradients."""
+        loss.backward()
+
+    def apply_gradients(self, held: Role) -> torch.Tensor:
+        """Reduce, clip and apply the accumulated gradients; an update with a non-finite norm is skipped. Returns
+        the global norm before clipping."""
+        trainable = [p for p in held.model.parameters() if p.requires_grad]
+        self.finish_gradients(trainable)
+        grad_norm = self.clip_grad_norm(trainable, held.config.optimizer.max_grad_norm)
+        if torch.isfinite(grad_norm):
+            held.optimizer.step()
+        return grad_norm
+
     # -- forward ----------------------------------------------------------------------------------------
 
     def micro_batches(self, batch: TrainBatch, role: RoleConfig) -> list[TrainBatch | None]:
@@ -248,7 +263,7 @@ class TrainerRank:
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
-            (loss * self.data_parallel_size).backward()
+            self.backward(held, loss * self.data_parallel_size)
             for k, v in metrics.items():
                 # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
                 sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
@@ -279,14 +294,10 @@ class TrainerRank:
         return loss, metrics
 
     def _optimizer_step(self, held: Role) -> tuple[float, float]:
-        """Reduce, clip and apply the gradients; an update with a non-finite norm is skipped. (grad norm, lr)."""
-        trainable = [p for p in held.model.parameters() if p.requires_grad]
-        self.finish_gradients(trainable)
-        grad_norm = self.clip_grad_norm(trainable, held.config.optimizer.max_grad_norm)
+        """Apply the gradients (apply_gradients), then advance the schedule. (grad norm, lr)."""
         lr = held.scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):
-            held.optimizer.step()
-        else:
+        grad_norm = self.apply_gradients(held)
+        if not torch.isfinite(grad_norm):
             logger.warning("step %d: non-finite grad norm %s, update skipped", held.step, grad_norm)
         held.scheduler.step()
         held.step += 1

@@ -7,9 +7,12 @@ for each weight version, so engines see the same handle every time.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from slime_dsa.weights.cuda_ipc import IpcWeights, dtype_name, export_buffer, layout, views
+from slime_dsa.weights.payloads import TensorSpec
 from trainers.weight_sender import engine_dtypes, full_tensor
 
 
@@ -17,23 +20,32 @@ class SharedWeights:
     """The flat buffer (on the sender, rank 0, only) and its table; `fill` copies the current weights in. Every rank
     builds one and calls fill: gathering a sharded tensor is a collective."""
 
-    def __init__(self, model: torch.nn.Module, engine_dtype: str, sender: bool) -> None:
-        targets = engine_dtypes(model.config, engine_dtype)
-        specs = [(name, tuple(t.shape), dtype_name(targets.get(name, t.dtype))) for name, t in model.state_dict().items()]
-        self.tensors, nbytes = layout(specs)
+    def __init__(self, model: torch.nn.Module, engine_dtype: str, sender: bool,
+                 specs: list[TensorSpec] | None = None, device: torch.device | None = None) -> None:
+        """specs and device: each tensor's name, engine dtype and whole shape, and the GPU, where the model's own
+        tensors are partitions (which may live in host memory)."""
+        if specs is None:
+            targets = engine_dtypes(model.config, engine_dtype)
+            specs = [TensorSpec(name, dtype_name(targets.get(name, t.dtype)), tuple(t.shape))
+                     for name, t in model.state_dict().items()]
+        self.tensors, nbytes = layout([(spec.name, tuple(spec.shape), spec.dtype) for spec in specs])
         self.flat: torch.Tensor | None = None
         self.weights: IpcWeights | None = None
         if sender:
-            device = next(model.parameters()).device
+            device = device or next(model.parameters()).device
             self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._views = views(self.flat, self.tensors)
             self.weights = IpcWeights(export_buffer(self.flat), self.tensors)
 
-    @torch.no_grad()
     def fill(self, model: torch.nn.Module) -> dict | None:
         """Copy the model's current weights into the buffer (cast on the GPU); the sender returns the JSON table."""
-        for name, t in model.state_dict().items():  # the same order on every rank: full_tensor is a collective
-            full = full_tensor(t)
+        # The same order on every rank: full_tensor is a collective.
+        return self.fill_from((name, full_tensor(t)) for name, t in model.state_dict().items())
+
+    @torch.no_grad()
+    def fill_from(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict | None:
+        """Copy (name, whole tensor) pairs into the buffer; the sender returns the JSON table."""
+        for name, full in tensors:
             if self.flat is not None:
                 self._views[name].copy_(full)
         if self.flat is None:

@@ -1,7 +1,7 @@
 """RL losses and advantages as pure functions of packed token tensors: no I/O, no Ray, no models.
 
 Per-token tensors are (T,) over the concatenated tokens of a batch, with `loss_mask` (T,) float and
-`sample_index` (T,) long (which sample each token belongs to). Formulas: shared/ALGORITHMS.md §1–§5, §7.
+`sample_index` (T,) long (which sample each token belongs to). Formulas: docs/algorithms.md §1–§5, §7.
 
   utils.py          masked_sum / masked_mean / seq_mean / aggregate (token_mean | seq_mean)
   types.py          LossInputs, LossOutputs

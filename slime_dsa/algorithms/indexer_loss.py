@@ -1,4 +1,4 @@
-"""DSA indexer training against the attention of its IndexShare group (ALGORITHMS.md section 6), as pure functions.
+"""DSA indexer training against the attention of its IndexShare group (docs/algorithms.md section 6), as pure functions.
 
 For a full layer l with group G_l (l and the shared layers that reuse its top-k), the target at query t is
   p_bar[t] = mean over l' in G_l of L1-normalise(sum over heads of softmax(attn_scale * q[t] . kv[s]))

@@ -1,4 +1,5 @@
-"""The files a recipe points at, checked before anything slow starts (`recipe check`, the start of train and sft).
+"""The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
+check`, the start of train and sft).
 
 The rule: model.path is a local directory holding config.json (train and sft load no hub ids). The other paths
 (model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
@@ -9,6 +10,7 @@ loader.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -46,6 +48,9 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
+    if config.trainer.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append(("trainer.backend", "'deepspeed' needs DeepSpeed, which is not installed here "
+                                            "(pip install -e '.[deepspeed]')"))
     return problems
 
 

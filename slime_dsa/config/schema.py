@@ -15,8 +15,9 @@ from slime_dsa.config.errors import RecipeValueError
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
 TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup",
-                                    "megatron": "trainers.megatron.group:MegatronTrainerGroup"}
-PLANNED_TRAINER_BACKENDS: dict[str, str] = {"deepspeed": "DeepSpeed ZeRO with CPU offload"}
+                                    "megatron": "trainers.megatron.group:MegatronTrainerGroup",
+                                    "deepspeed": "trainers.deepspeed.group:DeepSpeedTrainerGroup"}
+PLANNED_TRAINER_BACKENDS: dict[str, str] = {}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -490,13 +491,59 @@ class MegatronSection(Section):
     context_parallel: int = Field(1, ge=1, description="Context-parallel ranks; only 1 is built yet.")
 
 
+class DeepSpeedSection(Section):
+    """DeepSpeed ZeRO (trainer.backend deepspeed): what the workers partition, and what lives in host memory."""
+
+    zero_stage: Literal[1, 2, 3] = Field(
+        3, description="ZeRO stage: 1 partitions the optimizer state (and float32 master weights) across workers, 2 "
+                       "also the gradients, 3 also the parameters, which are gathered layer by layer in forward and "
+                       "backward (memory / num_workers for all three, as FSDP2's).")
+    offload_optimizer: Literal["none", "cpu"] = Field(
+        "none", description="Where the optimizer state and float32 master weights live: none = on the device; cpu = "
+                            "in host memory, and the optimizer step runs on the host (torch's AdamW unless cpu_adam).")
+    offload_param: Literal["none", "cpu"] = Field(
+        "none", description="zero_stage 3: where the parameters' partitions live between uses: none = on the "
+                            "device; cpu = in host memory, copied to the device layer by layer as it runs (the "
+                            "device then holds about one layer's weights: models larger than the device).")
+    cpu_adam: bool = Field(
+        False, description="offload_optimizer cpu: DeepSpeed's CPU Adam (vectorised C++, several times faster than "
+                           "torch's AdamW on the host) instead of torch's AdamW. It is compiled on first use (about "
+                           "45 s, cached in TORCH_EXTENSIONS_DIR), so it is off by default.")
+    param_persistence_threshold: int = Field(
+        100_000, ge=0, description="zero_stage 3: parameters with fewer elements than this stay whole on every worker "
+                                   "(norms, biases, routers: a gather per use costs more than they weigh); 0 = "
+                                   "partition every parameter (DeepSpeed's stage3_param_persistence_threshold).")
+    prefetch_bucket_size: int = Field(
+        50_000_000, ge=0, description="zero_stage 3: elements of parameters gathered ahead of the layer that needs "
+                                      "them (DeepSpeed's stage3_prefetch_bucket_size); 0 = no prefetch.")
+    reduce_bucket_size: int = Field(
+        500_000_000, ge=1, description="Elements of gradients reduced per collective: larger buckets mean fewer "
+                                       "collectives and more memory (DeepSpeed's reduce_bucket_size).")
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepSpeedSection:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise RecipeValueError(f"offload_param '{self.offload_param}' needs zero_stage 3 (stages 1 and 2 keep "
+                                   f"whole parameters on every worker), got {self.zero_stage}", "offload_param",
+                                   "zero_stage")
+        if self.cpu_adam and self.offload_optimizer == "none":
+            raise RecipeValueError("cpu_adam runs the optimizer step on the host: it needs offload_optimizer 'cpu'",
+                                   "cpu_adam", "offload_optimizer")
+        if self.zero_stage != 3:
+            for key in ("param_persistence_threshold", "prefetch_bucket_size"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise RecipeValueError(f"{key} applies to zero_stage 3, which partitions parameters; got "
+                                           f"zero_stage {self.zero_stage}", key, "zero_stage")
+        return self
+
+
 class TrainerSection(Section):
     """The training backend and the optimiser."""
 
     backend: str = Field(
-        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU) or megatron "
-                            "(megatron-core with tensor and expert parallelism; sizes in trainer.megatron). deepspeed "
-                            "is planned.")
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron (megatron-core "
+                            "with tensor and expert parallelism: trainer.megatron) or deepspeed (DeepSpeed ZeRO 1/2/3 "
+                            "with optional host offload: trainer.deepspeed).")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
                              "the batch.")
@@ -539,6 +586,8 @@ class TrainerSection(Section):
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
                                 "error.")
+    deepspeed: DeepSpeedSection = Field(
+        default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings (backend deepspeed).")
 
     @field_validator("backend")
     @classmethod
@@ -557,8 +606,24 @@ class TrainerSection(Section):
             raise RecipeValueError(f"both betas must be in [0, 1), got {list(betas)}")
         return betas
 
+    def backend_options(self) -> dict:
+        """The chosen backend's own section (trainer.<backend>) as plain data; {} for a backend without one."""
+        section = getattr(self, self.backend, None)
+        return section.model_dump() if isinstance(section, Section) else {}
+
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
+        changed = [k for k in DeepSpeedSection.model_fields
+                   if getattr(self.deepspeed, k) != DeepSpeedSection.model_fields[k].default]
+        if changed and self.backend != "deepspeed":
+            raise RecipeValueError(f"deepspeed.{changed[0]} applies to backend 'deepspeed', but backend is "
+                                   f"'{self.backend}'", f"deepspeed.{changed[0]}", "backend")
+        if self.backend == "deepspeed" and self.data_parallel != "fsdp":
+            raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; DeepSpeed "
+                                   "partitions by deepspeed.zero_stage", "data_parallel", "backend")
+        if self.backend == "megatron" and self.data_parallel != "fsdp":
+            raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; Megatron splits "
+                                   "by trainer.megatron's sizes", "data_parallel", "backend")
         total = self.num_steps * self.num_steps_per_rollout
         if self.warmup_steps > total:
             raise RecipeValueError(

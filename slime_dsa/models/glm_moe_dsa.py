@@ -198,7 +198,7 @@ class MLAttention(nn.Module):
         index_q = index_k_new = index_w = None
         if self.indexer is not None:
             # Detached inputs: the selection is discrete, so the only gradient an indexer gets is the indexer loss,
-            # and that loss must not reach the layers below (ALGORITHMS.md section 6, sparse stage).
+            # and that loss must not reach the layers below (docs/algorithms.md section 6, sparse stage).
             index_q, index_k_new, index_w = self.indexer.project(x.detach(), q_latent.detach(), cos, sin)
         if batch.kv_cache is not None:
             kv, index_k = batch.kv_cache.update(self.layer_idx, kv_new, index_k_new)

@@ -1,4 +1,4 @@
-"""The value model (critic) of SAO (ALGORITHMS.md section 5): the policy's backbone with a scalar head.
+"""The value model (critic) of SAO (docs/algorithms.md section 5): the policy's backbone with a scalar head.
 
 - Backbone: GlmMoeDsaModel under `model.`, named as in the policy, so a policy checkpoint initialises it as is
   (its lm_head and MTP layers are left out).

@@ -205,7 +205,7 @@ def indexer_kl_loss(
     cu_seqlens_k: torch.Tensor,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DSA indexer KL loss of one IndexShare group, per query row (ALGORITHMS.md section 6).
+    """DSA indexer KL loss of one IndexShare group, per query row (docs/algorithms.md section 6).
 
     index_q (Tq, Hi, Di), index_k (Tk, Di), index_weights (Tq, Hi): the group's full-layer indexer inputs;
     index_scale as in `indexer_scores`. attn_q[g] (Tq, H, D), attn_kv[g] (Tk, D): the MQA-mode attention

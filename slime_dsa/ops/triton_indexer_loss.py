@@ -1,6 +1,6 @@
 """Fused DSA indexer KL loss (Triton): KL(p_bar || softmax(I)) per query, gradients into the indexer only.
 
-Contract and notation: `reference.indexer_kl_loss` (ALGORITHMS.md section 6). Work goes by chunks of
+Contract and notation: `reference.indexer_kl_loss` (docs/algorithms.md section 6). Work goes by chunks of
 query rows, and per chunk only (rows x keys) float32 matrices exist, never (heads x T x T):
 1. `_attn_probs_kernel`, once per layer of the group: one program per query recomputes that layer's
    softmax probabilities from q, kv and lse (lse is recomputed in-kernel when not given) and writes their

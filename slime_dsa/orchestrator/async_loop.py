@@ -1,4 +1,4 @@
-"""The asynchronous RL loop (GLM-5's asynchronous stage; ALGORITHMS.md §4): rollout never waits for training.
+"""The asynchronous RL loop (GLM-5's asynchronous stage; docs/algorithms.md §4): rollout never waits for training.
 
 A producer task (`RolloutManager.produce`) keeps generating groups into the SampleBuffer while the trainer
 consumes them, one step of `prompts_per_step` groups at a time:

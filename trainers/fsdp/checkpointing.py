@@ -32,13 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, list):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
         return x.item()
     return x
@@ -66,14 +66,19 @@ def save_rank_checkpoint(worker, directory: str) -> None:
         if role.optimizer is not None:
             _save_role(role, role_directory(out, name), worker.rank == 0)
     dist.barrier()
+    save_rng_state(worker, out)
+    dist.barrier()
+
+
+def save_rng_state(worker, out: Path) -> None:
+    """This rank's RNG streams (torch, CUDA, Python's random) under the directory of its first role."""
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     rng_dir = rng_directory(out, worker)
     rng_dir.mkdir(parents=True, exist_ok=True)
     save_file(rng, rng_dir / f"rng_rank{worker.rank}.safetensors")
-    (rng_dir / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": _jsonable(random.getstate())}))
-    dist.barrier()
+    (rng_dir / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": jsonable(random.getstate())}))
 
 
 def _save_role(role, out: Path, writer: bool) -> None:
@@ -86,8 +91,8 @@ def _save_role(role, out: Path, writer: bool) -> None:
     tensors = {f"{fqn}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
                for fqn, entry in optim_state["state"].items() for key, value in entry.items()}
     save_file(tensors, out / "optimizer.safetensors")
-    (out / "optimizer.json").write_text(json.dumps({"param_groups": _jsonable(optim_state["param_groups"])}))
-    (out / "trainer.json").write_text(json.dumps({"step": role.step, "scheduler": _jsonable(role.scheduler.state_dict())}))
+    (out / "optimizer.json").write_text(json.dumps({"param_groups": jsonable(optim_state["param_groups"])}))
+    (out / "trainer.json").write_text(json.dumps({"step": role.step, "scheduler": jsonable(role.scheduler.state_dict())}))
     if role.config.kind == "value":
         role.model.config.save(out)  # architectures GlmMoeDsaForValue: a value-model directory
 
@@ -98,6 +103,12 @@ def load_rank_checkpoint(worker, directory: str) -> None:
     for name, role in worker.roles.items():
         if role.optimizer is not None:
             _load_role(role, role_directory(src, name))
+    load_rng_state(worker, src)
+    dist.barrier()
+
+
+def load_rng_state(worker, src: Path) -> None:
+    """The inverse of save_rng_state (nothing to do where the checkpoint has none for this rank)."""
     rng_dir = rng_directory(src, worker)
     rng_file = rng_dir / f"rng_rank{worker.rank}.safetensors"
     if rng_file.exists():
@@ -106,7 +117,6 @@ def load_rank_checkpoint(worker, directory: str) -> None:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         random.setstate(_python_rng_from_json(json.loads((rng_dir / f"rng_rank{worker.rank}.json").read_text())["python"]))
-    dist.barrier()
 
 
 def _load_role(role, src: Path) -> None:

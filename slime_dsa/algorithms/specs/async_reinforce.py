@@ -1,4 +1,4 @@
-"""Asynchronous REINFORCE with direct double-sided IS (GLM-5 §3.3; ALGORITHMS.md §4): the asynchronous loop."""
+"""Asynchronous REINFORCE with direct double-sided IS (GLM-5 §3.3; docs/algorithms.md §4): the asynchronous loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GRPO with Clip-Higher, dual clip and IcePop / TIS (ALGORITHMS.md §1-§3): the synchronous loop."""
+"""GRPO with Clip-Higher, dual clip and IcePop / TIS (docs/algorithms.md §1-§3): the synchronous loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SAO, single-rollout asynchronous optimisation (ALGORITHMS.md section 5): one rollout per prompt, the DIS actor
+"""SAO, single-rollout asynchronous optimisation (docs/algorithms.md section 5): one rollout per prompt, the DIS actor
 loss against π_roll, and per-token advantages by skip-observation GAE from a value model trained beside the policy.
 
   actor:  Â = GAE(γ, λ_policy = clamp(1 - 1/(α·l), 0, 1)) over action tokens, l the trajectory's action tokens
