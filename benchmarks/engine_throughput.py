@@ -1,18 +1,29 @@
 """Output tokens/s of the embedded engine vs transformers `generate`, same random GLM-MoE-DSA weights, same prompts.
 
-Both decode greedily with EOS ignored, so every request produces exactly --new-tokens tokens on both sides.
-transformers gets the prompts left-padded in one batch; the engine gets them all at once and schedules them
-itself (continuous batching, paged cache). Prints a markdown table; --out appends it to a file.
+The simple path: both decode greedily with EOS ignored, so every request produces exactly --new-tokens tokens on
+both sides. transformers gets the prompts left-padded in one batch; the engine gets them all at once and schedules
+them itself (continuous batching, paged cache).
+
+The rollout path (--paths rollout): the engine as an RL step drives it. Groups of --group-size samples of one prompt,
+one /generate body per group built and parsed by the code the HTTP server runs (rollout.server.in_process, without
+the socket), as rollout.groups sends it: temperature 1 with a sampling seed per sample, return_logprob, a stop
+string (checked by decoding each request's tail with a word-level tokenizer over the whole vocabulary), the DSA
+top-k rows of every prompt and output row for index replay (--no-replay: off), prefix caching on, and a weight
+update (a new version, cache flushed) between the first run and the timed one, as between two RL steps.
+
+Both paths report the engine's decode step time and host gap (rollout.engine.perf: the share of step time not spent
+waiting on the device). Prints markdown tables; --out appends them to a file.
 
     python benchmarks/engine_throughput.py --device cpu --dtype float32 --preset small
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m --out benchmarks/RESULTS.md
 
-Needs torch, transformers, safetensors and this repository only (no ray / wandb / datasets).
+Needs torch, transformers, safetensors, aiohttp and this repository only (no ray / wandb / datasets).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import logging
 import os
@@ -29,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.engine import Engine, GenerateRequest, SamplingParams  # noqa: E402
+from rollout.engine import perf as engine_perf  # noqa: E402
 from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: E402
 from slime_dsa.models import ModelConfig  # noqa: E402
 
@@ -95,12 +107,19 @@ def make_engine(model, prompts: list[list[int]], new_tokens: int, block_size: in
                   enable_prefix_caching=False, cuda_graphs=cuda_graphs, **ENGINE_OPTIONS)  # random prompts share nothing: keep it plain
 
 
+def step_metrics(engine: Engine, before: dict) -> dict:
+    """The engine's step-loop metrics since the counters `before` (rollout.engine.perf.step_metrics)."""
+    return engine_perf.step_metrics([engine_perf.delta(before, engine_perf.counters(engine.stats))],
+                                    [engine.max_running_requests])
+
+
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> tuple[float, list[list[int]]]:
     """All prompts into the engine at once, stepped until done: (seconds, output ids).
 
     Sets run_engine.prefill_s: the time until every prompt token was in the cache (prefill steps, which also
-    decode the requests admitted earlier)."""
+    decode the requests admitted earlier), and run_engine.perf: the step-loop metrics of the run."""
     sync(device)
+    before = engine_perf.counters(engine.stats)
     start = time.perf_counter()
     prefilled = engine.stats["prefill_tokens"] + sum(len(p) for p in prompts)
     for i, p in enumerate(prompts):
@@ -114,7 +133,66 @@ def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, device
         if run_engine.prefill_s is None and engine.stats["prefill_tokens"] >= prefilled:
             run_engine.prefill_s = time.perf_counter() - start
     sync(device)
+    run_engine.perf = step_metrics(engine, before)
     return time.perf_counter() - start, [finals[str(i)] for i in range(len(prompts))]
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over every id of the model (w0 .. w<vocab-1>): stop strings cost what they cost with
+    a real tokenizer, one decode of each request's tail per step, on outputs of a random model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def run_rollout(model, prompts: list[list[int]], group: int, new_tokens: int, block_size: int, device: torch.device,
+                tokenizer, replay: bool, stop: list[str], seed: int) -> dict:
+    """The rollout path (module docstring) over `prompts` (each sent as a group of `group` samples): a fresh engine,
+    a first run (captures graphs, compiles), a weight update, then the timed run. Returns {"first_s", "s",
+    "tokens", "first_tokens", "outside_share", **step metrics of the timed run}."""
+    return asyncio.run(_rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed))
+
+
+async def _rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed) -> dict:
+    from rollout.engine import AsyncEngine  # noqa: PLC0415
+    from rollout.server.in_process import InProcessClient  # noqa: PLC0415
+
+    n = len(prompts) * group
+    need = sum(-(-(len(p) + new_tokens) // block_size) for p in prompts) * group * block_size
+    engine = Engine(model, max_cache_tokens=need + block_size, max_running_requests=n, block_size=block_size,
+                    tokenizer=tokenizer, keep_indexer_topk=replay, **ENGINE_OPTIONS)
+    front = AsyncEngine(engine)
+    await front.start()
+    client = InProcessClient(front, tokenizer)
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": list(stop)}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    async def once(run: int) -> tuple[float, int, dict]:
+        sync(device)
+        before = engine_perf.counters(engine.stats)
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(
+            client.generate_batch([p] * group, [{**params, "sampling_seed": (seed * 1_000_003 + (run * n + g * group + k)) % 2**31}
+                                                for k in range(group)],
+                                  return_logprob=True, session_id=f"group-{run}-{g}", return_indexer_topk=replay,
+                                  indexer_topk_start_len=0)
+            for g, p in enumerate(prompts)))
+        sync(device)
+        seconds = time.perf_counter() - start
+        tokens = sum(o["meta_info"]["completion_tokens"] for group_outs in outs for o in group_outs)
+        return seconds, tokens, step_metrics(engine, before)
+
+    try:
+        first_s, first_tokens, _ = await once(0)
+        await front.update_weights(weights, weight_version="1")  # as between two RL steps: new version, cache flushed
+        seconds, tokens, perf = await once(1)
+    finally:
+        await front.stop()
+    return {"first_s": first_s, "first_tokens": first_tokens, "s": seconds, "tokens": tokens,
+            "outside_share": max(0.0, 1 - perf.get("busy_s", 0.0) / seconds), **perf}
 
 
 def profile_decode(model, prompts: list[list[int]], device: torch.device, block_size: int, steps: int = 8,
@@ -192,7 +270,18 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", type=Path, default=None, help="append the markdown section to this file")
     parser.add_argument("--profile", action="store_true", help="also time decode steps alone and count their host syncs (CUDA)")
     parser.add_argument("--trace", type=Path, default=None, help="with --profile: write a torch profiler table of one decode step here")
+    parser.add_argument("--paths", default="simple,rollout", help="comma-separated: simple (greedy, EOS ignored, one "
+                        "engine call per prompt) and/or rollout (as an RL step drives the engine: module docstring)")
+    parser.add_argument("--hf-batch-sizes", default=None, help="batch sizes transformers runs at, for the ratios "
+                        "(default: every batch size; 'none' skips it)")
+    parser.add_argument("--no-eager", action="store_true", help="skip the simple path's run without CUDA graphs")
+    parser.add_argument("--group-size", type=int, default=16, help="rollout path: samples per prompt (one /generate each)")
+    parser.add_argument("--stop", action="append", default=None, help="rollout path: stop string (repeatable; default </answer>)")
+    parser.add_argument("--no-replay", action="store_true", help="rollout path: no DSA top-k rows for index replay")
     args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if unknown := sorted(set(paths) - {"simple", "rollout"}):
+        parser.error(f"--paths: unknown path(s) {unknown}; choose simple and/or rollout")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -204,15 +293,21 @@ def main(argv: list[str] | None = None) -> str:
     prompt_len, new_tokens = args.prompt_len or prompt_len, args.new_tokens or new_tokens
     config = ModelConfig.from_dict({**_COMMON, **overrides})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    hf_sizes = set(batch_sizes) if args.hf_batch_sizes is None else (
+        set() if args.hf_batch_sizes == "none" else {int(b) for b in args.hf_batch_sizes.split(",")})
+    stop = args.stop if args.stop is not None else ["</answer>"]
+    if "rollout" in paths and any(b % args.group_size for b in batch_sizes):
+        parser.error(f"--batch-sizes must be multiples of --group-size ({args.group_size}) for the rollout path")
 
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy; only the baseline needs it)
 
     model = build_model(config, dtype=dtype, device=device, seed=args.seed).eval()
     n_params = sum(p.numel() for p in model.parameters())
     warm = make_prompts(4, prompt_len, config.vocab_size, args.seed + 1)
+    hf, hf_impl = None, "not run"
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(model, tmp)
-        for experts in ([args.hf_experts] if args.hf_experts else [None, "eager"]):
+        for experts in ([args.hf_experts] if args.hf_experts else [None, "eager"]) if hf_sizes else []:
             kwargs = {"experts_implementation": experts} if experts else {}
             hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, **kwargs).to(device).eval()
             try:
@@ -222,30 +317,49 @@ def main(argv: list[str] | None = None) -> str:
                 if experts == "eager" or args.hf_experts:
                     raise
                 logger.warning("transformers with experts %s failed (%s); retrying with eager experts", hf.config._experts_implementation, exc)
-    hf_impl = f"attention `{hf.config._attn_implementation}`, experts `{hf.config._experts_implementation}`"
+    if hf is not None:
+        hf_impl = f"attention `{hf.config._attn_implementation}`, experts `{hf.config._experts_implementation}`"
     logger.info("preset %s: %.1fM parameters, %s %s, transformers %s", args.preset, n_params / 1e6, device, dtype, hf_impl)
     # Full length: kernels compile before timing.
     run_engine(make_engine(model, warm, new_tokens, args.block_size), warm, new_tokens, device)
     graphs = device.type == "cuda"
 
-    rows = []
+    rows, rollout_rows, hf_tok_s = [], [], {}
+    tokenizer = word_tokenizer(config.vocab_size) if "rollout" in paths else None
     for batch in batch_sizes:
         prompts = make_prompts(batch, prompt_len, config.vocab_size, args.seed + batch)
-        hf_s, hf_out = run_hf(hf, prompts, new_tokens, device)
-        logger.info("batch %d: transformers %.2fs", batch, hf_s)
-        engine = make_engine(model, prompts, new_tokens, args.block_size)
-        cold_s, _ = run_engine(engine, prompts, new_tokens, device)  # on CUDA: captures the decode graphs it needs
-        eng_s, eng_out = run_engine(engine, prompts, new_tokens, device)  # the same engine, as in an RL loop
-        prefill_s = run_engine.prefill_s
-        eager_s = None
-        if graphs:
-            eager_s, _ = run_engine(make_engine(model, prompts, new_tokens, args.block_size, cuda_graphs=False), prompts, new_tokens, device)
-        logger.info("batch %d: engine %.2fs (prefill %.2fs; first run %.2fs, without CUDA graphs %s)", batch, eng_s, prefill_s, cold_s, eager_s)
-        assert all(len(o) == new_tokens for o in hf_out + eng_out), "both sides must produce --new-tokens tokens per request"
-        same = sum(a == b for a, b in zip(hf_out, eng_out)) / batch
         tokens = batch * new_tokens
-        rows.append((batch, tokens / hf_s, tokens / eng_s, hf_s / eng_s, prefill_s / eng_s, tokens / cold_s,
-                     None if eager_s is None else tokens / eager_s, same))
+        if batch in hf_sizes:
+            hf_s, hf_out = run_hf(hf, prompts, new_tokens, device)
+            hf_tok_s[batch] = tokens / hf_s
+            logger.info("batch %d: transformers %.2fs, %.0f tok/s", batch, hf_s, tokens / hf_s)
+        if "simple" in paths:
+            engine = make_engine(model, prompts, new_tokens, args.block_size)
+            cold_s, _ = run_engine(engine, prompts, new_tokens, device)  # on CUDA: captures the decode graphs it needs
+            eng_s, eng_out = run_engine(engine, prompts, new_tokens, device)  # the same engine, as in an RL loop
+            prefill_s, perf = run_engine.prefill_s, run_engine.perf
+            eager_s = None
+            if graphs and not args.no_eager:
+                eager_s, _ = run_engine(make_engine(model, prompts, new_tokens, args.block_size, cuda_graphs=False), prompts, new_tokens, device)
+            logger.info("batch %d: engine %.2fs, %.0f tok/s (prefill %.2fs; first run %.2fs, without CUDA graphs %s); decode "
+                        "step %s ms, host gap %s", batch, eng_s, tokens / eng_s, prefill_s, cold_s, eager_s,
+                        _num(perf.get("decode_step_ms")), _pct(perf.get("decode_host_gap_share")))
+            assert all(len(o) == new_tokens for o in eng_out), "the engine must produce --new-tokens tokens per request"
+            same = None
+            if batch in hf_sizes:
+                assert all(len(o) == new_tokens for o in hf_out), "transformers must produce --new-tokens tokens per request"
+                same = sum(a == b for a, b in zip(hf_out, eng_out)) / batch
+            rows.append((batch, hf_tok_s.get(batch), tokens / eng_s, prefill_s / eng_s, tokens / cold_s,
+                         None if eager_s is None else tokens / eager_s, same, perf))
+        if "rollout" in paths:
+            groups = make_prompts(batch // args.group_size, prompt_len, config.vocab_size, args.seed + batch)
+            r = run_rollout(model, groups, args.group_size, new_tokens, args.block_size, device, tokenizer,
+                            not args.no_replay, stop, args.seed)
+            logger.info("batch %d: rollout path %.2fs for %d tokens, %.0f tok/s (first run %.2fs); decode step %s ms, host "
+                        "gap %s (all steps %s), outside engine steps %s", batch, r["s"], r["tokens"], r["tokens"] / r["s"],
+                        r["first_s"], _num(r.get("decode_step_ms")), _pct(r.get("decode_host_gap_share")),
+                        _pct(r.get("host_gap_share")), _pct(r["outside_share"]))
+            rollout_rows.append((batch, r))
 
     profiles = []
     if args.profile:
@@ -261,16 +375,45 @@ def main(argv: list[str] | None = None) -> str:
         f"### Engine throughput: preset `{args.preset}` ({n_params / 1e6:.1f}M params), {device.type} {str(dtype).removeprefix('torch.')}",
         "",
         f"- date: {datetime.date.today().isoformat()}; hardware: {hardware(device)}; torch {torch.__version__}",
-        f"- greedy, EOS ignored, prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
-        f"transformers `generate` (one left-padded batch, {hf_impl}) vs the embedded engine (block size {args.block_size})",
+        f"- prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
+        f"transformers `generate` (greedy, EOS ignored, one left-padded batch, {hf_impl}) at batch "
+        f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}",
         f"- command: `{command}`",
         "",
-        "| batch | transformers tok/s | engine tok/s | engine / transformers | engine time in prefill | engine first run tok/s | engine without CUDA graphs tok/s | identical outputs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *(f"| {b} | {h:.1f} | {e:.1f} | {r:.2f}x | {pf:.0%} | {c:.1f} | {'-' if g is None else f'{g:.1f}'} | {s:.0%} |" for b, h, e, r, pf, c, g, s in rows),
-        "",
-        "- engine tok/s: the second run of the batch through the same engine (an RL engine serves many batches);"
-        " the first run also captures the CUDA graphs (CUDA only) and compiles kernels for new shapes.",
+    ]
+    if rows:
+        lines += [
+            "Simple path (greedy, EOS ignored, all prompts added at once, the engine stepped directly):",
+            "",
+            "| batch | transformers tok/s | engine tok/s | engine / transformers | decode step ms | host gap (decode steps) | engine time in prefill | engine first run tok/s | engine without CUDA graphs tok/s | identical outputs |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *(f"| {b} | {_num(h, 1)} | {e:.1f} | {_ratio(e, h)} | {_num(pf.get('decode_step_ms'))} | {_pct(pf.get('decode_host_gap_share'))} "
+              f"| {p:.0%} | {c:.1f} | {_num(g, 1)} | {_pct(sm)} |" for b, h, e, p, c, g, sm, pf in rows),
+            "",
+            "- engine tok/s: the second run of the batch through the same engine (an RL engine serves many batches);"
+            " the first run also captures the CUDA graphs (CUDA only) and compiles kernels for new shapes.",
+            "",
+        ]
+    if rollout_rows:
+        lines += [
+            f"Rollout path (groups of {args.group_size}, T=1 with a seed per sample, return_logprob, stop {stop}, "
+            f"index replay rows {'off' if args.no_replay else 'on'}, prefix caching, through the server's /generate "
+            "code in process; timed after a weight update):",
+            "",
+            "| batch | prompts x group | rollout tok/s | rollout / transformers | decode step ms | host gap (decode steps) | host gap (all steps) | steps | decode steps | time outside engine steps | first run tok/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *(f"| {b} | {b // args.group_size} x {args.group_size} | {r['tokens'] / r['s']:.1f} | {_ratio(r['tokens'] / r['s'], hf_tok_s.get(b))} "
+              f"| {_num(r.get('decode_step_ms'))} | {_pct(r.get('decode_host_gap_share'))} | {_pct(r.get('host_gap_share'))} "
+              f"| {r.get('steps', 0):.0f} | {r.get('decode_steps', 0):.0f} | {_pct(r['outside_share'])} | {r['first_tokens'] / r['first_s']:.1f} |"
+              for b, r in rollout_rows),
+            "",
+            "- rollout / transformers: against transformers' greedy tok/s at the same batch (other prompts; its speed does"
+            " not depend on them). host gap: the share of step time not spent waiting on the device (on CUDA the"
+            " step's one sync; on CPU the model forward); time outside engine steps: the engine thread's polling, the"
+            " /generate parsing and the response building (base64 top-k rows, texts).",
+            "",
+        ]
+    lines += [
         *(f"- decode step alone at batch {b} (all requests prefilled): {p['step_ms']:.2f} ms; host syncs in one step: "
           f"{p['syncs']} ({', '.join(f'{w} x{n}' for w, n in p['sources'])})" for b, p in profiles),
         "",
@@ -282,6 +425,18 @@ def main(argv: list[str] | None = None) -> str:
         with args.out.open("a") as f:
             f.write("\n" + text)
     return text
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _ratio(ours: float, theirs: float | None) -> str:
+    return "-" if not theirs else f"{ours / theirs:.2f}x"
 
 
 if __name__ == "__main__":

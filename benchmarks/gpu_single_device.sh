@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl test ds" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof sft rl vstrl test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
@@ -17,6 +17,11 @@
 # offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
 # everything in one file, $OUT/deepspeed.log. Needs the DeepSpeed wheels in whl/ (deepspeed, hjson, py-cpuinfo,
 # ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
+# engthr (benchmarks/engine_throughput.py, preset 300m, bf16, 128 new tokens, as RESULTS.md's "Engine throughput:
+# preset 300m" entries): the simple path and the rollout path (groups of 16: 16x16 and 64x16) at ENGTHR_BATCHES
+# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun;
+# ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
+# closing Ray-log archive too).
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -79,6 +84,12 @@ mgbench)
   timeout -k 20 ${MGBENCH_T:-240} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench ${MGBENCH_ARGS} \
     --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
     | tee $OUT/megatron_vs_fsdp.log | tail -20
+  ;;
+engthr)
+  stamp engthr
+  timeout -k 10 ${ENGTHR_T:-150} python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m \
+    --new-tokens 128 --batch-sizes ${ENGTHR_BATCHES:-256,1024} --hf-batch-sizes ${ENGTHR_HF:-256} --group-size 16 \
+    --no-eager ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
   ;;
 ds)
   stamp ds

@@ -25,11 +25,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EngineActor:
-    """One engine and its HTTP endpoint. kind "embedded" needs model_dir; kind "sglang" needs sglang_config."""
+    """One engine and its HTTP endpoint. kind "embedded" needs model_dir; kind "sglang" needs sglang_config.
+
+    log_file: this process's log records of INFO and above (the engine's, the server's) are appended there; without
+    it a Ray worker keeps Python's default, WARNING and above on stderr (Ray's worker log)."""
 
     def __init__(self, kind: str = "embedded", *, model_dir: str | None = None, sglang_config: Any = None,
                  host: str = "127.0.0.1", port: int = 0, engine_kwargs: dict | None = None,
-                 server_kwargs: dict | None = None, launcher_kwargs: dict | None = None) -> None:
+                 server_kwargs: dict | None = None, launcher_kwargs: dict | None = None,
+                 log_file: str | None = None) -> None:
+        if log_file:
+            log_to(log_file)
         if kind not in ("embedded", "sglang"):
             raise ValueError(f"kind must be 'embedded' or 'sglang', got {kind!r}")
         if kind == "embedded" and not model_dir:
@@ -128,26 +134,53 @@ class EngineActor:
         self._server, self._url, self._engine = None, None, None
 
 
+def log_to(path: str) -> None:
+    """Root-logger records of INFO and above also to `path` (appended: a resumed run's engine continues the file);
+    WARNING and above still reach stderr, where Python's default handler wrote them before."""
+    from pathlib import Path  # noqa: PLC0415
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    before = root.getEffectiveLevel()
+    # What stderr got stays as it was (Ray forwards a worker's stderr to the driver's console): the handlers already
+    # there keep the old level, and Python's default one, which stops once the root has a handler, is replaced.
+    for existing in root.handlers:
+        existing.setLevel(max(existing.level, before))
+    if not root.handlers:
+        stderr = logging.StreamHandler()
+        stderr.setLevel(before)
+        root.addHandler(stderr)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(min(before, logging.INFO))
+
+
 def create_engine_actors(
     num_engines: int,
     *,
     kind: str = "embedded",
     num_gpus_per_engine: float = 0,
     num_cpus_per_engine: float = 1,
+    log_files: list[str] | None = None,
     **actor_kwargs: Any,
 ) -> list[Any]:
-    """`num_engines` EngineActor handles (not started): one per GPU when num_gpus_per_engine=1, else on CPUs."""
+    """`num_engines` EngineActor handles (not started): one per GPU when num_gpus_per_engine=1, else on CPUs.
+    log_files: one per engine, its log (EngineActor's log_file)."""
     import ray  # noqa: PLC0415
 
     if num_engines < 1:
         raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if log_files is not None and len(log_files) != num_engines:
+        raise ValueError(f"need one log file per engine, got {len(log_files)} for {num_engines}")
+    logs = log_files or [None] * num_engines
     if kind == "sglang" and hasattr(actor_kwargs.get("sglang_config"), "__dataclass_fields__"):
         actor_kwargs["sglang_config"] = asdict(actor_kwargs["sglang_config"])  # plain data across the Ray boundary
     cls = ray.remote(EngineActor)
     return [
         cls.options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine, max_concurrency=1000)
-        .remote(kind, **actor_kwargs)
-        for _ in range(num_engines)
+        .remote(kind, log_file=log, **actor_kwargs)
+        for log in logs
     ]
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.agents.runtime import AgentRuntime
 from rollout.client import EngineError, indexer_topk_rows
+from rollout.engine.defaults import DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.limiter import SampleLimiter
 from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
 from rollout.rewards.registry import load_reward_fn
@@ -73,7 +74,10 @@ class GroupRollout:
     def __init__(self, client: GenerateClient, tasks: list[Task], tokenizer: Any, rollout: RolloutSection,
                  seed: int = 0, limiter: SampleLimiter | None = None, indexer_topk: bool | None = None) -> None:
         self.client, self.tasks, self.tokenizer, self.cfg, self.seed = client, tasks, tokenizer, rollout, seed
-        self.limiter = limiter or SampleLimiter(rollout.max_concurrency)
+        # rollout.max_concurrency null: a run passes its resolved limiter; alone (SFT's evaluation), one step's
+        # samples and at least what one engine runs at once.
+        self.limiter = limiter or SampleLimiter(
+            rollout.max_concurrency or max(rollout.step_samples(), DEFAULT_MAX_RUNNING_REQUESTS))
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
         self.reward_stats = {t.name: RewardStats() for t in tasks}

@@ -11,7 +11,9 @@ second run in the same directory fails at once; `held_lock(run_dir)` is that loc
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,8 +82,21 @@ def log_to_file(path: Path) -> Iterator[None]:
         root.setLevel(level)
 
 
+def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
+    """A copy of the model at `path` in run_dir/initial_model whose config.json says index_topk (the weights are the
+    same: the budget only says how many keys the indexer selects)."""
+    target = run_dir / "initial_model"
+    if not (target / "config.json").exists():
+        shutil.copytree(path, target, dirs_exist_ok=True)
+        config = json.loads((path / "config.json").read_text())
+        (target / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        logger.info("copied %s to %s with index_topk %d", path, target, index_topk)
+    return target
+
+
 def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
-    """The HF directory engines and trainers load: model.path, or a from-scratch preset saved into the run."""
+    """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
+    budget), or a from-scratch preset saved into the run."""
     from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
@@ -90,12 +105,14 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         path = Path(recipe.model.path)
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {path} is not a directory")
-        return path
+        return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     if (target / "config.json").exists():
         return target
     tokenizer = build_tokenizer()
-    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
+    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer),
+                           eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), **overrides)
     save_pretrained(build_model(config, seed=recipe.trainer.seed), target)
     tokenizer.save_pretrained(target)
     logger.info("built a %s model from scratch in %s", recipe.model.preset, target)

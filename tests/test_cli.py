@@ -37,13 +37,29 @@ def test_recipe_check_ok(capsys):
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == f"ok: {BASE}"
-    assert len(lines) == 2 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
+    assert len(lines) == 3 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
+    assert lines[2] == ("rollout.max_concurrency: 256 samples in flight (null: one step: 4 prompts × 8 samples, at "
+                        "least 256 per engine; synchronous loop)")
+
+
+def test_recipe_check_resolves_max_concurrency_to_cover_the_step(capsys):
+    step = ["--set", "rollout.prompts_per_step=64", "--set", "rollout.n_samples_per_prompt=16"]
+    assert main(["recipe", "check", BASE, *step]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("rollout.max_concurrency: 1024 samples in flight")
+    assert main(["recipe", "check", BASE, *step, "--set", "algorithm.name=async_reinforce"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith(
+        "rollout.max_concurrency: 3072 samples in flight (null: (max_staleness + 1 = 3) steps × 64 prompts × 16")
+    # the old default: one line says what it costs (a warning, not a refusal: a server may need the cap)
+    assert main(["recipe", "check", BASE, *step, "--set", "rollout.max_concurrency=1000"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == (
+        "rollout.max_concurrency (1000) is below one step's 1024 samples: 24 wait for a free place and the step "
+        "waits on their tail; null covers the step")
 
 
 def test_recipe_check_print_and_set(capsys):
     assert main(["recipe", "check", BASE, "--set", "rollout.temperature=0.25", "--print"]) == 0
     out, _ = capsys.readouterr()
-    resolved = yaml.safe_load(out.split("\n", 2)[2])
+    resolved = yaml.safe_load(out.split("\n", 3)[3])
     assert resolved["rollout"]["temperature"] == 0.25
 
 

@@ -76,6 +76,34 @@ def test_packed_forward_equals_separate_forwards(tmp_path):
     assert bool(((topk <= batch.positions[None, :, None]) | (topk == -1)).all())
 
 
+
+def test_dense_attention_path_equals_the_gather_path(tmp_path, monkeypatch):
+    """A top-k that covers every sequence runs dense causal attention on the torch path: same logits and gradients
+    as gathering the selected rows."""
+    from slime_dsa.ops import reference  # noqa: PLC0415
+
+    make_hf_checkpoint(tmp_path, index_topk=64)
+    model = slime_dsa.load_model(tmp_path, dtype=torch.float64)
+    seqs = [torch.randint(0, TINY["vocab_size"], (n,)) for n in (11, 3, 40, 1)]
+    batch = PackedBatch.from_seqlens([len(s) for s in seqs])
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        logits = model.forward_packed(torch.cat(seqs), batch).logits
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    calls, dense_attention = [], reference.dense_mla_attention
+    monkeypatch.setattr(reference, "dense_mla_attention", lambda *args: calls.append(1) or dense_attention(*args))
+    dense = run()
+    assert len(calls) == model.config.num_hidden_layers  # every layer took the dense path
+    monkeypatch.setattr(reference, "selects_all_causal", lambda indices, cu_seqlens: False)
+    gathered = run()
+    torch.testing.assert_close(dense[0], gathered[0], rtol=1e-10, atol=1e-12)
+    assert len(dense[1]) == len(gathered[1])
+    for got, want in zip(dense[1], gathered[1]):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
 def test_gradients_match_transformers_and_float64(tmp_path):
     hf = make_hf_checkpoint(tmp_path, num_hidden_layers=3, n_group=2, topk_group=1)
     ours = slime_dsa.load_model(tmp_path)

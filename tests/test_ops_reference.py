@@ -112,6 +112,52 @@ def test_sparse_attention_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b: reference.sparse_mla_attention(a, b, indices, 0.5, 4), (q, kv))
 
 
+def _all_causal(lens: list[int], k: int) -> torch.Tensor:
+    """Global rows of every causal key of every query, -1 after: what a top-k >= the sequence length selects."""
+    rows = [[key0 + j if j <= pos else -1 for j in range(k)] for _, key0, pos in _positions(lens, lens)]
+    return torch.tensor(rows)
+
+
+def test_dense_attention_equals_sparse_attention_over_every_causal_key():
+    torch.manual_seed(2)
+    lens = [5, 300, 1, 40]  # one sequence longer than a query chunk
+    T, H, D, v_dim = sum(lens), 3, 7, 5
+    q = torch.randn(T, H, D, dtype=F64, requires_grad=True)
+    kv = torch.randn(T, D, dtype=F64, requires_grad=True)
+    indices = _all_causal(lens, 512)
+    assert reference.selects_all_causal(indices, _cu(lens))
+    sparse = reference.sparse_mla_attention(q, kv, indices, 0.3, v_dim)
+    dense = reference.dense_mla_attention(q, kv, _cu(lens), 0.3, v_dim)
+    for got, want in zip(dense, sparse):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    grads = [torch.autograd.grad((out**2).sum() + lse.sum(), (q, kv)) for out, lse in (sparse, dense)]
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    via_ops = ops.sparse_mla_attention(q, kv, indices, 0.3, v_dim, _cu(lens))
+    torch.testing.assert_close(via_ops[0], sparse[0], rtol=1e-10, atol=1e-12)
+
+
+def test_selects_all_causal_only_for_every_causal_key():
+    lens = [3, 6]
+    indices = _all_causal(lens, 8)
+    assert reference.selects_all_causal(indices, _cu(lens))
+    assert not reference.selects_all_causal(indices[:, :5], _cu(lens))  # a top-k below the longest sequence
+    dropped = indices.clone()
+    dropped[7, 1] = -1  # one key left out (a sparse selection of a short row)
+    assert not reference.selects_all_causal(dropped, _cu(lens))
+    assert not reference.selects_all_causal(indices, _cu([4, 5]))  # other packing
+
+
+def test_sparse_attention_skips_columns_no_query_uses():
+    torch.manual_seed(3)
+    q, kv = torch.randn(4, 2, 6, dtype=F64), torch.randn(9, 6, dtype=F64)
+    indices = torch.tensor([[0, 3, -1, -1, -1], [6, -1, 2, -1, -1], [4, -1, -1, -1, -1], [1, 2, 8, -1, -1]])
+    out, lse = reference.sparse_mla_attention(q, kv, indices, 0.5, 4)
+    want_out, want_lse = naive_sparse_attention(q, kv, indices, 0.5, 4)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------
 # Indexer top-k
 

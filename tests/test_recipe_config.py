@@ -50,9 +50,14 @@ def test_empty_recipe_is_valid(tmp_path):
     config = RecipeConfig()
     assert config.model.path is None and config.rollout.engine == "embedded"
     assert config.cluster.num_gpus_per_engine == 0 and config.cluster.num_gpus_per_trainer == 0
-    assert config.rollout.max_concurrency == 1000 and config.rollout.n_samples_per_prompt == 8
+    assert config.rollout.max_concurrency is None and config.rollout.n_samples_per_prompt == 8
     assert (config.algorithm.eps_clip_low, config.algorithm.eps_clip_high) == (0.2, 0.28)
     assert [t.name for t in config.data.tasks] == ["arithmetic"]
+
+
+def test_model_index_topk_is_a_recipe_key(tmp_path):
+    assert load_recipe(None, ["model.index_topk=512"]).model.index_topk == 512
+    assert "index_topk" in recipe_error(None, ["model.index_topk=0"])
 
 
 def _models(model: type[BaseModel]):
@@ -420,3 +425,39 @@ def test_every_shipped_recipe_is_valid(path):
 def _shown(path: Path) -> str:
     rel = os.path.relpath(path)
     return rel if not rel.startswith("..") else str(path)
+
+
+def test_null_max_concurrency_covers_what_the_loop_has_in_flight():
+    from rollout.engine.defaults import DEFAULT_MAX_RUNNING_REQUESTS
+    from slime_dsa.config.schema import ENGINE_RUNNING_REQUESTS
+
+    assert ENGINE_RUNNING_REQUESTS == DEFAULT_MAX_RUNNING_REQUESTS
+
+    def recipe(**rollout) -> RecipeConfig:
+        return RecipeConfig.model_validate({"rollout": {"prompts_per_step": 64, "n_samples_per_prompt": 16, **rollout}})
+
+    assert recipe().max_concurrency() == 1024 == recipe().in_flight_samples()  # synchronous: one step
+    assert recipe().max_concurrency(use_async=True) == 3 * 1024  # the staleness window: max_staleness (2) + 1 steps
+    dynamic = recipe(dynamic_sampling=True, oversample_factor=1.5, max_oversample_factor=2.0)
+    assert dynamic.max_concurrency() == 2 * 1024  # the largest sampling round
+    small = RecipeConfig.model_validate({"rollout": {"num_engines": 3}})
+    assert small.in_flight_samples() == 32 and small.max_concurrency() == 3 * 256  # what the engines run at once
+    assert recipe(max_concurrency=1000).max_concurrency() == 1000  # a set value is kept
+    assert "24 wait for a free place" in recipe(max_concurrency=1000).concurrency_line()
+    assert recipe(max_concurrency=2000).concurrency_line().startswith("rollout.max_concurrency: 2000 samples in flight")
+
+
+def test_explain_sao_documents_every_key_with_default_and_source():
+    from slime_dsa.algorithms.specs import ALGORITHMS, COMMON_OPTIONS  # noqa: PLC0415
+    from slime_dsa.config.explain import explain_algorithm  # noqa: PLC0415
+    from slime_dsa.config.schema import CriticSection  # noqa: PLC0415
+
+    text = explain_algorithm("sao")
+    keys = [f"algorithm.{k}" for k in ALGORITHMS["sao"].options if k not in COMMON_OPTIONS]
+    keys += [f"critic.{k}" for k in CriticSection.model_fields]
+    assert "algorithm.critic_updates_per_step" in keys and "critic.learning_rate" in keys
+    for key in keys:
+        entry = text.split(f"  {key}: ", 1)[1].split("\n  ", 1)[0] if f"  {key}: " in text else ""
+        assert " = " in entry, f"{key} is not listed with its default"
+        body = text.split(f"  {key}: ", 1)[1].split("\n  algorithm.", 1)[0].split("\n  critic.", 1)[0]
+        assert "Default" in body, f"{key}: no source of its default"

@@ -21,7 +21,7 @@ RECIPE = {
     "rollout": {"num_engines": 2, "n_samples_per_prompt": 4, "prompts_per_step": 4, "max_response_length": 8},
     "trainer": {"num_workers": 2, "num_steps": 3, "num_steps_per_rollout": 2, "learning_rate": 3.0e-3,
                 "micro_batch_tokens": 256},
-    "logging": {"eval_every": 3, "wandb_mode": "offline"},
+    "logging": {"eval_every": 3, "wandb_mode": "offline", "peak_tflops": 1.0},
     "checkpoint": {"save_every": 1, "keep_last": 0},
 }
 
@@ -65,6 +65,31 @@ def test_three_steps_train_sync_and_log(first_run):
     changed = [k for k in initial if not torch.equal(initial[k], final[k])]
     assert len(changed) > len(initial) // 2, f"only {len(changed)} tensors changed"
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run files"
+
+
+def test_every_step_logs_engine_and_trainer_performance(first_run):
+    _, run_dir = first_run
+    _, *records = _records(run_dir)
+    for r in records:
+        # the engines' step loops over the step's rollouts (rollout.engine.perf): both engines stepped
+        # each engine: a prefill step and 7 decode steps for its 2 groups together, 16 for them one after the other
+        # (a loaded machine); evaluation is left out (tests/test_perf_metrics.py)
+        assert 2 * 8 <= r["perf/engine_steps"] <= 2 * 2 * 8
+        assert r["perf/engine_decode_steps"] > 0 and r["perf/engine_tok_s"] > 0
+        assert 0 < r["perf/engine_occupancy"] <= 1 and 0 < r["perf/engine_batch"] <= 16
+        assert 0 <= r["perf/engine_host_gap_share"] <= 1 and 0 <= r["perf/engine_decode_host_gap_share"] <= 1
+        assert r["perf/engine_step_ms"] > 0 and r["perf/engine_decode_step_ms"] > 0 and r["perf/engine_busy_s"] > 0
+        assert r["perf/engine_host_gap_s"] >= 0
+        # the trainers: tokens/s and model FLOPs against logging.peak_tflops (1 TFLOP/s here)
+        assert r["perf/train_tok_s"] > 0 and r["perf/train_model_tflops"] > 0
+        assert r["perf/train_mfu"] == pytest.approx(r["perf/train_model_tflops"])
+    summaries = list((run_dir / "wandb").glob("offline-run-*/files/wandb-summary.json"))
+    if summaries:  # W&B writes the summary at finish
+        assert "perf/engine_tok_s" in json.loads(summaries[0].read_text())
+    # each engine actor's own log, in the run directory
+    for i in range(2):
+        text = (run_dir / f"engine_{i}.log").read_text()
+        assert "INFO rollout.engine.engine: engine:" in text and "weight_version=3" in text
 
 
 def test_resume_from_step_2_reproduces_step_3(first_run):

@@ -31,3 +31,28 @@ def test_open_run_dir_writes_the_recipe_and_logs_only_inside_the_block(tmp_path)
 def test_run_dir_defaults_to_runs_and_the_run_name():
     assert str(resolve_run_dir(load_recipe(None, ["logging.run_name=exp1"]))) == "runs/exp1"
     assert str(resolve_run_dir(load_recipe(None, []))).startswith("runs/run-")
+
+
+def test_from_scratch_model_takes_the_recipe_index_topk(tmp_path):
+    import json  # noqa: PLC0415
+
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    recipe = load_recipe(None, ["model.preset=tiny", "model.index_topk=512"])
+    config = json.loads((prepare_model_dir(recipe, tmp_path) / "config.json").read_text())
+    assert config["index_topk"] == 512
+
+
+def test_model_path_with_index_topk_is_copied_with_the_new_budget(tmp_path):
+    import json  # noqa: PLC0415
+
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    source = prepare_model_dir(load_recipe(None, ["model.preset=tiny"]), tmp_path / "scratch")
+    recipe = load_recipe(None, [f"model.path={source}", "model.index_topk=512"])
+    copied = prepare_model_dir(recipe, tmp_path / "run")
+    assert copied == tmp_path / "run" / "initial_model"
+    assert json.loads((copied / "config.json").read_text())["index_topk"] == 512
+    assert json.loads((source / "config.json").read_text())["index_topk"] != 512
+    assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert prepare_model_dir(load_recipe(None, [f"model.path={source}"]), tmp_path / "plain") == source

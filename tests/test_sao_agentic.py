@@ -1,23 +1,20 @@
 """SAO on the built-in agentic task end to end on CPU: multi-turn trajectories of the tool-calling asset model with
 real tools (calculator), one embedded engine, an FSDP2 rank holding policy and critic; 3 steps (a critic-only first),
-then resume from step 2. Skipped until the agentic tasks (calc_chain, tests/assets/agent-tiny) are on this branch."""
+then resume from step 2."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_dsa.config.schema import TaskConfig
 from tests.test_sao_loop import _records, _run
 
 ASSET = Path(__file__).resolve().parent / "assets" / "agent-tiny"
-AGENTIC = "calc_chain" in get_args(TaskConfig.model_fields["kind"].annotation) and ASSET.is_dir()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not AGENTIC, reason="the agentic tasks are not on this branch yet")]
+pytestmark = pytest.mark.slow
 
 RECIPE = {
     "model": {"path": str(ASSET)},

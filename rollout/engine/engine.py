@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,6 +157,12 @@ class Engine:
         self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
+        # steps, of them waiting on the device, the same for decode-only steps, and the running requests summed over
+        # steps (batch occupancy).
+        self.stats.update({"step_s": 0.0, "device_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
+                           "decode_device_s": 0.0, "running_sum": 0})
+        self._step_device_s, self._step_decode_only = 0.0, False
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
             num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
@@ -339,6 +346,7 @@ class Engine:
         """One scheduler iteration; returns the outputs that changed (cumulative, finish_reason on the last).
 
         A request with stream=False appears only once, finished."""
+        start = time.perf_counter()
         outputs, self._ready = self._ready, []
         if self._paused is not None:
             return outputs
@@ -374,7 +382,18 @@ class Engine:
             elif seq.req.stream:
                 outputs.append(self._output(seq))
         self.stats["generated_tokens"] += len(sampled)
+        self._account_step(time.perf_counter() - start, len(scheduled))
         return outputs
+
+    def _account_step(self, seconds: float, running: int) -> None:
+        stats = self.stats
+        stats["step_s"] += seconds
+        stats["device_s"] += self._step_device_s
+        stats["running_sum"] += running
+        if self._step_decode_only:
+            stats["decode_steps"] += 1
+            stats["decode_step_s"] += seconds
+            stats["decode_device_s"] += self._step_device_s
 
     def _schedule(self) -> list[tuple[_Sequence, int]]:
         """Pick this step's (sequence, new rows) pairs, admitting queued requests; allocates their blocks.
@@ -476,9 +495,12 @@ class Engine:
         device = self.device
         seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
         want_topk = any(seq.req.return_indexer_topk for seq in seqs)
-        decode_only = self.decoder is not None and not self._forks and all(
+        self._step_decode_only = not self._forks and all(
             n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled
         )
+        decode_only = self.decoder is not None and self._step_decode_only
+        # Time waiting on the device: on CPU the forward itself (it runs on this thread), on CUDA the step's one sync.
+        on_host, forward_start = device.type != "cuda", time.perf_counter()
         if decode_only:
             self.stats["paged_decode_steps"] += 1
             hidden, topk_all, write_slots = self.decoder.forward(
@@ -489,8 +511,10 @@ class Engine:
         else:
             hidden, topk_all = self._forward_packed(scheduled, want_topk)
         if not seqs:
+            self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
             return [], [], None
         logits = self.model.lm_head(hidden).float()  # (B, V)
+        self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
         self._mask_min_new_tokens(logits, seqs)
         params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
         uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
@@ -501,7 +525,10 @@ class Engine:
             rows = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
             topk_d = topk_all[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
             prompt_d, prompt_seqs = self._read_prompt_topk(seqs)
+        sync_start = time.perf_counter()
         result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
+        if not on_host:
+            self._step_device_s = time.perf_counter() - sync_start
         if want_topk:
             arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
             topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step

@@ -30,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="print every default as a commented YAML recipe instead")
     explain.set_defaults(run=run_explain)
 
-    check = actions.add_parser("check", help="load and validate a recipe, print a one-line summary")
+    check = actions.add_parser("check", help="load and validate a recipe, print a one-line summary and the resolved "
+                                             "rollout concurrency")
     add_recipe_arguments(check)
     check.add_argument("--print", dest="print_recipe", action="store_true",
                        help="also print the resolved recipe (defaults, inheritance and overrides applied) as YAML")
@@ -56,6 +57,7 @@ def run_check(args: argparse.Namespace) -> int:
     check_recipe_paths(config)
     print(f"ok: {args.recipe}")
     print(config.summary())
+    print(config.concurrency_line())
     if args.print_recipe:
         print(dump_recipe(config), end="")
     return 0

@@ -23,6 +23,11 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
+# Requests an embedded engine runs at once by default (rollout.engine.defaults.DEFAULT_MAX_RUNNING_REQUESTS; a test
+# keeps the two equal): the least a null rollout.max_concurrency resolves to per engine, so evaluation fills them.
+ENGINE_RUNNING_REQUESTS = 256
+
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors and values are not coerced between types
     (so `num_steps: 1.5` or `mixed_precision: "yes"` fail instead of being silently converted)."""
@@ -50,6 +55,13 @@ class ModelSection(Section):
                             "auto = triton on GPU, torch on CPU.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations during the backward pass to save trainer memory.")
+    index_topk: int | None = Field(
+        None, ge=1, description="DSA keys each query attends to; null = the preset's (model built from scratch) or "
+                                "model.path's config.json. At or above the sequence length attention is dense: DSA's "
+                                "dense stage (train, then `slime-dsa indexer-warmup` to a sparse budget), which a "
+                                "randomly initialised indexer needs, as it cannot learn which keys to select. With "
+                                "model.path the model is copied into the run directory (initial_model) with this "
+                                "budget in its config.json; the weights are the same.")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -248,7 +260,13 @@ class RolloutSection(Section):
     prompts_per_step: int = Field(
         4, ge=1, description="Prompts per RL step; a step trains on prompts_per_step × n_samples_per_prompt "
                              "samples.")
-    max_concurrency: int = Field(1000, ge=1, description="Most rollouts in flight at once, over all engines.")
+    max_concurrency: int | None = Field(
+        None, ge=1, description="Most rollouts in flight at once, over all engines; null = every rollout the loop "
+                                "can start at once: one step's samples, prompts_per_step × n_samples_per_prompt "
+                                "(x max_oversample_factor with dynamic_sampling), in the synchronous loop; "
+                                "max_staleness + 1 steps' samples in the asynchronous one; at least 256 per "
+                                "engine, what an embedded engine runs at once (`recipe check` shows the value). A value below one step's samples leaves the rest waiting for a free "
+                                "place, and the step waits on their tail (`recipe check` says so).")
     max_cache_tokens: int | None = Field(
         None, ge=16, description="KV cache of each embedded engine, in tokens; null = room for every rollout that "
                                  "can be in flight at once, so none waits in the engine's queue: one step's groups "
@@ -334,6 +352,14 @@ class RolloutSection(Section):
                 f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
                 f"({self.oversample_factor})", "max_oversample_factor", "oversample_factor")
         return self
+
+    def step_samples(self) -> int:
+        """Samples of one synchronous step's largest sampling round: prompts_per_step × n_samples_per_prompt, the
+        rounds of dynamic sampling up to max_oversample_factor times that."""
+        groups = self.prompts_per_step
+        if self.dynamic_sampling:
+            groups = max(groups, round(groups * self.max_oversample_factor))
+        return groups * self.n_samples_per_prompt
 
 
 class AlgorithmSection(Section):
@@ -684,6 +710,11 @@ class LoggingSection(Section):
     eval_at_start: bool = Field(
         True, description="With eval_every: also evaluate the starting policy before the first step (logged as "
                           "step 0; not repeated on resume), so curves start where training did.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one trainer device at the training precision, the denominator "
+                                "of perf/train_mfu; null = looked up from the GPU's name (H100, H200, A100, L40S: "
+                                "bf16 with trainer.mixed_precision, else fp32), and no perf/train_mfu on a CPU or "
+                                "another GPU (perf/train_model_tflops is logged either way).")
 
 
 class CheckpointSection(Section):
@@ -886,6 +917,45 @@ class RecipeConfig(Section):
                     raise RecipeValueError(
                         f"critic.{key} ({getattr(critic, key)}) applies to placement 'separate'; a colocated critic "
                         "uses the trainer's workers", f"critic.{key}", "critic.placement")
+
+    def uses_async_loop(self) -> bool:
+        """Whether the algorithm's own loop is the asynchronous one."""
+        return algorithm_class(self.algorithm.name).loop == "async"
+
+    def in_flight_samples(self, use_async: bool | None = None) -> int:
+        """Samples the loop can have started and not yet trained: one step's largest round in the synchronous loop,
+        max_staleness + 1 steps' in the asynchronous one (its StalenessGate). use_async None: the algorithm's loop."""
+        ro = self.rollout
+        use_async = self.uses_async_loop() if use_async is None else use_async
+        if use_async:
+            return (self.algorithm.max_staleness + 1) * ro.prompts_per_step * ro.n_samples_per_prompt
+        return ro.step_samples()
+
+    def max_concurrency(self, use_async: bool | None = None) -> int:
+        """rollout.max_concurrency resolved: the recipe's value, or when null every sample the loop can have in
+        flight (in_flight_samples), at least what the engines run at once (evaluation fills them)."""
+        ro = self.rollout
+        engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
+        return ro.max_concurrency or max(self.in_flight_samples(use_async), ENGINE_RUNNING_REQUESTS * engines)
+
+    def concurrency_line(self, use_async: bool | None = None) -> str:
+        """One line: rollout.max_concurrency as the loop will use it, and why; a value that cannot hold one step's
+        samples says what that costs."""
+        ro = self.rollout
+        use_async = self.uses_async_loop() if use_async is None else use_async
+        loop = "asynchronous" if use_async else "synchronous"
+        step = ro.step_samples()
+        if ro.max_concurrency is None:
+            how = (f"(max_staleness + 1 = {self.algorithm.max_staleness + 1}) steps × " if use_async else "one step: ")
+            oversampled = " × max_oversample_factor" if ro.dynamic_sampling and not use_async else ""
+            return (f"rollout.max_concurrency: {self.max_concurrency(use_async)} samples in flight (null: {how}"
+                    f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples{oversampled}, at least "
+                    f"{ENGINE_RUNNING_REQUESTS} per engine; {loop} loop)")
+        if ro.max_concurrency < step:
+            return (f"rollout.max_concurrency ({ro.max_concurrency}) is below one step's {step} samples: "
+                    f"{step - ro.max_concurrency} wait for a free place and the step waits on their tail; "
+                    "null covers the step")
+        return f"rollout.max_concurrency: {ro.max_concurrency} samples in flight (set; one step has {step}; {loop} loop)"
 
     def summary(self) -> str:
         """One line that says what this recipe trains, on what, and how."""

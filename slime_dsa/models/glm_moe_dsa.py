@@ -221,7 +221,8 @@ class MLAttention(nn.Module):
                 raise ValueError(f"layer {self.layer_idx} is 'shared' but no preceding 'full' layer selected keys")
             rows = shared_rows
 
-        out_latent, lse = ops.sparse_mla_attention(q_mqa, kv, rows, self.scale, self.kv_rank)  # (T, H, Dl), (T, H)
+        packed = batch.cu_seqlens_k if batch.kv_cache is None else None  # kv rows are this call's rows
+        out_latent, lse = ops.sparse_mla_attention(q_mqa, kv, rows, self.scale, self.kv_rank, packed)  # (T, H, Dl), (T, H)
         record = None
         if capture:
             record = {

@@ -64,10 +64,20 @@ def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
 
 
-def sparse_mla_attention(q, kv, indices, scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MQA attention of q (Tq, H, D) over kv rows `indices` (Tq, K): returns (out, lse)."""
-    impl = _kernels(q.device) or reference
-    return impl.sparse_mla_attention(q, kv, indices, scale, v_dim)
+def sparse_mla_attention(
+    q, kv, indices, scale: float, v_dim: int, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA attention of q (Tq, H, D) over kv rows `indices` (Tq, K): returns (out, lse).
+
+    cu_seqlens: how q and kv are packed when they are the same rows (no cache); on the torch path, indices that
+    select every causal key (a top-k at or above the sequence length) then run as dense causal attention.
+    """
+    kernels = _kernels(q.device)
+    if kernels is not None:
+        return kernels.sparse_mla_attention(q, kv, indices, scale, v_dim)
+    if cu_seqlens is not None and reference.selects_all_causal(indices, cu_seqlens):
+        return reference.dense_mla_attention(q, kv, cu_seqlens, scale, v_dim)
+    return reference.sparse_mla_attention(q, kv, indices, scale, v_dim)
 
 
 def indexer_kl_loss(

@@ -157,6 +157,11 @@ def sparse_mla_attention(
     for c0 in range(0, q.shape[0], QUERY_CHUNK):
         idx = indices[c0 : c0 + QUERY_CHUNK]  # (C, K)
         valid = idx >= 0
+        used = valid.any(0)  # (K,)
+        if not bool(used.all()):
+            # Columns no query of the chunk uses add nothing: a top-k at or above the sequence length (dense
+            # attention) is mostly -1, and gathering it would cost K rows per query anyway.
+            idx, valid = idx[:, used], valid[:, used]
         # index_select on the flat indices: on CPU several times faster than kv[idx], and its backward is an
         # index_add rather than an accumulating index_put.
         rows = kv.index_select(0, idx.clamp(min=0).reshape(-1)).view(*idx.shape, kv.shape[-1])  # (C, K, D)
@@ -166,6 +171,48 @@ def sparse_mla_attention(
         probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # all-masked rows -> 0
         outs.append(torch.einsum("chk,ckv->chv", probs.to(q.dtype), rows[..., :v_dim]))
         lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+
+def selects_all_causal(indices: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Whether `indices` (T, K) global rows pick every causal key of every query of sequences packed by cu_seqlens
+    (queries = keys, no cache), in order, -1 after: what a top-k at or above the sequence length selects."""
+    lens = cu_seqlens.diff()
+    if len(lens) == 0 or int(lens.max()) > indices.shape[1]:
+        return False
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lens)  # (T,) first row of each row's sequence
+    positions = torch.arange(indices.shape[0], device=indices.device) - starts  # (T,)
+    cols = torch.arange(indices.shape[1], device=indices.device)
+    expected = torch.where(cols[None, :] <= positions[:, None], starts[:, None] + cols[None, :], -1)  # (T, K)
+    return torch.equal(indices, expected)
+
+
+def dense_mla_attention(
+    q: torch.Tensor, kv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal MQA attention of each query over every earlier key of its sequence: `sparse_mla_attention` with
+    indices that select all causal keys, by matmuls over each sequence instead of a gather of K rows per query.
+
+    q (T, H, D), kv (T, D), both packed by cu_seqlens (S+1,). Returns out (T, H, v_dim), lse (T, H) float32.
+    """
+    acc = _acc_dtype(q)
+    outs, lses = [], []
+    bounds = cu_seqlens.tolist()
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        keys = kv[s0:s1]  # (L, D)
+        for c0 in range(s0, s1, QUERY_CHUNK):
+            c1 = min(c0 + QUERY_CHUNK, s1)
+            scores = torch.einsum("chd,kd->chk", q[c0:c1].to(acc), keys[: c1 - s0].to(acc)) * scale  # (C, H, W)
+            cols = torch.arange(c1 - s0, device=q.device)
+            future = cols[None, :] > cols[c0 - s0 :, None]  # (C, W): key after the query
+            scores = scores.masked_fill(future[:, None, :], float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)  # (C, H)
+            probs = torch.exp(scores - lse[..., None])
+            outs.append(torch.einsum("chk,kv->chv", probs.to(q.dtype), keys[: c1 - s0, :v_dim]))
+            lses.append(lse)
+    if not outs:
+        return q.new_zeros(0, q.shape[1], v_dim), torch.zeros(0, q.shape[1], dtype=acc, device=q.device)
     return torch.cat(outs), torch.cat(lses)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.evaluation import Evaluator
 from rollout.groups import GenerateClient, GroupRollout, SampleNumbering
+from rollout.limiter import SampleLimiter
 from slime_dsa.data.sample import Sample
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.collection import StepCollector, rollout_metrics
@@ -29,10 +30,13 @@ class RolloutManager:
 
     def __init__(self, client: GenerateClient, tasks: list[Task], mixture: TaskMixture, tokenizer: Any,
                  rollout: RolloutSection, buffer: SampleBuffer | None = None, show_progress: bool = True,
-                 seed: int = 0, min_group_size: int = 2) -> None:
+                 seed: int = 0, min_group_size: int = 2, max_concurrency: int | None = None) -> None:
+        """max_concurrency: samples in flight, the recipe's resolved value (RecipeConfig.max_concurrency); None =
+        rollout.max_concurrency, or one step's samples when that is null."""
         self.tasks, self.mixture = tasks, mixture
         self.numbering = SampleNumbering()
-        self.groups = GroupRollout(client, tasks, tokenizer, rollout, seed)
+        limiter = SampleLimiter(max_concurrency) if max_concurrency is not None else None
+        self.groups = GroupRollout(client, tasks, tokenizer, rollout, seed, limiter=limiter)
         self.min_group_size = min_group_size  # the fewest usable samples a group needs (Algorithm.min_group_size)
         self.collector = StepCollector(self.groups, mixture, self.numbering, rollout, show_progress, min_group_size)
         self.producer = GroupProducer(self.groups, mixture, self.numbering, rollout, buffer)

@@ -78,41 +78,41 @@ def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:
     from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
 
     ro = recipe.rollout
-    groups = ro.prompts_per_step
-    if use_async:
-        groups *= recipe.algorithm.max_staleness + 1
-    elif ro.dynamic_sampling:
-        groups = max(groups, round(groups * ro.max_oversample_factor))  # the largest round
+    groups = recipe.in_flight_samples(use_async) // ro.n_samples_per_prompt
     per_engine = -(-groups // ro.num_engines) * ro.n_samples_per_prompt
-    requests = max(1, min(per_engine, -(-ro.max_concurrency // ro.num_engines)))
+    requests = max(1, min(per_engine, -(-recipe.max_concurrency(use_async) // ro.num_engines)))
     rows = recipe.data.max_prompt_length + ro.max_response_length - 1  # the last token is never fed back
     per_request = -(-rows // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
     return ro.max_cache_tokens or max(requests * per_request, 4096), max(requests, DEFAULT_MAX_RUNNING_REQUESTS)
 
 
 def start_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool = False,
-                  access: EngineAccess | None = None) -> tuple[list[str], list[Any]]:
+                  access: EngineAccess | None = None, log_dir: Path | None = None) -> tuple[list[str], list[Any]]:
     """(URLs, actor handles) of the rollout engines; external engines have no actors. `use_async`: the
     asynchronous loop will drive them (more rollouts in flight: see engine_capacity). `access`: the key they
-    require and the directories they may load weights from."""
+    require and the directories they may load weights from. `log_dir`: each engine logs to engine_<i>.log there."""
     from rollout.actors import start_engine_actors  # noqa: PLC0415
 
     ro = recipe.rollout
     if ro.engine == "external":
         return list(ro.engine_urls), []
-    actors = create_engines(recipe, model_dir, use_async, access, ro.num_engines)
+    actors = create_engines(recipe, model_dir, use_async, access, ro.num_engines, log_dir)
     urls = start_engine_actors(actors)
-    logger.info("%d %s engine(s) up: %s", len(urls), ro.engine, ", ".join(urls))
+    logger.info("%d %s engine(s) up: %s%s", len(urls), ro.engine, ", ".join(urls),
+                f" (their logs: {Path(log_dir) / 'engine_<i>.log'})" if log_dir is not None else "")
     return urls, actors
 
 
 def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, access: EngineAccess | None,
-                   count: int) -> list[Any]:
-    """`count` engine actors as the recipe asks (not started): at the run's start, and to replace a lost one."""
+                   count: int, log_dir: Path | None = None, first: int = 0) -> list[Any]:
+    """`count` engine actors as the recipe asks (not started): at the run's start, and to replace a lost one.
+    log_dir: engine i (from `first` on) logs to log_dir/engine_<i>.log (on its node: a shared filesystem brings
+    remote engines' logs to the run directory)."""
     from rollout.actors import create_engine_actors  # noqa: PLC0415
 
     ro, cl = recipe.rollout, recipe.cluster
     access = access or EngineAccess(None)
+    logs = None if log_dir is None else [str(Path(log_dir) / f"engine_{i}.log") for i in range(first, first + count)]
     if ro.engine == "sglang":
         from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
 
@@ -122,13 +122,13 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
                               enable_return_indexer_topk=ro.return_indexer_topk, extra_args=list(sg.extra_args),
                               enable_memory_saver=cl.placement == "colocated", api_key=access.api_key)
         return create_engine_actors(count, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
-                                    num_cpus_per_engine=cl.num_cpus_per_actor, sglang_config=config)
+                                    num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, sglang_config=config)
     dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
     max_tokens, max_requests = engine_capacity(recipe, use_async)
     logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
     return create_engine_actors(
         count, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
-        num_cpus_per_engine=cl.num_cpus_per_actor, model_dir=str(model_dir),
+        num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, model_dir=str(model_dir),
         engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},

@@ -69,6 +69,8 @@ class Run:
     hook_state: HookState = "every"
     progress: StepProgress = field(default_factory=StepProgress)
     fleet: Any = None  # slime_dsa.orchestrator.engines.EngineFleet (None: no engine actors to watch)
+    engine_stats: Any = None  # slime_dsa.orchestrator.perf.EngineStats (None: no perf/engine_* metrics)
+    train_flops: Any = None  # slime_dsa.orchestrator.perf.TrainFlops (None: no perf/train_model_tflops, _mfu)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -78,8 +80,12 @@ class Run:
 async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
     """The tail of every RL step, in either loop: eval when due, log, print, checkpoint when due."""
     recipe = run.recipe
+    if run.engine_stats is not None:
+        metrics.update(await run.engine_stats.metrics())  # since the last step's: this step's rollouts
     if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
         metrics.update(await run.manager.evaluate())
+        if run.engine_stats is not None:
+            await run.engine_stats.reset()  # the evaluation's generation is not the next step's
     if (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
         run.metrics_log.log(metrics, step=step + 1)
         print_step(step + 1, recipe.trainer.num_steps, metrics)
@@ -138,6 +144,9 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
         await client.broadcast("/continue_generation", {})
     metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
                     "train/num_tokens": batch.num_tokens})
+    if run.train_flops is not None and trains_policy:  # the policy's FLOPs (a critic's time counts, its FLOPs not)
+        metrics.update(run.train_flops.metrics(batch.num_tokens, train_time,
+                                               recompute_forward=algorithm.old_logprobs == "recompute"))
     return metrics
 
 

@@ -63,6 +63,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator.perf import EngineStats, train_flops_for_run  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
@@ -82,17 +83,20 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     shm_dir = shm_dir_name()
     access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
 
-    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access)
+    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
     ro = recipe.rollout
-    client = EngineClient(urls, max_inflight_per_engine=max(1, ro.max_concurrency // max(1, len(urls))),
+    concurrency = recipe.max_concurrency(use_async)
+    logger.info("%s", recipe.concurrency_line(use_async))
+    client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s, api_key=access.api_key)
     trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
                                       shm_dir)
-    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access)
+    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access,
+                           run_dir)
     manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
-                             min_group_size=algorithm.min_group_size)
+                             min_group_size=algorithm.min_group_size, max_concurrency=concurrency)
 
     start_step = 0
     if resume_from is not None:
@@ -110,7 +114,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=start_step if resume_from is not None else None)
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state, progress, fleet)
+              on_weights, hook_state, progress, fleet, EngineStats(client),
+              await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -119,6 +124,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             initial = await manager.evaluate()
             metrics_log.log(initial, step=0)
             print_step(0, recipe.trainer.num_steps, initial)
+        await run.engine_stats.reset()  # perf/engine_* of step 1 count from here
         if use_async:
             await run_async_loop(run)
         else:
@@ -158,24 +164,31 @@ async def _failure_line(run: Run, error: Exception) -> str | None:
 
 
 def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
-                   use_async: bool, access: Any) -> Any:
+                   use_async: bool, access: Any, run_dir: Path | None = None) -> Any:
     """The run's EngineFleet, watching `actors`; it replaces lost engines when rollout.restart_dead_engines allows
     (never for the distributed transport, whose NCCL group cannot take a new member)."""
     from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
 
     restart = recipe.rollout.restart_dead_engines and transport != "distributed"
-    fleet = EngineFleet(client, actors, _restarter(recipe, model_dir, use_async, access) if restart else None)
+    fleet = EngineFleet(client, actors,
+                        _restarter(recipe, model_dir, use_async, access, run_dir, len(actors)) if restart else None)
     fleet.start()
     return fleet
 
 
-def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access) -> Any:
-    """start_one for the EngineFleet: one new engine actor as the recipe asks, started; (url, actor)."""
+def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access, run_dir: Path | None = None,
+               started: int = 0) -> Any:
+    """start_one for the EngineFleet: one new engine actor as the recipe asks, started; (url, actor). Each logs to
+    the next engine_<i>.log after the `started` engines' of the run directory."""
+    import itertools  # noqa: PLC0415
+
     from rollout.actors import start_engine_actors  # noqa: PLC0415
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
 
+    numbers = itertools.count(started)
+
     def start_one() -> tuple[str, Any]:
-        (actor,) = setup.create_engines(recipe, model_dir, use_async, access, 1)
+        (actor,) = setup.create_engines(recipe, model_dir, use_async, access, 1, run_dir, next(numbers))
         (url,) = start_engine_actors([actor], timeout_s=600)
         return url, actor
 

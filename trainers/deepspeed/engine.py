@@ -115,11 +115,19 @@ def build_engine(load: Callable[[torch.device], nn.Module], role: RoleConfig, ds
                 for p in model.parameters():
                     p.data = p.data.to(torch.bfloat16)
             deepspeed.zero.Init(module=entry, config_dict_or_path=ds_config)  # offload_param: where partitions live
+        _move_buffers(model, device)  # ZeRO-3 places parameters only: the router's bias would stay on the host
     engine, *_ = deepspeed.initialize(model=entry, optimizer=basic, config=ds_config, dist_init_required=False)
     for name, p in model.named_parameters():
         if masters is not None and name in masters:
             set_full(p, masters.pop(name), None)
     return BuiltEngine(engine, basic, group_names)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _optimizer(model: nn.Module, role: RoleConfig, options: DeepSpeedOptions) -> torch.optim.Optimizer:

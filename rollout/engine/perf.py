@@ -1,0 +1,59 @@
+"""Where an engine's step loop spends its time, from two readings of its cumulative counters (`Engine.stats`, also
+`stats_*` in /get_server_info). Light: no torch, so the orchestrator reads it as plain numbers.
+
+Host gap: the time in steps not spent waiting on the device. On CUDA the host waits once per step, for the sampled
+tokens; everything else in the step (scheduling, block tables, launching the forward, per-request sampling
+parameters and seeds, stop checks, outputs) is host time that the device may or may not overlap. On CPU the forward
+runs on the engine's own thread, so the "wait" is the model forward and the gap is everything around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+COUNTERS = ("steps", "generated_tokens", "step_s", "device_s", "decode_steps", "decode_step_s", "decode_device_s",
+            "running_sum")
+
+
+def counters(stats: Mapping[str, float], prefix: str = "") -> dict[str, float] | None:
+    """The step-loop counters of one reading (`prefix` "stats_" for /get_server_info), or None when the engine has
+    none (an SGLang server)."""
+    if any(prefix + k not in stats for k in COUNTERS):
+        return None
+    return {k: float(stats[prefix + k]) for k in COUNTERS}
+
+
+def delta(before: Mapping[str, float] | None, after: Mapping[str, float]) -> dict[str, float]:
+    """after - before, counter by counter; no earlier reading (a new engine) counts from its start."""
+    return {k: after[k] - (before or {}).get(k, 0.0) for k in COUNTERS}
+
+
+def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[int]) -> dict[str, float]:
+    """Metrics of one interval over engines (one delta and max_running_requests each); {} when none stepped.
+
+    steps, decode_steps: scheduler iterations (all, and those where every request decoded one token);
+    tok_s: generated tokens per second in steps, summed over engines (they run side by side);
+    step_ms, decode_step_ms: mean wall time of a step; batch: tokens sampled per step; occupancy: running requests
+    per step over max_running_requests; host_gap_s / host_gap_share: time in steps not waiting on the device
+    (decode_host_gap_share: of decode-only steps); busy_s: seconds in steps.
+    """
+    active = [(d, m) for d, m in zip(deltas, max_running) if d["steps"] > 0 and d["step_s"] > 0]
+    if not active:
+        return {}
+    total = {k: sum(d[k] for d, _ in active) for k in COUNTERS}
+    steps, step_s = total["steps"], total["step_s"]
+    out = {
+        "steps": steps,
+        "decode_steps": total["decode_steps"],
+        "tok_s": sum(d["generated_tokens"] / d["step_s"] for d, _ in active),
+        "step_ms": step_s / steps * 1e3,
+        "batch": total["generated_tokens"] / steps,
+        "occupancy": sum(d["running_sum"] / max(m, 1) for d, m in active) / steps,
+        "host_gap_s": step_s - total["device_s"],
+        "host_gap_share": max(0.0, 1.0 - total["device_s"] / step_s),
+        "busy_s": step_s,
+    }
+    if total["decode_steps"] > 0 and total["decode_step_s"] > 0:
+        out["decode_step_ms"] = total["decode_step_s"] / total["decode_steps"] * 1e3
+        out["decode_host_gap_share"] = max(0.0, 1.0 - total["decode_device_s"] / total["decode_step_s"])
+    return out

@@ -1,0 +1,30 @@
+"""benchmarks/engine_throughput.py on CPU with the tiny preset: the simple path and the rollout path (as rollout/
+drives the engine) both run and report decode step time, host gap and tokens/s (the H200 numbers: RESULTS.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_both_paths_report_decode_step_and_host_gap(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import engine_throughput
+
+    out = tmp_path / "engine.md"
+    text = engine_throughput.main(["--device", "cpu", "--preset", "tiny", "--batch-sizes", "16", "--group-size", "8",
+                                   "--new-tokens", "8", "--threads", "1", "--out", str(out)])
+    assert out.read_text().strip() == text.strip()
+    simple = next(line for line in text.splitlines() if line.startswith("| 16 |"))
+    rollout = next(line for line in text.splitlines() if line.startswith("| 16 | 2 x 8 |"))
+    cells = [c.strip() for c in rollout.strip("|").split("|")]
+    assert float(cells[2]) > 0 and cells[3].endswith("x")  # tok/s and the ratio to transformers
+    assert float(cells[4]) > 0 and cells[5].endswith("%") and cells[6].endswith("%")  # decode step ms, host gaps
+    assert int(cells[7]) >= 8 and int(cells[8]) >= 1  # steps, decode steps
+    assert simple.split("|")[10].strip() == "100%"  # greedy float32: the engine's outputs are transformers'
+    sys.modules.pop("engine_throughput", None)
