@@ -9,7 +9,7 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
-# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a ~1.2B GLM-MoE-DSA model, bf16 conformance
+# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
 # over 5 steps, then train tokens/s and MFU) needs the megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments,
 # MGBENCH_T caps it (default 240 s); writes $OUT/megatron_vs_fsdp.json and .log.
 # ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,

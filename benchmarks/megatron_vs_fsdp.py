@@ -3,13 +3,12 @@ steps (loss, grad norm, log-probs before each step) and training throughput (tok
 
 Each backend runs in its own process (one rank): the 5 conformance steps, then warm-up and timed steps on larger
 batches. A backend that fails records its error instead of its numbers, so one GPU call always reports.
-    python benchmarks/megatron_vs_fsdp.py --out result.json                     # H200: the ~1.2B model, bf16
+    python benchmarks/megatron_vs_fsdp.py --out result.json                     # H200: the 1.1B model, bf16
     python benchmarks/megatron_vs_fsdp.py --size tiny --device cpu --out r.json # CPU dry run (float32)
 
-MFU = model FLOPs per token x tokens/s / peak (989.4 TFLOP/s, H200 dense bf16). FLOPs per token = 6 x the matmul
-weights a token passes through (routed experts counted top-k of n; no embedding) + 6 x layers x heads x (qk + v head
-dims) x the keys it attends (min(index_topk, position)) + 6 x full layers x indexer heads x index_head_dim x the keys
-its indexer scores (every earlier one): the same count for both backends.
+MFU is slime_dsa.models.flops' definition, the same for both backends and for the other benchmarks: 6 x the active
+parameters per token (routed experts at top-k of n, no embedding; attention scores not counted) x tokens/s, over the
+GPU's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -27,13 +26,12 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger("megatron_vs_fsdp")
-PEAK_FLOPS = 989.4e12  # H200 (SXM) dense bf16
 STEPS = 5
 # Tolerances of the bf16 conformance (FSDP2 and Megatron both keep float32 master weights and compute in bf16):
 # bf16 rounds each logit to ~3 significant digits, so the two log-prob paths differ by ~1e-2 per token.
 TOLERANCE = {"loss_abs": 2e-2, "grad_norm_rel": 5e-2, "logprob_mean_abs": 2e-2}
 SIZES = {
-    # ~1.2B parameters (~0.3B active): 12 layers, 32 routed experts of which 4 per token, IndexShare every 2 layers.
+    # 1.11B parameters (0.34B active): 12 layers, 32 routed experts of which 4 per token, IndexShare every 2 layers.
     "1b": dict(hidden_size=1536, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=12,
                num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                v_head_dim=128, n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
@@ -59,18 +57,6 @@ def make_batch(vocab: int, samples: int, length: int, seed: int):
     return TrainBatch(input_ids=torch.randint(0, vocab, (n,), generator=g), seqlens=[length] * samples,
                       loss_mask=torch.tensor(mask), rollout_logprobs=torch.full((n,), -2.0),
                       advantages=torch.tensor(adv))
-
-
-def flops_per_token(model: torch.nn.Module, config, length: int) -> float:
-    """Training FLOPs per token (forward and backward) of `model` on sequences of `length` tokens."""
-    share = config.num_experts_per_tok / config.n_routed_experts
-    dense = sum(p.numel() * (share if ".experts." in n else 1.0) for n, p in model.named_parameters()
-                if p.dim() >= 2 and "embed_tokens" not in n)
-    attended = sum(min(config.index_topk, t + 1) for t in range(length)) / length
-    scored = (length + 1) / 2
-    heads = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-    indexer = config.indexer_types.count("full") * config.index_n_heads * config.index_head_dim * scored
-    return 6 * dense + 6 * config.num_hidden_layers * heads * attended + 6 * indexer
 
 
 def rank_body(rank: int, backend: str, checkpoint: str, port: int, args: dict, out: str) -> None:
@@ -168,6 +154,7 @@ def main() -> None:
     import torch.multiprocessing as mp  # noqa: PLC0415
 
     from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.models.flops import active_params, peak_tflops, train_flops  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
     size = dict(SIZES[args.size])
@@ -177,14 +164,18 @@ def main() -> None:
     # bf16 on disk for the GPU run (half the bytes to write and read); both backends start from the same values
     model = build_model(config, seed=0, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
     total = sum(p.numel() for p in model.parameters())
-    flops = flops_per_token(model, config, args.length)
+    active = active_params(config)
+    flops = train_flops(active, 1)  # per token
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else None
+    peak = peak_tflops(device_name, bf16=True)
     if not (checkpoint / "config.json").exists():
         save_pretrained(model, checkpoint)
     del model
-    logger.info("model %s: %.3fB parameters, %.3g FLOPs/token; checkpoint %s", args.size, total / 1e9, flops, checkpoint)
+    logger.info("model %s: %.3fB parameters (%.3fB active), %.3g FLOPs/token; checkpoint %s", args.size, total / 1e9,
+                active / 1e9, flops, checkpoint)
     options = {**vars(args), "vocab": config.vocab_size}
-    result = {"size": args.size, "parameters": total, "flops_per_token": flops, "device": args.device,
-              "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+    result = {"size": args.size, "parameters": total, "active_parameters": active, "flops_per_token": flops,
+              "device": args.device, "device_name": device_name or "cpu", "peak_tflops": peak,
               "tokens_per_step": args.bench_samples * args.length, "args": vars(args), "runs": {}}
     for backend in args.backends.split(","):
         out = work / f"{backend}.json"
@@ -196,8 +187,8 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - the process died (a signal, out of memory): record it, go on
             run = {"backend": backend, "error": f"{type(err).__name__}: {err}"}
         run["wall_s"] = round(time.perf_counter() - start, 1)
-        if "tokens_per_s" in run and args.device == "cuda":
-            run["mfu"] = round(flops * run["tokens_per_s"] / PEAK_FLOPS, 4)
+        if "tokens_per_s" in run and peak:
+            run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
         result["runs"][backend] = run
         _write(args.out, result)  # after each backend: a run cut short by the stage's time cap still reports
         logger.info("%s: %s", backend, run.get("error") or {k: run.get(k) for k in ("tokens_per_s", "mfu", "step_s",
