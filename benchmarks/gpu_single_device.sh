@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl opd test ds engthr" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof sft rl vstrl opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # opd (benchmarks/opd_swap_gpu.py: two teachers swapped from pinned memory into one engine, OPD_STEPS steps, OPD_T
@@ -12,6 +12,9 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
+# over 5 steps, then train tokens/s and MFU) needs the megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments,
+# MGBENCH_T caps it (default 240 s); writes $OUT/megatron_vs_fsdp.json and .log.
 # ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
 # DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
 # offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
@@ -85,6 +88,13 @@ vstrl)
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  ;;
+mgbench)
+  stamp mgbench
+  python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" 2>&1 | tail -1
+  timeout -k 20 ${MGBENCH_T:-240} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench ${MGBENCH_ARGS} \
+    --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
+    | tee $OUT/megatron_vs_fsdp.log | tail -20
   ;;
 engthr)
   stamp engthr

@@ -187,6 +187,8 @@ def test_recipe_checks_of_the_teachers_list():
     refused("top_p", rollout={"top_p": 0.9})
     refused("dynamic_sampling", rollout={"dynamic_sampling": True})
     refused("opd_topk is not read by algorithm 'grpo'", algorithm={"name": "grpo", "opd_topk": 4}, teachers=[])
+    refused("trainer.backend megatron does not compute yet", algorithm={"name": "opd", "opd_topk": 4},
+            trainer={"backend": "megatron"})
     # one domain per task, every task taught: groups of one are fine
     ok = validate_recipe({"algorithm": {"name": "opd"}, "rollout": {"n_samples_per_prompt": 1},
                           "teachers": [{"name": "a", "path": "p", "domains": ["arithmetic"], "serving": "swap"}]})

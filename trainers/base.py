@@ -176,7 +176,7 @@ class RankConfig:
     logprob_chunk_size: int = 1024
     share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
     data_parallel: str = "fsdp"  # fsdp: shard with FSDP2; replicate: whole model per rank, one gradient all-reduce
-    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's own recipe section (trainer.deepspeed)
+    backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's own recipe section (trainer.<backend>)
 
 
 def policy_config(model_path: str, loss: Any, optimizer: OptimizerConfig | None = None, frozen: tuple[str, ...] = (),

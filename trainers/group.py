@@ -29,23 +29,38 @@ class RayTrainerGroup:
             for rank in range(num_workers)
         ]
         ray.get([w.__ray_ready__.remote() for w in self.workers])
+        # The data-parallel rank of each rank: the batch is split over data-parallel ranks, and tensor-parallel peers
+        # (same data-parallel rank) get the same shard; each shard's results are read from its first rank.
+        layouts = ray.get([w.data_parallel_layout.remote() for w in self.workers])
+        self.dp_ranks = [dp_rank for dp_rank, _ in layouts]
+        self.dp_size = layouts[0][1]
+        self._readers = [self.dp_ranks.index(d) for d in range(self.dp_size)]
 
     @property
     def world_size(self) -> int:
         return len(self.workers)
 
+    def _per_rank(self, shards: list):
+        """Each rank's item of a per-data-parallel-rank list."""
+        return [shards[d] for d in self.dp_ranks]
+
+    def _per_shard(self, results: list) -> list:
+        """Per-rank results -> one per data-parallel rank (its first rank's)."""
+        return [results[r] for r in self._readers]
+
     def _shards(self, batch: TrainBatch, role: str) -> tuple[list[list[int]], list[TrainBatch]]:
-        """(sample ids per rank, the rank's sub-batch): a group's samples stay on one rank when its prompt is
-        computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
+        """(sample ids per data-parallel rank, its sub-batch): a group's samples stay on one data-parallel rank when
+        its prompt is computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
         shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
                   if batch.seqlens and shares_prompts(batch, self.config, self.config.roles[role]) else None)
-        assignment = balance_across_ranks(batch.seqlens, self.world_size, shared)
+        assignment = balance_across_ranks(batch.seqlens, self.dp_size, shared)
         return assignment, [batch.select(ids) for ids in assignment]
 
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """(T,) log-probs of the whole batch under the role's weights, in the batch's token order."""
         assignment, shards = self._shards(batch, role)
-        results = ray.get([w.compute_logprobs.remote(s, role) for w, s in zip(self.workers, shards)])
+        results = self._per_shard(ray.get([w.compute_logprobs.remote(s, role)
+                                           for w, s in zip(self.workers, self._per_rank(shards))]))
         out = torch.zeros(batch.num_tokens)
         _scatter_rows(out, batch.seqlens, list(range(len(batch.seqlens))), assignment, results)
         return out
@@ -53,7 +68,8 @@ class RayTrainerGroup:
     def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
         """A value role's (values (T,) in the batch's token order, final (N,) in its sample order)."""
         assignment, shards = self._shards(batch, role)
-        results = ray.get([w.compute_values.remote(s, role) for w, s in zip(self.workers, shards)])
+        results = self._per_shard(ray.get([w.compute_values.remote(s, role)
+                                           for w, s in zip(self.workers, self._per_rank(shards))]))
         values, final = torch.zeros(batch.num_tokens), torch.zeros(len(batch.seqlens))
         samples = list(range(len(batch.seqlens)))
         _scatter_rows(values, batch.seqlens, samples, assignment, [v for v, _ in results])
@@ -69,17 +85,18 @@ class RayTrainerGroup:
         n = len(batch.seqlens)
         parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
         parts = [p for p in parts if p]
-        per_rank: list[list[TrainBatch]] = [[] for _ in self.workers]
+        per_shard: list[list[TrainBatch]] = [[] for _ in range(self.dp_size)]
         layouts, totals = [], []
         for part in parts:
             mb = batch.select(part) if len(parts) > 1 else batch
             assignment, shards = self._shards(mb, role)
-            for rank, shard in enumerate(shards):
-                per_rank[rank].append(shard)
+            for d, shard in enumerate(shards):
+                per_shard[d].append(shard)
             layouts.append((part, assignment))
             totals.append((float(mb.loss_mask.sum()), len(mb.seqlens)))
-        results = ray.get([w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
-                           for w, shards in zip(self.workers, per_rank)])
+        results = self._per_shard(ray.get([
+            w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
+            for w, shards in zip(self.workers, self._per_rank(per_shard))]))
         steps = results[0][1]
         sync_gap = steps[0].pop("sync_logprob_abs_diff", None)  # the first step's alone: its weights are the engines'
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
@@ -90,7 +107,7 @@ class RayTrainerGroup:
             return None, metrics
         old = torch.zeros(batch.num_tokens)
         for m, (part, assignment) in enumerate(layouts):
-            _scatter_rows(old, batch.seqlens, part, assignment, [results[rank][0][m] for rank in range(self.world_size)])
+            _scatter_rows(old, batch.seqlens, part, assignment, [results[d][0][m] for d in range(self.dp_size)])
         return old, metrics
 
     def full_state_dict(self, role: str = "policy") -> dict[str, torch.Tensor]:

@@ -111,6 +111,8 @@ class TrainerRank:
 
     def __init__(self, rank: int, world_size: int, config: RankConfig) -> None:
         self.rank, self.world_size, self.config = rank, world_size, config
+        # Where this rank's samples come from: ranks of one data-parallel rank (tensor-parallel peers) share a shard.
+        self.data_parallel_rank, self.data_parallel_size = rank, world_size
         self.device = torch.device("cpu")
         self.roles: dict[str, Role] = {}  # built by the backend
         self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
@@ -119,11 +121,19 @@ class TrainerRank:
     def policy(self) -> Role:
         return self.roles["policy"]
 
+    def data_parallel_layout(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size): the group splits the batch by it."""
+        return self.data_parallel_rank, self.data_parallel_size
+
     # -- collectives a backend may route elsewhere (e.g. Megatron's data-parallel group) ------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """In place over the data-parallel ranks."""
         dist.all_reduce(tensor, op=op)
+
+    def zero_gradients(self, role: Role) -> None:
+        """Clear the role's gradients before a step (a backend with its own gradient buffers clears those too)."""
+        role.optimizer.zero_grad(set_to_none=True)
 
     def finish_gradients(self, params: list[torch.Tensor]) -> None:
         """Make the gradients the global ones before clipping (a no-op where the wrapper already reduced them)."""
@@ -245,7 +255,7 @@ class TrainerRank:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
         dsa = held.config.dsa
         held.model.train()
-        held.optimizer.zero_grad(set_to_none=True)
+        self.zero_gradients(held)
         sums: dict[str, float] = {}
         step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
         self.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
@@ -259,8 +269,8 @@ class TrainerRank:
                                                         float(step_rows), detailed_metrics, measure_sync)
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
-            # Ranks average gradients; the loss is already a share of the global mean, so undo that.
-            self.backward(held, loss * self.world_size)
+            # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
+            self.backward(held, loss * self.data_parallel_size)
             for k, v in metrics.items():
                 # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
                 sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)

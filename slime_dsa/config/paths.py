@@ -33,7 +33,8 @@ def check_recipe_paths(config: RecipeConfig) -> None:
     if problems:
         (key, message), rest = problems[0], problems[1:]
         more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
-        raise RecipeError(f"{key}: {message}{more}")
+        # a message that already begins with its key (the parallel sizes' do) is not prefixed twice
+        raise RecipeError(f"{message if message.startswith(key) else f'{key}: {message}'}{more}")
 
 
 def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
@@ -41,6 +42,8 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     problems = []
     if config.model.path is not None and (problem := _model_dir_problem(config.model.path)):
         problems.append(("model.path", problem))
+    elif config.model.path is not None and (problem := _parallel_problem(config)):
+        problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
     if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     for i, task in enumerate(config.data.tasks):
@@ -65,6 +68,21 @@ def _model_dir_problem(value: str) -> str | None:
         return (f"'{value}' is not a local directory; train and sft load a local model directory: download it first "
                 f"(huggingface-cli download {value} --local-dir DIR) and set model.path to DIR")
     return f"{value} does not exist"
+
+
+def _parallel_problem(config: RecipeConfig) -> str | None:
+    """Whether trainer.megatron's sizes divide the model at model.path (only for trainer.backend megatron)."""
+    if config.trainer.backend != "megatron":
+        return None
+    from slime_dsa.models.config import ModelConfig  # noqa: PLC0415
+    from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes  # noqa: PLC0415
+
+    try:
+        check_parallel_sizes(ModelConfig.from_pretrained(Path(config.model.path).expanduser()),
+                             ParallelSizes(**config.trainer.megatron.model_dump()), config.trainer.num_workers)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _local_problem(value: str, dir_only: bool = False) -> str | None:

@@ -17,8 +17,9 @@ from slime_dsa.config.teachers import TeacherConfig, check_teachers
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
 TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGroup",
+                                    "megatron": "trainers.megatron.group:MegatronTrainerGroup",
                                     "deepspeed": "trainers.deepspeed.group:DeepSpeedTrainerGroup"}
-PLANNED_TRAINER_BACKENDS: dict[str, str] = {"megatron": "megatron-core with TP/PP/EP/CP"}
+PLANNED_TRAINER_BACKENDS: dict[str, str] = {}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
@@ -512,6 +513,21 @@ class AlgorithmSection(Section):
         return self
 
 
+class MegatronSection(Section):
+    """Model-parallel sizes of trainer.backend megatron; data parallel is what remains of trainer.num_workers."""
+
+    tensor_parallel: int = Field(
+        1, ge=1, description="Tensor-parallel ranks: attention heads, MLP width and vocabulary split across them, "
+                             "with sequence parallelism between layers.")
+    pipeline_parallel: int = Field(
+        1, ge=1, description="Pipeline stages, each beginning on a layer that computes its own indexer "
+                             "(IndexShare); only 1 is built yet.")
+    expert_parallel: int = Field(
+        1, ge=1, description="Expert-parallel ranks: the routed experts are split across them (expert tensor "
+                             "parallelism is 1).")
+    context_parallel: int = Field(1, ge=1, description="Context-parallel ranks; only 1 is built yet.")
+
+
 class DeepSpeedSection(Section):
     """DeepSpeed ZeRO (trainer.backend deepspeed): what the workers partition, and what lives in host memory."""
 
@@ -562,8 +578,9 @@ class TrainerSection(Section):
     """The training backend and the optimiser."""
 
     backend: str = Field(
-        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU) or deepspeed (DeepSpeed "
-                            "ZeRO 1/2/3 with optional host offload: trainer.deepspeed). megatron is planned.")
+        "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron (megatron-core "
+                            "with tensor and expert parallelism: trainer.megatron) or deepspeed (DeepSpeed ZeRO 1/2/3 "
+                            "with optional host offload: trainer.deepspeed).")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
                              "the batch.")
@@ -600,6 +617,8 @@ class TrainerSection(Section):
         100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
                                "optimizer steps.")
     seed: int = Field(42, description="Seed for random initialisation and trainer-side randomness.")
+    megatron: MegatronSection = Field(
+        default_factory=MegatronSection, description="Parallel sizes for trainer.backend megatron.")
     logprob_diff_warn_threshold: float = Field(
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
@@ -639,11 +658,27 @@ class TrainerSection(Section):
         if self.backend == "deepspeed" and self.data_parallel != "fsdp":
             raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; DeepSpeed "
                                    "partitions by deepspeed.zero_stage", "data_parallel", "backend")
+        if self.backend == "megatron" and self.data_parallel != "fsdp":
+            raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; Megatron splits "
+                                   "by trainer.megatron's sizes", "data_parallel", "backend")
         total = self.num_steps * self.num_steps_per_rollout
         if self.warmup_steps > total:
             raise RecipeValueError(
                 f"warmup_steps ({self.warmup_steps}) exceeds the run's {total} optimizer steps (num_steps × "
                 "num_steps_per_rollout)", "warmup_steps", "num_steps")
+        mg = self.megatron
+        if mg != MegatronSection() and self.backend != "megatron":
+            raise RecipeValueError(f"trainer.megatron is read only by backend 'megatron', but backend is "
+                                   f"'{self.backend}'", "megatron", "backend")
+        for key in ("pipeline_parallel", "context_parallel"):
+            if getattr(mg, key) > 1:
+                raise RecipeValueError(f"trainer.megatron.{key} ({getattr(mg, key)}) > 1 is not built yet",
+                                       f"megatron.{key}")
+        if self.num_workers % mg.tensor_parallel or self.num_workers % mg.expert_parallel:
+            raise RecipeValueError(
+                f"num_workers ({self.num_workers}) must be a multiple of megatron.tensor_parallel "
+                f"({mg.tensor_parallel}) and megatron.expert_parallel ({mg.expert_parallel})", "num_workers",
+                "megatron.tensor_parallel", "megatron.expert_parallel")
         return self
 
 
@@ -811,6 +846,13 @@ class RecipeConfig(Section):
         alg, ro, cl = self.algorithm, self.rollout, self.cluster
         self._check_critic()
         check_teachers(self)
+        if self.trainer.backend == "megatron" and "critic" in algorithm_class(alg.name).roles:
+            raise RecipeValueError(f"algorithm '{alg.name}' trains a value model, which trainer.backend megatron does "
+                                   "not build yet; use fsdp", "trainer.backend", "algorithm.name")
+        if self.trainer.backend == "megatron" and alg.name == "opd" and alg.opd_topk > 0:
+            raise RecipeValueError("algorithm.opd_topk needs the policy's log-probs at the teachers' top-k ids, which "
+                                   "trainer.backend megatron does not compute yet; use fsdp or deepspeed, or opd_topk 0",
+                                   "algorithm.opd_topk", "trainer.backend")
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(

@@ -1,0 +1,212 @@
+"""Megatron (TP=1) against FSDP2 on one device, same GLM-MoE-DSA checkpoint and batches: bf16 conformance over 5
+steps (loss, grad norm, log-probs before each step) and training throughput (tokens/s, MFU).
+
+Each backend runs in its own process (one rank): the 5 conformance steps, then warm-up and timed steps on larger
+batches. A backend that fails records its error instead of its numbers, so one GPU call always reports.
+    python benchmarks/megatron_vs_fsdp.py --out result.json                     # H200: the 1.1B model, bf16
+    python benchmarks/megatron_vs_fsdp.py --size tiny --device cpu --out r.json # CPU dry run (float32)
+
+MFU is slime_dsa.models.flops' definition, the same for both backends and for the other benchmarks: 6 x the active
+parameters per token (routed experts at top-k of n, no embedding; attention scores not counted) x tokens/s, over the
+GPU's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("megatron_vs_fsdp")
+STEPS = 5
+# Tolerances of the bf16 conformance (FSDP2 and Megatron both keep float32 master weights and compute in bf16):
+# bf16 rounds each logit to ~3 significant digits, so the two log-prob paths differ by ~1e-2 per token.
+TOLERANCE = {"loss_abs": 2e-2, "grad_norm_rel": 5e-2, "logprob_mean_abs": 2e-2}
+SIZES = {
+    # 1.11B parameters (0.34B active): 12 layers, 32 routed experts of which 4 per token, IndexShare every 2 layers.
+    "1b": dict(hidden_size=1536, intermediate_size=4096, moe_intermediate_size=512, num_hidden_layers=12,
+               num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+               v_head_dim=128, n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
+               index_n_heads=32, index_head_dim=128, index_topk=512, indexer_types=["full", "shared"] * 6,
+               vocab_size=32768),
+    "tiny": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                 index_n_heads=4, index_head_dim=16, index_topk=16, indexer_types=["full", "shared"], vocab_size=96),
+}
+
+
+def make_batch(vocab: int, samples: int, length: int, seed: int):
+    """`samples` packed sequences of `length` tokens (prompt a quarter of them); advantage -1 on every fourth sample,
+    +1 on the rest (so the policy loss is far from 0 and its difference means something)."""
+    from trainers.base import TrainBatch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = length // 4
+    mask = ([0.0] * prompt + [1.0] * (length - prompt)) * samples
+    adv = sum(([0.0] * prompt + [-1.0 if s % 4 == 3 else 1.0] * (length - prompt) for s in range(samples)), [])
+    n = samples * length
+    return TrainBatch(input_ids=torch.randint(0, vocab, (n,), generator=g), seqlens=[length] * samples,
+                      loss_mask=torch.tensor(mask), rollout_logprobs=torch.full((n,), -2.0),
+                      advantages=torch.tensor(adv))
+
+
+def rank_body(rank: int, backend: str, checkpoint: str, port: int, args: dict, out: str) -> None:
+    """One rank of one backend: conformance steps, then timed steps; writes its record to `out`."""
+    record: dict = {"backend": backend}
+    try:
+        record.update(_measure(backend, checkpoint, port, args))
+    except Exception as err:  # noqa: BLE001 - one backend's failure must not lose the other's numbers
+        record["error"] = "".join(traceback.format_exception(err))[-4000:]
+    Path(out).write_text(json.dumps(record))
+
+
+def _measure(backend: str, checkpoint: str, port: int, args: dict) -> dict:
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
+
+    cuda = args["device"] == "cuda"
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
+    config = policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=args["lr"], max_grad_norm=1.0),
+                           dsa=dsa, ops_backend="auto",
+                           mixed_precision=cuda, micro_batch_tokens=args["micro_batch_tokens"], seed=0,
+                           gradient_checkpointing=args["recompute"])
+    if backend == "megatron":
+        from trainers.megatron.worker import MegatronWorker as Worker  # noqa: PLC0415
+    else:
+        from trainers.fsdp.worker import FSDPWorker as Worker  # noqa: PLC0415
+    start = time.perf_counter()
+    worker = Worker(0, 1, "127.0.0.1", port, config)
+    out: dict = {"build_s": round(time.perf_counter() - start, 1)}
+    vocab, length = args["vocab"], args["length"]
+    batches = [make_batch(vocab, args["conformance_samples"], length, seed) for seed in range(STEPS)]
+    for b in batches:
+        b.old_logprobs = worker.compute_logprobs(b)  # π_old: the starting policy, so the loss moves with the weights
+    out["steps"], out["logprobs"] = [], []
+    for b in batches:
+        out["logprobs"].append(worker.compute_logprobs(b).float().tolist())
+        m = worker.train_step(b, float(b.loss_mask.sum()), len(b.seqlens))
+        out["steps"].append({k: m[k] for k in ("loss", "grad_norm", "indexer_kl") if k in m})
+    big = make_batch(vocab, args["bench_samples"], length, 100)
+    big.old_logprobs = worker.compute_logprobs(big)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(args["warmup"]):
+        worker.train_step(big, float(big.loss_mask.sum()), len(big.seqlens), detailed_metrics=False)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args["timed"]):
+        worker.train_step(big, float(big.loss_mask.sum()), len(big.seqlens), detailed_metrics=False)
+    sync()
+    seconds = (time.perf_counter() - start) / args["timed"]
+    out.update(step_s=round(seconds, 4), tokens_per_s=round(big.num_tokens / seconds, 1),
+               peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    worker.shutdown()
+    return out
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """The bf16 conformance figures of `got` against `ref` (FSDP2), and whether they are within TOLERANCE."""
+    loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(ref["steps"], got["steps"]))
+    norm = max(abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-12)
+               for a, b in zip(ref["steps"], got["steps"]))
+    logp = max(float((torch.tensor(a) - torch.tensor(b)).abs().mean()) for a, b in zip(ref["logprobs"], got["logprobs"]))
+    moved = float((torch.tensor(ref["logprobs"][0]) - torch.tensor(ref["logprobs"][-1])).abs().mean())
+    figures = {"loss_abs": loss, "grad_norm_rel": norm, "logprob_mean_abs": logp}
+    return {**{k: float(f"{v:.3g}") for k, v in figures.items()}, "logprob_moved_mean_abs": float(f"{moved:.3g}"),
+            "tolerance": TOLERANCE, "within": all(figures[k] <= TOLERANCE[k] for k in TOLERANCE)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--backends", default="fsdp,megatron", help="comma-separated, run in this order")
+    parser.add_argument("--length", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument("--conformance-samples", type=int, default=4, help="sequences per conformance step")
+    parser.add_argument("--bench-samples", type=int, default=16, help="sequences per timed step")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timed", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--recompute", action="store_true", help="activation recomputation in both backends")
+    parser.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temporary directory)")
+    parser.add_argument("--out", required=True, help="the JSON result")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.models.flops import active_params, peak_tflops, train_flops  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+
+    size = dict(SIZES[args.size])
+    config = preset_config("tiny", eos_token_id=1, **size)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="mg_vs_fsdp_"))
+    checkpoint = work / f"model_{args.size}"
+    # bf16 on disk for the GPU run (half the bytes to write and read); both backends start from the same values
+    model = build_model(config, seed=0, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    active = active_params(config)
+    flops = train_flops(active, 1)  # per token
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else None
+    peak = peak_tflops(device_name, bf16=True)
+    if not (checkpoint / "config.json").exists():
+        save_pretrained(model, checkpoint)
+    del model
+    logger.info("model %s: %.3fB parameters (%.3fB active), %.3g FLOPs/token; checkpoint %s", args.size, total / 1e9,
+                active / 1e9, flops, checkpoint)
+    options = {**vars(args), "vocab": config.vocab_size}
+    result = {"size": args.size, "parameters": total, "active_parameters": active, "flops_per_token": flops,
+              "device": args.device, "device_name": device_name or "cpu", "peak_tflops": peak,
+              "tokens_per_step": args.bench_samples * args.length, "args": vars(args), "runs": {}}
+    for backend in args.backends.split(","):
+        out = work / f"{backend}.json"
+        start = time.perf_counter()
+        try:
+            mp.start_processes(rank_body, args=(backend, str(checkpoint), _free_port(), options, str(out)), nprocs=1,
+                               start_method="spawn")
+            run = json.loads(out.read_text())
+        except Exception as err:  # noqa: BLE001 - the process died (a signal, out of memory): record it, go on
+            run = {"backend": backend, "error": f"{type(err).__name__}: {err}"}
+        run["wall_s"] = round(time.perf_counter() - start, 1)
+        if "tokens_per_s" in run and peak:
+            run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
+        result["runs"][backend] = run
+        _write(args.out, result)  # after each backend: a run cut short by the stage's time cap still reports
+        logger.info("%s: %s", backend, run.get("error") or {k: run.get(k) for k in ("tokens_per_s", "mfu", "step_s",
+                                                                                        "peak_memory_gib", "wall_s")})
+    runs = result["runs"]
+    if all("steps" in runs.get(b, {}) for b in ("fsdp", "megatron")):
+        result["conformance"] = compare(runs["fsdp"], runs["megatron"])
+        result["megatron_over_fsdp_tokens_per_s"] = round(runs["megatron"]["tokens_per_s"] / runs["fsdp"]["tokens_per_s"], 3)
+        logger.info("conformance %s; megatron / fsdp tokens/s %s", result["conformance"],
+                    result["megatron_over_fsdp_tokens_per_s"])
+    _write(args.out, result)
+
+
+def _write(path: str, result: dict) -> None:
+    """The result without the per-token log-probs (thousands of floats, only for compare)."""
+    slim = {**result, "runs": {b: {k: v for k, v in r.items() if k != "logprobs"} for b, r in result["runs"].items()}}
+    Path(path).write_text(json.dumps(slim, indent=1))
+
+
+if __name__ == "__main__":
+    main()

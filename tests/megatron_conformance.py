@@ -1,0 +1,119 @@
+"""Rank bodies of the Megatron conformance tests (spawned processes, gloo): the same 5 batches through FSDP2 or
+Megatron ranks, recording each step's metrics, the log-probs before it, and every gradient after the first step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+STEPS, NUM_SAMPLES = 5, 6
+
+
+def batches(vocab_size: int, count: int = STEPS, seed: int = 0):
+    """STEPS packed batches of NUM_SAMPLES samples (prompt 5, responses of 4-7 tokens), advantages of both signs."""
+    from trainers.base import TrainBatch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids, mask, adv, lens = [], [], [], []
+        for s in range(NUM_SAMPLES):
+            response = 4 + s % 4
+            ids += torch.randint(0, vocab_size, (5 + response,), generator=g).tolist()
+            mask += [0.0] * 5 + [1.0] * response
+            adv += [0.0] * 5 + [1.0 if s % 3 else -1.0] * response
+            lens.append(5 + response)
+        n = len(ids)
+        out.append(TrainBatch(input_ids=torch.tensor(ids), seqlens=lens, loss_mask=torch.tensor(mask),
+                              rollout_logprobs=torch.full((n,), -2.0), advantages=torch.tensor(adv)))
+    return out
+
+
+def rank_config(checkpoint: str, backend_options: dict, mixed_precision: bool = False, lr: float = 1e-3,
+                indexer_loss_coef: float = 1.0):
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
+
+    dsa = DSAOptions(indexer_loss_coef=indexer_loss_coef, indexer_stage="sparse", indexer_target="group")
+    return policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=lr, max_grad_norm=1e6), dsa=dsa,
+                         ops_backend="auto", data_parallel="fsdp", backend_options=backend_options,
+                         mixed_precision=mixed_precision, micro_batch_tokens=32, seed=0)
+
+
+def gradients(worker) -> dict[str, torch.Tensor]:
+    """HF name -> the whole gradient of every parameter (collective: FSDP gathers shards, Megatron TP/EP parts)."""
+    model = worker.policy.model
+    if hasattr(model, "output_layer"):  # a Megatron model
+        from trainers.megatron.weights import gather_hf, local_grads  # noqa: PLC0415
+
+        return gather_hf(local_grads(model), model.config)
+    out = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu()
+    return out
+
+
+def train(rank: int, world_size: int, port: int, backend: str, checkpoint: str, options: dict, out: str,
+          mixed_precision: bool = False) -> None:
+    """One rank: STEPS optimiser steps, each on its data-parallel share of the batch (π_old recomputed first)."""
+    torch.set_num_threads(1)
+    config = rank_config(checkpoint, options, mixed_precision)
+    if backend == "megatron":
+        from trainers.megatron.worker import MegatronWorker as Worker  # noqa: PLC0415
+    else:
+        from trainers.fsdp.worker import FSDPWorker as Worker  # noqa: PLC0415
+    worker = Worker(rank, world_size, "127.0.0.1", port, config)
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    dp_rank, dp_size = worker.data_parallel_layout()
+    share = [i for i in range(NUM_SAMPLES) if i % dp_size == dp_rank]
+    shares = [b.select(share) for b in batches(vocab)]
+    for mine in shares:  # π_old is the starting policy for every step, so the loss moves with the weights
+        mine.old_logprobs = worker.compute_logprobs(mine)
+    record = {"steps": [], "logprobs": [], "share": share}
+    for step, (batch, mine) in enumerate(zip(batches(vocab), shares)):
+        record["logprobs"].append(worker.compute_logprobs(mine).tolist())  # rank 0's share under this step's weights
+        record["steps"].append(worker.train_step(mine, float(batch.loss_mask.sum()), NUM_SAMPLES))
+        if step == 0:
+            grads = gradients(worker)
+            if rank == 0:
+                from safetensors.torch import save_file  # noqa: PLC0415
+
+                save_file(grads, f"{out}.grads.safetensors")
+    if rank == 0:
+        Path(out).write_text(json.dumps(record))
+    worker.shutdown()
+
+
+def recompute(rank: int, world_size: int, port: int, checkpoint: str, options: dict, out: str) -> None:
+    """One rank: the gradients of one step without, then with activation recomputation (learning rate 0, so the
+    weights stay put), and how many decoder-layer forwards each ran. The indexer loss is off: its capture, as in
+    FSDP2, keeps every layer's activations, so recomputation would not run."""
+    torch.set_num_threads(1)
+    from trainers.megatron.worker import MegatronWorker  # noqa: PLC0415
+
+    worker = MegatronWorker(rank, world_size, "127.0.0.1", port,
+                            rank_config(checkpoint, options, lr=0.0, indexer_loss_coef=0.0))
+    model, calls = worker.policy.model, [0]
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    dp_rank, dp_size = worker.data_parallel_layout()
+    batch = batches(vocab, count=1)[0]
+    mine = batch.select([i for i in range(NUM_SAMPLES) if i % dp_size == dp_rank])
+    mine.old_logprobs = worker.compute_logprobs(mine)
+    record = {}
+    for flag in (False, True):
+        model.gradient_checkpointing, calls[0] = flag, 0
+        norm = worker.train_step(mine, float(batch.loss_mask.sum()), NUM_SAMPLES)["grad_norm"]
+        grads = gradients(worker)
+        record[str(flag)] = {"grad_norm": norm, "layer_forwards": calls[0]}
+        if rank == 0:
+            from safetensors.torch import save_file  # noqa: PLC0415
+
+            save_file(grads, f"{out}.{flag}.safetensors")
+    if rank == 0:
+        Path(out).write_text(json.dumps(record))
+    worker.shutdown()

@@ -1,0 +1,167 @@
+"""The Megatron backend against FSDP2 and transformers, on CPU over gloo (real megatron-core, real processes).
+
+- HF -> Megatron -> HF is bit-exact for every TP x EP layout (in memory, and through tools/ on disk; the result
+  loads in transformers).
+- The same 5 batches give the same trajectory in FSDP2 (2 ranks) and Megatron with TP=1 (DP 2), TP=2 and EP=2
+  (DP 2): float32, loss and grad norm within rtol 1e-5, the log-probs before every step within 2e-5, every gradient
+  of the first step (indexer included) within rtol 1e-4 + atol 1e-7, the indexer KL within rtol 1e-3 + atol 1e-8
+  (its value is ~1e-5, so that is summation noise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.hf_reference import make_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (pip install -e '.[megatron]', Python >= 3.12)")
+VOCAB = 96  # divisible by the tensor-parallel sizes below
+LAYOUTS = {"tp1": {}, "tp2": {"tensor_parallel": 2}, "ep2": {"expert_parallel": 2}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("megatron") / "hf"
+    make_hf_checkpoint(directory, vocab_size=VOCAB)
+    return directory
+
+
+def _hf_state(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(next(directory.glob("*.safetensors")))
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 4), (4, 8)])
+def test_hf_megatron_hf_is_bit_exact(checkpoint, tp, ep):
+    from slime_dsa.models.config import ModelConfig
+    from trainers.megatron.convert import hf_to_megatron, megatron_to_hf
+
+    config, hf = ModelConfig.from_pretrained(checkpoint), _hf_state(checkpoint)
+    shards = {(t, e): hf_to_megatron(hf, config, tp, ep, t, e) for t in range(tp) for e in range(ep)}
+    assert shards[0, 0]["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # the selection bias travels too
+    back = megatron_to_hf(shards, config, tp, ep)
+    assert back.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.slow
+def test_tools_convert_round_trip_loads_in_transformers(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    megatron, hf = tmp_path / "megatron", tmp_path / "hf"
+    for script, src, dst, extra in (("convert_hf_to_megatron.py", checkpoint, megatron, ["--tensor-parallel", "2",
+                                                                                          "--expert-parallel", "2"]),
+                                    ("convert_megatron_to_hf.py", megatron, hf, [])):
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / script), str(src), str(dst), *extra],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in megatron.glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_00_001",
+                                                                   "mp_rank_01_000", "mp_rank_01_001"]
+    original, back = _hf_state(checkpoint), _hf_state(hf)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    model, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_convert_refuses_a_layout_the_model_does_not_divide(checkpoint, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("convert_hf_to_megatron", ROOT / "tools" / "convert_hf_to_megatron.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(checkpoint), str(tmp_path / "out"), "--tensor-parallel", "5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: trainer.megatron.tensor_parallel (5) must divide the model's num_attention_heads (4)"]
+    assert not (tmp_path / "out").exists()
+
+
+# -- conformance: FSDP2 and Megatron ranks on the same batches ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(backend: str, checkpoint: Path, options: dict, out: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    from tests.megatron_conformance import train
+
+    mp.start_processes(train, args=(2, _free_port(), backend, str(checkpoint), options, str(out)), nprocs=2,
+                       start_method="spawn")
+    record = json.loads(out.read_text())
+    record["grads"] = load_file(f"{out}.grads.safetensors")
+    return record
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(checkpoint) -> dict:
+    return _run("fsdp", checkpoint, {}, checkpoint.parent / "fsdp.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_same_trajectory_as_fsdp(fsdp_run, checkpoint, layout):
+    got = _run("megatron", checkpoint, LAYOUTS[layout], checkpoint.parent / f"megatron_{layout}.json")
+    ref = fsdp_run
+    for step, (a, b) in enumerate(zip(ref["steps"], got["steps"])):
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (step, key)
+        assert b["indexer_kl"] == pytest.approx(a["indexer_kl"], rel=1e-3, abs=1e-8), step
+        assert a["indexer_kl"] > 0
+    assert len(got["steps"]) == 5
+    # The log-probs before each step: the weights moved alike. Rank 0's samples of each run, matched by sample id.
+    rows = _rows(ref["share"])
+    for step, (a, b) in enumerate(zip(ref["logprobs"], got["logprobs"])):
+        mine = torch.tensor(b)[_rows(got["share"], keep=ref["share"])]
+        torch.testing.assert_close(mine, torch.tensor(a)[rows], rtol=0, atol=2e-5, msg=f"step {step}")
+    assert ref["logprobs"][0] != ref["logprobs"][-1]  # they did move
+    indexer = [k for k in ref["grads"] if ".indexer." in k]
+    assert indexer and all(ref["grads"][k].abs().sum() > 0 for k in indexer)
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_activation_recomputation_gives_the_same_gradients(checkpoint, tmp_path):
+    """TP=2 (sequence parallel): every layer runs its forward again in backward, and every gradient is unchanged."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_conformance import recompute
+
+    out = tmp_path / "recompute.json"
+    mp.start_processes(recompute, args=(2, _free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
+                       start_method="spawn")
+    record = json.loads(out.read_text())
+    assert record["True"]["layer_forwards"] == 2 * record["False"]["layer_forwards"] > 0
+    assert record["True"]["grad_norm"] == pytest.approx(record["False"]["grad_norm"], rel=1e-6)
+    plain, again = load_file(f"{out}.False.safetensors"), load_file(f"{out}.True.safetensors")
+    assert plain.keys() == again.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(again[name], grad, rtol=1e-6, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _rows(share: list[int], keep: list[int] | None = None) -> torch.Tensor:
+    """Row indices of the samples `keep` (default: all) within a share's packed log-probs."""
+    from tests.megatron_conformance import NUM_SAMPLES, batches
+
+    lens = batches(VOCAB, count=1)[0].seqlens
+    keep = share if keep is None else keep
+    rows, offset = [], 0
+    for i in share:
+        if i in keep:
+            rows += range(offset, offset + lens[i])
+        offset += lens[i]
+    assert len(lens) == NUM_SAMPLES
+    return torch.tensor(rows)

@@ -1,0 +1,69 @@
+"""Convert a Hugging Face GLM-MoE-DSA directory into Megatron shards for trainer.backend megatron.
+
+    python tools/convert_hf_to_megatron.py HF_DIR OUT_DIR --tensor-parallel 2 --expert-parallel 4
+
+OUT_DIR gets one directory per (tensor-parallel rank, expert-parallel rank), mp_rank_{tp:02d}_{ep:03d}/ with that
+rank's model.safetensors (trainers/megatron/convert.py names), plus config.json, megatron.json (the sizes) and the
+tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from slime_dsa.checkpoint.hf_format import read_state_dict
+from slime_dsa.models.config import ModelConfig
+from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
+from trainers.megatron.convert import hf_to_megatron
+
+logger = logging.getLogger("convert_hf_to_megatron")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def shard_directory(root: Path, tp_rank: int, ep_rank: int) -> Path:
+    return root / f"mp_rank_{tp_rank:02d}_{ep_rank:03d}"
+
+
+def convert(src: Path, out: Path, tp: int, ep: int) -> None:
+    config = ModelConfig.from_pretrained(src)
+    check_parallel_sizes(config, ParallelSizes(tensor_parallel=tp, expert_parallel=ep), tp * ep)
+    state = read_state_dict(src)
+    for t in range(tp):
+        for e in range(ep):
+            directory = shard_directory(out, t, e)
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
+    shutil.copy(src / "config.json", out / "config.json")
+    (out / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    logger.info("wrote %d shards to %s", tp * ep, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", type=Path, help="Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("out", type=Path, help="output directory")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--expert-parallel", type=int, default=1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        convert(args.src, args.out, args.tensor_parallel, args.expert_parallel)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Convert Megatron shards (tools/convert_hf_to_megatron.py's layout) back into a Hugging Face directory that
+transformers, SGLang and our engine load as it is.
+
+    python tools/convert_megatron_to_hf.py MEGATRON_DIR HF_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from slime_dsa.models.config import ModelConfig
+from trainers.megatron.convert import megatron_to_hf
+
+logger = logging.getLogger("convert_megatron_to_hf")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def convert(src: Path, out: Path) -> None:
+    sizes = json.loads((src / "megatron.json").read_text())
+    tp, ep = sizes["tensor_parallel"], sizes["expert_parallel"]
+    config = ModelConfig.from_pretrained(src)
+    shards = {(t, e): load_file(src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors")
+              for t in range(tp) for e in range(ep)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(megatron_to_hf(shards, config, tp, ep), out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(src / "config.json", out / "config.json")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    logger.info("wrote %s", out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", type=Path, help="directory written by tools/convert_hf_to_megatron.py")
+    parser.add_argument("out", type=Path, help="output Hugging Face directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        convert(args.src, args.out)
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
