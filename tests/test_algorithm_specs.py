@@ -73,7 +73,7 @@ def _critic_gae(record: dict) -> torch.Tensor:
 
 
 def _teacher_advantages(record: dict) -> torch.Tensor:
-    """OPD's advantages from the recorded inputs: −(log π_roll − log π_T) on taught tokens (ALGORITHMS.md §7)."""
+    """OPD's advantages from the recorded inputs: −(log π_roll − log π_T) on taught tokens (docs/algorithms.md §7)."""
     rewards, groups = torch.tensor(record["rewards"]), torch.tensor(record["group_ids"])
     return mixed_advantages(torch.tensor(record["rollout_logprobs"]), torch.tensor(record["teacher_logprobs"]),
                             torch.tensor(record["loss_mask"]), torch.tensor(record["sample_index"]),

@@ -1,5 +1,5 @@
 """On-policy distillation's pure parts: the sparse top-k KL and its tail against a direct computation, the mixed
-per-token advantages against a transcription of ALGORITHMS.md section 7, the student's log-probs at candidate ids
+per-token advantages against a transcription of docs/algorithms.md section 7, the student's log-probs at candidate ids
 against a direct forward, the OPD spec and its loss, and the recipe checks of the teachers list."""
 
 from __future__ import annotations

@@ -459,7 +459,7 @@ class AlgorithmSection(Section):
     opd_task_advantage: bool = Field(
         False, description="opd: add the group advantage of the task reward (as grpo computes it) to the advantages "
                            "of taught samples too; reward domains (tasks without a teacher) always get it. Default "
-                           "false: pure distillation (ALGORITHMS.md section 7).")
+                           "false: pure distillation (docs/algorithms.md section 7).")
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")

@@ -1,4 +1,4 @@
-"""On-policy distillation, parallel over domains (ALGORITHMS.md section 7): the synchronous loop and GRPO's loss,
+"""On-policy distillation, parallel over domains (docs/algorithms.md section 7): the synchronous loop and GRPO's loss,
 with per-token advantages from each sample's domain teacher.
 
   taught sample:    A_t = − opd_coef · (log π_roll(y_t) − log π_T(y_t))  [+ its group advantage]
