@@ -4,8 +4,10 @@ tests/test_deepspeed_conformance.py, with bf16 compute).
 
 Tolerances (bf16): both compute with bf16 weights rounded from float32 masters that start from the checkpoint's
 float32 values, and update in float32; DeepSpeed reduces and accumulates a step's micro-batch gradients in bf16, FSDP2
-in float32. Losses agree to 2e-2 relative, the weights to 2e-3 absolute (five Adam steps at lr 1e-3 move a weight by
-at most 5e-3); the measured gaps are printed (-s), to tighten these once measured.
+in float32. Each step's loss is taken at π_old = π_θ, where it is the advantages' mean whatever the weights: the
+gradient norms carry the comparison (2e-2 relative). Adam's normalised update turns a bf16 difference in a near-zero
+gradient into a step of up to lr the other way, so one weight can differ by up to 2 · lr · steps = 1e-2 after five
+steps; the mean gap must stay a small share of that (1e-3). The measured gaps are printed (-s).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ def runs(tmp_path_factory):
 def test_bf16_zero3_follows_fsdp2(runs, name):
     results, weights = runs
     expected, got = results["fsdp"]["metrics"], results[name]["metrics"]
-    gaps = [abs(g["loss"] - e["loss"]) / max(abs(e["loss"]), 1e-6) for e, g in zip(expected, got)]
-    weight_gap = max((weights[name][k].float() - v.float()).abs().max().item() for k, v in weights["fsdp"].items())
-    print(f"{name}: loss relative gaps {[f'{x:.1e}' for x in gaps]}, largest weight gap {weight_gap:.1e}")
+    gaps = [abs(g["grad_norm"] - e["grad_norm"]) / max(abs(e["grad_norm"]), 1e-6) for e, g in zip(expected, got)]
+    diffs = [(weights[name][k].float() - v.float()).abs() for k, v in weights["fsdp"].items()]
+    largest = max(d.max().item() for d in diffs)
+    mean = sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs)
+    print(f"{name}: grad-norm relative gaps {[f'{x:.1e}' for x in gaps]}, weight gap largest {largest:.1e} mean {mean:.1e}")
     assert max(gaps) < 2e-2
-    assert weight_gap < 2e-3
+    assert largest <= 1e-2 and mean < 1e-3
 
 
 @pytest.mark.parametrize("name", list(GPU_VARIANTS))

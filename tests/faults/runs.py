@@ -59,7 +59,7 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
 def engine_urls(log: Path) -> list[str]:
     """The engine URLs a run's log announced ("N embedded engine(s) up: URL, URL")."""
     match = re.search(r"engine\(s\) up: (.+)", log.read_text()) if log.exists() else None
-    return [u.strip() for u in match.group(1).split(",")] if match else []
+    return re.findall(r"https?://[\w.\-]+:\d+", match.group(1)) if match else []
 
 
 def descendants(pid: int) -> set[int]:
