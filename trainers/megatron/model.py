@@ -161,9 +161,12 @@ class MegatronGlmMoeDsa(nn.Module):
 
     def token_logprobs_with_output(self, input_ids: torch.Tensor, batch: PackedBatch, *, temperature: float = 1.0,
                                    chunk_size: int = 1024, return_entropy: bool = False, prefix_pack=None,
+                                   candidate_ids: torch.Tensor | None = None,
                                    **forward_kwargs) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
         """log p(x_t | x_<t) of every packed token (0 at each sequence's first), entropy, and the ModelOutput; as
         GlmMoeDsaForCausalLM.token_logprobs_with_output (prefix_pack: shared prompts computed once)."""
+        if candidate_ids is not None:  # recipe check refuses algorithm.opd_topk with this backend
+            raise ValueError("the megatron backend computes no log-probs at teacher candidates (algorithm.opd_topk)")
         if prefix_pack is not None:
             out = self.forward_hidden(prefix_pack.input_ids, prefix_pack.batch, **forward_kwargs)
             index = prefix_pack.response_index
