@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -84,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for handler in root.handlers:
         if handler not in before:  # the console keeps its level when a run's log file lowers the root's to INFO
             handler.setLevel(level)
+    previous = _raise_on_sigterm()
     try:
         return int(args.run(args) or 0)
     except UserError as err:
@@ -96,6 +98,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush of stdout would raise again
         return 141
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """SIGTERM (a scheduler's stop, `kill`) takes Ctrl-C's path: the run says what is lost and stops its engines and
+    ranks, where the default action would end the process at once. Returns the handler it replaced."""
+    def terminate(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread (an embedding program): leave its handlers alone
+        return None
 
 
 if __name__ == "__main__":

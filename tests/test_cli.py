@@ -213,3 +213,27 @@ def test_a_closed_pipe_ends_the_output_without_a_traceback():
     proc.stdout.close()  # before the CLI has imported anything: its first write meets a closed pipe
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err, err.decode()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_the_way_ctrl_c_does(tmp_path):
+    """A scheduler's SIGTERM: one line and exit 130, the run directory's lock released cleanly (emptied), where the
+    default action ended the process at once."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slime_dsa.cli", "sft", "recipes/quickstart_sft.yaml", "--set", "trainer.num_steps=100000",
+         "--set", f"logging.run_dir={run_dir}", "--set", f"sft.output_dir={tmp_path / 'model'}",
+         "--set", "logging.wandb_mode=disabled"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parent.parent)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "sft.log").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
+    assert (run_dir / ".lock").read_text() == ""  # a clean release empties the lock file
