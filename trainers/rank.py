@@ -125,6 +125,32 @@ class TrainerRank:
         """(data-parallel rank, data-parallel size): the group splits the batch by it."""
         return self.data_parallel_rank, self.data_parallel_size
 
+    # -- placement and memory, the same for every backend ----------------------------------------------------
+
+    def cuda_device(self) -> str | None:
+        """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
+        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
+
+        return device_uuid(self.device) if self.device.type == "cuda" else None
+
+    def node_id(self) -> str | None:
+        """The Ray node this rank runs on (None outside Ray)."""
+        import ray  # noqa: PLC0415
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def release_memory(self) -> None:
+        """Return the allocator's cached blocks to the device, so colocated engines can use them while they generate."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Nothing to bring back: the weights and optimizer state stay where the backend keeps them."""
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     # -- collectives a backend may route elsewhere (e.g. Megatron's data-parallel group) ------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

@@ -132,16 +132,6 @@ class DeepSpeedWorker(TrainerRank):
                                          specs=weight_specs(model, engine_dtype), device=self.device)
         return self._shared.fill_from(whole_tensors(model))
 
-    def cuda_device(self) -> str | None:
-        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
-
-        return device_uuid(self.device) if self.device.type == "cuda" else None
-
-    def node_id(self) -> str | None:
-        import ray  # noqa: PLC0415
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
     def save_checkpoint(self, directory: str) -> None:
         from trainers.deepspeed.checkpointing import save_rank_checkpoint  # noqa: PLC0415
 
@@ -151,15 +141,3 @@ class DeepSpeedWorker(TrainerRank):
         from trainers.deepspeed.checkpointing import load_rank_checkpoint  # noqa: PLC0415
 
         load_rank_checkpoint(self, directory)
-
-    def release_memory(self) -> None:
-        """Return the allocator's cached blocks while colocated engines generate."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def resume_memory(self) -> None:
-        """Nothing to bring back: partitions and optimizer state stay where ZeRO keeps them."""
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -106,18 +106,6 @@ class FSDPWorker(TrainerRank):
             self._shared = SharedWeights(self.policy.model, engine_dtype, sender=self.rank == 0)
         return self._shared.fill(self.policy.model)
 
-    def cuda_device(self) -> str | None:
-        """The UUID of this rank's GPU (None on CPU): engines with the same UUID share its memory."""
-        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
-
-        return device_uuid(self.device) if self.device.type == "cuda" else None
-
-    def node_id(self) -> str | None:
-        """The Ray node this rank runs on (None outside Ray)."""
-        import ray  # noqa: PLC0415
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
     def save_checkpoint(self, directory: str) -> None:
         """Sharded model + optimiser with torch.distributed.checkpoint, plus per-rank training state. Collective."""
         from trainers.fsdp.checkpointing import save_rank_checkpoint  # noqa: PLC0415
@@ -128,18 +116,6 @@ class FSDPWorker(TrainerRank):
         from trainers.fsdp.checkpointing import load_rank_checkpoint  # noqa: PLC0415
 
         load_rank_checkpoint(self, directory)
-
-    def release_memory(self) -> None:
-        """Return the allocator's cached blocks to the device, so colocated engines can use them while they generate."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def resume_memory(self) -> None:
-        """Nothing to bring back: the weights and optimizer state stay on the device."""
-
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
@@ -154,5 +130,3 @@ def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
     flat /= world_size
     for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         grad.copy_(averaged)
-
-

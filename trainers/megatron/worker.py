@@ -151,16 +151,6 @@ class MegatronWorker(TrainerRank):
         raise RuntimeError("rollout.weight_sync cuda_ipc is not built for trainer.backend megatron yet; use http or "
                            "disk")
 
-    def cuda_device(self) -> str | None:
-        from slime_dsa.weights.cuda_ipc import device_uuid  # noqa: PLC0415
-
-        return device_uuid(self.device) if self.device.type == "cuda" else None
-
-    def node_id(self) -> str | None:
-        import ray  # noqa: PLC0415
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
     def save_checkpoint(self, directory: str) -> None:
         """Every rank's own shards and optimizer state, rank 0's full HF model for export. Collective."""
         from trainers.megatron.checkpointing import save_rank_checkpoint  # noqa: PLC0415
@@ -172,18 +162,10 @@ class MegatronWorker(TrainerRank):
 
         load_rank_checkpoint(self, directory)
 
-    def release_memory(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def resume_memory(self) -> None:
-        """Nothing to bring back: weights and optimizer state stay on the device."""
-
     def shutdown(self) -> None:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        super().shutdown()
 
 
 def _holds(model: torch.nn.Module, params: list[torch.Tensor]) -> bool:
