@@ -11,12 +11,14 @@ import torch
 
 
 def make_expert(directory: Path, seed: int, preset: str = "tiny") -> Path:
-    """A randomly initialised GLM-MoE-DSA checkpoint (float32) with the built-in tokenizer, as a teacher's path."""
+    """A randomly initialised GLM-MoE-DSA checkpoint (float32) with the built-in tokenizer, as a teacher's path; its
+    logits are as many as a student built from scratch has (one per token of the tokenizer)."""
     from slime_dsa.checkpoint import build_model, save_pretrained
-    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from slime_dsa.data.tokenizer import build_tokenizer, save_tokenizer
     from slime_dsa.models.presets import preset_config
 
-    config = preset_config(preset, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    tokenizer = build_tokenizer()
+    config = preset_config(preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     save_pretrained(build_model(config, seed=seed), directory)
     save_tokenizer(directory)
     return directory
