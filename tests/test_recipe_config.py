@@ -135,6 +135,8 @@ def test_null_section_means_empty(tmp_path):
      r"num_workers \(3\) must be a multiple of megatron\.tensor_parallel \(2\)"),
     ({"trainer": {"backend": "megatron", "data_parallel": "replicate"}},
      r"trainer: data_parallel 'replicate' applies to backend 'fsdp'; Megatron splits"),
+    ({"trainer": {"backend": "megatron"}, "cluster": {"num_gpus_per_trainer": 1}, "checkpoint": {"save_every": 10}},
+     r"checkpoints of megatron's DistributedOptimizer \(trainer ranks on GPUs\) are not built yet"),
     ({"trainer": {"deepspeed": {"zero_stage": 2}}}, r"trainer: deepspeed\.zero_stage applies to backend 'deepspeed', but backend is 'fsdp'"),
     ({"trainer": {"backend": "deepspeed", "data_parallel": "replicate"}},
      r"trainer: data_parallel 'replicate' applies to backend 'fsdp'"),

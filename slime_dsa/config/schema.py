@@ -903,6 +903,10 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
                 "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
+        if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0 and self.checkpoint.save_every > 0:
+            raise RecipeValueError(
+                "checkpoints of megatron's DistributedOptimizer (trainer ranks on GPUs) are not built yet: set "
+                "checkpoint.save_every: 0, or train on CPU ranks", "checkpoint.save_every", "trainer.backend")
         if ro.sglang.weight_sync == "tensor":
             raise RecipeValueError("rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
                                    "or disk", "rollout.sglang.weight_sync")
