@@ -37,7 +37,7 @@ def test_recipe_check_ok(capsys):
     out, _ = capsys.readouterr()
     lines = out.splitlines()
     assert lines[0] == f"ok: {BASE}"
-    assert len(lines) == 3 and lines[1].startswith("grpo on a random tiny model | tasks: arithmetic×1")
+    assert len(lines) == 3 and lines[1].startswith("train: grpo on a random tiny model | tasks: arithmetic×1")
     assert lines[2] == ("rollout.max_concurrency: 256 samples in flight (null: one step: 4 prompts × 8 samples, at "
                         "least 256 per engine; synchronous loop)")
 

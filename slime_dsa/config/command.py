@@ -56,7 +56,7 @@ def run_check(args: argparse.Namespace) -> int:
     config = load_recipe(args.recipe, args.overrides)
     check_recipe_paths(config)
     print(f"ok: {args.recipe}")
-    print(config.summary())
+    print(f"train: {config.summary()}")  # the same recipe serves sft and indexer-warmup, which read other sections
     print(config.concurrency_line())
     if args.print_recipe:
         print(dump_recipe(config), end="")
