@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
 
 import pytest
 import torch
-import yaml
 
-from slime_dsa.config import load_recipe
-from tests.test_rl_loop import RECIPE, _comparable, _records
+from tests.test_rl_loop import RECIPE, _comparable, _records, rerun_from_step_2, train_recipe
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -22,12 +19,8 @@ MEGATRON = {**RECIPE, "trainer": {**RECIPE["trainer"], "backend": "megatron", "m
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, ray_cluster):
-    from slime_dsa.orchestrator.train import run_training
-
     root = tmp_path_factory.mktemp("megatron_rl")
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(MEGATRON))
-    return root, run_training(load_recipe(path, [f"logging.run_dir={root / 'run'}"]))
+    return root, train_recipe(root, MEGATRON)
 
 
 def test_three_grpo_steps_stay_in_sync(first_run):
@@ -46,16 +39,7 @@ def test_three_grpo_steps_stay_in_sync(first_run):
 
 
 def test_resume_from_step_2_reproduces_step_3(first_run):
-    from slime_dsa.orchestrator.train import run_training
-
-    root, run_dir = first_run
-    resumed = root / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    shutil.copytree(run_dir / "initial_model", resumed / "initial_model")
-    run_training(load_recipe(root / "recipe.yaml", [f"logging.run_dir={resumed}"]), resume=True)
-    step3 = _comparable(next(r for r in _records(run_dir) if r["step"] == 3))
-    again = [r for r in _records(resumed) if r["step"] == 3]
+    step3, again, _ = rerun_from_step_2(*first_run)
     assert len(again) == 1
     noise = "train/train_rollout_logprob_abs_diff"  # the engines' batching noise, as in test_rl_loop
     assert abs(again[0].pop(noise) - step3.pop(noise)) < 1e-6

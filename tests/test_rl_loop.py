@@ -34,15 +34,35 @@ def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith("perf/") and k not in ("time", "elapsed_s")}
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory, ray_cluster):
+def train_recipe(root, recipe: dict):
+    """Write `recipe` to root/recipe.yaml and train it in root/run; the run directory."""
     from slime_dsa.orchestrator.train import run_training
 
-    root = tmp_path_factory.mktemp("rl")
     path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(RECIPE))
-    run_dir = run_training(load_recipe(path, [f"logging.run_dir={root / 'run'}"]))
-    return root, run_dir
+    path.write_text(yaml.safe_dump(recipe))
+    return run_training(load_recipe(path, [f"logging.run_dir={root / 'run'}"]))
+
+
+def rerun_from_step_2(root, run_dir):
+    """Resume root/recipe.yaml from run_dir's step-2 checkpoint in a fresh directory: (the first run's step 3
+    comparable, the resumed run's step-3 records, all the resumed run's records)."""
+    import shutil
+
+    from slime_dsa.orchestrator.train import run_training
+
+    resumed = root / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+    shutil.copytree(run_dir / "initial_model", resumed / "initial_model")
+    run_training(load_recipe(root / "recipe.yaml", [f"logging.run_dir={resumed}"]), resume=True)
+    step3 = _comparable(next(r for r in _records(run_dir) if r["step"] == 3))
+    return step3, [r for r in _records(resumed) if r["step"] == 3], _records(resumed)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, ray_cluster):
+    root = tmp_path_factory.mktemp("rl")
+    return root, train_recipe(root, RECIPE)
 
 
 def test_three_steps_train_sync_and_log(first_run):
@@ -93,20 +113,9 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
 
 
 def test_resume_from_step_2_reproduces_step_3(first_run):
-    import shutil
-
-    from slime_dsa.orchestrator.train import run_training
-
-    root, run_dir = first_run
-    resumed = root / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
-    shutil.copytree(run_dir / "initial_model", resumed / "initial_model")
-    run_training(load_recipe(root / "recipe.yaml", [f"logging.run_dir={resumed}"]), resume=True)
-    step3 = _comparable(next(r for r in _records(run_dir) if r["step"] == 3))
-    again = [r for r in _records(resumed) if r["step"] == 3]
+    step3, again, resumed_records = rerun_from_step_2(*first_run)
     assert len(again) == 1
-    assert all(r["step"] != 0 for r in _records(resumed))  # no second step-0 eval on resume
+    assert all(r["step"] != 0 for r in resumed_records)  # no second step-0 eval on resume
     # Every metric is bit-identical but one: the engines' own log-probs vary at 1e-7 with how requests happen to
     # share a decode batch, and train_rollout_logprob_abs_diff measures exactly that noise.
     noise = "train/train_rollout_logprob_abs_diff"
