@@ -903,6 +903,15 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
                 "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
+        if self.trainer.backend == "megatron" and ro.engine == "sglang" and (
+                ro.sglang.weight_sync == "distributed"
+                or (ro.sglang.weight_sync == "auto" and cl.placement == "disaggregated")):
+            raise RecipeValueError("rollout.sglang.weight_sync 'distributed' (auto's choice when disaggregated) is not "
+                                   "built for trainer.backend 'megatron'; use disk", "rollout.sglang.weight_sync",
+                                   "trainer.backend")
+        if self.trainer.backend == "megatron" and ro.weight_sync == "cuda_ipc":
+            raise RecipeValueError("rollout.weight_sync 'cuda_ipc' is not built for trainer.backend 'megatron'; use "
+                                   "auto, shm or http", "rollout.weight_sync", "trainer.backend")
         if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0 and self.checkpoint.save_every > 0:
             raise RecipeValueError(
                 "checkpoints of megatron's DistributedOptimizer (trainer ranks on GPUs) are not built yet: set "

@@ -147,6 +147,11 @@ class MegatronWorker(TrainerRank):
         raise RuntimeError("rollout.sglang.weight_sync distributed is not built for trainer.backend megatron yet; "
                            "use disk")
 
+    def cuda_device(self) -> str | None:
+        """None: these ranks share no weights by CUDA IPC (share_weights is not built), so weight_sync auto picks shm
+        or http."""
+        return None
+
     def share_weights(self, engine_dtype: str) -> dict | None:
         raise RuntimeError("rollout.weight_sync cuda_ipc is not built for trainer.backend megatron yet; use http or "
                            "disk")
