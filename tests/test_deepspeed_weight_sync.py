@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
 from tests.test_deepspeed_conformance import needs_deepspeed
-from tests.test_weight_sync import FAKE_RECEIVER, _free_port
+from tests.test_weight_sync import fake_sglang_receiver
 
 pytestmark = [pytest.mark.slow, needs_deepspeed]
 
@@ -53,24 +49,13 @@ def test_gathered_weights_are_the_checkpoints(zero3):
 
 def test_distributed_push_broadcasts_every_bucket_from_rank_0(zero3, tmp_path):
     from rollout.client import EngineClient
-    from rollout.sglang.launcher import http_ok
     from slime_dsa.orchestrator.weight_sync import DistributedTransport
     from trainers.weight_sender import engine_dtypes
 
     group, _ = zero3
-    script, out = tmp_path / "fake_receiver.py", str(tmp_path / "received")
-    script.write_text(FAKE_RECEIVER)
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, str(script), str(port), out], env=env)
-    try:
-        deadline = time.monotonic() + 60
-        while not http_ok(f"http://127.0.0.1:{port}/health") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert http_ok(f"http://127.0.0.1:{port}/health"), "the fake receiver did not start"
-
+    with fake_sglang_receiver(tmp_path) as (url, out):
         async def run() -> DistributedTransport:
-            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+            async with EngineClient([url]) as client:
                 sync = DistributedTransport(client, group, ranks_per_engine=1, engine_dtype="bfloat16",
                                             backend="gloo", bucket_bytes=50_000, group_name="ds_group")
                 assert await sync.push(1) is None
@@ -88,6 +73,3 @@ def test_distributed_push_broadcasts_every_bucket_from_rank_0(zero3, tmp_path):
         dtypes = engine_dtypes(ModelConfig.from_pretrained(group.config.roles["policy"].model_path), "bfloat16")
         for name, tensor in expected.items():
             assert got[name].dtype == dtypes[name] and torch.equal(got[name], tensor.to(dtypes[name])), name
-    finally:
-        proc.terminate()
-        proc.wait(10)

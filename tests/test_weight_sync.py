@@ -11,6 +11,7 @@ client here, end to end in test_cuda_ipc.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -392,26 +393,37 @@ FAKE_RECEIVER = textwrap.dedent('''
 ''')
 
 
-def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path):
-    from safetensors.torch import load_file  # noqa: PLC0415
-
-    from rollout.client import EngineClient  # noqa: PLC0415
+@contextlib.contextmanager
+def fake_sglang_receiver(tmp_path: Path):
+    """FAKE_RECEIVER in a subprocess on a free loopback port: (its URL, the path prefix of what it received)."""
     from rollout.sglang.launcher import http_ok  # noqa: PLC0415
-    from trainers.weight_sender import engine_dtypes  # noqa: PLC0415
 
     script, out = tmp_path / "fake_receiver.py", str(tmp_path / "received")
     script.write_text(FAKE_RECEIVER)
     port = _free_port()
+    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, str(script), str(port), out], env=env)
     try:
         deadline = time.monotonic() + 60
-        while not http_ok(f"http://127.0.0.1:{port}/health") and time.monotonic() < deadline:
+        while not http_ok(f"{url}/health") and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert http_ok(f"http://127.0.0.1:{port}/health"), "the fake receiver did not start"
+        assert http_ok(f"{url}/health"), "the fake receiver did not start"
+        yield url, out
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
+
+def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path):
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from rollout.client import EngineClient  # noqa: PLC0415
+    from trainers.weight_sender import engine_dtypes  # noqa: PLC0415
+
+    with fake_sglang_receiver(tmp_path) as (url, out):
         async def run() -> DistributedTransport:
-            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+            async with EngineClient([url]) as client:
                 sync = DistributedTransport(client, trainer, ranks_per_engine=1, engine_dtype="bfloat16",
                                             backend="gloo", bucket_bytes=50_000, group_name="test_group")
                 assert await sync.push(1) is None
@@ -437,6 +449,3 @@ def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path)
         assert set(got) == set(expected)
         for name, tensor in expected.items():
             assert got[name].dtype == dtypes[name] and torch.equal(got[name], tensor.to(dtypes[name])), name
-    finally:
-        proc.terminate()
-        proc.wait(10)
