@@ -3,9 +3,11 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof sft rl vstrl opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft rl vstrl opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
+# ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
+# adds arguments, PTRAIN_T caps it, default 180 s) writes $OUT/profile_train.md and .json.
 # opd (benchmarks/opd_swap_gpu.py: two teachers swapped from pinned memory into one engine, OPD_STEPS steps, OPD_T
 # cap, OPD_ARGS extra arguments, e.g. "--cpu --preset tiny" for a CPU dry run) writes one file, $OUT/opd.log: the
 # result table (swap time per teacher, teacher-scoring tok/s) and the run log's tail.
@@ -48,6 +50,11 @@ setup)
 test)
   stamp pytest
   timeout ${TEST_T:-240} python3 -m pytest -q -m gpu ${TEST_FILES:-tests/test_ops_gpu.py tests/test_engine_gpu.py} -p no:cacheprovider 2>&1 | tee $OUT/pytest.log | tail -30
+  ;;
+ptrain)
+  stamp ptrain
+  timeout -k 10 ${PTRAIN_T:-180} python3 benchmarks/profile_train_step.py --out $OUT/profile_train.md ${PTRAIN_ARGS} 2>&1 \
+    | grep --line-buffered -v "Warning" | tail -20
   ;;
 prof)
   stamp prof

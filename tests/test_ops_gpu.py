@@ -71,7 +71,11 @@ MLA_CASES = {
     "glm5_packed_long": ([3000, 9000], [3000, 9000], 64, 512, 64, 2048, False),
     "glm5_decode": ([1] * 8, [100, 3000, 10000, 1, 2047, 2048, 2049, 65000], 64, 512, 64, 2048, False),
     "glm5_decode_single": ([1], [30000], 64, 512, 64, 2048, False),
+    # the small preset's RL batches: sequences a little longer than index_topk (the masked range backward)
+    "rl_small_packed": ([300] * 4 + [1000, 700], [300] * 4 + [1000, 700], 12, 256, 32, 256, True),
 }
+# Real subsets of short sequences: the masked range backward by default, the atomic kernel when it is off
+SUBSET_CASES = ["packed_short", "odd_dims_tq_lt_tk", "heads128", "rl_small_packed"]
 
 
 @pytest.mark.parametrize("name", list(MLA_CASES))
@@ -104,6 +108,30 @@ def test_sparse_mla_matches_reference(name):
     ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
     assert rel_l2(dq, ref_dq) <= REL_L2, f"dq rel L2 {rel_l2(dq, ref_dq):.2e}"
     assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_sparse_mla_subset_backward_paths(masked, monkeypatch):
+    """Both backward paths for subsets of short sequences (byte-mapped ranges, atomics) match the reference."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    monkeypatch.setattr(mla, "USE_MASKED_RANGES", masked)
+    for name in SUBSET_CASES:
+        lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES[name]
+        indices = causal_rows(lens_q, lens_k, K)
+        cover = mla.selection_ranges(indices, mla.MASKED_RANGE_MAX_RATIO if masked else 0.0)
+        assert (cover is not None and cover.sel is not None) if masked else cover is None, name
+        torch.manual_seed(1)
+        q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out, lse = mla.sparse_mla_attention(q, kv, indices, 0.1, v_dim)
+        q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
+        ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, 0.1, v_dim)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
+        ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
+        assert rel_l2(dq, ref_dq) <= REL_L2, f"{name} dq rel L2 {rel_l2(dq, ref_dq):.2e}"
+        assert rel_l2(dkv, ref_dkv) <= REL_L2, f"{name} dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
 
 
 def test_sparse_mla_key_range_detection():

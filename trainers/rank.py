@@ -55,18 +55,32 @@ def _sample_index(seqlens: list[int], device: torch.device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
 
 
-def _share_metrics(metrics: dict[str, torch.Tensor], share: float) -> dict[str, float]:
+Metric = torch.Tensor | float  # a step's metrics stay on the device until the step ends: one host sync per step
+
+
+def _share_metrics(metrics: dict[str, Metric], share: float) -> dict[str, Metric]:
     """A micro-batch's metrics as its token-weighted share of the step's (step-wide losses and maxima as they are)."""
     out = {}
     for key, value in metrics.items():
-        value = float(value)
+        value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
         out[key] = value if key in SHARE_METRICS or key.endswith("_max") else value * share
     return out
 
 
+def _accumulate(sums: dict[str, Metric], metrics: dict[str, Metric]) -> None:
+    """Add a micro-batch's metrics into the step's: "_max" keys by maximum, the rest (weighted shares) by sum."""
+    for key, value in metrics.items():
+        if key not in sums:
+            sums[key] = value
+        elif key.endswith("_max"):  # a 0-dim CPU tensor meets a device one as a scalar: no copy, no sync
+            sums[key] = torch.maximum(torch.as_tensor(sums[key]), torch.as_tensor(value))
+        else:
+            sums[key] = sums[key] + value
+
+
 def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
                      step_loss_tokens: float, step_num_samples: int,
-                     candidate_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                     candidate_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
     """The policy loss of one micro-batch as its share of the whole step's loss, and token-weighted metrics.
     candidate_logprobs (T, K): the policy's log-probs at mb.candidate_ids, when the batch carries candidates."""
     device = logprobs.device
@@ -91,7 +105,7 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
 
 
 def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step_loss_tokens: float,
-                           step_num_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
+                           step_num_samples: int) -> tuple[torch.Tensor, dict[str, Metric]]:
     """A value role's loss on one micro-batch (values (T,) V(s_t) of its model) as its share of the step's loss."""
     if mb.returns is None:
         raise ValueError("a value role trains on batch.returns, which this batch lacks")
@@ -232,10 +246,10 @@ class TrainerRank:
         values, finals = [], []
         for mb in self.micro_batches(batch, held.config):
             v, final = self.value_forward(held, mb)
-            if mb is not None:
-                values.append(v.float().cpu())
-                finals.append(final.float().cpu())
-        return (torch.cat(values), torch.cat(finals)) if values else (torch.zeros(0), torch.zeros(0))
+            if mb is not None:  # kept on the device until the last micro-batch: one copy, no sync between them
+                values.append(v.float())
+                finals.append(final.float())
+        return (torch.cat(values).cpu(), torch.cat(finals).cpu()) if values else (torch.zeros(0), torch.zeros(0))
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
@@ -245,9 +259,9 @@ class TrainerRank:
         outs = []
         for mb in self.micro_batches(batch, held.config):
             logp, *_ = self.forward(held, mb)
-            if mb is not None:
-                outs.append(logp.float().cpu())
-        return torch.cat(outs) if outs else torch.zeros(0)
+            if mb is not None:  # kept on the device until the last micro-batch: one copy, no sync between them
+                outs.append(logp.float())
+        return torch.cat(outs).cpu() if outs else torch.zeros(0)
 
     # -- the step ---------------------------------------------------------------------------------------
 
@@ -282,7 +296,7 @@ class TrainerRank:
         dsa = held.config.dsa
         held.model.train()
         self.zero_gradients(held)
-        sums: dict[str, float] = {}
+        sums: dict[str, Metric] = {}
         step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
         self.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
         for mb in self.micro_batches(batch, held.config):
@@ -297,9 +311,7 @@ class TrainerRank:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
             self.backward(held, loss * self.data_parallel_size)
-            for k, v in metrics.items():
-                # "_max" metrics reduce by max; the rest are already weighted shares of the step and add up.
-                sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+            _accumulate(sums, metrics)
         if (held.config.kind == "policy" and batch.rollout_topk is not None and batch.replay_topk is None
                 and not dsa.index_replay):
             for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
@@ -311,7 +323,7 @@ class TrainerRank:
 
     def _policy_micro_loss(self, held: Role, mb: TrainBatch | None, step_loss_tokens: float, step_num_samples: int,
                            step_rows: float, detailed_metrics: bool,
-                           measure_sync: bool) -> tuple[torch.Tensor, dict[str, float]]:
+                           measure_sync: bool) -> tuple[torch.Tensor, dict[str, Metric]]:
         """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics."""
         dsa = held.config.dsa
         logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0,
@@ -324,7 +336,7 @@ class TrainerRank:
         metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
         if measure_sync:
             gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
-            metrics["sync_logprob_abs_diff/num"] = float(gap.sum()) if mb is not None else 0.0
+            metrics["sync_logprob_abs_diff/num"] = gap.sum() if mb is not None else 0.0
             metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
         return loss, metrics
 
@@ -338,12 +350,13 @@ class TrainerRank:
         held.step += 1
         return float(grad_norm), lr
 
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, Metric]) -> dict[str, float]:
         """Sum (or max, for "_max" keys) over ranks; "x/num" and "x/den" pairs become the ratio "x"."""
         out: dict[str, float] = {}
         for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
                          (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
-            values = torch.tensor([sums[k] for k in keys] or [0.0], dtype=torch.float64, device=self.device)
+            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).to(self.device).reshape(())
+                                  for k in keys] or [torch.zeros((), dtype=torch.float64, device=self.device)])
             self.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
             out.update({k: float(v) for k, v in zip(keys, values.tolist())})
         for num in [k for k in out if k.endswith("/num")]:
@@ -352,7 +365,7 @@ class TrainerRank:
         return out
 
     def _dsa_metrics(self, held: Role, mb: TrainBatch, packed: PackedBatch, out, step_rows: float,
-                     recall: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
+                     recall: bool = True) -> tuple[torch.Tensor | None, dict[str, Metric]]:
         """Indexer loss (already a share of the step: sum over rows / step_rows) and DSA metrics of one micro-batch.
 
         "…/num" and "…/den" pairs become ratios after the cross-rank sum. recall: also the recall of each group's
@@ -360,12 +373,12 @@ class TrainerRank:
         forward per member layer: as much as the whole sparse forward and backward at 1K tokens).
         """
         dsa = held.config.dsa
-        metrics: dict[str, float] = {}
+        metrics: dict[str, Metric] = {}
         if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
             engine = mb.rollout_topk.to(self.device)
             rows = engine[0, :, 0] != REPLAY_COMPUTE
             overlap = topk_overlap(engine[:, rows], out.topk_indices[:, rows])
-            metrics["index_topk_mismatch/num"] = float((1.0 - overlap).sum())
+            metrics["index_topk_mismatch/num"] = (1.0 - overlap).sum()
             metrics["index_topk_mismatch/den"] = float(overlap.numel())
         if out.dsa_layers is None:
             return None, metrics
@@ -374,11 +387,11 @@ class TrainerRank:
                                stage=dsa.indexer_stage, target=dsa.indexer_target,
                                lse_matches_stage=dsa.indexer_stage == "sparse")
         loss = res.loss_sum / max(step_rows, 1.0)
-        metrics["indexer_kl"] = float(loss.detach())
+        metrics["indexer_kl"] = loss.detach()
         metrics.update({k: v / max(step_rows, 1.0) for k, v in res.metrics.items()})
         if recall:
             for key, value in group_recall(out.dsa_layers, types, packed.cu_seqlens_q, packed.cu_seqlens_k).items():
-                metrics[f"indexer_{key}"] = float(value.sum()) / max(step_rows, 1.0)
+                metrics[f"indexer_{key}"] = value.sum() / max(step_rows, 1.0)
         return dsa.indexer_loss_coef * loss, metrics
 
 

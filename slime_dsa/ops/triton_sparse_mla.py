@@ -21,11 +21,15 @@ Backward, two paths (both recompute the probabilities from the saved lse):
   loop over the one run of queries that select any of them (found by binary search on hi and lo). No atomics,
   deterministic, and no work on -1 slots. Each kernel's launch config is measured on first use per problem
   shape (some configs spill registers badly at some dims: 0.9 vs 23 ms on the same problem, RESULTS.md).
+- Masked key ranges (`selection_ranges`): when rows select subsets of short ranges (packed sequences up to a few
+  times index_topk long, as RL batches are), the same two kernels run over each row's range with a byte map of the
+  selected keys. They do up to MASKED_RANGE_MAX_RATIO times the selected work but no atomics, which serialise when
+  many queries share kv rows and few heads share each query.
 - General: one program per query row and 32 heads (64 do not fit in shared memory). dQ is accumulated in
   registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
   summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
   forward's TFLOP/s at GLM-5 sizes.
-The check for key ranges is one pass over `indices` and one host sync per backward call.
+Choosing the path is one pass over `indices` and one host sync per backward call (two with a byte map).
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ RANGE_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(64, 64, 8, 2), Kern
 RANGE_DKV_CONFIGS = [KernelConfig(64, 32, 8, 2), KernelConfig(32, 16, 4, 1), KernelConfig(64, 16, 4, 1),
                      KernelConfig(32, 32, 4, 1)]
 USE_KEY_RANGES = True  # False forces the general (atomic) backward; benchmarks compare both
+# Selections that are a subset of short ranges (packed sequences up to a few times index_topk) take the range
+# backward with a byte map of the selected keys instead of the atomic kernel: the dense work over the ranges,
+# at most this many times the selected keys, costs less than atomics that serialise on shared kv rows.
+USE_MASKED_RANGES = True
+MASKED_RANGE_MAX_RATIO = 4.0
+MASKED_RANGE_MAX_BYTES = 1 << 30
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
@@ -312,6 +322,54 @@ def _sparse_mla_bwd_kernel(
         tl.store(dq_rows + D_V + offs_r[None, :], dq_pe.to(dq_ptr.dtype.element_ty), mask=mask_hr)
 
 
+@dataclass
+class SelectionRanges:
+    """How the range backward covers a selection: each row t selects kv rows within lo[t] <= r < hi[t], either
+    all of them (sel None) or those whose byte sel[t, r - lo[t]] is set."""
+
+    lo: torch.Tensor  # (T,) int32, non-decreasing
+    hi: torch.Tensor  # (T,) int32, non-decreasing
+    sel: torch.Tensor | None  # (T, W) uint8
+
+
+def selection_ranges(indices: torch.Tensor, max_ratio: float = MASKED_RANGE_MAX_RATIO,
+                     max_bytes: int = MASKED_RANGE_MAX_BYTES) -> SelectionRanges | None:
+    """The range backward's cover of `indices` (T, K), or None when the general (atomic) kernel should run.
+
+    Whole runs (`key_ranges`) need no map. Otherwise each row's range is widened to make lo and hi
+    non-decreasing (a suffix minimum of the rows' first keys, a prefix maximum of their last), and a byte map marks
+    the selected keys: taken when every row has a key, the ranges hold at most max_ratio times the selected keys
+    (packed sequences not much longer than index_topk) and the map fits in max_bytes. Rows must not repeat a key
+    (the indexer's top-k never does); a map whose count falls short of the selected keys is refused. Two host
+    syncs at most.
+    """
+    T, K = indices.shape
+    valid = indices >= 0
+    n = valid.sum(1)
+    rows = indices.long()
+    lo_run = rows[:, 0]
+    col = torch.arange(K, device=indices.device)
+    expected = torch.where(col[None, :] < n[:, None], lo_run[:, None] + col[None, :], -1)
+    exact = ((indices == expected).all() & (lo_run[1:] >= lo_run[:-1]).all()
+             & ((lo_run + n)[1:] >= (lo_run + n)[:-1]).all())
+    row_min = torch.where(valid, rows, torch.iinfo(torch.long).max).amin(1)
+    lo = row_min.flip(0).cummin(0).values.flip(0)
+    hi = torch.where(valid, rows + 1, 0).amax(1).cummax(0).values
+    width = (hi - lo).clamp_min(0)
+    nonempty = (n > 0).all()
+    exact_ok, nonempty_ok, max_width, dense, selected = torch.stack(
+        [exact & nonempty, nonempty, width.max(), width.sum(), n.sum()]).tolist()
+    if exact_ok:
+        return SelectionRanges(lo_run.to(torch.int32).contiguous(), (lo_run + n).to(torch.int32).contiguous(), None)
+    if not nonempty_ok or dense > max_ratio * selected or T * (max_width + 1) > max_bytes:
+        return None
+    sel = torch.zeros(T, max_width + 1, dtype=torch.uint8, device=indices.device)  # column max_width: -1 slots
+    sel.scatter_(1, torch.where(valid, rows - lo[:, None], max_width), 1)
+    if int(sel[:, :max_width].sum()) != selected:  # a row repeats a key: the map would count it once
+        return None
+    return SelectionRanges(lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous(), sel)
+
+
 def key_ranges(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(lo, hi) int32 (T,) if every row of `indices` is lo, lo+1, ..., hi-1 then -1 padding; else None.
 
@@ -334,13 +392,14 @@ def key_ranges(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 @triton.jit
 def _range_mla_bwd_dq_kernel(
-    q_ptr, kv_ptr, lo_ptr, hi_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
-    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
+    q_ptr, kv_ptr, lo_ptr, hi_ptr, sel_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh, stride_sel,
     H, TH, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEL: tl.constexpr,
 ):
-    """dQ of BLOCK_M (query, head) rows (row i = t * H + h), over kv rows lo[t] <= r < hi[t]."""
+    """dQ of BLOCK_M (query, head) rows (row i = t * H + h), over kv rows lo[t] <= r < hi[t] (and, with HAS_SEL,
+    only those whose byte sel[t, r - lo[t]] is set)."""
     offs_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     mask_i = offs_i < TH
     t = offs_i // H
@@ -376,6 +435,9 @@ def _range_mla_bwd_dq_kernel(
 
         s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BM, BN)
         sel = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HAS_SEL:
+            picked = tl.load(sel_ptr + t64[:, None] * stride_sel + (offs_n[None, :] - lo[:, None]), mask=sel, other=0)
+            sel = sel & (picked != 0)
         p = tl.where(sel, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(k_nope))  # (BM, BN)
         ds = (p * (dp - delta[:, None]) * scale).to(k_nope.dtype)
@@ -389,13 +451,14 @@ def _range_mla_bwd_dq_kernel(
 
 @triton.jit
 def _range_mla_bwd_dkv_kernel(
-    q_ptr, kv_ptr, lo_ptr, hi_ptr, t_first_ptr, t_last_ptr, dout_ptr, lse_ptr, delta_ptr, dkv_ptr,
-    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dkvt,
+    q_ptr, kv_ptr, lo_ptr, hi_ptr, sel_ptr, t_first_ptr, t_last_ptr, dout_ptr, lse_ptr, delta_ptr, dkv_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_dot, stride_doh, stride_lt, stride_dkvt, stride_sel,
     H, Tk, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEL: tl.constexpr,
 ):
-    """dKV of BLOCK_N kv rows, summed over the (query, head) rows of queries t_first[b] <= t < t_last[b]."""
+    """dKV of BLOCK_N kv rows, summed over the (query, head) rows of queries t_first[b] <= t < t_last[b] (with
+    HAS_SEL, only the pairs whose byte sel[t, r - lo[t]] is set)."""
     blk = tl.program_id(0)
     offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     mask_n = offs_n < Tk
@@ -432,6 +495,9 @@ def _range_mla_bwd_dkv_kernel(
 
         s_t = tl.dot(k_nope, tl.trans(q_nope)) + tl.dot(k_pe, tl.trans(q_pe))  # (BN, BM) scores, transposed
         sel = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+        if HAS_SEL:
+            picked = tl.load(sel_ptr + t64[None, :] * stride_sel + (offs_n[:, None] - lo[None, :]), mask=sel, other=0)
+            sel = sel & (picked != 0)
         p_t = tl.where(sel, tl.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
         dp_t = tl.dot(k_nope, tl.trans(do))  # (BN, BM)
         ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q_nope.dtype)
@@ -446,8 +512,10 @@ def _range_mla_bwd_dkv_kernel(
 def range_mla_bwd(
     q, kv, lo, hi, dout, lse, delta, dq, dkv, scale: float, v_dim: int,
     dq_cfg: KernelConfig | None = None, dkv_cfg: KernelConfig | None = None, do_dq: bool = True, do_dkv: bool = True,
+    sel: torch.Tensor | None = None,
 ) -> None:
-    """Key-range backward: writes dq (T, H, D) and dkv (Tk, D) for rows that select kv rows lo[t] <= r < hi[t].
+    """Key-range backward: writes dq (T, H, D) and dkv (Tk, D) for rows that select kv rows lo[t] <= r < hi[t];
+    with `sel` (T, W) uint8, only the rows r whose sel[t, r - lo[t]] is set (a subset of each range).
 
     dq_cfg / dkv_cfg pin a config and do_dq / do_dkv skip a half (benchmarks); by default the fastest of
     RANGE_*_CONFIGS on this device is measured on first use and kept for the problem shape.
@@ -455,14 +523,15 @@ def range_mla_bwd(
     T, H, D = q.shape
     Tk = kv.shape[0]
     d_r = D - v_dim
-    dims = dict(D_V=v_dim, D_R=d_r, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(d_r))
+    dims = dict(D_V=v_dim, D_R=d_r, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(d_r), HAS_SEL=sel is not None)
     common = (scale, scale * LOG2E)
+    sel_arg, stride_sel = (sel, sel.stride(0)) if sel is not None else (lo, 0)  # lo: any pointer, never read
 
     def launch_dq(cfg: KernelConfig) -> None:
         _range_mla_bwd_dq_kernel[(triton.cdiv(T * H, cfg.block_h),)](
-            q, kv, lo, hi, dout, lse, delta, dq,
+            q, kv, lo, hi, sel_arg, dout, lse, delta, dq,
             q.stride(0), q.stride(1), kv.stride(0), dout.stride(0), dout.stride(1), lse.stride(0),
-            dq.stride(0), dq.stride(1), H, T * H, *common, **dims,
+            dq.stride(0), dq.stride(1), stride_sel, H, T * H, *common, **dims,
             BLOCK_M=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -471,13 +540,13 @@ def range_mla_bwd(
         t_first = torch.searchsorted(hi, starts, right=True).to(torch.int32)  # first query with hi > start
         t_last = torch.searchsorted(lo, starts + cfg.block_n).to(torch.int32)  # first query with lo >= block end
         _range_mla_bwd_dkv_kernel[(len(starts),)](
-            q, kv, lo, hi, t_first, t_last, dout, lse, delta, dkv,
+            q, kv, lo, hi, sel_arg, t_first, t_last, dout, lse, delta, dkv,
             q.stride(0), q.stride(1), kv.stride(0), dout.stride(0), dout.stride(1), lse.stride(0), dkv.stride(0),
-            H, Tk, *common, **dims,
+            stride_sel, H, Tk, *common, **dims,
             BLOCK_M=cfg.block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    key = (H, D, v_dim, q.dtype)
+    key = (H, D, v_dim, q.dtype, sel is not None)
     if do_dq:
         if dq_cfg is not None:
             launch_dq(dq_cfg)
@@ -526,11 +595,11 @@ def sparse_mla_bwd(
     delta = bwd_delta(out, dout, dlse)
     dq = torch.empty_like(q)
     if T > 0 and K > 0 and USE_KEY_RANGES and lse.stride(1) == 1:
-        ranges = key_ranges(indices)
+        ranges = selection_ranges(indices, MASKED_RANGE_MAX_RATIO if USE_MASKED_RANGES else 0.0)
         if ranges is not None:
             dkv = torch.empty_like(kv)
             try:
-                range_mla_bwd(q, kv, *ranges, dout, lse, delta, dq, dkv, scale, v_dim)
+                range_mla_bwd(q, kv, ranges.lo, ranges.hi, dout, lse, delta, dq, dkv, scale, v_dim, sel=ranges.sel)
                 return dq, dkv
             except RuntimeError:  # no config fits this device: the general kernel below
                 pass

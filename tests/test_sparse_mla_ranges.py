@@ -1,0 +1,95 @@
+"""Which backward the sparse MLA kernel takes for a selection (CPU: the cover is plain torch), and the masked range
+backward's gradients against the torch reference under Triton's interpreter (a subprocess, slow)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+mla = pytest.importorskip("slime_dsa.ops.triton_sparse_mla")
+
+
+def causal_topk(lens: list[int], K: int, seed: int = 0) -> torch.Tensor:
+    """(T, K) distinct causal key rows per query of packed sequences, ascending, -1 padded (the indexer's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    out, key0 = [], 0
+    for n in lens:
+        score = torch.rand(n, n, generator=g).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -1.0)
+        top = score.topk(min(K, n), dim=-1)
+        rows = torch.where(top.values >= 0, top.indices + key0, n + key0).sort(-1).values
+        rows = torch.where(rows == n + key0, -1, rows)
+        out.append(torch.nn.functional.pad(rows, (0, K - rows.shape[1]), value=-1))
+        key0 += n
+    return torch.cat(out)
+
+
+def test_whole_causal_runs_need_no_map():
+    cover = mla.selection_ranges(causal_topk([3, 20, 7], K=32))
+    assert cover is not None and cover.sel is None
+    assert cover.lo.tolist()[:4] == [0, 0, 0, 3] and cover.hi.tolist()[:4] == [1, 2, 3, 4]
+    shuffled = causal_topk([3, 20, 7], K=32).flip(1)  # the same sets in another slot order: covered with a map
+    assert mla.selection_ranges(shuffled).sel is not None
+
+
+def test_subsets_of_short_sequences_get_a_byte_map_of_exactly_the_selection():
+    indices = causal_topk([5, 40, 23], K=16)
+    cover = mla.selection_ranges(indices)
+    assert cover is not None and cover.sel is not None
+    lo, hi = cover.lo.long(), cover.hi.long()
+    assert (lo[1:] >= lo[:-1]).all() and (hi[1:] >= hi[:-1]).all()
+    for t in range(indices.shape[0]):
+        chosen = {int(r) for r in indices[t] if r >= 0}
+        assert all(lo[t] <= r < hi[t] for r in chosen)
+        marked = {int(lo[t]) + int(c) for c in cover.sel[t].nonzero().flatten() if lo[t] + c < hi[t]}
+        assert marked == chosen, t
+
+
+def test_general_kernel_where_the_cover_would_not_pay():
+    long_rows = causal_topk([400], K=16)  # ranges ~12x the selection
+    assert mla.selection_ranges(long_rows) is None
+    assert mla.selection_ranges(long_rows, max_ratio=100.0).sel is not None
+    assert mla.selection_ranges(causal_topk([5, 40], K=16), max_bytes=10) is None
+    empty_row = causal_topk([5, 40], K=16)
+    empty_row[7] = -1
+    assert mla.selection_ranges(empty_row) is None
+    repeated = causal_topk([5, 40], K=16)
+    repeated[30, 1] = repeated[30, 0]  # the forward would count that key twice; a byte map counts it once
+    assert mla.selection_ranges(repeated) is None
+
+
+INTERPRETED = """
+import torch
+from slime_dsa.ops import reference, triton_sparse_mla as mla
+from tests.test_sparse_mla_ranges import causal_topk
+torch.manual_seed(0)
+indices = causal_topk([5, 40, 23], K=16)
+assert mla.selection_ranges(indices).sel is not None
+T, H, dv, dr = indices.shape[0], 3, 32, 16
+q = torch.randn(T, H, dv + dr, requires_grad=True)
+kv = torch.randn(T, dv + dr, requires_grad=True)
+for masked in (True, False):
+    mla.USE_MASKED_RANGES = masked
+    out, lse = mla.sparse_mla_attention(q, kv, indices, 0.2, dv)
+    ref_out, ref_lse = reference.sparse_mla_attention(q, kv, indices, 0.2, dv)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, kv))
+    ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), (q, kv))
+    for name, g, r in zip(("dq", "dkv"), grads, ref):
+        err = float((g - r).norm() / r.norm())
+        assert err < 1e-5, (masked, name, err)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_masked_range_backward_matches_reference_interpreted():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
