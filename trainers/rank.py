@@ -42,6 +42,12 @@ class Role:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None  # torch.optim.lr_scheduler.LRScheduler
     step: int = 0  # optimizer steps taken
+    compute: torch.nn.Module | None = None  # what runs forward and backward when not `model` (a bf16 copy)
+
+    @property
+    def runs(self) -> torch.nn.Module:
+        """The module the step calls: the compute copy where there is one, else the model."""
+        return self.compute if self.compute is not None else self.model
 
 
 def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> bool:
@@ -225,7 +231,7 @@ class TrainerRank:
         if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
         candidates = mb.candidate_ids.to(self.device) if with_candidates and mb.candidate_ids is not None else None
-        logp, ent, out = role.model.token_logprobs_with_output(
+        logp, ent, out = role.runs.token_logprobs_with_output(
             mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
             chunk_size=self.config.logprob_chunk_size, return_entropy=return_entropy, replay_topk=replay,
             capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack, candidate_ids=candidates,
@@ -236,13 +242,13 @@ class TrainerRank:
         """A value role's (values (T,), final (S,)) of one micro-batch (None = a one-token padding pass)."""
         mb = mb if mb is not None else _padding_batch()
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
-        return role.model.token_values(mb.input_ids.to(self.device), packed)
+        return role.runs.token_values(mb.input_ids.to(self.device), packed)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
         """A value role's V(s_t) of every token of the batch (T,) and V after each sample (N,), float32 on CPU."""
         held = self.roles[role]
-        held.model.eval()
+        held.runs.eval()
         values, finals = [], []
         for mb in self.micro_batches(batch, held.config):
             v, final = self.value_forward(held, mb)
@@ -255,7 +261,7 @@ class TrainerRank:
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """log π of every token of the batch under the role's current weights, (T,) float32 on CPU."""
         held = self.roles[role]
-        held.model.eval()
+        held.runs.eval()
         outs = []
         for mb in self.micro_batches(batch, held.config):
             logp, *_ = self.forward(held, mb)
@@ -294,7 +300,7 @@ class TrainerRank:
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
         dsa = held.config.dsa
-        held.model.train()
+        held.runs.train()
         self.zero_gradients(held)
         sums: dict[str, Metric] = {}
         step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)

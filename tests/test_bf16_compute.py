@@ -1,0 +1,99 @@
+"""One mixed-precision rank trains with a bf16 copy of its float32 weights (trainers/fsdp/bf16_compute.py) exactly
+as FSDP2's bf16 MixedPrecisionPolicy would on a group of one: the same log-probs, gradients and updates, bit for bit
+(on CPU over gloo here; on the GPU through FSDPWorker)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from slime_dsa.checkpoint.hf_format import build_model
+from slime_dsa.models import PackedBatch
+from slime_dsa.models.presets import preset_config
+from trainers.fsdp.bf16_compute import Bf16Compute
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process (left as found)."""
+    created = not dist.is_initialized()
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group):
+    from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
+
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    fsdp = apply_fsdp(build_model(config, seed=0, dtype=torch.float32), one_rank_group, mixed_precision=True)
+    master = build_model(config, seed=0, dtype=torch.float32)
+    copy = Bf16Compute(master)
+    assert next(copy.module.parameters()).dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for b in copy.module.buffers())  # as FSDP2 leaves them
+    opt_fsdp = torch.optim.AdamW(fsdp.parameters(), lr=1e-2, foreach=False)
+    opt_copy = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, config.vocab_size, (48,), generator=g)
+        packed = PackedBatch.from_seqlens([20, 28])
+        logp_fsdp = fsdp.token_logprobs(ids, packed)[0]
+        logp_copy = copy.module.token_logprobs(ids, packed)[0]
+        assert torch.equal(logp_fsdp, logp_copy), step
+        (-logp_fsdp.mean()).backward()
+        (-logp_copy.mean()).backward()
+        copy.gradients_to_master()
+        for (name, a), b in zip(fsdp.named_parameters(), master.parameters()):
+            assert (a.grad is None) == (b.grad is None), name
+            assert a.grad is None or torch.equal(_full(a.grad), b.grad), (step, name)
+        opt_fsdp.step()
+        opt_copy.step()
+        opt_fsdp.zero_grad(set_to_none=True)
+        opt_copy.zero_grad(set_to_none=True)
+        copy.refresh()
+    for (name, a), b, c in zip(fsdp.named_parameters(), master.parameters(), copy.module.parameters()):
+        assert torch.equal(_full(a).detach(), b.detach()), name
+        assert torch.equal(c.detach(), b.detach().to(torch.bfloat16)), name
+
+
+@pytest.mark.gpu
+def test_one_rank_mixed_precision_worker_matches_fsdp2(tmp_path):
+    """FSDPWorker on one GPU builds the bf16 copy, and its log-probs equal those of the model wrapped by FSDP2."""
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import save_pretrained  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, TrainBatch, policy_config  # noqa: PLC0415
+    from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    save_pretrained(build_model(config, seed=0, dtype=torch.float32), tmp_path / "m")
+    rank = policy_config(str(tmp_path / "m"), PPOLoss(), OptimizerConfig(learning_rate=1e-3), mixed_precision=True)
+    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), rank)
+    assert worker.bf16_copies and not worker.sharded
+    reference = apply_fsdp(build_model(config, seed=0, dtype=torch.float32, device="cuda"), worker.mesh, True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (64,), generator=g)
+    batch = TrainBatch(input_ids=ids, seqlens=[32, 32], loss_mask=torch.ones(64), rollout_logprobs=torch.full((64,), -2.0),
+                       advantages=torch.randn(64, generator=g))
+    packed = PackedBatch.from_seqlens([32, 32], "cuda")
+    with torch.no_grad():
+        ref_logp = reference.token_logprobs(ids.cuda(), packed)[0].float().cpu()
+    assert torch.equal(worker.compute_logprobs(batch), ref_logp)
+    worker.shutdown()
