@@ -420,6 +420,44 @@ def test_same_seed_same_tokens_alone_or_in_a_batch(model):
     assert crowd["y"].output_ids != alone.output_ids
 
 
+def test_mixed_sampling_rows_across_batch_changes_equal_each_request_alone(model):
+    """Requests with different sampling params, seeds, limits and stop tokens join and leave the batch at different
+    steps (the engine keeps their rows on the device and updates them): each gets what it gets alone."""
+    ps = prompts((5, 9, 4, 7, 6, 8), seed=16)
+    params = [
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, sampling_seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=1.2, top_k=7, sampling_seed=2, stop_token_ids=list(range(0, VOCAB, 2)),
+                       min_new_tokens=3),
+        SamplingParams(max_new_tokens=6, temperature=1.0, min_p=0.05, sampling_seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=4, stop_token_ids=list(range(1, VOCAB, 5))),
+        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[2], ignore_eos=True),
+    ]
+    req = lambda i: GenerateRequest(input_ids=ps[i], sampling=params[i], rid=str(i))  # noqa: E731
+    together = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [req(0), req(1)], 2: [req(2), req(3)],
+                                                                        3: [req(4)], 6: [req(5)]})
+    for i in range(len(ps)):
+        alone = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [req(i)]})[str(i)]
+        assert together[str(i)].output_ids == alone.output_ids, i
+        assert together[str(i)].finish_reason == alone.finish_reason, i
+        assert np.allclose(together[str(i)].output_token_logprobs, alone.output_token_logprobs, atol=1e-5), i
+
+
+def test_seeded_tokens_survive_a_retract(model):
+    """Draws hash the seed and the token index: a request retracted and re-prefilled mid-answer draws on as before."""
+    prompt = prompts((6,), seed=17)[0]
+    req = lambda: GenerateRequest(input_ids=prompt, rid="r", sampling=SamplingParams(  # noqa: E731
+        max_new_tokens=10, temperature=1.0, sampling_seed=5, ignore_eos=True))
+    plain = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [req()]})["r"]
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    engine.add_request(req())
+    for _ in range(4):
+        engine.step()
+    engine.pause("retract")
+    engine.resume()
+    assert run(engine)["r"].output_ids == plain.output_ids
+
+
 def test_non_streaming_requests_get_only_their_final_output(model):
     engine = Engine(model, max_cache_tokens=512, block_size=4, seed=0)
     for rid, stream in (("s", True), ("q", False)):

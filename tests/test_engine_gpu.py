@@ -3,6 +3,7 @@
 Graph replays run the same kernels as the eager paged decode, so both must give the same tokens and the same
 log-probs bit for bit, also after an in-place weight update (the graphs keep reading the updated buffers, the
 experts' stacked copies included) and after a release / resume of the engine's memory (graphs recaptured).
+The seeded draws hash on the device the same way as on the CPU.
 """
 
 from __future__ import annotations
@@ -96,3 +97,15 @@ def test_float32_engine_decodes_without_graphs():
     out = _generate(engine, _requests(9))
     assert engine.decoder.num_graphs == 0 and engine.stats["paged_decode_steps"] > 10
     _assert_same(out, _generate(_engine(model, False), _requests(9)))
+
+
+def test_seeded_uniforms_are_the_same_on_cuda_and_cpu():
+    """The per-request draws (splitmix64 on int64 tensors) wrap the same way on both: a seed gives the same
+    tokens on a GPU engine as on a CPU one."""
+    from rollout.engine.sampling import counter_uniforms, seed_to_int64
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.tensor([seed_to_int64(s) for s in [0, -1, 2**63 - 1, -(2**63), 2**64 - 1]]
+                         + torch.randint(-(2**63), 2**63 - 1, (1000,), generator=g).tolist())
+    counters = torch.randint(0, 2**40, seeds.shape, generator=g)
+    assert torch.equal(counter_uniforms(seeds.cuda(), counters.cuda()).cpu(), counter_uniforms(seeds, counters))

@@ -15,6 +15,7 @@ the graphs stay valid (`refresh` rebuilds the derived copies in place). Releasin
 
 from __future__ import annotations
 
+import itertools
 import logging
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -122,8 +123,11 @@ class PagedDecoder:
         flat[B : B + n] = positions
         table = flat[2 * B :].reshape(B, width)
         table.fill(self.cache.scratch_block)
-        for i, blocks in enumerate(tables):
-            table[i, : len(blocks)] = blocks
+        if n:  # one scatter of all block ids: (row, column) of each
+            lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+            rows = np.repeat(np.arange(n), lens)
+            cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+            table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=len(rows))
         return flat
 
     def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

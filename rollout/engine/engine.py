@@ -9,12 +9,14 @@ One `step()` is one scheduler iteration:
 3. ONE packed forward runs over all of it (`forward_packed` with the cache bound to this step's slots); a
    step where every request decodes one token goes through decode.py instead (no key gather; a CUDA graph
    replay on GPU);
-4. the requests whose last input row was in the batch sample one token each, in one batched call;
-5. stop rules run on the host, finished requests leave and free their blocks.
+4. the requests whose last input row was in the batch sample one token each, in one batched call, with their
+   sampling parameters, seeds and stop tokens held on the device (rows.py: rebuilt only when the rows change);
+5. lengths and stop tokens are checked on the device, stop strings on the host for the requests that have them;
+   finished requests leave and free their blocks.
 Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
-The host waits on the device once per step (one `.tolist()` of tokens and log-probs; index replay adds one
-copy of the selected indices).
+The host waits on the device once per step (one `.tolist()` of tokens, log-probs and finish codes; with index replay
+the copy of the selected indices comes first and is that wait).
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
 of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
@@ -41,6 +43,8 @@ cached blocks (`keep_indexer_topk`: PagedKVCache keeps every row's top-k next to
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import os
 import time
@@ -55,9 +59,10 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
+from rollout.engine.rows import RUNNING, STOP_STRINGS, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
+from rollout.engine.sampling import sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
-from rollout.engine.stop import StopChecker
+from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -74,11 +79,12 @@ class _Sequence:
     tokens: list[int]  # prompt + generated so far
     prompt_len: int
     stop: StopChecker  # owns the request's token limit
-    generator: torch.Generator | None
+    serial: int  # unique per engine: names the sequence in SamplingRows.key
+    row: RowSpec  # its sampling row: parameters, seed (sampling_seed, or drawn from the engine's generator), limits
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full_layers, index_topk)
-    prompt_topk: np.ndarray | None = None  # (rows, n_full_layers, index_topk): prompt rows topk_first .. P-2
+    topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full, index_topk); not kept_topk
+    retracted_topk: np.ndarray | None = None  # kept_topk: rows topk_first .. read when a retract freed them
     blocks: list[int] = field(default_factory=list)  # block table
     digests: list[bytes] = field(default_factory=list)  # of the full blocks known so far
     num_registered: int = 0  # leading blocks already offered to the prefix cache
@@ -160,6 +166,9 @@ class Engine:
         self._step_registered: list[int] = []
         self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
+        self._serials = itertools.count()
+        self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
+        self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0,
                       "scored_tokens": 0}
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
@@ -168,6 +177,7 @@ class Engine:
         self.stats.update({"step_s": 0.0, "device_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
                            "decode_device_s": 0.0, "running_sum": 0})
         self._step_device_s, self._step_decode_only = 0.0, False
+        _freeze_heap_once()
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
             num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
@@ -234,17 +244,19 @@ class Engine:
         context = self.config.max_position_embeddings
         if len(ids) >= context:
             raise RequestError(f"input_ids has {len(ids)} tokens, the model's context (max_position_embeddings) is {context}")
-        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context)
+        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context,
+                           windows=self._stop_windows)
         rows = len(ids) + stop.max_new_tokens - 1
         if -(-rows // self.block_size) > self.blocks.num_blocks:
             raise RequestError(
                 f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({stop.max_new_tokens}) need {rows} cache "
                 f"tokens, more than the engine's max_cache_tokens ({self.max_cache_tokens})"
             )
-        generator = None
-        if req.sampling.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
-        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, generator=generator)
+        seed = req.sampling.sampling_seed
+        if seed is None:
+            seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
+        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
+                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -253,7 +265,7 @@ class Engine:
         else:
             targets = [self._active[rid]] if rid in self._active else []
         reason = {"type": "abort", "message": message}
-        return ([self._finish(seq, reason) for seq in targets]
+        return (self._finish_all([(seq, reason) for seq in targets])
                 + self._scoring.abort(rid, abort_all, reason, self._weight_version))
 
     def pause(self, mode: str = "abort") -> list[GenerateOutput]:
@@ -372,32 +384,63 @@ class Engine:
             return outputs
         self.stats["steps"] += 1
         try:
-            tokens, logprobs, topk = self._forward_and_sample(scheduled)
+            tokens, logprobs, codes, topk = self._forward_and_sample(scheduled)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
             logger.exception("engine: step over %d requests failed", len(scheduled))
             return outputs + self._recover(scheduled, exc)
-        sampled = [(seq, n) for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]
+        sampled = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]
         for seq, n in scheduled:
             seq.num_computed += n
             seq.failures = 0
-        for j, (seq, _) in enumerate(sampled):
-            seq.tokens.append(int(tokens[j]))
-            seq.logprobs.append(logprobs[j])
-            seq.versions.append(self._version_int)
+        version, strings, ending = self._version_int, [], []
+        for seq, token, logprob, code in zip(sampled, tokens, logprobs, codes):
+            seq.tokens.append(int(token))
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
             if topk is not None and seq.req.return_indexer_topk:
                 seq.topk.append(topk[seq.req.rid])
-            try:
-                reason = seq.stop.check(seq.output_ids)
-            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
-                logger.exception("engine: stop check of request %s failed", seq.req.rid)
-                reason = {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
-            if reason:
-                outputs.append(self._finish(seq, reason))
+            if code != RUNNING:
+                ending.append((seq, self._finish_reason(seq, code)))
+            elif seq.row.flags & STOP_STRINGS and seq.num_output >= seq.stop.min_new_tokens:
+                strings.append(seq)
             elif seq.req.stream:
                 outputs.append(self._output(seq))
+        outputs += self._check_stop_strings(strings, ending)
+        outputs += self._finish_all(ending)
         self.stats["generated_tokens"] += len(sampled)
         self._account_step(time.perf_counter() - start, len(scheduled))
         return outputs
+
+    @staticmethod
+    def _finish_reason(seq: _Sequence, code: float) -> dict:
+        if code == STOP_TOKEN:
+            return {"type": "stop", "matched": seq.tokens[-1]}
+        return {"type": "length", "length": seq.max_new_tokens}
+
+    def _check_stop_strings(self, seqs: list[_Sequence], ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
+        """Add to `ending` the sequences whose decoded tails now hold a stop string (one batched decode); the outputs
+        of those that go on (when they stream)."""
+        if not seqs:
+            return []
+        try:
+            reasons = match_stop_strings([seq.stop for seq in seqs], [_tail(seq) for seq in seqs])
+        except Exception:  # noqa: BLE001 - one request's tokenizer failure must cost that request only
+            reasons = [self._check_stop_string(seq) for seq in seqs]
+        outputs = []
+        for seq, reason in zip(seqs, reasons):
+            if reason:
+                ending.append((seq, reason))
+            elif seq.req.stream:
+                outputs.append(self._output(seq))
+        return outputs
+
+    @staticmethod
+    def _check_stop_string(seq: _Sequence) -> dict | None:
+        try:
+            return match_stop_strings([seq.stop], [_tail(seq)])[0]
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
+            logger.exception("engine: stop check of request %s failed", seq.req.rid)
+            return {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
 
     def _account_step(self, seconds: float, running: int) -> None:
         stats = self.stats
@@ -504,11 +547,13 @@ class Engine:
                     self._step_registered.append(seq.blocks[i])
         seq.num_registered = max(seq.num_registered, full)
 
-    def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], dict[str, np.ndarray] | None]:
-        """The forward of this step and the sampling of its last rows. One host sync for the results."""
+    def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], list[float], dict[str, np.ndarray] | None]:
+        """The forward of this step and the sampling of its last rows: (tokens, log-probs, finish codes (rows.py),
+        top-k by rid or None), one per sampling row. One host sync for the results."""
         device = self.device
         seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
-        want_topk = any(seq.req.return_indexer_topk for seq in seqs)
+        # With kept selections the replay rows are read from the cache when a request ends; else each step's here.
+        want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
         self._step_decode_only = not self._forks and all(
             n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled
         )
@@ -526,31 +571,37 @@ class Engine:
             hidden, topk_all = self._forward_packed(scheduled, want_topk)
         if not seqs:
             self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
-            return [], [], None
+            return [], [], [], None
         logits = self.model.lm_head(hidden).float()  # (B, V)
         self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
-        self._mask_min_new_tokens(logits, seqs)
-        params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
-        uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
-        tokens, logprobs = sample(logits, params, uniforms)
+        rows = self._sampling_rows(seqs)
+        num_output = upload(torch.tensor([seq.num_output for seq in seqs]), device)  # (B,) tokens before this one
+        rows.mask_stop_ids(logits, num_output)
+        tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
+        result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
         topk = None
         if want_topk:
             wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
-            rows = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
-            topk_d = topk_all[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
-            prompt_d, prompt_seqs = self._read_prompt_topk(seqs)
+            picked = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
+            topk_d = topk_all[:, picked].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
         sync_start = time.perf_counter()
-        result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
+        if want_topk:  # the first copy to the host is the step's wait; the others find the device done
+            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
+        result = result.tolist()
         if not on_host:
             self._step_device_s = time.perf_counter() - sync_start
         if want_topk:
-            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
             topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
-            if prompt_seqs:
-                split = np.cumsum([n for _, n in prompt_seqs])[:-1]
-                for (seq, _), rows_np in zip(prompt_seqs, np.split(prompt_d.transpose(0, 1).cpu().numpy(), split)):
-                    seq.prompt_topk = rows_np  # (rows, n_full, K): a view of this step's host copy of prompt rows
-        return result[0], result[1], topk
+        return result[0], result[1], result[2], topk
+
+    def _sampling_rows(self, seqs: list[_Sequence]) -> SamplingRows:
+        """The device tensors of these rows, updated from the last step's (rows.py)."""
+        key = tuple(seq.serial for seq in seqs)
+        if self._rows is None:
+            self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
+        elif self._rows.key != key:
+            self._rows = self._rows.update(key, [seq.row for seq in seqs])
+        return self._rows
 
     def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache.
@@ -614,27 +665,6 @@ class Engine:
         start_len = seq.req.indexer_topk_start_len
         return seq.prompt_len - 1 if start_len < 0 else max(start_len, self.config.index_topk)
 
-    def _read_prompt_topk(self, seqs: list[_Sequence]) -> tuple[torch.Tensor | None, list[tuple[_Sequence, int]]]:
-        """The kept selections of the prompt rows of requests sampling their first token now (n_full, rows, K).
-
-        Read from the cache pool after this step stored its own rows: a reused prefix's rows are there too."""
-        bs, slots, picked = self.block_size, [], []
-        for seq in seqs:
-            if not seq.req.return_indexer_topk or seq.prompt_topk is not None or seq.num_output:
-                continue
-            first = self._topk_first(seq)
-            if first > seq.prompt_len - 2:
-                continue
-            r = np.arange(first, seq.prompt_len - 1)
-            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
-            picked.append((seq, len(r)))
-        if not picked:
-            return None, []
-        slots_t = torch.from_numpy(np.concatenate(slots))
-        if self.device.type == "cuda":
-            slots_t = slots_t.pin_memory()  # a pageable upload would make the host wait for the forward here
-        return self.cache.read_topk(slots_t.to(self.device, non_blocking=True)), picked
-
     def _copy_fork_rows(self, scheduled: list[tuple[_Sequence, int]]) -> None:
         """Fill each forked sequence's new cache rows with its twin's (same tokens, same positions, same weights)."""
         bs = self.block_size
@@ -649,43 +679,54 @@ class Engine:
         if dst:
             self.cache.copy_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
 
-    def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
-        rows, ids = [], []
-        for b, seq in enumerate(seqs):
-            if seq.num_output < seq.stop.min_new_tokens:
-                masked = seq.stop.masked_ids
-                rows += [b] * len(masked)
-                ids += masked
-        if rows:
-            mask_tokens(logits, torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-
-    def _uniforms(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """One uniform per row: from the request's own generator when seeded (batch-independent), else the engine's."""
-        u = torch.rand(len(seqs), generator=self._rng, dtype=torch.float64)
-        for b, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.req.sampling.greedy:
-                u[b] = torch.rand((), generator=seq.generator, dtype=torch.float64)
-        return u
-
     # -- finishing, retracting, failures --------------------------------------------------------
 
-    def _topk_rows(self, seq: _Sequence) -> tuple[np.ndarray, int]:
-        """(selections of rows first .. P+R-2 as (rows, n_full, K) int32, first): what the final output carries."""
-        P, R = seq.prompt_len, len(seq.topk)
-        first = self._topk_first(seq)
-        if seq.prompt_topk is None:  # no token sampled yet, or no prompt row asked for
-            first = max(first, P - 1)
-        first = min(first, P - 1 + R)
-        shape = (0, self.n_full_layers, self.config.index_topk)
-        out = np.stack(seq.topk)[first - (P - 1) :] if first - (P - 1) < R else np.zeros(shape, dtype=np.int32)
-        if first < P - 1:
-            out = np.concatenate([seq.prompt_topk, out])
-        return out, first
+    def _topk_range(self, seq: _Sequence) -> tuple[int, int]:
+        """The sequence rows [first, end) whose selections the final output carries (empty before a first token)."""
+        P, R = seq.prompt_len, seq.num_output
+        if R == 0:
+            return P - 1, P - 1
+        return min(self._topk_first(seq), P - 1 + R), P - 1 + R
 
-    def _output(self, seq: _Sequence, final: bool = False) -> GenerateOutput:
-        topk = topk_start = None
-        if final and seq.req.return_indexer_topk:
-            topk, topk_start = self._topk_rows(seq)
+    def _topk_rows(self, seqs: list[_Sequence]) -> list[tuple[np.ndarray, int]]:
+        """Each sequence's (selections of its rows first .. end-1 as (rows, n_full, K) int32, first), for its final
+        output: from the per-step copies, or with kept_topk from the cache pool, one read for all of them."""
+        shape = (0, self.n_full_layers, self.config.index_topk)
+        if not self.cache.keep_topk:
+            P = [seq.prompt_len for seq in seqs]
+            return [(np.stack(seq.topk) if seq.topk else np.zeros(shape, dtype=np.int32), p - 1) for seq, p in zip(seqs, P)]
+        ranges = [self._topk_range(seq) for seq in seqs]
+        pooled = self._read_kept_topk([(seq, first + _rows(seq.retracted_topk), end)
+                                       for seq, (first, end) in zip(seqs, ranges)])
+        out = []
+        for seq, (first, end), rows in zip(seqs, ranges, pooled):
+            if end <= first:
+                out.append((np.zeros(shape, dtype=np.int32), first))
+            else:
+                parts = [r for r in (seq.retracted_topk, rows) if r is not None and len(r)]
+                out.append((parts[0] if len(parts) == 1 else np.concatenate(parts)[: end - first], first))
+        return out
+
+    def _read_kept_topk(self, spans: list[tuple[_Sequence, int, int]]) -> list[np.ndarray | None]:
+        """The kept selections of rows [start, end) of each sequence, from its cache blocks: (rows, n_full, K) int32
+        each (None where the span is empty), in one read."""
+        bs, slots, sizes = self.block_size, [], []
+        for seq, start, end in spans:
+            r = np.arange(start, max(start, end))
+            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
+            sizes.append(len(r))
+        if not any(sizes):
+            return [None] * len(spans)
+        rows = self.cache.read_topk(upload(torch.from_numpy(np.concatenate(slots)), self.device))  # (n_full, S, K)
+        parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
+        return [part if n else None for part, n in zip(parts, sizes)]
+
+    def _output(self, seq: _Sequence, final: bool = False, topk: tuple[np.ndarray, int] | None = None) -> GenerateOutput:
+        """The request's state; `final` adds its text and, when asked for, its index replay rows (`topk`, else read
+        here)."""
+        if final and seq.req.return_indexer_topk and topk is None:
+            topk = self._topk_rows([seq])[0]
+        topk, topk_start = topk if final and topk is not None else (None, None)
         return GenerateOutput(
             rid=seq.req.rid,
             output_ids=seq.output_ids,
@@ -706,19 +747,39 @@ class Engine:
         seq.blocks, seq.reserved, seq.num_computed, seq.num_registered, seq.digests = [], 0, 0, 0, []
 
     def _finish(self, seq: _Sequence, reason: dict) -> GenerateOutput:
-        seq.finish_reason = reason
-        self._active.pop(seq.req.rid, None)
-        if seq in self._running:
-            self._running.remove(seq)
-            self._free(seq)
-        elif seq in self._queue:
-            self._queue.remove(seq)
+        return self._finish_all([(seq, reason)])[0]
+
+    def _finish_all(self, ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
+        """End these sequences with their finish reasons; their final outputs. Replay rows are read before the
+        blocks are freed, for all of them at once."""
+        if not ending:
+            return []
+        wanting = [seq for seq, _ in ending if seq.req.return_indexer_topk]
         try:
-            return self._output(seq, final=True)
-        except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
-            logger.exception("engine: final output of request %s failed", seq.req.rid)
-            seq.finish_reason = {"type": "abort", "message": f"detokenization failed: {type(exc).__name__}: {exc}"}
-            return self._output(seq)
+            topk = dict(zip(map(id, wanting), self._topk_rows(wanting))) if wanting else {}
+        except Exception:  # noqa: BLE001 - e.g. a device error: each output then reads (and fails) alone
+            logger.exception("engine: reading the replay rows of %d requests failed", len(wanting))
+            topk = {}
+        outputs = []
+        for seq, reason in ending:
+            seq.finish_reason = reason
+            try:
+                outputs.append(self._output(seq, final=True, topk=topk.get(id(seq))))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
+                logger.exception("engine: final output of request %s failed", seq.req.rid)
+                seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
+                outputs.append(self._output(seq))
+        ended = {id(seq) for seq, _ in ending}
+        running = [seq for seq in self._running if id(seq) in ended]
+        if running:
+            self._running = [seq for seq in self._running if id(seq) not in ended]
+        for seq in running:
+            self._free(seq)
+        for seq, _ in ending:
+            self._active.pop(seq.req.rid, None)
+            if seq in self._queue:
+                self._queue.remove(seq)
+        return outputs
 
     def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
         """End one request with finish_reason abort and the error; blocks it offered this step are not trusted."""
@@ -730,7 +791,13 @@ class Engine:
         return out
 
     def _retract(self, seq: _Sequence) -> None:
-        """Back to the front of the queue without cache; generated tokens (and the seeded generator) are kept."""
+        """Back to the front of the queue without cache; generated tokens are kept (and so are the draws: they hash the
+        seed and the token index), and so are the kept replay rows computed so far (their first computation counts)."""
+        if self.cache.keep_topk and seq.req.return_indexer_topk:
+            first = self._topk_first(seq)
+            (rows,) = self._read_kept_topk([(seq, first + _rows(seq.retracted_topk), seq.num_computed)])
+            if rows is not None:
+                seq.retracted_topk = rows if seq.retracted_topk is None else np.concatenate([seq.retracted_topk, rows])
         self._free(seq)
         self._queue.appendleft(seq)
 
@@ -751,6 +818,29 @@ class Engine:
             self._running.remove(seq)
             self._retract(seq)
         return outputs
+
+
+_heap_frozen = False
+
+
+def _freeze_heap_once() -> None:
+    """Move what exists now (imported modules, the model) out of the garbage collector's sight, once per process:
+    a full collection then scans only what came later. Unfrozen, one took ~200 ms in a CPU step loop at batch 256.
+    Collected first, so no garbage is frozen with it."""
+    global _heap_frozen
+    if not _heap_frozen:
+        gc.collect()
+        gc.freeze()
+        _heap_frozen = True
+
+
+def _tail(seq: _Sequence) -> list[int]:
+    """The output tokens a stop string can end in (stop.py's window), without copying the whole output."""
+    return seq.tokens[max(seq.prompt_len, len(seq.tokens) - seq.stop.window) :]
+
+
+def _rows(array: np.ndarray | None) -> int:
+    return 0 if array is None else len(array)
 
 
 def _next_version(weight_version: str) -> str:
