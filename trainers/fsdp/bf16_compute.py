@@ -36,8 +36,14 @@ class Bf16Compute:
 
     def gradients_to_master(self) -> None:
         """The master's .grad = the copy's gradient in float32 (None where the copy has none); the copy's cleared."""
-        for m, c in self._pairs:
-            m.grad = None if c.grad is None else c.grad.float()
+        have = [(m, c) for m, c in self._pairs if c.grad is not None]
+        for m, _ in self._pairs:
+            m.grad = None
+        grads = [torch.empty_like(m) for m, _ in have]
+        if grads:
+            torch._foreach_copy_(grads, [c.grad for _, c in have])  # one launch for all, casting to float32
+        for (m, c), grad in zip(have, grads):
+            m.grad = grad
             c.grad = None
 
     @torch.no_grad()
