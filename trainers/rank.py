@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from slime_dsa.algorithms import LossInputs, ValueLossInputs
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
+from slime_dsa.devices import upload
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
@@ -58,7 +59,8 @@ def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> b
 
 
 def _sample_index(seqlens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), upload(torch.tensor(seqlens), device),
+                                   output_size=sum(seqlens))
 
 
 Metric = torch.Tensor | float  # a step's metrics stay on the device until the step ends: one host sync per step
@@ -94,10 +96,10 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
     token_mean = loss.aggregation == "token_mean"
 
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
+        return None if t is None else upload(t, device)
 
     inputs = LossInputs(
-        logprobs=logprobs, advantages=mb.advantages.to(device), loss_mask=mb.loss_mask.to(device).float(),
+        logprobs=logprobs, advantages=upload(mb.advantages, device), loss_mask=upload(mb.loss_mask, device).float(),
         sample_index=sample_index, old_logprobs=on_device(mb.old_logprobs),
         rollout_logprobs=on_device(mb.rollout_logprobs), ref_logprobs=on_device(mb.ref_logprobs), entropy=entropy,
         candidate_logprobs=candidate_logprobs,
@@ -118,8 +120,8 @@ def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step
     device = values.device
     old = mb.old_values if mb.old_values is not None else values.detach()
     inputs = ValueLossInputs(
-        values=values, old_values=old.to(device), returns=mb.returns.to(device),
-        loss_mask=mb.loss_mask.to(device).float(), sample_index=_sample_index(mb.seqlens, device),
+        values=values, old_values=upload(old, device), returns=upload(mb.returns, device),
+        loss_mask=upload(mb.loss_mask, device).float(), sample_index=_sample_index(mb.seqlens, device),
         denominator=max(step_loss_tokens, 1.0) if loss.aggregation == "token_mean" else max(step_num_samples, 1),
     )
     out = loss(inputs)
@@ -225,14 +227,14 @@ class TrainerRank:
         dsa = role.config.dsa
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
         replay = mb.replay_topk if mb.replay_topk is not None else (mb.rollout_topk if dsa.index_replay else None)
-        replay = None if replay is None else replay.to(self.device)
+        replay = None if replay is None else upload(replay, self.device)
         want_topk = replay is None and mb.rollout_topk is not None
         pack = None
         if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
-        candidates = mb.candidate_ids.to(self.device) if with_candidates and mb.candidate_ids is not None else None
+        candidates = upload(mb.candidate_ids, self.device) if with_candidates and mb.candidate_ids is not None else None
         logp, ent, out = role.runs.token_logprobs_with_output(
-            mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
+            upload(mb.input_ids, self.device), packed, temperature=self.config.temperature,
             chunk_size=self.config.logprob_chunk_size, return_entropy=return_entropy, replay_topk=replay,
             capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack, candidate_ids=candidates,
         )
@@ -242,7 +244,7 @@ class TrainerRank:
         """A value role's (values (T,), final (S,)) of one micro-batch (None = a one-token padding pass)."""
         mb = mb if mb is not None else _padding_batch()
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
-        return role.runs.token_values(mb.input_ids.to(self.device), packed)
+        return role.runs.token_values(upload(mb.input_ids, self.device), packed)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +343,8 @@ class TrainerRank:
             loss = loss + indexer_loss
         metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
         if measure_sync:
-            gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
+            gap = ((logp.detach().float() - upload(used.rollout_logprobs, logp.device)).abs()
+                   * upload(used.loss_mask, logp.device))
             metrics["sync_logprob_abs_diff/num"] = gap.sum() if mb is not None else 0.0
             metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
         return loss, metrics
@@ -361,7 +364,7 @@ class TrainerRank:
         out: dict[str, float] = {}
         for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
                          (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
-            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).to(self.device).reshape(())
+            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device).reshape(())
                                   for k in keys] or [torch.zeros((), dtype=torch.float64, device=self.device)])
             self.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
             out.update({k: float(v) for k, v in zip(keys, values.tolist())})
@@ -381,7 +384,7 @@ class TrainerRank:
         dsa = held.config.dsa
         metrics: dict[str, Metric] = {}
         if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
-            engine = mb.rollout_topk.to(self.device)
+            engine = upload(mb.rollout_topk, self.device)
             rows = engine[0, :, 0] != REPLAY_COMPUTE
             overlap = topk_overlap(engine[:, rows], out.topk_indices[:, rows])
             metrics["index_topk_mismatch/num"] = (1.0 - overlap).sum()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
+from slime_dsa.devices import upload
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
@@ -72,9 +73,11 @@ class PackedBatch:
     @classmethod
     def from_seqlens(cls, seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "PackedBatch":
         """A batch of whole sequences (training / prefill without a cache)."""
-        lens = torch.as_tensor(seqlens, dtype=torch.long, device=device)
+        total = sum(seqlens) if isinstance(seqlens, list) else None  # known on the host: no sync for the sizes
+        lens = upload(torch.as_tensor(seqlens, dtype=torch.long), device)
         cu = F.pad(lens.cumsum(0), (1, 0))
-        positions = torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lens)
+        total = int(cu[-1]) if total is None else total
+        positions = torch.arange(total, device=device) - torch.repeat_interleave(cu[:-1], lens, output_size=total)
         return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
