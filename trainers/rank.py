@@ -297,7 +297,8 @@ class TrainerRank:
         detailed_metrics off skips the metrics that cost real compute (the indexer's dense recall): for steps whose
         metrics nobody logs. Every rank must get the same value (the metric keys are reduced together).
         measure_sync adds sync_logprob_abs_diff, the mean |log π_θ − log π_roll| of this step's forward (before
-        its update): the weight-sync check when no π_old pass computes it."""
+        its update), its max (sync_logprob_abs_diff_max) and the bit-equal fraction (sync_logprob_exact): the
+        weight-sync check when no π_old pass computes it."""
         held = self.roles[role]
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
@@ -342,11 +343,15 @@ class TrainerRank:
         if indexer_loss is not None:
             loss = loss + indexer_loss
         metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
-        if measure_sync:
-            gap = ((logp.detach().float() - upload(used.rollout_logprobs, logp.device)).abs()
-                   * upload(used.loss_mask, logp.device))
-            metrics["sync_logprob_abs_diff/num"] = gap.sum() if mb is not None else 0.0
-            metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
+        if measure_sync:  # mean and max |Δlogp| and the bit-equal fraction, over trained tokens
+            trained = upload(used.loss_mask, logp.device) > 0
+            gap = (logp.detach().float() - upload(used.rollout_logprobs, logp.device)).abs()
+            real = mb is not None
+            metrics["sync_logprob_abs_diff/num"] = torch.where(trained, gap, 0.0).sum() if real else 0.0
+            metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.gt(0).sum()) if real else 0.0
+            metrics["sync_logprob_abs_diff_max"] = torch.where(trained, gap, 0.0).max() if real else 0.0
+            metrics["sync_logprob_exact/num"] = ((gap == 0) & trained).sum() if real else 0.0
+            metrics["sync_logprob_exact/den"] = metrics["sync_logprob_abs_diff/den"]
         return loss, metrics
 
     def _optimizer_step(self, held: Role) -> tuple[float, float]:

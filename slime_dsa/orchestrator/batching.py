@@ -96,9 +96,15 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     )
 
 
-def logprob_abs_diff(batch: TrainBatch) -> float:
-    """Mean |log π_old − log π_roll| over the batch's trained tokens: a silent weight-sync error shows here."""
+def logprob_agreement(batch: TrainBatch) -> dict[str, float]:
+    """How π_old (the trainer's forward) and π_roll (the engine's) agree over the batch's trained tokens: the mean
+    and max |Δlogp| (a silent weight-sync error shows here) and the fraction of tokens where they are equal bit for
+    bit. Keys as the trainers report them for the first step's forward."""
     if batch.old_logprobs is None:
-        return float("nan")
-    tokens = batch.loss_mask.sum().clamp(min=1)
-    return float(((batch.old_logprobs - batch.rollout_logprobs).abs() * batch.loss_mask).sum() / tokens)
+        return {"sync_logprob_abs_diff": float("nan")}
+    trained = batch.loss_mask > 0
+    diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[trained]
+    if diff.numel() == 0:
+        return {"sync_logprob_abs_diff": 0.0, "sync_logprob_abs_diff_max": 0.0, "sync_logprob_exact": float("nan")}
+    return {"sync_logprob_abs_diff": float(diff.mean()), "sync_logprob_abs_diff_max": float(diff.max()),
+            "sync_logprob_exact": float((diff == 0).float().mean())}
