@@ -144,7 +144,8 @@ def save_bf16_checkpoint(directory: str) -> None:
 
 def bf16_logprobs(rank: int, port: int, checkpoint: str, out: str) -> None:
     """One process: log-probs of the same batch, at the same weights, from Megatron in bf16 (as its GPU ranks build
-    it), FSDP2 with bf16 mixed precision (as its GPU ranks wrap it), the engine's bf16 model, and float32."""
+    it), FSDP2 with bf16 mixed precision (as its GPU ranks wrap it), the engine's bf16 model, and float32; on the GPU
+    when there is one (nccl, Triton kernels), else on the CPU (gloo, torch reference ops)."""
     import os  # noqa: PLC0415
 
     import torch.distributed as dist  # noqa: PLC0415
@@ -158,23 +159,30 @@ def bf16_logprobs(rank: int, port: int, checkpoint: str, out: str) -> None:
     from trainers.megatron.worker import load_model as load_megatron  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    cpu_shim.apply()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cpu_shim.apply()  # a no-op on a GPU machine
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=1)
     sizes = parallel_sizes({})
     groups, place = initialize(sizes)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+        model_parallel_cuda_manual_seed(0)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (1,))
     ids = torch.randint(0, BF16_SHAPE["vocab_size"], (sum(BF16_SEQLENS),), generator=torch.Generator().manual_seed(0))
-    batch = PackedBatch.from_seqlens(BF16_SEQLENS)
+    ids, batch = ids.to(device), PackedBatch.from_seqlens(BF16_SEQLENS, device)
     models = {
-        "megatron": lambda: load_megatron(checkpoint, sizes, groups, place, torch.bfloat16, torch.device("cpu")),
-        "fsdp": lambda: apply_fsdp(load_model(checkpoint, dtype=torch.float32), mesh, True, ENTRY_POINTS["policy"]),
-        "engine": lambda: load_model(checkpoint, dtype=torch.bfloat16),
-        "float32": lambda: load_model(checkpoint, dtype=torch.float32),
+        "megatron": lambda: load_megatron(checkpoint, sizes, groups, place, torch.bfloat16, device),
+        "fsdp": lambda: apply_fsdp(load_model(checkpoint, dtype=torch.float32, device=device), mesh, True,
+                                   ENTRY_POINTS["policy"]),
+        "engine": lambda: load_model(checkpoint, dtype=torch.bfloat16, device=device),
+        "float32": lambda: load_model(checkpoint, dtype=torch.float32, device=device),
     }
     record = {}
     for name, build in models.items():
         with torch.no_grad():
-            record[name] = build().eval().token_logprobs(ids, batch)[0].float().tolist()
+            record[name] = build().eval().token_logprobs(ids, batch)[0].float().cpu().tolist()
     Path(out).write_text(json.dumps(record))
     dist.destroy_process_group()
