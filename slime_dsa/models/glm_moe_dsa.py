@@ -141,7 +141,9 @@ class Indexer(nn.Module):
         T = x.shape[0]
         q = self._rope_first(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, Hi, Di)
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)  # (T, Di)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # (T, Hi)
+        # float32 even where the weight is held in bf16 (FSDP2's mixed precision casts every parameter), as the engine
+        # and transformers compute it: a bf16 product here changes the top-k against theirs.
+        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # (T, Hi)
         return q, k, w
 
 
@@ -341,7 +343,7 @@ class Experts(nn.ModuleList):
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)  # the k weighted outputs summed in float32, as the grouped path
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)  # (T*k,)
         order = torch.argsort(flat, stable=True)
@@ -354,8 +356,8 @@ class Experts(nn.ModuleList):
             start += count
             tokens, k = slots // top_k, slots % top_k
             y = self[expert](x[tokens]) * weights[tokens, k, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+            out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)
 
     def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs over the (token, slot) rows sorted by expert; group offsets stay on the device."""
