@@ -98,17 +98,18 @@ class PagedDecoder:
         return len(self._graphs)
 
     def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
-                feed: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                on_inputs: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
-        and the cache slot each new row went to (B,). `feed` writes the input ids the host does not have yet (tokens
-        an earlier step is still sampling on the device) into the device's ids (B,) before the forward."""
+        and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
+        before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
+        still sampling on the device)."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(len(t) for t in tables) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                return self._replay(input_ids, positions, tables, B, width, feed)
+                return self._replay(input_ids, positions, tables, B, width, on_inputs)
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
@@ -117,8 +118,8 @@ class PagedDecoder:
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()
         inputs = inputs.to(self.model.device, non_blocking=True)
-        if feed is not None:
-            feed(inputs[:B])
+        if on_inputs is not None:
+            on_inputs(inputs[:B])
         hidden, topk, slots = self._run(inputs, B, width)
         return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
 
@@ -143,15 +144,15 @@ class PagedDecoder:
         out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
         return out.hidden_states, out.topk_indices, batch.write_slots
 
-    def _replay(self, input_ids, positions, tables, B: int, width: int, feed) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         graph = self._graphs.get((B, width)) or self._capture(B, width)
         host = self._host_inputs(input_ids, positions, tables, B, width)
         graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
         graph.staging.numpy()[:] = host
         graph.inputs.copy_(graph.staging, non_blocking=True)
         graph.copied.record()
-        if feed is not None:
-            feed(graph.inputs[:B])
+        if on_inputs is not None:
+            on_inputs(graph.inputs[:B])
         graph.graph.replay()
         n = len(input_ids)
         return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]

@@ -15,8 +15,18 @@ One `step()` is one scheduler iteration:
    finished requests leave and free their blocks.
 Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
-The host waits on the device once per step (one `.tolist()` of tokens, log-probs and finish codes; with index replay
-the copy of the selected indices comes first and is that wait).
+A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
+
+Overlap (SGLang's overlap schedule; `overlap=True`, the default): `step()` launches step N+1 before it reads step N's
+results, so the host's bookkeeping of N (appending tokens, stop strings, outputs, freeing) runs while the device
+computes N+1. A token the host does not have yet is an IN_FLIGHT placeholder in its sequence; N+1 takes it as input
+straight from N's sampled tokens on the device. Lengths are known without the tokens: a request whose in-flight token
+is its last is not scheduled again. A request that N ends by a stop token or string was in N+1 too: that result is
+dropped (its cache rows were its own blocks, freed; later writes to them are queued after N+1's). A block holding an
+in-flight token is offered to the prefix cache only once the token is read. A scheduling failure of a request with a
+token in flight ends it after that token is read. Everything that changes the engine's state from outside the step
+(abort, pause, weight updates, flush and memory release) first reads the step in flight (`_drain`). So step() returns
+the outputs of the step launched by the call before, and requests admitted meanwhile join one step later.
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
 of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
@@ -49,6 +59,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -431,7 +442,6 @@ class Engine:
                     previous = None
                 outputs += self._recover([(seq, n) for seq, n in scheduled if seq.finish_reason is None], exc)
         self._pending = None
-        resolved = previous
         if previous is not None:
             outputs += self._resolve(previous)  # while the device computes `launched`
         for seq, exc in self._failed_later:
@@ -442,10 +452,9 @@ class Engine:
                 self._pending = launched
             else:
                 outputs += self._resolve(launched)
-                resolved = launched
         outputs, self._ready = outputs + self._ready, []
-        if scheduled or resolved is not None:
-            self._account_step(time.perf_counter() - start, resolved)
+        if scheduled or previous is not None:
+            self._account_step(time.perf_counter() - start, launched)
         return outputs
 
     def _drain(self) -> None:
@@ -459,13 +468,14 @@ class Engine:
         with torch.inference_mode():
             outputs = self._resolve(launched)
         self._ready += [out for out in outputs if out.finish_reason is not None]
-        self._account_step(time.perf_counter() - start, launched)
+        self._account_step(time.perf_counter() - start, None)
 
     def _resolve(self, launched: _Launched) -> list[GenerateOutput]:
         """Wait for a launched step's tokens and apply them: append, finish, stream, offer newly full blocks."""
         if launched.done is not None:
             launched.done.synchronize()
             launched.device_s = launched.begin.elapsed_time(launched.done) / 1e3
+            self._account_device(launched)
         values = launched.result.tolist() if launched.result is not None else [[], [], []]
         topk = None
         if launched.topk is not None:
@@ -526,18 +536,23 @@ class Engine:
             logger.exception("engine: stop check of request %s failed", seq.req.rid)
             return {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
 
-    def _account_step(self, seconds: float, resolved: _Launched | None) -> None:
-        """One call's time, and the device time of the step it read (with overlap: the step before its own)."""
+    def _account_step(self, seconds: float, launched: _Launched | None) -> None:
+        """One call's time, counted as a decode step's when it launched one (with overlap it also read the step
+        before)."""
         stats = self.stats
         stats["step_s"] += seconds
-        if resolved is None:
+        if launched is None:
             return
-        stats["device_s"] += resolved.device_s
-        stats["running_sum"] += len(resolved.scheduled)
-        if resolved.decode_only:
+        stats["running_sum"] += len(launched.scheduled)
+        if launched.decode_only:
             stats["decode_steps"] += 1
             stats["decode_step_s"] += seconds
-            stats["decode_device_s"] += resolved.device_s
+
+    def _account_device(self, launched: _Launched) -> None:
+        """A step's device time, once known: on CPU when it is launched (the forward runs then), on CUDA when read."""
+        self.stats["device_s"] += launched.device_s
+        if launched.decode_only:
+            self.stats["decode_device_s"] += launched.device_s
 
     def _schedule(self) -> list[tuple[_Sequence, int]]:
         """Pick this step's (sequence, new rows) pairs, admitting queued requests; allocates their blocks.
@@ -653,23 +668,29 @@ class Engine:
         want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
         decode_only = not self._forks and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
         on_host = device.type != "cuda"
-        begin = done = None
-        if not on_host:
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
+        begin = torch.cuda.Event(enable_timing=True) if not on_host else None
+        done = None
+
+        def on_inputs(ids: torch.Tensor, fed: list[int], fed_seqs: list[_Sequence]) -> None:
+            """The input ids are queued on the device: the step's device work starts here."""
+            if begin is not None:
+                begin.record()
+            if fed:
+                self._feed(ids, fed, fed_seqs, previous)
+
         forward_start = time.perf_counter()
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
             fed = [b for b, seq in enumerate(seqs) if seq.inflight]
-            feed = (lambda ids: self._feed(ids, fed, [seqs[b] for b in fed], previous)) if fed else None
             hidden, topk_all, write_slots = self.decoder.forward(
                 [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs],
-                [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs], feed=feed,
+                [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs],
+                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]),
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
         else:
-            hidden, topk_all = self._forward_packed(scheduled, want_topk, previous)
+            hidden, topk_all = self._forward_packed(scheduled, want_topk, on_inputs)
         tokens = result = topk_host = None
         wanted: list[int] = []
         if seqs:
@@ -697,9 +718,12 @@ class Engine:
             seq.tokens.append(IN_FLIGHT)
             seq.inflight += 1
             token_index.append(len(seq.tokens) - 1)
-        return _Launched(scheduled=scheduled, sampled=seqs, row_of={id(seq): b for b, seq in enumerate(seqs)},
-                         token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
-                         version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
+        launched = _Launched(scheduled=scheduled, sampled=seqs, row_of={id(seq): b for b, seq in enumerate(seqs)},
+                             token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
+                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
+        if on_host:
+            self._account_device(launched)
+        return launched
 
     def _feed(self, ids: torch.Tensor, rows: list[int], seqs: list[_Sequence], previous: _Launched) -> None:
         """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet)."""
@@ -721,9 +745,9 @@ class Engine:
         return self._rows
 
     def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool,
-                        previous: _Launched | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        on_inputs: Callable[[torch.Tensor, list[int], list[_Sequence]], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache; decode rows
-        whose input is in flight take it from `previous` on the device.
+        whose input is in flight get it on the device (`on_inputs(ids, rows, their sequences)`, before the forward).
 
         Returns the final hidden states of the rows that sample (B, D) and their top-k (n_full, B, K) or None.
         Forked sequences (self._forks) add no rows: their new cache rows are copied from their twin's after the
@@ -744,7 +768,7 @@ class Engine:
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
         row_ends = np.cumsum(lens_q)
-        fed = [i for i, (seq, _) in enumerate(scheduled) if seq.inflight]  # decode rows (n == 1) fed from `previous`
+        fed = [i for i, (seq, _) in enumerate(scheduled) if seq.inflight]  # decode rows (n == 1) whose input is in flight
         fed_rows = [int(row_ends[i]) - 1 for i in fed]
         input_ids[fed_rows] = IN_FLIGHT_INPUT
         last_row_of = {id(seq): int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
@@ -759,8 +783,7 @@ class Engine:
         packed = packed.to(device, non_blocking=True)
         ids_d, starts_d, lens_q_d, lens_k_d, last_rows_d, table_d = packed.split([Tq, S, S, S, len(last_rows), S * max_blocks])
         table_d = table_d.view(S, max_blocks)
-        if fed:
-            self._feed(ids_d, fed_rows, [scheduled[i][0] for i in fed], previous)
+        on_inputs(ids_d, fed_rows, [scheduled[i][0] for i in fed])
         zero = torch.zeros(1, dtype=torch.long, device=device)
         cu_q, cu_k = torch.cat([zero, lens_q_d.cumsum(0)]), torch.cat([zero, lens_k_d.cumsum(0)])
         seq_ids = torch.arange(S, device=device)
