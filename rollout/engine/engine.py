@@ -53,6 +53,7 @@ cached blocks (`keep_indexer_topk`: PagedKVCache keeps every row's top-k next to
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
@@ -210,6 +211,7 @@ class Engine:
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self.overlap = overlap
+        self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
         self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
         self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0,
@@ -702,7 +704,7 @@ class Engine:
             result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
-                picked = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
+                picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
                 topk_host = topk_all[:, picked].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
             if not on_host:  # into pinned memory without waiting; `done` says when it is there
                 result, topk_host = _to_host_async(result), _to_host_async(topk_host)
@@ -824,7 +826,7 @@ class Engine:
                 src.append(twin.blocks[pos // bs] * bs + pos % bs)
                 dst.append(seq.blocks[pos // bs] * bs + pos % bs)
         if dst:
-            self.cache.copy_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
+            self.cache.copy_rows(upload(torch.tensor(src), self.device), upload(torch.tensor(dst), self.device))
 
     # -- finishing, retracting, failures --------------------------------------------------------
 
@@ -864,9 +866,20 @@ class Engine:
             sizes.append(len(r))
         if not any(sizes):
             return [None] * len(spans)
-        rows = self.cache.read_topk(upload(torch.from_numpy(np.concatenate(slots)), self.device))  # (n_full, S, K)
-        parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
+        # These rows come from steps the host has read already. On CUDA a side stream reads them, so this waits for
+        # that read only, not for a step in flight on the main stream (which writes other rows: overlap).
+        with self._side_stream():
+            rows = self.cache.read_topk(upload(torch.from_numpy(np.concatenate(slots)), self.device))  # (n_full, S, K)
+            parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
         return [part if n else None for part, n in zip(parts, sizes)]
+
+    def _side_stream(self) -> Any:
+        """A context on the engine's second CUDA stream (nothing on CPU)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
 
     def _output(self, seq: _Sequence, final: bool = False, topk: tuple[np.ndarray, int] | None = None) -> GenerateOutput:
         """The request's state; `final` adds its text and, when asked for, its index replay rows (`topk`, else read
