@@ -650,15 +650,19 @@ class Engine:
         """Offer the sequence's full blocks of its first `rows` rows to the prefix cache, those whose tokens the host
         has (a block holding a token in flight waits for the step that reads it)."""
         bs = self.block_size
+        if rows // bs <= seq.num_registered:  # most calls: no block filled up
+            return
         full = min(rows, len(seq.tokens) - seq.inflight) // bs
-        if full > seq.num_registered and seq.cache_epoch == self._cache_epoch:
+        if full <= seq.num_registered:
+            return
+        if seq.cache_epoch == self._cache_epoch:
             if len(seq.digests) < full:
                 parent = seq.digests[-1] if seq.digests else b""
                 seq.digests += block_digests(seq.tokens, bs, full, start=len(seq.digests), parent=parent)
             for i in range(seq.num_registered, full):
                 if self.blocks.register(seq.blocks[i], seq.digests[i]):
                     self._step_registered.append(seq.blocks[i])
-        seq.num_registered = max(seq.num_registered, full)
+        seq.num_registered = full
 
     def _launch(self, scheduled: list[tuple[_Sequence, int]], previous: _Launched | None) -> _Launched:
         """Queue this step's forward and the sampling of its last rows on the device, and the copy of the results to

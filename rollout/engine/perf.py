@@ -2,8 +2,8 @@
 `stats_*` in /get_server_info). Light: no torch, so the orchestrator reads it as plain numbers.
 
 Device time (`device_s`): on CUDA, each step's span on the device, from its inputs being queued to its results'
-copy to the host (CUDA events, read when the step's results are); on CPU the forward, which runs on the engine's
-own thread. Host gap: the time in steps the device is not working, 1 - device time / step time. With the engine's
+copy to the host (CUDA events, read when the step's results are); on CPU the forward and the sampling, which run on
+the engine's own thread. Host gap: the time in steps the device is not working, 1 - device time / step time. With the engine's
 overlap scheduler the device computes step N+1 while the host reads step N, so the gap falls towards 0 as long as
 the host keeps up; without it, every host action of a step (scheduling, block tables, launching, stop checks,
 outputs) leaves the device idle. Step time counts only time in `Engine.step()`: time the caller spends between
