@@ -1,4 +1,4 @@
-"""The embedded continuous-batching engine: a synchronous scheduler over a paged MLA KV cache.
+"""The embedded continuous-batching engine: a scheduler over a paged MLA KV cache, stepped from one thread.
 
 One `step()` is one scheduler iteration:
 1. every running request that is decoding contributes its one new token; requests still prefilling (a long
