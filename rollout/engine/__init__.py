@@ -1,6 +1,6 @@
 """The embedded continuous-batching engine over slime_dsa.models (CPU or GPU).
 
-engine.py        Engine: synchronous scheduler (admission, chunked prefill, one packed forward per step)
+engine.py        Engine: the scheduler (admission, chunked prefill, one packed forward per step, overlap of steps)
 async_engine.py  AsyncEngine: the step loop in a background thread, an asyncio API for the HTTP server
 decode.py        PagedDecoder: decode-only steps reading the paged pool in place, CUDA graphs on GPU
 kv_cache.py      PagedKVCache: per-layer MLA latent rows + indexer keys, the model's KVCache protocol
