@@ -12,9 +12,9 @@ top-k rows of every prompt and output row for index replay (--no-replay: off), p
 update (a new version, cache flushed) between the first run and the timed one, as between two RL steps.
 
 Both paths report the engine's decode step time, its host gap (rollout.engine.perf: the share of step time the device
-is not working, from CUDA events around each step's device work) and the device's busy share of the whole run. The
-engine runs with its overlap scheduler (each step launched before the previous step's tokens reach the host) unless
---no-overlap. Prints markdown tables; --out appends them to a file.
+is not working, from CUDA events around each step's device work) and the device's busy share of the whole run. With
+--overlap the engine runs its overlap scheduler (each step launched before the previous step's tokens reach the
+host); without it, each step's tokens reach the host before the next step launches (the engine's default). Prints markdown tables; --out appends them to a file.
 
     python benchmarks/engine_throughput.py --device cpu --dtype float32 --preset small
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m --out benchmarks/RESULTS.md
@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--group-size", type=int, default=16, help="rollout path: samples per prompt (one /generate each)")
     parser.add_argument("--stop", action="append", default=None, help="rollout path: stop string (repeatable; default </answer>)")
     parser.add_argument("--no-replay", action="store_true", help="rollout path: no DSA top-k rows for index replay")
-    parser.add_argument("--no-overlap", action="store_true", help="the engine without its overlap scheduler (each step "
-                        "reads its tokens before the next one launches)")
+    parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (each step launched "
+                        "before the previous step's tokens reach the host)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if unknown := sorted(set(paths) - {"simple", "rollout"}):
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
     if args.max_prefill_tokens:
         ENGINE_OPTIONS["max_prefill_tokens"] = args.max_prefill_tokens
-    ENGINE_OPTIONS["overlap"] = not args.no_overlap
+    ENGINE_OPTIONS["overlap"] = args.overlap
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> str:
         f"- prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
         f"transformers `generate` (greedy, EOS ignored, one left-padded batch, {hf_impl}) at batch "
         f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}, "
-        f"overlap scheduler {'off' if args.no_overlap else 'on'}",
+        f"overlap scheduler {'on' if args.overlap else 'off'}",
         f"- command: `{command}`",
         "",
     ]

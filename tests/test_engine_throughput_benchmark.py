@@ -18,7 +18,7 @@ def test_both_paths_report_decode_step_and_host_gap(tmp_path, monkeypatch):
 
     out = tmp_path / "engine.md"
     text = engine_throughput.main(["--device", "cpu", "--preset", "tiny", "--batch-sizes", "16", "--group-size", "8",
-                                   "--new-tokens", "8", "--threads", "1", "--out", str(out)])
+                                   "--new-tokens", "8", "--threads", "1", "--overlap", "--out", str(out)])
     assert out.read_text().strip() == text.strip()
     simple = next(line for line in text.splitlines() if line.startswith("| 16 |"))
     rollout = next(line for line in text.splitlines() if line.startswith("| 16 | 2 x 8 |"))

@@ -17,16 +17,17 @@ Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher 
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
 A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
 
-Overlap (SGLang's overlap schedule; `overlap=True`, the default): `step()` launches step N+1 before it reads step N's
-results, so the host's bookkeeping of N (appending tokens, stop strings, outputs, freeing) runs while the device
-computes N+1. A token the host does not have yet is an IN_FLIGHT placeholder in its sequence; N+1 takes it as input
-straight from N's sampled tokens on the device. Lengths are known without the tokens: a request whose in-flight token
-is its last is not scheduled again. A request that N ends by a stop token or string was in N+1 too: that result is
-dropped (its cache rows were its own blocks, freed; later writes to them are queued after N+1's). A block holding an
-in-flight token is offered to the prefix cache only once the token is read. A scheduling failure of a request with a
-token in flight ends it after that token is read. Everything that changes the engine's state from outside the step
-(abort, pause, weight updates, flush and memory release) first reads the step in flight (`_drain`). So step() returns
-the outputs of the step launched by the call before, and requests admitted meanwhile join one step later.
+Overlap (SGLang's overlap schedule; `overlap=True`, off by default until it is measured on a GPU): `step()` launches
+step N+1 before it reads step N's results, so the host's bookkeeping of N (appending tokens, stop strings, outputs,
+freeing) runs while the device computes N+1. A token the host does not have yet is an IN_FLIGHT placeholder in its
+sequence; N+1 takes it as input straight from N's sampled tokens on the device. Lengths are known without the tokens:
+a request whose in-flight token is its last is not scheduled again. A request that N ends by a stop token or string
+was in N+1 too: that result is dropped (its cache rows were its own blocks, freed; later writes to them are queued
+after N+1's). A block holding an in-flight token is offered to the prefix cache only once the token is read. A
+scheduling failure of a request with a token in flight ends it after that token is read. Everything that changes the
+engine's state from outside the step (abort, pause, weight updates, flush and memory release) first reads the step in
+flight (`_drain`). So step() returns the outputs of the step launched by the call before, and requests admitted
+meanwhile join one step later.
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
 of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
@@ -165,7 +166,7 @@ class Engine:
         paged_decode: bool = True,
         cuda_graphs: bool = True,
         keep_indexer_topk: bool = False,
-        overlap: bool = True,
+        overlap: bool = False,
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place instead of gathering every sequence's keys
         (on CPU too: 15-20% faster decode with 100-token contexts, benchmarks/RESULTS.md); cuda_graphs: and

@@ -40,7 +40,7 @@ def load_engine(
     ops_backend: str = "auto",
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -152,7 +152,7 @@ def serve(
     served_model_name: str | None = None,
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise.
 
