@@ -125,3 +125,48 @@ def test_one_rank_mixed_precision_worker_matches_fsdp2(tmp_path):
         ref_logp = reference.token_logprobs(ids.cuda(), packed)[0].float().cpu()
     assert torch.equal(worker.compute_logprobs(batch), ref_logp)
     worker.shutdown()
+
+
+def _two_rank_fsdp2(rank: int, port: int, checkpoint: str, out: str) -> None:
+    """One of 2 gloo ranks: FSDP2 mixed precision (the routers and indexer heads in their own float32 shards) against
+    the bf16 copy, on the same batch on both ranks; rank 0 writes what differs."""
+    import json  # noqa: PLC0415
+
+    from slime_dsa.checkpoint.hf_format import load_model  # noqa: PLC0415
+    from tests.megatron_conformance import BF16_SHAPE  # noqa: PLC0415
+    from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    fsdp = apply_fsdp(load_model(checkpoint, dtype=torch.float32),
+                      torch.distributed.device_mesh.init_device_mesh("cpu", (2,)), mixed_precision=True)
+    copy = Bf16Compute(load_model(checkpoint, dtype=torch.float32))
+    ids = torch.randint(0, BF16_SHAPE["vocab_size"], (160,), generator=torch.Generator().manual_seed(0))
+    batch = PackedBatch.from_seqlens([96, 64])
+    logp_fsdp, logp_copy = fsdp.token_logprobs(ids, batch)[0], copy.module.token_logprobs(ids, batch)[0]
+    (-logp_fsdp.mean()).backward()
+    (-logp_copy.mean()).backward()
+    copy.gradients_to_master()
+    grads = [name for (name, a), b in zip(fsdp.named_parameters(), copy.master.parameters())
+             if (a.grad is None) != (b.grad is None) or (a.grad is not None and not torch.equal(_full(a.grad), b.grad))]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"logprobs_equal": torch.equal(logp_fsdp, logp_copy), "grads_differ": grads}, f)
+    dist.destroy_process_group()
+
+
+def test_two_fsdp2_ranks_compute_the_float32_router_as_the_copy(tmp_path):
+    """FSDP2 on 2 ranks with mixed precision, where the routers and indexer heads are sharded apart under a float32
+    policy (checkpoint as above): the same log-probs and gradients as the bf16 copy of one rank, bit for bit."""
+    import json  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    from tests.megatron_conformance import save_bf16_checkpoint  # noqa: PLC0415
+
+    save_bf16_checkpoint(tmp_path / "m", float32_router=True)
+    out = tmp_path / "out.json"
+    mp.start_processes(_two_rank_fsdp2, args=(_free_port(), str(tmp_path / "m"), str(out)), nprocs=2,
+                       start_method="spawn")
+    assert json.loads(out.read_text()) == {"logprobs_equal": True, "grads_differ": []}
