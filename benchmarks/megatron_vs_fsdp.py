@@ -17,13 +17,14 @@ import argparse
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+from trainers.process_group import free_port
 
 logger = logging.getLogger("megatron_vs_fsdp")
 STEPS = 5
@@ -130,12 +131,6 @@ def compare(ref: dict, got: dict) -> dict:
             "tolerance": TOLERANCE, "within": all(figures[k] <= TOLERANCE[k] for k in TOLERANCE)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
@@ -183,7 +178,7 @@ def main() -> None:
         out = work / f"{backend}.json"
         start = time.perf_counter()
         try:
-            mp.start_processes(rank_body, args=(backend, str(checkpoint), _free_port(), options, str(out)), nprocs=1,
+            mp.start_processes(rank_body, args=(backend, str(checkpoint), free_port(), options, str(out)), nprocs=1,
                                start_method="spawn")
             run = json.loads(out.read_text())
         except Exception as err:  # noqa: BLE001 - the process died (a signal, out of memory): record it, go on

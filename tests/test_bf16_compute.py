@@ -5,7 +5,6 @@ as FSDP2's bf16 MixedPrecisionPolicy would on a group of one: the same log-probs
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -15,12 +14,7 @@ from slime_dsa.checkpoint.hf_format import build_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.presets import preset_config
 from trainers.fsdp.bf16_compute import Bf16Compute
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainers.process_group import free_port
 
 
 @pytest.fixture
@@ -28,7 +22,7 @@ def one_rank_group():
     """A gloo group of one rank in this process (left as found)."""
     created = not dist.is_initialized()
     if created:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     yield torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
     if created:
@@ -113,7 +107,7 @@ def test_one_rank_mixed_precision_worker_matches_fsdp2(tmp_path):
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)
     save_pretrained(build_model(config, seed=0, dtype=torch.float32), tmp_path / "m")
     rank = policy_config(str(tmp_path / "m"), PPOLoss(), OptimizerConfig(learning_rate=1e-3), mixed_precision=True)
-    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), rank)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), rank)
     assert worker.bf16_copies and not worker.sharded
     reference = apply_fsdp(build_model(config, seed=0, dtype=torch.float32, device="cuda"), worker.mesh, True)
     g = torch.Generator().manual_seed(0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +37,7 @@ from slime_dsa.data.sample import Sample
 from slime_dsa.models import ModelConfig, PackedBatch
 from slime_dsa.ops import reference
 from slime_dsa.orchestrator.batching import build_train_batch
+from trainers.process_group import free_port
 
 CONFIG = dict(
     vocab_size=53, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -118,12 +118,6 @@ def output_rows_only(samples: list[Sample]) -> list[Sample]:
                    index=s.index, group_id=s.group_id, indexer_topk=s.indexer_topk[first:])
         out.append(c.validate())
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
+from trainers.process_group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -87,18 +87,12 @@ def test_convert_refuses_a_layout_the_model_does_not_divide(checkpoint, tmp_path
 # -- conformance: FSDP2 and Megatron ranks on the same batches ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(backend: str, checkpoint: Path, options: dict, out: Path) -> dict:
     import torch.multiprocessing as mp
 
     from tests.megatron_conformance import train
 
-    mp.start_processes(train, args=(2, _free_port(), backend, str(checkpoint), options, str(out)), nprocs=2,
+    mp.start_processes(train, args=(2, free_port(), backend, str(checkpoint), options, str(out)), nprocs=2,
                        start_method="spawn")
     record = json.loads(out.read_text())
     record["grads"] = load_file(f"{out}.grads.safetensors")
@@ -141,7 +135,7 @@ def test_activation_recomputation_gives_the_same_gradients(checkpoint, tmp_path)
     from tests.megatron_conformance import recompute
 
     out = tmp_path / "recompute.json"
-    mp.start_processes(recompute, args=(2, _free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
+    mp.start_processes(recompute, args=(2, free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
                        start_method="spawn")
     record = json.loads(out.read_text())
     assert record["True"]["layer_forwards"] == 2 * record["False"]["layer_forwards"] > 0
@@ -178,7 +172,7 @@ def _bf16_logprobs(tmp_path: Path, float32_router: bool) -> tuple[dict[str, torc
     if float32_router:  # the test means something only if bf16 cannot hold these values
         assert all(not torch.equal(t, t.bfloat16().float()) for t in float32_tensors(tmp_path / "bf16").values())
     out = tmp_path / "bf16.json"
-    mp.start_processes(bf16_logprobs, args=(_free_port(), str(tmp_path / "bf16"), str(out)), nprocs=1,
+    mp.start_processes(bf16_logprobs, args=(free_port(), str(tmp_path / "bf16"), str(out)), nprocs=1,
                        start_method="spawn")
     record = json.loads(out.read_text())
     logp = {k: torch.tensor(record[k]) for k in ("megatron", "fsdp", "bf16_compute", "engine", "float32")}

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,12 +28,7 @@ from slime_dsa.orchestrator.weight_sync import (CudaIpcTransport, DiskTransport,
                                                 paused_update)
 from slime_dsa.orchestrator.weight_sync.base import post_update
 from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainers.process_group import free_port
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def trainer(checkpoints):  # noqa: F811
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), ops_backend="torch")
-    w = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
+    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
     yield w
     w.shutdown()
 
@@ -168,7 +162,7 @@ def test_a_dead_engine_is_dropped_and_the_update_goes_on_with_the_rest(checkpoin
     its listeners told) and the live one is paused, updated and continued; with none left, NoEnginesLeftError."""
     from rollout.client import EngineClient, NoEnginesLeftError  # noqa: PLC0415
 
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with serving(checkpoints[0]) as srv:
         engine = _engine(srv)
         called: list[bool] = []
@@ -400,7 +394,7 @@ def fake_sglang_receiver(tmp_path: Path):
 
     script, out = tmp_path / "fake_receiver.py", str(tmp_path / "received")
     script.write_text(FAKE_RECEIVER)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, str(script), str(port), out], env=env)
