@@ -161,6 +161,6 @@ def test_two_fsdp2_ranks_compute_the_float32_router_as_the_copy(tmp_path):
 
     save_bf16_checkpoint(tmp_path / "m", float32_router=True)
     out = tmp_path / "out.json"
-    mp.start_processes(_two_rank_fsdp2, args=(_free_port(), str(tmp_path / "m"), str(out)), nprocs=2,
+    mp.start_processes(_two_rank_fsdp2, args=(free_port(), str(tmp_path / "m"), str(out)), nprocs=2,
                        start_method="spawn")
     assert json.loads(out.read_text()) == {"logprobs_equal": True, "grads_differ": []}
