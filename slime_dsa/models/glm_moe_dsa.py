@@ -484,8 +484,9 @@ class GlmMoeDsaModel(nn.Module):
 
 def float32_modules(model: nn.Module) -> list[nn.Module]:
     """The modules held in float32 at every compute dtype, values unrounded: the routers (weight and selection bias;
-    transformers' _keep_in_fp32_modules_strict) and the indexer heads (its _keep_in_fp32_modules). In bf16 a rounding
-    of these flips expert and key choices, so the engine and every trainer path hold them alike."""
+    transformers' _keep_in_fp32_modules_strict) and the indexer heads (its _keep_in_fp32_modules, which it applies
+    to float16 only). In bf16 a rounding of these flips expert and key choices, so the engine and every trainer path
+    hold them alike."""
     found = []
     for module in model.modules():
         if isinstance(module, Router):
