@@ -116,6 +116,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class IndexerHead(nn.Linear):
+    """The indexer's per-head weights (weights_proj): computed in float32 whatever dtype the weight is held in, so
+    that bf16 noise here does not change the top-k. Held in float32 in every path (float32_modules); a module call,
+    not a read of .weight, so that a separate FSDP2 shard of it is gathered."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Indexer(nn.Module):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] relu(q_j[t] . k[s] / sqrt(Di)), w = weights_proj(x) / sqrt(Hi)."""
 
@@ -126,7 +135,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in float32
+        self.weights_proj = IndexerHead(config.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
 
     def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,9 +150,7 @@ class Indexer(nn.Module):
         T = x.shape[0]
         q = self._rope_first(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, Hi, Di)
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)  # (T, Di)
-        # float32 even where the weight is held in bf16 (FSDP2's mixed precision casts every parameter), as the engine
-        # and transformers compute it: a bf16 product here changes the top-k against theirs.
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # (T, Hi)
+        w = self.weights_proj(x) * self.n_heads**-0.5  # (T, Hi) float32
         return q, k, w
 
 
@@ -475,6 +482,35 @@ class GlmMoeDsaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def float32_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules held in float32 at every compute dtype, values unrounded: the routers (weight and selection bias;
+    transformers' _keep_in_fp32_modules_strict) and the indexer heads (its _keep_in_fp32_modules, which it applies
+    to float16 only). In bf16 a rounding of these flips expert and key choices, so the engine and every trainer path
+    hold them alike."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, Router):
+            found.append(module)
+        elif isinstance(module, Indexer):
+            found.append(module.weights_proj)
+    return found
+
+
+@torch.no_grad()
+def cast_keeping_float32(model: nn.Module, dtype: torch.dtype, keep: list[nn.Module]) -> None:
+    """Floating-point parameters and buffers of `model` to dtype, those of `keep` (and their submodules) to float32:
+    each converted once from the value it holds, so a kept float32 value is never rounded through dtype."""
+    kept = {id(m) for module in keep for m in module.modules()}
+    for module in model.modules():
+        target = torch.float32 if id(module) in kept else dtype
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and buffer.dtype != target:
+                setattr(module, name, buffer.to(target))
+
+
 class GlmMoeDsaPreTrainedModel(nn.Module):
     """What every model on the GLM-MoE-DSA backbone shares: the backbone at `model.`, RoPE, the packed forward to
     the final hidden states, initialisation and casting. A head on top makes the causal LM or the value model."""
@@ -584,11 +620,8 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
                 module.drop_stacked()
 
     def cast(self, dtype: torch.dtype) -> "GlmMoeDsaPreTrainedModel":
-        """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
-        self.to(dtype)
-        for name, module in self.named_modules():
-            if isinstance(module, Router) or name.endswith("indexer.weights_proj"):
-                module.float()
+        """Cast to dtype, but for float32_modules, held in float32 with their values as loaded (never rounded)."""
+        cast_keeping_float32(self, dtype, float32_modules(self))
         return self
 
     @property

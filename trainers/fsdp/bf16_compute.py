@@ -12,16 +12,21 @@ import copy
 
 import torch
 
+from slime_dsa.models.glm_moe_dsa import float32_modules
+
 
 class Bf16Compute:
     """A bf16 copy of `master` that computes; gradients go back to the master in float32, and the copy is
-    refreshed from the master after every update (call `refresh` after anything writes the master's weights)."""
+    refreshed from the master after every update (call `refresh` after anything writes the master's weights).
+    The routers and indexer heads (float32_modules) stay float32, as apply_fsdp's own float32 policy for them."""
 
     def __init__(self, master: torch.nn.Module) -> None:
         self.master = master
         self.module = copy.deepcopy(master)
+        kept = {id(p) for module in float32_modules(self.module) for p in module.parameters()}
         for p in self.module.parameters():  # parameters only: buffers keep their dtype, as under FSDP2's policy
-            p.data = p.data.to(torch.bfloat16)
+            if id(p) not in kept:
+                p.data = p.data.to(torch.bfloat16)
         self._pairs = [(m, c) for m, c in zip(master.parameters(), self.module.parameters())]
         for m, c in self._pairs:
             c.requires_grad_(m.requires_grad)

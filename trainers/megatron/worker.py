@@ -17,10 +17,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.router import TopKRouter
 
 from slime_dsa import ops
 from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.models.config import ModelConfig
+from slime_dsa.models.glm_moe_dsa import cast_keeping_float32, float32_modules
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.base import RankConfig, RoleConfig
 from trainers.megatron import cpu_shim
@@ -165,19 +167,17 @@ class MegatronWorker(TrainerRank):
 
 def load_model(model_path: str, sizes: ParallelSizes, groups: ProcessGroupCollection, place: RankPlace,
                dtype: torch.dtype, device: torch.device) -> MegatronGlmMoeDsa:
-    """This rank's shards of the HF checkpoint at model_path as a MegatronGlmMoeDsa in `dtype` (bf16: the indexer head
-    stays float32 and the router's values are rounded, as GlmMoeDsaPreTrainedModel.cast does for the engine)."""
+    """This rank's shards of the HF checkpoint at model_path as a MegatronGlmMoeDsa in `dtype`, but for the routers
+    (weight and expert_bias) and indexer heads: float32 with the checkpoint's values, as
+    GlmMoeDsaPreTrainedModel.cast holds them for the engine (cast first, then loaded: nothing rounds them)."""
     model_config = ModelConfig.from_pretrained(model_path)
     model = MegatronGlmMoeDsa(model_config, transformer_config(model_config, sizes, dtype), groups)
+    model.to(device)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    cast_keeping_float32(model, dtype, routers + float32_modules(model))  # megatron's layers are built in dtype
     hf = {k: v.float() for k, v in read_state_dict(model_path).items()}
     load_shard(model, hf_to_megatron(hf, model_config, sizes.tensor_parallel, sizes.expert_parallel, place.tp_rank,
                                      place.ep_rank))
-    model.to(device)
-    if dtype != torch.float32:  # megatron's layers are built in it; ours follow, the indexer head as in HF
-        model.to(dtype)
-        for module_name, module in model.named_modules():
-            if module_name.endswith("indexer.weights_proj"):
-                module.float()
     return model
 
 
