@@ -182,8 +182,8 @@ def test_one_real_step_mixes_a_taught_domain_and_a_reward_domain_under_the_topk_
 def test_the_loop_pulls_the_student_toward_a_peaked_teacher(tmp_path, ray_cluster, topk, peak):
     """The real loop's training signal, sampled estimate (topk 0) and top-k KL: a teacher that puts nearly all its
     mass on `peak` tokens after any prefix is several nats a token from a random student; ten OPD steps must cut the
-    reverse KL the loop logs by 40% and raise the teacher's log-prob of the student's samples. A wrong sign, a
-    teacher score shifted by a position or an advantage that loses its per-token part leaves it flat. (The sampled
+    reverse KL the loop logs by 40% and raise the teacher's log-prob of the student's samples. The advantage's sign
+    flipped (the KL rises) or the teacher's scores shifted by one token (it barely falls) fail it. (The sampled
     estimate needs tokens the student samples: a quarter of the vocabulary; the top-k KL needs the peak within k.)"""
     import json
 
