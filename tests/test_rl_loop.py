@@ -137,20 +137,27 @@ def test_resume_from_step_2_reproduces_step_3(first_run):
     assert_equal_but_engine_noise(again[0], step3)
 
 
-def test_export_loads_in_transformers(first_run, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def export_step_3(run_dir, tmp_path):
+    """`slime-dsa export` of the run's step-3 checkpoint, loaded by transformers with no key missing or unexpected:
+    (transformers' model, ours, the export directory)."""
+    from transformers import AutoModelForCausalLM
 
     import slime_dsa
     from slime_dsa.cli import main
 
-    _, run_dir = first_run
     out = tmp_path / "export"
     assert main(["export", str(run_dir / "checkpoints" / "step_000003"), "--out", str(out)]) == 0
     hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    return hf, slime_dsa.load_model(out).eval(), out
+
+
+def test_export_loads_in_transformers(first_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf, ours, out = export_step_3(first_run[1], tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(out)
     ids = tokenizer("Compute 12+34.", return_tensors="pt").input_ids
-    ours = slime_dsa.load_model(out).eval()
     with torch.no_grad():
         assert (hf(ids).logits - ours(ids).logits).abs().max().item() < 1e-4
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime_dsa.algorithms import LossInputs, ValueLossInputs
+from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
 from slime_dsa.devices import upload
 from slime_dsa.models import PackedBatch
@@ -344,14 +345,9 @@ class TrainerRank:
             loss = loss + indexer_loss
         metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
         if measure_sync:  # mean and max |Δlogp| and the bit-equal fraction, over trained tokens
-            trained = upload(used.loss_mask, logp.device) > 0
-            gap = (logp.detach().float() - upload(used.rollout_logprobs, logp.device)).abs()
-            real = mb is not None
-            metrics["sync_logprob_abs_diff/num"] = torch.where(trained, gap, 0.0).sum() if real else 0.0
-            metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.gt(0).sum()) if real else 0.0
-            metrics["sync_logprob_abs_diff_max"] = torch.where(trained, gap, 0.0).max() if real else 0.0
-            metrics["sync_logprob_exact/num"] = ((gap == 0) & trained).sum() if real else 0.0
-            metrics["sync_logprob_exact/den"] = metrics["sync_logprob_abs_diff/den"]
+            sums = logprob_agreement_sums(logp.detach().float(), upload(used.rollout_logprobs, logp.device),
+                                          upload(used.loss_mask, logp.device))
+            metrics.update(sums if mb is not None else {k: 0.0 for k in sums})
         return loss, metrics
 
     def _optimizer_step(self, held: Role) -> tuple[float, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.specs import AdvantageInputs, Algorithm
 from slime_dsa.data.sample import Sample, SampleStatus
 from trainers.base import TrainBatch
@@ -102,9 +103,11 @@ def logprob_agreement(batch: TrainBatch) -> dict[str, float]:
     bit. Keys as the trainers report them for the first step's forward."""
     if batch.old_logprobs is None:
         return {"sync_logprob_abs_diff": float("nan")}
-    trained = batch.loss_mask > 0
-    diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[trained]
-    if diff.numel() == 0:
+    sums = {k: float(v) for k, v in
+            logprob_agreement_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask).items()}
+    tokens = sums["sync_logprob_abs_diff/den"]
+    if not tokens:
         return {"sync_logprob_abs_diff": 0.0, "sync_logprob_abs_diff_max": 0.0, "sync_logprob_exact": float("nan")}
-    return {"sync_logprob_abs_diff": float(diff.mean()), "sync_logprob_abs_diff_max": float(diff.max()),
-            "sync_logprob_exact": float((diff == 0).float().mean())}
+    return {"sync_logprob_abs_diff": sums["sync_logprob_abs_diff/num"] / tokens,
+            "sync_logprob_abs_diff_max": sums["sync_logprob_abs_diff_max"],
+            "sync_logprob_exact": sums["sync_logprob_exact/num"] / tokens}
