@@ -95,30 +95,43 @@ def test_float32_router_and_indexer_head_are_not_rounded(one_rank_group, tmp_pat
     assert torch.equal(logp["copy"], logp["engine"]) and torch.equal(logp["fsdp"], logp["engine"])
 
 
-@pytest.mark.gpu
-def test_one_rank_mixed_precision_worker_matches_fsdp2(tmp_path):
-    """FSDPWorker on one GPU builds the bf16 copy, and its log-probs equal those of the model wrapped by FSDP2."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_rank_mixed_precision_worker_trains_through_its_copy(tmp_path, device):
+    """FSDPWorker on one mixed-precision rank builds the bf16 copy and trains through it (2 steps); afterwards its
+    log-probs equal those FSDP2's mixed precision computes from the worker's float32 weights, so the copy followed
+    every update."""
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
-    from slime_dsa.checkpoint.hf_format import save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import load_model, save_pretrained  # noqa: PLC0415
     from trainers.base import OptimizerConfig, TrainBatch, policy_config  # noqa: PLC0415
     from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("FSDPWorker takes the GPU when there is one; the cuda case covers it")
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)
-    save_pretrained(build_model(config, seed=0, dtype=torch.float32), tmp_path / "m")
+    start = build_model(config, seed=0, dtype=torch.float32)
+    save_pretrained(start, tmp_path / "m")
     rank = policy_config(str(tmp_path / "m"), PPOLoss(), OptimizerConfig(learning_rate=1e-3), mixed_precision=True)
     worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), rank)
-    assert worker.bf16_copies and not worker.sharded
-    reference = apply_fsdp(build_model(config, seed=0, dtype=torch.float32, device="cuda"), worker.mesh, True)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (64,), generator=g)
-    batch = TrainBatch(input_ids=ids, seqlens=[32, 32], loss_mask=torch.ones(64), rollout_logprobs=torch.full((64,), -2.0),
-                       advantages=torch.randn(64, generator=g))
-    packed = PackedBatch.from_seqlens([32, 32], "cuda")
-    with torch.no_grad():
-        ref_logp = reference.token_logprobs(ids.cuda(), packed)[0].float().cpu()
-    assert torch.equal(worker.compute_logprobs(batch), ref_logp)
-    worker.shutdown()
+    try:
+        assert worker.bf16_copies and not worker.sharded
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, config.vocab_size, (64,), generator=g)
+        batch = TrainBatch(input_ids=ids, seqlens=[32, 32], loss_mask=torch.ones(64),
+                           rollout_logprobs=torch.full((64,), -2.0), advantages=torch.randn(64, generator=g))
+        for _ in range(2):
+            batch.old_logprobs = worker.compute_logprobs(batch)
+            worker.train_step(batch, 64.0, 2)
+        trained = worker.full_state_dict()
+        assert not torch.equal(trained["lm_head.weight"], start.state_dict()["lm_head.weight"].cpu())
+        reference = load_model(tmp_path / "m", dtype=torch.float32, device=worker.device)
+        reference.load_state_dict(trained)
+        reference = apply_fsdp(reference, worker.mesh, True)
+        with torch.no_grad():
+            ref_logp = reference.token_logprobs(ids.to(worker.device), PackedBatch.from_seqlens([32, 32], worker.device))
+        assert torch.equal(worker.compute_logprobs(batch), ref_logp[0].float().cpu())
+    finally:
+        worker.shutdown()
 
 
 def _two_rank_fsdp2(rank: int, port: int, checkpoint: str, out: str) -> None:

@@ -2,9 +2,9 @@
 
 The table's own encoding and checks are tested in test_weight_formats.py.
 
-The GPU test runs an embedded server in a second process on the same GPU; a real FSDP2 trainer rank (bf16 mixed
-precision, as recipes/gpu_single.yaml) shares its weights by CUDA IPC, and the engine's tensors must then equal the
-trainer's, cast to the engine's dtypes, bit for bit.
+The GPU test runs an embedded server in a second process on the same GPU; a real FSDPWorker trainer rank (bf16 mixed
+precision, as recipes/gpu_single.yaml; on one rank it computes with a bf16 copy) shares its weights by CUDA IPC, and
+the engine's tensors must then equal the trainer's, cast to the engine's dtypes, bit for bit.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
 
     config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), mixed_precision=True)
     worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
-    assert worker.sharded  # FSDP2 with bf16 mixed precision: DTensor parameters, as in recipes/gpu_single.yaml
+    assert worker.bf16_copies  # one mixed-precision rank computes with a bf16 copy, as in recipes/gpu_single.yaml
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     proc = ctx.Process(target=_engine_process, args=(str(checkpoints[0]), child_conn), daemon=True)

@@ -168,6 +168,8 @@ def test_null_section_means_empty(tmp_path):
      r"max_oversample_factor \(1\.5\) must be at least oversample_factor \(2\.0\)"),
     ({"trainer": {"data_parallel": "replicate", "mixed_precision": True}, "cluster": {"num_gpus_per_trainer": 1}},
      r"data_parallel 'replicate' trains in float32"),
+    ({"trainer": {"backend": "deepspeed", "mixed_precision": True}},
+     r"trainer\.mixed_precision with trainer\.backend 'deepspeed' needs GPU trainers"),
 ])
 def test_validators_name_the_values(data, pattern):
     with pytest.raises(RecipeError, match=pattern):

@@ -607,7 +607,8 @@ class TrainerSection(Section):
         1, ge=1, description="Optimizer steps per RL step: the step's samples are split into this many "
                              "mini-batches.")
     mixed_precision: bool = Field(
-        False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state.")
+        False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state (fsdp: "
+                            "on any device; megatron and deepspeed: GPU trainers only).")
     share_prompt_prefix: bool = Field(
         True, description="Run each prompt once for the samples of its group (their responses attend to the "
                           "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
@@ -895,10 +896,15 @@ class RecipeConfig(Section):
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")
-        if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision and cl.num_gpus_per_trainer > 0:
+        if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision:
             raise RecipeValueError(
                 "trainer.data_parallel 'replicate' trains in float32; bf16 mixed precision needs 'fsdp'",
                 "trainer.data_parallel", "trainer.mixed_precision")
+        if self.trainer.backend != "fsdp" and self.trainer.mixed_precision and cl.num_gpus_per_trainer == 0:
+            raise RecipeValueError(
+                f"trainer.mixed_precision with trainer.backend {self.trainer.backend!r} needs GPU trainers (on a CPU "
+                "it trains in float32): set cluster.num_gpus_per_trainer or mixed_precision: false",
+                "trainer.mixed_precision", "cluster.num_gpus_per_trainer")
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "

