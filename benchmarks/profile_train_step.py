@@ -5,6 +5,8 @@ given): step time, train tokens/s, MFU, the share of the step the GPU is busy (t
 wall time), the host syncs (`aten::_local_scalar_dense`, `cudaStreamSynchronize`) and the top ops by CUDA and CPU time.
     python benchmarks/profile_train_step.py --out profile.md                      # H200: preset small, 100/300/1000
     python benchmarks/profile_train_step.py --device cpu --preset tiny --lengths 32,96 --samples 4 --out p.md
+--compare-fsdp2 also runs each length through FSDP2 on the one rank (the path before the bf16 copy), in the same
+process, as the baseline.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def gpu_busy_share(events: list, wall_us: float) -> float:
         busy += stop - max(start, end)
         end = stop
     return busy / wall_us if wall_us > 0 else 0.0
+
+
+def fsdp2_one_rank_worker():
+    """FSDPWorker that wraps even one rank with FSDP2 (the path before trainers/fsdp/bf16_compute.py): the baseline."""
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+
+    class FSDP2OneRank(FSDPWorker):
+        def _build_role(self, name, config):
+            self.sharded = True
+            return super()._build_role(name, config)
+
+    return FSDP2OneRank
 
 
 def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cuda: bool) -> dict:
@@ -98,6 +112,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=None, help="samples per step (overrides --tokens-per-step)")
     parser.add_argument("--micro-batch-tokens", type=int, default=32768)
     parser.add_argument("--timed", type=int, default=3)
+    parser.add_argument("--compare-fsdp2", action="store_true", help="also time FSDP2 on one rank, the baseline")
     parser.add_argument("--out", required=True, help="a Markdown report; a .json of the same name holds the figures")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -116,32 +131,36 @@ def main() -> None:
     dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
     rank = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0), dsa=dsa,
                          ops_backend="auto", mixed_precision=cuda, micro_batch_tokens=args.micro_batch_tokens, seed=0)
-    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), rank)
     flops_per_token = train_flops(active_params(config), 1)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(device_name, bf16=True) if cuda else None
+    workers = {"bf16 copy" if cuda else "one rank": FSDPWorker}
+    if args.compare_fsdp2:
+        workers["FSDP2"] = fsdp2_one_rank_worker()
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        samples = args.samples or max(1, args.tokens_per_step // length)
-        row = profile_length(worker, args.vocab, samples, length, args.timed, cuda)
-        row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
-        rows.append(row)
-        logger.info("length %d: %s", length, {k: row[k] for k in ("step_s", "tokens_per_s", "mfu", "gpu_busy",
-                                                                   "host_syncs")})
-    worker.shutdown()
+    for compute, worker_class in workers.items():
+        worker = worker_class(0, 1, "127.0.0.1", free_port(), rank)
+        for length in (int(x) for x in args.lengths.split(",")):
+            samples = args.samples or max(1, args.tokens_per_step // length)
+            row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda)}
+            row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
+            rows.append(row)
+            logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
+                "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
+        worker.shutdown()
     write_report(args, device_name, config, rows)
 
 
 def write_report(args: argparse.Namespace, device_name: str, config, rows: list[dict]) -> None:
     """The Markdown report (summary table, then each length's top ops) and its JSON twin."""
     lines = [f"# One RL train call, preset {args.preset}, {device_name}", "",
-             "| tokens/seq | samples | step s | tokens/s | MFU | GPU busy | host syncs |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+             "| compute | tokens/seq | samples | step s | tokens/s | MFU | GPU busy | host syncs |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
+        lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
                      f"{r['gpu_busy']} | {r['host_syncs']} |")
     for r in rows:
-        lines += ["", f"## {r['length']} tokens/seq: top ops", "```", r["top_cuda"], "```", "```", r["top_cpu"], "```"]
+        lines += ["", f"## {r['compute']}, {r['length']} tokens/seq: top ops", "```", r["top_cuda"], "```", "```", r["top_cpu"], "```"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(
         {"args": vars(args), "device": device_name, "index_topk": config.index_topk,
