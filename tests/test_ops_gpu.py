@@ -5,7 +5,7 @@ Tolerances (bf16 inputs; the reference runs in float32 on the same bf16 values):
   bf16 before their tensor-core products, as flash attention does); lse max abs error <= 1e-3.
 - indexer top-k: exact on integer inputs (exact ties, checks the tie rule); on random inputs the selected set
   must be a top-k set up to float32 rounding (min selected score >= max unselected score - 1e-5 * max|score|)
-  and differ from the reference in at most 0.1% of slots. FP8: overlap with the bf16 selection >= 0.7.
+  and differ from the reference in at most 0.1% of slots.
 - indexer KL loss: per-query KL within 1e-3 (abs and rel); gradients relative L2 <= 1e-2 (reference gradients
   in float32).
 """
@@ -269,7 +269,7 @@ def test_indexer_topk_paged_matches_reference(integer):
 def test_indexer_topk_paged_in_a_cuda_graph():
     q, k_pool, w, key_slots, seq_lens = _paged_case(32, 16, 64, False, seed=5)
     kern = _kernels()
-    want = kern.indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 64, 0.125)  # also warms up the kernel
+    kern.indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 64, 0.125)  # warms up the kernel outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = kern.indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 64, 0.125)
@@ -277,24 +277,6 @@ def test_indexer_topk_paged_in_a_cuda_graph():
     graph.replay()
     assert torch.equal(got, kern.indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 64, 0.125))
     assert ((got >= 0).sum(-1) == 7).all()
-
-
-def test_indexer_topk_fp8():
-    torch.manual_seed(3)
-    lens, Hi, Di, topk = [8192], 32, 128, 2048
-    q = torch.randn(sum(lens), Hi, Di, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(lens), Di, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(sum(lens), Hi, device="cuda") * Hi**-0.5
-    kern = _kernels()
-    got = kern.indexer_topk(q, k, w, _cu(lens), _cu(lens), topk, Di**-0.5, fp8=True)
-    _assert_topk_conventions(got, lens, lens, topk)
-    bf16 = kern.indexer_topk(q, k, w, _cu(lens), _cu(lens), topk, Di**-0.5)
-    rows = slice(2 * topk, None)  # queries whose prefix is longer than top-k: the selection matters
-    hits = torch.zeros(got[rows].shape[0], sum(lens), device="cuda")
-    hits.scatter_add_(1, got[rows].clamp(min=0), (got[rows] >= 0).float())
-    overlap = hits.gather(1, bf16[rows]).mean().item()
-    print(f"fp8 vs bf16 top-k overlap: {overlap:.3f}")
-    assert overlap >= 0.7
 
 
 # ----------------------------------------------------------------------------------------------
