@@ -54,6 +54,14 @@ def causal_rows(lens_q: list[int], lens_k: list[int], K: int, seed: int = 0) -> 
     return torch.cat(out)
 
 
+def scatter_empty(indices: torch.Tensor, keep: float, seed: int = 0) -> torch.Tensor:
+    """Drop slots to -1 with probability 1 - keep and shuffle every row, so -1 slots sit anywhere in a row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dropped = indices.masked_fill(torch.rand(indices.shape, device="cuda", generator=g) > keep, -1)
+    order = torch.rand(indices.shape, device="cuda", generator=g).argsort(dim=-1)
+    return dropped.gather(1, order)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sparse MLA attention
 
@@ -71,6 +79,10 @@ MLA_CASES = {
     "glm5_packed_long": ([3000, 9000], [3000, 9000], 64, 512, 64, 2048, False),
     "glm5_decode": ([1] * 8, [100, 3000, 10000, 1, 2047, 2048, 2049, 65000], 64, 512, 64, 2048, False),
     "glm5_decode_single": ([1], [30000], 64, 512, 64, 2048, False),
+    # mostly -1 slots: short packed sequences under a 2048-slot top-k (rows end early; the longer sequence's late
+    # rows select a real subset, so the general backward runs), and decode rows with few keys
+    "glm5_mostly_empty_packed": ([2500, 600, 37], [2500, 600, 37], 64, 512, 64, 2048, True),
+    "glm5_mostly_empty_decode": ([1] * 6, [1, 40, 300, 2047, 5000, 1], 64, 512, 64, 2048, False),
 }
 
 
@@ -104,6 +116,55 @@ def test_sparse_mla_matches_reference(name):
     ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
     assert rel_l2(dq, ref_dq) <= REL_L2, f"dq rel L2 {rel_l2(dq, ref_dq):.2e}"
     assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
+@pytest.mark.parametrize("shape", ["packed_short", "glm5"])
+def test_sparse_mla_scattered_empty_slots(shape):
+    """-1 slots anywhere in a row (shuffled rows, 80% dropped), at the GLM-5 shape too: the general backward."""
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES[shape]
+    torch.manual_seed(0)
+    D = v_dim + d_r
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    indices = scatter_empty(causal_rows(lens_q, lens_k, K), keep=0.2)
+    indices[0] = -1  # one row without keys
+    out, lse = _kernels().sparse_mla_attention(q, kv, indices, D**-0.5, v_dim)
+    q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, D**-0.5, v_dim)
+    has = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), has) and (out[~has] == 0).all()
+    assert rel_l2(out, ref_out) <= REL_L2, f"out rel L2 {rel_l2(out, ref_out):.2e}"
+    assert (lse[has] - ref_lse[has]).abs().max().item() <= 1e-3
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~has, 0.0)
+    dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse.masked_fill(~has, 0) * dlse).sum(), (q, kv))
+    ref_dq, ref_dkv = torch.autograd.grad(
+        (ref_out * dout.float()).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(), (q32, kv32))
+    assert rel_l2(dq, ref_dq) <= REL_L2, f"dq rel L2 {rel_l2(dq, ref_dq):.2e}"
+    assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
+def test_sparse_mla_skipping_empty_slots_changes_nothing():
+    """The forward and the general backward give the same values whether they stop at the last used slot or not."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    lens = [2500, 600, 37]
+    torch.manual_seed(0)
+    q = torch.randn(sum(lens), 64, 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(sum(lens), 576, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    indices = causal_rows(lens, lens, 2048)
+    dout = torch.randn(sum(lens), 64, 512, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    try:
+        for skip in (False, True):
+            mla.SKIP_EMPTY_SLOTS = skip
+            out, lse = mla.sparse_mla_attention(q, kv, indices, 576**-0.5, 512)
+            results[skip] = (out, lse, *torch.autograd.grad(out, (q, kv), dout))
+    finally:
+        mla.SKIP_EMPTY_SLOTS = True
+    out0, lse0, dq0, dkv0 = results[False]
+    out1, lse1, dq1, dkv1 = results[True]
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1) and torch.equal(dq0, dq1)
+    assert rel_l2(dkv1, dkv0) <= 1e-3  # float32 atomics: the summation order may differ
 
 
 def test_sparse_mla_key_range_detection():
@@ -180,6 +241,7 @@ TOPK_CASES = {
     "tq_lt_tk": ([3, 7, 1], [500, 4000, 100], 4, 32, 64),
     "glm5_packed": ([6000, 2500], [6000, 2500], 32, 128, 2048),
     "glm5_decode": ([1] * 16, [1, 100, 2047, 2048, 2049, 5000, 20000, 7] + [3000] * 8, 32, 128, 2048),
+    "glm5_decode_long": ([1] * 4, [65536, 70000, 3000, 100000], 32, 128, 2048),
 }
 
 
@@ -237,6 +299,21 @@ def test_indexer_topk_tie_rule_exact(Hi, Di):
     got = _kernels().indexer_topk(q, k, w, _cu(lens), _cu(lens), 256, 1.0)
     want = reference.indexer_topk(q, k, w, _cu(lens), _cu(lens), 256, 1.0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_topk_select_matches_reference(tied):
+    """The radix select alone on long rows (decode at 96K), random or heavily tied, any valid prefix: exact."""
+    from slime_dsa.ops.triton_topk import topk_select
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    R, W, k = 8, 96 * 1024, 2048
+    scores = (torch.randint(-3, 4, (R, W), device="cuda", generator=g).float() if tied
+              else torch.randn(R, W, device="cuda", generator=g))
+    n_valid = torch.tensor([W, 1, 0, k, k + 1, 5000, W - 1, 70000], device="cuda")
+    got = topk_select(scores, n_valid, k)
+    valid = torch.arange(W, device="cuda")[None, :] < n_valid[:, None]
+    assert torch.equal(got, reference.select_topk(scores, valid, k))
 
 
 def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int):
