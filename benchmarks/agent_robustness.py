@@ -20,7 +20,6 @@ import logging
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,23 +27,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from trainers.process_group import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 logger = logging.getLogger("agent_robustness")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_engines(n: int, model: Path, log_dir: Path) -> list[tuple[subprocess.Popen, str]]:
     """`n` engine server subprocesses; (process, URL) each."""
     out = []
     for i in range(n):
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "rollout.server", "--model", str(model), "--port", str(port),
                "--max-cache-tokens", "262144", "--max-running-requests", "512", "--log-level", "WARNING"]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainers.process_group import free_port
+
 logger = logging.getLogger("deepspeed_capacity")
 
 FAMILY = dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=768, num_attention_heads=16,
@@ -225,7 +227,7 @@ def search(args) -> list[dict]:
             cmd = [sys.executable, __file__, "--one", backend, "--layers", str(layers), "--tokens", str(args.tokens),
                    "--steps", str(args.steps), "--device", args.device] + (["--tiny"] if args.tiny else []) + (
                    ["--offload-param"] if args.offload_param else [])
-            env = {**os.environ, "MASTER_PORT": str(_free_port())}
+            env = {**os.environ, "MASTER_PORT": str(free_port())}
             try:
                 run = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, args.attempt_s), env=env)
                 lines = [x for x in run.stdout.splitlines() if x.startswith("{")]
@@ -255,14 +257,6 @@ def _error(run: subprocess.CompletedProcess) -> str:
         return "killed (host out of memory?)"
     oom = [x for x in lines if "OutOfMemoryError" in x or "out of memory" in x.lower()]
     return ((oom or lines or [f"exit {run.returncode}"])[-1])[:300]
-
-
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def table(results: list[dict]) -> str:

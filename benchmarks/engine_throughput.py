@@ -11,8 +11,10 @@ string (checked by decoding each request's tail with a word-level tokenizer over
 top-k rows of every prompt and output row for index replay (--no-replay: off), prefix caching on, and a weight
 update (a new version, cache flushed) between the first run and the timed one, as between two RL steps.
 
-Both paths report the engine's decode step time and host gap (rollout.engine.perf: the share of step time not spent
-waiting on the device). Prints markdown tables; --out appends them to a file.
+Both paths report the engine's decode step time, its host gap (rollout.engine.perf: the share of step time the device
+is not working, from CUDA events around each step's device work) and the device's busy share of the whole run. With
+--overlap the engine runs its overlap scheduler (each step launched before the previous step's tokens reach the
+host); without it, each step's tokens reach the host before the next step launches (the engine's default). Prints markdown tables; --out appends them to a file.
 
     python benchmarks/engine_throughput.py --device cpu --dtype float32 --preset small
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m --out benchmarks/RESULTS.md
@@ -192,7 +194,8 @@ async def _rollout(model, prompts, group, new_tokens, block_size, device, tokeni
     finally:
         await front.stop()
     return {"first_s": first_s, "first_tokens": first_tokens, "s": seconds, "tokens": tokens,
-            "outside_share": max(0.0, 1 - perf.get("busy_s", 0.0) / seconds), **perf}
+            "outside_share": max(0.0, 1 - perf.get("busy_s", 0.0) / seconds),
+            "busy_share": perf.get("device_s", 0.0) / seconds, **perf}
 
 
 def profile_decode(model, prompts: list[list[int]], device: torch.device, block_size: int, steps: int = 8,
@@ -278,6 +281,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--group-size", type=int, default=16, help="rollout path: samples per prompt (one /generate each)")
     parser.add_argument("--stop", action="append", default=None, help="rollout path: stop string (repeatable; default </answer>)")
     parser.add_argument("--no-replay", action="store_true", help="rollout path: no DSA top-k rows for index replay")
+    parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (each step launched "
+                        "before the previous step's tokens reach the host)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if unknown := sorted(set(paths) - {"simple", "rollout"}):
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
     if args.max_prefill_tokens:
         ENGINE_OPTIONS["max_prefill_tokens"] = args.max_prefill_tokens
+    ENGINE_OPTIONS["overlap"] = args.overlap
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
@@ -342,23 +348,25 @@ def main(argv: list[str] | None = None) -> str:
             if graphs and not args.no_eager:
                 eager_s, _ = run_engine(make_engine(model, prompts, new_tokens, args.block_size, cuda_graphs=False), prompts, new_tokens, device)
             logger.info("batch %d: engine %.2fs, %.0f tok/s (prefill %.2fs; first run %.2fs, without CUDA graphs %s); decode "
-                        "step %s ms, host gap %s", batch, eng_s, tokens / eng_s, prefill_s, cold_s, eager_s,
-                        _num(perf.get("decode_step_ms")), _pct(perf.get("decode_host_gap_share")))
+                        "step %s ms, host gap %s, device busy %s of the run", batch, eng_s, tokens / eng_s, prefill_s, cold_s,
+                        eager_s, _num(perf.get("decode_step_ms")), _pct(perf.get("decode_host_gap_share")),
+                        _pct(perf.get("device_s", 0.0) / eng_s))
             assert all(len(o) == new_tokens for o in eng_out), "the engine must produce --new-tokens tokens per request"
             same = None
             if batch in hf_sizes:
                 assert all(len(o) == new_tokens for o in hf_out), "transformers must produce --new-tokens tokens per request"
                 same = sum(a == b for a, b in zip(hf_out, eng_out)) / batch
             rows.append((batch, hf_tok_s.get(batch), tokens / eng_s, prefill_s / eng_s, tokens / cold_s,
-                         None if eager_s is None else tokens / eager_s, same, perf))
+                         None if eager_s is None else tokens / eager_s, same, {**perf, "busy_share": perf.get("device_s", 0.0) / eng_s}))
         if "rollout" in paths:
             groups = make_prompts(batch // args.group_size, prompt_len, config.vocab_size, args.seed + batch)
             r = run_rollout(model, groups, args.group_size, new_tokens, args.block_size, device, tokenizer,
                             not args.no_replay, stop, args.seed)
             logger.info("batch %d: rollout path %.2fs for %d tokens, %.0f tok/s (first run %.2fs); decode step %s ms, host "
-                        "gap %s (all steps %s), outside engine steps %s", batch, r["s"], r["tokens"], r["tokens"] / r["s"],
-                        r["first_s"], _num(r.get("decode_step_ms")), _pct(r.get("decode_host_gap_share")),
-                        _pct(r.get("host_gap_share")), _pct(r["outside_share"]))
+                        "gap %s (all steps %s), outside engine steps %s, device busy %s of the run", batch, r["s"],
+                        r["tokens"], r["tokens"] / r["s"], r["first_s"], _num(r.get("decode_step_ms")),
+                        _pct(r.get("decode_host_gap_share")), _pct(r.get("host_gap_share")), _pct(r["outside_share"]),
+                        _pct(r["busy_share"]))
             rollout_rows.append((batch, r))
 
     profiles = []
@@ -377,7 +385,8 @@ def main(argv: list[str] | None = None) -> str:
         f"- date: {datetime.date.today().isoformat()}; hardware: {hardware(device)}; torch {torch.__version__}",
         f"- prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
         f"transformers `generate` (greedy, EOS ignored, one left-padded batch, {hf_impl}) at batch "
-        f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}",
+        f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}, "
+        f"overlap scheduler {'on' if args.overlap else 'off'}",
         f"- command: `{command}`",
         "",
     ]
@@ -385,10 +394,10 @@ def main(argv: list[str] | None = None) -> str:
         lines += [
             "Simple path (greedy, EOS ignored, all prompts added at once, the engine stepped directly):",
             "",
-            "| batch | transformers tok/s | engine tok/s | engine / transformers | decode step ms | host gap (decode steps) | engine time in prefill | engine first run tok/s | engine without CUDA graphs tok/s | identical outputs |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | transformers tok/s | engine tok/s | engine / transformers | decode step ms | host gap (decode steps) | engine time in prefill | engine first run tok/s | engine without CUDA graphs tok/s | identical outputs | device busy |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *(f"| {b} | {_num(h, 1)} | {e:.1f} | {_ratio(e, h)} | {_num(pf.get('decode_step_ms'))} | {_pct(pf.get('decode_host_gap_share'))} "
-              f"| {p:.0%} | {c:.1f} | {_num(g, 1)} | {_pct(sm)} |" for b, h, e, p, c, g, sm, pf in rows),
+              f"| {p:.0%} | {c:.1f} | {_num(g, 1)} | {_pct(sm)} | {_pct(pf['busy_share'])} |" for b, h, e, p, c, g, sm, pf in rows),
             "",
             "- engine tok/s: the second run of the batch through the same engine (an RL engine serves many batches);"
             " the first run also captures the CUDA graphs (CUDA only) and compiles kernels for new shapes.",
@@ -400,17 +409,19 @@ def main(argv: list[str] | None = None) -> str:
             f"index replay rows {'off' if args.no_replay else 'on'}, prefix caching, through the server's /generate "
             "code in process; timed after a weight update):",
             "",
-            "| batch | prompts x group | rollout tok/s | rollout / transformers | decode step ms | host gap (decode steps) | host gap (all steps) | steps | decode steps | time outside engine steps | first run tok/s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | prompts x group | rollout tok/s | rollout / transformers | decode step ms | host gap (decode steps) | host gap (all steps) | steps | decode steps | time outside engine steps | first run tok/s | device busy |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *(f"| {b} | {b // args.group_size} x {args.group_size} | {r['tokens'] / r['s']:.1f} | {_ratio(r['tokens'] / r['s'], hf_tok_s.get(b))} "
               f"| {_num(r.get('decode_step_ms'))} | {_pct(r.get('decode_host_gap_share'))} | {_pct(r.get('host_gap_share'))} "
-              f"| {r.get('steps', 0):.0f} | {r.get('decode_steps', 0):.0f} | {_pct(r['outside_share'])} | {r['first_tokens'] / r['first_s']:.1f} |"
+              f"| {r.get('steps', 0):.0f} | {r.get('decode_steps', 0):.0f} | {_pct(r['outside_share'])} | {r['first_tokens'] / r['first_s']:.1f} "
+              f"| {_pct(r['busy_share'])} |"
               for b, r in rollout_rows),
             "",
             "- rollout / transformers: against transformers' greedy tok/s at the same batch (other prompts; its speed does"
-            " not depend on them). host gap: the share of step time not spent waiting on the device (on CUDA the"
-            " step's one sync; on CPU the model forward); time outside engine steps: the engine thread's polling, the"
-            " /generate parsing and the response building (base64 top-k rows, texts).",
+            " not depend on them). host gap: the share of time in engine steps the device is not working (on CUDA each"
+            " step's device span from CUDA events; on CPU the model forward); time outside engine steps: the engine"
+            " thread's polling, the /generate parsing and the response building (base64 top-k rows, texts); device"
+            " busy: the device's time over the run's wall time (with overlap the device also works between steps).",
             "",
         ]
     lines += [

@@ -155,6 +155,8 @@ def markdown(args, scores: dict[str, dict[str, float]], walls: dict[str, float],
     cmd = "python benchmarks/opd_merge.py " + shlex.join(sys.argv[1:])
     import torch
 
+    merge = recipe("opd_merge.yaml", [])
+
     lines = [
         "### On-policy distillation: three experts merged into one student vs multi-task GRPO (CPU)",
         "",
@@ -165,7 +167,9 @@ def markdown(args, scores: dict[str, dict[str, float]], walls: dict[str, float],
         f"- models: the quickstart preset (~1.4M parameters), built-in tokenizer; student = SFT from scratch on the "
         f"three domains mixed ({args.student_steps} steps of 64); expert = student + SFT on its domain "
         f"({args.expert_sft_steps} steps) + GRPO on it ({args.expert_rl_steps} steps, recipes/opd_expert_grpo.yaml)",
-        f"- merge: recipes/opd_merge.yaml, {args.merge_steps} steps x 24 prompts x 4 samples, opd_coef 1, lr 5e-4, "
+        f"- merge: recipes/opd_merge.yaml, {args.merge_steps} steps x 24 prompts x 4 samples, opd_coef "
+        f"{merge.algorithm.opd_coef:g}, opd_topk {merge.algorithm.opd_topk}, lr {merge.trainer.learning_rate:g}, "
+        f"{merge.trainer.num_steps_per_rollout} optimizer step(s) a step, "
         f"2 engines + 2 trainer ranks + one engine per teacher; baseline: the same recipe with algorithm grpo and no "
         f"teachers (same prompts, samples, steps, learning rate). Wall time: merge {walls['merge']:.0f} s, GRPO "
         f"{walls['grpo']:.0f} s",
@@ -225,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     experts = {d: expert(args, args.root, d, student_dir) for d in DOMAINS}
     sets = merge_sets(args, args.root, student_dir, experts)
     merged, merge_wall = train(args, args.root, "merge", sets)
-    baseline, grpo_wall = train(args, args.root, "grpo", sets + ["algorithm.name=grpo", "teachers=[]"])
+    # The merge's OPD-only options back to their defaults: GRPO reads none of them (recipe check refuses them)
+    baseline, grpo_wall = train(args, args.root, "grpo",
+                                sets + ["algorithm.name=grpo", "algorithm.opd_topk=0", "teachers=[]"])
     scores = {"student": evaluate(args, student_dir), "merge": evaluate(args, merged),
               "grpo": evaluate(args, baseline)}
     scores["expert"] = {d: evaluate(args, experts[d])[d] for d in DOMAINS}

@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoTokenizer  # noqa: E402
 
-from slime_dsa.checkpoint import load_model
-from slime_dsa.config import load_recipe
-from slime_dsa.data.prompts import build_tasks
+from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: E402
+from slime_dsa.config import load_recipe  # noqa: E402
+from slime_dsa.data.prompts import build_tasks  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--root", default="runs/opd_merge", help="benchmarks/opd_merge.py's --root (student, experts)")
@@ -24,6 +24,7 @@ parser.add_argument("--domain", default="countdown")
 parser.add_argument("--lr", type=float, default=5e-4)
 parser.add_argument("--steps", type=int, default=15)
 parser.add_argument("--samples", type=int, default=48, help="prompts a step, one sample each")
+parser.add_argument("--save", help="write the student after the last update here (for benchmarks/opd_kl_eval.py)")
 args = parser.parse_args()
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("opd_signal_check")
@@ -68,3 +69,6 @@ for step in range(steps):
     with torch.no_grad():
         after = torch.cat([t - s for t, s in zip(lt, logprobs(student, seqs, plen))]).mean().item()
     logger.info("step %d: sampled reverse KL %.3f, the same batch after the update %.3f", step, kl, -after)
+if args.save:
+    save_pretrained(student, args.save)
+    tok.save_pretrained(args.save)

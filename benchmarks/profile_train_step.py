@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from trainers.process_group import free_port
 
 logger = logging.getLogger("profile_train_step")
 SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
@@ -87,12 +88,6 @@ def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cu
             "top_cpu": averages.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=55)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="small", help="model preset (recipes/gpu_single.yaml's policy: small)")
@@ -121,7 +116,7 @@ def main() -> None:
     dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
     rank = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-5, max_grad_norm=1.0), dsa=dsa,
                          ops_backend="auto", mixed_precision=cuda, micro_batch_tokens=args.micro_batch_tokens, seed=0)
-    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), rank)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), rank)
     flops_per_token = train_flops(active_params(config), 1)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(device_name, bf16=True) if cuda else None

@@ -19,11 +19,12 @@ import logging
 import os
 import platform
 import secrets
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trainers.process_group import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,12 +61,6 @@ def children(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def start_engine(model_dir: Path, port: int, key: str, running: int, cache_tokens: int, log: Path) -> subprocess.Popen:

@@ -117,3 +117,100 @@ def recompute(rank: int, world_size: int, port: int, checkpoint: str, options: d
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     worker.shutdown()
+
+
+# A GLM-MoE-DSA in which bf16 rounding differences show: 4 layers, 16 experts of which 4 per token, top-64 of 128 keys.
+BF16_SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                  v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                  first_k_dense_replace=1, index_n_heads=8, index_head_dim=32, index_topk=64,
+                  indexer_types=["full", "shared"] * 2, vocab_size=2048)
+BF16_SEQLENS = [128, 128, 96]
+
+
+# Tensors transformers holds in float32 in a bf16 model (the router) or that we hold so (the indexer head).
+FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+
+
+def save_bf16_checkpoint(directory: str, float32_router: bool = False) -> None:
+    """A bf16 checkpoint (as benchmarks/megatron_vs_fsdp.py writes for the GPU) with a non-zero selection bias.
+    float32_router False: every value bf16-exact, so every loader holds the same values and only how each computes
+    can differ. True: the router weight, its bias and the indexer head float32 values that bf16 cannot hold (as a
+    checkpoint saved from float32 training holds them); a loader that rounds them anywhere differs."""
+    from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.models.glm_moe_dsa import Router  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+
+    model = build_model(preset_config("tiny", **BF16_SHAPE), seed=0, dtype=torch.float32)
+    with torch.no_grad():
+        for router in (m for m in model.modules() if isinstance(m, Router)):
+            router.e_score_correction_bias.normal_(0, 0.1)
+    state = {}
+    for name, t in model.state_dict().items():
+        if not name.endswith(FLOAT32_SUFFIXES):
+            state[name] = t.bfloat16()
+        else:
+            state[name] = t if float32_router else t.bfloat16().float()
+    save_pretrained(model, directory, state_dict=state)
+
+
+def float32_tensors(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's router weights, selection biases and indexer heads (FLOAT32_SUFFIXES)."""
+    from slime_dsa.checkpoint.hf_format import read_state_dict  # noqa: PLC0415
+
+    return {k: v for k, v in read_state_dict(checkpoint).items() if k.endswith(FLOAT32_SUFFIXES)}
+
+
+def bf16_logprobs(rank: int, port: int, checkpoint: str, out: str) -> None:
+    """One process: log-probs of the same batch, at the same weights, from Megatron in bf16 (as its GPU ranks build
+    it), FSDP2 with bf16 mixed precision (as its GPU ranks wrap it), the bf16 compute copy of one mixed-precision rank
+    (Bf16Compute), the engine's bf16 model, and float32; on the GPU when there is one (nccl, Triton kernels), else on
+    the CPU (gloo, torch reference ops). Also whether Megatron holds FLOAT32_SUFFIXES tensors as the file does."""
+    import os  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from slime_dsa.checkpoint.hf_format import load_model  # noqa: PLC0415
+    from slime_dsa.models.glm_moe_dsa import PackedBatch  # noqa: PLC0415
+    from trainers.fsdp.bf16_compute import Bf16Compute  # noqa: PLC0415
+    from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
+    from trainers.fsdp.worker import ENTRY_POINTS  # noqa: PLC0415
+    from trainers.megatron import cpu_shim  # noqa: PLC0415
+    from trainers.megatron.weights import gather_hf_state  # noqa: PLC0415
+    from trainers.megatron.parallel import initialize, parallel_sizes  # noqa: PLC0415
+    from trainers.megatron.worker import load_model as load_megatron  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cpu_shim.apply()  # a no-op on a GPU machine
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=1)
+    sizes = parallel_sizes({})
+    groups, place = initialize(sizes)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+        model_parallel_cuda_manual_seed(0)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (1,))
+    ids = torch.randint(0, BF16_SHAPE["vocab_size"], (sum(BF16_SEQLENS),), generator=torch.Generator().manual_seed(0))
+    ids, batch = ids.to(device), PackedBatch.from_seqlens(BF16_SEQLENS, device)
+    models = {
+        "megatron": lambda: load_megatron(checkpoint, sizes, groups, place, torch.bfloat16, device),
+        "fsdp": lambda: apply_fsdp(load_model(checkpoint, dtype=torch.float32, device=device), mesh, True,
+                                   ENTRY_POINTS["policy"]),
+        "bf16_compute": lambda: Bf16Compute(load_model(checkpoint, dtype=torch.float32, device=device)).module,
+        "engine": lambda: load_model(checkpoint, dtype=torch.bfloat16, device=device),
+        "float32": lambda: load_model(checkpoint, dtype=torch.float32, device=device),
+    }
+    record = {}
+    for name, build in models.items():
+        with torch.no_grad():
+            model = build()
+            record[name] = model.eval().token_logprobs(ids, batch)[0].float().cpu().tolist()
+            if name == "megatron":
+                held = gather_hf_state(model, model.config)
+                record["megatron_float32_as_file"] = [k for k, v in float32_tensors(checkpoint).items()
+                                                      if not torch.equal(held[k], v.float())]
+    Path(out).write_text(json.dumps(record))
+    dist.destroy_process_group()

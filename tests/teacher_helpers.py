@@ -62,3 +62,28 @@ class ServerThread:
         self.run(self.server.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+
+def make_peaked_teacher(directory: Path, student_dir: Path, tokens: list[int], steps: int = 30, seed: int = 0) -> Path:
+    """A copy of the student trained to spread nearly all its mass evenly over `tokens` after any prefix: a teacher
+    far from the student (reverse KL of several nats a token) but one that the student can match with a shift of its
+    output layer alone."""
+    import slime_dsa
+    from slime_dsa.checkpoint import save_pretrained
+    from slime_dsa.data.tokenizer import save_tokenizer
+
+    model = slime_dsa.load_model(student_dir, dtype=torch.float32).train()
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.tensor(tokens)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ids = torch.randint(3, model.config.vocab_size, (32,), generator=g)
+        logp = torch.log_softmax(model(ids).logits.float(), -1)
+        loss = -logp[:, chosen].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_pretrained(model, directory)
+    save_tokenizer(directory)
+    return directory

@@ -83,3 +83,24 @@ def test_orphans_are_removed_only_under_the_run_directory_lock(manager):
     with pytest.raises(RuntimeError, match="lock"):
         manager.remove_orphans(SimpleNamespace(held=False))
     assert busy.exists()
+
+
+def test_export_writes_float32_routers_and_indexer_heads_as_saved(tmp_path):
+    """A bf16 checkpoint holding its router weights, selection biases and indexer heads as float32 values bf16 cannot
+    hold exports tensor for tensor as saved (dtype and value); so does the same model from float32 weights (as a
+    trainer saves them) exported in bf16: those tensors stay float32, unrounded. Before, both rounded them through
+    bf16."""
+    from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
+    from slime_dsa.checkpoint.training import export_checkpoint
+    from tests.megatron_conformance import float32_tensors, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "mixed", float32_router=True)
+    saved = read_state_dict(tmp_path / "mixed")
+    kept = float32_tensors(tmp_path / "mixed")
+    assert kept and all(t.dtype == torch.float32 and not torch.equal(t, t.bfloat16().float()) for t in kept.values())
+    save_pretrained(load_model(tmp_path / "mixed", dtype=torch.float32), tmp_path / "float32")
+    for source, dtype in (("mixed", None), ("float32", "bfloat16")):
+        out = read_state_dict(export_checkpoint(tmp_path / source, tmp_path / f"out_{source}", dtype=dtype))
+        assert set(out) == set(saved)
+        for name, tensor in saved.items():
+            assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), (source, name)

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from rollout.client import (
     validate_generate_response,
 )
 from tests.hf_reference import make_hf_checkpoint
+from trainers.process_group import free_port
 
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import multiprocessing as mp
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from slime_dsa.weights.cuda_ipc import IpcBuffer, IpcWeights, layout
 from tests.test_weight_formats import HANDLE, REF, ipc_table
+from trainers.process_group import free_port
 
 
 def test_engine_dtypes_follow_the_models_cast_rule():
@@ -123,12 +123,6 @@ def _get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _assert_engine_holds(trainer_state: dict[str, torch.Tensor], conn, path: Path) -> None:
     from safetensors.torch import load_file  # noqa: PLC0415
 
@@ -147,7 +141,7 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), mixed_precision=True)
-    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
     assert worker.sharded  # FSDP2 with bf16 mixed precision: DTensor parameters, as in recipes/gpu_single.yaml
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()

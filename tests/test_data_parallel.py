@@ -6,7 +6,6 @@ weights must equal those of a single rank that saw every sample (float32, up to 
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -15,16 +14,11 @@ from safetensors.torch import load_file
 
 from tests.hf_reference import TINY, make_hf_checkpoint
 from trainers.base import TrainBatch
+from trainers.process_group import free_port
 
 pytestmark = pytest.mark.slow  # spawns rank processes that build process groups
 
 NUM_SAMPLES, PROMPT, RESPONSE = 6, 5, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch() -> TrainBatch:
@@ -66,7 +60,7 @@ def _train_one_step(rank: int, world_size: int, port: int, ckpt: str, data_paral
 
 
 def _run(world_size: int, ckpt, data_parallel: str, out) -> dict[str, torch.Tensor]:
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_train_one_step, args=(world_size, port, str(ckpt), data_parallel, str(out)),
                        nprocs=world_size, start_method="spawn")
     return load_file(out)

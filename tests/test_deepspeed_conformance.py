@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from safetensors.torch import load_file
 
 from tests.hf_reference import TINY, make_hf_checkpoint
 from trainers.base import TrainBatch
+from trainers.process_group import free_port
 
 # Where DeepSpeed is absent (the `deepspeed` extra not installed), every DeepSpeed test says so and skips.
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -43,12 +43,6 @@ VARIANTS = {
 }
 
 FROM_FSDP = ("zero1", "zero3_offload")  # resumed from FSDP2's checkpoint too: the two ends of the range
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(step: int, num_samples: int = 6, prompt: int = 5, response: int = 4) -> TrainBatch:
@@ -125,7 +119,7 @@ def run_variants(rank: int, world_size: int, port: int, ckpt: str, out: str, var
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ds")
     make_hf_checkpoint(directory / "ckpt", index_topk=4)
-    mp.start_processes(run_variants, args=(2, _free_port(), str(directory / "ckpt"), str(directory)), nprocs=2,
+    mp.start_processes(run_variants, args=(2, free_port(), str(directory / "ckpt"), str(directory)), nprocs=2,
                        start_method="spawn")
     results = json.loads((directory / "results.json").read_text())
     weights = {name: load_file(directory / f"{name}.safetensors") for name in VARIANTS}

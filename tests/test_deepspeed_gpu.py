@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
-from tests.test_deepspeed_conformance import _free_port, needs_deepspeed, run_variants
+from tests.test_deepspeed_conformance import needs_deepspeed, run_variants
+from trainers.process_group import free_port
 
 pytestmark = [pytest.mark.gpu, needs_deepspeed]
 
@@ -36,7 +36,7 @@ GPU_VARIANTS = {
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ds_gpu")
     make_hf_checkpoint(directory / "ckpt", index_topk=4)
-    mp.start_processes(run_variants, args=(1, _free_port(), str(directory / "ckpt"), str(directory), GPU_VARIANTS, True),
+    mp.start_processes(run_variants, args=(1, free_port(), str(directory / "ckpt"), str(directory), GPU_VARIANTS, True),
                        nprocs=1, start_method="spawn")
     results = json.loads((directory / "results.json").read_text())
     return results, {name: load_file(directory / f"{name}.safetensors") for name in GPU_VARIANTS}

@@ -31,13 +31,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", autouse=True, params=["packed", "paged"])
+@pytest.fixture(scope="module", autouse=True, params=["packed", "paged", "packed-sync", "paged-sync"])
 def decode_path(request):
     """Every test runs on both decode paths: the packed forward (paged_decode off) and the paged decode (the
-    default, whose CUDA graphs replay exactly this forward), so the paged path inherits every parity test."""
+    default, whose CUDA graphs replay exactly this forward), so the paged path inherits every parity test; each with
+    the overlap scheduler (the default: a step launches before the previous step's tokens reach the host) and
+    without it (-sync)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(Engine.__init__.__kwdefaults__, "paged_decode", request.param == "paged")
-        yield request.param
+        mp.setitem(Engine.__init__.__kwdefaults__, "paged_decode", request.param.startswith("paged"))
+        mp.setitem(Engine.__init__.__kwdefaults__, "overlap", not request.param.endswith("-sync"))
+        yield request.param.removesuffix("-sync")
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +423,44 @@ def test_same_seed_same_tokens_alone_or_in_a_batch(model):
     assert crowd["y"].output_ids != alone.output_ids
 
 
+def test_mixed_sampling_rows_across_batch_changes_equal_each_request_alone(model):
+    """Requests with different sampling params, seeds, limits and stop tokens join and leave the batch at different
+    steps (the engine keeps their rows on the device and updates them): each gets what it gets alone."""
+    ps = prompts((5, 9, 4, 7, 6, 8), seed=16)
+    params = [
+        SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, sampling_seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=1.2, top_k=7, sampling_seed=2, stop_token_ids=list(range(0, VOCAB, 2)),
+                       min_new_tokens=3),
+        SamplingParams(max_new_tokens=6, temperature=1.0, min_p=0.05, sampling_seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=4, stop_token_ids=list(range(1, VOCAB, 5))),
+        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[2], ignore_eos=True),
+    ]
+    req = lambda i: GenerateRequest(input_ids=ps[i], sampling=params[i], rid=str(i))  # noqa: E731
+    together = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [req(0), req(1)], 2: [req(2), req(3)],
+                                                                        3: [req(4)], 6: [req(5)]})
+    for i in range(len(ps)):
+        alone = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [req(i)]})[str(i)]
+        assert together[str(i)].output_ids == alone.output_ids, i
+        assert together[str(i)].finish_reason == alone.finish_reason, i
+        assert np.allclose(together[str(i)].output_token_logprobs, alone.output_token_logprobs, atol=1e-5), i
+
+
+def test_seeded_tokens_survive_a_retract(model):
+    """Draws hash the seed and the token index: a request retracted and re-prefilled mid-answer draws on as before."""
+    prompt = prompts((6,), seed=17)[0]
+    req = lambda: GenerateRequest(input_ids=prompt, rid="r", sampling=SamplingParams(  # noqa: E731
+        max_new_tokens=10, temperature=1.0, sampling_seed=5, ignore_eos=True))
+    plain = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [req()]})["r"]
+    engine = Engine(model, max_cache_tokens=512, block_size=4)
+    engine.add_request(req())
+    for _ in range(4):
+        engine.step()
+    engine.pause("retract")
+    engine.resume()
+    assert run(engine)["r"].output_ids == plain.output_ids
+
+
 def test_non_streaming_requests_get_only_their_final_output(model):
     engine = Engine(model, max_cache_tokens=512, block_size=4, seed=0)
     for rid, stream in (("s", True), ("q", False)):
@@ -543,6 +584,84 @@ def test_a_failing_forward_costs_only_its_request(model):
     for rid in ("0", "1"):
         assert finals[rid].output_ids == expect[rid].output_ids
     assert engine.blocks.available == engine.blocks.num_blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# the overlap scheduler
+
+
+def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
+    """The same requests with and without overlap: the same tokens, log-probs, versions, streamed states, replay rows,
+    finish reasons and prefix reuse; requests that a stop token ends have their next step (already launched) dropped,
+    their blocks freed. With overlap the decode steps really launch before the previous tokens reach the host."""
+    if not Engine.__init__.__kwdefaults__["overlap"]:
+        pytest.skip("compares both modes itself")
+    ps = prompts((5, 9, 4, 7, 6), seed=21)
+    params = [
+        SamplingParams(max_new_tokens=11, temperature=0.9, sampling_seed=1, stop_token_ids=list(range(0, VOCAB, 9))),
+        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=13, temperature=1.1, top_k=7, sampling_seed=2, min_new_tokens=3,
+                       stop_token_ids=list(range(0, VOCAB, 4))),
+        SamplingParams(max_new_tokens=9, temperature=1.0, sampling_seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[5], ignore_eos=True),
+    ]
+
+    def go(overlap: bool):
+        engine = Engine(model, max_cache_tokens=512, block_size=4, overlap=overlap)
+        fed, feed = [], engine._feed
+        engine._feed = lambda *a: (fed.append(len(a[1])), feed(*a))  # noqa: E731 - counts inputs taken from the device
+        req = lambda i, rid: GenerateRequest(input_ids=ps[i], sampling=params[i], rid=rid, return_indexer_topk=True)  # noqa: E731
+        streamed, finals, step = {}, {}, 0
+        arrivals = {0: [req(0, "0"), req(1, "1")], 2: [req(2, "2"), req(3, "3")], 5: [req(4, "4")]}
+        while arrivals or engine.has_work:
+            for r in arrivals.pop(step, []):
+                engine.add_request(r)
+            for out in engine.step():
+                streamed.setdefault(out.rid, []).append((list(out.output_ids), out.finish_reason))
+                if out.finish_reason is not None:
+                    finals[out.rid] = out
+            step += 1
+        assert engine.blocks.available == engine.blocks.num_blocks
+        # A second wave: each prompt continued by its answer, so prefix reuse covers blocks registered while decoding.
+        wave = {0: [GenerateRequest(input_ids=ps[i] + finals[str(i)].output_ids, sampling=greedy(3), rid=f"w{i}")
+                    for i in range(len(ps))]}
+        again = run(engine, wave)
+        return finals, streamed, again, sum(fed)
+
+    sync, sync_streamed, sync_again, sync_fed = go(False)
+    over, over_streamed, over_again, over_fed = go(True)
+    assert sync_fed == 0 and over_fed > 20
+    assert {o.finish_reason["type"] for o in sync.values()} == {"stop", "length"}
+    assert over_streamed == sync_streamed
+    for rid, out in sync.items():
+        got = over[rid]
+        assert got.output_ids == out.output_ids and got.finish_reason == out.finish_reason, rid
+        assert got.output_token_logprobs == out.output_token_logprobs and got.output_token_versions == out.output_token_versions
+        assert np.array_equal(got.indexer_topk, out.indexer_topk) and got.indexer_topk_start == out.indexer_topk_start
+    for rid, out in sync_again.items():
+        assert over_again[rid].output_ids == out.output_ids
+        assert over_again[rid].cached_tokens == out.cached_tokens > 0, rid
+
+
+def test_overlap_engine_drains_before_weight_update_and_abort(checkpoint, tmp_path):
+    """The step in flight is read before a weight update (its tokens keep the old version) and before an abort (the
+    aborted output holds it); a final output read by that drain comes with the next step."""
+    model = slime_dsa.load_model(checkpoint[0]).eval()
+    make_hf_checkpoint(tmp_path, seed=1, **MODEL)
+    engine = Engine(model, max_cache_tokens=512, block_size=4, weight_version="1", overlap=True)
+    engine.add_request(GenerateRequest(input_ids=[1, 2, 3, 4], sampling=greedy(6), rid="r"))
+    engine.add_request(GenerateRequest(input_ids=[5, 6, 7], sampling=greedy(3), rid="short"))
+    for _ in range(3):
+        engine.step()
+    assert engine._pending is not None
+    engine.update_weights(slime_dsa.load_model(tmp_path).state_dict(), "2")
+    assert engine._pending is None
+    (done,) = engine.step()  # "short" ended in the drained step
+    assert done.rid == "short" and len(done.output_ids) == 3 and done.output_token_versions == [1, 1, 1]
+    engine.step()  # reads the step launched by the call before, launches the fifth
+    (aborted,) = engine.abort("r")
+    assert aborted.output_token_versions == [1, 1, 1, 2, 2] and aborted.finish_reason["type"] == "abort"
+    assert engine.blocks.available == engine.blocks.num_blocks and not engine.has_work
 
 
 # ----------------------------------------------------------------------------------------------

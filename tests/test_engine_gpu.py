@@ -3,6 +3,7 @@
 Graph replays run the same kernels as the eager paged decode, so both must give the same tokens and the same
 log-probs bit for bit, also after an in-place weight update (the graphs keep reading the updated buffers, the
 experts' stacked copies included) and after a release / resume of the engine's memory (graphs recaptured).
+The seeded draws hash on the device the same way as on the CPU.
 """
 
 from __future__ import annotations
@@ -96,3 +97,43 @@ def test_float32_engine_decodes_without_graphs():
     out = _generate(engine, _requests(9))
     assert engine.decoder.num_graphs == 0 and engine.stats["paged_decode_steps"] > 10
     _assert_same(out, _generate(_engine(model, False), _requests(9)))
+
+
+def test_seeded_uniforms_are_the_same_on_cuda_and_cpu():
+    """The per-request draws (splitmix64 on int64 tensors) wrap the same way on both: a seed gives the same
+    tokens on a GPU engine as on a CPU one."""
+    from rollout.engine.sampling import counter_uniforms, seed_to_int64
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.tensor([seed_to_int64(s) for s in [0, -1, 2**63 - 1, -(2**63), 2**64 - 1]]
+                         + torch.randint(-(2**63), 2**63 - 1, (1000,), generator=g).tolist())
+    counters = torch.randint(0, 2**40, seeds.shape, generator=g)
+    assert torch.equal(counter_uniforms(seeds.cuda(), counters.cuda()).cpu(), counter_uniforms(seeds, counters))
+
+
+def test_overlap_scheduler_equals_the_synchronous_loop_on_cuda_graphs():
+    """With overlap, each decode graph gets its input ids from the previous step's sampled tokens on the device, and
+    the host reads step N while the GPU runs N+1. Lengths alone end these requests, so both loops run the same batches:
+    the same tokens, log-probs and replay rows bit for bit. With stop tokens, a request's already-launched next step is
+    dropped: the stop token ends its output and every block is freed."""
+    model = _model(0)
+    for keep in (False, True):  # replay rows from each step's copy, or from the cache pool (a side stream reads it)
+        sync = _generate(Engine(model, max_cache_tokens=8192, block_size=16, seed=0, overlap=False,
+                                keep_indexer_topk=keep), _requests(37))
+        engine = Engine(model, max_cache_tokens=8192, block_size=16, seed=0, overlap=True, keep_indexer_topk=keep)
+        fed, feed = [], engine._feed
+        engine._feed = lambda *a, feed=feed, fed=fed: (fed.append(len(a[1])), feed(*a))
+        _assert_same(_generate(engine, _requests(37)), sync)
+        assert engine.decoder.num_graphs > 0 and len(fed) > 10 and engine.stats["decode_device_s"] > 0
+    stop_ids = set(range(2, CONFIG["vocab_size"], 7))
+    stopping = [GenerateRequest(input_ids=r.input_ids, rid=r.rid, sampling=SamplingParams(
+        max_new_tokens=40, temperature=1.0, sampling_seed=7 + i, stop_token_ids=sorted(stop_ids), ignore_eos=True),
+        return_indexer_topk=r.return_indexer_topk) for i, r in enumerate(_requests(37, seed=1))]
+    finals = _generate(engine, stopping)
+    stopped = [o for o in finals.values() if o.finish_reason["type"] == "stop"]
+    assert len(stopped) > 10 and len(finals) == 37
+    for out in finals.values():
+        assert not stop_ids & set(out.output_ids[:-1]) and len(out.output_ids) == len(out.output_token_logprobs)
+    assert all(o.output_ids[-1] in stop_ids for o in stopped)
+    assert all(len(o.indexer_topk) == len(o.output_ids) for o in finals.values() if o.indexer_topk is not None)
+    assert engine.blocks.available == engine.blocks.num_blocks

@@ -18,7 +18,7 @@ def test_both_paths_report_decode_step_and_host_gap(tmp_path, monkeypatch):
 
     out = tmp_path / "engine.md"
     text = engine_throughput.main(["--device", "cpu", "--preset", "tiny", "--batch-sizes", "16", "--group-size", "8",
-                                   "--new-tokens", "8", "--threads", "1", "--out", str(out)])
+                                   "--new-tokens", "8", "--threads", "1", "--overlap", "--out", str(out)])
     assert out.read_text().strip() == text.strip()
     simple = next(line for line in text.splitlines() if line.startswith("| 16 |"))
     rollout = next(line for line in text.splitlines() if line.startswith("| 16 | 2 x 8 |"))
@@ -27,4 +27,6 @@ def test_both_paths_report_decode_step_and_host_gap(tmp_path, monkeypatch):
     assert float(cells[4]) > 0 and cells[5].endswith("%") and cells[6].endswith("%")  # decode step ms, host gaps
     assert int(cells[7]) >= 8 and int(cells[8]) >= 1  # steps, decode steps
     assert simple.split("|")[10].strip() == "100%"  # greedy float32: the engine's outputs are transformers'
+    assert 0 < float(simple.split("|")[11].strip().rstrip("%")) and 0 < float(cells[11].rstrip("%"))  # device busy
+    assert "overlap scheduler on" in text
     sys.modules.pop("engine_throughput", None)

@@ -12,7 +12,6 @@ measured and logged as train/index_topk_mismatch.
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from slime_dsa.models import ModelConfig, PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.ops import reference
 from slime_dsa.orchestrator.batching import build_train_batch, engine_topk_rows
+from trainers.process_group import free_port
 
 CONFIG = dict(
     vocab_size=53, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -81,12 +81,6 @@ def rollout(model, monkeypatch, n=3, prompt_len=5, new_tokens=12) -> list[Sample
         s.append_tokens(list(out.output_ids), list(out.output_token_logprobs))
         samples.append(s.validate())
     return samples
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

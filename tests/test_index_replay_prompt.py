@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +37,7 @@ from slime_dsa.data.sample import Sample
 from slime_dsa.models import ModelConfig, PackedBatch
 from slime_dsa.ops import reference
 from slime_dsa.orchestrator.batching import build_train_batch
+from trainers.process_group import free_port
 
 CONFIG = dict(
     vocab_size=53, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -120,12 +120,6 @@ def output_rows_only(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def worker(model, tmp_path_factory):
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
@@ -193,11 +187,13 @@ def test_prompt_rows_need_an_engine_that_keeps_them(model):
             GenerateRequest(PROMPT, return_indexer_topk=True, indexer_topk_start_len=-2))
 
 
-@pytest.mark.parametrize("paged_decode", [False, True])
-def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model, paged_decode):
+@pytest.mark.parametrize("paged_decode,overlap", [(False, True), (True, True), (True, False)])
+def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model, paged_decode, overlap):
     """indexer_topk_start_len = s returns rows max(s, index_topk) .. P+R-2, equal to the engine's full-row answer,
-    on both decode paths (the paged one stores the decode rows' selections at its own write slots)."""
-    engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, paged_decode=paged_decode)
+    on both decode paths (the paged one stores the decode rows' selections at its own write slots), with and without
+    the overlap scheduler."""
+    engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, paged_decode=paged_decode,
+                    overlap=overlap)
     short = PROMPT[:4]  # P - 1 < index_topk: no prompt row is returned, and the first output rows neither
     for rid, (ids, start_len) in {"all": (PROMPT, 0), "late": (PROMPT, 20), "short": (short, 0),
                                   "legacy": (PROMPT, -1)}.items():
@@ -219,7 +215,8 @@ def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model, paged_de
     # Same kernel in engine and here: every returned row is the selection a full forward makes.
     assert torch.equal(own[:, K:-1], torch.tensor(finals["all"].indexer_topk).long().permute(1, 0, 2))  # last row: never fed
     # A prompt prefilled in chunks of 8 rows over several steps: the same rows.
-    chunked = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, max_prefill_tokens=8)
+    chunked = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, max_prefill_tokens=8,
+                     overlap=overlap)
     chunked.add_request(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), rid="c",
                                         return_indexer_topk=True, indexer_topk_start_len=0))
     while chunked.has_work:
@@ -228,11 +225,12 @@ def test_start_len_leaves_out_rows_below_it_and_below_index_topk(model, paged_de
     assert np.array_equal(finals["c"].indexer_topk, finals["all"].indexer_topk)
 
 
-def test_prompt_rows_survive_a_retract(model):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prompt_rows_survive_a_retract(model, overlap):
     """A request retracted mid-generation (pause retract) is re-prefilled; its answer keeps the prompt rows of its
     first prefill and one row per output token, as an uninterrupted request has."""
     def run(retract: bool):
-        engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True)
+        engine = Engine(model, max_cache_tokens=512, block_size=BLOCK, keep_indexer_topk=True, overlap=overlap)
         engine.add_request(GenerateRequest(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0), rid="r",
                                            return_indexer_topk=True, indexer_topk_start_len=0))
         finals, steps = {}, 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
+from trainers.process_group import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -87,18 +87,12 @@ def test_convert_refuses_a_layout_the_model_does_not_divide(checkpoint, tmp_path
 # -- conformance: FSDP2 and Megatron ranks on the same batches ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(backend: str, checkpoint: Path, options: dict, out: Path) -> dict:
     import torch.multiprocessing as mp
 
     from tests.megatron_conformance import train
 
-    mp.start_processes(train, args=(2, _free_port(), backend, str(checkpoint), options, str(out)), nprocs=2,
+    mp.start_processes(train, args=(2, free_port(), backend, str(checkpoint), options, str(out)), nprocs=2,
                        start_method="spawn")
     record = json.loads(out.read_text())
     record["grads"] = load_file(f"{out}.grads.safetensors")
@@ -141,7 +135,7 @@ def test_activation_recomputation_gives_the_same_gradients(checkpoint, tmp_path)
     from tests.megatron_conformance import recompute
 
     out = tmp_path / "recompute.json"
-    mp.start_processes(recompute, args=(2, _free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
+    mp.start_processes(recompute, args=(2, free_port(), str(checkpoint), {"tensor_parallel": 2}, str(out)), nprocs=2,
                        start_method="spawn")
     record = json.loads(out.read_text())
     assert record["True"]["layer_forwards"] == 2 * record["False"]["layer_forwards"] > 0
@@ -165,3 +159,54 @@ def _rows(share: list[int], keep: list[int] | None = None) -> torch.Tensor:
         offset += lens[i]
     assert len(lens) == NUM_SAMPLES
     return torch.tensor(rows)
+
+
+def _bf16_logprobs(tmp_path: Path, float32_router: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Log-probs of Megatron in bf16, FSDP2, the bf16 compute copy, the engine and float32 at one checkpoint's weights
+    (tests.megatron_conformance.bf16_logprobs), and the router / indexer-head tensors Megatron holds unlike the file."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_conformance import bf16_logprobs, float32_tensors, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "bf16", float32_router)
+    if float32_router:  # the test means something only if bf16 cannot hold these values
+        assert all(not torch.equal(t, t.bfloat16().float()) for t in float32_tensors(tmp_path / "bf16").values())
+    out = tmp_path / "bf16.json"
+    mp.start_processes(bf16_logprobs, args=(free_port(), str(tmp_path / "bf16"), str(out)), nprocs=1,
+                       start_method="spawn")
+    record = json.loads(out.read_text())
+    logp = {k: torch.tensor(record[k]) for k in ("megatron", "fsdp", "bf16_compute", "engine", "float32")}
+    return logp, record["megatron_float32_as_file"]
+
+
+def _gaps(logp: dict[str, torch.Tensor], reduce) -> dict[str, float]:
+    return {k: float(reduce((logp[k] - logp["megatron"]).abs())) for k in ("fsdp", "bf16_compute", "engine", "float32")}
+
+
+@pytest.mark.parametrize("float32_router", [False, True], ids=["bf16_values", "float32_router"])
+def test_bf16_logprobs_match_fsdp_and_the_engine_at_equal_weights(tmp_path, float32_router):
+    """bf16 on CPU, at the weights of one checkpoint: Megatron (bf16 parameters), FSDP2 (bf16 mixed precision), one
+    mixed-precision rank's bf16 compute copy and the engine's bf16 model give bit-identical log-probs (each ~7e-3
+    from float32 on average). With float32_router the checkpoint's router weight, selection bias and indexer head
+    hold float32 values bf16 cannot: every path keeps them in float32 unrounded (before: the engine and Megatron
+    rounded all three, FSDP2 and the copy the router weight and indexer head but not the bias). Earlier, before
+    Megatron's MoE layer summed its experts as GlmMoeDsa does and FSDP2 computed the indexer head in float32, even
+    bf16 values gave mean |Δ| 2.8e-3: a few bf16 roundings flip expert choices, which grow layer by layer (at the
+    1.1B benchmark size, to 6.6e-2)."""
+    logp, unlike_file = _bf16_logprobs(tmp_path, float32_router)
+    assert unlike_file == [], unlike_file
+    gaps = _gaps(logp, torch.max)
+    assert gaps["fsdp"] == gaps["bf16_compute"] == gaps["engine"] == 0.0, gaps
+    assert _gaps(logp, torch.mean)["float32"] > 1e-3, gaps  # it ran in bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("float32_router", [False, True], ids=["bf16_values", "float32_router"])
+def test_bf16_logprobs_on_the_gpu_match_fsdp_and_the_engine(tmp_path, float32_router):
+    """The same on one GPU (Triton DSA kernels, grouped-GEMM experts, cuBLAS): only the kernels each path picks can
+    differ, so within mean |Δ| 1e-3 of FSDP2, the copy and the engine (a difference anywhere flips expert choices)."""
+    logp, unlike_file = _bf16_logprobs(tmp_path, float32_router)
+    assert unlike_file == [], unlike_file
+    gaps = _gaps(logp, torch.mean)
+    assert max(gaps["fsdp"], gaps["bf16_compute"], gaps["engine"]) <= 1e-3, gaps
+    assert gaps["float32"] > 1e-3, gaps

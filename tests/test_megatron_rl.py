@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tests.test_rl_loop import RECIPE, _comparable, _records, rerun_from_step_2, train_recipe
+from tests.test_rl_loop import (RECIPE, _records, assert_equal_but_engine_noise, export_step_3, rerun_from_step_2,
+                                 train_recipe)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -41,22 +42,11 @@ def test_three_grpo_steps_stay_in_sync(first_run):
 def test_resume_from_step_2_reproduces_step_3(first_run):
     step3, again, _ = rerun_from_step_2(*first_run)
     assert len(again) == 1
-    noise = "train/train_rollout_logprob_abs_diff"  # the engines' batching noise, as in test_rl_loop
-    assert abs(again[0].pop(noise) - step3.pop(noise)) < 1e-6
-    assert _comparable(again[0]) == step3
+    assert_equal_but_engine_noise(again[0], step3)
 
 
 def test_export_loads_in_transformers(first_run, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    import slime_dsa
-    from slime_dsa.cli import main
-
-    _, run_dir = first_run
-    out = tmp_path / "export"
-    assert main(["export", str(run_dir / "checkpoints" / "step_000003"), "--out", str(out)]) == 0
-    hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="eager")
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    hf, ours, _ = export_step_3(first_run[1], tmp_path)
     ids = torch.tensor([[5, 17, 3, 9, 11]])
     with torch.no_grad():
-        assert (hf(ids).logits - slime_dsa.load_model(out).eval()(ids).logits).abs().max().item() < 1e-4
+        assert (hf(ids).logits - ours(ids).logits).abs().max().item() < 1e-4

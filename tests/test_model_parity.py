@@ -282,3 +282,27 @@ def test_bfloat16_keeps_router_and_indexer_head_in_float32(tmp_path):
     assert model.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     logits = model(torch.randint(0, TINY["vocab_size"], (1, 8))).logits
     assert torch.isfinite(logits.float()).all()
+
+
+def test_bfloat16_holds_the_router_as_transformers_does(tmp_path):
+    """Loaded in bf16 from a float32 checkpoint, transformers holds the router weight and selection bias in float32
+    with the file's values (_keep_in_fp32_modules_strict), and so do we. Its indexer head it rounds to bf16 (its
+    _keep_in_fp32_modules applies to float16 only, transformers 5.x); we keep that in float32 with the file's values
+    too, in every path (engine, FSDP2, the bf16 copy, Megatron), so there ours and transformers' bf16 differ."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_dsa.checkpoint.hf_format import read_state_dict
+
+    make_hf_checkpoint(tmp_path)
+    saved = read_state_dict(tmp_path)
+    ours = slime_dsa.load_model(tmp_path, dtype="bfloat16").state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
+    routers = [n for n in saved if n.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))]
+    heads = [n for n in saved if n.endswith("indexer.weights_proj.weight")]
+    assert routers and heads and not torch.equal(saved[routers[0]], saved[routers[0]].bfloat16().float())
+    for name in routers:
+        assert ours[name].dtype == theirs[name].dtype == torch.float32, name
+        assert torch.equal(ours[name], saved[name]) and torch.equal(theirs[name], saved[name]), name
+    for name in heads:
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], saved[name]), name
+        assert theirs[name].dtype == torch.bfloat16, name

@@ -123,6 +123,18 @@ def test_sparse_mla_matches_reference(name):
     assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
 
 
+def gradient_errors(mla, q, kv, indices, v_dim: int, scale: float = 0.1) -> tuple[float, float]:
+    """Relative L2 errors of the kernel's (dq, dkv) against the float32 reference, for random dout and dlse."""
+    q, kv = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
+    out, lse = mla.sparse_mla_attention(q, kv, indices, scale, v_dim)
+    q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
+    return rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv)
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_sparse_mla_subset_backward_paths(masked, monkeypatch):
     """Both backward paths for subsets of short sequences (byte-mapped ranges, atomics) match the reference."""
@@ -135,16 +147,10 @@ def test_sparse_mla_subset_backward_paths(masked, monkeypatch):
         cover = mla.selection_ranges(indices, mla.MASKED_RANGE_MAX_RATIO if masked else 0.0)
         assert (cover is not None and cover.sel is not None) if masked else cover is None, name
         torch.manual_seed(1)
-        q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out, lse = mla.sparse_mla_attention(q, kv, indices, 0.1, v_dim)
-        q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
-        ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, 0.1, v_dim)
-        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-        dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
-        ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
-        assert rel_l2(dq, ref_dq) <= REL_L2, f"{name} dq rel L2 {rel_l2(dq, ref_dq):.2e}"
-        assert rel_l2(dkv, ref_dkv) <= REL_L2, f"{name} dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+        q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+        dq_err, dkv_err = gradient_errors(mla, q, kv, indices, v_dim)
+        assert dq_err <= REL_L2 and dkv_err <= REL_L2, f"{name}: dq {dq_err:.2e}, dkv {dkv_err:.2e}"
 
 
 @pytest.mark.parametrize("shape", ["packed_short", "glm5"])
@@ -234,15 +240,10 @@ def test_sparse_mla_sliding_window_uses_key_ranges():
                           start[:, None] + col[None, :], -1)
     assert mla.key_ranges(indices) is not None
     torch.manual_seed(0)
-    q = torch.randn(T, H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kv = torch.randn(T, v_dim + d_r, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out, lse = mla.sparse_mla_attention(q, kv, indices, 0.1, v_dim)
-    q32, kv32 = q.detach().float().requires_grad_(True), kv.detach().float().requires_grad_(True)
-    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, 0.1, v_dim)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse * dlse).sum(), (q, kv))
-    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum() + (ref_lse * dlse).sum(), (q32, kv32))
-    assert rel_l2(dq, ref_dq) <= REL_L2 and rel_l2(dkv, ref_dkv) <= REL_L2
+    q = torch.randn(T, H, v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(T, v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+    dq_err, dkv_err = gradient_errors(mla, q, kv, indices, v_dim)
+    assert dq_err <= REL_L2 and dkv_err <= REL_L2
 
 
 def test_sparse_mla_rows_without_keys():

@@ -6,7 +6,6 @@ selection reaches into the shared prompt, and IndexShare layers. CPU, float64 wh
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import slime_dsa
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes
 from tests.hf_reference import TINY, make_hf_checkpoint
+from trainers.process_group import free_port
 
 VOCAB = TINY["vocab_size"]
 
@@ -89,12 +89,6 @@ def test_same_logprobs_entropy_and_gradients_as_flat(checkpoint):
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
     """A real FSDPWorker step (π_old, loss, AdamW) with share_prompt_prefix on and off: same π_old and metrics.
 
@@ -112,7 +106,7 @@ def test_trainer_step_is_the_same_with_and_without_sharing(checkpoint):
     for share in (False, True):
         config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-2), frozen=(".indexer.",),
                                ops_backend="torch", share_prompt_prefix=share)
-        worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
+        worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
         try:
             batch = TrainBatch(input_ids=ids, seqlens=seqlens, loss_mask=mask, rollout_logprobs=torch.zeros(len(ids)),
                                advantages=adv, prompt_lens=plens)
@@ -143,7 +137,7 @@ def test_fsdp_mixed_precision_casts_packed_inputs(checkpoint):
     plain = load_model(str(checkpoint), dtype=torch.float32, device="cpu")
     with torch.no_grad():
         expect = plain.token_logprobs(ids, PackedBatch.from_seqlens(seqlens))[0]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
         model = apply_fsdp(load_model(str(checkpoint), dtype=torch.float32, device="cpu"),
                            init_device_mesh("cpu", (1,)), mixed_precision=True)

@@ -118,3 +118,17 @@ def test_sample_limiter_counts_samples_and_never_deadlocks():
     assert peak == 6 and left == 0  # 9 > the limit runs alone, holding all 6 places
     with pytest.raises(ValueError):
         SampleLimiter(0)
+
+
+def test_logprob_agreement_counts_trained_tokens_only():
+    import torch
+
+    from slime_dsa.orchestrator.batching import logprob_agreement
+    from trainers.base import TrainBatch
+
+    batch = TrainBatch(input_ids=torch.zeros(6, dtype=torch.long), seqlens=[3, 3],
+                       loss_mask=torch.tensor([0.0, 1, 1, 0, 1, 1]), advantages=torch.zeros(6),
+                       rollout_logprobs=torch.tensor([-1.0, -2, -3, -4, -5, -6]))
+    batch.old_logprobs = torch.tensor([9.0, -2, -3.5, 9, -5, -6.25])  # prompt rows (mask 0) far off: not counted
+    assert logprob_agreement(batch) == {"sync_logprob_abs_diff": 0.1875, "sync_logprob_abs_diff_max": 0.5,
+                                        "sync_logprob_exact": 0.5}

@@ -8,7 +8,6 @@ test_weight_sync.py.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import textwrap
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rollout.sglang import SGLangConfig, SGLangLaunchError, SGLangServer, SpeculativeConfig, build_command, external_urls
+from trainers.process_group import free_port
 
 # Every flag build_command can emit, each checked in sgl-project/sglang python/sglang/srt/server_args.py.
 VERIFIED_SGLANG_FLAGS = {
@@ -141,16 +141,10 @@ FAKE_SGLANG = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fake_server(tmp_path: Path, env: dict, max_restarts: int = 2) -> SGLangServer:
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SGLANG)
-    config = SGLangConfig(model_path=str(tmp_path), port=_free_port(), python=sys.executable)
+    config = SGLangConfig(model_path=str(tmp_path), port=free_port(), python=sys.executable)
     real = build_command(config)
     assert real[1:3] == ["-m", "sglang.launch_server"]
     command = [sys.executable, str(script), *real[3:]]  # the launcher's own flags, fed to the fake

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.hf_reference import make_hf_checkpoint
-from tests.test_data_parallel import _batch, _free_port
+from tests.test_data_parallel import _batch
+from trainers.process_group import free_port
 
 
 @pytest.mark.slow
@@ -26,7 +27,7 @@ def test_group_calls_reach_every_rank_in_batch_order(tmp_path, ray_cluster):
                               "model": {"ops_backend": "torch"}})
     algorithm = build_algorithm(recipe.algorithm)
     config = rank_config(recipe, tmp_path / "ckpt", algorithm)
-    single = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)  # the whole batch on one rank, in this process
+    single = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)  # the whole batch on one rank, in this process
     batch = _batch()
     expected = single.compute_logprobs(batch)
     single.shutdown()

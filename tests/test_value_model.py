@@ -4,7 +4,6 @@ attention, its files; and the value role of a real FSDP2 rank (one process, gloo
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -15,14 +14,9 @@ from slime_dsa.models import PackedBatch
 from slime_dsa.models.presets import preset_config
 from slime_dsa.models.value_model import VALUE_FROZEN
 from trainers.base import TrainBatch
+from trainers.process_group import free_port
 
 VOCAB = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -91,7 +85,7 @@ def test_critic_role_trains_everything_but_the_frozen_attention(policy_dir, tmp_
     path, _ = policy_dir
     role = RoleConfig(str(path), OptimizerConfig(learning_rate=2e-3), ValueLoss(value_clip=None), VALUE_FROZEN,
                       kind="value")
-    worker = FSDPWorker(0, 1, "127.0.0.1", _free_port(), RankConfig(roles={"critic": role}, ops_backend="torch",
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), RankConfig(roles={"critic": role}, ops_backend="torch",
                                                                      micro_batch_tokens=48))
     try:
         model = worker.roles["critic"].model

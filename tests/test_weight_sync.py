@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,12 +28,7 @@ from slime_dsa.orchestrator.weight_sync import (CudaIpcTransport, DiskTransport,
                                                 paused_update)
 from slime_dsa.orchestrator.weight_sync.base import post_update
 from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainers.process_group import free_port
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def trainer(checkpoints):  # noqa: F811
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), ops_backend="torch")
-    w = FSDPWorker(0, 1, "127.0.0.1", _free_port(), config)
+    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
     yield w
     w.shutdown()
 
@@ -168,7 +162,7 @@ def test_a_dead_engine_is_dropped_and_the_update_goes_on_with_the_rest(checkpoin
     its listeners told) and the live one is paused, updated and continued; with none left, NoEnginesLeftError."""
     from rollout.client import EngineClient, NoEnginesLeftError  # noqa: PLC0415
 
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with serving(checkpoints[0]) as srv:
         engine = _engine(srv)
         called: list[bool] = []
@@ -400,7 +394,7 @@ def fake_sglang_receiver(tmp_path: Path):
 
     script, out = tmp_path / "fake_receiver.py", str(tmp_path / "received")
     script.write_text(FAKE_RECEIVER)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen([sys.executable, str(script), str(port), out], env=env)
@@ -449,3 +443,29 @@ def test_distributed_push_over_gloo_to_a_fake_sglang_receiver(trainer, tmp_path)
         assert set(got) == set(expected)
         for name, tensor in expected.items():
             assert got[name].dtype == dtypes[name] and torch.equal(got[name], tensor.to(dtypes[name])), name
+
+
+def test_a_bf16_engine_gets_float32_routers_and_indexer_heads_unrounded(tmp_path):
+    """What a transport hands a bf16 engine (http, shm and disk: the trainer's float32 state; distributed and
+    cuda_ipc: each tensor cast to the dtype engine_dtypes gives it) leaves the engine's router weights, selection
+    biases and indexer heads at the trainer's float32 values bit for bit, though bf16 cannot hold them."""
+    from rollout.engine import Engine  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import load_model  # noqa: PLC0415
+    from tests.megatron_conformance import float32_tensors, save_bf16_checkpoint  # noqa: PLC0415
+    from trainers.weight_sender import sent_tensors, weight_specs  # noqa: PLC0415
+
+    save_bf16_checkpoint(tmp_path / "engine")  # the same weights, the float32 ones rounded to bf16 values
+    save_bf16_checkpoint(tmp_path / "trainer", float32_router=True)
+    master = load_model(tmp_path / "trainer", dtype=torch.float32)
+    specs = weight_specs(master, "bfloat16")
+    cast = dict(zip([s.name for s in specs], sent_tensors(master.state_dict(), specs)))
+    kept = float32_tensors(tmp_path / "trainer")
+    for sent in (master.state_dict(), cast):
+        engine = Engine(load_model(tmp_path / "engine", dtype=torch.bfloat16).eval(), max_cache_tokens=64,
+                        block_size=4)
+        held = engine.model.state_dict()
+        assert any(not torch.equal(held[name], value) for name, value in kept.items())
+        engine.update_weights(sent, "1")
+        assert held["lm_head.weight"].dtype == torch.bfloat16
+        for name, value in kept.items():
+            assert held[name].dtype == torch.float32 and torch.equal(held[name], value), name

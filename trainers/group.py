@@ -98,11 +98,11 @@ class RayTrainerGroup:
             w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
             for w, shards in zip(self.workers, self._per_rank(per_shard))]))
         steps = results[0][1]
-        sync_gap = steps[0].pop("sync_logprob_abs_diff", None)  # the first step's alone: its weights are the engines'
+        # The weight-sync check is the first step's alone: its weights are the engines'.
+        sync = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith("sync_logprob_")}
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["lr"] = steps[-1]["lr"]
-        if sync_gap is not None:
-            metrics["sync_logprob_abs_diff"] = sync_gap
+        metrics.update(sync)
         if not recompute_old_logprobs:
             return None, metrics
         old = torch.zeros(batch.num_tokens)

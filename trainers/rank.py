@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from slime_dsa.algorithms import LossInputs, ValueLossInputs
+from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
+from slime_dsa.devices import upload
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
@@ -42,6 +44,12 @@ class Role:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None  # torch.optim.lr_scheduler.LRScheduler
     step: int = 0  # optimizer steps taken
+    compute: torch.nn.Module | None = None  # what runs forward and backward when not `model` (a bf16 copy)
+
+    @property
+    def runs(self) -> torch.nn.Module:
+        """The module the step calls: the compute copy where there is one, else the model."""
+        return self.compute if self.compute is not None else self.model
 
 
 def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> bool:
@@ -52,7 +60,8 @@ def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> b
 
 
 def _sample_index(seqlens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), torch.tensor(seqlens, device=device))
+    return torch.repeat_interleave(torch.arange(len(seqlens), device=device), upload(torch.tensor(seqlens), device),
+                                   output_size=sum(seqlens))
 
 
 Metric = torch.Tensor | float  # a step's metrics stay on the device until the step ends: one host sync per step
@@ -88,10 +97,10 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
     token_mean = loss.aggregation == "token_mean"
 
     def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
+        return None if t is None else upload(t, device)
 
     inputs = LossInputs(
-        logprobs=logprobs, advantages=mb.advantages.to(device), loss_mask=mb.loss_mask.to(device).float(),
+        logprobs=logprobs, advantages=upload(mb.advantages, device), loss_mask=upload(mb.loss_mask, device).float(),
         sample_index=sample_index, old_logprobs=on_device(mb.old_logprobs),
         rollout_logprobs=on_device(mb.rollout_logprobs), ref_logprobs=on_device(mb.ref_logprobs), entropy=entropy,
         candidate_logprobs=candidate_logprobs,
@@ -112,8 +121,8 @@ def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step
     device = values.device
     old = mb.old_values if mb.old_values is not None else values.detach()
     inputs = ValueLossInputs(
-        values=values, old_values=old.to(device), returns=mb.returns.to(device),
-        loss_mask=mb.loss_mask.to(device).float(), sample_index=_sample_index(mb.seqlens, device),
+        values=values, old_values=upload(old, device), returns=upload(mb.returns, device),
+        loss_mask=upload(mb.loss_mask, device).float(), sample_index=_sample_index(mb.seqlens, device),
         denominator=max(step_loss_tokens, 1.0) if loss.aggregation == "token_mean" else max(step_num_samples, 1),
     )
     out = loss(inputs)
@@ -219,14 +228,14 @@ class TrainerRank:
         dsa = role.config.dsa
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
         replay = mb.replay_topk if mb.replay_topk is not None else (mb.rollout_topk if dsa.index_replay else None)
-        replay = None if replay is None else replay.to(self.device)
+        replay = None if replay is None else upload(replay, self.device)
         want_topk = replay is None and mb.rollout_topk is not None
         pack = None
         if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
-        candidates = mb.candidate_ids.to(self.device) if with_candidates and mb.candidate_ids is not None else None
-        logp, ent, out = role.model.token_logprobs_with_output(
-            mb.input_ids.to(self.device), packed, temperature=self.config.temperature,
+        candidates = upload(mb.candidate_ids, self.device) if with_candidates and mb.candidate_ids is not None else None
+        logp, ent, out = role.runs.token_logprobs_with_output(
+            upload(mb.input_ids, self.device), packed, temperature=self.config.temperature,
             chunk_size=self.config.logprob_chunk_size, return_entropy=return_entropy, replay_topk=replay,
             capture_dsa=capture_dsa, return_topk=want_topk, prefix_pack=pack, candidate_ids=candidates,
         )
@@ -236,13 +245,13 @@ class TrainerRank:
         """A value role's (values (T,), final (S,)) of one micro-batch (None = a one-token padding pass)."""
         mb = mb if mb is not None else _padding_batch()
         packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
-        return role.model.token_values(mb.input_ids.to(self.device), packed)
+        return role.runs.token_values(upload(mb.input_ids, self.device), packed)
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
         """A value role's V(s_t) of every token of the batch (T,) and V after each sample (N,), float32 on CPU."""
         held = self.roles[role]
-        held.model.eval()
+        held.runs.eval()
         values, finals = [], []
         for mb in self.micro_batches(batch, held.config):
             v, final = self.value_forward(held, mb)
@@ -255,7 +264,7 @@ class TrainerRank:
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """log π of every token of the batch under the role's current weights, (T,) float32 on CPU."""
         held = self.roles[role]
-        held.model.eval()
+        held.runs.eval()
         outs = []
         for mb in self.micro_batches(batch, held.config):
             logp, *_ = self.forward(held, mb)
@@ -289,12 +298,13 @@ class TrainerRank:
         detailed_metrics off skips the metrics that cost real compute (the indexer's dense recall): for steps whose
         metrics nobody logs. Every rank must get the same value (the metric keys are reduced together).
         measure_sync adds sync_logprob_abs_diff, the mean |log π_θ − log π_roll| of this step's forward (before
-        its update): the weight-sync check when no π_old pass computes it."""
+        its update), its max (sync_logprob_abs_diff_max) and the bit-equal fraction (sync_logprob_exact): the
+        weight-sync check when no π_old pass computes it."""
         held = self.roles[role]
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
         dsa = held.config.dsa
-        held.model.train()
+        held.runs.train()
         self.zero_gradients(held)
         sums: dict[str, Metric] = {}
         step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
@@ -334,10 +344,10 @@ class TrainerRank:
         if indexer_loss is not None:
             loss = loss + indexer_loss
         metrics.update(dsa_metrics if mb is not None else {k: 0.0 for k in dsa_metrics})
-        if measure_sync:
-            gap = (logp.detach().float() - used.rollout_logprobs.to(logp.device)).abs() * used.loss_mask.to(logp.device)
-            metrics["sync_logprob_abs_diff/num"] = gap.sum() if mb is not None else 0.0
-            metrics["sync_logprob_abs_diff/den"] = float(used.loss_mask.sum()) if mb is not None else 0.0
+        if measure_sync:  # mean and max |Δlogp| and the bit-equal fraction, over trained tokens
+            sums = logprob_agreement_sums(logp.detach().float(), upload(used.rollout_logprobs, logp.device),
+                                          upload(used.loss_mask, logp.device))
+            metrics.update(sums if mb is not None else {k: 0.0 for k in sums})
         return loss, metrics
 
     def _optimizer_step(self, held: Role) -> tuple[float, float]:
@@ -355,7 +365,7 @@ class TrainerRank:
         out: dict[str, float] = {}
         for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
                          (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
-            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).to(self.device).reshape(())
+            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device).reshape(())
                                   for k in keys] or [torch.zeros((), dtype=torch.float64, device=self.device)])
             self.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
             out.update({k: float(v) for k, v in zip(keys, values.tolist())})
@@ -375,7 +385,7 @@ class TrainerRank:
         dsa = held.config.dsa
         metrics: dict[str, Metric] = {}
         if out.topk_indices is not None and mb.rollout_topk is not None:  # replay off: how far rollout and training disagree
-            engine = mb.rollout_topk.to(self.device)
+            engine = upload(mb.rollout_topk, self.device)
             rows = engine[0, :, 0] != REPLAY_COMPUTE
             overlap = topk_overlap(engine[:, rows], out.topk_indices[:, rows])
             metrics["index_topk_mismatch/num"] = (1.0 - overlap).sum()

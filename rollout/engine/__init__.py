@@ -1,11 +1,12 @@
 """The embedded continuous-batching engine over slime_dsa.models (CPU or GPU).
 
-engine.py        Engine: synchronous scheduler (admission, chunked prefill, one packed forward per step)
+engine.py        Engine: the scheduler (admission, chunked prefill, one packed forward per step, overlap of steps)
 async_engine.py  AsyncEngine: the step loop in a background thread, an asyncio API for the HTTP server
 decode.py        PagedDecoder: decode-only steps reading the paged pool in place, CUDA graphs on GPU
 kv_cache.py      PagedKVCache: per-layer MLA latent rows + indexer keys, the model's KVCache protocol
 blocks.py        BlockManager: block allocation under a token budget, prefix cache of full blocks
-sampling.py      batched sampling (temperature, top-k, top-p, min-p, seeds) and its log-probs
+sampling.py      batched sampling (temperature, top-k, top-p, min-p, seeded draws) and its log-probs
+rows.py          SamplingRows: a step's sampling parameters, seeds, limits and stop tokens kept on the device
 stop.py          stop rules (length, stop tokens, stop strings) and SGLang's text trimming
 types.py         GenerateRequest / SamplingParams / GenerateOutput: the typed boundary
 defaults.py      default sizes (block, running requests, cache), readable without torch

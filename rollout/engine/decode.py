@@ -15,8 +15,10 @@ the graphs stay valid (`refresh` rebuilds the derived copies in place). Releasin
 
 from __future__ import annotations
 
+import itertools
 import logging
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +71,7 @@ class _Graph:
     hidden: torch.Tensor  # (B, D)
     topk: torch.Tensor | None  # (n_full, B, K)
     write_slots: torch.Tensor  # (B,)
+    copied: torch.cuda.Event  # the staging copy of the last replay: staging is rewritten only once it is done
 
 
 class PagedDecoder:
@@ -94,16 +97,19 @@ class PagedDecoder:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
+                on_inputs: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
-        and the cache slot each new row went to (B,)."""
+        and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
+        before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
+        still sampling on the device)."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(len(t) for t in tables) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                return self._replay(input_ids, positions, tables, B, width)
+                return self._replay(input_ids, positions, tables, B, width, on_inputs)
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
@@ -111,7 +117,10 @@ class PagedDecoder:
         inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width))
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()
-        hidden, topk, slots = self._run(inputs.to(self.model.device, non_blocking=True), B, width)
+        inputs = inputs.to(self.model.device, non_blocking=True)
+        if on_inputs is not None:
+            on_inputs(inputs[:B])
+        hidden, topk, slots = self._run(inputs, B, width)
         return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
 
     def _host_inputs(self, input_ids, positions, tables, B: int, width: int) -> np.ndarray:
@@ -122,8 +131,11 @@ class PagedDecoder:
         flat[B : B + n] = positions
         table = flat[2 * B :].reshape(B, width)
         table.fill(self.cache.scratch_block)
-        for i, blocks in enumerate(tables):
-            table[i, : len(blocks)] = blocks
+        if n:  # one scatter of all block ids: (row, column) of each
+            lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+            rows = np.repeat(np.arange(n), lens)
+            cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
+            table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=len(rows))
         return flat
 
     def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -132,10 +144,15 @@ class PagedDecoder:
         out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
         return out.hidden_states, out.topk_indices, batch.write_slots
 
-    def _replay(self, input_ids, positions, tables, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         graph = self._graphs.get((B, width)) or self._capture(B, width)
-        graph.staging.numpy()[:] = self._host_inputs(input_ids, positions, tables, B, width)
+        host = self._host_inputs(input_ids, positions, tables, B, width)
+        graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
+        graph.staging.numpy()[:] = host
         graph.inputs.copy_(graph.staging, non_blocking=True)
+        graph.copied.record()
+        if on_inputs is not None:
+            on_inputs(graph.inputs[:B])
         graph.graph.replay()
         n = len(input_ids)
         return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
@@ -155,6 +172,8 @@ class PagedDecoder:
         with torch.cuda.graph(graph, pool=self._pool):
             hidden, topk, write_slots = self._run(inputs, B, width)
         staging = torch.empty(inputs.shape, dtype=inputs.dtype).pin_memory()
-        self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk, write_slots)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk, write_slots, copied)
         logger.info("engine: captured a CUDA graph for decode batch %d x %d blocks (%d graphs)", B, width, len(self._graphs))
         return captured

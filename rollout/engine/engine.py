@@ -1,4 +1,4 @@
-"""The embedded continuous-batching engine: a synchronous scheduler over a paged MLA KV cache.
+"""The embedded continuous-batching engine: a scheduler over a paged MLA KV cache, stepped from one thread.
 
 One `step()` is one scheduler iteration:
 1. every running request that is decoding contributes its one new token; requests still prefilling (a long
@@ -9,12 +9,25 @@ One `step()` is one scheduler iteration:
 3. ONE packed forward runs over all of it (`forward_packed` with the cache bound to this step's slots); a
    step where every request decodes one token goes through decode.py instead (no key gather; a CUDA graph
    replay on GPU);
-4. the requests whose last input row was in the batch sample one token each, in one batched call;
-5. stop rules run on the host, finished requests leave and free their blocks.
+4. the requests whose last input row was in the batch sample one token each, in one batched call, with their
+   sampling parameters, seeds and stop tokens held on the device (rows.py: rebuilt only when the rows change);
+5. lengths and stop tokens are checked on the device, stop strings on the host for the requests that have them;
+   finished requests leave and free their blocks.
 Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
-The host waits on the device once per step (one `.tolist()` of tokens and log-probs; index replay adds one
-copy of the selected indices).
+A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
+
+Overlap (SGLang's overlap schedule; `overlap=True`, off by default until it is measured on a GPU): `step()` launches
+step N+1 before it reads step N's results, so the host's bookkeeping of N (appending tokens, stop strings, outputs,
+freeing) runs while the device computes N+1. A token the host does not have yet is an IN_FLIGHT placeholder in its
+sequence; N+1 takes it as input straight from N's sampled tokens on the device. Lengths are known without the tokens:
+a request whose in-flight token is its last is not scheduled again. A request that N ends by a stop token or string
+was in N+1 too: that result is dropped (its cache rows were its own blocks, freed; later writes to them are queued
+after N+1's). A block holding an in-flight token is offered to the prefix cache only once the token is read. A
+scheduling failure of a request with a token in flight ends it after that token is read. Everything that changes the
+engine's state from outside the step (abort, pause, weight updates, flush and memory release) first reads the step in
+flight (`_drain`). So step() returns the outputs of the step launched by the call before, and requests admitted
+meanwhile join one step later.
 
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
 of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
@@ -41,10 +54,14 @@ cached blocks (`keep_indexer_topk`: PagedKVCache keeps every row's top-k next to
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import itertools
 import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +72,10 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.sampling import SamplingBatch, mask_tokens, sample
+from rollout.engine.rows import RUNNING, STOP_STRINGS, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
+from rollout.engine.sampling import sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
-from rollout.engine.stop import StopChecker
+from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -74,11 +92,12 @@ class _Sequence:
     tokens: list[int]  # prompt + generated so far
     prompt_len: int
     stop: StopChecker  # owns the request's token limit
-    generator: torch.Generator | None
+    serial: int  # unique per engine: names the sequence in SamplingRows.key
+    row: RowSpec  # its sampling row: parameters, seed (sampling_seed, or drawn from the engine's generator), limits
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full_layers, index_topk)
-    prompt_topk: np.ndarray | None = None  # (rows, n_full_layers, index_topk): prompt rows topk_first .. P-2
+    topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full, index_topk); not kept_topk
+    retracted_topk: np.ndarray | None = None  # kept_topk: rows topk_first .. read when a retract freed them
     blocks: list[int] = field(default_factory=list)  # block table
     digests: list[bytes] = field(default_factory=list)  # of the full blocks known so far
     num_registered: int = 0  # leading blocks already offered to the prefix cache
@@ -88,18 +107,44 @@ class _Sequence:
     cached_tokens: int = 0
     failures: int = 0
     finish_reason: dict | None = None
+    inflight: int = 0  # trailing tokens still being sampled on the device (IN_FLIGHT placeholders in `tokens`)
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+        """The output tokens the host has (without those in flight)."""
+        return self.tokens[self.prompt_len : len(self.tokens) - self.inflight]
 
     @property
     def num_output(self) -> int:
+        """Output tokens so far, those in flight included (they count for limits, seeds and min_new_tokens)."""
         return len(self.tokens) - self.prompt_len
 
     @property
     def max_new_tokens(self) -> int:
         return self.stop.max_new_tokens
+
+
+IN_FLIGHT = -1  # a token in `_Sequence.tokens` that the device has sampled and the host does not have yet
+IN_FLIGHT_INPUT = 0  # what the host puts in an input id that the device then overwrites with the sampled token
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step queued on the device; `Engine._resolve` brings its tokens to the host."""
+
+    scheduled: list[tuple[_Sequence, int]]
+    sampled: list[_Sequence]  # the sequences that sample, in row order
+    row_of: dict[int, int]  # id(seq) -> its row
+    token_index: list[int]  # where each row's token goes in its sequence's tokens (its IN_FLIGHT placeholder)
+    tokens: torch.Tensor | None  # (B,) int64 on the device: the next step's input ids, before the host has them
+    result: torch.Tensor | None  # (3, B) float64 on the host: tokens, log-probs, finish codes (rows.py); copy in flight
+    topk: torch.Tensor | None  # (B_wanted, n_full, K) int32 on the host: replay rows of the requests that want them
+    wanted: list[int]  # rows of `topk`
+    version: int  # weight version of the tokens
+    decode_only: bool
+    device_s: float  # on CPU: the forward (run on this thread); on CUDA: filled in from the events at resolve
+    begin: Any = None  # torch.cuda.Event before the step's device work (CUDA only)
+    done: Any = None  # torch.cuda.Event after its copy to the host (CUDA only)
 
 
 class Engine:
@@ -121,11 +166,14 @@ class Engine:
         paged_decode: bool = True,
         cuda_graphs: bool = True,
         keep_indexer_topk: bool = False,
+        overlap: bool = False,
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place instead of gathering every sequence's keys
         (on CPU too: 15-20% faster decode with 100-token contexts, benchmarks/RESULTS.md); cuda_graphs: and
         replay them as CUDA graphs (CUDA only); keep_indexer_topk: every cached row's DSA selection is kept, so
-        requests may ask for their prompt rows' (exact index replay)."""
+        requests may ask for their prompt rows' (exact index replay); overlap: each step is launched before the
+        previous step's tokens reach the host, and the host's bookkeeping of that step runs while the device
+        computes (module docstring)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
@@ -160,6 +208,13 @@ class Engine:
         self._step_registered: list[int] = []
         self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
+        self._serials = itertools.count()
+        self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
+        self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
+        self.overlap = overlap
+        self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
+        self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
+        self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
         self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0,
                       "scored_tokens": 0}
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
@@ -167,7 +222,7 @@ class Engine:
         # steps (batch occupancy).
         self.stats.update({"step_s": 0.0, "device_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
                            "decode_device_s": 0.0, "running_sum": 0})
-        self._step_device_s, self._step_decode_only = 0.0, False
+        _freeze_heap_once()
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
             num_blocks, block_size, self.cache.nbytes / 2**20, max_running_requests, self.device, model.dtype,
@@ -194,7 +249,8 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Whether `step()` would make progress now."""
-        return bool(self._ready) or (self._paused is None and bool(self._running or self._queue or self._scoring))
+        return bool(self._ready) or self._pending is not None or (
+            self._paused is None and bool(self._running or self._queue or self._scoring))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -234,26 +290,29 @@ class Engine:
         context = self.config.max_position_embeddings
         if len(ids) >= context:
             raise RequestError(f"input_ids has {len(ids)} tokens, the model's context (max_position_embeddings) is {context}")
-        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context)
+        stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context,
+                           windows=self._stop_windows)
         rows = len(ids) + stop.max_new_tokens - 1
         if -(-rows // self.block_size) > self.blocks.num_blocks:
             raise RequestError(
                 f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({stop.max_new_tokens}) need {rows} cache "
                 f"tokens, more than the engine's max_cache_tokens ({self.max_cache_tokens})"
             )
-        generator = None
-        if req.sampling.sampling_seed is not None:
-            generator = torch.Generator().manual_seed(req.sampling.sampling_seed)
-        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, generator=generator)
+        seed = req.sampling.sampling_seed
+        if seed is None:
+            seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
+        return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
+                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
+        self._drain()
         if abort_all:
             targets = list(self._running) + list(self._queue)
         else:
             targets = [self._active[rid]] if rid in self._active else []
         reason = {"type": "abort", "message": message}
-        return ([self._finish(seq, reason) for seq in targets]
+        return (self._finish_all([(seq, reason) for seq in targets])
                 + self._scoring.abort(rid, abort_all, reason, self._weight_version))
 
     def pause(self, mode: str = "abort") -> list[GenerateOutput]:
@@ -261,6 +320,7 @@ class Engine:
         (re-prefilled after resume, generated tokens kept); in_place: keep everything as it is."""
         if mode not in PAUSE_MODES:
             raise RequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._drain()
         outputs = []
         if mode == "abort":
             outputs = self.abort(abort_all=True, message="aborted by pause_generation")
@@ -288,6 +348,7 @@ class Engine:
         from slime_dsa.weights import WeightFormatError  # noqa: PLC0415
         from slime_dsa.weights.checks import check_update  # noqa: PLC0415
 
+        self._drain()  # the tokens in flight were computed with the old weights
         params = self.model.state_dict(keep_vars=True)
         try:
             check_update(state_dict, params)
@@ -305,6 +366,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are running or queued, as SGLang does."""
+        self._drain()
         if self._running or self._queue:
             return False
         self._reset_prefix_cache()
@@ -340,6 +402,7 @@ class Engine:
         self._released.difference_update(tags)
 
     def _check_memory_tags(self, tags: list[str] | None, releasing: bool = True) -> list[str]:
+        self._drain()
         tags = list(self.MEMORY_TAGS if tags is None else tags)
         if bad := [t for t in tags if t not in self.MEMORY_TAGS]:
             raise RequestError(f"tags may hold only {list(self.MEMORY_TAGS)}, got {bad}")
@@ -357,7 +420,8 @@ class Engine:
     def step(self) -> list[GenerateOutput]:
         """One scheduler iteration; returns the outputs that changed (cumulative, finish_reason on the last).
 
-        A request with stream=False appears only once, finished."""
+        A request with stream=False appears only once, finished. With overlap, the step launched here is read by the
+        next call: this call returns the previous step's outputs, after launching its own."""
         start = time.perf_counter()
         outputs, self._ready = self._ready, []
         if self._paused is not None:
@@ -365,49 +429,133 @@ class Engine:
         if self._scoring:
             outputs += self._scoring.step(self._weight_version, self.stats)
         self._step_registered = []  # blocks offered to the prefix cache by this step
-        self._forks = {}
+        self._forks, self._failed_later = {}, []
+        previous, launched = self._pending, None
         scheduled = self._schedule()
         outputs, self._ready = outputs + self._ready, []  # requests whose scheduling failed
-        if not scheduled:
-            return outputs
-        self.stats["steps"] += 1
-        try:
-            tokens, logprobs, topk = self._forward_and_sample(scheduled)
-        except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
-            logger.exception("engine: step over %d requests failed", len(scheduled))
-            return outputs + self._recover(scheduled, exc)
-        sampled = [(seq, n) for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]
-        for seq, n in scheduled:
-            seq.num_computed += n
-            seq.failures = 0
-        for j, (seq, _) in enumerate(sampled):
-            seq.tokens.append(int(tokens[j]))
-            seq.logprobs.append(logprobs[j])
-            seq.versions.append(self._version_int)
-            if topk is not None and seq.req.return_indexer_topk:
-                seq.topk.append(topk[seq.req.rid])
+        if scheduled:
+            self.stats["steps"] += 1
             try:
-                reason = seq.stop.check(seq.output_ids)
-            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
-                logger.exception("engine: stop check of request %s failed", seq.req.rid)
-                reason = {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
-            if reason:
-                outputs.append(self._finish(seq, reason))
-            elif seq.req.stream:
-                outputs.append(self._output(seq))
-        self.stats["generated_tokens"] += len(sampled)
-        self._account_step(time.perf_counter() - start, len(scheduled))
+                launched = self._launch(scheduled, previous)
+            except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
+                logger.exception("engine: step over %d requests failed", len(scheduled))
+                self._pending = None
+                if previous is not None:  # the suspects' tokens in flight first
+                    outputs += self._resolve(previous)
+                    previous = None
+                outputs += self._recover([(seq, n) for seq, n in scheduled if seq.finish_reason is None], exc)
+        self._pending = None
+        if previous is not None:
+            outputs += self._resolve(previous)  # while the device computes `launched`
+        for seq, exc in self._failed_later:
+            if seq.finish_reason is None:
+                self._fail(seq, exc)
+        if launched is not None:
+            if self.overlap:
+                self._pending = launched
+            else:
+                outputs += self._resolve(launched)
+        outputs, self._ready = outputs + self._ready, []
+        if scheduled or previous is not None:
+            self._account_step(time.perf_counter() - start, launched)
         return outputs
 
-    def _account_step(self, seconds: float, running: int) -> None:
+    def _drain(self) -> None:
+        """Read the step in flight before anything else changes the engine's state (abort, pause, weights, memory).
+        Its final outputs wait in `_ready` for the next step(); intermediate streamed ones are dropped (outputs are
+        cumulative: the request's next output holds them)."""
+        launched, self._pending = self._pending, None
+        if launched is None:
+            return
+        start = time.perf_counter()
+        with torch.inference_mode():
+            outputs = self._resolve(launched)
+        self._ready += [out for out in outputs if out.finish_reason is not None]
+        self._account_step(time.perf_counter() - start, None)
+
+    def _resolve(self, launched: _Launched) -> list[GenerateOutput]:
+        """Wait for a launched step's tokens and apply them: append, finish, stream, offer newly full blocks."""
+        if launched.done is not None:
+            launched.done.synchronize()
+            launched.device_s = launched.begin.elapsed_time(launched.done) / 1e3
+            self._account_device(launched)
+        values = launched.result.tolist() if launched.result is not None else [[], [], []]
+        topk = None
+        if launched.topk is not None:
+            arrays = list(launched.topk.numpy())
+            topk = {id(launched.sampled[b]): arrays[k].copy() for k, b in enumerate(launched.wanted)}  # no view pins it
+        version, strings, ending, outputs, sampled = launched.version, [], [], [], 0
+        for seq, index, token, logprob, code in zip(launched.sampled, launched.token_index, *values):
+            if seq.finish_reason is not None:
+                continue  # it ended at the step before (a stop token or string): this token is not its
+            token = int(token)
+            seq.tokens[index] = token
+            seq.inflight -= 1
+            sampled += 1
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            if topk is not None and seq.req.return_indexer_topk:
+                seq.topk.append(topk[id(seq)])
+            self._register(seq, index)  # the rows up to this token's are computed, their tokens known
+            if code != RUNNING:
+                ending.append((seq, self._finish_reason(seq, token, code)))
+            elif seq.row.flags & STOP_STRINGS and seq.num_output - seq.inflight >= seq.stop.min_new_tokens:
+                strings.append(seq)
+            elif seq.req.stream:
+                outputs.append(self._output(seq))
+        outputs += self._check_stop_strings(strings, ending)
+        outputs += self._finish_all(ending)
+        self.stats["generated_tokens"] += sampled
+        return outputs
+
+    @staticmethod
+    def _finish_reason(seq: _Sequence, token: int, code: float) -> dict:
+        if code == STOP_TOKEN:
+            return {"type": "stop", "matched": token}
+        return {"type": "length", "length": seq.max_new_tokens}
+
+    def _check_stop_strings(self, seqs: list[_Sequence], ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
+        """Add to `ending` the sequences whose decoded tails now hold a stop string (one batched decode); the outputs
+        of those that go on (when they stream)."""
+        if not seqs:
+            return []
+        try:
+            reasons = match_stop_strings([seq.stop for seq in seqs], [_tail(seq) for seq in seqs])
+        except Exception:  # noqa: BLE001 - one request's tokenizer failure must cost that request only
+            reasons = [self._check_stop_string(seq) for seq in seqs]
+        outputs = []
+        for seq, reason in zip(seqs, reasons):
+            if reason:
+                ending.append((seq, reason))
+            elif seq.req.stream:
+                outputs.append(self._output(seq))
+        return outputs
+
+    @staticmethod
+    def _check_stop_string(seq: _Sequence) -> dict | None:
+        try:
+            return match_stop_strings([seq.stop], [_tail(seq)])[0]
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer error costs this request only
+            logger.exception("engine: stop check of request %s failed", seq.req.rid)
+            return {"type": "abort", "message": f"stop check failed: {type(exc).__name__}: {exc}"}
+
+    def _account_step(self, seconds: float, launched: _Launched | None) -> None:
+        """One call's time, counted as a decode step's when it launched one (with overlap it also read the step
+        before)."""
         stats = self.stats
         stats["step_s"] += seconds
-        stats["device_s"] += self._step_device_s
-        stats["running_sum"] += running
-        if self._step_decode_only:
+        if launched is None:
+            return
+        stats["running_sum"] += len(launched.scheduled)
+        if launched.decode_only:
             stats["decode_steps"] += 1
             stats["decode_step_s"] += seconds
-            stats["decode_device_s"] += self._step_device_s
+
+    def _account_device(self, launched: _Launched) -> None:
+        """A step's device time, once known: on CPU when it is launched (the forward runs then), on CUDA when read."""
+        self.stats["device_s"] += launched.device_s
+        if launched.decode_only:
+            self.stats["decode_device_s"] += launched.device_s
 
     def _schedule(self) -> list[tuple[_Sequence, int]]:
         """Pick this step's (sequence, new rows) pairs, admitting queued requests; allocates their blocks.
@@ -424,7 +572,10 @@ class Engine:
                 self._grow(seq, seq.num_computed + n)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
                 logger.exception("engine: scheduling request %s failed", seq.req.rid)
-                self._fail(seq, exc)
+                if seq.inflight:
+                    self._failed_later.append((seq, exc))  # ended once its token in flight is read
+                else:
+                    self._fail(seq, exc)
                 return False
             scheduled.append((seq, n))
             return True
@@ -439,7 +590,7 @@ class Engine:
         for seq in list(self._running):
             pending = len(seq.tokens) - seq.num_computed
             n = 1 if pending == 1 else min(pending, budget)
-            if n <= 0:
+            if n <= 0 or (seq.inflight and seq.num_output >= seq.max_new_tokens):  # its token in flight is its last
                 continue
             if pending > 1:
                 budget -= n
@@ -494,66 +645,116 @@ class Engine:
                 raise RuntimeError(f"request {seq.req.rid} needs more cache blocks than it reserved ({len(seq.blocks)})")
             seq.blocks.append(self.blocks.allocate())
             seq.reserved -= 1
-        full = rows // bs
-        if full > seq.num_registered and seq.cache_epoch == self._cache_epoch:
+        self._register(seq, rows)
+
+    def _register(self, seq: _Sequence, rows: int) -> None:
+        """Offer the sequence's full blocks of its first `rows` rows to the prefix cache, those whose tokens the host
+        has (a block holding a token in flight waits for the step that reads it)."""
+        bs = self.block_size
+        if rows // bs <= seq.num_registered:  # most calls: no block filled up
+            return
+        full = min(rows, len(seq.tokens) - seq.inflight) // bs
+        if full <= seq.num_registered:
+            return
+        if seq.cache_epoch == self._cache_epoch:
             if len(seq.digests) < full:
                 parent = seq.digests[-1] if seq.digests else b""
                 seq.digests += block_digests(seq.tokens, bs, full, start=len(seq.digests), parent=parent)
             for i in range(seq.num_registered, full):
                 if self.blocks.register(seq.blocks[i], seq.digests[i]):
                     self._step_registered.append(seq.blocks[i])
-        seq.num_registered = max(seq.num_registered, full)
+        seq.num_registered = full
 
-    def _forward_and_sample(self, scheduled: list[tuple[_Sequence, int]]) -> tuple[list[float], list[float], dict[str, np.ndarray] | None]:
-        """The forward of this step and the sampling of its last rows. One host sync for the results."""
+    def _launch(self, scheduled: list[tuple[_Sequence, int]], previous: _Launched | None) -> _Launched:
+        """Queue this step's forward and the sampling of its last rows on the device, and the copy of the results to
+        the host; nothing here waits for the device (on CPU the work runs here). Inputs sampled by `previous` and not
+        yet on the host are fed from its device tokens. Each sampling sequence gets an IN_FLIGHT token."""
         device = self.device
         seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
-        want_topk = any(seq.req.return_indexer_topk for seq in seqs)
-        self._step_decode_only = not self._forks and all(
-            n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled
-        )
-        decode_only = self.decoder is not None and self._step_decode_only
-        # Time waiting on the device: on CPU the forward itself (it runs on this thread), on CUDA the step's one sync.
-        on_host, forward_start = device.type != "cuda", time.perf_counter()
-        if decode_only:
+        # With kept selections the replay rows are read from the cache when a request ends; else each step's here.
+        want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
+        decode_only = not self._forks and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
+        on_host = device.type != "cuda"
+        begin = torch.cuda.Event(enable_timing=True) if not on_host else None
+        done = None
+
+        def on_inputs(ids: torch.Tensor, fed: list[int], fed_seqs: list[_Sequence]) -> None:
+            """The input ids are queued on the device: the step's device work starts here."""
+            if begin is not None:
+                begin.record()
+            if fed:
+                self._feed(ids, fed, fed_seqs, previous)
+
+        forward_start = time.perf_counter()
+        if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
+            fed = [b for b, seq in enumerate(seqs) if seq.inflight]
             hidden, topk_all, write_slots = self.decoder.forward(
-                [seq.tokens[-1] for seq in seqs], [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs]
+                [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs],
+                [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs],
+                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]),
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
         else:
-            hidden, topk_all = self._forward_packed(scheduled, want_topk)
-        if not seqs:
-            self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
-            return [], [], None
-        logits = self.model.lm_head(hidden).float()  # (B, V)
-        self._step_device_s = time.perf_counter() - forward_start if on_host else 0.0
-        self._mask_min_new_tokens(logits, seqs)
-        params = SamplingBatch.from_params([seq.req.sampling for seq in seqs], logits.shape[-1], device)
-        uniforms = None if params.all_greedy else self._uniforms(seqs).to(device, non_blocking=True)
-        tokens, logprobs = sample(logits, params, uniforms)
-        topk = None
-        if want_topk:
-            wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
-            rows = torch.tensor(wanted, device=device) if len(wanted) < len(seqs) else slice(None)
-            topk_d = topk_all[:, rows].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
-            prompt_d, prompt_seqs = self._read_prompt_topk(seqs)
-        sync_start = time.perf_counter()
-        result = torch.stack([tokens.double(), logprobs.double()]).tolist()  # the step's one sync
+            hidden, topk_all = self._forward_packed(scheduled, want_topk, on_inputs)
+        tokens = result = topk_host = None
+        wanted: list[int] = []
+        if seqs:
+            logits = self.model.lm_head(hidden).float()  # (B, V)
+            rows = self._sampling_rows(seqs)
+            num_output = upload(torch.tensor([seq.num_output for seq in seqs]), device)  # (B,) tokens before this one
+            rows.mask_stop_ids(logits, num_output)
+            tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
+            result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
+            if want_topk:
+                wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
+                picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
+                topk_host = topk_all[:, picked].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
+            if not on_host:  # into pinned memory without waiting; `done` says when it is there
+                result, topk_host = _to_host_async(result), _to_host_async(topk_host)
+        device_s = time.perf_counter() - forward_start if on_host else 0.0
         if not on_host:
-            self._step_device_s = time.perf_counter() - sync_start
-        if want_topk:
-            arrays = list(topk_d.cpu().numpy())  # one (n_full, K) array per requesting row
-            topk = {seqs[b].req.rid: arrays[k].copy() for k, b in enumerate(wanted)}  # copies: no view pins the step
-            if prompt_seqs:
-                split = np.cumsum([n for _, n in prompt_seqs])[:-1]
-                for (seq, _), rows_np in zip(prompt_seqs, np.split(prompt_d.transpose(0, 1).cpu().numpy(), split)):
-                    seq.prompt_topk = rows_np  # (rows, n_full, K): a view of this step's host copy of prompt rows
-        return result[0], result[1], topk
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        for seq, n in scheduled:
+            seq.num_computed += n
+            seq.failures = 0
+        token_index = []
+        for seq in seqs:
+            seq.tokens.append(IN_FLIGHT)
+            seq.inflight += 1
+            token_index.append(len(seq.tokens) - 1)
+        launched = _Launched(scheduled=scheduled, sampled=seqs, row_of={id(seq): b for b, seq in enumerate(seqs)},
+                             token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
+                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
+        if on_host:
+            self._account_device(launched)
+        return launched
 
-    def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache.
+    def _feed(self, ids: torch.Tensor, rows: list[int], seqs: list[_Sequence], previous: _Launched) -> None:
+        """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet)."""
+        src = [previous.row_of[id(seq)] for seq in seqs]
+        n = len(previous.sampled)
+        if rows == src == list(range(n)):  # the common case: the same requests in the same order
+            ids[:n].copy_(previous.tokens)
+            return
+        index = upload(torch.tensor(rows + src, dtype=torch.long), self.device)
+        ids.index_copy_(0, index[: len(rows)], previous.tokens.index_select(0, index[len(rows) :]))
+
+    def _sampling_rows(self, seqs: list[_Sequence]) -> SamplingRows:
+        """The device tensors of these rows, updated from the last step's (rows.py)."""
+        key = tuple(seq.serial for seq in seqs)
+        if self._rows is None:
+            self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
+        elif self._rows.key != key:
+            self._rows = self._rows.update(key, [seq.row for seq in seqs])
+        return self._rows
+
+    def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool,
+                        on_inputs: Callable[[torch.Tensor, list[int], list[_Sequence]], None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Any mix of prefill chunks and decode rows in one packed forward, keys gathered from the cache; decode rows
+        whose input is in flight get it on the device (`on_inputs(ids, rows, their sequences)`, before the forward).
 
         Returns the final hidden states of the rows that sample (B, D) and their top-k (n_full, B, K) or None.
         Forked sequences (self._forks) add no rows: their new cache rows are copied from their twin's after the
@@ -574,6 +775,9 @@ class Engine:
         )
         Tq, Tk = len(input_ids), int(lens_k.sum())
         row_ends = np.cumsum(lens_q)
+        fed = [i for i, (seq, _) in enumerate(scheduled) if seq.inflight]  # decode rows (n == 1) whose input is in flight
+        fed_rows = [int(row_ends[i]) - 1 for i in fed]
+        input_ids[fed_rows] = IN_FLIGHT_INPUT
         last_row_of = {id(seq): int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
                        if seq.num_computed + n == len(seq.tokens)}
         # Every sequence that samples this step, in scheduled order, and the query row it samples from.
@@ -586,6 +790,7 @@ class Engine:
         packed = packed.to(device, non_blocking=True)
         ids_d, starts_d, lens_q_d, lens_k_d, last_rows_d, table_d = packed.split([Tq, S, S, S, len(last_rows), S * max_blocks])
         table_d = table_d.view(S, max_blocks)
+        on_inputs(ids_d, fed_rows, [scheduled[i][0] for i in fed])
         zero = torch.zeros(1, dtype=torch.long, device=device)
         cu_q, cu_k = torch.cat([zero, lens_q_d.cumsum(0)]), torch.cat([zero, lens_k_d.cumsum(0)])
         seq_ids = torch.arange(S, device=device)
@@ -614,27 +819,6 @@ class Engine:
         start_len = seq.req.indexer_topk_start_len
         return seq.prompt_len - 1 if start_len < 0 else max(start_len, self.config.index_topk)
 
-    def _read_prompt_topk(self, seqs: list[_Sequence]) -> tuple[torch.Tensor | None, list[tuple[_Sequence, int]]]:
-        """The kept selections of the prompt rows of requests sampling their first token now (n_full, rows, K).
-
-        Read from the cache pool after this step stored its own rows: a reused prefix's rows are there too."""
-        bs, slots, picked = self.block_size, [], []
-        for seq in seqs:
-            if not seq.req.return_indexer_topk or seq.prompt_topk is not None or seq.num_output:
-                continue
-            first = self._topk_first(seq)
-            if first > seq.prompt_len - 2:
-                continue
-            r = np.arange(first, seq.prompt_len - 1)
-            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
-            picked.append((seq, len(r)))
-        if not picked:
-            return None, []
-        slots_t = torch.from_numpy(np.concatenate(slots))
-        if self.device.type == "cuda":
-            slots_t = slots_t.pin_memory()  # a pageable upload would make the host wait for the forward here
-        return self.cache.read_topk(slots_t.to(self.device, non_blocking=True)), picked
-
     def _copy_fork_rows(self, scheduled: list[tuple[_Sequence, int]]) -> None:
         """Fill each forked sequence's new cache rows with its twin's (same tokens, same positions, same weights)."""
         bs = self.block_size
@@ -647,45 +831,67 @@ class Engine:
                 src.append(twin.blocks[pos // bs] * bs + pos % bs)
                 dst.append(seq.blocks[pos // bs] * bs + pos % bs)
         if dst:
-            self.cache.copy_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
-
-    def _mask_min_new_tokens(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
-        rows, ids = [], []
-        for b, seq in enumerate(seqs):
-            if seq.num_output < seq.stop.min_new_tokens:
-                masked = seq.stop.masked_ids
-                rows += [b] * len(masked)
-                ids += masked
-        if rows:
-            mask_tokens(logits, torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-
-    def _uniforms(self, seqs: list[_Sequence]) -> torch.Tensor:
-        """One uniform per row: from the request's own generator when seeded (batch-independent), else the engine's."""
-        u = torch.rand(len(seqs), generator=self._rng, dtype=torch.float64)
-        for b, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.req.sampling.greedy:
-                u[b] = torch.rand((), generator=seq.generator, dtype=torch.float64)
-        return u
+            self.cache.copy_rows(upload(torch.tensor(src), self.device), upload(torch.tensor(dst), self.device))
 
     # -- finishing, retracting, failures --------------------------------------------------------
 
-    def _topk_rows(self, seq: _Sequence) -> tuple[np.ndarray, int]:
-        """(selections of rows first .. P+R-2 as (rows, n_full, K) int32, first): what the final output carries."""
-        P, R = seq.prompt_len, len(seq.topk)
-        first = self._topk_first(seq)
-        if seq.prompt_topk is None:  # no token sampled yet, or no prompt row asked for
-            first = max(first, P - 1)
-        first = min(first, P - 1 + R)
-        shape = (0, self.n_full_layers, self.config.index_topk)
-        out = np.stack(seq.topk)[first - (P - 1) :] if first - (P - 1) < R else np.zeros(shape, dtype=np.int32)
-        if first < P - 1:
-            out = np.concatenate([seq.prompt_topk, out])
-        return out, first
+    def _topk_range(self, seq: _Sequence) -> tuple[int, int]:
+        """The sequence rows [first, end) whose selections the final output carries (empty before a first token)."""
+        P, R = seq.prompt_len, seq.num_output
+        if R == 0:
+            return P - 1, P - 1
+        return min(self._topk_first(seq), P - 1 + R), P - 1 + R
 
-    def _output(self, seq: _Sequence, final: bool = False) -> GenerateOutput:
-        topk = topk_start = None
-        if final and seq.req.return_indexer_topk:
-            topk, topk_start = self._topk_rows(seq)
+    def _topk_rows(self, seqs: list[_Sequence]) -> list[tuple[np.ndarray, int]]:
+        """Each sequence's (selections of its rows first .. end-1 as (rows, n_full, K) int32, first), for its final
+        output: from the per-step copies, or with kept_topk from the cache pool, one read for all of them."""
+        shape = (0, self.n_full_layers, self.config.index_topk)
+        if not self.cache.keep_topk:
+            P = [seq.prompt_len for seq in seqs]
+            return [(np.stack(seq.topk) if seq.topk else np.zeros(shape, dtype=np.int32), p - 1) for seq, p in zip(seqs, P)]
+        ranges = [self._topk_range(seq) for seq in seqs]
+        pooled = self._read_kept_topk([(seq, first + _rows(seq.retracted_topk), end)
+                                       for seq, (first, end) in zip(seqs, ranges)])
+        out = []
+        for seq, (first, end), rows in zip(seqs, ranges, pooled):
+            if end <= first:
+                out.append((np.zeros(shape, dtype=np.int32), first))
+            else:
+                parts = [r for r in (seq.retracted_topk, rows) if r is not None and len(r)]
+                out.append((parts[0] if len(parts) == 1 else np.concatenate(parts)[: end - first], first))
+        return out
+
+    def _read_kept_topk(self, spans: list[tuple[_Sequence, int, int]]) -> list[np.ndarray | None]:
+        """The kept selections of rows [start, end) of each sequence, from its cache blocks: (rows, n_full, K) int32
+        each (None where the span is empty), in one read."""
+        bs, slots, sizes = self.block_size, [], []
+        for seq, start, end in spans:
+            r = np.arange(start, max(start, end))
+            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
+            sizes.append(len(r))
+        if not any(sizes):
+            return [None] * len(spans)
+        # These rows come from steps the host has read already. On CUDA a side stream reads them, so this waits for
+        # that read only, not for a step in flight on the main stream (which writes other rows: overlap).
+        with self._side_stream():
+            rows = self.cache.read_topk(upload(torch.from_numpy(np.concatenate(slots)), self.device))  # (n_full, S, K)
+            parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
+        return [part if n else None for part, n in zip(parts, sizes)]
+
+    def _side_stream(self) -> Any:
+        """A context on the engine's second CUDA stream (nothing on CPU)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
+
+    def _output(self, seq: _Sequence, final: bool = False, topk: tuple[np.ndarray, int] | None = None) -> GenerateOutput:
+        """The request's state; `final` adds its text and, when asked for, its index replay rows (`topk`, else read
+        here)."""
+        if final and seq.req.return_indexer_topk and topk is None:
+            topk = self._topk_rows([seq])[0]
+        topk, topk_start = topk if final and topk is not None else (None, None)
         return GenerateOutput(
             rid=seq.req.rid,
             output_ids=seq.output_ids,
@@ -706,19 +912,43 @@ class Engine:
         seq.blocks, seq.reserved, seq.num_computed, seq.num_registered, seq.digests = [], 0, 0, 0, []
 
     def _finish(self, seq: _Sequence, reason: dict) -> GenerateOutput:
-        seq.finish_reason = reason
-        self._active.pop(seq.req.rid, None)
-        if seq in self._running:
-            self._running.remove(seq)
-            self._free(seq)
-        elif seq in self._queue:
-            self._queue.remove(seq)
+        return self._finish_all([(seq, reason)])[0]
+
+    def _finish_all(self, ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
+        """End these sequences with their finish reasons; their final outputs. Replay rows are read before the
+        blocks are freed, for all of them at once."""
+        if not ending:
+            return []
+        for seq, _ in ending:  # a token in flight for a request that ends now is not its
+            if seq.inflight:
+                del seq.tokens[len(seq.tokens) - seq.inflight :]
+                seq.inflight = 0
+        wanting = [seq for seq, _ in ending if seq.req.return_indexer_topk]
         try:
-            return self._output(seq, final=True)
-        except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
-            logger.exception("engine: final output of request %s failed", seq.req.rid)
-            seq.finish_reason = {"type": "abort", "message": f"detokenization failed: {type(exc).__name__}: {exc}"}
-            return self._output(seq)
+            topk = dict(zip(map(id, wanting), self._topk_rows(wanting))) if wanting else {}
+        except Exception:  # noqa: BLE001 - e.g. a device error: each output then reads (and fails) alone
+            logger.exception("engine: reading the replay rows of %d requests failed", len(wanting))
+            topk = {}
+        outputs = []
+        for seq, reason in ending:
+            seq.finish_reason = reason
+            try:
+                outputs.append(self._output(seq, final=True, topk=topk.get(id(seq))))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
+                logger.exception("engine: final output of request %s failed", seq.req.rid)
+                seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
+                outputs.append(self._output(seq))
+        ended = {id(seq) for seq, _ in ending}
+        running = [seq for seq in self._running if id(seq) in ended]
+        if running:
+            self._running = [seq for seq in self._running if id(seq) not in ended]
+        for seq in running:
+            self._free(seq)
+        for seq, _ in ending:
+            self._active.pop(seq.req.rid, None)
+            if seq in self._queue:
+                self._queue.remove(seq)
+        return outputs
 
     def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
         """End one request with finish_reason abort and the error; blocks it offered this step are not trusted."""
@@ -730,7 +960,13 @@ class Engine:
         return out
 
     def _retract(self, seq: _Sequence) -> None:
-        """Back to the front of the queue without cache; generated tokens (and the seeded generator) are kept."""
+        """Back to the front of the queue without cache; generated tokens are kept (and so are the draws: they hash the
+        seed and the token index), and so are the kept replay rows computed so far (their first computation counts)."""
+        if self.cache.keep_topk and seq.req.return_indexer_topk:
+            first = self._topk_first(seq)
+            (rows,) = self._read_kept_topk([(seq, first + _rows(seq.retracted_topk), seq.num_computed)])
+            if rows is not None:
+                seq.retracted_topk = rows if seq.retracted_topk is None else np.concatenate([seq.retracted_topk, rows])
         self._free(seq)
         self._queue.appendleft(seq)
 
@@ -751,6 +987,40 @@ class Engine:
             self._running.remove(seq)
             self._retract(seq)
         return outputs
+
+
+_heap_frozen = False
+
+
+def _freeze_heap_once() -> None:
+    """Move what exists now (imported modules, the model) out of the garbage collector's sight, once per process:
+    a full collection then scans only what came later. Unfrozen, one took ~200 ms in a CPU step loop at batch 256.
+    Collected first, so no garbage is frozen with it."""
+    global _heap_frozen
+    if not _heap_frozen:
+        gc.collect()
+        gc.freeze()
+        _heap_frozen = True
+
+
+def _tail(seq: _Sequence) -> list[int]:
+    """The output tokens a stop string can end in (stop.py's window), without copying the whole output or taking
+    tokens in flight."""
+    end = len(seq.tokens) - seq.inflight
+    return seq.tokens[max(seq.prompt_len, end - seq.stop.window) : end]
+
+
+def _to_host_async(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A pinned host copy of a device tensor, queued on the stream (read it once the stream has passed the copy)."""
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _rows(array: np.ndarray | None) -> int:
+    return 0 if array is None else len(array)
 
 
 def _next_version(weight_version: str) -> str:

@@ -1,10 +1,13 @@
 """Where an engine's step loop spends its time, from two readings of its cumulative counters (`Engine.stats`, also
 `stats_*` in /get_server_info). Light: no torch, so the orchestrator reads it as plain numbers.
 
-Host gap: the time in steps not spent waiting on the device. On CUDA the host waits once per step, for the sampled
-tokens; everything else in the step (scheduling, block tables, launching the forward, per-request sampling
-parameters and seeds, stop checks, outputs) is host time that the device may or may not overlap. On CPU the forward
-runs on the engine's own thread, so the "wait" is the model forward and the gap is everything around it.
+Device time (`device_s`): on CUDA, each step's span on the device, from its inputs being queued to its results'
+copy to the host (CUDA events, read when the step's results are); on CPU the forward and the sampling, which run on
+the engine's own thread. Host gap: the time in steps the device is not working, 1 - device time / step time. With the engine's
+overlap scheduler the device computes step N+1 while the host reads step N, so the gap falls towards 0 as long as
+the host keeps up; without it, every host action of a step (scheduling, block tables, launching, stop checks,
+outputs) leaves the device idle. Step time counts only time in `Engine.step()`: time the caller spends between
+steps is not in it (an orchestrator reports it separately), and with overlap the device may work through it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[in
     steps, decode_steps: scheduler iterations (all, and those where every request decoded one token);
     tok_s: generated tokens per second in steps, summed over engines (they run side by side);
     step_ms, decode_step_ms: mean wall time of a step; batch: tokens sampled per step; occupancy: running requests
-    per step over max_running_requests; host_gap_s / host_gap_share: time in steps not waiting on the device
-    (decode_host_gap_share: of decode-only steps); busy_s: seconds in steps.
+    per step over max_running_requests; host_gap_s / host_gap_share: time in steps the device is not working
+    (decode_host_gap_share: of decode-only steps); device_s: the device's time; busy_s: seconds in steps.
     """
     active = [(d, m) for d, m in zip(deltas, max_running) if d["steps"] > 0 and d["step_s"] > 0]
     if not active:
@@ -51,6 +54,7 @@ def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[in
         "occupancy": sum(d["running_sum"] / max(m, 1) for d, m in active) / steps,
         "host_gap_s": step_s - total["device_s"],
         "host_gap_share": max(0.0, 1.0 - total["device_s"] / step_s),
+        "device_s": total["device_s"],
         "busy_s": step_s,
     }
     if total["decode_steps"] > 0 and total["decode_step_s"] > 0:

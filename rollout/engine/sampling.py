@@ -2,9 +2,10 @@
 
 Order of operations (SGLang's): stop tokens masked while a row is under min_new_tokens -> temperature ->
 top-k / top-p / min-p, all three judged on the temperature-scaled distribution sorted once -> renormalise ->
-draw by inverse CDF with one uniform number per row. The uniform comes from the request's own
-torch.Generator when it has a sampling_seed, so a seeded request draws the same tokens whatever else is
-in the batch.
+draw by inverse CDF with one uniform number per row. The uniforms of a step are one batched draw on the device:
+row b gets splitmix64(seed_b, n_b), a counter-based hash of its request's seed and the index n_b of the token it
+draws (`counter_uniforms`). A request with a sampling_seed therefore draws the same tokens whatever else is in the
+batch, and after a retract; one without gets a seed from the engine's generator when it arrives.
 
 Log-probs (the `rollout_logprobs` RL needs): a sampled token's log-prob is taken under the distribution it
 was actually drawn from, i.e. log_softmax of the filtered, temperature-scaled logits (renormalised over the
@@ -18,14 +19,39 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.types import SamplingParams
-
 GREEDY_TEMPERATURE = 1e-6
+
+# splitmix64 (Steele, Lea, Flood 2014; Vigna's reference code) on int64 tensors, constants as two's-complement int64.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def seed_to_int64(seed: int) -> int:
+    """A seed in [-2**63, 2**64) as the int64 with the same low 64 bits."""
+    seed &= 2**64 - 1
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed integers)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1): output `counters` (B,) of splitmix64 seeded with `seeds` (B,), both int64 -> (B,) float64.
+
+    Integer multiplication wraps modulo 2**64 on every torch backend, as the hash needs."""
+    z = seeds + (counters + 1) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() * 2.0**-53  # the top 53 bits
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as tensors on the logits' device. B rows."""
+    """Per-row sampling parameters as tensors on the logits' device, B rows (rows.SamplingRows keeps them)."""
 
     temperature: torch.Tensor  # (B,) float32, 1.0 on greedy rows
     top_k: torch.Tensor  # (B,) int64, vocab size where unrestricted
@@ -35,35 +61,6 @@ class SamplingBatch:
     all_greedy: bool
     needs_sort: bool  # some sampled row restricts top_k or top_p
     needs_min_p: bool
-
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> "SamplingBatch":
-        greedy = [p.greedy for p in params]
-        if all(greedy):  # argmax only: no parameter tensors needed
-            empty = torch.empty(0, device=device)
-            return cls(empty, empty, empty, empty, empty, all_greedy=True, needs_sort=False, needs_min_p=False)
-        temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
-        top_p = [float(p.top_p) for p in params]
-        min_p = [float(p.min_p) for p in params]
-        sampled = [not g for g in greedy]
-        return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32).to(device, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.long).to(device, non_blocking=True),
-            top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True),
-            min_p=torch.tensor(min_p, dtype=torch.float32).to(device, non_blocking=True),
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
-            all_greedy=all(greedy),
-            needs_sort=any(s and (k < vocab_size or p < 1.0) for s, k, p in zip(sampled, top_k, top_p)),
-            needs_min_p=any(s and m > 0 for s, m in zip(sampled, min_p)),
-        )
-
-
-def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Set logits[rows[i], token_ids[i]] = -inf (stop tokens of requests under min_new_tokens). In place."""
-    if rows.numel():
-        logits[rows, token_ids] = float("-inf")
-    return logits
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

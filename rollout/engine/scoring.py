@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from slime_dsa.devices import upload
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.models.logprobs import chunked_logprobs
 
@@ -39,7 +40,7 @@ def score_requests(model: GlmMoeDsaForCausalLM, requests: list[GenerateRequest],
     """The input scores of each prefill-only request, from one packed forward over all of them."""
     device = model.device
     lens = [len(r.input_ids) for r in requests]
-    ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long, device=device)
+    ids = upload(torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long), device)
     hidden = model.forward_packed(ids, PackedBatch.from_seqlens(lens, device), return_logits=False).hidden_states
     # rows L .. P-2 of each sequence give tokens L+1 .. P-1; requests with the same temperature and k go together
     starts = [sum(lens[:i]) for i in range(len(lens))]

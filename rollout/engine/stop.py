@@ -5,7 +5,8 @@ max_new_tokens capped by the room left in the model's context. The engine reserv
 many tokens, and the limit wins over min_new_tokens (SGLang checks min first, so min > max would run past both).
 
 Stop strings are looked for in the decoded tail of the output (the last `window` tokens, window = the
-longest stop string's token count + 1, as SGLang does), so a step costs one short decode per request.
+longest stop string's token count + 1, as SGLang does): a step costs one batched decode of short tails, over the
+requests that have stop strings only.
 The matched EOS / stop token stays in output_ids; `trim_matched_stop` trims only the text.
 """
 
@@ -16,11 +17,21 @@ from typing import Any
 from rollout.engine.types import RequestError, SamplingParams
 
 
+MAX_CACHED_WINDOWS = 4096  # distinct sets of stop strings an engine remembers the window of
+
+
+def stop_window(tokenizer: Any, stop_strings: list[str]) -> int:
+    """Tokens of output whose text can hold a stop string that its last token completes."""
+    longest = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stop_strings)
+    return max(longest, max(len(s) for s in stop_strings)) + 1
+
+
 class StopChecker:
     """Per-request stop rules; `check(output_ids)` returns a finish_reason dict or None."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: list[int], tokenizer: Any = None, *, prompt_len: int = 0,
-                 context: int | None = None) -> None:
+                 context: int | None = None, windows: dict[tuple[str, ...], int] | None = None) -> None:
+        """windows: a cache of the tail length per set of stop strings, shared by the requests of one tokenizer."""
         self.params = params
         room = params.max_new_tokens if context is None else context - prompt_len
         self.max_new_tokens = max(0, min(params.max_new_tokens, room))
@@ -32,15 +43,17 @@ class StopChecker:
         if self.stop_strings:
             if tokenizer is None:
                 raise RequestError("sampling_params.stop needs an engine started with a tokenizer")
-            longest = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop_strings)
-            self.window = max(longest, max(len(s) for s in self.stop_strings)) + 1
-
-    @property
-    def masked_ids(self) -> list[int]:
-        """Tokens masked out while the output is shorter than min_new_tokens."""
-        return sorted(self.stop_ids)
+            key = tuple(self.stop_strings)
+            window = None if windows is None else windows.get(key)
+            if window is None:
+                window = stop_window(tokenizer, self.stop_strings)
+                if windows is not None and len(windows) < MAX_CACHED_WINDOWS:
+                    windows[key] = window
+            self.window = window
 
     def check(self, output_ids: list[int]) -> dict | None:
+        """The finish reason after the last of output_ids, or None. The engine runs the same rules batched: lengths
+        and stop tokens on the device (rows.SamplingRows.finish_codes), stop strings through `match_stop_strings`."""
         n = len(output_ids)
         if n >= self.max_new_tokens:
             return {"type": "length", "length": self.max_new_tokens}
@@ -50,10 +63,14 @@ class StopChecker:
         if last in self.stop_ids:
             return {"type": "stop", "matched": last}
         if self.stop_strings:
-            tail = self.tokenizer.decode(output_ids[-self.window :], skip_special_tokens=False)
-            for s in self.stop_strings:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
+            return self.matched_string(decode_tails(self.tokenizer, [output_ids[-self.window :]])[0])
+        return None
+
+    def matched_string(self, tail: str) -> dict | None:
+        """The finish reason of the first stop string found in the decoded tail, or None."""
+        for s in self.stop_strings:
+            if s in tail:
+                return {"type": "stop", "matched": s}
         return None
 
     def final_text(self, output_ids: list[int], finish_reason: dict | None) -> str | None:
@@ -62,6 +79,25 @@ class StopChecker:
             return None
         text = self.tokenizer.decode(output_ids, skip_special_tokens=self.params.skip_special_tokens)
         return trim_matched_stop(text, finish_reason, self.params.no_stop_trim)
+
+
+def match_stop_strings(stops: list[StopChecker], outputs: list[list[int]]) -> list[dict | None]:
+    """For requests with stop strings whose outputs reached min_new_tokens: the finish reason of each, from one
+    batched decode of their tails (the requests share the engine's tokenizer)."""
+    if not stops:
+        return []
+    tails = [out[-stop.window :] for stop, out in zip(stops, outputs)]
+    return [stop.matched_string(text) for stop, text in zip(stops, decode_tails(stops[0].tokenizer, tails))]
+
+
+def decode_tails(tokenizer: Any, tails: list[list[int]]) -> list[str]:
+    """tokenizer.decode(tail, skip_special_tokens=False) of each tail; straight through a fast tokenizer's backend
+    when decode would add nothing to the backend's text (no clean-up of spaces). A loop: the backend's decode_batch
+    hands the tails to a thread pool, which costs more than it saves on tails this short."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return [backend.decode(tail, skip_special_tokens=False) for tail in tails]
+    return [tokenizer.decode(tail, skip_special_tokens=False) for tail in tails]
 
 
 def trim_matched_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:

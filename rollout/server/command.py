@@ -35,6 +35,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep each cached row's DSA top-k next to its KV, so /generate can return the prompt rows' "
                              "selection too (indexer_topk_start_len >= 0; index replay). Costs full layers x "
                              "index_topk x 2 bytes per cache token")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the engine's overlap scheduler: each step launches before the previous step's tokens "
+                             "reach the host (checked on CPU; not yet measured on a GPU, so off by default)")
     parser.add_argument("--preload-weights", nargs="+", default=None, metavar="DIR",
                         help="checkpoint directories held in host memory (pinned on a GPU) from the start: "
                              "/update_weights_from_disk of one of them copies from there (teachers taking turns); "
@@ -64,5 +67,5 @@ def run(args: argparse.Namespace) -> int:
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk,
-          preload_weights=args.preload_weights)
+          preload_weights=args.preload_weights, overlap=args.overlap)
     return 0

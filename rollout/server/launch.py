@@ -40,13 +40,14 @@ def load_engine(
     ops_backend: str = "auto",
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
+    overlap: bool = False,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
     `ops_backend` (auto | torch | triton) picks the DSA kernels for this process, as the recipe's model.ops_backend.
     `keep_indexer_topk` keeps every cached row's DSA top-k, so requests can get their prompt rows' (index replay).
     `preload_weights`: checkpoint directories read into (pinned) host memory now, which /update_weights_from_disk
-    then copies from (teachers taking turns on one engine).
+    then copies from (teachers taking turns on one engine). `overlap`: the engine's overlap scheduler (Engine).
     """
     import torch
 
@@ -61,7 +62,8 @@ def load_engine(
     model = load_model(model_dir, dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
-                    tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk)
+                    tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk,
+                    overlap=overlap)
     async_engine = AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None)
     async_engine.preload_weights(preload_weights or [])
     return async_engine, tokenizer
@@ -150,6 +152,7 @@ def serve(
     served_model_name: str | None = None,
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
+    overlap: bool = False,
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise.
 
@@ -160,7 +163,8 @@ def serve(
     check_port(host, port)
     engine, tokenizer = load_checked_engine(model_dir, max_cache_tokens=max_cache_tokens,
                                             max_running_requests=max_running_requests, dtype=dtype, device=device,
-                                            keep_indexer_topk=keep_indexer_topk, preload_weights=preload_weights)
+                                            keep_indexer_topk=keep_indexer_topk, preload_weights=preload_weights,
+                                            overlap=overlap)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name,

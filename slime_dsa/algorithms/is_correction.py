@@ -33,3 +33,17 @@ def tis_weights(log_k: torch.Tensor, cap: float = 2.0) -> tuple[torch.Tensor, to
 def mismatch_metrics(log_k: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Mean |log k| = mean |log π_old - log π_roll| over generated tokens: a weight-sync error shows up here."""
     return {"train_rollout_logprob_abs_diff": masked_mean(log_k.abs(), loss_mask).detach()}
+
+
+def logprob_agreement_sums(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                           loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How a forward's log-probs agree with the engine's over trained tokens, as sums that add across micro-batches
+    and ranks: |Δlogp| ("sync_logprob_abs_diff/num" and "/den"), its max, and the bit-equal count
+    ("sync_logprob_exact")."""
+    trained = loss_mask > 0
+    gap = torch.where(trained, (logprobs - rollout_logprobs).abs(), 0.0)
+    count = trained.sum()
+    return {"sync_logprob_abs_diff/num": gap.sum(), "sync_logprob_abs_diff/den": count,
+            "sync_logprob_abs_diff_max": gap.max() if gap.numel() else gap.new_zeros(()),
+            "sync_logprob_exact/num": ((logprobs == rollout_logprobs) & trained).sum(), "sync_logprob_exact/den": count}
+

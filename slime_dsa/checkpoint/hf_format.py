@@ -131,6 +131,13 @@ def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def saved_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype a checkpoint's weights are saved in: its embedding's (a bf16 checkpoint may hold its routers and
+    indexer heads in float32)."""
+    embedding = state.get("model.embed_tokens.weight")
+    return embedding.dtype if embedding is not None else torch.float32
+
+
 def check_and_assign(model: GlmMoeDsaForCausalLM, state: dict[str, torch.Tensor]) -> None:
     """Load `state` into `model`, failing with the tensor's name and both shapes on any mismatch."""
     expected = model.state_dict()
@@ -170,8 +177,5 @@ def load_model(
         model = GlmMoeDsaForCausalLM(config)
     state = read_state_dict(directory)
     check_and_assign(model, state)
-    target = _parse_dtype(dtype)
-    if target is None:
-        target = next(iter(state.values())).dtype if state else torch.float32
-    model.cast(target)
+    model.cast(_parse_dtype(dtype) or saved_dtype(state))
     return model.to(device) if device is not None else model

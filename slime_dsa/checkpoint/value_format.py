@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from slime_dsa.checkpoint.hf_format import _parse_dtype, check_and_assign, read_state_dict, save_pretrained
+from slime_dsa.checkpoint.hf_format import _parse_dtype, check_and_assign, read_state_dict, save_pretrained, saved_dtype
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.value_model import VALUE_HEAD, GlmMoeDsaForValue, fresh_value_head, value_config
 
@@ -52,7 +52,7 @@ def load_value_model(path: str | Path, dtype: torch.dtype | str | None = None,
     else:
         wanted.update(fresh_value_head(config, seed))
         logger.info("value model: the backbone of the policy in %s under a fresh value head", directory)
-    target = _parse_dtype(dtype) or next(iter(state.values())).dtype
+    target = _parse_dtype(dtype) or saved_dtype(state)
     with torch.device("meta"):
         model = GlmMoeDsaForValue(config)
     check_and_assign(model, wanted)

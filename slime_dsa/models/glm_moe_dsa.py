@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
+from slime_dsa.devices import upload
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
@@ -72,9 +73,11 @@ class PackedBatch:
     @classmethod
     def from_seqlens(cls, seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "PackedBatch":
         """A batch of whole sequences (training / prefill without a cache)."""
-        lens = torch.as_tensor(seqlens, dtype=torch.long, device=device)
+        total = sum(seqlens) if isinstance(seqlens, list) else None  # known on the host: no sync for the sizes
+        lens = upload(torch.as_tensor(seqlens, dtype=torch.long), device)
         cu = F.pad(lens.cumsum(0), (1, 0))
-        positions = torch.arange(int(cu[-1]), device=device) - torch.repeat_interleave(cu[:-1], lens)
+        total = int(cu[-1]) if total is None else total
+        positions = torch.arange(total, device=device) - torch.repeat_interleave(cu[:-1], lens, output_size=total)
         return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
@@ -113,6 +116,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class IndexerHead(nn.Linear):
+    """The indexer's per-head weights (weights_proj): computed in float32 whatever dtype the weight is held in, so
+    that bf16 noise here does not change the top-k. Held in float32 in every path (float32_modules); a module call,
+    not a read of .weight, so that a separate FSDP2 shard of it is gathered."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Indexer(nn.Module):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] relu(q_j[t] . k[s] / sqrt(Di)), w = weights_proj(x) / sqrt(Hi)."""
 
@@ -123,7 +135,7 @@ class Indexer(nn.Module):
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in float32
+        self.weights_proj = IndexerHead(config.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
 
     def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -138,7 +150,7 @@ class Indexer(nn.Module):
         T = x.shape[0]
         q = self._rope_first(self.wq_b(q_latent).view(T, self.n_heads, self.head_dim), cos, sin)  # (T, Hi, Di)
         k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)  # (T, Di)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # (T, Hi)
+        w = self.weights_proj(x) * self.n_heads**-0.5  # (T, Hi) float32
         return q, k, w
 
 
@@ -338,7 +350,7 @@ class Experts(nn.ModuleList):
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert, one matmul per expert hit (one host sync for the counts)."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)  # the k weighted outputs summed in float32, as the grouped path
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)  # (T*k,)
         order = torch.argsort(flat, stable=True)
@@ -351,8 +363,8 @@ class Experts(nn.ModuleList):
             start += count
             tokens, k = slots // top_k, slots % top_k
             y = self[expert](x[tokens]) * weights[tokens, k, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+            out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)
 
     def _forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs over the (token, slot) rows sorted by expert; group offsets stay on the device."""
@@ -470,6 +482,35 @@ class GlmMoeDsaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def float32_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules held in float32 at every compute dtype, values unrounded: the routers (weight and selection bias;
+    transformers' _keep_in_fp32_modules_strict) and the indexer heads (its _keep_in_fp32_modules, which it applies
+    to float16 only). In bf16 a rounding of these flips expert and key choices, so the engine and every trainer path
+    hold them alike."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, Router):
+            found.append(module)
+        elif isinstance(module, Indexer):
+            found.append(module.weights_proj)
+    return found
+
+
+@torch.no_grad()
+def cast_keeping_float32(model: nn.Module, dtype: torch.dtype, keep: list[nn.Module]) -> None:
+    """Floating-point parameters and buffers of `model` to dtype, those of `keep` (and their submodules) to float32:
+    each converted once from the value it holds, so a kept float32 value is never rounded through dtype."""
+    kept = {id(m) for module in keep for m in module.modules()}
+    for module in model.modules():
+        target = torch.float32 if id(module) in kept else dtype
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point() and buffer.dtype != target:
+                setattr(module, name, buffer.to(target))
+
+
 class GlmMoeDsaPreTrainedModel(nn.Module):
     """What every model on the GLM-MoE-DSA backbone shares: the backbone at `model.`, RoPE, the packed forward to
     the final hidden states, initialisation and casting. A head on top makes the causal LM or the value model."""
@@ -579,11 +620,8 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
                 module.drop_stacked()
 
     def cast(self, dtype: torch.dtype) -> "GlmMoeDsaPreTrainedModel":
-        """Cast to dtype, keeping the router and indexer head weights in float32 as transformers does."""
-        self.to(dtype)
-        for name, module in self.named_modules():
-            if isinstance(module, Router) or name.endswith("indexer.weights_proj"):
-                module.float()
+        """Cast to dtype, but for float32_modules, held in float32 with their values as loaded (never rounded)."""
+        cast_keeping_float32(self, dtype, float32_modules(self))
         return self
 
     @property

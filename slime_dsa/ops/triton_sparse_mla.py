@@ -371,24 +371,20 @@ def selection_ranges(indices: torch.Tensor, max_ratio: float = MASKED_RANGE_MAX_
     (the indexer's top-k never does); a map whose count falls short of the selected keys is refused. Two host
     syncs at most.
     """
-    T, K = indices.shape
+    T = indices.shape[0]
     valid = indices >= 0
     n = valid.sum(1)
     rows = indices.long()
-    lo_run = rows[:, 0]
-    col = torch.arange(K, device=indices.device)
-    expected = torch.where(col[None, :] < n[:, None], lo_run[:, None] + col[None, :], -1)
-    exact = ((indices == expected).all() & (lo_run[1:] >= lo_run[:-1]).all()
-             & ((lo_run + n)[1:] >= (lo_run + n)[:-1]).all())
+    exact, lo_run, hi_run = _whole_runs(indices)
     row_min = torch.where(valid, rows, torch.iinfo(torch.long).max).amin(1)
     lo = row_min.flip(0).cummin(0).values.flip(0)
     hi = torch.where(valid, rows + 1, 0).amax(1).cummax(0).values
     width = (hi - lo).clamp_min(0)
     nonempty = (n > 0).all()
     exact_ok, nonempty_ok, max_width, dense, selected = torch.stack(
-        [exact & nonempty, nonempty, width.max(), width.sum(), n.sum()]).tolist()
+        [exact, nonempty, width.max(), width.sum(), n.sum()]).tolist()
     if exact_ok:
-        return SelectionRanges(lo_run.to(torch.int32).contiguous(), (lo_run + n).to(torch.int32).contiguous(), None)
+        return SelectionRanges(lo_run, hi_run, None)
     if not nonempty_ok or dense > max_ratio * selected or T * (max_width + 1) > max_bytes:
         return None
     sel = torch.zeros(T, max_width + 1, dtype=torch.uint8, device=indices.device)  # column max_width: -1 slots
@@ -406,16 +402,20 @@ def key_ranges(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     index_topk >= the sequence length (every query takes all its causal keys, ascending) for packed sequences
     in order. One pass over `indices` and one host sync.
     """
+    ok, lo, hi = _whole_runs(indices)
+    return (lo, hi) if bool(ok) else None
+
+
+def _whole_runs(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ok, lo, hi) of `key_ranges` without the host sync: ok a bool tensor, lo and hi int32 (T,)."""
     T, K = indices.shape
     n = (indices >= 0).sum(1)  # (T,)
-    lo = indices[:, 0]
+    lo = indices[:, 0].long()
     hi = lo + n
     col = torch.arange(K, device=indices.device)
     expected = torch.where(col[None, :] < n[:, None], lo[:, None] + col[None, :], -1)  # (T, K)
     ok = (indices == expected).all() & (n > 0).all() & (lo[1:] >= lo[:-1]).all() & (hi[1:] >= hi[:-1]).all()
-    if not bool(ok):
-        return None
-    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    return ok, lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
 
 
 @triton.jit

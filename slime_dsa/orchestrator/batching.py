@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.specs import AdvantageInputs, Algorithm
 from slime_dsa.data.sample import Sample, SampleStatus
 from trainers.base import TrainBatch
@@ -96,9 +97,17 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     )
 
 
-def logprob_abs_diff(batch: TrainBatch) -> float:
-    """Mean |log π_old − log π_roll| over the batch's trained tokens: a silent weight-sync error shows here."""
+def logprob_agreement(batch: TrainBatch) -> dict[str, float]:
+    """How π_old (the trainer's forward) and π_roll (the engine's) agree over the batch's trained tokens: the mean
+    and max |Δlogp| (a silent weight-sync error shows here) and the fraction of tokens where they are equal bit for
+    bit. Keys as the trainers report them for the first step's forward."""
     if batch.old_logprobs is None:
-        return float("nan")
-    tokens = batch.loss_mask.sum().clamp(min=1)
-    return float(((batch.old_logprobs - batch.rollout_logprobs).abs() * batch.loss_mask).sum() / tokens)
+        return {"sync_logprob_abs_diff": float("nan")}
+    sums = {k: float(v) for k, v in
+            logprob_agreement_sums(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask).items()}
+    tokens = sums["sync_logprob_abs_diff/den"]
+    if not tokens:
+        return {"sync_logprob_abs_diff": 0.0, "sync_logprob_abs_diff_max": 0.0, "sync_logprob_exact": float("nan")}
+    return {"sync_logprob_abs_diff": sums["sync_logprob_abs_diff/num"] / tokens,
+            "sync_logprob_abs_diff_max": sums["sync_logprob_abs_diff_max"],
+            "sync_logprob_exact": sums["sync_logprob_exact/num"] / tokens}

@@ -156,6 +156,10 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     return metrics
 
 
+# The trainers' weight-sync check of the first optimiser step's forward (TrainerRank.train_step, measure_sync).
+SYNC_KEYS = ("sync_logprob_abs_diff", "sync_logprob_abs_diff_max", "sync_logprob_exact")
+
+
 async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, float]:
     """The policy's optimiser steps of one RL step; train/ metrics.
 
@@ -164,7 +168,7 @@ async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, f
     the first optimiser step's forward); none = no π_old at all (DIS, whose ratio is π_θ / π_roll), and
     train_rollout_logprob_abs_diff is the loss's mean |log π_θ − log π_roll| (staleness included).
     """
-    from slime_dsa.orchestrator.batching import logprob_abs_diff  # noqa: PLC0415
+    from slime_dsa.orchestrator.batching import logprob_agreement  # noqa: PLC0415
 
     recipe = run.recipe
     old_logprobs: OldLogprobs = run.algorithm.old_logprobs
@@ -176,12 +180,17 @@ async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, f
     old, train_metrics = await asyncio.to_thread(run.trainers.train, batch, recipe.trainer.num_steps_per_rollout,
                                                  recompute, logged)
     # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
-    sync_gap = train_metrics.pop("sync_logprob_abs_diff", None)
+    agreement = {k: train_metrics.pop(k) for k in SYNC_KEYS if k in train_metrics}
     if recompute:
         batch.old_logprobs = old
-        sync_gap = logprob_abs_diff(batch)
+        agreement = logprob_agreement(batch)
+    sync_gap = agreement.get("sync_logprob_abs_diff")
     if sync_gap is not None and old_logprobs != "none":
         metrics["train/train_rollout_logprob_abs_diff"] = sync_gap
+        for key, name in (("sync_logprob_abs_diff_max", "train_rollout_logprob_abs_diff_max"),
+                          ("sync_logprob_exact", "train_rollout_logprob_exact_frac")):
+            if key in agreement:
+                metrics[f"train/{name}"] = agreement[key]
         if sync_gap > recipe.trainer.logprob_diff_warn_threshold:
             logger.warning("step %d: train_rollout_logprob_abs_diff %.4g exceeds %.4g: trainer and engine weights "
                            "or numerics disagree", step + 1, sync_gap, recipe.trainer.logprob_diff_warn_threshold)

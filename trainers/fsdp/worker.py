@@ -2,9 +2,11 @@
 itself is trainers/rank.py's.
 
 Built in a readable order in __init__: process group → mesh → each role's model → parallelise → optimiser →
-scheduler. A group of one float32 rank is not wrapped (nothing to shard) and uses fused AdamW; so are the ranks of
-data_parallel "replicate", which average their gradients with one all-reduce per optimiser step. The same class runs
-as a Ray actor (trainers.fsdp.group) or directly in a test process.
+scheduler. A group of one rank is not wrapped (nothing to shard) and uses fused AdamW; in bf16 mixed precision it
+computes with a bf16 copy of its float32 weights (bf16_compute.py), which is what FSDP2 would compute there without
+its per-parameter overhead. The ranks of data_parallel "replicate" are not wrapped either: they average their
+gradients with one all-reduce per optimiser step. The same class runs as a Ray actor (trainers.fsdp.group) or
+directly in a test process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from slime_dsa import ops
 from slime_dsa.checkpoint import load_model, load_value_model
 from trainers.base import RankConfig, RoleConfig
+from trainers.fsdp.bf16_compute import Bf16Compute
 from trainers.fsdp.parallelize import apply_fsdp
 from trainers.optim import build_role_optimizer, build_scheduler
 from trainers.rank import Role, TrainerRank
@@ -50,11 +53,12 @@ class FSDPWorker(TrainerRank):
             raise ValueError("trainer.data_parallel: replicate trains in float32; bf16 mixed precision comes with "
                              "FSDP2 (data_parallel: fsdp)")
         self.mixed_precision = config.mixed_precision and use_cuda
-        self.sharded = config.data_parallel == "fsdp" and (world_size > 1 or self.mixed_precision)
-        self.roles = {name: self._build_role(role) for name, role in config.roles.items()}
+        self.sharded = config.data_parallel == "fsdp" and world_size > 1
+        self.bf16_copies: dict[str, Bf16Compute] = {}  # role name -> its bf16 compute copy (one mixed-precision rank)
+        self.roles = {name: self._build_role(name, role) for name, role in config.roles.items()}
         self._shared: SharedWeights | None = None  # built by the first share_weights (rollout.weight_sync cuda_ipc)
 
-    def _build_role(self, config: RoleConfig) -> Role:
+    def _build_role(self, name: str, config: RoleConfig) -> Role:
         """Load the role's float32 weights, freeze what it keeps fixed, shard, and give it an optimizer if it trains.
 
         A value role loads a value model, or a policy's backbone under a fresh head seeded by the run's seed."""
@@ -69,6 +73,9 @@ class FSDPWorker(TrainerRank):
         if self.sharded:
             model = apply_fsdp(model, self.mesh, self.mixed_precision, ENTRY_POINTS[config.kind])
         role = Role(config, model)
+        if self.mixed_precision and not self.sharded:
+            self.bf16_copies[name] = Bf16Compute(model)
+            role.compute = self.bf16_copies[name].module
         if config.trains:
             # Fused kernels for plain tensors (one rank): one pass over all parameters instead of ~10 ops each.
             role.optimizer = build_role_optimizer(model, config.optimizer, config.dsa.indexer_learning_rate,
@@ -80,6 +87,23 @@ class FSDPWorker(TrainerRank):
     def finish_gradients(self, params: list[torch.Tensor]) -> None:
         if not self.sharded and self.world_size > 1:
             average_gradients(params, self.world_size)
+
+    def _bf16_copy(self, held: Role) -> Bf16Compute | None:
+        return next((c for name, c in self.bf16_copies.items() if self.roles[name] is held), None)
+
+    def zero_gradients(self, role: Role) -> None:
+        super().zero_gradients(role)
+        if (copy := self._bf16_copy(role)) is not None:
+            copy.zero_grad()
+
+    def apply_gradients(self, held: Role) -> torch.Tensor:
+        copy = self._bf16_copy(held)
+        if copy is not None:
+            copy.gradients_to_master()
+        grad_norm = super().apply_gradients(held)
+        if copy is not None:
+            copy.refresh()
+        return grad_norm
 
     # -- weights and checkpoints ---------------------------------------------------------------
 
@@ -116,6 +140,8 @@ class FSDPWorker(TrainerRank):
         from trainers.fsdp.checkpointing import load_rank_checkpoint  # noqa: PLC0415
 
         load_rank_checkpoint(self, directory)
+        for copy in self.bf16_copies.values():
+            copy.refresh()
 
 
 def average_gradients(params: list[torch.Tensor], world_size: int) -> None:

@@ -1,6 +1,11 @@
-"""Megatron's SequentialMLP experts (same modules, weights and names), computed on a GPU with two grouped GEMMs over
-the stacked expert weights instead of one matmul per expert: what the local spec lacks without Transformer Engine's
-grouped linear. Elsewhere (CPU, float32) it is megatron's own per-expert loop."""
+"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), rounded as GlmMoeDsa's MoE is:
+each routed expert's output is weighted by its routing probability in float32, a token's k weighted outputs are
+summed in float32 and rounded once to the layer's dtype, then the shared expert's output is added. (Megatron's own
+layer scales the activations by the probability before fc2 and sums the k outputs in bf16: three more bf16
+roundings per token, enough in bf16 to flip later layers' expert choices against the engine and FSDP2.)
+On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
+GlmMoeDsa's grouped path (the local spec has no grouped linear without Transformer Engine); elsewhere megatron's
+per-expert loop."""
 
 from __future__ import annotations
 
@@ -10,35 +15,51 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class GroupedSequentialMLP(SequentialMLP):
-    """SequentialMLP whose forward is grouped GEMMs on CUDA in bfloat16 (expert tensor parallelism 1)."""
+    """SequentialMLP returning float32 prob-weighted rows; grouped GEMMs on CUDA in bfloat16 (expert TP 1)."""
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         fc1 = self.local_experts[0].linear_fc1.weight  # (2I, D)
         aligned = (fc1.shape[1] * x.element_size()) % 16 == 0 and (fc1.shape[0] // 2 * x.element_size()) % 16 == 0
         return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned
-                and not self.config.moe_apply_probs_on_input and self.num_local_experts > 1)
+                and self.num_local_experts > 1)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
-        x = permuted_local_hidden_states  # (N, D) rows sorted by local expert
-        if not self._grouped_ok(x):
-            return super().forward(x, tokens_per_expert, permuted_probs)
+        """x (N, D) rows sorted by local expert, probs (N,) -> (prob x expert(x) (N, D) float32, None)."""
+        if self.config.moe_apply_probs_on_input:
+            raise ValueError("moe_apply_probs_on_input is not built for GroupedSequentialMLP")
+        x = permuted_local_hidden_states
+        if self._grouped_ok(x):
+            y = self._grouped(x, tokens_per_expert)
+        else:  # megatron's loop, unweighted (a scale of 1 is exact)
+            y, _ = super().forward(x, tokens_per_expert, torch.ones_like(permuted_probs))
+        return y * permuted_probs.float().unsqueeze(-1), None  # float32, as GlmMoeDsa's Experts
+
+    def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # (E, 2I, D): gate rows, then up rows
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # (E, D, I)
         offs = tokens_per_expert.to(x.device).cumsum(0).to(torch.int32)  # (E,) end row of each expert
         gate, up = _grouped_mm(x, w1.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # (N, I) each
-        h = (self.config.activation_func(gate) * up * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return _grouped_mm(h, w2.transpose(1, 2), offs=offs), None  # (N, D)
+        return _grouped_mm(self.config.activation_func(gate) * up, w2.transpose(1, 2), offs=offs)  # (N, D)
+
+
+class RoundedMoELayer(MoELayer):
+    """MoELayer whose routed experts' float32 sum is rounded to the parameters' dtype before the shared expert's
+    output is added (GlmMoeDsa's MoE: experts(x).to(x.dtype) + shared_experts(x))."""
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):
+        return super().postprocess(output.to(self.config.params_dtype), shared_expert_output)
 
 
 def moe_spec(num_experts: int):
-    """megatron's local MoE spec (router, shared expert) with GroupedSequentialMLP as the routed experts."""
+    """megatron's local MoE spec (router, shared expert) as RoundedMoELayer with GroupedSequentialMLP experts."""
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts)
     submodules = spec.keywords["submodules"]
     submodules.experts = partial(GroupedSequentialMLP, submodules=submodules.experts.keywords["submodules"])
-    return spec
+    return partial(RoundedMoELayer, *spec.args, **spec.keywords)

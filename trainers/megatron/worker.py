@@ -16,16 +16,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.router import TopKRouter
 
 from slime_dsa import ops
 from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.models.config import ModelConfig
-from slime_dsa.models.parallel_layout import check_parallel_sizes
+from slime_dsa.models.glm_moe_dsa import cast_keeping_float32, float32_modules
+from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.base import RankConfig, RoleConfig
 from trainers.megatron import cpu_shim
 from trainers.megatron.convert import hf_to_megatron
 from trainers.megatron.model import MegatronGlmMoeDsa
-from trainers.megatron.parallel import initialize, parallel_sizes
+from trainers.megatron.parallel import RankPlace, initialize, parallel_sizes
 from trainers.megatron.transformer_config import transformer_config
 from trainers.megatron.weights import gather_hf_state, load_shard
 from trainers.optim import build_role_optimizer, build_scheduler
@@ -65,19 +68,8 @@ class MegatronWorker(TrainerRank):
         if config.kind != "policy":
             raise ValueError(f"trainer.backend megatron trains the policy only; role {name!r} (kind {config.kind}, "
                              "a value model) needs trainer.backend fsdp")
-        model_config = ModelConfig.from_pretrained(config.model_path)
-        check_parallel_sizes(model_config, self.sizes, self.world_size)
-        megatron = transformer_config(model_config, self.sizes, self.dtype)
-        model = MegatronGlmMoeDsa(model_config, megatron, self.groups)
-        hf = {k: v.float() for k, v in read_state_dict(config.model_path).items()}
-        load_shard(model, hf_to_megatron(hf, model_config, self.sizes.tensor_parallel, self.sizes.expert_parallel,
-                                         self.place.tp_rank, self.place.ep_rank))
-        model.to(self.device)
-        if self.dtype != torch.float32:  # megatron's layers are built in it; ours follow, the indexer head as in HF
-            model.to(self.dtype)
-            for module_name, module in model.named_modules():
-                if module_name.endswith("indexer.weights_proj"):
-                    module.float()
+        check_parallel_sizes(ModelConfig.from_pretrained(config.model_path), self.sizes, self.world_size)
+        model = load_model(config.model_path, self.sizes, self.groups, self.place, self.dtype, self.device)
         model.gradient_checkpointing = self.config.gradient_checkpointing
         for pname, p in model.named_parameters():
             if not config.trains or any(part in pname for part in config.frozen):
@@ -87,7 +79,7 @@ class MegatronWorker(TrainerRank):
             return role
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.distributed_optimizer)
-        self.ddp[name] = DistributedDataParallel(megatron, ddp_config, model, pg_collection=self.groups)
+        self.ddp[name] = DistributedDataParallel(model.megatron, ddp_config, model, pg_collection=self.groups)
         opt = config.optimizer
         if self.distributed_optimizer:
             from trainers.megatron.optimizer import DistributedAdam, LambdaSchedule  # noqa: PLC0415
@@ -171,6 +163,22 @@ class MegatronWorker(TrainerRank):
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         super().shutdown()
+
+
+def load_model(model_path: str, sizes: ParallelSizes, groups: ProcessGroupCollection, place: RankPlace,
+               dtype: torch.dtype, device: torch.device) -> MegatronGlmMoeDsa:
+    """This rank's shards of the HF checkpoint at model_path as a MegatronGlmMoeDsa in `dtype`, but for the routers
+    (weight and expert_bias) and indexer heads: float32 with the checkpoint's values, as
+    GlmMoeDsaPreTrainedModel.cast holds them for the engine (cast first, then loaded: nothing rounds them)."""
+    model_config = ModelConfig.from_pretrained(model_path)
+    model = MegatronGlmMoeDsa(model_config, transformer_config(model_config, sizes, dtype), groups)
+    model.to(device)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    cast_keeping_float32(model, dtype, routers + float32_modules(model))  # megatron's layers are built in dtype
+    hf = {k: v.float() for k, v in read_state_dict(model_path).items()}
+    load_shard(model, hf_to_megatron(hf, model_config, sizes.tensor_parallel, sizes.expert_parallel, place.tp_rank,
+                                     place.ep_rank))
+    return model
 
 
 def _holds(model: torch.nn.Module, params: list[torch.Tensor]) -> bool:

@@ -1,0 +1,149 @@
+"""The sampling rows of a step as device tensors: sampling parameters, seeds, token limits and stop tokens.
+
+Each request's part is computed once, when it arrives (`RowSpec`). The rows stay on the device from step to step:
+a step with the same requests in the same order reuses them, and when requests leave or join, `SamplingRows.update`
+keeps the rows still there (one index_select on the device) and uploads only the new ones. With them the device masks
+stop tokens under min_new_tokens, draws the step's uniforms in one batched call, and finds the rows that finished by
+length or by a stop token (`finish_codes`); the host reads the codes with the tokens, in the step's one transfer.
+Stop strings need the text, so they stay on the host (stop.py), for the rows that have them only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.sampling import SamplingBatch, counter_uniforms
+from rollout.engine.stop import StopChecker
+from rollout.engine.types import SamplingParams
+
+# finish_codes values
+RUNNING, LENGTH, STOP_TOKEN = 0, 1, 2
+# RowSpec.flags bits
+SAMPLED, SORTS, MIN_P, MASKS_STOP_IDS, STOP_STRINGS = 1, 2, 4, 8, 16
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One request's row: what it puts into each tensor of SamplingRows, and flags saying which work it needs."""
+
+    floats: tuple[float, float, float]  # temperature (1 on a greedy row), top_p, min_p
+    ints: tuple[int, int, int, int, int]  # greedy, top_k (vocab size where unrestricted), seed, min_new, max_new
+    stop_ids: tuple[int, ...]
+    flags: int
+
+
+def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: int) -> RowSpec:
+    """The row of a request with these sampling params, stop rules and int64 seed."""
+    greedy = params.greedy
+    top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
+    flags = 0 if greedy else SAMPLED | (SORTS if top_k < vocab_size or params.top_p < 1.0 else 0) | (
+        MIN_P if params.min_p > 0 else 0)
+    flags |= (MASKS_STOP_IDS if stop.min_new_tokens > 0 and stop.stop_ids else 0) | (
+        STOP_STRINGS if stop.stop_strings else 0)
+    return RowSpec(floats=(1.0 if greedy else float(params.temperature), float(params.top_p), float(params.min_p)),
+                   ints=(int(greedy), top_k, seed, stop.min_new_tokens, stop.max_new_tokens),
+                   stop_ids=tuple(sorted(stop.stop_ids)), flags=flags)
+
+
+@dataclass
+class SamplingRows:
+    """B rows, each one request that samples a token this step."""
+
+    key: tuple[int, ...]  # the requests' serial numbers, in row order
+    floats: torch.Tensor  # (B, 3) float32: RowSpec.floats
+    ints: torch.Tensor  # (B, 5) int64: RowSpec.ints
+    stop_ids: torch.Tensor  # (B, S) int64, padded with the row's first stop id (-1 if none); S may be 0
+    flags: int  # RowSpec.flags of all rows, or-ed
+    string_rows: list[int]  # rows whose requests have stop strings
+
+    @classmethod
+    def build(cls, key: tuple[int, ...], specs: list[RowSpec], device: torch.device) -> "SamplingRows":
+        """Rows from scratch: three uploads."""
+        width = max((len(s.stop_ids) for s in specs), default=0)
+        # Padding repeats a real entry, so the masking scatter never writes two values to one place.
+        stop_ids = [s.stop_ids + s.stop_ids[:1] * (width - len(s.stop_ids)) if s.stop_ids else (-1,) * width
+                    for s in specs]
+        floats = torch.tensor([s.floats for s in specs], dtype=torch.float32).view(len(specs), 3)
+        ints = torch.tensor([s.ints for s in specs], dtype=torch.long).view(len(specs), 5)
+        return cls._of(key, specs, upload(floats, device), upload(ints, device),
+                       upload(torch.tensor(stop_ids, dtype=torch.long).view(len(specs), width), device))
+
+    @classmethod
+    def _of(cls, key, specs, floats, ints, stop_ids) -> "SamplingRows":
+        flags, strings = 0, []
+        for b, s in enumerate(specs):
+            flags |= s.flags
+            if s.flags & STOP_STRINGS:
+                strings.append(b)
+        return cls(key=key, floats=floats, ints=ints, stop_ids=stop_ids, flags=flags, string_rows=strings)
+
+    def update(self, key: tuple[int, ...], specs: list[RowSpec]) -> "SamplingRows":
+        """The rows of `key` (RowSpec each): these rows where the keys match, else rows kept from this step's (on the
+        device) and new ones uploaded for requests not here."""
+        if key == self.key:
+            return self
+        where = {serial: b for b, serial in enumerate(self.key)}
+        index, fresh = [], []
+        for serial, spec in zip(key, specs):
+            b = where.get(serial)
+            if b is None:
+                b = len(self.key) + len(fresh)
+                fresh.append(spec)
+            index.append(b)
+        floats, ints, stop_ids = self.floats, self.ints, self.stop_ids
+        if fresh:
+            new = SamplingRows.build((), fresh, floats.device)
+            width = max(stop_ids.shape[1], new.stop_ids.shape[1])
+            floats, ints = torch.cat([floats, new.floats]), torch.cat([ints, new.ints])
+            stop_ids = torch.cat([_widen(stop_ids, width), _widen(new.stop_ids, width)])
+        picked = upload(torch.tensor(index, dtype=torch.long), floats.device)
+        return self._of(key, specs, floats[picked], ints[picked], stop_ids[picked])
+
+    @property
+    def sampling(self) -> SamplingBatch:
+        return SamplingBatch(
+            temperature=self.floats[:, 0], top_p=self.floats[:, 1], min_p=self.floats[:, 2],
+            greedy=self.ints[:, 0].bool(), top_k=self.ints[:, 1],
+            all_greedy=not self.flags & SAMPLED, needs_sort=bool(self.flags & SORTS),
+            needs_min_p=bool(self.flags & MIN_P),
+        )
+
+    def mask_stop_ids(self, logits: torch.Tensor, num_output: torch.Tensor) -> None:
+        """Stop tokens of rows still under min_new_tokens -> -inf, in place. num_output (B,) before this token."""
+        if not self.flags & MASKS_STOP_IDS:
+            return
+        ids = self.stop_ids.clamp(min=0)  # (B, S)
+        masked = (num_output < self.ints[:, 3])[:, None] & (self.stop_ids >= 0)
+        logits.scatter_(1, ids, torch.where(masked, float("-inf"), logits.gather(1, ids)))
+
+    def uniforms(self, num_output: torch.Tensor) -> torch.Tensor | None:
+        """The step's one draw: a uniform per row from its seed and the index of the token it samples; None if greedy."""
+        return counter_uniforms(self.ints[:, 2], num_output) if self.flags & SAMPLED else None
+
+    def finish_codes(self, tokens: torch.Tensor, num_output: torch.Tensor) -> torch.Tensor:
+        """(B,) int64: LENGTH where this token reaches the limit, else STOP_TOKEN where it is a stop token and the
+        output is at least min_new_tokens long, else RUNNING. StopChecker.check's order, on the device."""
+        count = num_output + 1
+        code = torch.where(count >= self.ints[:, 4], LENGTH, RUNNING)
+        if self.stop_ids.shape[1]:
+            hit = (tokens[:, None] == self.stop_ids).any(dim=1) & (count >= self.ints[:, 3])
+            code = torch.where((code == RUNNING) & hit, STOP_TOKEN, code)
+        return code
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for it: pinned first on CUDA (a pageable copy waits for the stream)."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _widen(stop_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, S) -> (B, width) by repeating each row's first entry (-1 where S is 0)."""
+    if stop_ids.shape[1] == width:
+        return stop_ids
+    if stop_ids.shape[1] == 0:
+        return stop_ids.new_full((stop_ids.shape[0], width), -1)
+    return torch.cat([stop_ids, stop_ids[:, :1].expand(-1, width - stop_ids.shape[1])], dim=1)

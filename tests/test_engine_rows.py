@@ -1,0 +1,111 @@
+"""The decode loop's device-side pieces: seeded uniforms (splitmix64 on int64 tensors), the sampling rows kept on the
+device across batch changes, stop tokens and lengths checked on the device against StopChecker, and the batched
+stop-string decode. CPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.engine.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingRows, row_spec
+from rollout.engine.sampling import counter_uniforms, seed_to_int64
+from rollout.engine.stop import StopChecker, decode_tails
+from rollout.engine.types import SamplingParams
+
+VOCAB = 50
+MASK64 = 2**64 - 1
+
+
+def splitmix64_uniform(seed: int, n: int) -> float:
+    """Vigna's splitmix64, output n of a generator seeded with `seed`, top 53 bits as a float (pure Python)."""
+    z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def test_counter_uniforms_are_splitmix64_with_wraparound():
+    r = random.Random(0)
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1] + [r.randrange(-(2**63), 2**64) for _ in range(200)]
+    counters = [0, 1, 2, 3, 10**6, 2**40] + [r.randrange(0, 100_000) for _ in range(200)]
+    got = counter_uniforms(torch.tensor([seed_to_int64(s) for s in seeds]), torch.tensor(counters))
+    expect = torch.tensor([splitmix64_uniform(s & MASK64, n) for s, n in zip(seeds, counters)], dtype=torch.float64)
+    assert torch.equal(got, expect)
+    many = counter_uniforms(torch.full((20_000,), 7), torch.arange(20_000))
+    assert 0 <= many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
+
+
+def _spec(i: int, params: SamplingParams):
+    stop = StopChecker(params, eos_token_ids=[1])
+    return row_spec(params, stop, seed_to_int64(1000 + i), VOCAB)
+
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_new_tokens=5),
+    SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=9, stop_token_ids=[3, 4, 7], min_new_tokens=2),
+    SamplingParams(temperature=1.0, top_k=5, max_new_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=1.3, min_p=0.1, max_new_tokens=12, stop_token_ids=[9]),
+    SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, stop_token_ids=[2, 5, 6, 8, 11]),
+]
+
+
+def _same(a: SamplingRows, b: SamplingRows) -> None:
+    assert a.key == b.key and a.flags == b.flags and a.string_rows == b.string_rows
+    assert torch.equal(a.floats, b.floats) and torch.equal(a.ints, b.ints)
+    # Widths may differ by padding: compare the sets of stop ids per row.
+    for x, y in zip(a.stop_ids.tolist(), b.stop_ids.tolist()):
+        assert set(x) - {-1} == set(y) - {-1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 11), unique=True, max_size=8), min_size=1, max_size=6))
+def test_updated_rows_equal_rows_built_from_scratch(batches):
+    """Requests leave, join and reorder from step to step: the rows kept on the device equal a fresh build."""
+    specs = {i: _spec(i, PARAMS[i % len(PARAMS)]) for i in range(12)}
+    rows = None
+    for batch in batches:
+        key = tuple(batch)
+        fresh = SamplingRows.build(key, [specs[i] for i in key], torch.device("cpu"))
+        rows = fresh if rows is None else rows.update(key, [specs[i] for i in key])
+        _same(rows, fresh)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, len(PARAMS) - 1), st.integers(0, 14), st.integers(0, VOCAB - 1))
+def test_finish_codes_follow_the_stop_checker(p, n_before, token):
+    """Length, min_new_tokens and stop tokens on the device: the same verdict as StopChecker.check on the host."""
+    params = PARAMS[p]
+    stop = StopChecker(params, eos_token_ids=[1])
+    rows = SamplingRows.build((0, 1), [_spec(0, PARAMS[(p + 1) % len(PARAMS)]), _spec(p, params)], torch.device("cpu"))
+    codes = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before]))
+    reason = stop.check([0] * n_before + [token])
+    expect = RUNNING if reason is None else LENGTH if reason["type"] == "length" else STOP_TOKEN
+    assert codes[1].item() == expect
+
+
+def test_stop_tokens_are_masked_under_min_new_tokens_only():
+    rows = SamplingRows.build((0, 1, 2), [_spec(0, PARAMS[1]), _spec(1, PARAMS[1]), _spec(2, PARAMS[0])],
+                              torch.device("cpu"))
+    logits = torch.zeros(3, VOCAB)
+    rows.mask_stop_ids(logits, torch.tensor([1, 2, 0]))  # row 0 is under min_new_tokens (2), row 1 reached it
+    assert torch.isinf(logits[0]).nonzero().flatten().tolist() == [1, 3, 4, 7]  # EOS 1 and stop_token_ids
+    assert not torch.isinf(logits[1:]).any()
+
+
+@pytest.mark.parametrize("which", ["project", "word_level"])
+def test_batched_tail_decode_equals_tokenizer_decode(which):
+    if which == "project":
+        from slime_dsa.data.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
+    else:
+        from benchmarks.engine_throughput import word_tokenizer
+
+        tokenizer = word_tokenizer(300)
+    r = random.Random(1)
+    tails = [[r.randrange(min(len(tokenizer), 300)) for _ in range(r.randrange(0, 12))] for _ in range(50)]
+    assert decode_tails(tokenizer, tails) == [tokenizer.decode(t, skip_special_tokens=False) for t in tails]

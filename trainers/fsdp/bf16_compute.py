@@ -1,0 +1,59 @@
+"""Mixed precision on one unsharded rank: a bf16 copy of the float32 master runs forward and backward.
+
+What FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) computes on a group of one rank, to the
+bit (tests/test_bf16_compute.py), without its per-parameter casts, copies and hooks every forward and backward: on
+one GPU those were ~11,000 copy calls a step for the small preset's 788 parameters (benchmarks/RESULTS.md). The
+price is memory: the whole bf16 copy stays resident (half the float32 weights), where FSDP2 holds one layer's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from slime_dsa.models.glm_moe_dsa import float32_modules
+
+
+class Bf16Compute:
+    """A bf16 copy of `master` that computes; gradients go back to the master in float32, and the copy is
+    refreshed from the master after every update (call `refresh` after anything writes the master's weights).
+    The routers and indexer heads (float32_modules) stay float32, as apply_fsdp's own float32 policy for them."""
+
+    def __init__(self, master: torch.nn.Module) -> None:
+        self.master = master
+        self.module = copy.deepcopy(master)
+        kept = {id(p) for module in float32_modules(self.module) for p in module.parameters()}
+        for p in self.module.parameters():  # parameters only: buffers keep their dtype, as under FSDP2's policy
+            if id(p) not in kept:
+                p.data = p.data.to(torch.bfloat16)
+        self._pairs = [(m, c) for m, c in zip(master.parameters(), self.module.parameters())]
+        for m, c in self._pairs:
+            c.requires_grad_(m.requires_grad)
+
+    def train(self, mode: bool = True) -> None:
+        self.master.train(mode)
+        self.module.train(mode)
+
+    def zero_grad(self) -> None:
+        for _, c in self._pairs:
+            c.grad = None
+
+    def gradients_to_master(self) -> None:
+        """The master's .grad = the copy's gradient in float32 (None where the copy has none); the copy's cleared."""
+        have = [(m, c) for m, c in self._pairs if c.grad is not None]
+        for m, _ in self._pairs:
+            m.grad = None
+        grads = [torch.empty_like(m) for m, _ in have]
+        if grads:
+            torch._foreach_copy_(grads, [c.grad for _, c in have])  # one launch for all, casting to float32
+        for (m, c), grad in zip(have, grads):
+            m.grad = grad
+            c.grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round the master's weights (and buffers) into the copy."""
+        torch._foreach_copy_([c for _, c in self._pairs], [m for m, _ in self._pairs])
+        for mine, theirs in zip(self.module.buffers(), self.master.buffers()):
+            mine.copy_(theirs)
