@@ -1,12 +1,7 @@
-"""Which backward the sparse MLA kernel takes for a selection (CPU: the cover is plain torch), and the masked range
-backward's gradients against the torch reference under Triton's interpreter (a subprocess, slow)."""
+"""Which backward the sparse MLA kernel takes for a selection (on CPU: the cover is plain torch). The masked range
+backward's gradients are checked in Triton's interpreter (tests/interpret_checks.py) and on the GPU (test_ops_gpu)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -60,36 +55,3 @@ def test_general_kernel_where_the_cover_would_not_pay():
     repeated = causal_topk([5, 40], K=16)
     repeated[30, 1] = repeated[30, 0]  # the forward would count that key twice; a byte map counts it once
     assert mla.selection_ranges(repeated) is None
-
-
-INTERPRETED = """
-import torch
-from slime_dsa.ops import reference, triton_sparse_mla as mla
-from tests.test_sparse_mla_ranges import causal_topk
-torch.manual_seed(0)
-indices = causal_topk([5, 40, 23], K=16)
-assert mla.selection_ranges(indices).sel is not None
-T, H, dv, dr = indices.shape[0], 3, 32, 16
-q = torch.randn(T, H, dv + dr, requires_grad=True)
-kv = torch.randn(T, dv + dr, requires_grad=True)
-for masked in (True, False):
-    mla.USE_MASKED_RANGES = masked
-    out, lse = mla.sparse_mla_attention(q, kv, indices, 0.2, dv)
-    ref_out, ref_lse = reference.sparse_mla_attention(q, kv, indices, 0.2, dv)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, kv))
-    ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), (q, kv))
-    for name, g, r in zip(("dq", "dkv"), grads, ref):
-        err = float((g - r).norm() / r.norm())
-        assert err < 1e-5, (masked, name, err)
-print("ok")
-"""
-
-
-@pytest.mark.slow
-def test_masked_range_backward_matches_reference_interpreted():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

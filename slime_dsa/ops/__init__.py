@@ -42,17 +42,10 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-def indexer_topk(
-    q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float, fp8: bool = False
-) -> torch.Tensor:
-    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded.
-
-    `fp8` scores with float8 e4m3 q/k (DeepSeek-V3.2) on the Triton path; the torch reference ignores it.
-    """
-    kernels = _kernels(q.device)
-    if kernels is not None:
-        return kernels.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, fp8=fp8)
-    return reference.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
+def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
+    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
+    impl = _kernels(q.device) or reference
+    return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
 
 def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:

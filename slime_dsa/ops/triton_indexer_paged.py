@@ -1,10 +1,9 @@
 """Decode-time lightning-indexer top-k over a paged key pool (Triton), with no host sync: CUDA-graph safe.
 
 One program scores BLOCK_N key positions of one sequence with all index heads. It reads the keys through
-their pool slots, so nothing is first gathered into a packed copy, and writes each score as a unique int64
-sort key: the float's bits made order-preserving in the high half, (2^32 - 1 - position) in the low half.
-One `torch.topk` over those keys then applies the tie rule of `reference.py` (equal scores prefer the lower
-position) exactly, and a sort of the k winners gives the ascending positions.
+their pool slots, so nothing is first gathered into a packed copy, and writes float32 scores (-inf past the
+sequence's length). `triton_topk.topk_select` then picks the top-k with the tie rule of `reference.py`
+(equal scores prefer the lower position), positions ascending.
 """
 
 from __future__ import annotations
@@ -13,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from slime_dsa.ops.triton_topk import topk_select
+
 BLOCK_N = 64  # key positions per program
-LOW32 = 4294967295
 
 
 @triton.jit
-def _paged_keys_kernel(
-    q_ptr, w_ptr, k_ptr, slots_ptr, lens_ptr, keys_ptr, width, scale,
+def _paged_scores_kernel(
+    q_ptr, w_ptr, k_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -36,11 +36,7 @@ def _paged_keys_kernel(
     s = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype))), 0.0) * w[:, None]  # (BH, BN) fp32
     score = tl.sum(s, axis=0)  # (BN,)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
-    score = tl.where(valid, score, float("-inf"))
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)  # integer order == float order
-    low = 4294967295 - offs_n.to(tl.int64)  # int64 first: the constant does not fit in int32
-    tl.store(keys_ptr + b * width + offs_n, (ordered << 32) + low, mask=in_row)
+    tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
 
 
 @torch.no_grad()
@@ -51,21 +47,14 @@ def indexer_topk_paged(
     """Same contract as `reference.indexer_topk_paged`: (B, topk) sequence-local positions, ascending, -1 padded."""
     B, Hi, Di = q.shape
     width = key_slots.shape[1]
-    keys = torch.empty(B, width, dtype=torch.int64, device=q.device)
+    scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
     if B and width:
-        _paged_keys_kernel[(B, triton.cdiv(width, BLOCK_N))](
-            q.contiguous(), weights.contiguous(), k_pool, key_slots.contiguous(), seq_lens.contiguous(), keys, width,
-            float(scale), HI=Hi, DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)),
+        _paged_scores_kernel[(B, triton.cdiv(width, BLOCK_N))](
+            q.contiguous(), weights.contiguous(), k_pool, key_slots.contiguous(), seq_lens.contiguous(), scores,
+            width, float(scale), HI=Hi, DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)),
             BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N, num_warps=4,
         )
-    k = min(topk, width)
-    pos = LOW32 - (torch.topk(keys, k, dim=-1, sorted=False).values & LOW32)  # (B, k)
-    big = torch.iinfo(torch.int64).max
-    pos = torch.where(pos < seq_lens[:, None], pos, big).sort(dim=-1).values  # unused slots last
-    pos = torch.where(pos == big, -1, pos)
-    if k < topk:
-        pos = torch.cat([pos, pos.new_full((B, topk - k), -1)], dim=-1)
-    return pos
+    return topk_select(scores, seq_lens, topk)
 
 
 __all__ = ["indexer_topk_paged"]

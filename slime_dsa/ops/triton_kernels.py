@@ -2,7 +2,7 @@
 
 Same names, signatures and conventions as `slime_dsa/ops/reference.py`:
 - `sparse_mla_attention`  triton_sparse_mla.py   MQA-mode sparse attention, forward + backward, decode split-K
-- `indexer_topk`          triton_indexer.py      lightning-indexer scores + deterministic top-k, bf16 or FP8
+- `indexer_topk`          triton_indexer.py      lightning-indexer scores + deterministic top-k (triton_topk.py)
 - `indexer_topk_paged`    triton_indexer_paged.py the same at decode, keys read from a paged pool by slot
 - `indexer_kl_loss`       triton_indexer_loss.py per-query KL(p_bar || softmax(I)) of an IndexShare group
 """

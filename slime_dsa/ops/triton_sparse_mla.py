@@ -2,7 +2,9 @@
 
 Every query row t attends, with all of its H heads, to the K latent rows `indices[t]` of the shared kv
 tensor (-1 = unused slot). The score of head h for row r is scale * q[t, h] . kv[r] over D = D_V + D_R dims
-(latent + rope); the value is kv[r, :D_V]. Conventions follow `slime_dsa/ops/reference.py`.
+(latent + rope); the value is kv[r, :D_V]. Conventions follow `slime_dsa/ops/reference.py`. The key loops of
+the forward and of the general backward end at a row's last used slot (one scan of its indices first), so a
+row with 256 keys in 2,048 slots costs about 256 keys; -1 slots before that one are masked, not skipped.
 
 One program handles one query row and a block of heads (64 for GLM-5, so kv rows are gathered once per
 query): the tensor-core tiles are (heads x keys) and the kv block is shared by every head, which is what
@@ -81,11 +83,19 @@ USE_KEY_RANGES = True  # False forces the general (atomic) backward; benchmarks 
 USE_MASKED_RANGES = True
 MASKED_RANGE_MAX_RATIO = 4.0
 MASKED_RANGE_MAX_BYTES = 1 << 30
+# Key loops stop after a row's last used slot (found by one scan of its indices), so rows with few keys (early
+# causal rows, short packed sequences) cost what they use. False walks every slot; benchmarks compare both.
+SKIP_EMPTY_SLOTS = True
+SCAN_SLOTS = 1024  # index slots per step of that scan
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
+
+
+def _scan_block(K: int) -> int:
+    return min(SCAN_SLOTS, _pow2(K))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -147,13 +157,24 @@ def _launch_fastest(kind: str, key: tuple, configs: list[KernelConfig], launch, 
 
 
 @triton.jit
+def _used_slots_end(idx_row_ptr, lo, hi, SCAN: tl.constexpr):
+    """One past the last slot of lo..hi-1 that holds a key (-1 = unused), lo if none: key loops stop there."""
+    end = lo
+    for c0 in range(lo, hi, SCAN):
+        offs = c0 + tl.arange(0, SCAN)
+        idx = tl.load(idx_row_ptr + offs, mask=offs < hi, other=-1)
+        end = tl.maximum(end, tl.max(tl.where(idx >= 0, offs + 1, 0), axis=0))
+    return end
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kvt, stride_it,
     stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
     H, K, keys_per_split, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -174,6 +195,8 @@ def _sparse_mla_fwd_kernel(
 
     k_lo = split * keys_per_split
     k_hi = tl.minimum(k_lo + keys_per_split, K)
+    if SKIP_EMPTY:
+        k_hi = _used_slots_end(idx_ptr + t * stride_it, k_lo, k_hi, SCAN)
     for n0 in range(k_lo, k_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_hi, other=-1)  # (BN,)
@@ -244,7 +267,8 @@ def sparse_mla_fwd(
             o.stride(0), so, o.stride(-2), l_.stride(0), sl,
             H, K, keys_per_split, scale * LOG2E,
             D_V=v_dim, D_R=d_r, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-            BLOCK_H=block_h, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_H=block_h, BLOCK_N=cfg.block_n, SCAN=_scan_block(K), SKIP_EMPTY=SKIP_EMPTY_SLOTS,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
             lse.copy_(torch.logsumexp(l_, dim=1))  # (T, H)
@@ -267,6 +291,7 @@ def _sparse_mla_bwd_kernel(
     H, K, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
+    SCAN: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """Gradients for one query row and a block of heads: dQ (stored) and/or dKV (atomically added)."""
     t = tl.program_id(0).to(tl.int64)
@@ -290,9 +315,12 @@ def _sparse_mla_bwd_kernel(
 
     dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     dq_pe = tl.zeros([BLOCK_H, BLOCK_DR], tl.float32)
-    for n0 in range(0, K, BLOCK_N):
+    k_end = K
+    if SKIP_EMPTY:
+        k_end = _used_slots_end(idx_ptr + t * stride_it, 0, K, SCAN)
+    for n0 in range(0, k_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < K, other=-1)  # (BN,)
+        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_end, other=-1)  # (BN,)
         valid = idx >= 0
         row = tl.where(valid, idx, 0).to(tl.int64)
         kv_rows = kv_ptr + row[:, None] * stride_kvt
@@ -580,6 +608,7 @@ def launch_bwd_kernel(
         H, indices.shape[1], scale, scale * LOG2E,
         D_V=v_dim, D_R=D - v_dim, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(D - v_dim),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n, DO_DQ=do_dq, DO_DKV=do_dkv,
+        SCAN=_scan_block(indices.shape[1]), SKIP_EMPTY=SKIP_EMPTY_SLOTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -1,0 +1,166 @@
+"""Triton kernels run by Triton's CPU interpreter against the torch reference, at small shapes.
+
+Run as `TRITON_INTERPRET=1 python -m tests.interpret_checks` (tests/test_ops_interpret.py does): the interpreter is
+picked when a kernel is defined, so the variable must be set before the kernel modules are imported. Inputs are
+float32 holding small integers (the interpreter's bf16 dot is not faithful), so scores are exact and the top-k
+must equal the reference slot for slot, ties included.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from slime_dsa.ops import reference
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lens]).cumsum(0)
+
+
+def _ints(*shape: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2, 3, shape, generator=g).float()
+
+
+def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_topk_select() -> None:
+    """Random and heavily tied rows (zeros of both signs, a -inf), valid prefixes from 0 to the whole row."""
+    from slime_dsa.ops.triton_topk import topk_select  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    for width, k, tied in ((300, 64, False), (4100, 2100, True), (2500, 100, True)):
+        scores = _ints(6, width, g=g) if tied else torch.randn(6, width, generator=g)
+        scores[scores == 0] = -0.0
+        scores[0, 7] = float("-inf")
+        n_valid = torch.tensor([width, min(k, width), 0, 1, width - 1, k + 1])
+        got = topk_select(scores, n_valid, k)
+        valid = torch.arange(width)[None, :] < n_valid[:, None]
+        assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select width {width} k {k}"
+
+
+def check_indexer_topk() -> None:
+    """Packed prefill and decode rows (one query per sequence), several heads per tile row."""
+    from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(1)
+    for lens_q, lens_k, Hi, Di, topk in (([1, 1, 1], [5, 300, 40], 4, 16, 32), ([3, 7, 1], [50, 400, 100], 4, 32, 64),
+                                         ([1] * 4, [1, 60, 200, 129], 32, 16, 64)):
+        q, k, w = _ints(sum(lens_q), Hi, Di, g=g), _ints(sum(lens_k), Di, g=g), _ints(sum(lens_q), Hi, g=g)
+        got = indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, 1.0)
+        want = reference.indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, 1.0)
+        assert torch.equal(got, want), f"indexer_topk lens_k {lens_k}"
+
+
+def check_indexer_topk_paged() -> None:
+    from slime_dsa.ops.triton_indexer_paged import indexer_topk_paged  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(2)
+    B, Hi, Di, width, pool = 6, 4, 16, 100, 2000
+    q, k_pool, w = _ints(B, Hi, Di, g=g), _ints(pool, Di, g=g), _ints(B, Hi, g=g)
+    slots = torch.randperm(pool, generator=g)[: B * width].view(B, width)
+    lens = torch.tensor([1, 100, 37, 64, 65, 5])
+    got = indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)
+    assert torch.equal(got, reference.indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)), "indexer_topk_paged"
+
+
+def _mostly_empty_indices(T: int, Tk: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Rows with few keys: a short prefix, holes before the last used slot, only the last slot, none at all."""
+    idx = torch.full((T, K), -1, dtype=torch.long)
+    idx[0, :3] = torch.tensor([0, 5, 7])
+    n = min(Tk, K)
+    idx[1, :n] = torch.randperm(Tk, generator=g)[:n]  # a full row
+    idx[2, [1, K // 2, K - 3]] = torch.tensor([3, 9, Tk - 1])
+    idx[4, K - 1] = 12  # row 3 and 5 have no key
+    return idx
+
+
+def check_sparse_mla() -> None:
+    """Forward and gradients (general backward) with and without skipping empty slots; a decode split case."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    T, Tk, H, v_dim, d_r, K = 6, 40, 16, 32, 16, 48
+    D = v_dim + d_r
+    q, kv = torch.randn(T, H, D, generator=g), torch.randn(Tk, D, generator=g)
+    idx = _mostly_empty_indices(T, Tk, K, g)
+    saved = mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES
+    try:
+        mla.USE_KEY_RANGES = False
+        for skip in (True, False):
+            mla.SKIP_EMPTY_SLOTS = skip
+            q1, kv1 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+            out, lse = mla.sparse_mla_attention(q1, kv1, idx, D**-0.5, v_dim)
+            q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+            ref_out, ref_lse = reference.sparse_mla_attention(q2, kv2, idx, D**-0.5, v_dim)
+            has = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), has) and (lse[has] - ref_lse[has]).abs().max() < 1e-4
+            assert _rel_l2(out, ref_out) < 1e-4, f"out, skip={skip}"
+            dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g).masked_fill(~has, 0)
+            grads = torch.autograd.grad((out * dout).sum() + (lse.masked_fill(~has, 0) * dlse).sum(), (q1, kv1))
+            ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(), (q2, kv2))
+            assert _rel_l2(grads[0], ref[0]) < 1e-4 and _rel_l2(grads[1], ref[1]) < 1e-4, f"grads, skip={skip}"
+        # decode: two rows, K split over several programs; keys only in the first split / only in the last one
+        mla.SKIP_EMPTY_SLOTS = True
+        Tk, K = 700, 600
+        kv = torch.randn(Tk, D, generator=g)
+        idx = torch.full((2, K), -1, dtype=torch.long)
+        idx[0, :100] = torch.randperm(Tk, generator=g)[:100]
+        idx[1, K - 50 :] = torch.randperm(Tk, generator=g)[:50]
+        out, lse = mla.sparse_mla_attention(q[:2], kv, idx, D**-0.5, v_dim)
+        ref_out, ref_lse = reference.sparse_mla_attention(q[:2], kv, idx, D**-0.5, v_dim)
+        assert _rel_l2(out, ref_out) < 1e-4 and (lse - ref_lse).abs().max() < 1e-4, "decode split"
+    finally:
+        mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES = saved
+
+
+def check_masked_ranges() -> None:
+    """The range backward over a byte map of selected keys (subsets of short packed sequences), and the general
+    backward on the same selection, against the reference."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from tests.test_sparse_mla_ranges import causal_topk  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(4)
+    indices = causal_topk([5, 40, 23], K=16)
+    assert mla.selection_ranges(indices).sel is not None
+    T, H, v_dim, d_r = indices.shape[0], 3, 32, 16
+    q, kv = torch.randn(T, H, v_dim + d_r, generator=g), torch.randn(T, v_dim + d_r, generator=g)
+    saved = mla.USE_MASKED_RANGES
+    try:
+        for masked in (True, False):
+            mla.USE_MASKED_RANGES = masked
+            q1, kv1 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+            out, lse = mla.sparse_mla_attention(q1, kv1, indices, 0.2, v_dim)
+            q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+            ref_out, ref_lse = reference.sparse_mla_attention(q2, kv2, indices, 0.2, v_dim)
+            dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+            grads = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q1, kv1))
+            ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), (q2, kv2))
+            assert _rel_l2(grads[0], ref[0]) < 1e-5 and _rel_l2(grads[1], ref[1]) < 1e-5, f"grads, masked={masked}"
+    finally:
+        mla.USE_MASKED_RANGES = saved
+
+
+CHECKS = [check_topk_select, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla, check_masked_ranges]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    failed = []
+    for check in CHECKS:
+        try:
+            check()
+        except AssertionError as err:
+            failed.append(f"{check.__name__}: {err}")
+    for line in failed:
+        print("FAILED", line, file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
