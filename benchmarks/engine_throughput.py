@@ -100,6 +100,7 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, device: torch.device) 
 
 
 ENGINE_OPTIONS: dict = {}  # extra Engine arguments from the command line
+HOST_PHASES = ("schedule_s", "launch_s", "resolve_s", "stop_strings_s", "finish_s")  # Engine.stats: host time by phase
 
 
 def make_engine(model, prompts: list[list[int]], new_tokens: int, block_size: int, cuda_graphs: bool = True) -> Engine:
@@ -175,6 +176,7 @@ async def _rollout(model, prompts, group, new_tokens, block_size, device, tokeni
     async def once(run: int) -> tuple[float, int, dict]:
         sync(device)
         before = engine_perf.counters(engine.stats)
+        phases = {k: engine.stats[k] for k in HOST_PHASES}
         start = time.perf_counter()
         outs = await asyncio.gather(*(
             client.generate_batch([p] * group, [{**params, "sampling_seed": (seed * 1_000_003 + (run * n + g * group + k)) % 2**31}
@@ -185,7 +187,10 @@ async def _rollout(model, prompts, group, new_tokens, block_size, device, tokeni
         sync(device)
         seconds = time.perf_counter() - start
         tokens = sum(o["meta_info"]["completion_tokens"] for group_outs in outs for o in group_outs)
-        return seconds, tokens, step_metrics(engine, before)
+        perf = step_metrics(engine, before)
+        steps = max(perf.get("steps", 0), 1)
+        perf["phase_ms"] = {k.removesuffix("_s"): (engine.stats[k] - phases[k]) / steps * 1e3 for k in HOST_PHASES}
+        return seconds, tokens, perf
 
     try:
         first_s, first_tokens, _ = await once(0)
@@ -367,6 +372,8 @@ def main(argv: list[str] | None = None) -> str:
                         r["tokens"], r["tokens"] / r["s"], r["first_s"], _num(r.get("decode_step_ms")),
                         _pct(r.get("decode_host_gap_share")), _pct(r.get("host_gap_share")), _pct(r["outside_share"]),
                         _pct(r["busy_share"]))
+            logger.info("batch %d: rollout path ms per step by phase (launch includes the forward on CPU): %s", batch,
+                        ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()))
             rollout_rows.append((batch, r))
 
     profiles = []
@@ -416,6 +423,9 @@ def main(argv: list[str] | None = None) -> str:
               f"| {r.get('steps', 0):.0f} | {r.get('decode_steps', 0):.0f} | {_pct(r['outside_share'])} | {r['first_tokens'] / r['first_s']:.1f} "
               f"| {_pct(r['busy_share'])} |"
               for b, r in rollout_rows),
+            "",
+            *(f"- batch {b}: the engine's host time per step by phase, ms (launch holds the forward on CPU): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()) for b, r in rollout_rows),
             "",
             "- rollout / transformers: against transformers' greedy tok/s at the same batch (other prompts; its speed does"
             " not depend on them). host gap: the share of time in engine steps the device is not working (on CUDA each"

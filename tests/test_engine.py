@@ -537,6 +537,7 @@ def test_a_scheduling_failure_costs_only_its_request(model):
 
 
 def test_stop_strings_with_tokenizer():
+    from rollout.server.protocol import response_text
     from slime_dsa.checkpoint import build_model
     from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer
     from slime_dsa.models import ModelConfig
@@ -547,7 +548,7 @@ def test_stop_strings_with_tokenizer():
     engine = Engine(model, max_cache_tokens=512, block_size=4, tokenizer=tokenizer)
     free = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, skip_special_tokens=False), rid="r")]})["r"]
     text = tokenizer.decode(free.output_ids, skip_special_tokens=False)
-    assert free.text == text
+    assert response_text(tokenizer, free, SamplingParams(skip_special_tokens=False)) == text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip() and stop in text
     req = lambda rid, **kw: GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=[stop], skip_special_tokens=False, **kw), rid=rid)  # noqa: E731
@@ -556,8 +557,10 @@ def test_stop_strings_with_tokenizer():
         assert out.finish_reason == {"type": "stop", "matched": stop}
         decoded = tokenizer.decode(out.output_ids, skip_special_tokens=False)
         assert stop in decoded and stop not in tokenizer.decode(out.output_ids[:-1], skip_special_tokens=False)
-    assert got["trim"].text == text[: text.index(stop)]
-    assert got["keep"].text == tokenizer.decode(got["keep"].output_ids, skip_special_tokens=False)
+    # The engine leaves the text to the response: trimmed at the matched stop string unless no_stop_trim.
+    assert response_text(tokenizer, got["trim"], req("trim").sampling) == text[: text.index(stop)]
+    assert response_text(tokenizer, got["keep"], req("keep", no_stop_trim=True).sampling) == tokenizer.decode(
+        got["keep"].output_ids, skip_special_tokens=False)
 
 
 def test_a_failing_forward_costs_only_its_request(model):

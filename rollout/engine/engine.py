@@ -55,6 +55,7 @@ cached blocks (`keep_indexer_topk`: PagedKVCache keeps every row's top-k next to
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import logging
@@ -72,7 +73,7 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.rows import RUNNING, STOP_STRINGS, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
+from rollout.engine.rows import RUNNING, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
 from rollout.engine.sampling import sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
@@ -134,17 +135,23 @@ class _Launched:
 
     scheduled: list[tuple[_Sequence, int]]
     sampled: list[_Sequence]  # the sequences that sample, in row order
-    row_of: dict[int, int]  # id(seq) -> its row
     token_index: list[int]  # where each row's token goes in its sequence's tokens (its IN_FLIGHT placeholder)
     tokens: torch.Tensor | None  # (B,) int64 on the device: the next step's input ids, before the host has them
     result: torch.Tensor | None  # (3, B) float64 on the host: tokens, log-probs, finish codes (rows.py); copy in flight
     topk: torch.Tensor | None  # (B_wanted, n_full, K) int32 on the host: replay rows of the requests that want them
     wanted: list[int]  # rows of `topk`
+    string_rows: list[int]  # rows whose requests have stop strings (SamplingRows.string_rows)
+    stream_rows: list[int]  # rows whose requests stream
     version: int  # weight version of the tokens
     decode_only: bool
     device_s: float  # on CPU: the forward (run on this thread); on CUDA: filled in from the events at resolve
     begin: Any = None  # torch.cuda.Event before the step's device work (CUDA only)
     done: Any = None  # torch.cuda.Event after its copy to the host (CUDA only)
+
+    @functools.cached_property
+    def row_of(self) -> dict[int, int]:
+        """id(seq) -> its row (built when a later step feeds from this one's device tokens: overlap only)."""
+        return {id(seq): b for b, seq in enumerate(self.sampled)}
 
 
 class Engine:
@@ -222,6 +229,9 @@ class Engine:
         # steps (batch occupancy).
         self.stats.update({"step_s": 0.0, "device_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
                            "decode_device_s": 0.0, "running_sum": 0})
+        # The host's part of the steps by phase (cumulative seconds): scheduling, launching (on CPU the forward and
+        # sampling too), applying the tokens, stop strings, and ending requests (replay rows, freeing).
+        self.stats.update({"schedule_s": 0.0, "launch_s": 0.0, "resolve_s": 0.0, "stop_strings_s": 0.0, "finish_s": 0.0})
         _freeze_heap_once()
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
@@ -302,7 +312,7 @@ class Engine:
         if seed is None:
             seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
         return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
-                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab))
+                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -431,12 +441,16 @@ class Engine:
         self._step_registered = []  # blocks offered to the prefix cache by this step
         self._forks, self._failed_later = {}, []
         previous, launched = self._pending, None
+        phase = time.perf_counter()
         scheduled = self._schedule()
+        self.stats["schedule_s"] += time.perf_counter() - phase
         outputs, self._ready = outputs + self._ready, []  # requests whose scheduling failed
         if scheduled:
             self.stats["steps"] += 1
             try:
+                phase = time.perf_counter()
                 launched = self._launch(scheduled, previous)
+                self.stats["launch_s"] += time.perf_counter() - phase
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
                 logger.exception("engine: step over %d requests failed", len(scheduled))
                 self._pending = None
@@ -474,38 +488,53 @@ class Engine:
         self._account_step(time.perf_counter() - start, None)
 
     def _resolve(self, launched: _Launched) -> list[GenerateOutput]:
-        """Wait for a launched step's tokens and apply them: append, finish, stream, offer newly full blocks."""
+        """Wait for a launched step's tokens and apply them: append, finish, stream, offer newly full blocks.
+
+        One pass over the rows stores the tokens; the rows that need more (finished, stop strings, streaming) are
+        found from the step's finish codes and the rows' flags, not by testing every request."""
         if launched.done is not None:
             launched.done.synchronize()
             launched.device_s = launched.begin.elapsed_time(launched.done) / 1e3
             self._account_device(launched)
-        values = launched.result.tolist() if launched.result is not None else [[], [], []]
-        topk = None
-        if launched.topk is not None:
-            arrays = list(launched.topk.numpy())
-            topk = {id(launched.sampled[b]): arrays[k].copy() for k, b in enumerate(launched.wanted)}  # no view pins it
-        version, strings, ending, outputs, sampled = launched.version, [], [], [], 0
-        for seq, index, token, logprob, code in zip(launched.sampled, launched.token_index, *values):
+        if launched.result is None:
+            return []
+        start = time.perf_counter()
+        values = launched.result.numpy()  # (3, B): tokens, log-probs, finish codes
+        tokens, codes = values[0].astype(np.int64).tolist(), values[2]
+        sampled, version, bs, count = launched.sampled, launched.version, self.block_size, 0
+        for seq, index, token, logprob in zip(sampled, launched.token_index, tokens, values[1].tolist()):
             if seq.finish_reason is not None:
                 continue  # it ended at the step before (a stop token or string): this token is not its
-            token = int(token)
             seq.tokens[index] = token
             seq.inflight -= 1
-            sampled += 1
             seq.logprobs.append(logprob)
             seq.versions.append(version)
-            if topk is not None and seq.req.return_indexer_topk:
-                seq.topk.append(topk[id(seq)])
-            self._register(seq, index)  # the rows up to this token's are computed, their tokens known
-            if code != RUNNING:
-                ending.append((seq, self._finish_reason(seq, token, code)))
-            elif seq.row.flags & STOP_STRINGS and seq.num_output - seq.inflight >= seq.stop.min_new_tokens:
+            count += 1
+            if index // bs > seq.num_registered:
+                self._register(seq, index)  # the rows up to this token's are computed, their tokens known
+        if launched.topk is not None:
+            arrays = launched.topk.numpy()
+            for k, b in enumerate(launched.wanted):
+                if sampled[b].finish_reason is None:
+                    sampled[b].topk.append(arrays[k].copy())  # a copy: no view pins the step's array
+        self.stats["generated_tokens"] += count
+        ending = [(sampled[b], self._finish_reason(sampled[b], tokens[b], codes[b]))
+                  for b in np.flatnonzero(codes != RUNNING).tolist() if sampled[b].finish_reason is None]
+        strings, checked = [], set()
+        for b in launched.string_rows:
+            seq = sampled[b]
+            if codes[b] == RUNNING and seq.finish_reason is None and seq.num_output - seq.inflight >= seq.stop.min_new_tokens:
                 strings.append(seq)
-            elif seq.req.stream:
-                outputs.append(self._output(seq))
+                checked.add(b)
+        outputs = [self._output(sampled[b]) for b in launched.stream_rows
+                   if codes[b] == RUNNING and b not in checked and sampled[b].finish_reason is None]
+        self.stats["resolve_s"] += time.perf_counter() - start
+        start = time.perf_counter()
         outputs += self._check_stop_strings(strings, ending)
+        self.stats["stop_strings_s"] += time.perf_counter() - start
+        start = time.perf_counter()
         outputs += self._finish_all(ending)
-        self.stats["generated_tokens"] += sampled
+        self.stats["finish_s"] += time.perf_counter() - start
         return outputs
 
     @staticmethod
@@ -520,7 +549,7 @@ class Engine:
         if not seqs:
             return []
         try:
-            reasons = match_stop_strings([seq.stop for seq in seqs], [_tail(seq) for seq in seqs])
+            reasons = match_stop_strings([seq.stop for seq in seqs], list(map(_tail, seqs)))
         except Exception:  # noqa: BLE001 - one request's tokenizer failure must cost that request only
             reasons = [self._check_stop_string(seq) for seq in seqs]
         outputs = []
@@ -698,12 +727,12 @@ class Engine:
                 self.cache.store_topk(write_slots, topk_all)
         else:
             hidden, topk_all = self._forward_packed(scheduled, want_topk, on_inputs)
-        tokens = result = topk_host = None
+        tokens = result = topk_host = rows = None
         wanted: list[int] = []
         if seqs:
             logits = self.model.lm_head(hidden).float()  # (B, V)
             rows = self._sampling_rows(seqs)
-            num_output = upload(torch.tensor([seq.num_output for seq in seqs]), device)  # (B,) tokens before this one
+            num_output = upload(torch.tensor([len(seq.tokens) - seq.prompt_len for seq in seqs]), device)  # (B,) tokens before this one
             rows.mask_stop_ids(logits, num_output)
             tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
             result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
@@ -725,8 +754,9 @@ class Engine:
             seq.tokens.append(IN_FLIGHT)
             seq.inflight += 1
             token_index.append(len(seq.tokens) - 1)
-        launched = _Launched(scheduled=scheduled, sampled=seqs, row_of={id(seq): b for b, seq in enumerate(seqs)},
+        launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
+                             string_rows=rows.string_rows if rows else [], stream_rows=rows.stream_rows if rows else [],
                              version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
         if on_host:
             self._account_device(launched)
@@ -744,7 +774,7 @@ class Engine:
 
     def _sampling_rows(self, seqs: list[_Sequence]) -> SamplingRows:
         """The device tensors of these rows, updated from the last step's (rows.py)."""
-        key = tuple(seq.serial for seq in seqs)
+        key = tuple([seq.serial for seq in seqs])
         if self._rows is None:
             self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
         elif self._rows.key != key:
@@ -887,8 +917,8 @@ class Engine:
         return torch.cuda.stream(self._stream)
 
     def _output(self, seq: _Sequence, final: bool = False, topk: tuple[np.ndarray, int] | None = None) -> GenerateOutput:
-        """The request's state; `final` adds its text and, when asked for, its index replay rows (`topk`, else read
-        here)."""
+        """The request's state; `final` adds, when asked for, its index replay rows (`topk`, else read here). The text
+        is left to the response (rollout.server.protocol.response_text): decoding it here would hold up the step."""
         if final and seq.req.return_indexer_topk and topk is None:
             topk = self._topk_rows([seq])[0]
         topk, topk_start = topk if final and topk is not None else (None, None)
@@ -903,7 +933,6 @@ class Engine:
             weight_version=self._weight_version,
             indexer_topk=topk,
             indexer_topk_start=topk_start,
-            text=seq.stop.final_text(seq.output_ids, seq.finish_reason) if final else None,
         )
 
     def _free(self, seq: _Sequence) -> None:

@@ -21,7 +21,7 @@ from rollout.engine.types import SamplingParams
 # finish_codes values
 RUNNING, LENGTH, STOP_TOKEN = 0, 1, 2
 # RowSpec.flags bits
-SAMPLED, SORTS, MIN_P, MASKS_STOP_IDS, STOP_STRINGS = 1, 2, 4, 8, 16
+SAMPLED, SORTS, MIN_P, MASKS_STOP_IDS, STOP_STRINGS, GREEDY, STREAMS = 1, 2, 4, 8, 16, 32, 64
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,15 @@ class RowSpec:
     flags: int
 
 
-def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: int) -> RowSpec:
-    """The row of a request with these sampling params, stop rules and int64 seed."""
+def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: int, stream: bool = False) -> RowSpec:
+    """The row of a request with these sampling params, stop rules and int64 seed; `stream`: it wants every step's
+    output."""
     greedy = params.greedy
     top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
-    flags = 0 if greedy else SAMPLED | (SORTS if top_k < vocab_size or params.top_p < 1.0 else 0) | (
+    flags = GREEDY if greedy else SAMPLED | (SORTS if top_k < vocab_size or params.top_p < 1.0 else 0) | (
         MIN_P if params.min_p > 0 else 0)
     flags |= (MASKS_STOP_IDS if stop.min_new_tokens > 0 and stop.stop_ids else 0) | (
-        STOP_STRINGS if stop.stop_strings else 0)
+        STOP_STRINGS if stop.stop_strings else 0) | (STREAMS if stream else 0)
     return RowSpec(floats=(1.0 if greedy else float(params.temperature), float(params.top_p), float(params.min_p)),
                    ints=(int(greedy), top_k, seed, stop.min_new_tokens, stop.max_new_tokens),
                    stop_ids=tuple(sorted(stop.stop_ids)), flags=flags)
@@ -57,6 +58,7 @@ class SamplingRows:
     stop_ids: torch.Tensor  # (B, S) int64, padded with the row's first stop id (-1 if none); S may be 0
     flags: int  # RowSpec.flags of all rows, or-ed
     string_rows: list[int]  # rows whose requests have stop strings
+    stream_rows: list[int]  # rows whose requests stream (an output every step)
 
     @classmethod
     def build(cls, key: tuple[int, ...], specs: list[RowSpec], device: torch.device) -> "SamplingRows":
@@ -72,12 +74,15 @@ class SamplingRows:
 
     @classmethod
     def _of(cls, key, specs, floats, ints, stop_ids) -> "SamplingRows":
-        flags, strings = 0, []
+        flags, strings, streams = 0, [], []
         for b, s in enumerate(specs):
             flags |= s.flags
             if s.flags & STOP_STRINGS:
                 strings.append(b)
-        return cls(key=key, floats=floats, ints=ints, stop_ids=stop_ids, flags=flags, string_rows=strings)
+            if s.flags & STREAMS:
+                streams.append(b)
+        return cls(key=key, floats=floats, ints=ints, stop_ids=stop_ids, flags=flags, string_rows=strings,
+                   stream_rows=streams)
 
     def update(self, key: tuple[int, ...], specs: list[RowSpec]) -> "SamplingRows":
         """The rows of `key` (RowSpec each): these rows where the keys match, else rows kept from this step's (on the
@@ -106,7 +111,7 @@ class SamplingRows:
         return SamplingBatch(
             temperature=self.floats[:, 0], top_p=self.floats[:, 1], min_p=self.floats[:, 2],
             greedy=self.ints[:, 0].bool(), top_k=self.ints[:, 1],
-            all_greedy=not self.flags & SAMPLED, needs_sort=bool(self.flags & SORTS),
+            all_greedy=not self.flags & SAMPLED, any_greedy=bool(self.flags & GREEDY), needs_sort=bool(self.flags & SORTS),
             needs_min_p=bool(self.flags & MIN_P),
         )
 

@@ -59,6 +59,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # (B,) float32
     greedy: torch.Tensor  # (B,) bool
     all_greedy: bool
+    any_greedy: bool  # some row is greedy (else no row needs the raw log-probs)
     needs_sort: bool  # some sampled row restricts top_k or top_p
     needs_min_p: bool
 
@@ -98,15 +99,21 @@ def sample_inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row: logits (B, V) float32 -> (token ids (B,) int64, log-probs (B,) float32)."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
-    greedy_logprobs = raw_logprobs.gather(1, greedy_tokens[:, None]).squeeze(1)
     if batch.all_greedy:
-        return greedy_tokens, greedy_logprobs
+        return _greedy(logits)
     logprobs = torch.log_softmax(filter_logits(logits, batch), dim=-1)  # the distribution sampled from
     tokens = sample_inverse_cdf(logprobs, uniforms)
     sampled_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if not batch.any_greedy:
+        return tokens, sampled_logprobs
+    greedy_tokens, greedy_logprobs = _greedy(logits)
     return (
         torch.where(batch.greedy, greedy_tokens, tokens),
         torch.where(batch.greedy, greedy_logprobs, sampled_logprobs),
     )
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax of each row and its log-prob under the raw logits (temperature 1, nothing filtered)."""
+    tokens = logits.argmax(dim=-1)
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)

@@ -7,11 +7,12 @@ many tokens, and the limit wins over min_new_tokens (SGLang checks min first, so
 Stop strings are looked for in the decoded tail of the output (the last `window` tokens, window = the
 longest stop string's token count + 1, as SGLang does): a step costs one batched decode of short tails, over the
 requests that have stop strings only.
-The matched EOS / stop token stays in output_ids; `trim_matched_stop` trims only the text.
+The matched EOS / stop token stays in output_ids; the response's text is trimmed (rollout.server.protocol.response_text).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rollout.engine.types import RequestError, SamplingParams
@@ -73,39 +74,40 @@ class StopChecker:
                 return {"type": "stop", "matched": s}
         return None
 
-    def final_text(self, output_ids: list[int], finish_reason: dict | None) -> str | None:
-        """The decoded output, trimmed at a matched stop string unless no_stop_trim; None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=self.params.skip_special_tokens)
-        return trim_matched_stop(text, finish_reason, self.params.no_stop_trim)
 
-
-def match_stop_strings(stops: list[StopChecker], outputs: list[list[int]]) -> list[dict | None]:
+def match_stop_strings(stops: list[StopChecker], tails: list[list[int]]) -> list[dict | None]:
     """For requests with stop strings whose outputs reached min_new_tokens: the finish reason of each, from one
-    batched decode of their tails (the requests share the engine's tokenizer)."""
+    batched decode of their tails (each request's last `window` output tokens; the requests share the engine's
+    tokenizer)."""
     if not stops:
         return []
-    tails = [out[-stop.window :] for stop, out in zip(stops, outputs)]
-    return [stop.matched_string(text) for stop, text in zip(stops, decode_tails(stops[0].tokenizer, tails))]
+    reasons: list[dict | None] = []
+    for stop, text in zip(stops, decode_tails(stops[0].tokenizer, tails)):
+        reason = None
+        for s in stop.stop_strings:
+            if s in text:
+                reason = {"type": "stop", "matched": s}
+                break
+        reasons.append(reason)
+    return reasons
 
 
 def decode_tails(tokenizer: Any, tails: list[list[int]]) -> list[str]:
-    """tokenizer.decode(tail, skip_special_tokens=False) of each tail; straight through a fast tokenizer's backend
-    when decode would add nothing to the backend's text (no clean-up of spaces). A loop: the backend's decode_batch
-    hands the tails to a thread pool, which costs more than it saves on tails this short."""
+    """tokenizer.decode(tail, skip_special_tokens=False) of each tail (as `decode_ids`). A loop: the backend's
+    decode_batch hands the tails to a thread pool, which costs more than it saves on tails this short."""
+    decode = _decoder(tokenizer)
+    return [decode(tail, False) for tail in tails]
+
+
+def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    """tokenizer.decode(ids, skip_special_tokens=...), through the fast tokenizer's backend where that is the same."""
+    return _decoder(tokenizer)(ids, skip_special_tokens)
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int], bool], str]:
+    """(ids, skip_special_tokens) -> text: straight through a fast tokenizer's backend when transformers' decode would
+    add nothing to the backend's text (no clean-up of spaces), skipping its per-id conversions."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return [backend.decode(tail, skip_special_tokens=False) for tail in tails]
-    return [tokenizer.decode(tail, skip_special_tokens=False) for tail in tails]
-
-
-def trim_matched_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
-    """SGLang's rule: cut the text at the first occurrence of a matched stop string (token ids are never cut)."""
-    if no_stop_trim or not finish_reason:
-        return text
-    matched = finish_reason.get("matched")
-    if isinstance(matched, str):
-        pos = text.find(matched)
-        return text[:pos] if pos != -1 else text
-    return text
+        return backend.decode
+    return lambda ids, skip_special_tokens: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

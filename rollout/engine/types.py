@@ -112,7 +112,5 @@ class GenerateOutput:
     indexer_topk: Any = None  # int32 array (rows, n_full_layers, index_topk), -1 padded; None unless asked (final
     # output only). Row j is the selection of sequence row indexer_topk_start + j; row p produced token p + 1.
     indexer_topk_start: int | None = None  # P - 1 unless the request set indexer_topk_start_len >= 0
-    text: str | None = None  # decoded output, trimmed at a matched stop string unless no_stop_trim; final output
-    # only, and only from an engine that has a tokenizer
     input_token_logprobs: list[float | None] | None = None  # scoring: one per input token from logprob_start_len
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None  # scoring: (logprob, id) pairs per token

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.engine.stop import decode_ids
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ def decode_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> st
     """The text of `ids` ("" without a tokenizer)."""
     if tokenizer is None or not ids:
         return ""
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return decode_ids(tokenizer, ids, skip_special_tokens)
 
 
 def response_text(tokenizer: Any, out: GenerateOutput, params: SamplingParams) -> str:
@@ -383,14 +384,13 @@ def build_response(
         "output_token_versions": list(out.output_token_versions),
     }
     if req.return_logprob:
-        texts = (
-            [decode_text(tokenizer, [t], False) or None for t in out.output_ids]
-            if return_text_in_logprobs
-            else [None] * len(out.output_ids)
-        )
-        meta["output_token_logprobs"] = [
-            [float(lp), int(tok), txt] for lp, tok, txt in zip(out.output_token_logprobs, out.output_ids, texts)
-        ]
+        if return_text_in_logprobs:
+            texts = [decode_text(tokenizer, [t], False) or None for t in out.output_ids]
+            meta["output_token_logprobs"] = [
+                [float(lp), int(tok), txt] for lp, tok, txt in zip(out.output_token_logprobs, out.output_ids, texts)
+            ]
+        else:  # the common case, one entry per output token: no texts to zip in
+            meta["output_token_logprobs"] = [[float(lp), int(tok), None] for lp, tok in zip(out.output_token_logprobs, out.output_ids)]
         meta["input_token_logprobs"] = []
         if out.input_token_logprobs is not None:  # prefill-only scoring, aligned with input_ids[logprob_start_len:]
             ids = req.input_ids[req.logprob_start_len:]
