@@ -6,6 +6,8 @@
   (DP 2): float32, loss and grad norm within rtol 1e-5, the log-probs before every step within 2e-5, every gradient
   of the first step (indexer included) within rtol 1e-4 + atol 1e-7, the indexer KL within rtol 1e-3 + atol 1e-8
   (its value is ~1e-5, so that is summation noise).
+- A checkpoint of megatron's DistributedOptimizer (bf16) resumes bit for bit in a fresh process: on one GPU, and on
+  2 CPU ranks with its CUDA-only spots pretended.
 """
 
 from __future__ import annotations
