@@ -32,13 +32,13 @@ def batches(vocab_size: int, count: int = STEPS, seed: int = 0):
 
 
 def rank_config(checkpoint: str, backend_options: dict, mixed_precision: bool = False, lr: float = 1e-3,
-                indexer_loss_coef: float = 1.0):
+                indexer_loss_coef: float = 1.0, ops_backend: str = "auto"):
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
     from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
 
     dsa = DSAOptions(indexer_loss_coef=indexer_loss_coef, indexer_stage="sparse", indexer_target="group")
     return policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=lr, max_grad_norm=1e6), dsa=dsa,
-                         ops_backend="auto", data_parallel="fsdp", backend_options=backend_options,
+                         ops_backend=ops_backend, data_parallel="fsdp", backend_options=backend_options,
                          mixed_precision=mixed_precision, micro_batch_tokens=32, seed=0)
 
 
@@ -117,6 +117,88 @@ def recompute(rank: int, world_size: int, port: int, checkpoint: str, options: d
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     worker.shutdown()
+
+
+def resume(rank: int, world_size: int, port: int, checkpoint: str, out: str, phase: str, cuda_on_cpu: bool) -> None:
+    """One rank of Megatron in bf16 (megatron's DistributedOptimizer). phase "first": 2 steps, checkpoint step2/, step 3,
+    checkpoint step3_first/. "resumed" (a fresh process): load step2/, write it back as loaded/, step 3, checkpoint
+    step3_resumed/. Reference DSA ops and, on a GPU, deterministic kernels: equal state gives equal bits.
+    cuda_on_cpu: the DistributedOptimizer on CPU ranks (distributed_optimizer_on_cpu)."""
+    import os  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():  # scatter-adds in backward (embedding, gathers, MoE permutes) in a fixed order
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    if cuda_on_cpu:
+        Worker = distributed_optimizer_on_cpu()
+    else:
+        from trainers.megatron.worker import MegatronWorker as Worker  # noqa: PLC0415
+    worker = Worker(rank, world_size, "127.0.0.1", port,
+                    rank_config(checkpoint, {}, mixed_precision=True, ops_backend="torch"))
+    assert worker.distributed_optimizer
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    dp_rank, dp_size = worker.data_parallel_layout()
+    share = [i for i in range(NUM_SAMPLES) if i % dp_size == dp_rank]
+    steps = [(b, b.select(share)) for b in batches(vocab, count=3)]
+    old = Path(out) / f"old_logprobs_rank{rank}.safetensors"  # π_old of each step at the start, from the first run
+    if phase == "first":
+        save_file({str(i): worker.compute_logprobs(mine) for i, (_, mine) in enumerate(steps)}, old)
+    for i, logp in load_file(old).items():
+        steps[int(i)][1].old_logprobs = logp
+    for name in ("step2", "loaded", f"step3_{phase}"):
+        (Path(out) / name).mkdir(exist_ok=True)
+    if phase == "first":
+        for batch, mine in steps[:2]:
+            worker.train_step(mine, float(batch.loss_mask.sum()), NUM_SAMPLES)
+        worker.save_checkpoint(f"{out}/step2")
+    else:
+        worker.load_checkpoint(f"{out}/step2")
+        worker.save_checkpoint(f"{out}/loaded")
+    batch, mine = steps[2]
+    record = worker.train_step(mine, float(batch.loss_mask.sum()), NUM_SAMPLES)
+    worker.save_checkpoint(f"{out}/step3_{phase}")
+    if rank == 0:
+        Path(out, f"step3_{phase}.json").write_text(json.dumps(record))
+    worker.shutdown()
+
+
+def distributed_optimizer_on_cpu():
+    """MegatronWorker with megatron's DistributedOptimizer on CPU ranks, for tests only (the worker uses it on GPUs
+    alone): on top of trainers.megatron.cpu_shim, the optimizer's few CUDA-only spots are pretended. It tells bf16 from
+    float32 parameters by type strings ("torch.cuda.BFloat16Tensor") and allocates its flags (found-inf, the norm) on
+    device "cuda"; neither changes what it computes. Patches this process's torch: call it in a spawned rank."""
+    from trainers.megatron import cpu_shim  # noqa: PLC0415
+    from trainers.megatron.worker import MegatronWorker  # noqa: PLC0415
+
+    type_string = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        out = type_string(self, *args, **kwargs)
+        return out.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and isinstance(out, str) else out
+
+    def on_cpu(factory):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+        return make
+
+    cpu_shim.apply()
+    torch.Tensor.type = cuda_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    for name in ("tensor", "zeros", "empty", "ones", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+
+    class DistributedOptimizerWorker(MegatronWorker):
+        def _build_role(self, name, config):
+            self.distributed_optimizer, self.dtype = True, torch.bfloat16  # as on a GPU with mixed_precision
+            return super()._build_role(name, config)
+
+    return DistributedOptimizerWorker
 
 
 # A GLM-MoE-DSA in which bf16 rounding differences show: 4 layers, 16 experts of which 4 per token, top-64 of 128 keys.

@@ -6,6 +6,8 @@
   (DP 2): float32, loss and grad norm within rtol 1e-5, the log-probs before every step within 2e-5, every gradient
   of the first step (indexer included) within rtol 1e-4 + atol 1e-7, the indexer KL within rtol 1e-3 + atol 1e-8
   (its value is ~1e-5, so that is summation noise).
+- A checkpoint of megatron's DistributedOptimizer (bf16) resumes bit for bit in a fresh process: on one GPU, and on
+  2 CPU ranks with its CUDA-only spots pretended.
 """
 
 from __future__ import annotations
@@ -210,3 +212,114 @@ def test_bf16_logprobs_on_the_gpu_match_fsdp_and_the_engine(tmp_path, float32_ro
     gaps = _gaps(logp, torch.mean)
     assert max(gaps["fsdp"], gaps["bf16_compute"], gaps["engine"]) <= 1e-3, gaps
     assert gaps["float32"] > 1e-3, gaps
+
+
+# -- checkpoints of megatron's DistributedOptimizer: a fresh process resumes bit for bit ----------------------------
+
+
+def _resume_runs(checkpoint: Path, out: Path, world_size: int, cuda_on_cpu: bool) -> None:
+    """tests.megatron_conformance.resume: the first run, then the resumed one in fresh processes."""
+    import torch.multiprocessing as mp
+
+    from tests.megatron_conformance import resume
+
+    for phase in ("first", "resumed"):
+        mp.start_processes(resume, args=(world_size, free_port(), str(checkpoint), str(out), phase, cuda_on_cpu),
+                           nprocs=world_size, start_method="spawn")
+
+
+def _rank_files(directory: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    return (load_file(directory / "megatron" / f"rank{rank}.safetensors"),
+            json.loads((directory / "megatron" / f"rank{rank}.json").read_text()))
+
+
+def _assert_same_state(a: Path, b: Path, rank: int) -> None:
+    (tensors_a, meta_a), (tensors_b, meta_b) = _rank_files(a, rank), _rank_files(b, rank)
+    assert tensors_a.keys() == tensors_b.keys(), sorted(set(tensors_a) ^ set(tensors_b))[:5]
+    unequal = [k for k, v in tensors_a.items() if v.dtype != tensors_b[k].dtype or not torch.equal(v, tensors_b[k])]
+    assert not unequal, f"{len(unequal)} of {len(tensors_a)} tensors differ, e.g. {unequal[:5]}"
+    assert meta_a == meta_b
+
+
+def _assert_resumes_exactly(out: Path, world_size: int) -> None:
+    for rank in range(world_size):
+        tensors, meta = _rank_files(out / "step2", rank)
+        assert meta["optimizer"] == "distributed" and meta["step"] == 2
+        main = [k for k in tensors if k.endswith("/main_param")]
+        assert main and all(tensors[k].dtype == torch.float32 for k in main)
+        assert all(k.replace("/main_param", f"/{f}") in tensors for k in main for f in ("exp_avg", "exp_avg_sq", "step"))
+        assert any(v.dtype == torch.bfloat16 for k, v in tensors.items() if k.startswith("model/"))
+        _assert_same_state(out / "step2", out / "loaded", rank)  # what was loaded is what was saved
+    first, again = (json.loads((out / f"step3_{phase}.json").read_text()) for phase in ("first", "resumed"))
+    assert first.keys() == again.keys() and first["grad_norm"] > 0
+    unequal = {k: (v, again[k]) for k, v in first.items() if v != again[k] and not (v != v and again[k] != again[k])}
+    assert unequal == {}  # NaN counts as equal to NaN
+    for rank in range(world_size):
+        _assert_same_state(out / "step3_first", out / "step3_resumed", rank)
+    before, after = _rank_files(out / "step2", 0)[0], _rank_files(out / "step3_first", 0)[0]
+    assert sum(not torch.equal(before[k], after[k]) for k in before if k.startswith("model/")) > 10  # step 3 moved
+
+
+@pytest.mark.gpu
+def test_distributed_optimizer_checkpoint_resumes_exactly_on_the_gpu(checkpoint, tmp_path):
+    """One GPU, bf16: 2 steps, checkpoint, step 3; a fresh process loads the checkpoint and runs step 3. Its metrics
+    and everything the rank saves after it (bf16 weights, float32 main weights, Adam moments and steps, schedule,
+    RNG states) equal the first run's bit for bit; the state it loaded, written back, equals the checkpoint."""
+    _resume_runs(checkpoint, tmp_path, 1, cuda_on_cpu=False)
+    _assert_resumes_exactly(tmp_path, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two ranks would share the one GPU; the gpu test covers it")
+def test_distributed_optimizer_checkpoint_resumes_exactly_on_cpu(checkpoint, tmp_path):
+    """The same on 2 CPU ranks (data parallel 2: each rank saves its own half of the optimizer state), with megatron's
+    DistributedOptimizer built on CPU by pretending its CUDA-only spots (distributed_optimizer_on_cpu)."""
+    _resume_runs(checkpoint, tmp_path, 2, cuda_on_cpu=True)
+    _assert_resumes_exactly(tmp_path, 2)
+
+
+def _adam_over_main_weights(models: list[torch.nn.Parameter]):
+    """A DistributedAdam around a stand-in for one megatron DistributedOptimizer: torch's AdamW over float32 main
+    copies of bf16 model parameters, found through model_param_group_index_map as megatron's are."""
+    from types import SimpleNamespace
+
+    from trainers.megatron.optimizer import DistributedAdam
+
+    mains = [p.detach().float().clone().requires_grad_() for p in models]
+    inner = torch.optim.AdamW([{"params": mains[:1]}, {"params": mains[1:], "weight_decay": 0.0}], lr=1e-2)
+    opt = SimpleNamespace(optimizer=inner, model_param_group_index_map={models[0]: (0, 0), models[1]: (1, 0),
+                                                                         models[2]: (1, 1)})
+    adam = DistributedAdam.__new__(DistributedAdam)
+    adam.inner, adam.names = SimpleNamespace(chained_optimizers=[opt]), {p: f"p{i}" for i, p in enumerate(models)}
+    return adam, mains
+
+
+def test_distributed_adam_state_round_trips_through_safetensors_and_json(tmp_path):
+    """state() -> safetensors + JSON -> load_state() into a fresh optimizer: the next step is bit-equal, and every
+    parameter keeps its own `step` tensor (megatron's own load_state_dict shares one, which the next step advances
+    once per parameter)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    models = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (3, 4, 5)]
+    first, mains = _adam_over_main_weights(models)
+    grads = [[torch.randn(p.numel()) for p in models] for _ in range(3)]
+    for step in grads[:2]:
+        for main, g in zip(mains, step):
+            main.grad = g.clone()
+        first.inner.chained_optimizers[0].optimizer.step()
+    tensors, groups = first.state()
+    save_file(tensors, tmp_path / "state.safetensors")
+    again, mains_again = _adam_over_main_weights(models)
+    again.load_state(load_file(tmp_path / "state.safetensors"), json.loads(json.dumps(groups)))
+    state = again.inner.chained_optimizers[0].optimizer.state
+    assert len({id(state[m]["step"]) for m in mains_again}) == 3
+    assert again.inner.chained_optimizers[0].optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    for optimizer, params in ((first, mains), (again, mains_again)):
+        for main, g in zip(params, grads[2]):
+            main.grad = g.clone()
+        optimizer.inner.chained_optimizers[0].optimizer.step()
+    for a, b in zip(mains, mains_again):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"optimizer shards \(2 parameters"):
+        again.load_state({k: v for k, v in tensors.items() if not k.startswith("p2/")}, groups)

@@ -918,10 +918,11 @@ class RecipeConfig(Section):
         if self.trainer.backend == "megatron" and ro.weight_sync == "cuda_ipc":
             raise RecipeValueError("rollout.weight_sync 'cuda_ipc' is not built for trainer.backend 'megatron'; use "
                                    "auto, shm or http", "rollout.weight_sync", "trainer.backend")
-        if self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0 and self.checkpoint.save_every > 0:
+        if (self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0
+                and self.algorithm.indexer_learning_rate is not None):
             raise RecipeValueError(
-                "checkpoints of megatron's DistributedOptimizer (trainer ranks on GPUs) are not built yet: set "
-                "checkpoint.save_every: 0, or train on CPU ranks", "checkpoint.save_every", "trainer.backend")
+                "algorithm.indexer_learning_rate is not built for megatron's DistributedOptimizer (trainer ranks on "
+                "GPUs) yet: leave it null", "algorithm.indexer_learning_rate", "trainer.backend")
         if ro.sglang.weight_sync == "tensor":
             raise RecipeValueError("rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
                                    "or disk", "rollout.sglang.weight_sync")
