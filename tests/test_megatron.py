@@ -323,3 +323,39 @@ def test_distributed_adam_state_round_trips_through_safetensors_and_json(tmp_pat
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"optimizer shards \(2 parameters"):
         again.load_state({k: v for k, v in tensors.items() if not k.startswith("p2/")}, groups)
+
+
+def _dispatcher(cls, num_experts: int, topk: int, routing_map: torch.Tensor):
+    """A dispatcher of `cls` holding every expert, with only the attributes its dispatch and combine read (no process
+    groups: at expert parallel 1 neither step communicates)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    d = object.__new__(cls)
+    d.config = SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, moe_permute_fusion=False)
+    d.num_local_experts, d.local_expert_indices, d.router_topk = num_experts, list(range(num_experts)), topk
+    d.routing_map = routing_map.clone()
+    return d
+
+
+def test_local_experts_dispatch_equals_megatrons_without_host_counts():
+    """With every expert local, the sync-free dispatch gives megatron's rows, counts, probabilities and combine, bit for
+    bit, and keeps the counts on the input's device."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher  # noqa: PLC0415
+
+    from trainers.megatron.experts import LocalExpertsDispatcher  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, topk, hidden = 37, 8, 3, 16
+    scores = torch.rand(tokens, experts, generator=g)
+    chosen = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    probs = torch.where(routing_map, scores.softmax(1), 0.0)
+    x = torch.randn(tokens, hidden, generator=g)
+    stock = _dispatcher(MoEAllGatherTokenDispatcher, experts, topk, routing_map)
+    ours = _dispatcher(LocalExpertsDispatcher, experts, topk, routing_map)
+    want, want_counts, want_probs = stock.dispatch_postprocess(x, probs)
+    got, got_counts, got_probs = ours.dispatch_postprocess(x, probs)
+    assert torch.equal(got, want) and torch.equal(got_probs, want_probs)
+    assert torch.equal(got_counts.cpu(), want_counts) and got_counts.device == x.device
+    y = torch.randn(got.shape, generator=g)
+    assert torch.equal(ours.combine_preprocess(y), stock.combine_preprocess(y))

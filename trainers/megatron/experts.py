@@ -5,7 +5,8 @@ layer scales the activations by the probability before fc2 and sums the k output
 roundings per token, enough in bf16 to flip later layers' expert choices against the engine and FSDP2.)
 On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
 GlmMoeDsa's grouped path (the local spec has no grouped linear without Transformer Engine); elsewhere megatron's
-per-expert loop."""
+per-expert loop. When a rank holds every expert (expert parallel 1), the dispatch keeps its counts on the device:
+megatron's copies them to the host, a stall in every MoE layer's forward."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import permute
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -49,9 +52,36 @@ class GroupedSequentialMLP(SequentialMLP):
         return _grouped_mm(self.config.activation_func(gate) * up, w2.transpose(1, 2), offs=offs)  # (N, D)
 
 
+class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
+    """The allgather dispatcher without host syncs when this rank holds every expert: each token then goes to exactly
+    top-k local experts, so the permuted size is known without counting on the host, and the per-expert counts stay
+    on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's."""
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.num_local_experts != self.config.num_moe_experts or self.config.moe_permute_fusion:
+            return super().dispatch_postprocess(hidden_states, probs)
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.local_map = self.routing_map.contiguous()
+        tokens_per_expert = self.local_map.sum(dim=0).long()
+        permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
+            hidden_states, self.local_map, probs=probs.contiguous(),
+            num_out_tokens=self.local_map.shape[0] * self.router_topk)
+        self.local_probs = permuted_probs
+        self.routing_map = None
+        return permuted, tokens_per_expert, permuted_probs
+
+
 class RoundedMoELayer(MoELayer):
     """MoELayer whose routed experts' float32 sum is rounded to the parameters' dtype before the shared expert's
-    output is added (GlmMoeDsa's MoE: experts(x).to(x.dtype) + shared_experts(x))."""
+    output is added (GlmMoeDsa's MoE: experts(x).to(x.dtype) + shared_experts(x)); its dispatch is sync-free when
+    the rank holds every expert."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs) -> None:
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
+        if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher and not self.shared_expert_overlap:
+            self.token_dispatcher = LocalExpertsDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                           config=self.config, pg_collection=pg_collection)
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):
         return super().postprocess(output.to(self.config.params_dtype), shared_expert_output)
