@@ -57,8 +57,9 @@ def time_paths(T: int, heads: int, topk: int, budget_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="64:2048:8192,64:2048:16384,64:2048:32768,12:256:300,12:256:1000,"
-                                            "12:256:4096", help="heads:topk:tokens, comma-separated")
+    parser.add_argument("--shapes", default="64:2048:4096,64:2048:8192,64:2048:16384,16:512:1024,16:512:2048,"
+                                            "12:256:300,12:256:1000,12:256:4096",
+                        help="heads:topk:tokens, comma-separated (64:2048 GLM-5; 16:512 megatron_vs_fsdp.py's 1b)")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of repetitions per measurement")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
