@@ -560,14 +560,9 @@ class Engine:
             found = match_stop_strings([seq.stop for seq in tails], list(map(_tail, tails)))
         except Exception:  # noqa: BLE001 - one request's tokenizer failure must cost that request only
             found = [self._check_stop_string(seq) for seq in tails]
-        if len(tails) < len(seqs):
-            reasons, found = [], iter(found)
-            for flagged in decode:
-                reasons.append(next(found) if flagged else None)
-        else:
-            reasons = found
-        outputs = []
-        for seq, reason in zip(seqs, reasons):
+        outputs, found = [], iter(found)
+        for seq, flagged in zip(seqs, decode):
+            reason = next(found) if flagged else None
             if reason:
                 ending.append((seq, reason))
             elif seq.req.stream:
