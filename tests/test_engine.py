@@ -563,6 +563,46 @@ def test_stop_strings_with_tokenizer():
         got["keep"].output_ids, skip_special_tokens=False)
 
 
+def test_skipping_stop_checks_changes_no_output(monkeypatch):
+    """Tails are decoded only after tokens that may complete a stop string (stop_chars.py): every output (streamed
+    ones too, in order) is what checking every step gives, with fewer tails decoded."""
+    import rollout.engine.engine as engine_module
+    from rollout.engine.stop_chars import StopCompleters
+    from slime_dsa.checkpoint import build_model
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer
+    from slime_dsa.models import ModelConfig
+
+    tokenizer = build_tokenizer()
+    model = build_model(ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1}), seed=0).eval()
+    prompt = tokenizer.encode("the answer is", add_special_tokens=False)
+    sampling = lambda i, **kw: SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i, ignore_eos=True, **kw)  # noqa: E731
+    engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer)
+    free = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=sampling(i), rid=str(i)) for i in range(12)]})
+    texts = [tokenizer.decode(free[str(i)].output_ids, skip_special_tokens=False) for i in range(12)]
+    stops = [[t[len(t) // 2 : len(t) // 2 + 2], "</answer>"] if t[len(t) // 2 :].strip() else ["\n"] for t in texts]
+    decoded = []
+    match = engine_module.match_stop_strings
+    monkeypatch.setattr(engine_module, "match_stop_strings", lambda stops, tails: decoded.append(len(tails)) or match(stops, tails))
+
+    def trace():
+        engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer)
+        for i in range(12):
+            engine.add_request(GenerateRequest(input_ids=prompt, sampling=sampling(i, stop=stops[i], min_new_tokens=i % 3 * 3),
+                                               rid=str(i), stream=i % 2 == 0))
+        outputs = []
+        while engine.num_running or engine.num_queued:
+            outputs += [(o.rid, o.output_ids, o.output_token_logprobs, o.finish_reason) for o in engine.step()]
+        return outputs
+
+    skipping = trace()
+    skipped_to = sum(decoded)
+    decoded.clear()
+    monkeypatch.setattr(StopCompleters, "mask", lambda self, stop_strings: None)
+    assert skipping == trace()
+    assert 0 < skipped_to < sum(decoded)
+    assert sum(out[3] is not None and out[3]["matched"] in stops[int(out[0])] for out in skipping) >= 6
+
+
 def test_a_failing_forward_costs_only_its_request(model):
     engine = Engine(model, max_cache_tokens=512, block_size=4)
     poison = 13

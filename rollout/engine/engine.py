@@ -77,6 +77,7 @@ from rollout.engine.rows import RUNNING, STOP_TOKEN, RowSpec, SamplingRows, row_
 from rollout.engine.sampling import sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
+from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -217,6 +218,7 @@ class Engine:
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self._serials = itertools.count()
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
+        self._stop_completers = StopCompleters(tokenizer) if tokenizer is not None else None
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
@@ -301,7 +303,8 @@ class Engine:
         if len(ids) >= context:
             raise RequestError(f"input_ids has {len(ids)} tokens, the model's context (max_position_embeddings) is {context}")
         stop = StopChecker(req.sampling, self.eos_token_ids, self.tokenizer, prompt_len=len(ids), context=context,
-                           windows=self._stop_windows)
+                           windows=self._stop_windows,
+                           completing=None if self._stop_completers is None else self._stop_completers.mask)
         rows = len(ids) + stop.max_new_tokens - 1
         if -(-rows // self.block_size) > self.blocks.num_blocks:
             raise RequestError(
@@ -520,17 +523,19 @@ class Engine:
         self.stats["generated_tokens"] += count
         ending = [(sampled[b], self._finish_reason(sampled[b], tokens[b], codes[b]))
                   for b in np.flatnonzero(codes != RUNNING).tolist() if sampled[b].finish_reason is None]
-        strings, checked = [], set()
+        strings, decode, checked = [], [], set()
         for b in launched.string_rows:
             seq = sampled[b]
-            if codes[b] == RUNNING and seq.finish_reason is None and seq.num_output - seq.inflight >= seq.stop.min_new_tokens:
+            num_output = seq.num_output - seq.inflight
+            if codes[b] == RUNNING and seq.finish_reason is None and num_output >= seq.stop.min_new_tokens:
                 strings.append(seq)
+                decode.append(seq.stop.may_match_after(tokens[b], num_output))
                 checked.add(b)
         outputs = [self._output(sampled[b]) for b in launched.stream_rows
                    if codes[b] == RUNNING and b not in checked and sampled[b].finish_reason is None]
         self.stats["resolve_s"] += time.perf_counter() - start
         start = time.perf_counter()
-        outputs += self._check_stop_strings(strings, ending)
+        outputs += self._check_stop_strings(strings, decode, ending)
         self.stats["stop_strings_s"] += time.perf_counter() - start
         start = time.perf_counter()
         outputs += self._finish_all(ending)
@@ -543,17 +548,21 @@ class Engine:
             return {"type": "stop", "matched": token}
         return {"type": "length", "length": seq.max_new_tokens}
 
-    def _check_stop_strings(self, seqs: list[_Sequence], ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
-        """Add to `ending` the sequences whose decoded tails now hold a stop string (one batched decode); the outputs
-        of those that go on (when they stream)."""
+    def _check_stop_strings(self, seqs: list[_Sequence], decode: list[bool],
+                            ending: list[tuple[_Sequence, dict]]) -> list[GenerateOutput]:
+        """Add to `ending` the sequences whose decoded tails now hold a stop string (one batched decode of the tails
+        flagged in `decode`; the others' new tokens cannot complete one: StopChecker.may_match_after); the outputs of
+        those that go on (when they stream)."""
         if not seqs:
             return []
+        tails = [seq for seq, flagged in zip(seqs, decode) if flagged]
         try:
-            reasons = match_stop_strings([seq.stop for seq in seqs], list(map(_tail, seqs)))
+            found = match_stop_strings([seq.stop for seq in tails], list(map(_tail, tails)))
         except Exception:  # noqa: BLE001 - one request's tokenizer failure must cost that request only
-            reasons = [self._check_stop_string(seq) for seq in seqs]
-        outputs = []
-        for seq, reason in zip(seqs, reasons):
+            found = [self._check_stop_string(seq) for seq in tails]
+        outputs, found = [], iter(found)
+        for seq, flagged in zip(seqs, decode):
+            reason = next(found) if flagged else None
             if reason:
                 ending.append((seq, reason))
             elif seq.req.stream:

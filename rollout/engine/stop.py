@@ -6,7 +6,8 @@ many tokens, and the limit wins over min_new_tokens (SGLang checks min first, so
 
 Stop strings are looked for in the decoded tail of the output (the last `window` tokens, window = the
 longest stop string's token count + 1, as SGLang does): a step costs one batched decode of short tails, over the
-requests that have stop strings only.
+requests that have stop strings only, and only after a new token whose text may complete one of them
+(`may_match_after`, stop_chars.py).
 The matched EOS / stop token stays in output_ids; the response's text is trimmed (rollout.server.protocol.response_text).
 """
 
@@ -31,8 +32,11 @@ class StopChecker:
     """Per-request stop rules; `check(output_ids)` returns a finish_reason dict or None."""
 
     def __init__(self, params: SamplingParams, eos_token_ids: list[int], tokenizer: Any = None, *, prompt_len: int = 0,
-                 context: int | None = None, windows: dict[tuple[str, ...], int] | None = None) -> None:
-        """windows: a cache of the tail length per set of stop strings, shared by the requests of one tokenizer."""
+                 context: int | None = None, windows: dict[tuple[str, ...], int] | None = None,
+                 completing: Callable[[list[str]], bytes | None] | None = None) -> None:
+        """windows: a cache of the tail length per set of stop strings, shared by the requests of one tokenizer;
+        completing: stop strings -> which tokens may complete one (stop_chars.StopCompleters.mask, for that
+        tokenizer; for `may_match_after`)."""
         self.params = params
         room = params.max_new_tokens if context is None else context - prompt_len
         self.max_new_tokens = max(0, min(params.max_new_tokens, room))
@@ -41,6 +45,7 @@ class StopChecker:
         self.stop_strings = list(params.stop)
         self.tokenizer = tokenizer
         self.window = 0
+        self.completing: bytes | None = None  # [id] == 1: the token may complete a stop string; None: every token may
         if self.stop_strings:
             if tokenizer is None:
                 raise RequestError("sampling_params.stop needs an engine started with a tokenizer")
@@ -51,6 +56,8 @@ class StopChecker:
                 if windows is not None and len(windows) < MAX_CACHED_WINDOWS:
                     windows[key] = window
             self.window = window
+            if completing is not None:
+                self.completing = completing(self.stop_strings)
 
     def check(self, output_ids: list[int]) -> dict | None:
         """The finish reason after the last of output_ids, or None. The engine runs the same rules batched: lengths
@@ -66,6 +73,12 @@ class StopChecker:
         if self.stop_strings:
             return self.matched_string(decode_tails(self.tokenizer, [output_ids[-self.window :]])[0])
         return None
+
+    def may_match_after(self, token: int, num_output: int) -> bool:
+        """Whether the tail may hold a stop string now that `token` made the output num_output tokens long; False
+        only when the tail was checked (or empty) one token earlier and `token` cannot complete a stop string."""
+        mask = self.completing
+        return mask is None or num_output <= self.min_new_tokens or not 0 <= token < len(mask) or mask[token] == 1
 
     def matched_string(self, tail: str) -> dict | None:
         """The finish reason of the first stop string found in the decoded tail, or None."""
