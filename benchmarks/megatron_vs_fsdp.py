@@ -197,19 +197,23 @@ def main() -> None:
         if "tokens_per_s" in run and peak:
             run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
         result["runs"][backend] = run
+        _summarise(result)
         _write(args.out, result)  # after each backend: a run cut short by the stage's time cap still reports
         logger.info("%s: %s", backend, run.get("error") or {k: run.get(k) for k in ("tokens_per_s", "mfu", "step_s",
                                                                                         "peak_memory_gib", "wall_s")})
+    logger.info("noise floor (fsdp vs fsdp_split) %s", result.get("noise_floor"))
+    logger.info("conformance %s; megatron / fsdp tokens/s %s", result.get("conformance"),
+                result.get("megatron_over_fsdp_tokens_per_s"))
+
+
+def _summarise(result: dict) -> None:
+    """The noise floor, the conformance and the throughput ratio, from the runs finished so far."""
     runs = result["runs"]
     if all("steps" in runs.get(b, {}) for b in ("fsdp", "fsdp_split")):
         result["noise_floor"] = compare(runs["fsdp"], runs["fsdp_split"])
-        logger.info("noise floor (fsdp vs fsdp_split) %s", result["noise_floor"])
     if all("steps" in runs.get(b, {}) for b in ("fsdp", "megatron")):
         result["conformance"] = compare(runs["fsdp"], runs["megatron"], result.get("noise_floor"))
         result["megatron_over_fsdp_tokens_per_s"] = round(runs["megatron"]["tokens_per_s"] / runs["fsdp"]["tokens_per_s"], 3)
-        logger.info("conformance %s; megatron / fsdp tokens/s %s", result["conformance"],
-                    result["megatron_over_fsdp_tokens_per_s"])
-    _write(args.out, result)
 
 
 def _write(path: str, result: dict) -> None:
