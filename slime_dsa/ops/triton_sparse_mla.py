@@ -26,7 +26,8 @@ Backward, two paths (both recompute the probabilities from the saved lse):
 - Masked key ranges (`selection_ranges`): when rows select subsets of short ranges (packed sequences up to a few
   times index_topk long, as RL batches are), the same two kernels run over each row's range with a byte map of the
   selected keys. They do up to MASKED_RANGE_MAX_RATIO times the selected work but no atomics, which serialise when
-  many queries share kv rows and few heads share each query.
+  many queries share kv rows and few heads share each query; so only for few heads x head dim
+  (MASKED_RANGE_MAX_HEAD_WORK), where they were measured to win.
 - General: one program per query row and 32 heads (64 do not fit in shared memory). dQ is accumulated in
   registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
   summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
@@ -82,6 +83,9 @@ USE_KEY_RANGES = True  # False forces the general (atomic) backward; benchmarks 
 # at most this many times the selected keys, costs less than atomics that serialise on shared kv rows.
 USE_MASKED_RANGES = True
 MASKED_RANGE_MAX_RATIO = 4.0
+# ...but only where that was measured to win (benchmarks/sparse_mla_bwd_paths.py, RESULTS.md): heads x head dim up
+# to the small preset's 12 x 288. At 16 x 576 and 64 x 576 the atomic kernel was 2.2-6.7x faster at ratios 1.3-4.3.
+MASKED_RANGE_MAX_HEAD_WORK = 12 * 288
 MASKED_RANGE_MAX_BYTES = 1 << 30
 # Key loops stop after a row's last used slot (found by one scan of its indices), so rows with few keys (early
 # causal rows, short packed sequences) cost what they use. False walks every slot; benchmarks compare both.
@@ -624,7 +628,8 @@ def sparse_mla_bwd(
     delta = bwd_delta(out, dout, dlse)
     dq = torch.empty_like(q)
     if T > 0 and K > 0 and USE_KEY_RANGES and lse.stride(1) == 1:
-        ranges = selection_ranges(indices, MASKED_RANGE_MAX_RATIO if USE_MASKED_RANGES else 0.0)
+        masked = USE_MASKED_RANGES and H * D <= MASKED_RANGE_MAX_HEAD_WORK
+        ranges = selection_ranges(indices, MASKED_RANGE_MAX_RATIO if masked else 0.0)
         if ranges is not None:
             dkv = torch.empty_like(kv)
             try:
