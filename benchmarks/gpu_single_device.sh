@@ -15,7 +15,7 @@
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
 # sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
-# of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 300), SFTLONG_TRAIN (40000), SFTLONG_T (420 s cap),
+# of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
 # SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
@@ -88,7 +88,7 @@ sft)
   sft_stage sft recipes/gpu_single_sft.yaml ${SFT_STEPS:-300} ${SFT_TRAIN:-70000} ${SFT_T:-240}
   ;;
 sftlong)
-  sft_stage sftlong recipes/gpu_single_sft_long.yaml ${SFTLONG_STEPS:-300} ${SFTLONG_TRAIN:-40000} ${SFTLONG_T:-420}
+  sft_stage sftlong recipes/gpu_single_sft_long.yaml ${SFTLONG_STEPS:-200} ${SFTLONG_TRAIN:-30000} ${SFTLONG_T:-480}
   ;;
 rl)
   stamp rl
