@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft rl vstrl opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrllong opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -14,6 +14,11 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
+# of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
+# SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
+# vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
+# tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
 # over 5 steps, then train tokens/s and MFU) needs the megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments,
 # MGBENCH_T caps it (default 240 s); writes $OUT/megatron_vs_fsdp.json and .log.
@@ -35,6 +40,25 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 CLI="python3 -m slime_dsa.cli"
+vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown; VSTRL_NAME and VSTRL_ARGS replace them
+  local N=${VSTRL_NAME:-$1}
+  stamp "vstrl ($N)"
+  rm -rf $W/$N
+  timeout -s INT -k 30 ${VSTRL_T:-540} python3 benchmarks/vs_trl.py --device cuda --task countdown ${VSTRL_ARGS:-$2} \
+    --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
+    | tee $OUT/$N.log | tail -40
+  cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+}
+LONG_TASK_ARGS='{"min_numbers":5,"max_numbers":6,"worked_steps":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
+sft_stage() {  # NAME RECIPE STEPS TRAIN_SIZE CAP_S: `slime-dsa sft` into $W/NAME/model, unless it is there already
+  stamp $1
+  if [ -f $W/$1/model/config.json ] && [ -z "$SFT_FORCE" ]; then stamp "$1 model already there"; return; fi
+  rm -rf $W/$1
+  timeout $5 $CLI sft $2 --set trainer.num_steps=$3 \
+    --set sft.eval_every=${SFT_EVAL:-100} --set logging.wandb_mode=disabled --set logging.run_dir=$W/$1 \
+    --set sft.output_dir=$W/$1/model --set data.tasks.0.train_size=$4 ${SFT_SET} 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/$1.log | tail -25
+  cp $W/$1/metrics.jsonl $OUT/$1_metrics.jsonl 2>/dev/null
+}
 for s in $STAGES; do case $s in
 setup)
   stamp setup
@@ -61,13 +85,10 @@ prof)
   timeout ${PROF_T:-60} python3 benchmarks/profile_sft_step.py 2>&1 | tee $OUT/prof.log | grep "step s"
   ;;
 sft)
-  stamp sft
-  if [ -f $W/sft/model/config.json ] && [ -z "$SFT_FORCE" ]; then stamp "sft model already there"; continue; fi
-  rm -rf $W/sft
-  timeout ${SFT_T:-240} $CLI sft recipes/gpu_single_sft.yaml --set trainer.num_steps=${SFT_STEPS:-300} \
-    --set sft.eval_every=${SFT_EVAL:-100} --set logging.wandb_mode=disabled --set logging.run_dir=$W/sft \
-    --set sft.output_dir=$W/sft/model --set data.tasks.0.train_size=${SFT_TRAIN:-70000} ${SFT_SET} 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/sft.log | tail -25
-  cp $W/sft/metrics.jsonl $OUT/sft_metrics.jsonl 2>/dev/null
+  sft_stage sft recipes/gpu_single_sft.yaml ${SFT_STEPS:-300} ${SFT_TRAIN:-70000} ${SFT_T:-240}
+  ;;
+sftlong)
+  sft_stage sftlong recipes/gpu_single_sft_long.yaml ${SFTLONG_STEPS:-200} ${SFTLONG_TRAIN:-30000} ${SFTLONG_T:-480}
   ;;
 rl)
   stamp rl
@@ -87,14 +108,10 @@ opd)
     tail -n 80 $W/opd.log; } | tee $OUT/opd.log | tail -40
   ;;
 vstrl)
-  N=${VSTRL_NAME:-vstrl}
-  stamp "vstrl ($N)"
-  rm -rf $W/$N
-  FULL="--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
-  timeout -s INT -k 30 ${VSTRL_T:-540} python3 benchmarks/vs_trl.py --device cuda --task countdown ${VSTRL_ARGS:-$FULL} \
-    --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
-    | tee $OUT/$N.log | tail -40
-  cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  vstrl_stage vstrl "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
+  ;;
+vstrllong)
+  vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
   ;;
 mgbench)
   stamp mgbench

@@ -60,6 +60,10 @@ H200, a cost of the measurement, not of ours); on CPU at every step, as before (
     python benchmarks/vs_trl.py --device cuda --task countdown --model runs/gpu-single-sft/model --steps 10 \
         --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --out benchmarks/RESULTS.md
         # one GPU, countdown, the small-preset policy of recipes/gpu_single_sft.yaml
+    python benchmarks/vs_trl.py --device cuda --task countdown --model runs/gpu-single-sft-long/model \
+        --task-args '{"min_numbers": 5, "max_numbers": 6, "worked_steps": true}' --steps 10 --prompts-per-step 16 \
+        --group-size 16 --max-new-tokens 384 --lr 1e-5 --out benchmarks/RESULTS.md
+        # one GPU, long answers (~260 tokens: worked steps in <think>): recipes/gpu_single_sft_long.yaml's policy
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ logger = logging.getLogger("vs_trl")
 
 DEFAULT_MODEL = Path("recipes/assets/quickstart-sft")
 FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many steps
+RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s")  # per side, in result.json
 
 
 # ---------------------------------------------------------------------------------------------------- shared setup
@@ -97,6 +102,7 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
     task: dict[str, Any] = {"kind": args.task, "eval_size": args.eval_prompts, "train_size": args.train_size}
     if args.task == "arithmetic":
         task["task_args"] = {"max_digits": 2}
+    task["task_args"] = {**task.get("task_args", {}), **args.task_args}
     cuda = args.device == "cuda"
     recipe = {
         "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
@@ -238,6 +244,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     total = time.perf_counter() - t0
     records = read_metrics(run_dir)
     rewards = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
+    lengths = [r["rollout/response_length_mean"] for r in records if "rollout/response_length_mean" in r]
     if final.get("version") != args.steps or len(rewards) != args.steps or "state" not in final:
         raise RuntimeError(f"ours: expected {args.steps} steps, got weight version {final.get('version')} and "
                            f"{len(rewards)} logged rewards (see {run_dir}/train.log)")
@@ -245,7 +252,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     parts = {key: statistics.median(r.get(f"perf/{key}_time_s", 0.0) for r in later)
              for key in ("rollout", "train", "sync")}
     return {"step_times": step_times(stamps), "cpu_times": step_times(cpu), "rewards": rewards,
-            "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts}
+            "response_lengths": lengths, "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts}
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
@@ -304,13 +311,14 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     trainer.train()
     total = time.perf_counter() - t0
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
     out_dir = workdir / "trl_final"
     trainer.save_model(str(out_dir))
     tokenizer.save_pretrained(out_dir)
     if len(rewards) != args.steps:
         raise RuntimeError(f"trl: expected {args.steps} logged rewards, got {len(rewards)}")
     return {"step_times": step_times(clock.stamps), "cpu_times": step_times(clock.cpu), "rewards": rewards,
-            "model_dir": out_dir, "total_s": total}
+            "response_lengths": lengths, "model_dir": out_dir, "total_s": total}
 
 
 def user_messages(task: Any, prompts: list) -> list[str]:
@@ -389,7 +397,15 @@ def hardware(device: str = "cpu") -> str:
 
 def task_desc(args: argparse.Namespace) -> str:
     what = "arithmetic (1-2 digits" if args.task == "arithmetic" else "countdown (built-in defaults"
+    if args.task_args:
+        what += ", task_args " + json.dumps(args.task_args)
     return f"{what}, chat template, max prompt {args.max_prompt_length} tokens, data seed {args.seed})"
+
+
+def mean_length(side: dict[str, Any]) -> str:
+    """The side's mean response tokens over its steps' means ('n/a' when its logs had none)."""
+    lengths = side.get("response_lengths") or []
+    return f"{statistics.mean(lengths):.1f}" if lengths else "n/a"
 
 
 def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
@@ -459,6 +475,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"vs TRL {evals['trl']:.3f}: {eval_note})",
         "- 'with setup': ours from `run_training` to its return (Ray start, engine and trainer actors, final "
         "checkpoint, shutdown); TRL from building GRPOTrainer to the end of `train()`",
+        f"- mean response tokens (mean of the steps' means): ours {mean_length(ours)}, TRL {mean_length(trl_side)}",
+        "- per-step mean response tokens ours: " + " ".join(f"{n:.1f}" for n in ours.get("response_lengths", [])),
+        "- per-step mean response tokens TRL: " + " ".join(f"{n:.1f}" for n in trl_side.get("response_lengths", [])),
         "- per-step rewards ours: " + " ".join(f"{r:.3f}" for r in ours["rewards"]),
         "- per-step rewards TRL: " + " ".join(f"{r:.3f}" for r in trl_side["rewards"]),
         "- per-step seconds ours: " + " ".join(f"{t:.2f}" for t in ours["step_times"]),
@@ -472,6 +491,13 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=None, help=f"HF model directory (default {DEFAULT_MODEL})")
@@ -481,6 +507,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cpu (default), or cuda: both sides on one GPU in bf16 mixed precision")
     parser.add_argument("--task", choices=("arithmetic", "countdown"), default="arithmetic",
                         help="built-in task: arithmetic (1-2 digits, the quickstart's) or countdown (the GPU recipes')")
+    parser.add_argument("--task-args", type=_json_object, default={},
+                        help="JSON object of the built-in task's parameters (data.tasks.0.task_args), e.g. "
+                             "'{\"min_numbers\": 5, \"max_numbers\": 6, \"worked_steps\": true}' for "
+                             "recipes/gpu_single_sft_long.yaml's policy")
     parser.add_argument("--max-prompt-length", type=int, default=None,
                         help="prompt tokens (longer prompts are dropped); default 64 for arithmetic, 160 for countdown")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
@@ -578,8 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(args, model_desc, ours, trl_side, evals, ids_match, versions, (load_start, os.getloadavg()[0]))
     print(report)
     (workdir / "result.json").write_text(json.dumps({
-        "ours": {k: v for k, v in ours.items() if k in ("step_times", "cpu_times", "rewards", "total_s", "parts")},
-        "trl": {k: v for k, v in trl_side.items() if k in ("step_times", "cpu_times", "rewards", "total_s")},
+        "ours": {k: v for k, v in ours.items() if k in (*RESULT_KEYS, "parts")},
+        "trl": {k: v for k, v in trl_side.items() if k in RESULT_KEYS},
         "eval": evals}))
     if args.out:
         with args.out.open("a") as f:

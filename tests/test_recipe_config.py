@@ -116,6 +116,14 @@ def test_null_section_means_empty(tmp_path):
     ({"data": {"tasks": [{"kind": "dataset"}]}}, r"data\.tasks\.0: kind 'dataset' needs a path"),
     ({"data": {"tasks": [{"reward_fn": "not an import path"}]}}, r"must be a registered name or look like 'package\.module:function'"),
     ({"data": {"tasks": [{}, {}]}}, r"task names must be unique, but 'arithmetic' appears 2 times"),
+    ({"data": {"tasks": [{"kind": "countdown", "task_args": {"num_count": 4}}]}},
+     r"data\.tasks\.0: countdown: unknown task parameter 'num_count'; expected some of \['min_numbers'"),
+    ({"data": {"tasks": [{"kind": "countdown", "task_args": {"worked_steps": "yes"}}]}},
+     r"data\.tasks\.0: countdown: task parameter worked_steps \('yes'\) must be of type bool"),
+    ({"data": {"tasks": [{"kind": "countdown", "task_args": {"max_numbers": 9}}]}},
+     r"countdown: need 2 <= min_numbers \(3\) <= max_numbers \(9\) <= 8"),
+    ({"data": {"tasks": [{"kind": "arithmetic", "task_args": {"max_digits": 2.5}}]}},
+     r"arithmetic: task parameter max_digits \(2\.5\) must be of type int"),
     ({"data": {"tasks": []}}, r"data\.tasks: list should have at least 1 item"),
     ({"algorithm": {"icepop_alpha": 1.0, "icepop_beta": 1.0}}, r"icepop_alpha \(1\.0\) must be below icepop_beta"),
     ({"algorithm": {"freeze_indexer": True, "indexer_loss_coef": 1.0}}, r"freeze_indexer is true"),
@@ -377,6 +385,8 @@ def test_set_later_wins_and_overrides_files(tmp_path):
                      "rollout.sglang.tp"),
     ("rollout.stop=[a", "command line (--set rollout.stop=[a): rollout.stop: the value is not valid YAML"),
     ("data.tasks.5.weight=1", "command line (--set data.tasks.5.weight=1): data.tasks is a list of 1 item(s)"),
+    ("data.tasks.0.task_args.worked_steps=1", "command line (--set data.tasks.0.task_args.worked_steps=1): "
+                                              "data.tasks.0: arithmetic: unknown task parameter 'worked_steps'"),
     ("defaults=x.yaml", "command line (--set defaults=x.yaml): defaults can only be given in a recipe file"),
 ])
 def test_set_errors_say_they_came_from_the_command_line(item, expected):

@@ -13,6 +13,7 @@ from slime_dsa.algorithms.specs import ALGORITHMS, algorithm_class
 from slime_dsa.config.errors import RecipeValueError
 from slime_dsa.config.section import Section
 from slime_dsa.config.teachers import TeacherConfig, check_teachers
+from slime_dsa.data.task_params import task_params
 
 # trainer.backend -> its trainer group class, by import path (trainers.build_trainer_group loads it). Adding a
 # backend is its folder under trainers/ and one line here.
@@ -136,8 +137,13 @@ class TaskConfig(Section):
         20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown, sort).")
     task_args: dict[str, int | float | bool | str] = Field(
         default_factory=dict, strict=False,
-        description="Parameters of a built-in task generator, e.g. {max_digits: 2} for arithmetic or "
-                    "{num_count: 4} for countdown.")
+        description="Parameters of a built-in task generator (slime_dsa.data.task_params; a wrong name, type "
+                    "or range is an error). arithmetic: min_digits, max_digits, num_operands, ops, allow_negative. "
+                    "countdown: min_numbers, max_numbers, max_number, max_target, ops, use_all (each number "
+                    "exactly once), worked_steps (the reference solution, which SFT learns, works the steps out "
+                    "in <think> before <answer>: ~150 tokens at 3-4 numbers, ~260 at 5-6). sort: min_numbers, "
+                    "max_numbers, max_number. calc_chain: start_digits, min_steps, max_steps, operand_digits, "
+                    "ops. fact_lookup: questions. E.g. {max_digits: 2} for arithmetic.")
     eval_fraction: float = Field(
         0.0, ge=0, lt=1, description="Fraction of the task's prompts held out for evaluation; set at most one "
                                      "of eval_fraction and eval_size.")
@@ -172,6 +178,11 @@ class TaskConfig(Section):
         if self.task_args and self.kind == "dataset":
             raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort, calc_chain, "
                                    "fact_lookup)", "task_args", "kind")
+        if self.kind != "dataset":
+            try:
+                task_params(self.kind, **self.task_args)
+            except ValueError as exc:
+                raise RecipeValueError(str(exc), *(f"task_args.{k}" for k in self.task_args)) from None
         if self.eval_fraction > 0 and self.eval_size > 0:
             raise RecipeValueError(
                 f"set at most one of eval_fraction ({self.eval_fraction}) and eval_size ({self.eval_size})",

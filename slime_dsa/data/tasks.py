@@ -2,13 +2,15 @@
 
 - `arithmetic`: multi-digit addition/subtraction ("Compute 47 + 385. ..." → "432"). Difficulty knobs:
   `max_digits` (main one), `num_operands`, `allow_negative`.
-- `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/.
+- `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/;
+  `worked_steps`: the solution works the combinations out in `<think>` before its `<answer>` (long answers).
 - `sort`: list the given numbers from smallest to largest ("Sort 42, 7, 19 from smallest to largest. ..." →
   "7, 19, 42"); knobs `min_numbers`, `max_numbers`, `max_number`.
 - `calc_chain` (agentic): a chain of operations on a start number, one calculator call per step.
 - `fact_lookup` (agentic): a sum or difference of two towns' populations from the fictional fact corpus
   (`slime_dsa.data.facts`): two searches, then one calculator call.
 
+Parameters: `slime_dsa.data.task_params` (light, so `recipe check` validates `task_args`).
 Rows: `prompt` (a self-contained user message, str), `answer` (ground truth for the task's reward function in
 `rollout/rewards`) and `solution` (a reference response that the reward scores 1.0, for SFT warm-up and tests). An
 agentic task's solution is a trajectory: a list of {"role": "assistant" | "tool", "content": str} turns whose
@@ -25,7 +27,6 @@ prompts skews a small problem space (1-2 digit arithmetic has 20,000 problems; 1
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,68 +35,18 @@ from typing import Any
 import datasets
 
 from slime_dsa.data import facts
+from slime_dsa.data.task_params import (
+    ArithmeticParams,
+    CalcChainParams,
+    CountdownParams,
+    FactLookupParams,
+    SortParams,
+    task_params,
+)
 from slime_dsa.data.tool_calls import render_tool_call
 
 ANSWER_INSTRUCTION = "Put the final answer in <answer></answer>."
 DEFAULT_TRAIN_SIZE = 20_000
-
-
-@dataclass(frozen=True)
-class ArithmeticParams:
-    """Addition/subtraction of `num_operands` integers of min_digits..max_digits digits each."""
-
-    min_digits: int = 1
-    max_digits: int = 3
-    num_operands: int = 2
-    ops: str = "+-"
-    allow_negative: bool = True  # False: redraw problems whose result is negative
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_digits <= self.max_digits <= 18:
-            raise ValueError(f"arithmetic: need 1 <= min_digits ({self.min_digits}) <= max_digits "
-                             f"({self.max_digits}) <= 18")
-        if self.num_operands < 2:
-            raise ValueError(f"arithmetic: num_operands ({self.num_operands}) must be at least 2")
-        if not self.ops or set(self.ops) - set("+-"):
-            raise ValueError(f"arithmetic: ops ({self.ops!r}) must be a non-empty string of '+' and '-'")
-
-
-@dataclass(frozen=True)
-class CountdownParams:
-    """min_numbers..max_numbers numbers in 1..max_number and a reachable target in 1..max_target."""
-
-    min_numbers: int = 3
-    max_numbers: int = 4
-    max_number: int = 20
-    max_target: int = 100
-    ops: str = "+-*/"
-    use_all: bool = False  # True: each number exactly once (TinyZero's rule); False: at most once
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.min_numbers <= self.max_numbers <= 8:
-            raise ValueError(f"countdown: need 2 <= min_numbers ({self.min_numbers}) <= max_numbers "
-                             f"({self.max_numbers}) <= 8")
-        if self.max_number < 2 or self.max_target < 1:
-            raise ValueError(f"countdown: max_number ({self.max_number}) must be >= 2 and max_target "
-                             f"({self.max_target}) >= 1")
-        if not self.ops or set(self.ops) - set("+-*/"):
-            raise ValueError(f"countdown: ops ({self.ops!r}) must be a non-empty string of '+', '-', '*', '/'")
-
-
-@dataclass(frozen=True)
-class SortParams:
-    """min_numbers..max_numbers integers in 0..max_number (repeats allowed) to put in ascending order."""
-
-    min_numbers: int = 3
-    max_numbers: int = 5
-    max_number: int = 99
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.min_numbers <= self.max_numbers <= 16:
-            raise ValueError(f"sort: need 2 <= min_numbers ({self.min_numbers}) <= max_numbers "
-                             f"({self.max_numbers}) <= 16")
-        if self.max_number < 1:
-            raise ValueError(f"sort: max_number ({self.max_number}) must be >= 1")
 
 
 Problem = tuple[str, Any, Any]  # (prompt, answer, solution: a response string, or a list of turns for agentic tasks)
@@ -142,6 +93,7 @@ def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
         count = rng.randint(params.min_numbers, params.max_numbers)
         numbers = [rng.randint(1, params.max_number) for _ in range(count)]
         items: list[tuple[str, int, bool]] = [(str(n), n, True) for n in numbers]  # (text, value, is_leaf)
+        steps: list[str] = []
         while len(items) > 1:
             i, j = rng.sample(range(len(items)), 2)
             (ta, va, la), (tb, vb, lb) = items[i], items[j]
@@ -151,6 +103,7 @@ def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
             op, value = combined
             text = f"{ta if la else f'({ta})'} {op} {tb if lb else f'({tb})'}"
             items = [item for k, item in enumerate(items) if k not in (i, j)] + [(text, value, False)]
+            steps.append(f"step {len(steps) + 1}: {va} {op} {vb} = {value}, left {[v for _, v, _ in items]}")
         if len(items) > 1:
             continue
         expression, target, _ = items[0]
@@ -162,7 +115,11 @@ def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
     prompt = (f"Using the numbers {numbers}, create an equation that equals {target}. "
               f"You can use basic arithmetic operations ({ops_text}) and {rule}. {ANSWER_INSTRUCTION}")
     answer = {"target": target, "numbers": numbers, "use_all": params.use_all}
-    return prompt, answer, f"<answer>{expression}</answer>"
+    solution = f"<answer>{expression}</answer>"
+    if params.worked_steps:
+        lines = [f"Numbers {numbers}, target {target}.", *steps, f"check: {expression} = {target}, the target"]
+        solution = "<think>\n" + "\n".join(lines) + "\n</think>\n" + solution
+    return prompt, answer, solution
 
 
 def sort_problem(rng: random.Random, params: SortParams) -> Problem:
@@ -171,38 +128,6 @@ def sort_problem(rng: random.Random, params: SortParams) -> Problem:
     ordered = ", ".join(str(n) for n in sorted(numbers))
     prompt = f"Sort {', '.join(str(n) for n in numbers)} from smallest to largest. {ANSWER_INSTRUCTION}"
     return prompt, sorted(numbers), f"<answer>{ordered}</answer>"
-
-
-@dataclass(frozen=True)
-class CalcChainParams:
-    """A start number of start_digits digits, then min_steps..max_steps operations (+, -, *), one per tool call."""
-
-    start_digits: int = 3
-    min_steps: int = 2
-    max_steps: int = 3
-    operand_digits: int = 2  # of + and - operands; multipliers have one digit less (at least one)
-    ops: str = "+-*"
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_steps <= self.max_steps <= 8:
-            raise ValueError(f"calc_chain: need 1 <= min_steps ({self.min_steps}) <= max_steps ({self.max_steps}) <= 8")
-        if not 1 <= self.start_digits <= 9 or not 1 <= self.operand_digits <= 9:
-            raise ValueError(f"calc_chain: start_digits ({self.start_digits}) and operand_digits "
-                             f"({self.operand_digits}) must be in 1..9")
-        if not self.ops or set(self.ops) - set("+-*"):
-            raise ValueError(f"calc_chain: ops ({self.ops!r}) must be a non-empty string of '+', '-', '*'")
-
-
-@dataclass(frozen=True)
-class FactLookupParams:
-    """Two different towns of the fact corpus; questions of the given kinds ("sum", "difference")."""
-
-    questions: str = "sum,difference"
-
-    def __post_init__(self) -> None:
-        kinds = self.questions.split(",")
-        if not kinds or set(kinds) - {"sum", "difference"}:
-            raise ValueError(f"fact_lookup: questions ({self.questions!r}) must list some of 'sum', 'difference'")
 
 
 _STEP_WORDS = {"+": "add {x}", "-": "subtract {x}", "*": "multiply by {x}"}
@@ -273,16 +198,6 @@ def get_task(kind: str) -> TaskSpec:
     if kind not in TASKS:
         raise ValueError(f"unknown built-in task {kind!r}; expected one of {sorted(TASKS)}")
     return TASKS[kind]
-
-
-def task_params(kind: str, **params: Any) -> Any:
-    """The task's parameter object; an unknown parameter is an error that names it."""
-    spec = get_task(kind)
-    allowed = [f.name for f in dataclasses.fields(spec.params_cls)]
-    for key in params:
-        if key not in allowed:
-            raise ValueError(f"{kind}: unknown task parameter {key!r}; expected some of {allowed}")
-    return spec.params_cls(**params)
 
 
 def generate_problems(kind: str, n: int, rng: random.Random, params: Any, seen: set[str],

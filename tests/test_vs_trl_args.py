@@ -1,0 +1,28 @@
+"""benchmarks/vs_trl.py's arguments: --task-args reaches our recipe (and so the prompts both sides get)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.vs_trl import parse_args, recipe_dict, task_desc
+from slime_dsa.config import RecipeConfig
+
+LONG = '{"min_numbers": 5, "max_numbers": 6, "worked_steps": true}'
+
+
+def test_task_args_reach_the_recipe() -> None:
+    args = parse_args(["--device", "cuda", "--task", "countdown", "--task-args", LONG, "--max-new-tokens", "384"])
+    recipe = RecipeConfig.model_validate(recipe_dict(args, Path("m"), Path("run")))
+    task = recipe.data.tasks[0]
+    assert task.kind == "countdown" and task.task_args == {"min_numbers": 5, "max_numbers": 6, "worked_steps": True}
+    assert recipe.rollout.max_response_length == 384 and '"worked_steps": true' in task_desc(args)
+    arithmetic = recipe_dict(parse_args(["--task-args", '{"ops": "+"}']), Path("m"), Path("run"))
+    assert arithmetic["data"]["tasks"][0]["task_args"] == {"max_digits": 2, "ops": "+"}  # over the default
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{bad"])
+def test_task_args_must_be_a_json_object(text: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--task", "countdown", "--task-args", text])
