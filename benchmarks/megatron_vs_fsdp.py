@@ -8,7 +8,8 @@ batches. A backend that fails records its error instead of its numbers, so one G
 
 The backend `fsdp_split` is FSDP2 again with half the micro-batch tokens: the same model and batches split into
 more forward/backward passes, so only shapes and reduction orders change. Its distance from `fsdp` is the bf16
-noise floor; Megatron conforms when each figure is within TOLERANCE or within NOISE_FACTOR x that floor.
+noise floor; Megatron conforms when each figure (the log-probs' at each step) is within TOLERANCE or within
+NOISE_FACTOR x the same figure of that floor.
 
 MFU is slime_dsa.models.flops' definition, the same for both backends and for the other benchmarks: 6 x the active
 parameters per token (routed experts at top-k of n, no embedding; attention scores not counted) x tokens/s, over the
@@ -126,18 +127,22 @@ def _measure(backend: str, checkpoint: str, port: int, args: dict) -> dict:
 
 
 def compare(ref: dict, got: dict, noise: dict | None = None) -> dict:
-    """The bf16 conformance figures of `got` against `ref` (FSDP2), and whether each is within TOLERANCE or within
-    NOISE_FACTOR x the same figure of `noise` (another FSDP2 run's, when given)."""
+    """The bf16 conformance figures of `got` against `ref` (FSDP2), and whether each (the log-probs' step by step) is
+    within TOLERANCE or within NOISE_FACTOR x the same figure of `noise` (another FSDP2 run's, when given)."""
     loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(ref["steps"], got["steps"]))
     norm = max(abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-12)
                for a, b in zip(ref["steps"], got["steps"]))
     per_step = [float((torch.tensor(a) - torch.tensor(b)).abs().mean()) for a, b in zip(ref["logprobs"], got["logprobs"])]
     figures = {"loss_abs": loss, "grad_norm_rel": norm, "logprob_mean_abs": max(per_step)}
+    def within(value: float, key: str, floor: float | None) -> bool:
+        return value <= TOLERANCE[key] or (floor is not None and value <= NOISE_FACTOR * floor)
+
+    floors = noise["logprob_mean_abs_per_step"] if noise else [None] * len(per_step)
     return {**{k: float(f"{v:.3g}") for k, v in figures.items()},
             "logprob_mean_abs_per_step": [float(f"{x:.3g}") for x in per_step],  # step 1: the same weights
-            "tolerance": TOLERANCE, "within": all(
-                figures[k] <= TOLERANCE[k] or (noise is not None and figures[k] <= NOISE_FACTOR * noise[k])
-                for k in TOLERANCE)}
+            "tolerance": TOLERANCE,
+            "within": all(within(figures[k], k, noise[k] if noise else None) for k in ("loss_abs", "grad_norm_rel"))
+            and all(within(x, "logprob_mean_abs", f) for x, f in zip(per_step, floors))}
 
 
 def main() -> None:
