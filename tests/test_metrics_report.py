@@ -38,6 +38,26 @@ def _records(n: int = 12) -> list[dict]:
             for s in range(1, n + 1)]
 
 
+def test_a_resume_without_a_checkpoint_drops_the_killed_runs_records(tmp_path):
+    """--resume that finds no valid checkpoint starts fresh, so the killed run's records (of steps it runs again) go;
+    with a checkpoint only the records past it go; a new run appends."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from slime_dsa.orchestrator.train import metrics_resume_step  # noqa: PLC0415
+
+    log = MetricsLogger(tmp_path, "p", None, "disabled")
+    for step in (0, 1, 2):
+        log.log({"x": float(step)}, step=step)
+    log.close()
+    assert metrics_resume_step(resume=False, resume_from=None, start_step=0) is None
+    assert metrics_resume_step(resume=True, resume_from=Path("ckpt/step_000001"), start_step=1) == 1
+    fresh = MetricsLogger(tmp_path, "p", None, "disabled",
+                          resume_step=metrics_resume_step(resume=True, resume_from=None, start_step=0))
+    fresh.log({"x": 0.0}, step=0)
+    fresh.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
+
+
 def test_panels_have_units_and_keep_quantities_apart():
     panels = {p.filename: p for p in plan_panels(_records())}
     for p in panels.values():

@@ -119,7 +119,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
-                                resume_step=start_step if resume_from is not None else None)
+                                resume_step=metrics_resume_step(resume, resume_from, start_step))
     run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
               on_weights, hook_state, pool, progress, fleet, EngineStats(client),
               await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
@@ -202,6 +202,14 @@ def _restarter(recipe: RecipeConfig, model_dir: Path, use_async: bool, access, r
         return url, actor
 
     return start_one
+
+
+def metrics_resume_step(resume: bool, resume_from: Path | None, start_step: int) -> int | None:
+    """The step past which metrics.jsonl's old records are dropped: the resumed step; all of them (-1) when a resume
+    found no checkpoint and starts fresh (they are of steps it will run again); None (append) for a new run."""
+    if resume_from is not None:
+        return start_step
+    return -1 if resume else None
 
 
 def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any, Path | None]:
