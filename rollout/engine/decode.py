@@ -110,7 +110,7 @@ class PagedDecoder:
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
-        width = 1 << (max(len(t) for t in tables) - 1).bit_length()
+        width = 1 << (max(map(len, tables)) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
                 return self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key)
