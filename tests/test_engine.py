@@ -520,17 +520,18 @@ def test_a_scheduling_failure_costs_only_its_request(model):
     ps = prompts((5, 7, 6), seed=15)
     expect = run(Engine(model, max_cache_tokens=512, block_size=4), {0: [GenerateRequest(input_ids=p, sampling=greedy(8), rid=str(i)) for i, p in enumerate(ps)]})
     engine = Engine(model, max_cache_tokens=512, block_size=4)
-    grow = engine._grow
+    grow, failed_at = engine._grow, []
 
-    def failing_grow(seq, rows):  # fault injection: this request's cache growth fails mid-generation
-        if seq.req.rid == "1" and seq.num_output >= 3:
+    def failing_grow(seq, rows):  # fault injection: this request's cache growth fails mid-generation, taking a block
+        if seq.req.rid == "1" and seq.num_output >= 3 and rows > len(seq.blocks) * engine.block_size:
+            failed_at.append(seq.num_output)
             raise RuntimeError("no block for you")
         return grow(seq, rows)
 
     engine._grow = failing_grow
     finals = run(engine, {0: [GenerateRequest(input_ids=p, sampling=greedy(8), rid=str(i)) for i, p in enumerate(ps)]})
     assert finals["1"].finish_reason["type"] == "abort" and "no block for you" in finals["1"].finish_reason["message"]
-    assert finals["1"].output_ids == expect["1"].output_ids[:3]
+    assert failed_at and finals["1"].output_ids == expect["1"].output_ids[: failed_at[0]] and failed_at[0] < 8
     for rid in ("0", "2"):
         assert finals[rid].output_ids == expect[rid].output_ids and finals[rid].finish_reason["type"] == "length"
     assert engine.blocks.available == engine.blocks.num_blocks

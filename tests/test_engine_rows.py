@@ -41,7 +41,7 @@ def test_counter_uniforms_are_splitmix64_with_wraparound():
 
 def _spec(i: int, params: SamplingParams):
     stop = StopChecker(params, eos_token_ids=[1])
-    return row_spec(params, stop, seed_to_int64(1000 + i), VOCAB)
+    return row_spec(params, stop, seed_to_int64(1000 + i), VOCAB, stream=i % 3 == 0)
 
 
 PARAMS = [
@@ -54,7 +54,8 @@ PARAMS = [
 
 
 def _same(a: SamplingRows, b: SamplingRows) -> None:
-    assert a.key == b.key and a.flags == b.flags and a.string_rows == b.string_rows
+    assert a.key == b.key and a.flags == b.flags and a.string_rows == b.string_rows and a.stream_rows == b.stream_rows
+    assert (a.row_flags == b.row_flags).all()
     assert torch.equal(a.floats, b.floats) and torch.equal(a.ints, b.ints)
     # Widths may differ by padding: compare the sets of stop ids per row.
     for x, y in zip(a.stop_ids.tolist(), b.stop_ids.tolist()):
@@ -109,3 +110,35 @@ def test_batched_tail_decode_equals_tokenizer_decode(which):
     r = random.Random(1)
     tails = [[r.randrange(min(len(tokenizer), 300)) for _ in range(r.randrange(0, 12))] for _ in range(50)]
     assert decode_tails(tokenizer, tails) == [tokenizer.decode(t, skip_special_tokens=False) for t in tails]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), min_size=1, max_size=5)), min_size=1, max_size=8))
+def test_block_tables_updated_in_place_equal_tables_built_from_scratch(steps):
+    """The decoder's host block table, extended row by row while the key stays (tables only grow then), or rebuilt
+    when the key changes, equals a fresh build at every step."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollout.engine.decode import PagedDecoder
+
+    decoder = PagedDecoder.__new__(PagedDecoder)
+    decoder.cache, decoder._tables = SimpleNamespace(scratch_block=99), None
+    reference = PagedDecoder.__new__(PagedDecoder)
+    reference.cache, reference._tables = decoder.cache, None
+    tables, key, next_block = None, 0, 0
+    for same_key, growth in steps:
+        if tables is None or not same_key or len(growth) != len(tables):
+            key += 1
+            tables = [[] for _ in growth]
+        for table, grow in zip(tables, growth):
+            table += list(range(next_block, next_block + grow))
+            next_block += grow
+        if not any(tables):
+            tables[0].append(next_block)
+            next_block += 1
+        width = 1 << (max(map(len, tables)) - 1).bit_length()
+        got = decoder._block_table(tables, width, key).copy()
+        assert np.array_equal(got, reference._block_table(tables, width, None))
+        assert all(list(row[: len(t)]) == t and (row[len(t):] == 99).all() for row, t in zip(got, tables))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,34 +87,38 @@ class PagedDecoder:
             self.use_cuda_graphs = False
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
+        self._tables: tuple[Hashable, np.ndarray, np.ndarray] | None = None  # (key, (n, width) table, row lengths)
 
     def reset(self) -> None:
         """Drop every captured graph (the weights or the KV pool moved)."""
         self._graphs.clear()
         self._pool = None
+        self._tables = None
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
     def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
-                on_inputs: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                on_inputs: Callable[[torch.Tensor], None] | None = None,
+                tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
         and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
         before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
-        still sampling on the device)."""
+        still sampling on the device). `tables_key` (optional): equal keys promise the same block tables as the
+        last call's, or the same ones grown at their ends; the host table is then updated, not rebuilt."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
-        width = 1 << (max(len(t) for t in tables) - 1).bit_length()
+        width = 1 << (max(map(len, tables)) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                return self._replay(input_ids, positions, tables, B, width, on_inputs)
+                return self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key)
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
                 self.reset()
-        inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width))
+        inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width, tables_key))
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()
         inputs = inputs.to(self.model.device, non_blocking=True)
@@ -123,20 +127,35 @@ class PagedDecoder:
         hidden, topk, slots = self._run(inputs, B, width)
         return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
 
-    def _host_inputs(self, input_ids, positions, tables, B: int, width: int) -> np.ndarray:
+    def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None) -> np.ndarray:
         """ids | positions | block table (B, width), padded with token 0 / position 0 / the scratch block."""
         flat = np.zeros(B * (2 + width), dtype=np.int64)
         n = len(input_ids)
         flat[:n] = input_ids
         flat[B : B + n] = positions
         table = flat[2 * B :].reshape(B, width)
-        table.fill(self.cache.scratch_block)
-        if n:  # one scatter of all block ids: (row, column) of each
-            lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        table[n:] = self.cache.scratch_block
+        if n:
+            table[:n] = self._block_table(tables, width, tables_key)
+        return flat
+
+    def _block_table(self, tables: list[list[int]], width: int, key: Hashable) -> np.ndarray:
+        """(n, width) block ids, scratch-padded: the last call's table with the rows that grew extended when `key`
+        matches its key, else built in one scatter."""
+        n = len(tables)
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        last = self._tables
+        if key is not None and last is not None and last[0] == key and last[1].shape == (n, width) and (lens >= last[2]).all():
+            table, before = last[1], last[2]
+            for r in np.flatnonzero(lens != before).tolist():
+                table[r, before[r] : lens[r]] = tables[r][before[r] :]
+        else:
+            table = np.full((n, width), self.cache.scratch_block, dtype=np.int64)
             rows = np.repeat(np.arange(n), lens)
             cols = np.arange(len(rows)) - np.repeat(np.cumsum(lens) - lens, lens)
             table[rows, cols] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=len(rows))
-        return flat
+        self._tables = (key, table, lens) if key is not None else None
+        return table
 
     def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         ids, positions, table = inputs[:B], inputs[B : 2 * B], inputs[2 * B :].view(B, width)
@@ -144,9 +163,10 @@ class PagedDecoder:
         out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
         return out.hidden_states, out.topk_indices, batch.write_slots
 
-    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs,
+                tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         graph = self._graphs.get((B, width)) or self._capture(B, width)
-        host = self._host_inputs(input_ids, positions, tables, B, width)
+        host = self._host_inputs(input_ids, positions, tables, B, width, tables_key)
         graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
         graph.staging.numpy()[:] = host
         graph.inputs.copy_(graph.staging, non_blocking=True)

@@ -220,6 +220,7 @@ class Engine:
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
         self._stop_completers = StopCompleters(tokenizer) if tokenizer is not None else None
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
+        self._tables_epoch = 0  # bumped when a block table is replaced (admit, free); only appends keep it (decode.py)
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
@@ -603,6 +604,7 @@ class Engine:
         """
         budget = self.max_prefill_tokens
         scheduled = []
+        self._scheduled_rows = 0  # rows of the step (forks' included): decode-only needs one per sequence
         prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
         def add(seq: _Sequence, n: int) -> bool:
@@ -616,6 +618,7 @@ class Engine:
                     self._fail(seq, exc)
                 return False
             scheduled.append((seq, n))
+            self._scheduled_rows += n
             return True
 
         head = self._queue[0] if self._queue else None
@@ -625,6 +628,7 @@ class Engine:
             self._running.append(head)
             add(head, min(len(head.tokens) - head.num_computed, budget))
             return scheduled
+        bs = self.block_size
         for seq in list(self._running):
             pending = len(seq.tokens) - seq.num_computed
             n = 1 if pending == 1 else min(pending, budget)
@@ -632,6 +636,10 @@ class Engine:
                 continue
             if pending > 1:
                 budget -= n
+            elif (rows := seq.num_computed + 1) <= len(seq.blocks) * bs and rows // bs <= seq.num_registered:
+                scheduled.append((seq, 1))  # what add() does when the row has its block and fills none (most decode rows)
+                self._scheduled_rows += 1
+                continue
             add(seq, n)
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -668,6 +676,7 @@ class Engine:
         self.blocks.acquire(matched)
         self.blocks.reserve(need - len(matched))
         seq.blocks, seq.reserved = list(matched), need - len(matched)
+        self._tables_epoch += 1
         seq.num_computed = seq.num_registered = len(matched)
         seq.num_computed *= bs
         seq.cached_tokens += seq.num_computed
@@ -711,7 +720,9 @@ class Engine:
         seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
         # With kept selections the replay rows are read from the cache when a request ends; else each step's here.
         want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
-        decode_only = not self._forks and all(n == 1 and seq.num_computed + 1 == len(seq.tokens) for seq, n in scheduled)
+        # Every sequence adds one row (n >= 1 each) and samples from it.
+        decode_only = not self._forks and self._scheduled_rows == len(scheduled) == len(seqs)
+        key = tuple([seq.serial for seq in seqs])
         on_host = device.type != "cuda"
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
         done = None
@@ -726,11 +737,11 @@ class Engine:
         forward_start = time.perf_counter()
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
-            fed = [b for b, seq in enumerate(seqs) if seq.inflight]
+            fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
             hidden, topk_all, write_slots = self.decoder.forward(
-                [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs],
+                [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed else [seq.tokens[-1] for seq in seqs],
                 [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs],
-                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]),
+                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]), tables_key=(key, self._tables_epoch),
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
@@ -740,8 +751,9 @@ class Engine:
         wanted: list[int] = []
         if seqs:
             logits = self.model.lm_head(hidden).float()  # (B, V)
-            rows = self._sampling_rows(seqs)
-            num_output = upload(torch.tensor([len(seq.tokens) - seq.prompt_len for seq in seqs]), device)  # (B,) tokens before this one
+            rows = self._sampling_rows(key, seqs)
+            num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
+                                                             dtype=np.int64, count=len(seqs))), device)  # (B,) tokens before this one
             rows.mask_stop_ids(logits, num_output)
             tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
             result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
@@ -755,14 +767,22 @@ class Engine:
         if not on_host:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        for seq, n in scheduled:
-            seq.num_computed += n
-            seq.failures = 0
         token_index = []
-        for seq in seqs:
-            seq.tokens.append(IN_FLIGHT)
-            seq.inflight += 1
-            token_index.append(len(seq.tokens) - 1)
+        if decode_only:  # scheduled and seqs are the same sequences
+            for seq in seqs:
+                seq.num_computed += 1
+                seq.failures = 0
+                seq.tokens.append(IN_FLIGHT)
+                seq.inflight += 1
+                token_index.append(seq.num_computed)
+        else:
+            for seq, n in scheduled:
+                seq.num_computed += n
+                seq.failures = 0
+            for seq in seqs:
+                seq.tokens.append(IN_FLIGHT)
+                seq.inflight += 1
+                token_index.append(len(seq.tokens) - 1)
         launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
                              string_rows=rows.string_rows if rows else [], stream_rows=rows.stream_rows if rows else [],
@@ -781,9 +801,8 @@ class Engine:
         index = upload(torch.tensor(rows + src, dtype=torch.long), self.device)
         ids.index_copy_(0, index[: len(rows)], previous.tokens.index_select(0, index[len(rows) :]))
 
-    def _sampling_rows(self, seqs: list[_Sequence]) -> SamplingRows:
-        """The device tensors of these rows, updated from the last step's (rows.py)."""
-        key = tuple([seq.serial for seq in seqs])
+    def _sampling_rows(self, key: tuple[int, ...], seqs: list[_Sequence]) -> SamplingRows:
+        """The device tensors of these rows (`key`: their serials), updated from the last step's (rows.py)."""
         if self._rows is None:
             self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
         elif self._rows.key != key:
@@ -903,19 +922,28 @@ class Engine:
     def _read_kept_topk(self, spans: list[tuple[_Sequence, int, int]]) -> list[np.ndarray | None]:
         """The kept selections of rows [start, end) of each sequence, from its cache blocks: (rows, n_full, K) int32
         each (None where the span is empty), in one read."""
-        bs, slots, sizes = self.block_size, [], []
-        for seq, start, end in spans:
-            r = np.arange(start, max(start, end))
-            slots.append(np.asarray(seq.blocks, dtype=np.int64)[r // bs] * bs + r % bs)
-            sizes.append(len(r))
-        if not any(sizes):
-            return [None] * len(spans)
+        bs, n = self.block_size, len(spans)
+        starts = np.fromiter((start for _, start, _ in spans), dtype=np.int64, count=n)
+        sizes = np.maximum(np.fromiter((end for _, _, end in spans), dtype=np.int64, count=n) - starts, 0)
+        total = int(sizes.sum())
+        if not total:
+            return [None] * n
+        # All spans' rows at once: row r of span i is in block blocks_i[r // bs], found in the spans' blocks laid end
+        # to end.
+        num_blocks = np.fromiter((len(seq.blocks) for seq, _, _ in spans), dtype=np.int64, count=n)
+        blocks = np.fromiter(itertools.chain.from_iterable(seq.blocks for seq, _, _ in spans), dtype=np.int64,
+                             count=int(num_blocks.sum()))
+        span = np.repeat(np.arange(n), sizes)
+        r = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes) + starts[span]
+        if (r // bs >= num_blocks[span]).any():
+            raise IndexError("a replay row past its sequence's blocks")
+        slots = blocks[(np.cumsum(num_blocks) - num_blocks)[span] + r // bs] * bs + r % bs
         # These rows come from steps the host has read already. On CUDA a side stream reads them, so this waits for
         # that read only, not for a step in flight on the main stream (which writes other rows: overlap).
         with self._side_stream():
-            rows = self.cache.read_topk(upload(torch.from_numpy(np.concatenate(slots)), self.device))  # (n_full, S, K)
+            rows = self.cache.read_topk(upload(torch.from_numpy(slots), self.device))  # (n_full, S, K)
             parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
-        return [part if n else None for part, n in zip(parts, sizes)]
+        return [part if k else None for part, k in zip(parts, sizes.tolist())]
 
     def _side_stream(self) -> Any:
         """A context on the engine's second CUDA stream (nothing on CPU)."""
@@ -948,6 +976,7 @@ class Engine:
         self.blocks.release(seq.blocks)
         self.blocks.unreserve(seq.reserved)
         seq.blocks, seq.reserved, seq.num_computed, seq.num_registered, seq.digests = [], 0, 0, 0, []
+        self._tables_epoch += 1
 
     def _finish(self, seq: _Sequence, reason: dict) -> GenerateOutput:
         return self._finish_all([(seq, reason)])[0]
@@ -976,10 +1005,13 @@ class Engine:
                 logger.exception("engine: final output of request %s failed", seq.req.rid)
                 seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
                 outputs.append(self._output(seq))
-        ended = {id(seq) for seq, _ in ending}
-        running = [seq for seq in self._running if id(seq) in ended]
+        # The running ones leave in one pass (every sequence in `ending` has its finish reason now, and no other
+        # running one has).
+        kept, running = [], []
+        for seq in self._running:
+            (kept if seq.finish_reason is None else running).append(seq)
         if running:
-            self._running = [seq for seq in self._running if id(seq) not in ended]
+            self._running = kept
         for seq in running:
             self._free(seq)
         for seq, _ in ending:

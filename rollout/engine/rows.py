@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rollout.engine.sampling import SamplingBatch, counter_uniforms
@@ -59,6 +60,7 @@ class SamplingRows:
     flags: int  # RowSpec.flags of all rows, or-ed
     string_rows: list[int]  # rows whose requests have stop strings
     stream_rows: list[int]  # rows whose requests stream (an output every step)
+    row_flags: np.ndarray  # (B,) int64: RowSpec.flags of each row
 
     @classmethod
     def build(cls, key: tuple[int, ...], specs: list[RowSpec], device: torch.device) -> "SamplingRows":
@@ -69,42 +71,33 @@ class SamplingRows:
                     for s in specs]
         floats = torch.tensor([s.floats for s in specs], dtype=torch.float32).view(len(specs), 3)
         ints = torch.tensor([s.ints for s in specs], dtype=torch.long).view(len(specs), 5)
-        return cls._of(key, specs, upload(floats, device), upload(ints, device),
-                       upload(torch.tensor(stop_ids, dtype=torch.long).view(len(specs), width), device))
+        return cls._of(key, np.fromiter((s.flags for s in specs), dtype=np.int64, count=len(specs)), upload(floats, device),
+                       upload(ints, device), upload(torch.tensor(stop_ids, dtype=torch.long).view(len(specs), width), device))
 
     @classmethod
-    def _of(cls, key, specs, floats, ints, stop_ids) -> "SamplingRows":
-        flags, strings, streams = 0, [], []
-        for b, s in enumerate(specs):
-            flags |= s.flags
-            if s.flags & STOP_STRINGS:
-                strings.append(b)
-            if s.flags & STREAMS:
-                streams.append(b)
-        return cls(key=key, floats=floats, ints=ints, stop_ids=stop_ids, flags=flags, string_rows=strings,
-                   stream_rows=streams)
+    def _of(cls, key, row_flags: np.ndarray, floats, ints, stop_ids) -> "SamplingRows":
+        return cls(key=key, floats=floats, ints=ints, stop_ids=stop_ids, flags=int(np.bitwise_or.reduce(row_flags, initial=0)),
+                   string_rows=np.flatnonzero(row_flags & STOP_STRINGS).tolist(),
+                   stream_rows=np.flatnonzero(row_flags & STREAMS).tolist(), row_flags=row_flags)
 
     def update(self, key: tuple[int, ...], specs: list[RowSpec]) -> "SamplingRows":
         """The rows of `key` (RowSpec each): these rows where the keys match, else rows kept from this step's (on the
         device) and new ones uploaded for requests not here."""
         if key == self.key:
             return self
-        where = {serial: b for b, serial in enumerate(self.key)}
-        index, fresh = [], []
-        for serial, spec in zip(key, specs):
-            b = where.get(serial)
-            if b is None:
-                b = len(self.key) + len(fresh)
-                fresh.append(spec)
-            index.append(b)
-        floats, ints, stop_ids = self.floats, self.ints, self.stop_ids
-        if fresh:
-            new = SamplingRows.build((), fresh, floats.device)
+        where = dict(zip(self.key, range(len(self.key))))
+        index = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        fresh_rows = np.flatnonzero(index < 0)
+        index[fresh_rows] = np.arange(len(self.key), len(self.key) + len(fresh_rows))
+        floats, ints, stop_ids, row_flags = self.floats, self.ints, self.stop_ids, self.row_flags
+        if len(fresh_rows):
+            new = SamplingRows.build((), [specs[i] for i in fresh_rows.tolist()], floats.device)
             width = max(stop_ids.shape[1], new.stop_ids.shape[1])
             floats, ints = torch.cat([floats, new.floats]), torch.cat([ints, new.ints])
             stop_ids = torch.cat([_widen(stop_ids, width), _widen(new.stop_ids, width)])
-        picked = upload(torch.tensor(index, dtype=torch.long), floats.device)
-        return self._of(key, specs, floats[picked], ints[picked], stop_ids[picked])
+            row_flags = np.concatenate([row_flags, new.row_flags])
+        picked = upload(torch.from_numpy(index), floats.device)
+        return self._of(key, row_flags[index], floats[picked], ints[picked], stop_ids[picked])
 
     @property
     def sampling(self) -> SamplingBatch:
