@@ -1,7 +1,8 @@
 """One merge of three experts into a generalist student by on-policy distillation, against multi-task GRPO with
 the same budget (issue 16), on CPU, from nothing: every model is made here by the recipes of recipes/opd_merge.yaml.
 
-Stages (each skipped when its output exists, so a run can be resumed; --fresh starts over):
+Stages (each skipped when its output exists, so a run can be resumed; --fresh starts over; --extend continues a
+finished merge and its baseline from their last checkpoints to a larger --merge-steps):
   1. student   slime-dsa sft recipes/opd_student.yaml                 the three domains mixed, briefly
   2. experts   per domain: SFT on that domain (recipes/opd_expert_sft.yaml), then GRPO on it
                (recipes/opd_expert_grpo.yaml), exported as the teacher's directory
@@ -91,12 +92,17 @@ def train(args, root: Path, name: str, sets: list[str]) -> tuple[Path, float]:
     from slime_dsa.orchestrator.train import run_training
 
     run_dir, out = root / name, root / name / "model"
-    if (out / "config.json").exists():
-        return out, json.loads((root / name / "wall.json").read_text())["wall_s"]
-    shutil.rmtree(run_dir, ignore_errors=True)
+    done = (out / "config.json").exists()
+    if done and not args.extend:
+        return out, json.loads((run_dir / "wall.json").read_text())["wall_s"]
+    earlier = 0.0
+    if done:  # the learning rate is constant after warm-up, so resuming equals one longer run
+        earlier = json.loads((run_dir / "wall.json").read_text())["wall_s"]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
     start = time.perf_counter()
-    run_training(recipe("opd_merge.yaml", sets + [f"logging.run_dir={run_dir}"]))
-    wall = time.perf_counter() - start
+    run_training(recipe("opd_merge.yaml", sets + [f"logging.run_dir={run_dir}"]), resume=done)
+    wall = earlier + time.perf_counter() - start
     export_checkpoint(CheckpointManager(run_dir / "checkpoints").latest(), out)
     (run_dir / "wall.json").write_text(json.dumps({"wall_s": wall}))
     return out, wall
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process (SFT, eval)")
     parser.add_argument("--fresh", action="store_true", help="remove --root first")
+    parser.add_argument("--extend", action="store_true",
+                        help="continue a finished merge and baseline from their last checkpoints to --merge-steps")
     parser.add_argument("--figure", type=Path, default=Path("docs/opd_merge.png"))
     parser.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = parser.parse_args(argv)
