@@ -67,7 +67,7 @@ def _matmul_tile(x_ptr, w_ptr, rows, row_end, cols, N, K, stride_xm, stride_xk, 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M == 1 must not compile a kernel of its own
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                    stride_om, stride_on, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):

@@ -1,0 +1,199 @@
+"""The batch-invariant Triton kernels (slime_dsa/ops/triton_invariant.py) against their torch / cuBLAS counterparts
+at the 300m preset's shapes (hidden 1024, q_lora 384, kv_lora 256, MLP 2816, 16 heads, 32 experts of 256, vocab
+32000), bf16, on CUDA: issue 23's kernel-speed table, measured in one run.
+
+    PYTHONPATH=. python benchmarks/invariant_kernels.py --out $OUT/invk.md
+
+Rows are decode (M = 1, 64, 256, 1024) and training (M = 8192, 65536) batch sizes. Times are CUDA-graph replays
+(triton.testing.do_bench_cudagraph, so no launch overhead: the engine decodes in CUDA graphs), median, over enough
+weight copies that they do not sit in L2. For the linear kernel each candidate tile shape of --tiles is timed, and
+the table says whether its output equals the default tile shape's bit for bit: if all agree, choosing the tile
+shape by M would keep the rows invariant; if not, one shape must serve every M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("invariant_kernels")
+
+LINEAR_SHAPES = [  # (layer, N, K) of the 300m preset, nn.Linear layout
+    ("q_a_proj", 384, 1024), ("q_b_proj", 1536, 384), ("kv_a_proj", 288, 1024), ("kv_b_proj", 2048, 256),
+    ("o_proj", 1024, 1024), ("mlp gate/up", 2816, 1024), ("mlp down", 1024, 2816), ("shared expert up", 256, 1024),
+    ("shared expert down", 1024, 256), ("lm_head", 32000, 1024),
+]
+EXPERT_SHAPES = [("experts gate_up", 32, 512, 1024), ("experts down", 32, 1024, 256)]  # (E, N, K), 4 experts a token
+NORM_WIDTHS = [1024, 384, 256]
+VOCAB = 32000
+DEVICE = "cuda"  # a module constant so that a CPU smoke run under TRITON_INTERPRET=1 can swap it
+L2_BYTES = 128 << 20  # weights cycled through per timing: more than the H200's 50 MiB L2
+
+
+def bench_us(fn, copies: int = 1) -> float:
+    """Median microseconds of one call of fn, fn making `copies` calls."""
+    import triton.testing  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1000 / copies
+
+
+def _copies(t: torch.Tensor) -> list[torch.Tensor]:
+    n = max(1, min(32, math.ceil(L2_BYTES / (t.numel() * t.element_size()))))
+    return [t] + [t.clone() for _ in range(n - 1)]
+
+
+def parse_tiles(text: str):
+    """'128x128x64/8/3' -> Tiles(block_m, block_n, block_k, num_warps, num_stages)."""
+    from slime_dsa.ops.triton_invariant import Tiles  # noqa: PLC0415
+
+    blocks, warps, stages = text.split("/")
+    m, n, k = (int(v) for v in blocks.split("x"))
+    return Tiles(m, n, k, num_warps=int(warps), num_stages=int(stages))
+
+
+def linear_rows(Ms: list[int], tiles: list, max_lm_head_m: int) -> list[list[str]]:
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+
+    default = inv.TILES[torch.bfloat16]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+    for name, N, K in LINEAR_SHAPES:
+        ws = _copies(torch.randn(N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5)
+        for M in Ms:
+            if name == "lm_head" and M > max_lm_head_m:
+                continue  # the trainer computes logits in chunks (models/logprobs.py)
+            x = torch.randn(M, K, device=DEVICE, generator=g, dtype=torch.bfloat16)
+            ref_us = bench_us(lambda: [F.linear(x, w) for w in ws], len(ws))
+            cells, outs = [], []
+            for t in tiles:
+                inv.TILES[torch.bfloat16] = t
+                try:
+                    us = bench_us(lambda: [inv.linear(x, w) for w in ws], len(ws))
+                    outs.append(inv.linear(x, ws[0]))
+                finally:
+                    inv.TILES[torch.bfloat16] = default
+                cells.append(f"{us:.1f} ({us / ref_us:.2f}x)")
+            same = all(torch.equal(o, outs[0]) for o in outs[1:])
+            rows.append([name, f"{N}x{K}", str(M), f"{ref_us:.1f}", *cells, "yes" if same else "**no**"])
+            logger.info("linear %s M=%d done", name, M)
+    return rows
+
+
+def grouped_rows(Ms: list[int]) -> list[list[str]]:
+    from slime_dsa.models.glm_moe_dsa import _grouped_mm  # noqa: PLC0415
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    rows = []
+    for name, E, N, K in EXPERT_SHAPES:
+        ws = _copies(torch.randn(E, N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5)
+        for T in Ms:
+            expert_ids = torch.randint(0, E, (T * 4,), device=DEVICE, generator=g).sort().values
+            offs = torch.searchsorted(expert_ids, torch.arange(E, device=DEVICE), right=True).to(torch.int32)
+            x = torch.randn(T * 4, K, device=DEVICE, generator=g, dtype=torch.bfloat16)
+            ref_us = bench_us(lambda: [_grouped_mm(x, w.transpose(1, 2), offs=offs) for w in ws], len(ws))
+            us = bench_us(lambda: [inv.grouped_linear(x, w, offs) for w in ws], len(ws))
+            rows.append([name, f"{E}x{N}x{K}", f"{T} ({T * 4} rows)", f"{ref_us:.1f}", f"{us:.1f}",
+                         f"{us / ref_us:.2f}x"])
+    return rows
+
+
+def row_op_rows(Ms: list[int], max_logits_m: int) -> list[list[str]]:
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    rows = []
+    for D in NORM_WIDTHS:
+        w = torch.randn(D, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        for M in Ms:
+            x = torch.randn(M, D, device=DEVICE, generator=g, dtype=torch.bfloat16)
+            ref_us = bench_us(lambda: w * F.rms_norm(x.float(), (D,), eps=1e-6).to(x.dtype))  # the model's RMSNorm
+            us = bench_us(lambda: inv.rms_norm(x, w, 1e-6))
+            rows.append(["rms_norm", f"{D}", str(M), f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
+    for M in Ms:
+        if M > max_logits_m:
+            continue
+        logits = torch.randn(M, VOCAB, device=DEVICE, generator=g, dtype=torch.bfloat16)
+        ids = torch.randint(0, VOCAB, (M,), device=DEVICE, generator=g)
+
+        def torch_logprobs():  # models/logprobs.py's _chunk
+            scaled = logits.float() / 0.7
+            return scaled.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+
+        ref_us = bench_us(torch_logprobs)
+        us = bench_us(lambda: inv.log_softmax_gather(logits, ids, 0.7))
+        rows.append(["log_softmax_gather", f"{VOCAB}", str(M), f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _ratio(cell: str) -> float:
+    return float(cell.split("(")[1].rstrip("x)"))
+
+
+def summary(linear: list[list[str]], decode_ms: set[int]) -> str:
+    """Geometric-mean ratio of the default tiles to cuBLAS, decode and training rows apart."""
+    out = []
+    for label, pick in (("decode", lambda m: m in decode_ms), ("training", lambda m: m not in decode_ms)):
+        ratios = [_ratio(r[4]) for r in linear if pick(int(r[2]))]
+        if ratios:
+            out.append(f"- linear, default tiles, {label} M: geometric mean {statistics.geometric_mean(ratios):.2f}x "
+                       f"cuBLAS, worst {max(ratios):.2f}x ({len(ratios)} shapes)")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--m", default="1,64,256,1024,8192,65536", help="row counts (tokens)")
+    parser.add_argument("--tiles", default="128x128x64/8/3,128x256x64/8/3,64x128x64/4/4,64x64x64/4/4",
+                        help="bf16 linear tile shapes to time, BMxBNxBK/warps/stages; the first must be the default")
+    parser.add_argument("--max-logits-m", type=int, default=8192, help="largest M for lm_head and log-softmax rows")
+    parser.add_argument("--out", help="also write the markdown here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/invariant_kernels.py needs a CUDA GPU")
+    import triton  # noqa: PLC0415
+
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+
+    Ms = [int(v) for v in args.m.split(",")]
+    tiles = [parse_tiles(t) for t in args.tiles.split(",")]
+    if tiles[0] != inv.TILES[torch.bfloat16]:
+        raise SystemExit(f"--tiles must start with the default bf16 tiles {inv.TILES[torch.bfloat16]}")
+    tile_names = [t.split("/")[0] + "/" + t.split("/")[1] for t in args.tiles.split(",")]
+    emit(args.out, f"## Batch-invariant kernels vs torch, {torch.cuda.get_device_name()}, "
+         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+         f"torch {torch.__version__}, triton {triton.__version__}; bf16; microseconds per call (CUDA-graph replay, "
+         "weights cycled beyond L2); ratio = ours / torch in the same run.", mode="w")
+    linear = linear_rows(Ms, tiles, args.max_logits_m)
+    emit(args.out, summary(linear, {m for m in Ms if m <= 1024}) + "\n\n### linear (x @ Wᵀ) vs cuBLAS (F.linear)\n\n"
+         + _table(["layer", "N x K", "M", "cuBLAS µs", *[f"tiles {n} µs" for n in tile_names],
+                   "all tiles bitwise equal"], linear))
+    emit(args.out, "### grouped_linear vs torch grouped_mm (tokens x 4 experts, random routing)\n\n"
+         + _table(["layer", "E x N x K", "tokens", "grouped_mm µs", "ours µs", "ratio"], grouped_rows(Ms)))
+    emit(args.out, "### RMSNorm (the model's: float32 norm, rounded, times weight) and log-softmax gather (float32, "
+         "T=0.7)\n\n" + _table(["op", "width", "M", "torch µs", "ours µs", "ratio"], row_op_rows(Ms, args.max_logits_m)))
+
+
+def emit(path: str | None, text: str, mode: str = "a") -> None:
+    """Print a section and write it to `path` at once, so that a run cut short keeps the sections it finished."""
+    print(text + "\n", flush=True)
+    if path:
+        with open(path, mode) as f:
+            f.write(text + "\n\n")
+
+if __name__ == "__main__":
+    main()
