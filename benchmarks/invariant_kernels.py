@@ -185,7 +185,8 @@ def main() -> None:
     emit(args.out, "### grouped_linear vs torch grouped_mm (tokens x 4 experts, random routing)\n\n"
          + _table(["layer", "E x N x K", "tokens", "grouped_mm µs", "ours µs", "ratio"], grouped_rows(Ms)))
     emit(args.out, "### RMSNorm (the model's: float32 norm, rounded, times weight) and log-softmax gather (float32, "
-         "T=0.7)\n\n" + _table(["op", "width", "M", "torch µs", "ours µs", "ratio"], row_op_rows(Ms, args.max_logits_m)))
+         "T=0.7)\n\n" + _table(["op", "width", "M", "torch µs", "ours µs", "ratio"],
+                                 row_op_rows(Ms, args.max_logits_m)))
 
 
 def emit(path: str | None, text: str, mode: str = "a") -> None:

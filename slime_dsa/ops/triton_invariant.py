@@ -50,16 +50,18 @@ def _tile_of(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _matmul_tile(x_ptr, w_ptr, rows, row_end, cols, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 IEEE: tl.constexpr):
     """float32 (BLOCK_M, BLOCK_N) tile of x[rows] @ w[cols]ᵀ, K-blocks accumulated in ascending order."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(rows[:, None] < row_end) & (k[None, :] < K), other=0.0)  # (BLOCK_M, BLOCK_K)
-        b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk,
-                    mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)  # (BLOCK_K, BLOCK_N)
+        a_mask, b_mask = rows[:, None] < row_end, cols[None, :] < N
+        if not EVEN_K:  # K % BLOCK_K != 0: the last block reads zeros past K
+            a_mask, b_mask = a_mask & (k[None, :] < K), b_mask & (k[:, None] < K)
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk, mask=a_mask, other=0.0)  # (BM, BK)
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None] * stride_wk, mask=b_mask, other=0.0)  # (BK, BN)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -70,12 +72,12 @@ def _matmul_tile(x_ptr, w_ptr, rows, row_end, cols, N, K, stride_xm, stride_xk, 
 @triton.jit(do_not_specialize=["M"])  # M == 1 must not compile a kernel of its own
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                    stride_om, stride_on, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = _matmul_tile(x_ptr, w_ptr, rows, M, cols, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                       BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
@@ -85,7 +87,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_x
 @triton.jit
 def _grouped_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, E, stride_xm, stride_xk, stride_we, stride_wn,
                            stride_wk, stride_om, stride_on, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     tile = tl.program_id(0)
     # Which expert's rows this tile covers: tiles never straddle two experts, the experts' tiles come in order.
     expert, row0, row_end, seen, start = -1, 0, 0, 0, 0
@@ -102,7 +104,7 @@ def _grouped_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, E, stride_xm, 
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         acc = _matmul_tile(x_ptr, w_ptr + expert.to(tl.int64) * stride_we, rows, row_end, cols, N, K,
-                           stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                           stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < row_end) & (cols[None, :] < N))
 
@@ -143,6 +145,11 @@ def _log_softmax_gather_kernel(logits_ptr, ids_ptr, out_ptr, V, stride_t, temper
     tl.store(out_ptr + row, (target - top) - tl.log(tl.sum(sums, axis=0)))
 
 
+def _check_dtype(x: torch.Tensor, op: str) -> None:
+    if x.dtype not in TILES:
+        raise ValueError(f"{op}: no tiles for {x.dtype}; expected one of {sorted(map(str, TILES))}")
+
+
 def _row_block(width: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(max(width, 16)))
 
@@ -154,6 +161,7 @@ def _row_warps(block: int) -> int:
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"linear: x ({x.dtype}), weight ({weight.dtype}) and bias must share a dtype")
+    _check_dtype(x, "linear")
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight (N={N}, K={K}) expects {K}")
@@ -164,9 +172,10 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         t = TILES[x.dtype]
         grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
         _linear_kernel[grid](x2, weight, bias if bias is not None else x2, out, M, N, K, x2.stride(0), x2.stride(1),
-                             weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                             IEEE=x.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                             GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
+                             weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=t.block_m,
+                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0, GROUP_M=t.group_m,
+                             num_warps=t.num_warps, num_stages=t.num_stages)
     elif M:
         out.zero_()
     return out.view(*x.shape[:-1], N)
@@ -194,12 +203,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _Linear.apply(x, weight, bias)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Per-expert x @ weight[e]ᵀ over rows sorted by expert: x (M, K), weight (E, N, K), offs (E,) the end row of each
-    expert's rows (torch's grouped_mm convention) -> (M, N) in x's dtype. Rows past offs[-1] are left unwritten.
-    Forward only (no autograd); no host sync."""
+def _grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise ValueError(f"grouped_linear: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
+    _check_dtype(x, "grouped_linear")
     E, N, K = weight.shape
     if x.shape[-1] != K or offs.shape != (E,):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, offs {tuple(offs.shape)} "
@@ -209,11 +216,38 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     if M and N and E:
         t = TILES[x.dtype]
         grid = (triton.cdiv(M, t.block_m) + E, triton.cdiv(N, t.block_n))  # each expert wastes at most one tile
-        _grouped_linear_kernel[grid](x, weight, offs, out, N, K, E, x.stride(0), x.stride(1), weight.stride(0),
-                                     weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
+        _grouped_linear_kernel[grid](x, weight, offs.to(torch.int32), out, N, K, E, x.stride(0), x.stride(1),
+                                     weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0), out.stride(1),
                                      IEEE=x.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                                     BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+                                     BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0, num_warps=t.num_warps,
+                                     num_stages=t.num_stages)
     return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offs)
+        return _grouped_linear_forward(x, weight, offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, offs = ctx.saved_tensors
+        grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+        start = 0
+        for e, end in enumerate(offs.tolist()):  # one host sync: the gradient need not be graph-capturable
+            if end > start:
+                grad_x[start:end] = grad[start:end] @ weight[e]
+                grad_w[e] = grad[start:end].T @ x[start:end]
+            start = end
+        return grad_x, grad_w, None
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-expert x @ weight[e]ᵀ over rows sorted by expert: x (M, K), weight (E, N, K), offs (E,) the end row of each
+    expert's rows (torch's grouped_mm convention) -> (M, N) in x's dtype; rows past offs[-1] are left unwritten. The
+    forward never syncs with the host; the backward is a per-expert torch loop."""
+    return _GroupedLinear.apply(x, weight, offs)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -230,8 +264,8 @@ class _RMSNorm(torch.autograd.Function):
         out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         if x2.shape[0] and N:
             block = _row_block(N)
-            _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, N, float(N), x2.stride(0), out.stride(0), eps, BLOCK=block,
-                                             num_warps=_row_warps(block))
+            _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, N, float(N), x2.stride(0), out.stride(0), eps,
+                                             BLOCK=block, num_warps=_row_warps(block))
         return out.view(x.shape)
 
     @staticmethod
