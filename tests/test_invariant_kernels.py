@@ -186,6 +186,43 @@ def test_invariant_kernels_in_the_interpreter():
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow  # ~5 s of CPU: four kernels through Triton's whole compiler and ptxas
+def test_kernels_compile_for_sm90_with_wgmma():
+    """Compiled ahead of time for an H100 / H200 (no GPU needed): the bf16 matmuls use wgmma with pipelined loads.
+    Unit strides, 16-byte aligned pointers and sizes and strides that are multiples of 16 are specialised, as the
+    JIT does for the 300m preset's tensors."""
+    pytest.importorskip("triton")
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    k = _kernels()
+    t = k.TILES[torch.bfloat16]
+    tiles = dict(IEEE=False, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=True)
+    unit = dict(stride_xk=1, stride_wk=1, stride_on=1)
+    cases = [  # (kernel, runtime args: type, constexprs, a matmul?)
+        (k._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
+                                K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32"),
+         dict(unit, HAS_BIAS=False, GROUP_M=t.group_m, **tiles), True),
+        (k._grouped_linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", offs_ptr="*i32", out_ptr="*bf16", N="i32",
+                                        K="i32", E="i32", stride_xm="i32", stride_we="i32", stride_wn="i32",
+                                        stride_om="i32"), dict(unit, **tiles), True),
+        (k._rms_norm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", width="fp32",
+                                  stride_x="i32", stride_o="i32", eps="fp32"), dict(BLOCK=1024), False),
+        (k._log_softmax_gather_kernel, dict(logits_ptr="*bf16", ids_ptr="*i64", out_ptr="*fp32", V="i32",
+                                            stride_t="i32", temperature="fp32"), dict(BLOCK=4096), False),
+    ]
+    for fn, args, consts, matmul in cases:
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in args.items()
+                   if ty.startswith("*") or n in ("N", "K") or n.startswith("stride")}  # as the JIT marks multiples of 16
+        src = ASTSource(fn, {**args, **{c: "constexpr" for c in consts}}, consts, aligned)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=t.num_warps if matmul else 4, num_stages=t.num_stages))
+        if matmul:
+            assert "wgmma.mma_async" in compiled.asm["ptx"], f"{fn.__name__}: no wgmma"
+            assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{fn.__name__}: loads not pipelined"
+
+
 # --- CUDA, at the 300m preset's shapes (hidden 1024, q_lora 384, kv_lora 256, MLP 2816, 16 heads, vocab 32000) ---
 
 SIZES = [7, 64, 256, 4096]
