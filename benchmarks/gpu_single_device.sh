@@ -33,7 +33,7 @@
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
-# 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 300 s) writes
+# 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
@@ -131,7 +131,7 @@ engthr)
   ;;
 invk)
   stamp invk
-  timeout -k 10 ${INVK_T:-300} python3 benchmarks/invariant_kernels.py --out $OUT/invk.md ${INVK_ARGS} 2>&1 \
+  timeout -k 10 ${INVK_T:-420} python3 benchmarks/invariant_kernels.py --out $OUT/invk.md ${INVK_ARGS} 2>&1 \
     | tee $OUT/invk.log | tail -20
   ;;
 ds)

@@ -36,17 +36,22 @@ DEVICE = "cuda"  # a module constant so that a CPU smoke run under TRITON_INTERP
 L2_BYTES = 128 << 20  # weights cycled through per timing: more than the H200's 50 MiB L2
 
 
-def bench_us(fn, copies: int = 1) -> float:
-    """Median microseconds of one call of fn, fn making `copies` calls."""
+def bench_us(op, weights: list[torch.Tensor] | None = None) -> float:
+    """Median microseconds of one op(w) over the weight copies (op() without weights), outputs dropped at once."""
     import triton.testing  # noqa: PLC0415
 
-    fn()
+    def run():
+        for w in weights or [None]:
+            op(w)
+
+    run()
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1000 / copies
+    return triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1000 / len(weights or [None])
 
 
-def _copies(t: torch.Tensor) -> list[torch.Tensor]:
-    n = max(1, min(32, math.ceil(L2_BYTES / (t.numel() * t.element_size()))))
+def _copies(t: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """Copies of a weight to cycle through at decode row counts, where reading the weight is the cost; one above."""
+    n = 1 if rows > 1024 else max(1, min(32, math.ceil(L2_BYTES / (t.numel() * t.element_size()))))
     return [t] + [t.clone() for _ in range(n - 1)]
 
 
@@ -66,17 +71,18 @@ def linear_rows(Ms: list[int], tiles: list, max_lm_head_m: int) -> list[list[str
     g = torch.Generator(device=DEVICE).manual_seed(0)
     rows = []
     for name, N, K in LINEAR_SHAPES:
-        ws = _copies(torch.randn(N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5)
+        weight = torch.randn(N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5
         for M in Ms:
             if name == "lm_head" and M > max_lm_head_m:
                 continue  # the trainer computes logits in chunks (models/logprobs.py)
             x = torch.randn(M, K, device=DEVICE, generator=g, dtype=torch.bfloat16)
-            ref_us = bench_us(lambda: [F.linear(x, w) for w in ws], len(ws))
+            ws = _copies(weight, M)
+            ref_us = bench_us(lambda w: F.linear(x, w), ws)
             cells, want = [], None
             for t in tiles:
                 inv.TILES[torch.bfloat16] = t
                 try:
-                    us = bench_us(lambda: [inv.linear(x, w) for w in ws], len(ws))
+                    us = bench_us(lambda w: inv.linear(x, w), ws)
                     out = inv.linear(x, ws[0])
                 finally:
                     inv.TILES[torch.bfloat16] = default
@@ -95,13 +101,14 @@ def grouped_rows(Ms: list[int]) -> list[list[str]]:
     g = torch.Generator(device=DEVICE).manual_seed(1)
     rows = []
     for name, E, N, K in EXPERT_SHAPES:
-        ws = _copies(torch.randn(E, N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5)
+        weight = torch.randn(E, N, K, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5
         for T in Ms:
+            ws = _copies(weight, T)
             expert_ids = torch.randint(0, E, (T * 4,), device=DEVICE, generator=g).sort().values
             offs = torch.searchsorted(expert_ids, torch.arange(E, device=DEVICE), right=True).to(torch.int32)
             x = torch.randn(T * 4, K, device=DEVICE, generator=g, dtype=torch.bfloat16)
-            ref_us = bench_us(lambda: [_grouped_mm(x, w.transpose(1, 2), offs=offs) for w in ws], len(ws))
-            us = bench_us(lambda: [inv.grouped_linear(x, w, offs) for w in ws], len(ws))
+            ref_us = bench_us(lambda w: _grouped_mm(x, w.transpose(1, 2), offs=offs), ws)
+            us = bench_us(lambda w: inv.grouped_linear(x, w, offs), ws)
             rows.append([name, f"{E}x{N}x{K}", f"{T} ({T * 4} rows)", f"{ref_us:.1f}", f"{us:.1f}",
                          f"{us / ref_us:.2f}x"])
     return rows
@@ -116,8 +123,8 @@ def row_op_rows(Ms: list[int], max_logits_m: int) -> list[list[str]]:
         w = torch.randn(D, device=DEVICE, generator=g, dtype=torch.bfloat16)
         for M in Ms:
             x = torch.randn(M, D, device=DEVICE, generator=g, dtype=torch.bfloat16)
-            ref_us = bench_us(lambda: w * F.rms_norm(x.float(), (D,), eps=1e-6).to(x.dtype))  # the model's RMSNorm
-            us = bench_us(lambda: inv.rms_norm(x, w, 1e-6))
+            ref_us = bench_us(lambda _: w * F.rms_norm(x.float(), (D,), eps=1e-6).to(x.dtype))  # the model's RMSNorm
+            us = bench_us(lambda _: inv.rms_norm(x, w, 1e-6))
             rows.append(["rms_norm", f"{D}", str(M), f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
     for M in Ms:
         if M > max_logits_m:
@@ -125,12 +132,12 @@ def row_op_rows(Ms: list[int], max_logits_m: int) -> list[list[str]]:
         logits = torch.randn(M, VOCAB, device=DEVICE, generator=g, dtype=torch.bfloat16)
         ids = torch.randint(0, VOCAB, (M,), device=DEVICE, generator=g)
 
-        def torch_logprobs():  # models/logprobs.py's _chunk
+        def torch_logprobs(_):  # models/logprobs.py's _chunk
             scaled = logits.float() / 0.7
             return scaled.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
         ref_us = bench_us(torch_logprobs)
-        us = bench_us(lambda: inv.log_softmax_gather(logits, ids, 0.7))
+        us = bench_us(lambda _: inv.log_softmax_gather(logits, ids, 0.7))
         rows.append(["log_softmax_gather", f"{VOCAB}", str(M), f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
     return rows
 
