@@ -162,6 +162,19 @@ def check_gradients(device: str) -> None:
                                rtol=1e-5, atol=1e-6)
 
 
+def check_strided_inputs(device: str) -> None:
+    """Views with a non-unit last stride (a transposed weight, a column of ids) give the contiguous inputs' bits."""
+    k = _kernels()
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(9, 40, generator=g).to(device), torch.randn(40, 24, generator=g).to(device)
+    assert torch.equal(k.linear(x.T.contiguous().T, w.T), k.linear(x, w.T.contiguous())), "linear: strided views"
+    nw = torch.randn(40, 2, generator=g).to(device)
+    assert torch.equal(k.rms_norm(x, nw[:, 0], 1e-6), k.rms_norm(x, nw[:, 0].contiguous(), 1e-6)), "rms_norm: strided"
+    logits, ids = torch.randn(9, 50, generator=g).to(device), torch.randint(0, 50, (9, 2), generator=g).to(device)
+    assert torch.equal(k.log_softmax_gather(logits, ids[:, 1], 0.7),
+                       k.log_softmax_gather(logits, ids[:, 1].contiguous(), 0.7)), "log_softmax_gather: strided ids"
+
+
 def run_interpret_checks() -> None:
     """Tiny shapes that still cross every tile and block edge (float32 tiles are 64 x 64 x 32; rows in 4096s)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -174,6 +187,7 @@ def run_interpret_checks() -> None:
         check_log_softmax_gather("cpu", dtype, [(9, 4200)], sizes=[4])
     check_grouped_linear("cpu", torch.float32, [70, 0, 5, 80], N=40, K=50)
     check_gradients("cpu")
+    check_strided_inputs("cpu")
 
 
 def test_invariant_kernels_in_the_interpreter():

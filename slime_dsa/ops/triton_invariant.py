@@ -150,6 +150,11 @@ def _check_dtype(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: no tiles for {x.dtype}; expected one of {sorted(map(str, TILES))}")
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with a unit stride along its last dim: the kernels' loads are vectorised and pipelined only then."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _row_block(width: int) -> int:
     return min(ROW_BLOCK, triton.next_power_of_2(max(width, 16)))
 
@@ -165,7 +170,7 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight (N={N}, K={K}) expects {K}")
-    x2 = x.reshape(-1, K)  # (M, K)
+    x2, weight = _unit_stride(x.reshape(-1, K)), _unit_stride(weight)  # (M, K), (N, K)
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
@@ -211,7 +216,7 @@ def _grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.T
     if x.shape[-1] != K or offs.shape != (E,):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, offs {tuple(offs.shape)} "
                          "do not fit (M, K), (E, N, K), (E,)")
-    M = x.shape[0]
+    x, weight, M = _unit_stride(x), _unit_stride(weight), x.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N and E:
         t = TILES[x.dtype]
@@ -260,12 +265,12 @@ class _RMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         N = x.shape[-1]
-        x2 = x.reshape(-1, N)  # (M, N)
+        x2 = _unit_stride(x.reshape(-1, N))  # (M, N)
         out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         if x2.shape[0] and N:
             block = _row_block(N)
-            _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, N, float(N), x2.stride(0), out.stride(0), eps,
-                                             BLOCK=block, num_warps=_row_warps(block))
+            _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, N, float(N), x2.stride(0), out.stride(0),
+                                             eps, BLOCK=block, num_warps=_row_warps(block))
         return out.view(x.shape)
 
     @staticmethod
@@ -291,11 +296,10 @@ class _LogSoftmaxGather(torch.autograd.Function):
         T, V = logits.shape
         out = torch.empty(T, dtype=torch.float32, device=logits.device)
         if T:
-            if logits.stride(1) != 1:
-                logits = logits.contiguous()
+            logits = _unit_stride(logits)
             block = _row_block(V)
-            _log_softmax_gather_kernel[(T,)](logits, ids, out, V, logits.stride(0), float(temperature), BLOCK=block,
-                                             num_warps=_row_warps(block))
+            _log_softmax_gather_kernel[(T,)](logits, ids.contiguous(), out, V, logits.stride(0), float(temperature),
+                                             BLOCK=block, num_warps=_row_warps(block))
         return out
 
     @staticmethod
