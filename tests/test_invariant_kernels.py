@@ -184,6 +184,21 @@ def check_strided_inputs(device: str) -> None:
                        k.log_softmax_gather(logits, ids[:, 1].contiguous(), 0.7)), "log_softmax_gather: strided ids"
 
 
+def check_misaligned_rows(device: str, M: int, N: int, V: int) -> None:
+    """Rows read through a view that starts off a 16-byte boundary (another compiled layout on a GPU) give the
+    contiguous rows' bits: the row reductions do not follow the layout."""
+    k = _kernels()
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(M, N + 1, generator=g).to(device, dtype)[:, 1:]  # (M, N), row stride N + 1
+        w = torch.randn(N, generator=g).to(device, dtype)
+        assert _same_bits(k.rms_norm(x, w, 1e-6), k.rms_norm(x.contiguous(), w, 1e-6)), f"rms_norm {dtype}: view"
+        logits = torch.randn(M, V + 1, generator=g).to(device, dtype)[:, 1:]  # (M, V)
+        ids = torch.randint(0, V, (M,), generator=g).to(device)
+        got, want = k.log_softmax_gather(logits, ids, 0.7), k.log_softmax_gather(logits.contiguous(), ids, 0.7)
+        assert _same_bits(got, want), f"log_softmax_gather {dtype}: view"
+
+
 def run_interpret_checks() -> None:
     """Tiny shapes that still cross every tile and block edge (float32 tiles are 64 x 64 x 32; rows in 4096s)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -197,6 +212,7 @@ def run_interpret_checks() -> None:
     check_grouped_linear("cpu", torch.float32, [70, 0, 5, 80], N=40, K=50)
     check_gradients("cpu")
     check_strided_inputs("cpu")
+    check_misaligned_rows("cpu", 3, 100, 300)
 
 
 def test_invariant_kernels_in_the_interpreter():
@@ -283,3 +299,10 @@ def test_log_softmax_gather_is_row_invariant_on_cuda():
 @pytest.mark.gpu
 def test_invariant_kernel_gradients_on_cuda():
     check_gradients("cuda")
+
+
+@pytest.mark.gpu
+def test_strided_and_misaligned_inputs_on_cuda():
+    check_strided_inputs("cuda")
+    check_misaligned_rows("cuda", 257, 1024, 32000)
+    check_misaligned_rows("cuda", 64, 6000, 151552)  # two RMSNorm blocks; GLM-5's vocabulary

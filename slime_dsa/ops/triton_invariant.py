@@ -5,7 +5,7 @@ SGLang's deterministic mode, vLLM's batch invariance):
 - matmuls use one tile shape per dtype, never chosen by M; no split-K; each output element accumulates its own
   K-blocks in ascending order in float32, so a row's sums never depend on how many rows share its tile;
 - RMSNorm and log-softmax give each row one program that reduces over the row in fixed blocks whose size depends
-  only on the row width.
+  only on the row width, then sums each block's lanes as a fixed binary tree (never tl.sum's layout-chosen order).
 Each function takes part in autograd: the forward is the invariant kernel, the backward is plain torch (a
 gradient need not be batch-invariant, only the log-probs the engine and the trainer compare).
 """
@@ -110,6 +110,17 @@ def _grouped_linear_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, E, stride_xm, 
 
 
 @triton.jit
+def _tree_sum(v, BLOCK: tl.constexpr):
+    """Sum of a (BLOCK,) vector, BLOCK a power of 2, as a fixed binary tree: neighbours 2i and 2i + 1 added, repeated.
+
+    tl.sum's order follows the register layout the compiler picks, and that follows the input's alignment (a row
+    view that starts off a 16-byte boundary gets another layout): two calls on the same row could round apart."""
+    for i in tl.static_range(BLOCK.bit_length() - 1):
+        v = tl.sum(tl.reshape(v, (BLOCK >> (i + 1), 2)), axis=1)  # two terms per sum: no order to choose
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, width, stride_x, stride_o, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, o_row = x_ptr + row * stride_x, out_ptr + row * stride_o
@@ -118,7 +129,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, width, stride_x, stride_o, eps, B
     for n0 in range(0, N, BLOCK):
         x = tl.load(x_row + n0 + offs, mask=n0 + offs < N, other=0.0).to(tl.float32)
         squares += x * x
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(squares, axis=0), width) + eps))
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(_tree_sum(squares, BLOCK), width) + eps))
     for n0 in range(0, N, BLOCK):
         mask = n0 + offs < N
         x = tl.load(x_row + n0 + offs, mask=mask, other=0.0)
@@ -142,7 +153,7 @@ def _log_softmax_gather_kernel(logits_ptr, ids_ptr, out_ptr, V, stride_t, temper
         x = tl.load(l_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
         sums += tl.exp(tl.math.div_rn(x, temperature) - top)
     target = tl.math.div_rn(tl.load(l_row + tl.load(ids_ptr + row)).to(tl.float32), temperature)
-    tl.store(out_ptr + row, (target - top) - tl.log(tl.sum(sums, axis=0)))
+    tl.store(out_ptr + row, (target - top) - tl.log(_tree_sum(sums, BLOCK)))
 
 
 def _check_dtype(x: torch.Tensor, op: str) -> None:
