@@ -84,6 +84,19 @@ def check_linear(device: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
         assert _same_bits(k.linear(x.view(M, 1, K), w, bias), full.view(M, 1, N)), f"{what}: (..., K) leading dims"
 
 
+def check_head_matmul(device: str, dtype: torch.dtype, T: int, H: int, K: int, N: int, sizes: list[int]) -> None:
+    """x (T, H, K) times weight (H, K, N) per head: rows invariant, close to einsum, weight given either way round."""
+    k = _kernels()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, K, generator=g).to(device, dtype)
+    w = (torch.randn(H, K, N, generator=g) / K**0.5).to(device, dtype)
+    what = f"head_matmul {dtype} T={T} H={H} K={K} N={N}"
+    full = _assert_row_invariant(lambda t: k.head_matmul(t, w), x, sizes, what, g)
+    _assert_close(full, torch.einsum("thk,hkn->thn", x, w), what)
+    w_nk = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K the unit-stride dim
+    assert _same_bits(k.head_matmul(x, w_nk), full), f"{what}: weight layout changes the bits"
+
+
 def check_grouped_linear(device: str, dtype: torch.dtype, counts: list[int], N: int, K: int) -> None:
     """Rows sorted by expert, `counts` rows per expert; a row's output is the same in a batch of other counts."""
     k = _kernels()
@@ -165,6 +178,9 @@ def check_gradients(device: str) -> None:
 
     for got, want in zip(grads(grouped, x2, gw), grads(grouped_reference, x2, gw)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    hx, hw = torch.randn(5, 3, 8, generator=g).to(device), torch.randn(3, 8, 6, generator=g).to(device)
+    for got, want in zip(grads(k.head_matmul, hx, hw), grads(lambda a, c: torch.einsum("thk,hkn->thn", a, c), hx, hw)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     logits, ids = torch.randn(6, 50, generator=g).to(device), torch.randint(0, 50, (6,), generator=g).to(device)
     ref = lambda z: torch.log_softmax(z / 0.7, -1).gather(1, ids[:, None]).squeeze(1)  # noqa: E731
     torch.testing.assert_close(grads(lambda z: k.log_softmax_gather(z, ids, 0.7), logits)[0], grads(ref, logits)[0],
@@ -207,11 +223,12 @@ def run_interpret_checks() -> None:
     # float32 only: the interpreter's bf16 dot is not faithful. K = 100 ends in a partial block, K = 64 does not.
     check_linear("cpu", torch.float32, [(100, 72, 100), (70, 40, 64)], sizes=[7])
     for dtype in (torch.float32, torch.bfloat16):
-        check_rms_norm("cpu", dtype, [(20, 100), (5, 4100)], sizes=[7])
-        check_log_softmax_gather("cpu", dtype, [(9, 4200)], sizes=[4])
+        check_rms_norm("cpu", dtype, [(12, 100), (3, 4100)], sizes=[5])
+        check_log_softmax_gather("cpu", dtype, [(5, 4200)], sizes=[3])
     check_grouped_linear("cpu", torch.float32, [70, 0, 5, 80], N=40, K=50)
     check_gradients("cpu")
     check_strided_inputs("cpu")
+    check_head_matmul("cpu", torch.float32, 70, 3, 40, 24, sizes=[7])
     check_misaligned_rows("cpu", 3, 100, 300)
 
 
@@ -241,7 +258,8 @@ def test_kernels_compile_for_sm90_with_wgmma():
     unit = dict(stride_xk=1, stride_wk=1, stride_on=1)
     cases = [  # (kernel, runtime args: type, constexprs, a matmul?)
         (k._linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
-                                K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32"),
+                                K="i32", stride_xh="i32", stride_xm="i32", stride_wh="i32", stride_wn="i32",
+                                stride_oh="i32", stride_om="i32"),
          dict(unit, HAS_BIAS=False, GROUP_M=t.group_m, **tiles), True),
         (k._grouped_linear_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", offs_ptr="*i32", out_ptr="*bf16", N="i32",
                                         K="i32", E="i32", stride_xm="i32", stride_we="i32", stride_wn="i32",
@@ -274,6 +292,12 @@ LINEAR_SHAPES = [(65536, 1024, 1024), (8192, 2816, 1024), (8192, 1024, 2816), (4
 def test_linear_is_row_invariant_on_cuda():
     check_linear("cuda", torch.bfloat16, LINEAR_SHAPES + LINEAR_SHAPES[:1], SIZES)  # odd-numbered shapes with a bias
     check_linear("cuda", torch.float32, [(4096, 384, 1024), (4096, 384, 1000)], SIZES)
+
+
+@pytest.mark.gpu
+def test_head_matmul_is_row_invariant_on_cuda():
+    check_head_matmul("cuda", torch.bfloat16, 8192, 16, 64, 256, SIZES)  # q_nope @ w_uk (nope 64 -> kv_lora 256)
+    check_head_matmul("cuda", torch.bfloat16, 8192, 16, 256, 64, SIZES)  # latent out @ w_uv (256 -> v 64)
 
 
 @pytest.mark.gpu

@@ -70,10 +70,14 @@ def _matmul_tile(x_ptr, w_ptr, rows, row_end, cols, N, K, stride_xm, stride_xk, 
 
 
 @triton.jit(do_not_specialize=["M"])  # M == 1 must not compile a kernel of its own
-def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                   stride_om, stride_on, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xh, stride_xm, stride_xk, stride_wh, stride_wn,
+                   stride_wk, stride_oh, stride_om, stride_on, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    """out[h] = x[h] @ w[h]ᵀ (+ bias) for head h = program_id(1); one head (strides 0) for a plain linear."""
     tile_m, tile_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    head = tl.program_id(1).to(tl.int64)
+    x_ptr, w_ptr, out_ptr = x_ptr + head * stride_xh, w_ptr + head * stride_wh, out_ptr + head * stride_oh
     rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = _matmul_tile(x_ptr, w_ptr, rows, M, cols, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
@@ -161,9 +165,10 @@ def _check_dtype(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: no tiles for {x.dtype}; expected one of {sorted(map(str, TILES))}")
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """t with a unit stride along its last dim: the kernels' loads are vectorised and pipelined only then."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _unit_stride(t: torch.Tensor, either: bool = False) -> torch.Tensor:
+    """t with a unit stride along its last dim (or, with `either`, one of its last two): the kernels' loads are
+    vectorised and pipelined only then. A matmul's bits do not depend on which."""
+    return t if t.stride(-1) == 1 or (either and t.stride(-2) == 1) else t.contiguous()
 
 
 def _row_block(width: int) -> int:
@@ -174,6 +179,21 @@ def _row_warps(block: int) -> int:
     return 8 if block >= 2048 else 4 if block >= 512 else 1
 
 
+def _launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out[h] = x[h] @ weight[h]ᵀ (+ bias) for x (H, M, K), weight (H, N, K), out (H, M, N), any strides."""
+    (H, M, K), N = x.shape, weight.shape[1]
+    if not (H and M and N):
+        return
+    t = TILES[x.dtype]
+    grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n), H)
+    # One head: stride 0, not the M-dependent M * K, whose divisibility would pick the compiled variant by M.
+    strides = [(0, *a.stride()[1:]) if H == 1 else a.stride() for a in (x, weight, out)]
+    _linear_kernel[grid](x, weight, bias if bias is not None else x, out, M, N, K, *strides[0], *strides[1],
+                         *strides[2], HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=t.block_m,
+                         BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0, GROUP_M=t.group_m,
+                         num_warps=t.num_warps, num_stages=t.num_stages)
+
+
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"linear: x ({x.dtype}), weight ({weight.dtype}) and bias must share a dtype")
@@ -181,19 +201,9 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     N, K = weight.shape
     if x.shape[-1] != K:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight (N={N}, K={K}) expects {K}")
-    x2, weight = _unit_stride(x.reshape(-1, K)), _unit_stride(weight)  # (M, K), (N, K)
-    M = x2.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M and N:
-        t = TILES[x.dtype]
-        grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
-        _linear_kernel[grid](x2, weight, bias if bias is not None else x2, out, M, N, K, x2.stride(0), x2.stride(1),
-                             weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=t.block_m,
-                             BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0, GROUP_M=t.group_m,
-                             num_warps=t.num_warps, num_stages=t.num_stages)
-    elif M:
-        out.zero_()
+    x2 = _unit_stride(x.reshape(-1, K))  # (M, K)
+    out = x2.new_empty(x2.shape[0], N)
+    _launch_linear(x2[None], _unit_stride(weight, either=True)[None], bias, out[None])  # one head
     return out.view(*x.shape[:-1], N)
 
 
@@ -219,6 +229,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _Linear.apply(x, weight, bias)
 
 
+class _HeadMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        if x.dtype != weight.dtype:
+            raise ValueError(f"head_matmul: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
+        _check_dtype(x, "head_matmul")
+        (T, H, K), N = x.shape, weight.shape[-1]
+        if weight.shape != (H, K, N):
+            raise ValueError(f"head_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit (T, H, K), "
+                             "(H, K, N)")
+        out = x.new_empty(T, H, N)
+        _launch_linear(_unit_stride(x).transpose(0, 1), _unit_stride(weight, either=True).transpose(1, 2), None,
+                       out.transpose(0, 1))  # (H, T, K) @ (H, N, K)ᵀ -> (H, T, N)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = torch.einsum("thn,hkn->thk", grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = torch.einsum("thk,thn->hkn", x, grad) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head products in one launch: x (T, H, K), weight (H, K, N) -> (T, H, N), out[:, h] = x[:, h] @ weight[h]
+    (MLA's absorbed projections), each head with linear's tiles and K order."""
+    return _HeadMatmul.apply(x, weight)
+
+
 def _grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise ValueError(f"grouped_linear: x ({x.dtype}) and weight ({weight.dtype}) must share a dtype")
@@ -227,7 +267,7 @@ def _grouped_linear_forward(x: torch.Tensor, weight: torch.Tensor, offs: torch.T
     if x.shape[-1] != K or offs.shape != (E,):
         raise ValueError(f"grouped_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, offs {tuple(offs.shape)} "
                          "do not fit (M, K), (E, N, K), (E,)")
-    x, weight, M = _unit_stride(x), _unit_stride(weight), x.shape[0]
+    x, weight, M = _unit_stride(x), _unit_stride(weight, either=True), x.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N and E:
         t = TILES[x.dtype]
