@@ -30,6 +30,7 @@ LINEAR_SHAPES = [  # (layer, N, K) of the 300m preset, nn.Linear layout
     ("shared expert down", 1024, 256), ("lm_head", 32000, 1024),
 ]
 EXPERT_SHAPES = [("experts gate_up", 32, 512, 1024), ("experts down", 32, 1024, 256)]  # (E, N, K), 4 experts a token
+HEAD_SHAPES = [("q_nope @ w_uk", 16, 64, 256), ("latent out @ w_uvᵀ", 16, 256, 64)]  # (H, K, N)
 NORM_WIDTHS = [1024, 384, 256]
 VOCAB = 32000
 DEVICE = "cuda"  # a module constant so that a CPU smoke run under TRITON_INTERPRET=1 can swap it
@@ -111,6 +112,23 @@ def grouped_rows(Ms: list[int]) -> list[list[str]]:
             us = bench_us(lambda w: inv.grouped_linear(x, w, offs), ws)
             rows.append([name, f"{E}x{N}x{K}", f"{T} ({T * 4} rows)", f"{ref_us:.1f}", f"{us:.1f}",
                          f"{us / ref_us:.2f}x"])
+    return rows
+
+
+def head_rows(Ms: list[int]) -> list[list[str]]:
+    """MLA's absorbed per-head products: q_nope @ w_uk and the latent output @ w_uvᵀ (16 heads)."""
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    rows = []
+    for name, H, K, N in HEAD_SHAPES:
+        weight = torch.randn(H, K, N, device=DEVICE, generator=g, dtype=torch.bfloat16) / K**0.5
+        for T in Ms:
+            x = torch.randn(T, H, K, device=DEVICE, generator=g, dtype=torch.bfloat16)
+            ws = _copies(weight, T)
+            ref_us = bench_us(lambda w: torch.einsum("thk,hkn->thn", x, w), ws)
+            us = bench_us(lambda w: inv.head_matmul(x, w), ws)
+            rows.append([name, f"{H}x{K}x{N}", str(T), f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
     return rows
 
 
@@ -197,6 +215,8 @@ def main() -> None:
                    "all tiles bitwise equal"], linear))
     emit(args.out, "### grouped_linear vs torch grouped_mm (tokens x 4 experts, random routing)\n\n"
          + _table(["layer", "E x N x K", "tokens", "grouped_mm µs", "ours µs", "ratio"], grouped_rows(Ms)))
+    emit(args.out, "### head_matmul vs torch einsum (MLA's absorbed projections)\n\n"
+         + _table(["product", "H x K x N", "tokens", "einsum µs", "ours µs", "ratio"], head_rows(Ms)))
     emit(args.out, "### RMSNorm (the model's: float32 norm, rounded, times weight) and log-softmax gather (float32, "
          "T=0.7)\n\n" + _table(["op", "width", "M", "torch µs", "ours µs", "ratio"],
                                  row_op_rows(Ms, args.max_logits_m)))
