@@ -8,6 +8,14 @@ SGLang's deterministic mode, vLLM's batch invariance):
   only on the row width, then sums each block's lanes as a fixed binary tree (never tl.sum's layout-chosen order).
 Each function takes part in autograd: the forward is the invariant kernel, the backward is plain torch (a
 gradient need not be batch-invariant, only the log-probs the engine and the trainer compare).
+
+The functions (slime_dsa/ops/invariant.py dispatches CUDA tensors here):
+    linear(x, weight, bias=None)          x (..., K), weight (N, K) -> (..., N) in x's dtype
+    head_matmul(x, weight)                x (T, H, K), weight (H, K, N) -> (T, H, N), a linear per head
+    grouped_linear(x, weight, offs)       rows sorted by expert, weight (E, N, K), offs (E,) end rows -> (M, N)
+    rms_norm(x, weight, eps)              the model's RMSNorm over the last dim
+    log_softmax_gather(logits, ids, t)    (T, V), (T,) -> (T,) float32 log-probs at temperature t
+bf16 and fp16 inputs multiply on tensor cores with float32 sums; float32 inputs as exact IEEE products (no tf32).
 """
 
 from __future__ import annotations
