@@ -15,7 +15,7 @@ The functions (slime_dsa/ops/invariant.py dispatches CUDA tensors here):
     grouped_linear(x, weight, offs)       rows sorted by expert, weight (E, N, K), offs (E,) end rows -> (M, N)
     rms_norm(x, weight, eps)              the model's RMSNorm over the last dim
     log_softmax_gather(logits, ids, t)    (T, V), (T,) -> (T,) float32 log-probs at temperature t
-bf16 and fp16 inputs multiply on tensor cores with float32 sums; float32 inputs as exact IEEE products (no tf32).
+bf16 and fp16 inputs multiply on tensor cores with float32 sums; float32 inputs by IEEE fused multiply-adds (no tf32).
 """
 
 from __future__ import annotations
