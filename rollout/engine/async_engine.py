@@ -233,6 +233,8 @@ class AsyncEngine:
             "device": str(engine.device),
             "dtype": str(engine.model.dtype).removeprefix("torch."),
             "max_cache_tokens": engine.max_cache_tokens,
+            "kv_cache_bytes": engine.cache.pool_nbytes,
+            "device_memory_bytes": _device_memory(engine.device),
             "max_running_requests": engine.max_running_requests,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "block_size": engine.block_size,
@@ -308,6 +310,11 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit(fn, future)
         return await future
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """The GPU's total memory in bytes; None on CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _key(path: str | Path) -> str:
