@@ -29,7 +29,8 @@
 # ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
 # engthr (benchmarks/engine_throughput.py, preset 300m, bf16, 128 new tokens, as RESULTS.md's "Engine throughput:
 # preset 300m" entries): the simple path and the rollout path (groups of 16: 16x16 and 64x16) at ENGTHR_BATCHES
-# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun;
+# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun, the
+# rollout path timed again after a KV-cache release (--release-kv: what a colocated RL step's hand-over costs);
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
 set -o pipefail
@@ -43,6 +44,7 @@ CLI="python3 -m slime_dsa.cli"
 vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown; VSTRL_NAME and VSTRL_ARGS replace them
   local N=${VSTRL_NAME:-$1}
   stamp "vstrl ($N)"
+  python3 -c "import pynvml" 2>/dev/null || echo "no pynvml: the GPU busy column reads '-' (nvidia_ml_py wheel missing from ${WHL:-.whl}, or setup skipped on a warm machine)"
   rm -rf $W/$N
   timeout -s INT -k 30 ${VSTRL_T:-540} python3 benchmarks/vs_trl.py --device cuda --task countdown ${VSTRL_ARGS:-$2} \
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
@@ -124,7 +126,7 @@ engthr)
   stamp engthr
   timeout -k 10 ${ENGTHR_T:-150} python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m \
     --new-tokens 128 --batch-sizes ${ENGTHR_BATCHES:-256,1024} --hf-batch-sizes ${ENGTHR_HF:-256} --group-size 16 \
-    --no-eager ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
+    --no-eager --release-kv ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
   ;;
 ds)
   stamp ds
