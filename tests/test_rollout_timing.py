@@ -146,3 +146,23 @@ def test_the_recipe_refuses_a_kv_cache_choice_where_nothing_is_handed_over():
     gpu = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
            "engine_kv_cache_in_training": "keep"}
     assert RecipeConfig.model_validate({**base, "cluster": gpu}).cluster.engine_kv_cache_in_training == "keep"
+
+
+def test_the_engine_thread_counts_the_commands_it_runs_between_steps():
+    from rollout.engine import Engine, GenerateRequest, SamplingParams
+    from rollout.engine.async_engine import AsyncEngine
+    from rollout.server.run import run_all
+    from tests.test_perf_metrics import _tiny_model
+
+    engine = Engine(_tiny_model(), max_cache_tokens=1024, max_running_requests=8, seed=0)
+
+    async def three_requests() -> None:
+        front = AsyncEngine(engine)
+        await front.start()
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        await run_all(front, [GenerateRequest(input_ids=[5, 6, i], sampling=params, rid=str(i)) for i in range(3)])
+        await front.stop()
+
+    asyncio.run(three_requests())
+    assert engine.stats["commands"] >= 3 and engine.stats["command_s"] > 0  # one add_request each, at least
+    assert perf.counters(engine.stats)["commands"] == engine.stats["commands"]

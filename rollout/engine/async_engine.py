@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,12 +250,18 @@ class AsyncEngine:
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        stats = self.engine.stats
+        stats.setdefault("commands", 0)
+        stats.setdefault("command_s", 0.0)
         while not self._stopping:
             try:
                 block = not self.engine.has_work
                 while True:
                     fn, future = self._commands.get(block=block)
+                    start = time.perf_counter()
                     self._execute(fn, future)
+                    stats["commands"] += 1
+                    stats["command_s"] += time.perf_counter() - start
                     block = False
             except queue.Empty:
                 pass
