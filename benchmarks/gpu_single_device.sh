@@ -14,6 +14,8 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# It also writes $OUT/${VSTRL_NAME}_result.json, _ours_metrics.jsonl (ours' perf/rollout_* and perf/engine_* per step)
+# and _engine_0.log; the nvidia_ml_py wheel in whl/ gives the report's GPU-busy column (else "-").
 # sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
 # of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
 # SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
@@ -50,6 +52,8 @@ vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown;
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  cp $W/$N/ours/metrics.jsonl $OUT/${N}_ours_metrics.jsonl 2>/dev/null  # perf/rollout_*, perf/engine_* per step
+  cp $W/$N/ours/engine_0.log $OUT/${N}_engine_0.log 2>/dev/null
 }
 LONG_TASK_ARGS='{"min_numbers":5,"max_numbers":6,"worked_steps":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
 sft_stage() {  # NAME RECIPE STEPS TRAIN_SIZE CAP_S: `slime-dsa sft` into $W/NAME/model, unless it is there already

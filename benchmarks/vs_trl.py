@@ -99,6 +99,12 @@ logger = logging.getLogger("vs_trl")
 
 DEFAULT_MODEL = Path("recipes/assets/quickstart-sft")
 FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many steps
+# Ours' step in parts (perf/ keys of its metrics, median of steps 2..N): the rollout phase on the driver
+# (rollout.timing), the engine's own time in it, and the hand-over of memory around training (colocated GPUs).
+BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "rollout_call_ms", "rollout_transport_ms",
+             "rollout_assemble_s", "rollout_reward_s", "engine_busy_s", "engine_decode_steps", "engine_decode_step_ms",
+             "engine_command_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
+             "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "weights_readback_s")
 RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
                "gpu_busy_steps")  # per side, in result.json
 
@@ -265,9 +271,12 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path, gpu: Sour
     later = records[1:] or records
     parts = {key: statistics.median(r.get(f"perf/{key}_time_s", 0.0) for r in later)
              for key in ("rollout", "train", "sync")}
+    breakdown = {key: statistics.median(r[f"perf/{key}"] for r in later) for key in BREAKDOWN
+                 if all(f"perf/{key}" in r for r in later)}
     steps = windows(stamps, readback)
     return {"step_times": [end - start for start, end in steps], "cpu_times": step_times(cpu), "rewards": rewards,
             "response_lengths": lengths, "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts,
+            "breakdown": breakdown,
             "readback_s": readback, **busy(sampler, steps)}
 
 
@@ -512,6 +521,8 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         + "; the weight push read the weights back for this script's hook "
         + ("at every step" if args.hook_state == "every" else "at the last step only")
         + f" (in its sync time, out of its step time: {sum(ours.get('readback_s', [])):.2f} s in all)",
+        "- ours' step in parts (perf/ keys of its metrics.jsonl, median of steps 2..N): "
+        + (", ".join(f"{k} {v:.3g}" for k, v in ours.get("breakdown", {}).items()) or "none logged"),
         f"- goal (ours >= 3x faster per step with equal or better reward): "
         f"{'reached' if reached else 'NOT reached'} ({ratio:.2f}x; reward of the last {k} steps ours "
         f"{so['final_reward']:.3f} vs TRL {st['final_reward']:.3f}: {roll_note}; eval pass@1 ours {evals['ours']:.3f} "
@@ -654,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(args, model_desc, ours, trl_side, evals, ids_match, versions, (load_start, os.getloadavg()[0]))
     print(report)
     (workdir / "result.json").write_text(json.dumps({
-        "ours": {k: v for k, v in ours.items() if k in (*RESULT_KEYS, "parts", "readback_s")},
+        "ours": {k: v for k, v in ours.items() if k in (*RESULT_KEYS, "parts", "breakdown", "readback_s")},
         "trl": {k: v for k, v in trl_side.items() if k in RESULT_KEYS},
         "eval": evals}))
     if args.out:

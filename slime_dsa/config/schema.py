@@ -717,10 +717,10 @@ class ClusterSection(Section):
     engine_kv_cache_in_training: Literal["auto", "release", "keep"] = Field(
         "auto", description="Colocated on GPUs: what the engines do with their KV cache while the trainer steps. "
                             "release = free it, and an embedded engine's decode CUDA graphs with it (they are "
-                            "captured again in the next rollout); keep = hold it, graphs and all (nothing "
-                            "re-allocated or captured again; the trainer has that much less memory); auto = keep "
-                            "when every embedded engine's KV cache is at most 10% of its GPU's memory, else "
-                            "release.")
+                            "captured again in the next rollout); keep = hold it, graphs and the engine's cached "
+                            "memory with it (nothing re-allocated or captured again; the trainer has that much less "
+                            "memory); auto = keep when every embedded engine's KV cache is at most 10% of its GPU's "
+                            "memory, else release.")
 
 
 class LoggingSection(Section):
