@@ -538,8 +538,8 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         "- per-step seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["step_times"]),
         "- per-step CPU seconds ours: " + " ".join(f"{t:.2f}" for t in ours["cpu_times"]),
         "- per-step CPU seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["cpu_times"]),
-        "- per-step GPU busy ours: " + " ".join(busy_cell(b) for b in ours.get("gpu_busy_steps", [])),
-        "- per-step GPU busy TRL: " + " ".join(busy_cell(b) for b in trl_side.get("gpu_busy_steps", [])),
+        "- per-step GPU busy ours: " + (" ".join(busy_cell(b) for b in ours.get("gpu_busy_steps", [])) or "-"),
+        "- per-step GPU busy TRL: " + (" ".join(busy_cell(b) for b in trl_side.get("gpu_busy_steps", [])) or "-"),
     ]
     return "\n".join(lines) + "\n"
 

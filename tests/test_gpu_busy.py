@@ -80,5 +80,8 @@ def test_the_report_has_both_sides_gpu_busy_from_fake_readings(monkeypatch):
     assert "GPU busy, ours / TRL: **40% / 80%**" in text
     assert "per-step GPU busy ours: 5% 30% 50%" in text
     assert "out of its step time: 2.50 s in all" in text
+    cpu_text = vs_trl.markdown(args, "m", {**ours, "gpu_busy": None, "gpu_busy_steps": []}, _side(None, []),
+                               {"initial": 0.1, "ours": 0.2, "trl": 0.2}, True, "v", (0.0, 0.0))
+    assert "| ours | 1.10 | 1.00 | - |" in cpu_text and "- per-step GPU busy TRL: -\n" in cpu_text
     unmeasured = vs_trl.busy_line(_side(None, []), _side(None, []))
     assert unmeasured.startswith("GPU busy, ours / TRL: - / - (not measured")
