@@ -166,3 +166,20 @@ def test_the_engine_thread_counts_the_commands_it_runs_between_steps():
     asyncio.run(three_requests())
     assert engine.stats["commands"] >= 3 and engine.stats["command_s"] > 0  # one add_request each, at least
     assert perf.counters(engine.stats)["commands"] == engine.stats["commands"]
+
+
+@pytest.mark.parametrize("ids", [[5, True], [5, 2.0], [5, "6"], [5, None], [5, -1], [5, 384]])
+def test_prompt_token_ids_are_checked_in_one_pass_on_both_sides(ids):
+    """The server's and the engine's prompt checks (one C pass each, issue 19): a bool, a float, a string, None or an
+    id out of [0, vocab) is refused by both, with the server's message naming the field."""
+    from rollout.engine import Engine, GenerateRequest, SamplingParams
+    from rollout.engine.types import RequestError
+    from rollout.server.protocol import check_input_ids
+    from tests.test_perf_metrics import _tiny_model
+
+    with pytest.raises(RequestError, match="input_ids"):
+        check_input_ids(ids, "input_ids", vocab_size=384, max_prompt_tokens=None)
+    engine = Engine(_tiny_model(), max_cache_tokens=256, max_running_requests=2, seed=0)
+    with pytest.raises(RequestError, match="input_ids"):
+        engine.add_request(GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1), rid="r"))
+    assert check_input_ids([0, 5, 383], "input_ids", vocab_size=384, max_prompt_tokens=None) == [0, 5, 383]

@@ -293,7 +293,7 @@ class Engine:
         ids = req.input_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise RequestError("input_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids) or min(ids) < 0 or max(ids) >= vocab:
+        if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= vocab:  # one C pass each (not bool)
             raise RequestError(f"input_ids must hold integer token ids in [0, {vocab})")
         req.sampling.validate(vocab)
         start_len = req.indexer_topk_start_len
