@@ -34,8 +34,9 @@ initial model and both final models (ours: the last weights pushed to the engine
 loaded through `slime_dsa.load_model` in float32 (on the GPU with --device cuda).
 
 --device cuda (one GPU; --task countdown with the small-preset SFT model is the realistic setting): ours as
-recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5), bf16 engine,
-bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the model in
+recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5;
+--ours-kv-cache: what the engine does with its KV cache while the trainer steps, default auto = keep a small one),
+bf16 engine, bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the model in
 float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training alike:
 float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
 the CPU mode's. Both sides' step clocks wait for the GPU (torch.cuda.synchronize in TRL's callback; ours stamps
@@ -140,7 +141,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         recipe["model"]["ops_backend"] = "auto"
         recipe["trainer"]["mixed_precision"] = True
         del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
-        recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
+        recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
+                             "engine_kv_cache_in_training": args.ours_kv_cache}
     return recipe
 
 
@@ -454,8 +456,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
                 f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
                 f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
-                f"on the one GPU (0.5 + 0.5; Ray actors that take turns, the engine releasing its KV cache while "
-                f"the trainer steps), Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
+                f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
+                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps), Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
                 f"{args.trl_threads} torch thread(s)")
@@ -587,6 +589,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
     parser.add_argument("--ours-workers", type=int, default=1,
                         help="ours: trainer ranks (1 CPU each; whole-model replicas, one gradient all-reduce)")
+    parser.add_argument("--ours-kv-cache", choices=("auto", "release", "keep"), default="auto",
+                        help="ours on cuda: cluster.engine_kv_cache_in_training, what the engine does with its KV "
+                             "cache (and decode CUDA graphs) while the trainer steps (default auto: keep a small one)")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "
@@ -606,6 +611,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and (args.ours_engines != 1 or args.ours_workers != 1):
         parser.error(f"--device cuda runs 1 engine + 1 trainer rank on one GPU; got --ours-engines "
                      f"{args.ours_engines} --ours-workers {args.ours_workers}")
+    if args.device != "cuda" and args.ours_kv_cache != "auto":
+        parser.error("--ours-kv-cache applies to --device cuda (on CPU nothing is handed over)")
     if args.hook_state is None:
         args.hook_state = "last" if args.device == "cuda" else "every"
     if args.max_prompt_length is None:
