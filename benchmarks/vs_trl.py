@@ -36,9 +36,9 @@ loaded through `slime_dsa.load_model` in float32 (on the GPU with --device cuda)
 --device cuda (one GPU; --task countdown with the small-preset SFT model is the realistic setting): ours as
 recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5;
 --ours-kv-cache: what the engine does with its KV cache while the trainer steps, default auto = keep a small one),
-bf16 engine, bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the model in
-float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training alike:
-float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
+bf16 engine, bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the
+model in float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training
+alike: float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
 the CPU mode's. Both sides' step clocks wait for the GPU (torch.cuda.synchronize in TRL's callback; ours stamps
 after the weight push, which waits for the trainer). Ours' weight push reads the weights back for this script's
 hook only at the last step there (--hook-state last; every step cost ~0.5 s a step for the small preset on an
@@ -457,7 +457,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
                 f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
                 f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
-                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps), Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
+                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps), "
+                f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
                 f"{args.trl_threads} torch thread(s)")
