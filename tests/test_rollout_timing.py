@@ -72,6 +72,8 @@ def test_the_engine_times_its_memory_hand_over_and_reports_the_pool_size():
     engine.resume_memory(["kv_cache"])
     assert engine.stats["memory_release_s"] > 0 and engine.stats["memory_resume_s"] > 0
     assert engine.stats["graph_captures"] == 0  # CPU: no CUDA graphs
+    engine.update_weights({k: v.clone() for k, v in engine.model.state_dict().items()}, "1")
+    assert engine.stats["weights_update_s"] > 0
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request(GenerateRequest(input_ids=[5, 6, 7], sampling=params, rid="a", stream=False))
     while engine.num_running or engine.num_queued:

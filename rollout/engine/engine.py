@@ -238,7 +238,7 @@ class Engine:
         self.stats.update({"schedule_s": 0.0, "launch_s": 0.0, "resolve_s": 0.0, "stop_strings_s": 0.0, "finish_s": 0.0})
         # Outside the steps: handing memory to a colocated trainer and taking it back (the CUDA graphs, which point at
         # the freed memory, are captured again: graph_captures, graph_capture_s).
-        self.stats.update({"memory_release_s": 0.0, "memory_resume_s": 0.0})
+        self.stats.update({"memory_release_s": 0.0, "memory_resume_s": 0.0, "weights_update_s": 0.0})
         self.stats.setdefault("graph_captures", 0)
         self.stats.setdefault("graph_capture_s", 0.0)
         _freeze_heap_once()
@@ -368,6 +368,7 @@ class Engine:
         from slime_dsa.weights import WeightFormatError  # noqa: PLC0415
         from slime_dsa.weights.checks import check_update  # noqa: PLC0415
 
+        start = time.perf_counter()
         self._drain()  # the tokens in flight were computed with the old weights
         params = self.model.state_dict(keep_vars=True)
         try:
@@ -382,6 +383,7 @@ class Engine:
         self._version_int = _version_number(self._weight_version, self._num_updates)
         if flush_cache:
             self._reset_prefix_cache()
+        self.stats["weights_update_s"] += time.perf_counter() - start  # checks, copies, derived caches (no device wait)
         logger.info("engine: updated %d tensors, weight_version=%s", len(state_dict), self._weight_version)
 
     def flush_cache(self) -> bool:
