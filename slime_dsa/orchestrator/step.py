@@ -120,7 +120,8 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
                   else torch.zeros(len(samples)))
     batch = build_train_batch(samples, per_sample, index_replay=recipe.algorithm.index_replay)
     hand_over = {"perf/batch_build_s": time.perf_counter() - batch_start}
-    # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
+    # Colocated on GPUs: the engines pause, and hand their KV pool to the trainer while it trains unless they keep it
+    # (colocation.py).
     colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
     if colocated:
         start = time.perf_counter()
