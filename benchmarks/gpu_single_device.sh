@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrllong opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -19,6 +19,9 @@
 # sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
 # of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
 # SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
+# vstrlrel: the vstrl stage with --ours-kv-cache release (the engine frees its KV cache and decode graphs at every
+# training call, as before cluster.engine_kv_cache_in_training): the A/B of keeping them (VSTRL_NAME default
+# vstrl_release).
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
@@ -115,6 +118,9 @@ opd)
   ;;
 vstrl)
   vstrl_stage vstrl "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
+  ;;
+vstrlrel)  # the vstrl stage with ours' engine releasing its KV cache (and CUDA graphs) at every training call: the old way
+  vstrl_stage vstrl_release "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --ours-kv-cache release --out $OUT/vs_trl_release.md"
   ;;
 vstrllong)
   vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
