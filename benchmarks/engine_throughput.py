@@ -152,14 +152,18 @@ def word_tokenizer(vocab: int):
 
 
 def run_rollout(model, prompts: list[list[int]], group: int, new_tokens: int, block_size: int, device: torch.device,
-                tokenizer, replay: bool, stop: list[str], seed: int) -> dict:
+                tokenizer, replay: bool, stop: list[str], seed: int, release_kv: bool = False) -> dict:
     """The rollout path (module docstring) over `prompts` (each sent as a group of `group` samples): a fresh engine,
     a first run (captures graphs, compiles), a weight update, then the timed run. Returns {"first_s", "s",
-    "tokens", "first_tokens", "outside_share", **step metrics of the timed run}."""
-    return asyncio.run(_rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed))
+    "tokens", "first_tokens", "outside_share", **step metrics of the timed run}. release_kv: then the KV cache is
+    released and re-allocated, as a colocated RL step that hands it to the trainer does, and the same run is timed
+    again: "released" holds its {"s", "tokens", **step metrics}."""
+    return asyncio.run(_rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed,
+                                release_kv))
 
 
-async def _rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed) -> dict:
+async def _rollout(model, prompts, group, new_tokens, block_size, device, tokenizer, replay, stop, seed,
+                   release_kv=False) -> dict:
     from rollout.engine import AsyncEngine  # noqa: PLC0415
     from rollout.server.in_process import InProcessClient  # noqa: PLC0415
 
@@ -196,11 +200,18 @@ async def _rollout(model, prompts, group, new_tokens, block_size, device, tokeni
         first_s, first_tokens, _ = await once(0)
         await front.update_weights(weights, weight_version="1")  # as between two RL steps: new version, cache flushed
         seconds, tokens, perf = await once(1)
+        released = None
+        if release_kv:  # as a colocated step that hands the KV cache to the trainer (its graphs go with it)
+            await front.release_memory(["kv_cache"])
+            await front.resume_memory(["kv_cache"])
+            await front.update_weights(weights, weight_version="2")
+            released_s, released_tokens, released_perf = await once(1)  # the same seeds: the same work
+            released = {"s": released_s, "tokens": released_tokens, **released_perf}
     finally:
         await front.stop()
     return {"first_s": first_s, "first_tokens": first_tokens, "s": seconds, "tokens": tokens,
             "outside_share": max(0.0, 1 - perf.get("busy_s", 0.0) / seconds),
-            "busy_share": perf.get("device_s", 0.0) / seconds, **perf}
+            "busy_share": perf.get("device_s", 0.0) / seconds, "released": released, **perf}
 
 
 def profile_decode(model, prompts: list[list[int]], device: torch.device, block_size: int, steps: int = 8,
@@ -286,6 +297,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--group-size", type=int, default=16, help="rollout path: samples per prompt (one /generate each)")
     parser.add_argument("--stop", action="append", default=None, help="rollout path: stop string (repeatable; default </answer>)")
     parser.add_argument("--no-replay", action="store_true", help="rollout path: no DSA top-k rows for index replay")
+    parser.add_argument("--release-kv", action="store_true", help="rollout path: also time the run again after "
+                        "releasing and re-allocating the KV cache, as a colocated RL step with "
+                        "cluster.engine_kv_cache_in_training release does (CUDA graphs captured again)")
     parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (each step launched "
                         "before the previous step's tokens reach the host)")
     args = parser.parse_args(argv)
@@ -366,7 +380,7 @@ def main(argv: list[str] | None = None) -> str:
         if "rollout" in paths:
             groups = make_prompts(batch // args.group_size, prompt_len, config.vocab_size, args.seed + batch)
             r = run_rollout(model, groups, args.group_size, new_tokens, args.block_size, device, tokenizer,
-                            not args.no_replay, stop, args.seed)
+                            not args.no_replay, stop, args.seed, args.release_kv)
             logger.info("batch %d: rollout path %.2fs for %d tokens, %.0f tok/s (first run %.2fs); decode step %s ms, host "
                         "gap %s (all steps %s), outside engine steps %s, device busy %s of the run", batch, r["s"],
                         r["tokens"], r["tokens"] / r["s"], r["first_s"], _num(r.get("decode_step_ms")),
@@ -426,6 +440,7 @@ def main(argv: list[str] | None = None) -> str:
             "",
             *(f"- batch {b}: the engine's host time per step by phase, ms (launch holds the forward on CPU): "
               + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms"].items()) for b, r in rollout_rows),
+            *(released_line(b, r) for b, r in rollout_rows if r.get("released")),
             "",
             "- rollout / transformers: against transformers' greedy tok/s at the same batch (other prompts; its speed does"
             " not depend on them). host gap: the share of time in engine steps the device is not working (on CUDA each"
@@ -446,6 +461,18 @@ def main(argv: list[str] | None = None) -> str:
         with args.out.open("a") as f:
             f.write("\n" + text)
     return text
+
+
+def released_line(batch: int, r: dict) -> str:
+    """The --release-kv comparison of one batch: the same timed run with the KV cache kept, and released and
+    re-allocated before it."""
+    kept, released = r, r["released"]
+    kept_tok_s, released_tok_s = kept["tokens"] / kept["s"], released["tokens"] / released["s"]
+    return (f"- batch {batch}, KV cache released and re-allocated before the run (a colocated RL step's hand-over): "
+            f"{released['s']:.3f} s, {released_tok_s:.1f} tok/s, against {kept['s']:.3f} s, {kept_tok_s:.1f} tok/s "
+            f"kept ({kept_tok_s / released_tok_s:.2f}x); CUDA graphs captured in the run: "
+            f"{released.get('graph_captures', 0):.0f} in {released.get('graph_capture_s', 0.0):.3f} s released, "
+            f"{kept.get('graph_captures', 0):.0f} in {kept.get('graph_capture_s', 0.0):.3f} s kept")
 
 
 def _num(x: float | None, digits: int = 2) -> str:

@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrllong opd test ds engthr mgbench invk" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -14,9 +14,14 @@
 # vstrl (benchmarks/vs_trl.py --device cuda --task countdown, TRL GRPOTrainer vs ours on the SFT model) needs trl and
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
+# It also writes $OUT/${VSTRL_NAME}_result.json, _ours_metrics.jsonl (ours' perf/rollout_* and perf/engine_* per step)
+# and _engine_0.log; the nvidia_ml_py wheel in whl/ gives the report's GPU-busy column (else "-").
 # sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
 # of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
 # SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
+# vstrlrel: the vstrl stage with --ours-kv-cache release (the engine frees its KV cache and decode graphs at every
+# training call, as before cluster.engine_kv_cache_in_training): the A/B of keeping them (VSTRL_NAME default
+# vstrl_release).
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
@@ -29,7 +34,8 @@
 # ninja, einops, msgpack, psutil); installs them if a warm machine's setup ran without them.
 # engthr (benchmarks/engine_throughput.py, preset 300m, bf16, 128 new tokens, as RESULTS.md's "Engine throughput:
 # preset 300m" entries): the simple path and the rollout path (groups of 16: 16x16 and 64x16) at ENGTHR_BATCHES
-# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun;
+# (default 256,1024), transformers `generate` at ENGTHR_HF (default 256) for the ratio, no eager (no-graph) rerun, the
+# rollout path timed again after a KV-cache release (--release-kv: what a colocated RL step's hand-over costs);
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
@@ -46,11 +52,14 @@ CLI="python3 -m slime_dsa.cli"
 vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown; VSTRL_NAME and VSTRL_ARGS replace them
   local N=${VSTRL_NAME:-$1}
   stamp "vstrl ($N)"
+  python3 -c "import pynvml" 2>/dev/null || echo "no pynvml: the GPU busy column reads '-' (nvidia_ml_py wheel missing from ${WHL:-.whl}, or setup skipped on a warm machine)"
   rm -rf $W/$N
   timeout -s INT -k 30 ${VSTRL_T:-540} python3 benchmarks/vs_trl.py --device cuda --task countdown ${VSTRL_ARGS:-$2} \
     --workdir $W/$N 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" -e "Writing model shards" \
     | tee $OUT/$N.log | tail -40
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
+  cp $W/$N/ours/metrics.jsonl $OUT/${N}_ours_metrics.jsonl 2>/dev/null  # perf/rollout_*, perf/engine_* per step
+  cp $W/$N/ours/engine_0.log $OUT/${N}_engine_0.log 2>/dev/null
 }
 LONG_TASK_ARGS='{"min_numbers":5,"max_numbers":6,"worked_steps":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
 sft_stage() {  # NAME RECIPE STEPS TRAIN_SIZE CAP_S: `slime-dsa sft` into $W/NAME/model, unless it is there already
@@ -113,6 +122,9 @@ opd)
 vstrl)
   vstrl_stage vstrl "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
   ;;
+vstrlrel)  # the vstrl stage with ours' engine releasing its KV cache (and CUDA graphs) at every training call: the old way
+  vstrl_stage vstrl_release "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --ours-kv-cache release --out $OUT/vs_trl_release.md"
+  ;;
 vstrllong)
   vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
   ;;
@@ -127,7 +139,7 @@ engthr)
   stamp engthr
   timeout -k 10 ${ENGTHR_T:-150} python3 benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --preset 300m \
     --new-tokens 128 --batch-sizes ${ENGTHR_BATCHES:-256,1024} --hf-batch-sizes ${ENGTHR_HF:-256} --group-size 16 \
-    --no-eager ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
+    --no-eager --release-kv ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
   ;;
 invk)
   stamp invk

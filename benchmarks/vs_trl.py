@@ -34,14 +34,19 @@ initial model and both final models (ours: the last weights pushed to the engine
 loaded through `slime_dsa.load_model` in float32 (on the GPU with --device cuda).
 
 --device cuda (one GPU; --task countdown with the small-preset SFT model is the realistic setting): ours as
-recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5), bf16 engine,
-bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the model in
-float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training alike:
-float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
+recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5;
+--ours-kv-cache: what the engine does with its KV cache while the trainer steps, default auto = keep a small one),
+bf16 engine, bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the
+model in float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training
+alike: float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
 the CPU mode's. Both sides' step clocks wait for the GPU (torch.cuda.synchronize in TRL's callback; ours stamps
 after the weight push, which waits for the trainer). Ours' weight push reads the weights back for this script's
 hook only at the last step there (--hook-state last; every step cost ~0.5 s a step for the small preset on an
-H200, a cost of the measurement, not of ours); on CPU at every step, as before (--hook-state every).
+H200, a cost of the measurement, not of ours); on CPU at every step, as before (--hook-state every). Either way the
+read-back (its seconds: perf/weights_readback_s) is taken out of ours' step times: TRL's steps do no such work.
+GPU busy (cuda, with pynvml from nvidia-ml-py): a thread in this process reads the device's utilisation through NVML
+every 20 ms while each side trains (device-wide: ours' engine and trainer actors are other processes); the report
+gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). Without pynvml or a GPU: "-".
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
@@ -69,6 +74,7 @@ H200, a cost of the measurement, not of ours); on CPU at every step, as before (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -86,11 +92,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_busy import (  # noqa: E402 (after the path)
+    Source, UtilizationSampler, busy_after_first, busy_cell, nvml_source, step_busy, windows,
+)
+
 logger = logging.getLogger("vs_trl")
 
 DEFAULT_MODEL = Path("recipes/assets/quickstart-sft")
 FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many steps
-RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s")  # per side, in result.json
+# Ours' step in parts (perf/ keys of its metrics, median of steps 2..N): the rollout phase on the driver
+# (rollout.timing), the engine's own time in it, and the hand-over of memory around training (colocated GPUs).
+BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "rollout_call_ms", "rollout_transport_ms",
+             "rollout_assemble_s", "rollout_reward_s", "engine_busy_s", "engine_decode_steps", "engine_decode_step_ms",
+             "engine_command_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
+             "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s")
+RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
+               "gpu_busy_steps")  # per side, in result.json
 
 
 # ---------------------------------------------------------------------------------------------------- shared setup
@@ -124,7 +141,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         recipe["model"]["ops_backend"] = "auto"
         recipe["trainer"]["mixed_precision"] = True
         del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
-        recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
+        recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
+                             "engine_kv_cache_in_training": args.ours_kv_cache}
     return recipe
 
 
@@ -213,8 +231,9 @@ def step_times(stamps: list[float]) -> list[float]:
 # ---------------------------------------------------------------------------------------------------- ours
 
 
-def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[str, Any]:
-    """Our synchronous GRPO loop (--ours-engines embedded engines + --ours-workers trainer ranks as Ray actors)."""
+def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path, gpu: Source | None = None) -> dict[str, Any]:
+    """Our synchronous GRPO loop (--ours-engines embedded engines + --ours-workers trainer ranks as Ray actors).
+    gpu: the GPU utilisation source sampled while it runs (None: not measured)."""
     import ray
     import yaml
 
@@ -237,12 +256,15 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     path.write_text(yaml.safe_dump(recipe_dict(args, model_dir, workdir / "ours")))
     t0 = time.perf_counter()
     try:
-        run_dir = run_training(load_recipe(path), on_weights=on_weights, hook_state=args.hook_state)
+        with sampling(gpu) as sampler:
+            run_dir = run_training(load_recipe(path), on_weights=on_weights, hook_state=args.hook_state)
     finally:
         if ray.is_initialized():
             ray.shutdown()
     total = time.perf_counter() - t0
     records = read_metrics(run_dir)
+    # The weights read back for this script's hook (the eval's state) are not ours' step work: out of the clock.
+    readback = [r.get("perf/weights_readback_s", 0.0) for r in records if "rollout/reward_mean" in r]
     rewards = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
     lengths = [r["rollout/response_length_mean"] for r in records if "rollout/response_length_mean" in r]
     if final.get("version") != args.steps or len(rewards) != args.steps or "state" not in final:
@@ -251,16 +273,34 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict[s
     later = records[1:] or records
     parts = {key: statistics.median(r.get(f"perf/{key}_time_s", 0.0) for r in later)
              for key in ("rollout", "train", "sync")}
-    return {"step_times": step_times(stamps), "cpu_times": step_times(cpu), "rewards": rewards,
-            "response_lengths": lengths, "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts}
+    breakdown = {key: statistics.median(r[f"perf/{key}"] for r in later) for key in BREAKDOWN
+                 if all(f"perf/{key}" in r for r in later)}
+    steps = windows(stamps, readback)
+    return {"step_times": [end - start for start, end in steps], "cpu_times": step_times(cpu), "rewards": rewards,
+            "response_lengths": lengths, "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts,
+            "breakdown": breakdown,
+            "readback_s": readback, **busy(sampler, steps)}
+
+
+def sampling(gpu: Source | None) -> contextlib.AbstractContextManager[UtilizationSampler | None]:
+    """A running UtilizationSampler of `gpu`, or nothing to sample."""
+    return UtilizationSampler(gpu) if gpu is not None else contextlib.nullcontext()
+
+
+def busy(sampler: UtilizationSampler | None, steps: list[tuple[float, float]]) -> dict[str, Any]:
+    """gpu_busy (mean percent over steps 2..N, None when not measured) and gpu_busy_steps (per step)."""
+    if sampler is None:
+        return {"gpu_busy": None, "gpu_busy_steps": []}
+    return {"gpu_busy": busy_after_first(sampler.samples, steps), "gpu_busy_steps": step_busy(sampler.samples, steps)}
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
 
 
 def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: list[str],
-            answers: list[str]) -> dict[str, Any]:
-    """TRL's GRPOTrainer on --device with the same prompts (in our order), reward and hyper-parameters."""
+            answers: list[str], gpu: Source | None = None) -> dict[str, Any]:
+    """TRL's GRPOTrainer on --device with the same prompts (in our order), reward and hyper-parameters; `gpu` as
+    run_ours'."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -308,7 +348,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=TRL_REWARDS[args.task], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
-    trainer.train()
+    with sampling(gpu) as sampler:
+        trainer.train()
     total = time.perf_counter() - t0
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
@@ -318,7 +359,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     if len(rewards) != args.steps:
         raise RuntimeError(f"trl: expected {args.steps} logged rewards, got {len(rewards)}")
     return {"step_times": step_times(clock.stamps), "cpu_times": step_times(clock.cpu), "rewards": rewards,
-            "response_lengths": lengths, "model_dir": out_dir, "total_s": total}
+            "response_lengths": lengths, "model_dir": out_dir, "total_s": total,
+            **busy(sampler, windows(clock.stamps))}
 
 
 def user_messages(task: Any, prompts: list) -> list[str]:
@@ -414,8 +456,9 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
                 f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
                 f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
-                f"on the one GPU (0.5 + 0.5; Ray actors that take turns, the engine releasing its KV cache while "
-                f"the trainer steps), Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
+                f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
+                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps), "
+                f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
                 f"{args.trl_threads} torch thread(s)")
@@ -424,6 +467,15 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
             f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
             f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
             f"`generate`")
+
+
+def busy_line(ours: dict[str, Any], trl_side: dict[str, Any]) -> str:
+    """The report's GPU-busy line: both sides' mean utilisation over steps 2..N, or why there is none."""
+    cells = f"{busy_cell(ours.get('gpu_busy'))} / {busy_cell(trl_side.get('gpu_busy'))}"
+    if ours.get("gpu_busy") is None and trl_side.get("gpu_busy") is None:
+        return f"GPU busy, ours / TRL: {cells} (not measured: no GPU, or no pynvml)"
+    return (f"GPU busy, ours / TRL: **{cells}** (NVML device utilisation read every 20 ms, mean over steps "
+            f"2..N; device-wide, so ours' engine and trainer actors count)")
 
 
 def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: dict, evals: dict[str, float],
@@ -453,22 +505,27 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"step time = wall time between weight versions, median over steps 2..{args.steps}; eval = greedy pass@1 on "
         f"{args.eval_prompts} held-out prompts (`slime_dsa.sft.greedy_eval`), initial model {evals['initial']:.3f}",
         "",
-        f"| trainer | median step s | median CPU s / step | step 1 s (warm-up) | {args.steps} steps s | with setup s "
-        f"| reward step 1 | reward last {k} steps | eval pass@1 after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| trainer | median step s | median CPU s / step | GPU busy | step 1 s (warm-up) | {args.steps} steps s "
+        f"| with setup s | reward step 1 | reward last {k} steps | eval pass@1 after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, side, s, ev in (("ours", ours, so, evals["ours"]), ("TRL", trl_side, st, evals["trl"])):
-        lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['median_cpu_s']:.2f} | {s['first_step_s']:.2f} "
+        lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['median_cpu_s']:.2f} "
+                     f"| {busy_cell(side.get('gpu_busy'))} | {s['first_step_s']:.2f} "
                      f"| {sum(side['step_times']):.1f} | {side['total_s']:.1f} | {s['first_reward']:.3f} "
                      f"| {s['final_reward']:.3f} | {ev:.3f} |")
     lines.append("")
     lines += [
         f"- step-time ratio TRL / ours: **{ratio:.2f}x** (wall); CPU-time ratio TRL / ours: {cpu_ratio:.2f}x",
+        f"- {busy_line(ours, trl_side)}",
         "- ours per step (median of steps 2..N, from its metrics): "
         + ", ".join(f"{k} {v:.2f} s" for k, v in ours["parts"].items())
         + f"; pi_old {'recomputed by the trainer' if args.recompute_old_logprobs else 'from the rollout log-probs'}"
         + "; the weight push read the weights back for this script's hook "
-        + ("at every step (in sync)" if args.hook_state == "every" else "at the last step only (in its sync time)"),
+        + ("at every step" if args.hook_state == "every" else "at the last step only")
+        + f" (in its sync time, out of its step time: {sum(ours.get('readback_s', [])):.2f} s in all)",
+        "- ours' step in parts (perf/ keys of its metrics.jsonl, median of steps 2..N): "
+        + (", ".join(f"{k} {v:.3g}" for k, v in ours.get("breakdown", {}).items()) or "none logged"),
         f"- goal (ours >= 3x faster per step with equal or better reward): "
         f"{'reached' if reached else 'NOT reached'} ({ratio:.2f}x; reward of the last {k} steps ours "
         f"{so['final_reward']:.3f} vs TRL {st['final_reward']:.3f}: {roll_note}; eval pass@1 ours {evals['ours']:.3f} "
@@ -484,6 +541,8 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         "- per-step seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["step_times"]),
         "- per-step CPU seconds ours: " + " ".join(f"{t:.2f}" for t in ours["cpu_times"]),
         "- per-step CPU seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["cpu_times"]),
+        "- per-step GPU busy ours: " + (" ".join(busy_cell(b) for b in ours.get("gpu_busy_steps", [])) or "-"),
+        "- per-step GPU busy TRL: " + (" ".join(busy_cell(b) for b in trl_side.get("gpu_busy_steps", [])) or "-"),
     ]
     return "\n".join(lines) + "\n"
 
@@ -531,6 +590,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
     parser.add_argument("--ours-workers", type=int, default=1,
                         help="ours: trainer ranks (1 CPU each; whole-model replicas, one gradient all-reduce)")
+    parser.add_argument("--ours-kv-cache", choices=("auto", "release", "keep"), default="auto",
+                        help="ours on cuda: cluster.engine_kv_cache_in_training, what the engine does with its KV "
+                             "cache (and decode CUDA graphs) while the trainer steps (default auto: keep a small one)")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "
@@ -550,6 +612,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and (args.ours_engines != 1 or args.ours_workers != 1):
         parser.error(f"--device cuda runs 1 engine + 1 trainer rank on one GPU; got --ours-engines "
                      f"{args.ours_engines} --ours-workers {args.ours_workers}")
+    if args.device != "cuda" and args.ours_kv_cache != "auto":
+        parser.error("--ours-kv-cache applies to --device cuda (on CPU nothing is handed over)")
     if args.hook_state is None:
         args.hook_state = "last" if args.device == "cuda" else "every"
     if args.max_prompt_length is None:
@@ -595,10 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     if not ids_match:
         logger.warning("TRL's chat-template prompt ids differ from ours for some prompts")
 
+    gpu = nvml_source() if args.device == "cuda" else None
     logger.info("ours: %d steps", args.steps)
-    ours = run_ours(args, model_dir, workdir)
+    ours = run_ours(args, model_dir, workdir, gpu)
     logger.info("TRL %s: %d steps", trl.__version__, args.steps)
-    trl_side = run_trl(args, model_dir, workdir, messages, [trl_answer(p.answer) for p in prompts])
+    trl_side = run_trl(args, model_dir, workdir, messages, [trl_answer(p.answer) for p in prompts], gpu)
 
     logger.info("greedy eval of the initial and both final models")
     evals = {"initial": evaluate(model_dir, tokenizer, tasks, args),
@@ -608,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(args, model_desc, ours, trl_side, evals, ids_match, versions, (load_start, os.getloadavg()[0]))
     print(report)
     (workdir / "result.json").write_text(json.dumps({
-        "ours": {k: v for k, v in ours.items() if k in (*RESULT_KEYS, "parts")},
+        "ours": {k: v for k, v in ours.items() if k in (*RESULT_KEYS, "parts", "breakdown", "readback_s")},
         "trl": {k: v for k, v in trl_side.items() if k in RESULT_KEYS},
         "eval": evals}))
     if args.out:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,6 +24,7 @@ from rollout.engine.defaults import DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.limiter import SampleLimiter
 from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
 from rollout.rewards.registry import load_reward_fn
+from rollout.timing import RolloutClock
 from slime_dsa.data.sample import Sample, SampleStatus
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ class GroupRollout:
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
         self.reward_stats = {t.name: RewardStats() for t in tasks}
+        self.clock = RolloutClock()  # the current phase's timings (StepCollector starts it)
         self.agents = {t.name: AgentRuntime.build(t.agent, tokenizer, rollout.max_response_length)
                        for t in tasks if getattr(t, "agent", None) is not None}
 
@@ -122,10 +125,12 @@ class GroupRollout:
                        indexer_topk_start_len=0)  # the prompt rows too: replay is exact only with every row
         async with self.limiter.hold(len(samples)):
             try:
+                sent_at = self.clock.sent()
                 if len(samples) == 1:
                     outs = [await self.client.generate(samples[0].prompt_ids, per_sample[0], **options)]
                 else:
                     outs = await self.client.generate_batch([s.prompt_ids for s in samples], per_sample, **options)
+                self.clock.answered(sent_at, outs[0]["meta_info"].get("e2e_latency") if outs else None)
                 topks = [indexer_topk_rows(o["meta_info"]) if self.indexer_topk else (None, None) for o in outs]
             except (EngineError, asyncio.TimeoutError) as e:
                 for sample in samples:
@@ -151,6 +156,7 @@ class GroupRollout:
 
     async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
         """Fill `sample` from its /generate response and compute its reward."""
+        start = time.perf_counter()
         meta = out["meta_info"]
         ids = [int(tok) for _, tok, *_ in meta["output_token_logprobs"]]
         logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
@@ -161,6 +167,7 @@ class GroupRollout:
         finish = (meta.get("finish_reason") or {}).get("type")
         sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish,
                                                                                              SampleStatus.COMPLETED)
+        self.clock.assemble_s += time.perf_counter() - start
         return await self._reward(sample)
 
     async def _reward(self, sample: Sample) -> Sample:
@@ -169,6 +176,7 @@ class GroupRollout:
             return sample
         result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s,
                                       stats=self.reward_stats[sample.task])
+        self.clock.reward_s += result.elapsed_s
         sample.reward = result.reward
         sample.metadata["reward_failed"] = result.failed
         sample.metadata.update({f"reward/{k}": v for k, v in result.metrics.items()})

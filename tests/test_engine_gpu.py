@@ -88,6 +88,22 @@ def test_graphs_follow_weight_updates_and_memory_release():
     _assert_same(_generate(engine, _requests(20, seed=3)), expect)
 
 
+def test_graph_captures_are_counted_once_while_the_kv_cache_is_kept():
+    """stats graph_captures / graph_capture_s (perf/engine_*): a second run with the KV cache kept captures nothing
+    (cluster.engine_kv_cache_in_training keep); after a release and resume every graph is captured again."""
+    engine = _engine(_model(0), True)
+    _generate(engine, _requests(20, seed=3))
+    first = engine.stats["graph_captures"]
+    assert first == engine.decoder.num_graphs > 0 and engine.stats["graph_capture_s"] > 0
+    _generate(engine, _requests(20, seed=3))
+    assert engine.stats["graph_captures"] == first
+    engine.release_memory(["kv_cache"])
+    engine.resume_memory(["kv_cache"])
+    _generate(engine, _requests(20, seed=3))
+    assert engine.stats["graph_captures"] == 2 * first
+    assert engine.stats["memory_release_s"] > 0 and engine.stats["memory_resume_s"] > 0
+
+
 def test_float32_engine_decodes_without_graphs():
     """float32 on CUDA: the experts take the loop, which reads counts on the host, so no graph is captured (the
     SFT's greedy eval runs the float32 master weights); eager paged decode still gives the same tokens."""

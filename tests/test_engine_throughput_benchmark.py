@@ -30,3 +30,17 @@ def test_both_paths_report_decode_step_and_host_gap(tmp_path, monkeypatch):
     assert 0 < float(simple.split("|")[11].strip().rstrip("%")) and 0 < float(cells[11].rstrip("%"))  # device busy
     assert "overlap scheduler on" in text
     sys.modules.pop("engine_throughput", None)
+
+
+def test_release_kv_times_the_rollout_again_after_the_kv_cache_is_handed_over(tmp_path, monkeypatch):
+    """--release-kv: the same rollout timed again after releasing and re-allocating the KV cache (a colocated RL
+    step's hand-over), with the graphs each run captured (none on CPU: only the line's presence and numbers here)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import engine_throughput
+
+    text = engine_throughput.main(["--device", "cpu", "--preset", "tiny", "--batch-sizes", "16", "--group-size", "8",
+                                   "--new-tokens", "8", "--threads", "1", "--paths", "rollout", "--hf-batch-sizes",
+                                   "none", "--release-kv"])
+    line = next(line for line in text.splitlines() if line.startswith("- batch 16, KV cache released"))
+    assert " tok/s kept (" in line and line.endswith("0 in 0.000 s released, 0 in 0.000 s kept")
+    sys.modules.pop("engine_throughput", None)

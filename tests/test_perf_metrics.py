@@ -59,8 +59,9 @@ def test_step_metrics_over_engines():
     # an SGLang server's /get_server_info has no such counters: it adds nothing
     assert perf.counters({"stats_steps": 3}, prefix="stats_") is None
     server_info = {f"stats_{k}": v for k, v in one.items()}
-    assert perf.counters(server_info, prefix="stats_") == {k: float(v) for k, v in one.items()}
-    assert perf.delta(None, one) == one  # a new engine counts from its start
+    assert perf.counters(server_info, prefix="stats_") == {**{k: float(v) for k, v in one.items()},
+                                                           **dict.fromkeys(perf.OPTIONAL_COUNTERS, 0.0)}
+    assert perf.delta(None, one) == {**one, **dict.fromkeys(perf.OPTIONAL_COUNTERS, 0.0)}  # counts from its start
 
 
 def test_active_parameters_count_the_routed_experts_a_token_visits():

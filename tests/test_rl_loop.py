@@ -118,6 +118,12 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
         assert 0 <= r["perf/engine_host_gap_share"] <= 1 and 0 <= r["perf/engine_decode_host_gap_share"] <= 1
         assert r["perf/engine_step_ms"] > 0 and r["perf/engine_decode_step_ms"] > 0 and r["perf/engine_busy_s"] > 0
         assert r["perf/engine_host_gap_s"] >= 0
+        assert r["perf/engine_commands"] >= 16 and r["perf/engine_weights_update_s"] > 0  # 16 requests, one update each
+        # the rollout phase on the driver (rollout.timing): one /generate per group, the phase split in three
+        assert r["perf/rollout_calls"] == 4 and r["perf/rollout_call_ms"] >= r["perf/rollout_transport_ms"] >= 0
+        parts = r["perf/rollout_dispatch_s"] + r["perf/rollout_generate_s"] + r["perf/rollout_tail_s"]
+        assert parts == pytest.approx(r["perf/rollout_time_s"], abs=0.05)
+        assert r["perf/rollout_assemble_s"] > 0 and r["perf/rollout_reward_s"] >= 0 and r["perf/batch_build_s"] > 0
         # the trainers: tokens/s and model FLOPs against logging.peak_tflops (1 TFLOP/s here)
         assert r["perf/train_tok_s"] > 0 and r["perf/train_model_tflops"] > 0
         assert r["perf/train_mfu"] == pytest.approx(r["perf/train_model_tflops"])

@@ -26,3 +26,13 @@ def test_task_args_reach_the_recipe() -> None:
 def test_task_args_must_be_a_json_object(text: str) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--task", "countdown", "--task-args", text])
+
+
+def test_ours_kv_cache_reaches_the_recipe_on_cuda_only() -> None:
+    args = parse_args(["--device", "cuda", "--task", "countdown", "--ours-kv-cache", "release"])
+    recipe = RecipeConfig.model_validate(recipe_dict(args, Path("m"), Path("run")))
+    assert recipe.cluster.engine_kv_cache_in_training == "release"
+    assert RecipeConfig.model_validate(recipe_dict(parse_args(["--device", "cuda"]), Path("m"), Path("run"))
+                                       ).cluster.engine_kv_cache_in_training == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["--ours-kv-cache", "keep"])  # CPU: nothing is handed over

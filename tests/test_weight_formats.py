@@ -173,3 +173,20 @@ def test_tables_are_checked_against_the_models_tensors():
 def test_open_buffer_needs_a_cuda_engine():
     with pytest.raises(IpcFormatError, match="needs an engine on a CUDA device; this one runs on cpu"):
         open_buffer(IpcWeights.from_json(ipc_table()).buffer, torch.device("cpu"))
+
+
+def test_the_update_check_names_the_first_tensor_that_is_not_finite():
+    """check_update reads every tensor's finiteness with one host sync per device: the error still names the first
+    bad tensor in the dict's order, and a finite dict passes."""
+    import torch
+
+    from slime_dsa.weights import WeightFormatError
+    from slime_dsa.weights.checks import check_update
+
+    params = {f"w{i}": torch.zeros(2, 3) for i in range(5)}
+    update = {name: torch.ones(2, 3) for name in params}
+    check_update(update, params)
+    update["w3"][1, 2] = float("inf")
+    update["w4"][0, 0] = float("nan")
+    with pytest.raises(WeightFormatError, match="tensor w3 holds NaN or infinite values"):
+        check_update(update, params)

@@ -469,3 +469,34 @@ def test_a_bf16_engine_gets_float32_routers_and_indexer_heads_unrounded(tmp_path
         assert held["lm_head.weight"].dtype == torch.bfloat16
         for name, value in kept.items():
             assert held[name].dtype == torch.float32 and torch.equal(held[name], value), name
+
+
+def test_a_push_says_how_long_reading_the_state_back_took():
+    """WeightTransport.push times the read-back for an on_weights hook apart (perf/weights_readback_s), so a benchmark
+    can take it out of its step clock; 0 when no state was wanted."""
+    import time
+
+    from slime_dsa.orchestrator.weight_sync.base import WeightTransport
+
+    class Client:
+        engines = {"u": None}
+        staged: list = []
+
+        async def broadcast(self, path, json=None, **kwargs):
+            return {"u": None}
+
+        def admit_staged(self) -> list:
+            return []
+
+    class SlowRead(WeightTransport):
+        async def update(self, version: int, prepared) -> None:
+            pass
+
+        async def read_state(self, prepared) -> dict:
+            time.sleep(0.05)
+            return {"w": version_seen}
+
+    version_seen = 3
+    transport = SlowRead(Client(), trainers=None)
+    assert asyncio.run(transport.push(3, want_state=True)) == {"w": 3} and transport.last_read_s >= 0.05
+    assert asyncio.run(transport.push(4)) is None and transport.last_read_s == 0.0

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,8 @@ class AsyncEngine:
             "device": str(engine.device),
             "dtype": str(engine.model.dtype).removeprefix("torch."),
             "max_cache_tokens": engine.max_cache_tokens,
+            "kv_cache_bytes": engine.cache.pool_nbytes,
+            "device_memory_bytes": _device_memory(engine.device),
             "max_running_requests": engine.max_running_requests,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "block_size": engine.block_size,
@@ -247,12 +250,18 @@ class AsyncEngine:
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        stats = self.engine.stats
+        stats.setdefault("commands", 0)
+        stats.setdefault("command_s", 0.0)
         while not self._stopping:
             try:
                 block = not self.engine.has_work
                 while True:
                     fn, future = self._commands.get(block=block)
+                    start = time.perf_counter()
                     self._execute(fn, future)
+                    stats["commands"] += 1
+                    stats["command_s"] += time.perf_counter() - start
                     block = False
             except queue.Empty:
                 pass
@@ -308,6 +317,11 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit(fn, future)
         return await future
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """The GPU's total memory in bytes; None on CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _key(path: str | Path) -> str:

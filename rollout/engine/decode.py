@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -77,8 +78,13 @@ class _Graph:
 class PagedDecoder:
     """Runs decode-only steps through `PagedDecodeBatch`: eagerly, or replaying CUDA graphs on CUDA."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM, cache: PagedKVCache, block_size: int, use_cuda_graphs: bool = True) -> None:
+    def __init__(self, model: GlmMoeDsaForCausalLM, cache: PagedKVCache, block_size: int, use_cuda_graphs: bool = True,
+                 stats: dict[str, float] | None = None) -> None:
+        """stats: where graph_captures and graph_capture_s (cumulative) are counted (the engine's stats)."""
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.stats = stats if stats is not None else {}
+        self.stats.setdefault("graph_captures", 0)
+        self.stats.setdefault("graph_capture_s", 0.0)
         self.has_topk = len(model.config.full_layer_ids) > 0
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda"
         if self.use_cuda_graphs and not model.graph_safe():
@@ -178,6 +184,7 @@ class PagedDecoder:
         return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
 
     def _capture(self, B: int, width: int) -> _Graph:
+        start = time.perf_counter()
         device = self.model.device
         inputs = torch.from_numpy(self._host_inputs([], [], [], B, width)).to(device)
         # Warm up on a side stream first: lazy initialisation and Triton autotuning must not be captured.
@@ -195,5 +202,7 @@ class PagedDecoder:
         copied = torch.cuda.Event()
         copied.record()
         self._graphs[(B, width)] = captured = _Graph(graph, inputs, staging, hidden, topk, write_slots, copied)
+        self.stats["graph_captures"] += 1
+        self.stats["graph_capture_s"] += time.perf_counter() - start
         logger.info("engine: captured a CUDA graph for decode batch %d x %d blocks (%d graphs)", B, width, len(self._graphs))
         return captured

@@ -200,7 +200,8 @@ class Engine:
         self.max_cache_tokens = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk)
-        self.decoder = PagedDecoder(model, self.cache, block_size, cuda_graphs) if paged_decode else None
+        self.stats: dict[str, float] = {}
+        self.decoder = PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats) if paged_decode else None
         self.n_full_layers = len(self.config.full_layer_ids)
         self._weight_version = str(weight_version)
         self._version_int = _version_number(self._weight_version, 0)
@@ -225,8 +226,8 @@ class Engine:
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
         self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
-        self.stats = {"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0, "cached_tokens": 0,
-                      "scored_tokens": 0}
+        self.stats.update({"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0,
+                           "cached_tokens": 0, "scored_tokens": 0})
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
         # steps, of them waiting on the device, the same for decode-only steps, and the running requests summed over
         # steps (batch occupancy).
@@ -235,6 +236,11 @@ class Engine:
         # The host's part of the steps by phase (cumulative seconds): scheduling, launching (on CPU the forward and
         # sampling too), applying the tokens, stop strings, and ending requests (replay rows, freeing).
         self.stats.update({"schedule_s": 0.0, "launch_s": 0.0, "resolve_s": 0.0, "stop_strings_s": 0.0, "finish_s": 0.0})
+        # Outside the steps: handing memory to a colocated trainer and taking it back (the CUDA graphs, which point at
+        # the freed memory, are captured again: graph_captures, graph_capture_s).
+        self.stats.update({"memory_release_s": 0.0, "memory_resume_s": 0.0, "weights_update_s": 0.0})
+        self.stats.setdefault("graph_captures", 0)
+        self.stats.setdefault("graph_capture_s", 0.0)
         _freeze_heap_once()
         logger.info(
             "engine: %d cache blocks x %d tokens (%.1f MiB), max_running_requests=%d, device=%s, dtype=%s",
@@ -287,7 +293,7 @@ class Engine:
         ids = req.input_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise RequestError("input_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids) or min(ids) < 0 or max(ids) >= vocab:
+        if not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= vocab:  # one C pass each (not bool)
             raise RequestError(f"input_ids must hold integer token ids in [0, {vocab})")
         req.sampling.validate(vocab)
         start_len = req.indexer_topk_start_len
@@ -362,6 +368,7 @@ class Engine:
         from slime_dsa.weights import WeightFormatError  # noqa: PLC0415
         from slime_dsa.weights.checks import check_update  # noqa: PLC0415
 
+        start = time.perf_counter()
         self._drain()  # the tokens in flight were computed with the old weights
         params = self.model.state_dict(keep_vars=True)
         try:
@@ -376,6 +383,7 @@ class Engine:
         self._version_int = _version_number(self._weight_version, self._num_updates)
         if flush_cache:
             self._reset_prefix_cache()
+        self.stats["weights_update_s"] += time.perf_counter() - start  # checks, copies, derived caches (no device wait)
         logger.info("engine: updated %d tensors, weight_version=%s", len(state_dict), self._weight_version)
 
     def flush_cache(self) -> bool:
@@ -393,6 +401,7 @@ class Engine:
 
         Only while nothing runs or waits; the prefix cache is dropped with the KV pool.
         """
+        start = time.perf_counter()
         tags = self._check_memory_tags(tags)
         if "kv_cache" in tags:
             self._reset_prefix_cache()
@@ -405,15 +414,20 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._released.update(tags)
+        self.stats["memory_release_s"] += time.perf_counter() - start
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """Undo release_memory: weights back on the device, a fresh KV pool."""
+        start = time.perf_counter()
         tags = self._check_memory_tags(tags, releasing=False)
         if "weights" in tags:
             self.model.to(self.device)
         if "kv_cache" in tags:
             self.cache.allocate()
         self._released.difference_update(tags)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pool's zeroing is part of waking up
+        self.stats["memory_resume_s"] += time.perf_counter() - start
 
     def _check_memory_tags(self, tags: list[str] | None, releasing: bool = True) -> list[str]:
         self._drain()

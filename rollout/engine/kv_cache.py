@@ -20,6 +20,8 @@ after the forward (`store_topk`), so a request can read the selection of prompt 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from slime_dsa.models import ModelConfig
@@ -64,6 +66,14 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.index_k, self.topk))
+
+    @property
+    def pool_nbytes(self) -> int:
+        """The pools' size when allocated (nbytes is 0 while released)."""
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        rows = sum(math.prod(shape) for shape in self._shapes.values()) * item
+        topk = math.prod(self._topk_shape) * torch.empty(0, dtype=self._topk_dtype).element_size() if self.keep_topk else 0
+        return rows + topk
 
     def store_topk(self, slots: torch.Tensor, local: torch.Tensor) -> None:
         """Keep this step's selections (n_full, Tq, K), sequence-local, at the rows' slots (Tq,)."""

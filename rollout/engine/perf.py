@@ -16,6 +16,12 @@ from collections.abc import Mapping, Sequence
 
 COUNTERS = ("steps", "generated_tokens", "step_s", "device_s", "decode_steps", "decode_step_s", "decode_device_s",
             "running_sum")
+# Counted outside the steps, 0 when an engine does not report them (an older build): CUDA graphs captured and the
+# seconds they took, and the seconds spent handing memory to a colocated trainer and taking it back.
+# commands / command_s: calls run on the engine thread between steps (adding requests, aborts, weights, memory);
+# weights_update_s: of them, applying weight updates (checks, copies, derived caches).
+OPTIONAL_COUNTERS = ("graph_captures", "graph_capture_s", "memory_release_s", "memory_resume_s", "commands",
+                     "command_s", "weights_update_s")
 
 
 def counters(stats: Mapping[str, float], prefix: str = "") -> dict[str, float] | None:
@@ -23,12 +29,12 @@ def counters(stats: Mapping[str, float], prefix: str = "") -> dict[str, float] |
     none (an SGLang server)."""
     if any(prefix + k not in stats for k in COUNTERS):
         return None
-    return {k: float(stats[prefix + k]) for k in COUNTERS}
+    return {k: float(stats.get(prefix + k, 0.0)) for k in (*COUNTERS, *OPTIONAL_COUNTERS)}
 
 
 def delta(before: Mapping[str, float] | None, after: Mapping[str, float]) -> dict[str, float]:
     """after - before, counter by counter; no earlier reading (a new engine) counts from its start."""
-    return {k: after[k] - (before or {}).get(k, 0.0) for k in COUNTERS}
+    return {k: after.get(k, 0.0) - (before or {}).get(k, 0.0) for k in (*COUNTERS, *OPTIONAL_COUNTERS)}
 
 
 def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[int]) -> dict[str, float]:
@@ -38,7 +44,8 @@ def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[in
     tok_s: generated tokens per second in steps, summed over engines (they run side by side);
     step_ms, decode_step_ms: mean wall time of a step; batch: tokens sampled per step; occupancy: running requests
     per step over max_running_requests; host_gap_s / host_gap_share: time in steps the device is not working
-    (decode_host_gap_share: of decode-only steps); device_s: the device's time; busy_s: seconds in steps.
+    (decode_host_gap_share: of decode-only steps); device_s: the device's time; busy_s: seconds in steps;
+    OPTIONAL_COUNTERS summed over engines (a graph capture runs inside a step: in busy_s and host_gap_s too).
     """
     active = [(d, m) for d, m in zip(deltas, max_running) if d["steps"] > 0 and d["step_s"] > 0]
     if not active:
@@ -57,6 +64,7 @@ def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[in
         "device_s": total["device_s"],
         "busy_s": step_s,
     }
+    out.update({k: sum(d.get(k, 0.0) for d, _ in active) for k in OPTIONAL_COUNTERS})
     if total["decode_steps"] > 0 and total["decode_step_s"] > 0:
         out["decode_step_ms"] = total["decode_step_s"] / total["decode_steps"] * 1e3
         out["decode_host_gap_share"] = max(0.0, 1.0 - total["decode_device_s"] / total["decode_step_s"])

@@ -714,6 +714,13 @@ class ClusterSection(Section):
                             "each) on a local Ray cluster: auto = when the asynchronous loop runs them at the same "
                             "time on CPU (the synchronous loop leaves them free to share every core: they take "
                             "turns); on = always; off = never. Skipped when the machine has too few cores.")
+    engine_kv_cache_in_training: Literal["auto", "release", "keep"] = Field(
+        "auto", description="Colocated on GPUs: what the engines do with their KV cache while the trainer steps. "
+                            "release = free it, and an embedded engine's decode CUDA graphs with it (they are "
+                            "captured again in the next rollout); keep = hold it, graphs and the engine's cached "
+                            "memory with it (nothing re-allocated or captured again; the trainer has that much less "
+                            "memory); auto = keep when every embedded engine's KV cache is at most 10% of its GPU's "
+                            "memory, else release.")
 
 
 class LoggingSection(Section):
@@ -907,6 +914,11 @@ class RecipeConfig(Section):
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")
+        if cl.engine_kv_cache_in_training != "auto" and not (cl.placement == "colocated" and cl.num_gpus_per_engine > 0):
+            raise RecipeValueError(
+                f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
+                "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
+                "cluster.engine_kv_cache_in_training", "cluster.placement")
         if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision:
             raise RecipeValueError(
                 "trainer.data_parallel 'replicate' trains in float32; bf16 mixed precision needs 'fsdp'",

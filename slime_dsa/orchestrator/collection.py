@@ -89,6 +89,7 @@ class StepCollector:
         """The step's trainable groups, in prompt order, and its rollout metrics."""
         cfg = self.cfg
         self.groups.reset_reward_stats()
+        self.groups.clock.start()
         start = time.perf_counter()
         kept: list[list[Sample]] = []
         counters: Counter[str] = Counter()
@@ -110,8 +111,10 @@ class StepCollector:
                     if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)
                 self.keep_share = usable_groups / len(done)
-        metrics = rollout_metrics(every, kept, counters, time.perf_counter() - start,
+        end = time.perf_counter()
+        metrics = rollout_metrics(every, kept, counters, end - start,
                                   [t.name for t in self.groups.tasks], self.groups.reward_metrics())
+        metrics.update(self.groups.clock.metrics(end))
         metrics["rollout/sampling_rounds"] = rounds
         return kept, metrics
 

@@ -72,6 +72,7 @@ class Run:
     fleet: Any = None  # slime_dsa.orchestrator.engines.EngineFleet (None: no engine actors to watch)
     engine_stats: Any = None  # slime_dsa.orchestrator.perf.EngineStats (None: no perf/engine_* metrics)
     train_flops: Any = None  # slime_dsa.orchestrator.perf.TrainFlops (None: no perf/train_model_tflops, _mfu)
+    memory: Any = None  # slime_dsa.orchestrator.colocation.MemoryHandOver, made at the first colocated step
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -114,15 +115,22 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
 
     recipe, trainers, client, algorithm = run.recipe, run.trainers, run.client, run.algorithm
     with_critic = "critic" in algorithm.roles
+    batch_start = time.perf_counter()
     per_sample = (sample_advantages(samples, algorithm) if algorithm.advantage_level == "sample"
                   else torch.zeros(len(samples)))
     batch = build_train_batch(samples, per_sample, index_replay=recipe.algorithm.index_replay)
-    # Colocated on GPUs: the engines hand their memory (KV pool, weights) to the trainer while it trains.
+    hand_over = {"perf/batch_build_s": time.perf_counter() - batch_start}
+    # Colocated on GPUs: the engines pause, and hand their KV pool to the trainer while it trains unless they keep it
+    # (colocation.py).
     colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
     if colocated:
-        await client.broadcast("/pause_generation", {"mode": "retract"})
-        await client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
-        await asyncio.to_thread(trainers.resume_memory)
+        start = time.perf_counter()
+        if run.memory is None:
+            from slime_dsa.orchestrator.colocation import MemoryHandOver  # noqa: PLC0415
+
+            run.memory = MemoryHandOver(client, trainers, recipe.cluster.engine_kv_cache_in_training)
+        await run.memory.to_trainer()
+        hand_over["perf/rollout_sleep_s"] = time.perf_counter() - start
     train_start = time.perf_counter()
     # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
     logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
@@ -145,9 +153,10 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0
     train_time = time.perf_counter() - train_start
     if colocated:
-        await asyncio.to_thread(trainers.release_memory)
-        await client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        await client.broadcast("/continue_generation", {})
+        start = time.perf_counter()
+        await run.memory.to_engines()
+        hand_over["perf/rollout_wake_s"] = time.perf_counter() - start
+    metrics.update(hand_over)
     metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
                     "train/num_tokens": batch.num_tokens})
     if run.train_flops is not None and trains_policy:  # the policy's FLOPs (a critic's time counts, its FLOPs not)

@@ -75,15 +75,19 @@ class WeightTransport(ABC):
     def __init__(self, client: Any, trainers: Any) -> None:
         self.client = client  # rollout.client.EngineClient over every engine
         self.trainers = trainers  # a trainer group (trainers.base.TrainerBackend, fanned out over ranks)
+        self.last_read_s = 0.0  # the last push's read_state seconds (0 when no state was wanted)
 
     async def push(self, version: int, pause_mode: str = "abort", want_state: bool = False) -> dict | None:
         """Send the weights as `version`; returns the full state dict when `want_state` (else None)."""
         start = time.perf_counter()
         prepared = await self.prepare(version)
         await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
+        pushed = time.perf_counter()
         logger.info("weights v%d to %d engine(s) by %s in %.3fs", version, len(self.client.engines), self.name,
-                    time.perf_counter() - start)
-        return await self.read_state(prepared) if want_state else None
+                    pushed - start)
+        state = await self.read_state(prepared) if want_state else None
+        self.last_read_s = time.perf_counter() - pushed if want_state else 0.0
+        return state
 
     async def prepare(self, version: int) -> Any:
         """Work done before the pause, while engines still generate; its result goes to update and read_state."""

@@ -1,0 +1,76 @@
+"""Engines and trainers colocated on GPUs take turns: around each training call the engines are paused and hand
+their KV cache to the trainer, then take it back (cluster.engine_kv_cache_in_training).
+
+Releasing the cache also drops an embedded engine's decode CUDA graphs (they hold the pool's addresses), so each
+rollout after a release re-allocates the pool and captures its graphs again. When the pool is small next to the GPU
+the memory is not worth that: auto keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+KEEP_SHARE = 0.10  # auto keeps a KV cache of at most this share of its GPU's memory
+KvCacheMode = Literal["auto", "release", "keep"]
+
+
+def keeps_kv_cache(mode: KvCacheMode, server_infos: dict[str, Any]) -> bool:
+    """Whether the engines keep their KV cache while the trainer steps: `mode` keep or release, or for auto, every
+    engine reporting a cache of at most KEEP_SHARE of its GPU (an engine that does not say, e.g. SGLang: release)."""
+    if mode != "auto":
+        return mode == "keep"
+    shares = [_kv_share(info) for info in server_infos.values()]
+    return bool(shares) and all(share is not None and share <= KEEP_SHARE for share in shares)
+
+
+def _kv_share(info: Any) -> float | None:
+    if not isinstance(info, dict):
+        return None
+    kv, total = info.get("kv_cache_bytes"), info.get("device_memory_bytes")
+    if not isinstance(kv, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
+        return None
+    return kv / total
+
+
+class MemoryHandOver:
+    """The pause and memory calls around one training call of colocated engines and trainers. The keep-or-release
+    choice is made once, at the first hand-over, from the engines' /get_server_info."""
+
+    def __init__(self, client: Any, trainers: Any, mode: KvCacheMode = "auto") -> None:
+        self.client, self.trainers, self.mode = client, trainers, mode
+        self.keep: bool | None = None  # decided at the first to_trainer
+
+    async def _decide(self) -> bool:
+        infos = {} if self.mode != "auto" else await self.client.broadcast("/get_server_info", method="GET",
+                                                                            check=False, timeout_s=30)
+        keep = keeps_kv_cache(self.mode, infos)
+        sizes = ", ".join(f"{_gib(i.get('kv_cache_bytes'))} of {_gib(i.get('device_memory_bytes'))} GiB"
+                          for i in infos.values() if isinstance(i, dict))
+        logger.info("colocated engines %s their KV cache while the trainer steps (cluster.engine_kv_cache_in_training "
+                    "%s%s)", "keep" if keep else "release", self.mode, f": {sizes}" if sizes else "")
+        return keep
+
+    async def to_trainer(self) -> None:
+        """Pause the engines; unless they keep it, their KV cache goes to the trainer."""
+        if self.keep is None:
+            self.keep = await self._decide()
+        await self.client.broadcast("/pause_generation", {"mode": "retract"})
+        if not self.keep:
+            await self.client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
+            await asyncio.to_thread(self.trainers.resume_memory)
+
+    async def to_engines(self) -> None:
+        """The trainer's cached memory back to the device (always: the engines' prefill allocates too), the KV cache
+        back to the engines unless they kept it; generation continues."""
+        await asyncio.to_thread(self.trainers.release_memory)
+        if not self.keep:
+            await self.client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
+        await self.client.broadcast("/continue_generation", {})
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f}" if isinstance(n, (int, float)) else "?"
