@@ -1,8 +1,10 @@
-"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), rounded as GlmMoeDsa's MoE is:
-each routed expert's output is weighted by its routing probability in float32, a token's k weighted outputs are
-summed in float32 and rounded once to the layer's dtype, then the shared expert's output is added. (Megatron's own
-layer scales the activations by the probability before fc2 and sums the k outputs in bf16: three more bf16
-roundings per token, enough in bf16 to flip later layers' expert choices against the engine and FSDP2.)
+"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), computing as GlmMoeDsa's MoE:
+its router's top-k (slime_dsa.models.glm_moe_dsa.route: weights normalised in ascending expert order); each routed
+expert's output weighted by its routing probability in float32; a token's k weighted outputs summed in float32 in
+ascending expert order and rounded once to the layer's dtype; then the shared expert's output added (gate and up as
+two GEMMs: mlp.py). (Megatron's own layer scales the activations by the probability before fc2, sums the k outputs
+in bf16, and on a GPU in no fixed order (scatter_add_'s atomics): in bf16 one rounding difference can flip later
+layers' expert choices against the engine and FSDP2.)
 On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
 GlmMoeDsa's grouped path (the local spec has no grouped linear without Transformer Engine); elsewhere megatron's
 per-expert loop. When a rank holds every expert (expert parallel 1), the dispatch keeps its counts on the device:
@@ -18,7 +20,11 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 from megatron.core.transformer.moe.moe_utils import permute
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+from slime_dsa.models.glm_moe_dsa import route
+from trainers.megatron.mlp import SplitGluSharedExpertMLP
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -26,7 +32,11 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 class GroupedSequentialMLP(SequentialMLP):
     """SequentialMLP returning float32 prob-weighted rows; grouped GEMMs on CUDA in bfloat16 (expert TP 1)."""
 
+    use_grouped_mm: bool | None = None  # None: on CUDA in bf16; True forces it (as GlmMoeDsa's Experts.use_grouped_mm)
+
     def _grouped_ok(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm and _grouped_mm is not None
         fc1 = self.local_experts[0].linear_fc1.weight  # (2I, D)
         aligned = (fc1.shape[1] * x.element_size()) % 16 == 0 and (fc1.shape[0] // 2 * x.element_size()) % 16 == 0
         return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned
@@ -57,8 +67,13 @@ class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
     top-k local experts, so the permuted size is known without counting on the host, and the per-expert counts stay
     on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's."""
 
+    ordered_combine = True  # False: megatron's scatter_add_ (benchmarks/megatron_layerwise.py compares the two)
+
+    def _all_local(self) -> bool:
+        return self.num_local_experts == self.config.num_moe_experts and not self.config.moe_permute_fusion
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.num_local_experts != self.config.num_moe_experts or self.config.moe_permute_fusion:
+        if not self._all_local():
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map.contiguous()
@@ -69,6 +84,40 @@ class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
         self.local_probs = permuted_probs
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Each token's k expert rows (N = T x k, D), summed in ascending expert order, as GlmMoeDsa's Experts sum
+        them (megatron's unpermute adds them with scatter_add_: on a GPU atomics, in no fixed order)."""
+        if not (self._all_local() and self.ordered_combine):
+            return super().combine_preprocess(hidden_states)
+        chosen = self.local_map  # (T, E) bool, k per row
+        T, E = chosen.shape
+        row_of = (chosen.T.reshape(-1).cumsum(0) - 1).view(E, T).T  # (T, E): permuted row of (t, e) where chosen
+        experts = chosen.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, : self.router_topk]
+        rows = row_of.gather(1, experts)  # (T, k): each token's rows, ascending expert id
+        return hidden_states.index_select(0, rows.reshape(-1)).view(T, self.router_topk, -1).sum(1)
+
+
+class GlmTopKRouter(TopKRouter):
+    """megatron's router with GlmMoeDsa's top-k (slime_dsa.models.glm_moe_dsa.route): the same experts and weights,
+    normalised in the same order (megatron's sums them in top-k order, by score while training)."""
+
+    glm_topk = True  # False: megatron's own (benchmarks/megatron_layerwise.py compares the two)
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """logits (.., E) float32 -> probs (T, E) (0 where not chosen), routing_map (T, E) bool."""
+        if not self.glm_topk:
+            return super().routing(logits, padding_mask)
+        config = self.config
+        logits = logits.view(-1, config.num_moe_experts)
+        n_group = config.moe_router_num_groups or 1
+        weights, expert_ids = route(torch.sigmoid(logits.float()), self.expert_bias.float(), self.topk, n_group,
+                                    config.moe_router_group_topk or n_group, True,
+                                    config.moe_router_topk_scaling_factor or 1.0)
+        probs = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, expert_ids, weights).type_as(logits)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, expert_ids, True)
+        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        return probs, routing_map
 
 
 class RoundedMoELayer(MoELayer):
@@ -92,4 +141,6 @@ def moe_spec(num_experts: int):
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts)
     submodules = spec.keywords["submodules"]
     submodules.experts = partial(GroupedSequentialMLP, submodules=submodules.experts.keywords["submodules"])
+    submodules.router = GlmTopKRouter
+    submodules.shared_experts = partial(SplitGluSharedExpertMLP, submodules=submodules.shared_experts.keywords["submodules"])
     return partial(RoundedMoELayer, *spec.args, **spec.keywords)
