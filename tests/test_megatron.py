@@ -214,6 +214,26 @@ def test_bf16_logprobs_on_the_gpu_match_fsdp_and_the_engine(tmp_path, float32_ro
     assert gaps["float32"] > 1e-3, gaps
 
 
+def test_layerwise_finds_no_difference_on_the_gpus_expert_path_and_megatrons_topk_when_put_back(tmp_path):
+    """bf16 on CPU with both models' grouped-GEMM experts forced (the path a GPU takes), through
+    benchmarks/megatron_layerwise.py: Megatron and FSDP2 agree at every tapped point (attention, router, routed
+    sum, shared expert, MLP, residual of every layer; log-probs). With megatron's own top-k put back (its weights
+    normalised in top-k order, not ascending expert order) the first local difference is the first MoE layer's
+    routing weights. (Before Megatron summed a token's experts in ascending order, the first was that layer's
+    routed sum: GlmMoeDsa's grouped path summed them in top-k order.)"""
+    from benchmarks.megatron_layerwise import spawn
+    from tests.megatron_conformance import BF16_SEQLENS, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "bf16")
+    options = {"device": "cpu", "seqlens": BF16_SEQLENS, "grouped": True, "variants": ["as_built", "megatron_topk"]}
+    result = spawn(str(tmp_path / "bf16"), options, str(tmp_path / "layerwise.json"))
+    built, put_back = result["variants"]["as_built"], result["variants"]["megatron_topk"]
+    assert built["first_difference"] == {"chain": None, "local": None}, built["first_difference"]
+    assert built["megatron_vs_fsdp"]["chain"]["logprob"]["max"] == 0.0
+    assert put_back["first_difference"]["local"] == "layer1.routing_weights", put_back["first_difference"]
+    assert result["fsdp_vs_float32"]["logprob"]["mean"] > 1e-3  # it ran in bf16
+
+
 # -- checkpoints of megatron's DistributedOptimizer: a fresh process resumes bit for bit ----------------------------
 
 
