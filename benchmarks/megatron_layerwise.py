@@ -10,7 +10,10 @@ norm, the log-softmax of the logits and the token log-probs. Two views:
          that module (the first module with one is where the two paths round differently)
 Each figure is max and mean |Δ| in float32; `choice_differs` is the fraction of tokens whose top-k expert set differs.
 Variants (VARIANTS) rerun Megatron's model with some of the computations trainers/megatron takes from GlmMoeDsa set
-back to megatron's own (fused fc1 GEMM, scatter_add_ combine, megatron's top-k normalisation): how much each adds.
+back to megatron's own (fused fc1 GEMM, scatter_add_ combine, megatron's top-k normalisation, index_select dispatch, the
+shared expert computed first):
+how much each adds. Then the gradients of one weighted log-prob sum, per HF tensor ||Δ|| / ||g||, of Megatron as
+built and with all of megatron's own back, and of float32, against FSDP2's.
     python benchmarks/megatron_layerwise.py --checkpoint DIR --device cuda --out layerwise.json
     python benchmarks/megatron_layerwise.py --checkpoint DIR --device cpu --grouped --out l.json  # GPU's expert path
 """
@@ -18,6 +21,8 @@ back to megatron's own (fused fc1 GEMM, scatter_add_ combine, megatron's top-k n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import logging
 import os
@@ -163,16 +168,26 @@ UPSTREAM = {
     "fused_fc1": ("trainers.megatron.mlp", "SplitGluMLP", "split_gate_up", False),
     "scatter_combine": ("trainers.megatron.experts", "LocalExpertsDispatcher", "ordered_combine", False),
     "megatron_topk": ("trainers.megatron.experts", "GlmTopKRouter", "glm_topk", False),
+    "index_select_dispatch": ("trainers.megatron.experts", "LocalExpertsDispatcher", "gather_by_index", False),
+    "shared_expert_first": ("trainers.megatron.experts", "RoundedMoELayer", "shared_expert_last", False),
 }
 VARIANTS = {"as_built": (), **{name: (name,) for name in UPSTREAM}, "all_upstream": tuple(UPSTREAM)}
 
 
-def _switch(names: tuple[str, ...], upstream: bool) -> None:
-    import importlib  # noqa: PLC0415
-
+@contextlib.contextmanager
+def _upstream(names: tuple[str, ...]):
+    """Within: the named computations (UPSTREAM) are megatron's own; after: as they were."""
+    saved = []
     for name in names:
         module, cls, attr, value = UPSTREAM[name]
-        setattr(getattr(importlib.import_module(module), cls), attr, value if upstream else not value)
+        owner = getattr(importlib.import_module(module), cls)
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
 
 
 def _traced(model, tap, head: torch.Tensor, ids, batch, hidden_size: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -200,6 +215,46 @@ def _local_megatron(megatron, ours: dict) -> dict:
     finally:
         taps.remove()
     return taps.store
+
+
+def _backward(model, ids, batch, weights: torch.Tensor) -> None:
+    """Gradients of sum_t weights[t] log p(x_t) into the model's .grad (cleared first)."""
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        (model.token_logprobs(ids, batch)[0].float() * weights).sum().backward()
+
+
+def _hf_grads(model) -> dict[str, torch.Tensor]:
+    """A GlmMoeDsaForCausalLM's gradients by HF name, float32 on CPU."""
+    return {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_gaps(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], worst: int = 5) -> dict:
+    """Per HF tensor ||got - ref|| / ||ref||: how many differ at all, the largest few (name, value) and their max."""
+    rel = {n: float((got[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref.items()}
+    top = sorted(rel.items(), key=lambda kv: -kv[1])[:worst]
+    return {"tensors": len(rel), "differ": sum(v > 0 for v in rel.values()), "max_rel": float(f"{top[0][1]:.3g}"),
+            "worst": [[n, float(f"{v:.3g}")] for n, v in top]}
+
+
+def gradients(fsdp, float32, megatron, ids, batch, variants: tuple[str, ...]) -> dict:
+    """Gradients at equal weights of one weighted log-prob sum: Megatron (each variant) and float32 against FSDP2's
+    bf16 copy, per HF tensor (grad_gaps)."""
+    from trainers.megatron.weights import gather_hf, local_grads  # noqa: PLC0415
+
+    weights = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(1)).to(ids.device)
+    _backward(fsdp, ids, batch, weights)
+    ours = _hf_grads(fsdp)
+    fsdp.zero_grad(set_to_none=True)
+    _backward(float32, ids, batch, weights)
+    out = {"float32": grad_gaps(ours, _hf_grads(float32))}
+    float32.zero_grad(set_to_none=True)
+    for name in variants:
+        with _upstream(VARIANTS[name]):
+            _backward(megatron, ids, batch, weights)
+        out[f"megatron_{name}"] = grad_gaps(ours, gather_hf(local_grads(megatron), megatron.config))
+        megatron.zero_grad(set_to_none=True)
+    return out
 
 
 def _tail(a: tuple, b: tuple) -> dict:
@@ -240,12 +295,9 @@ def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: i
               "fsdp_vs_float32": {**compare_runs(reference[0], ours[0], layers, routers), **_tail(reference, ours)},
               "variants": {}}
     for name in variants:
-        _switch(VARIANTS[name], upstream=True)
-        try:
+        with _upstream(VARIANTS[name]):
             theirs = _traced(megatron, tap_megatron, megatron.output_layer.weight, ids, batch, D)
             local = compare_runs(local_ref, _local_megatron(megatron, ours[0]), layers, routers, prefix="local.")
-        finally:
-            _switch(VARIANTS[name], upstream=False)
         chain = {**compare_runs(ours[0], theirs[0], layers, routers), **_tail(ours, theirs)}
         result["variants"][name] = {
             "upstream": list(VARIANTS[name]),
@@ -253,6 +305,8 @@ def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: i
             "megatron_vs_fsdp": {"chain": chain, "local": local},
             "megatron_vs_float32": _tail(reference, theirs)}
         del theirs
+    grad_variants = tuple(v for v in ("as_built", "all_upstream") if v in variants)
+    result["gradients_vs_fsdp"] = gradients(fsdp, float32, megatron, ids, batch, grad_variants)
     return result
 
 
@@ -275,6 +329,9 @@ def summary(result: dict) -> list[str]:
                 loc = {p: e["max"] for p, e in local.get(layer, {}).items() if isinstance(e, dict) and e["max"] > 0}
                 lines.append(f"  {layer}: residual mean {row['residual']['mean']:.3g} max {row['residual']['max']:.3g};"
                              f" choice differs {row.get('choice_differs', '-')}; local max |Δ| {loc or 0}")
+    for name, g in result.get("gradients_vs_fsdp", {}).items():
+        lines.append(f"gradients {name} vs FSDP2: {g['differ']} of {g['tensors']} tensors differ, max relative "
+                     f"{g['max_rel']:.3g} ({g['worst'][0][0]})")
     return lines
 
 

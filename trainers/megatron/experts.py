@@ -65,9 +65,14 @@ class GroupedSequentialMLP(SequentialMLP):
 class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
     """The allgather dispatcher without host syncs when this rank holds every expert: each token then goes to exactly
     top-k local experts, so the permuted size is known without counting on the host, and the per-expert counts stay
-    on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's."""
+    on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's; rows
+    gathered and combined as GlmMoeDsa's Experts do (the same rounding, forward and backward)."""
 
     ordered_combine = True  # False: megatron's scatter_add_ (benchmarks/megatron_layerwise.py compares the two)
+    # Rows gathered by advanced indexing, whose backward sums a token's k row gradients in float32 in one pass (CUDA's
+    # sort-based index_put_), as GlmMoeDsa's; False: megatron's index_select, whose backward adds them with atomics
+    # in the activations' dtype (bf16), in no fixed order.
+    gather_by_index = True
 
     def _all_local(self) -> bool:
         return self.num_local_experts == self.config.num_moe_experts and not self.config.moe_permute_fusion
@@ -78,9 +83,17 @@ class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map.contiguous()
         tokens_per_expert = self.local_map.sum(dim=0).long()
-        permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
-            hidden_states, self.local_map, probs=probs.contiguous(),
-            num_out_tokens=self.local_map.shape[0] * self.router_topk)
+        if not self.gather_by_index:
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
+                hidden_states, self.local_map, probs=probs.contiguous(),
+                num_out_tokens=self.local_map.shape[0] * self.router_topk)
+        else:  # megatron's permute, but the rows gathered as GlmMoeDsa's Experts gather them
+            T = self.local_map.shape[0]
+            flat = self.local_map.T.reshape(-1).argsort(descending=True, stable=True)[: T * self.router_topk]
+            tokens = flat % T  # (T * k,) expert-major, tokens ascending within an expert
+            permuted = hidden_states[tokens]
+            permuted_probs = probs.T.contiguous().reshape(-1)[flat]
+            self.reversed_local_input_permutation_mapping = tokens
         self.local_probs = permuted_probs
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
@@ -131,6 +144,25 @@ class RoundedMoELayer(MoELayer):
         if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher and not self.shared_expert_overlap:
             self.token_dispatcher = LocalExpertsDispatcher(self.num_local_experts, self.local_expert_indices,
                                                            config=self.config, pg_collection=pg_collection)
+
+    shared_expert_last = True  # False: megatron's order (benchmarks/megatron_layerwise.py compares the two)
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        """megatron's steps in GlmMoeDsa's order: router, routed experts, then the shared expert (megatron runs the
+        shared expert first). Autograd sums the input's gradient contributions in reverse order of their use, and
+        in bf16 another order rounds differently."""
+        plain = (intermediate_tensors is None and padding_mask is None and self.shared_expert_last
+                 and not self.shared_expert_overlap and not self.config.moe_latent_size
+                 and not (self.moe_layer_recompute and self.training) and not hasattr(self, "_inference_token_dispatcher")
+                 and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
+        if not plain:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        probs, routing_map = self.route(hidden_states)
+        dispatched, probs = self.preprocess(hidden_states, probs, routing_map)
+        dispatched, probs = self.dispatch(dispatched, probs)
+        output, mlp_bias = self.routed_experts_compute(dispatched, probs)
+        output = self.combine(output)
+        return self.postprocess(output, self.shared_experts_compute(hidden_states)), mlp_bias
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):
         return super().postprocess(output.to(self.config.params_dtype), shared_expert_output)
