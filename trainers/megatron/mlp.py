@@ -1,7 +1,8 @@
 """megatron's MLP and shared expert computing as GlmMoeDsa's MLP does at tensor parallel 1: gate and up as two GEMMs
-over the halves of the fused fc1 weight (gate rows, then up rows; convert.py), not one GEMM of twice the width.
-cuBLAS picks its kernel (tiling, split-K) by shape, so the two can round differently in bf16; with tensor
-parallelism the fused column-parallel layer stays (its shapes differ from FSDP2's anyway)."""
+over the halves of the fused fc1 weight (gate rows, then up rows; convert.py), not one GEMM of twice the width, and
+all three through torch's linear (its backward, not megatron's linear function's). cuBLAS picks its kernel (tiling,
+split-K) by shape, so the two can round differently in bf16; with tensor parallelism megatron's column- and
+row-parallel layers stay (their shapes differ from FSDP2's anyway)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class SplitGluMLP(MLP):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         gate, up = self.linear_fc1.weight.chunk(2)  # (I, D) each
         inner = self.config.activation_func(F.linear(hidden_states, gate)) * F.linear(hidden_states, up)
-        return self.linear_fc2(inner)
+        return F.linear(inner, self.linear_fc2.weight), None  # torch's linear backward, as GlmMoeDsa's
 
 
 class SplitGluSharedExpertMLP(SharedExpertMLP, SplitGluMLP):
