@@ -10,10 +10,10 @@ norm, the log-softmax of the logits and the token log-probs. Two views:
          that module (the first module with one is where the two paths round differently)
 Each figure is max and mean |Δ| in float32; `choice_differs` is the fraction of tokens whose top-k expert set differs.
 Variants (VARIANTS) rerun Megatron's model with some of the computations trainers/megatron takes from GlmMoeDsa set
-back to megatron's own (fused fc1 GEMM, scatter_add_ combine, megatron's top-k normalisation, index_select dispatch, the
-shared expert computed first):
-how much each adds. Then the gradients of one weighted log-prob sum, per HF tensor ||Δ|| / ||g||, of Megatron as
-built and with all of megatron's own back, and of float32, against FSDP2's.
+back to megatron's own (fused fc1 GEMM, scatter_add_ combine, megatron's top-k normalisation and router GEMM,
+index_select dispatch, the shared expert first): how much each adds. Then the gradients of one weighted log-prob
+sum, per HF tensor ||Δ|| / ||g||, of Megatron as built and with all of megatron's own back, and of float32, against
+FSDP2's.
     python benchmarks/megatron_layerwise.py --checkpoint DIR --device cuda --out layerwise.json
     python benchmarks/megatron_layerwise.py --checkpoint DIR --device cpu --grouped --out l.json  # GPU's expert path
 """
@@ -168,6 +168,7 @@ UPSTREAM = {
     "fused_fc1": ("trainers.megatron.mlp", "SplitGluMLP", "split_gate_up", False),
     "scatter_combine": ("trainers.megatron.experts", "LocalExpertsDispatcher", "ordered_combine", False),
     "megatron_topk": ("trainers.megatron.experts", "GlmTopKRouter", "glm_topk", False),
+    "megatron_gating": ("trainers.megatron.experts", "GlmTopKRouter", "torch_gating", False),
     "index_select_dispatch": ("trainers.megatron.experts", "LocalExpertsDispatcher", "gather_by_index", False),
     "shared_expert_first": ("trainers.megatron.experts", "RoundedMoELayer", "shared_expert_last", False),
 }

@@ -1,14 +1,18 @@
-"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), computing as GlmMoeDsa's MoE:
-its router's top-k (slime_dsa.models.glm_moe_dsa.route: weights normalised in ascending expert order); each routed
-expert's output weighted by its routing probability in float32; a token's k weighted outputs summed in float32 in
-ascending expert order and rounded once to the layer's dtype; then the shared expert's output added (gate and up as
-two GEMMs: mlp.py). (Megatron's own layer scales the activations by the probability before fc2, sums the k outputs
-in bf16, and on a GPU in no fixed order (scatter_add_'s atomics): in bf16 one rounding difference can flip later
-layers' expert choices against the engine and FSDP2.)
+"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), computing as GlmMoeDsa's MoE,
+forward and backward, so that bf16 rounds alike (one rounding difference can flip later layers' expert choices):
+- the router: its logits through torch's linear, GlmMoeDsa's top-k (slime_dsa.models.glm_moe_dsa.route: weights
+  normalised in ascending expert order; megatron's normalises in top-k order);
+- the rows gathered by advanced indexing (megatron's index_select adds a token's k row gradients with bf16 atomics);
+- each routed expert's output weighted by its routing probability in float32, a token's k weighted outputs summed in
+  float32 in ascending expert order and rounded once to the layer's dtype (megatron's scales before fc2 and sums in
+  bf16 with scatter_add_, on a GPU atomics in no fixed order);
+- router, routed experts, then the shared expert (gate and up as two GEMMs: mlp.py), in that order: autograd sums
+  the layer input's gradients in reverse order of use (megatron runs the shared expert first).
 On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
 GlmMoeDsa's grouped path (the local spec has no grouped linear without Transformer Engine); elsewhere megatron's
 per-expert loop. When a rank holds every expert (expert parallel 1), the dispatch keeps its counts on the device:
-megatron's copies them to the host, a stall in every MoE layer's forward."""
+megatron's copies them to the host, a stall in every MoE layer's forward. benchmarks/megatron_layerwise.py switches
+each of these back to megatron's own (the class attributes below) to measure what it changes."""
 
 from __future__ import annotations
 
@@ -116,6 +120,13 @@ class GlmTopKRouter(TopKRouter):
     normalised in the same order (megatron's sums them in top-k order, by score while training)."""
 
     glm_topk = True  # False: megatron's own (benchmarks/megatron_layerwise.py compares the two)
+    torch_gating = True  # logits through torch's linear (its backward) as GlmMoeDsa's; False: megatron's function
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """(.., D) -> float32 logits (.., E), as GlmMoeDsa's Router computes them."""
+        if not self.torch_gating or self.config.moe_router_dtype != "fp32" or self.bias is not None:
+            return super().gating(input)
+        return F.linear(input.float(), self.weight.float())
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """logits (.., E) float32 -> probs (T, E) (0 where not chosen), routing_map (T, E) bool."""
@@ -153,7 +164,8 @@ class RoundedMoELayer(MoELayer):
         in bf16 another order rounds differently."""
         plain = (intermediate_tensors is None and padding_mask is None and self.shared_expert_last
                  and not self.shared_expert_overlap and not self.config.moe_latent_size
-                 and not (self.moe_layer_recompute and self.training) and not hasattr(self, "_inference_token_dispatcher")
+                 and not (self.moe_layer_recompute and self.training)
+                 and not hasattr(self, "_inference_token_dispatcher")
                  and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
         if not plain:
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
@@ -174,5 +186,6 @@ def moe_spec(num_experts: int):
     submodules = spec.keywords["submodules"]
     submodules.experts = partial(GroupedSequentialMLP, submodules=submodules.experts.keywords["submodules"])
     submodules.router = GlmTopKRouter
-    submodules.shared_experts = partial(SplitGluSharedExpertMLP, submodules=submodules.shared_experts.keywords["submodules"])
+    shared = submodules.shared_experts.keywords["submodules"]
+    submodules.shared_experts = partial(SplitGluSharedExpertMLP, submodules=shared)
     return partial(RoundedMoELayer, *spec.args, **spec.keywords)
