@@ -265,7 +265,7 @@ def _tail(a: tuple, b: tuple) -> dict:
 
 @torch.no_grad()
 def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: int = 0, grouped: bool = False,
-              variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+              variants: tuple[str, ...] = tuple(VARIANTS), with_gradients: bool = True) -> dict:
     """The chain and local comparisons (module docstring) of Megatron and FSDP2 in bf16, for each variant of
     Megatron's model (VARIANTS: as built, or with some of its computations back to megatron's own), and of FSDP2
     and Megatron as built against float32. Needs an initialised world of one rank (see run). grouped: force both
@@ -306,8 +306,9 @@ def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: i
             "megatron_vs_fsdp": {"chain": chain, "local": local},
             "megatron_vs_float32": _tail(reference, theirs)}
         del theirs
-    grad_variants = tuple(v for v in ("as_built", "all_upstream") if v in variants)
-    result["gradients_vs_fsdp"] = gradients(fsdp, float32, megatron, ids, batch, grad_variants)
+    if with_gradients:
+        grad_variants = tuple(v for v in ("as_built", "all_upstream") if v in variants)
+        result["gradients_vs_fsdp"] = gradients(fsdp, float32, megatron, ids, batch, grad_variants)
     return result
 
 
@@ -343,6 +344,7 @@ def run(rank: int, port: int, checkpoint: str, options: dict, out: str) -> None:
     from trainers.megatron import cpu_shim  # noqa: PLC0415
 
     cuda = options["device"] == "cuda"
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # the float32 reference's attention without TF32 dots
     if not cuda:
         torch.set_num_threads(1)
     cpu_shim.apply()  # a no-op on a GPU machine
@@ -355,7 +357,8 @@ def run(rank: int, port: int, checkpoint: str, options: dict, out: str) -> None:
         model_parallel_cuda_manual_seed(0)
     try:
         result = layerwise(checkpoint, device, options["seqlens"], grouped=options.get("grouped", False),
-                           variants=tuple(options.get("variants") or VARIANTS))
+                           variants=tuple(options.get("variants") or VARIANTS),
+                           with_gradients=options.get("gradients", True))
     finally:
         dist.destroy_process_group()
     Path(out).write_text(json.dumps(result, indent=1))
@@ -378,11 +381,12 @@ def main() -> None:
     parser.add_argument("--seqlens", default="1024", help="comma-separated packed sequence lengths")
     parser.add_argument("--grouped", action="store_true", help="force the grouped-GEMM experts (the GPU's path)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--no-gradients", action="store_true", help="forward comparisons only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     options = {"device": args.device, "seqlens": [int(s) for s in args.seqlens.split(",")], "grouped": args.grouped,
-               "variants": args.variants.split(",")}
+               "variants": args.variants.split(","), "gradients": not args.no_gradients}
     for line in summary(spawn(args.checkpoint, options, args.out)):
         logger.info(line)
 
