@@ -240,6 +240,22 @@ def test_layerwise_finds_no_difference_on_the_gpus_expert_path_and_megatrons_own
     assert result["fsdp_vs_float32"]["logprob"]["mean"] > 1e-3  # it ran in bf16
 
 
+@pytest.mark.gpu
+def test_layerwise_on_the_gpu_megatron_equals_fsdp_forward_and_backward(tmp_path):
+    """The same on one GPU (grouped GEMMs, cuBLAS, Triton DSA kernels): Megatron as built computes every tapped
+    point and every gradient as FSDP2's bf16 copy does, bit for bit (each calls the same kernels on the same shapes;
+    before, megatron's scatter_add_ combine and its index_select dispatch used atomics in no fixed order)."""
+    from benchmarks.megatron_layerwise import spawn
+    from tests.megatron_conformance import BF16_SEQLENS, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "bf16")
+    options = {"device": "cuda", "seqlens": BF16_SEQLENS, "variants": ["as_built", "all_upstream"]}
+    result = spawn(str(tmp_path / "bf16"), options, str(tmp_path / "layerwise.json"))
+    built = result["variants"]["as_built"]
+    assert built["first_difference"] == {"chain": None, "local": None}, built["first_difference"]
+    assert result["gradients_vs_fsdp"]["megatron_as_built"]["differ"] == 0, result["gradients_vs_fsdp"]
+
+
 # -- checkpoints of megatron's DistributedOptimizer: a fresh process resumes bit for bit ----------------------------
 
 
