@@ -51,6 +51,7 @@ class Taps:
         self.store: dict[str, object] = {}
         self.phase = ""
         self.handles = []
+        self.patched = []
 
     def out(self, module: torch.nn.Module, key: str, pick=lambda o: o[0] if isinstance(o, tuple) else o) -> None:
         def hook(_m, _args, output):
@@ -62,9 +63,20 @@ class Taps:
             self.store[self.phase + key] = (args, kwargs)
         self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
+    def wrap(self, obj, name: str, make) -> None:
+        """obj.name = make(obj.name) until remove()."""
+        self.patched.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, make(getattr(obj, name)))
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for obj, name, old in reversed(self.patched):
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self.handles, self.patched = [], []
 
 
 def _routing(weights: torch.Tensor, expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -101,14 +113,13 @@ def tap_megatron(model, taps: Taps) -> None:
             taps.inp(layer.mlp.router, f"{i}.router_in")
             taps.out(layer.mlp.router, f"{i}.routing", pick=lambda o: o[0].float())
             taps.out(layer.mlp.shared_experts, f"{i}.shared")
-            layer.mlp.postprocess = _reading_routed(layer.mlp, taps, f"{i}.routed")
+            taps.wrap(layer.mlp, "postprocess", lambda original, i=i: _reading_routed(original, layer.mlp, taps,
+                                                                                    f"{i}.routed"))
     taps.out(model.final_norm, "final_norm")
 
 
-def _reading_routed(moe, taps: Taps, key: str):
-    """moe.postprocess, first storing the routed experts' sum (rounded as it then is) under key."""
-    postprocess = moe.postprocess
-
+def _reading_routed(postprocess, moe, taps: Taps, key: str):
+    """moe's postprocess, first storing the routed experts' sum (rounded as it then is) under key."""
     def read(output, shared):
         taps.store[taps.phase + key] = output.to(moe.config.params_dtype)
         return postprocess(output, shared)
@@ -125,10 +136,7 @@ def compare_runs(a: dict, b: dict, layers: int, routers: dict, prefix: str = "")
     def has(key):
         return prefix + key in a and prefix + key in b
 
-    out = {}
-    for point in ("embedding", "final_norm"):
-        if has(point):
-            out[point] = _gap(a[prefix + point], b[prefix + point])
+    out = {"embedding": _gap(a[prefix + "embedding"], b[prefix + "embedding"])} if has("embedding") else {}
     for i in range(layers):
         row = {p: _gap(a[prefix + f"{i}.{p}"], b[prefix + f"{i}.{p}"])
                for p in ("attention", "routed", "shared", "mlp", "residual") if has(f"{i}.{p}")}
@@ -140,6 +148,8 @@ def compare_runs(a: dict, b: dict, layers: int, routers: dict, prefix: str = "")
                 la, lb = (_router_logits(s, prefix + f"{i}.router_in", routers[i]) for s in (a, b))
                 row["router_logits"] = _gap(la, lb)
         out[f"layer{i}"] = row
+    if has("final_norm"):
+        out["final_norm"] = _gap(a[prefix + "final_norm"], b[prefix + "final_norm"])
     return out
 
 
