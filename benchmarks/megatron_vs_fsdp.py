@@ -278,7 +278,10 @@ def _layerwise(result: dict, checkpoint: str, args: argparse.Namespace, work: Pa
     """benchmarks/megatron_layerwise.py on the first conformance batch's sequence lengths, into result['layerwise']."""
     from benchmarks.megatron_layerwise import spawn, summary  # noqa: PLC0415
 
-    options = {"device": args.device, "seqlens": [args.length] * args.conformance_samples}
+    # On CPU the grouped-GEMM experts (the GPU's bf16 path) are forced: Megatron never trains in bf16 on a CPU, and
+    # the per-expert loop there gathers rows (and sums their gradients) unlike the GPU's path.
+    options = {"device": args.device, "seqlens": [args.length] * args.conformance_samples,
+               "grouped": args.device == "cpu"}
     start = time.perf_counter()
     try:
         result["layerwise"] = spawn(checkpoint, options, str(work / "layerwise.json"))
