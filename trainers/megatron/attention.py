@@ -4,10 +4,11 @@
 Under tensor parallelism the layer's input arrives split along the sequence (sequence parallelism) and is gathered:
 every rank computes the low-rank projections, their norms and the indexer on the whole sequence (replicated
 weights), then attends with its H / tp heads; o_proj is megatron's RowParallelLinear, which reduce-scatters the
-heads' sum back to sequence shards (at TP 1 its weight goes through torch's linear, as MLAttention's o_proj). The replicated projections feed only this rank's heads, so their gradients are
-partial sums: they carry megatron's `sequence_parallel` mark, which finalize_model_grads all-reduces over TP. The
-indexer's gradient comes only from the indexer loss, computed whole on every rank from every head's attention
-(`gather_heads`), so it is already complete and is not marked.
+heads' sum back to sequence shards (at TP 1 its weight goes through torch's linear, as MLAttention's o_proj). The
+replicated projections feed only this rank's heads, so their gradients are partial sums: they carry megatron's
+`sequence_parallel` mark, which finalize_model_grads all-reduces over TP. The indexer's gradient comes only from the
+indexer loss, computed whole on every rank from every head's attention (`gather_heads`), so it is already complete
+and is not marked.
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class GlmTopKRouter(TopKRouter):
         config = self.config
         logits = logits.view(-1, config.num_moe_experts)
         n_group = config.moe_router_num_groups or 1
-        weights, expert_ids = route(torch.sigmoid(logits.float()), self.expert_bias.float(), self.topk, n_group,
+        bias = self.expert_bias.float() if self.expert_bias is not None else logits.new_zeros(logits.shape[-1]).float()
+        weights, expert_ids = route(torch.sigmoid(logits.float()), bias, self.topk, n_group,
                                     config.moe_router_group_topk or n_group, True,
                                     config.moe_router_topk_scaling_factor or 1.0)
         probs = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, expert_ids, weights).type_as(logits)
@@ -149,14 +150,14 @@ class RoundedMoELayer(MoELayer):
     output is added (GlmMoeDsa's MoE: experts(x).to(x.dtype) + shared_experts(x)); its dispatch is sync-free when
     the rank holds every expert."""
 
+    shared_expert_last = True  # False: megatron's order (benchmarks/megatron_layerwise.py compares the two)
+
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs) -> None:
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
         if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher and not self.shared_expert_overlap:
             self.token_dispatcher = LocalExpertsDispatcher(self.num_local_experts, self.local_expert_indices,
                                                            config=self.config, pg_collection=pg_collection)
-
-    shared_expert_last = True  # False: megatron's order (benchmarks/megatron_layerwise.py compares the two)
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         """megatron's steps in GlmMoeDsa's order: router, routed experts, then the shared expert (megatron runs the

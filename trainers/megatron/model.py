@@ -1,8 +1,9 @@
-"""GLM-MoE-DSA from megatron-core pieces: vocab-parallel embedding and output layer, megatron's MLP (dense layers,
-gate and up as two GEMMs at TP 1: mlp.py) and MoE layer (GlmMoeDsa's sigmoid top-k with the selection bias and
+"""GLM-MoE-DSA from megatron-core pieces: vocab-parallel embedding and output layer, megatron's MLP (dense layers, gate
+and up as two GEMMs at TP 1: mlp.py) and MoE layer (GlmMoeDsa's sigmoid top-k with the selection bias and
 group-limited routing, shared expert), our DSA attention (attention.py) and RMSNorm. The routed experts are
-megatron's SequentialMLP, with grouped GEMMs on a GPU (experts.py). The same packed-batch interface as slime_dsa.models' causal LM, so the shared step
-(trainers/rank.py) trains it unchanged: token_logprobs_with_output returns a ModelOutput with HF-shaped contents.
+megatron's SequentialMLP, with grouped GEMMs on a GPU (experts.py). The same packed-batch interface as
+slime_dsa.models' causal LM, so the shared step (trainers/rank.py) trains it unchanged: token_logprobs_with_output
+returns a ModelOutput with HF-shaped contents.
 
 Layout: activations between layers are (T / tp, 1, D) sequence shards when tp > 1 (sequence parallelism, which
 megatron requires for MoE under TP), else (T, 1, D); a packed batch is padded with one extra sequence to a multiple
