@@ -186,6 +186,19 @@ VARIANTS = {"as_built": (), **{name: (name,) for name in UPSTREAM}, "all_upstrea
 
 
 @contextlib.contextmanager
+def _reference_ops():
+    """Within: the DSA ops' torch reference (the float32 model's: the Triton kernels' float32 dots would be TF32)."""
+    from slime_dsa import ops  # noqa: PLC0415
+
+    before = ops.get_backend()
+    ops.set_backend("torch")
+    try:
+        yield
+    finally:
+        ops.set_backend(before)
+
+
+@contextlib.contextmanager
 def _upstream(names: tuple[str, ...]):
     """Within: the named computations (UPSTREAM) are megatron's own; after: as they were."""
     saved = []
@@ -257,7 +270,8 @@ def gradients(fsdp, float32, megatron, ids, batch, variants: tuple[str, ...]) ->
     _backward(fsdp, ids, batch, weights)
     ours = _hf_grads(fsdp)
     fsdp.zero_grad(set_to_none=True)
-    _backward(float32, ids, batch, weights)
+    with _reference_ops():
+        _backward(float32, ids, batch, weights)
     out = {"float32": grad_gaps(ours, _hf_grads(float32))}
     float32.zero_grad(set_to_none=True)
     for name in variants:
@@ -300,7 +314,8 @@ def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: i
     routers = {i: layer.mlp.gate.weight for i, layer in enumerate(fsdp.model.layers) if hasattr(layer.mlp, "gate")}
     layers, D = config.num_hidden_layers, config.hidden_size
     ours = _traced(fsdp, tap_ours, fsdp.lm_head.weight, ids, batch, D)
-    reference = _traced(float32, tap_ours, float32.lm_head.weight, ids, batch, D)
+    with _reference_ops():
+        reference = _traced(float32, tap_ours, float32.lm_head.weight, ids, batch, D)
     local_ref = {f"local.{k}": v for k, v in ours[0].items()}
     result = {"tokens": sum(seqlens), "grouped_forced": grouped, "device": str(device),
               "fsdp_vs_float32": {**compare_runs(reference[0], ours[0], layers, routers), **_tail(reference, ours)},
@@ -354,7 +369,6 @@ def run(rank: int, port: int, checkpoint: str, options: dict, out: str) -> None:
     from trainers.megatron import cpu_shim  # noqa: PLC0415
 
     cuda = options["device"] == "cuda"
-    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # the float32 reference's attention without TF32 dots
     if not cuda:
         torch.set_num_threads(1)
     cpu_shim.apply()  # a no-op on a GPU machine

@@ -12,8 +12,8 @@ Two verdicts on the bf16 conformance, both in the JSON and the log:
   distance from `fsdp` is the bf16 noise floor; Megatron conforms when each figure (the log-probs' at each step) is
   within TOLERANCE or within NOISE_FACTOR x the same figure of that floor. A floor of 0 (step 1: equal weights,
   and FSDP2's split is batch-invariant there) leaves only TOLERANCE.
-- against float32 (`conformance_float32`): the backend `fsdp_f32` is FSDP2 in float32 (no mixed precision; Triton's
-  float32 dots in IEEE, not TF32) on the same batches. At each step, for the loss, the grad norm and the mean
+- against float32 (`conformance_float32`): the backend `fsdp_f32` is FSDP2 in float32 (no mixed precision; the DSA
+  ops' torch reference, in float32, not the Triton kernels: their float32 dots would be TF32) on the same batches. At each step, for the loss, the grad norm and the mean
   log-prob, Megatron's distance from it must be within NOISE_FACTOR x FSDP2 bf16's distance from it (or within
   TOLERANCE): Megatron's bf16 is as close to the exact computation as FSDP2's bf16.
   Why a second rule: the split's floor is 0 wherever nothing differs but one path's rounding (step 1), so there any
@@ -88,8 +88,6 @@ def make_batch(vocab: int, samples: int, length: int, seed: int):
 def rank_body(rank: int, backend: str, checkpoint: str, port: int, args: dict, out: str) -> None:
     """One rank of one backend: conformance steps, then timed steps; writes its record to `out`."""
     record: dict = {"backend": backend}
-    if backend == "fsdp_f32":  # Triton's float32 tl.dot defaults to TF32; the reference wants float32 products
-        os.environ["TRITON_F32_DEFAULT"] = "ieee"
     try:
         record.update(_measure(backend, checkpoint, port, args))
     except Exception as err:  # noqa: BLE001 - one backend's failure must not lose the other's numbers
@@ -107,7 +105,7 @@ def _measure(backend: str, checkpoint: str, port: int, args: dict) -> dict:
     dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
     micro_batch_tokens = args["micro_batch_tokens"] // (2 if backend == "fsdp_split" else 1)
     config = policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=args["lr"], max_grad_norm=1.0),
-                           dsa=dsa, ops_backend="auto",
+                           dsa=dsa, ops_backend="torch" if backend == "fsdp_f32" else "auto",
                            mixed_precision=cuda and backend != "fsdp_f32", micro_batch_tokens=micro_batch_tokens,
                            seed=0, gradient_checkpointing=args["recompute"])
     if backend == "megatron":
