@@ -214,6 +214,48 @@ def test_bf16_logprobs_on_the_gpu_match_fsdp_and_the_engine(tmp_path, float32_ro
     assert gaps["float32"] > 1e-3, gaps
 
 
+def test_layerwise_finds_no_difference_on_the_gpus_expert_path_and_megatrons_own_when_put_back(tmp_path):
+    """bf16 on CPU with both models' grouped-GEMM experts forced (the path a GPU takes), through
+    benchmarks/megatron_layerwise.py: Megatron and FSDP2 agree at every tapped point (attention, router, routed
+    sum, shared expert, MLP, residual of every layer; log-probs), and every gradient is bit-equal. With megatron's
+    own top-k put back (its weights normalised in top-k order, not ascending expert order) the first local
+    difference is the first MoE layer's routing weights; with all of megatron's own computations back, gradients
+    differ too. (Before Megatron summed a token's experts in ascending order, the first difference was that
+    layer's routed sum: GlmMoeDsa's grouped path summed them in top-k order; before it ran the shared expert after
+    the routed ones, most gradients differed: autograd summed the MoE input's gradients in another order.)"""
+    from benchmarks.megatron_layerwise import spawn
+    from tests.megatron_conformance import BF16_SEQLENS, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "bf16")
+    options = {"device": "cpu", "seqlens": BF16_SEQLENS, "grouped": True,
+               "variants": ["as_built", "megatron_topk", "all_upstream"]}
+    result = spawn(str(tmp_path / "bf16"), options, str(tmp_path / "layerwise.json"))
+    built, put_back = result["variants"]["as_built"], result["variants"]["megatron_topk"]
+    assert built["first_difference"] == {"chain": None, "local": None}, built["first_difference"]
+    assert built["megatron_vs_fsdp"]["chain"]["logprob"]["max"] == 0.0
+    assert put_back["first_difference"]["local"] == "layer1.routing_weights", put_back["first_difference"]
+    grads = result["gradients_vs_fsdp"]
+    assert grads["megatron_as_built"]["differ"] == 0 and grads["megatron_as_built"]["tensors"] > 50, grads
+    assert grads["megatron_all_upstream"]["differ"] > 0, grads
+    assert result["fsdp_vs_float32"]["logprob"]["mean"] > 1e-3  # it ran in bf16
+
+
+@pytest.mark.gpu
+def test_layerwise_on_the_gpu_megatron_equals_fsdp_forward_and_backward(tmp_path):
+    """The same on one GPU (grouped GEMMs, cuBLAS, Triton DSA kernels): Megatron as built computes every tapped
+    point and every gradient as FSDP2's bf16 copy does, bit for bit (each calls the same kernels on the same shapes;
+    before, megatron's scatter_add_ combine and its index_select dispatch used atomics in no fixed order)."""
+    from benchmarks.megatron_layerwise import spawn
+    from tests.megatron_conformance import BF16_SEQLENS, save_bf16_checkpoint
+
+    save_bf16_checkpoint(tmp_path / "bf16")
+    options = {"device": "cuda", "seqlens": BF16_SEQLENS, "variants": ["as_built", "all_upstream"]}
+    result = spawn(str(tmp_path / "bf16"), options, str(tmp_path / "layerwise.json"))
+    built = result["variants"]["as_built"]
+    assert built["first_difference"] == {"chain": None, "local": None}, built["first_difference"]
+    assert result["gradients_vs_fsdp"]["megatron_as_built"]["differ"] == 0, result["gradients_vs_fsdp"]
+
+
 # -- checkpoints of megatron's DistributedOptimizer: a fresh process resumes bit for bit ----------------------------
 
 

@@ -272,21 +272,31 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (T, D) -> routing weights (T, k) float32, expert ids (T, k)."""
+        """x (T, D) -> routing weights (T, k) float32, expert ids (T, k) ascending."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
-        choice = scores + self.e_score_correction_bias
-        if self.topk_group < self.n_group:  # group-limited routing; with every group kept it changes nothing
-            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)  # (T, G, E/G)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
-            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
-            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, self.n_experts)
-            choice = choice.masked_fill(~expert_mask, float("-inf"))
-        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, expert_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, expert_ids
+        return route(scores, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                     self.norm_topk_prob, self.routed_scaling_factor)
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores (T, E) float32 -> routing weights (T, k) float32, expert ids (T, k): the top-k of scores + bias
+    (within the top topk_group groups), weighted by their scores. Each token's ids are in ascending order, the order
+    every path normalises and sums a token's experts in (the experts' loop and grouped GEMMs, Megatron's MoE layer):
+    float32 sums in another order round differently, and in bf16 one such difference can flip later expert choices."""
+    choice = scores + bias
+    if topk_group < n_group:  # group-limited routing; with every group kept it changes nothing
+        grouped = choice.view(-1, n_group, scores.shape[-1] // n_group)  # (T, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, G)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # (T, G)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, scores.shape[-1])
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    expert_ids = choice.topk(top_k, dim=-1, sorted=False).indices.sort(dim=-1).values  # (T, k)
+    weights = scores.gather(1, expert_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, expert_ids
 
 
 def _compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:

@@ -4,10 +4,11 @@
 Under tensor parallelism the layer's input arrives split along the sequence (sequence parallelism) and is gathered:
 every rank computes the low-rank projections, their norms and the indexer on the whole sequence (replicated
 weights), then attends with its H / tp heads; o_proj is megatron's RowParallelLinear, which reduce-scatters the
-heads' sum back to sequence shards. The replicated projections feed only this rank's heads, so their gradients are
-partial sums: they carry megatron's `sequence_parallel` mark, which finalize_model_grads all-reduces over TP. The
-indexer's gradient comes only from the indexer loss, computed whole on every rank from every head's attention
-(`gather_heads`), so it is already complete and is not marked.
+heads' sum back to sequence shards (at TP 1 its weight goes through torch's linear, as MLAttention's o_proj). The
+replicated projections feed only this rank's heads, so their gradients are partial sums: they carry megatron's
+`sequence_parallel` mark, which finalize_model_grads all-reduces over TP. The indexer's gradient comes only from the
+indexer loss, computed whole on every rank from every head's attention (`gather_heads`), so it is already complete
+and is not marked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     RowParallelLinear,
@@ -63,7 +65,10 @@ class DSAAttention(nn.Module):
             x = gather_from_sequence_parallel_region(x)  # (T, 1, D); backward reduce-scatters the partial grads
         heads, local, rows, record = self.core(x.squeeze(1), cos, sin, batch, shared_rows, replay_local, capture,
                                                index_topk)  # (T, H/tp * Dv)
-        out, _ = self.o_proj(heads.unsqueeze(1))  # (T / tp, 1, D)
+        if self.tp == 1:  # torch's linear, forward and backward, as MLAttention's o_proj (bf16 rounds alike)
+            out = F.linear(heads, self.o_proj.weight, self.o_proj.bias).unsqueeze(1)  # (T, 1, D)
+        else:
+            out, _ = self.o_proj(heads.unsqueeze(1))  # (T / tp, 1, D)
         if record is not None and self.tp > 1:
             record["q"], record["lse"] = gather_heads(record["q"]), gather_heads(record["lse"])
         return out, local, rows, record

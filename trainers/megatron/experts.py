@@ -1,12 +1,18 @@
-"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), rounded as GlmMoeDsa's MoE is:
-each routed expert's output is weighted by its routing probability in float32, a token's k weighted outputs are
-summed in float32 and rounded once to the layer's dtype, then the shared expert's output is added. (Megatron's own
-layer scales the activations by the probability before fc2 and sums the k outputs in bf16: three more bf16
-roundings per token, enough in bf16 to flip later layers' expert choices against the engine and FSDP2.)
+"""Megatron's MoE layer and SequentialMLP experts (same modules, weights and names), computing as GlmMoeDsa's MoE,
+forward and backward, so that bf16 rounds alike (one rounding difference can flip later layers' expert choices):
+- the router: its logits through torch's linear, GlmMoeDsa's top-k (slime_dsa.models.glm_moe_dsa.route: weights
+  normalised in ascending expert order; megatron's normalises in top-k order);
+- the rows gathered by advanced indexing (megatron's index_select adds a token's k row gradients with bf16 atomics);
+- each routed expert's output weighted by its routing probability in float32, a token's k weighted outputs summed in
+  float32 in ascending expert order and rounded once to the layer's dtype (megatron's scales before fc2 and sums in
+  bf16 with scatter_add_, on a GPU atomics in no fixed order);
+- router, routed experts, then the shared expert (gate and up as two GEMMs: mlp.py), in that order: autograd sums
+  the layer input's gradients in reverse order of use (megatron runs the shared expert first).
 On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
 GlmMoeDsa's grouped path (the local spec has no grouped linear without Transformer Engine); elsewhere megatron's
 per-expert loop. When a rank holds every expert (expert parallel 1), the dispatch keeps its counts on the device:
-megatron's copies them to the host, a stall in every MoE layer's forward."""
+megatron's copies them to the host, a stall in every MoE layer's forward. benchmarks/megatron_layerwise.py switches
+each of these back to megatron's own (the class attributes below) to measure what it changes."""
 
 from __future__ import annotations
 
@@ -18,7 +24,11 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 from megatron.core.transformer.moe.moe_utils import permute
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+from slime_dsa.models.glm_moe_dsa import route
+from trainers.megatron.mlp import SplitGluSharedExpertMLP
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -26,7 +36,11 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 class GroupedSequentialMLP(SequentialMLP):
     """SequentialMLP returning float32 prob-weighted rows; grouped GEMMs on CUDA in bfloat16 (expert TP 1)."""
 
+    use_grouped_mm: bool | None = None  # None: on CUDA in bf16; True forces it (as GlmMoeDsa's Experts.use_grouped_mm)
+
     def _grouped_ok(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm and _grouped_mm is not None
         fc1 = self.local_experts[0].linear_fc1.weight  # (2I, D)
         aligned = (fc1.shape[1] * x.element_size()) % 16 == 0 and (fc1.shape[0] // 2 * x.element_size()) % 16 == 0
         return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned
@@ -55,20 +69,80 @@ class GroupedSequentialMLP(SequentialMLP):
 class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
     """The allgather dispatcher without host syncs when this rank holds every expert: each token then goes to exactly
     top-k local experts, so the permuted size is known without counting on the host, and the per-expert counts stay
-    on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's."""
+    on the device (the grouped GEMMs take them there). The same rows, probabilities and order as megatron's; rows
+    gathered and combined as GlmMoeDsa's Experts do (the same rounding, forward and backward)."""
+
+    ordered_combine = True  # False: megatron's scatter_add_ (benchmarks/megatron_layerwise.py compares the two)
+    # Rows gathered by advanced indexing, whose backward sums a token's k row gradients in float32 in one pass (CUDA's
+    # sort-based index_put_), as GlmMoeDsa's; False: megatron's index_select, whose backward adds them with atomics
+    # in the activations' dtype (bf16), in no fixed order.
+    gather_by_index = True
+
+    def _all_local(self) -> bool:
+        return self.num_local_experts == self.config.num_moe_experts and not self.config.moe_permute_fusion
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.num_local_experts != self.config.num_moe_experts or self.config.moe_permute_fusion:
+        if not self._all_local():
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map.contiguous()
         tokens_per_expert = self.local_map.sum(dim=0).long()
-        permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
-            hidden_states, self.local_map, probs=probs.contiguous(),
-            num_out_tokens=self.local_map.shape[0] * self.router_topk)
+        if not self.gather_by_index:
+            permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
+                hidden_states, self.local_map, probs=probs.contiguous(),
+                num_out_tokens=self.local_map.shape[0] * self.router_topk)
+        else:  # megatron's permute, but the rows gathered as GlmMoeDsa's Experts gather them
+            T = self.local_map.shape[0]
+            flat = self.local_map.T.reshape(-1).argsort(descending=True, stable=True)[: T * self.router_topk]
+            tokens = flat % T  # (T * k,) expert-major, tokens ascending within an expert
+            permuted = hidden_states[tokens]
+            permuted_probs = probs.T.contiguous().reshape(-1)[flat]
+            self.reversed_local_input_permutation_mapping = tokens
         self.local_probs = permuted_probs
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Each token's k expert rows (N = T x k, D), summed in ascending expert order, as GlmMoeDsa's Experts sum
+        them (megatron's unpermute adds them with scatter_add_: on a GPU atomics, in no fixed order)."""
+        if not (self._all_local() and self.ordered_combine):
+            return super().combine_preprocess(hidden_states)
+        chosen = self.local_map  # (T, E) bool, k per row
+        T, E = chosen.shape
+        row_of = (chosen.T.reshape(-1).cumsum(0) - 1).view(E, T).T  # (T, E): permuted row of (t, e) where chosen
+        experts = chosen.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, : self.router_topk]
+        rows = row_of.gather(1, experts)  # (T, k): each token's rows, ascending expert id
+        return hidden_states.index_select(0, rows.reshape(-1)).view(T, self.router_topk, -1).sum(1)
+
+
+class GlmTopKRouter(TopKRouter):
+    """megatron's router with GlmMoeDsa's top-k (slime_dsa.models.glm_moe_dsa.route): the same experts and weights,
+    normalised in the same order (megatron's sums them in top-k order, by score while training)."""
+
+    glm_topk = True  # False: megatron's own (benchmarks/megatron_layerwise.py compares the two)
+    torch_gating = True  # logits through torch's linear (its backward) as GlmMoeDsa's; False: megatron's function
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """(.., D) -> float32 logits (.., E), as GlmMoeDsa's Router computes them."""
+        if not self.torch_gating or self.config.moe_router_dtype != "fp32" or self.bias is not None:
+            return super().gating(input)
+        return F.linear(input.float(), self.weight.float())
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """logits (.., E) float32 -> probs (T, E) (0 where not chosen), routing_map (T, E) bool."""
+        if not self.glm_topk:
+            return super().routing(logits, padding_mask)
+        config = self.config
+        logits = logits.view(-1, config.num_moe_experts)
+        n_group = config.moe_router_num_groups or 1
+        bias = self.expert_bias.float() if self.expert_bias is not None else logits.new_zeros(logits.shape[-1]).float()
+        weights, expert_ids = route(torch.sigmoid(logits.float()), bias, self.topk, n_group,
+                                    config.moe_router_group_topk or n_group, True,
+                                    config.moe_router_topk_scaling_factor or 1.0)
+        probs = torch.zeros_like(logits, dtype=weights.dtype).scatter(1, expert_ids, weights).type_as(logits)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, expert_ids, True)
+        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        return probs, routing_map
 
 
 class RoundedMoELayer(MoELayer):
@@ -76,12 +150,32 @@ class RoundedMoELayer(MoELayer):
     output is added (GlmMoeDsa's MoE: experts(x).to(x.dtype) + shared_experts(x)); its dispatch is sync-free when
     the rank holds every expert."""
 
+    shared_expert_last = True  # False: megatron's order (benchmarks/megatron_layerwise.py compares the two)
+
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs) -> None:
         pg_collection = pg_collection or get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
         if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher and not self.shared_expert_overlap:
             self.token_dispatcher = LocalExpertsDispatcher(self.num_local_experts, self.local_expert_indices,
                                                            config=self.config, pg_collection=pg_collection)
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        """megatron's steps in GlmMoeDsa's order: router, routed experts, then the shared expert (megatron runs the
+        shared expert first). Autograd sums the input's gradient contributions in reverse order of their use, and
+        in bf16 another order rounds differently."""
+        plain = (intermediate_tensors is None and padding_mask is None and self.shared_expert_last
+                 and not self.shared_expert_overlap and not self.config.moe_latent_size
+                 and not (self.moe_layer_recompute and self.training)
+                 and not hasattr(self, "_inference_token_dispatcher")
+                 and self.fwd_execution_map == ["route", "expert_compute", "postprocess"])
+        if not plain:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        probs, routing_map = self.route(hidden_states)
+        dispatched, probs = self.preprocess(hidden_states, probs, routing_map)
+        dispatched, probs = self.dispatch(dispatched, probs)
+        output, mlp_bias = self.routed_experts_compute(dispatched, probs)
+        output = self.combine(output)
+        return self.postprocess(output, self.shared_experts_compute(hidden_states)), mlp_bias
 
     def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):
         return super().postprocess(output.to(self.config.params_dtype), shared_expert_output)
@@ -92,4 +186,7 @@ def moe_spec(num_experts: int):
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts)
     submodules = spec.keywords["submodules"]
     submodules.experts = partial(GroupedSequentialMLP, submodules=submodules.experts.keywords["submodules"])
+    submodules.router = GlmTopKRouter
+    shared = submodules.shared_experts.keywords["submodules"]
+    submodules.shared_experts = partial(SplitGluSharedExpertMLP, submodules=shared)
     return partial(RoundedMoELayer, *spec.args, **spec.keywords)

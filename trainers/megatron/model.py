@@ -1,8 +1,9 @@
-"""GLM-MoE-DSA from megatron-core pieces: vocab-parallel embedding and output layer, megatron's MLP (dense layers)
-and MoE layer (sigmoid router with the selection bias and group-limited top-k, shared expert), our DSA attention
-(attention.py) and RMSNorm. The routed experts are megatron's SequentialMLP, with grouped GEMMs on a GPU
-(experts.py). The same packed-batch interface as slime_dsa.models' causal LM, so the shared step
-(trainers/rank.py) trains it unchanged: token_logprobs_with_output returns a ModelOutput with HF-shaped contents.
+"""GLM-MoE-DSA from megatron-core pieces: vocab-parallel embedding and output layer, megatron's MLP (dense layers, gate
+and up as two GEMMs at TP 1: mlp.py) and MoE layer (GlmMoeDsa's sigmoid top-k with the selection bias and
+group-limited routing, shared expert), our DSA attention (attention.py) and RMSNorm. The routed experts are
+megatron's SequentialMLP, with grouped GEMMs on a GPU (experts.py). The same packed-batch interface as
+slime_dsa.models' causal LM, so the shared step (trainers/rank.py) trains it unchanged: token_logprobs_with_output
+returns a ModelOutput with HF-shaped contents.
 
 Layout: activations between layers are (T / tp, 1, D) sequence shards when tp > 1 (sequence parallelism, which
 megatron requires for MoE under TP), else (T, 1, D); a packed batch is padded with one extra sequence to a multiple
@@ -21,7 +22,7 @@ from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -34,6 +35,7 @@ from slime_dsa.models.rope import rope_cos_sin, rope_inv_freq
 from trainers.megatron.attention import DSAAttention
 from trainers.megatron.experts import moe_spec
 from trainers.megatron.logprobs import vocab_parallel_logprobs
+from trainers.megatron.mlp import SplitGluMLP
 
 
 KEY_ROWS = ("kv", "index_k")  # capture-record tensors over key rows; the others are over query rows
@@ -59,8 +61,8 @@ class DecoderLayer(nn.Module):
             self.mlp = moe_spec(config.n_routed_experts)(config=megatron, layer_number=layer_idx + 1, pg_collection=groups)
             self.mlp.router.frozen_expert_bias = True  # e_score_correction_bias is loaded, never updated in training
         else:
-            self.mlp = MLP(megatron, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                           tp_group=groups.tp)
+            self.mlp = SplitGluMLP(megatron, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                           linear_fc2=RowParallelLinear), tp_group=groups.tp)
 
     def forward(self, h, cos, sin, batch, shared_rows, replay_local=None, capture=False, index_topk=None):
         attn, local, rows, record = self.self_attention(self.input_layernorm(h), cos, sin, batch, shared_rows,
