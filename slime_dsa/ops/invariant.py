@@ -7,8 +7,8 @@ training row. The engine's log-probs then equal the trainer's bit for bit under 
 
 How, on the torch path (any device):
 - matmuls run in fixed-shape row chunks: rows are padded to a multiple of ROW_CHUNK and every chunk is one
-  (ROW_CHUNK, K) x (K, N) product of a batched GEMM. A BLAS picks its kernel and its reduction order from the shape,
-  so the same shape gives each row the same bits (a plain GEMM does not: on MKL an M=1 product is a GEMV);
+  (ROW_CHUNK, K) x (K, N) GEMM call. A BLAS picks its kernel and its reduction order from the shape, so the same
+  shape gives each row the same bits (a plain GEMM does not: on MKL an M=1 product is a GEMV, M=2..3 differ too);
 - attention of a query over its selected key rows runs blockwise (KEY_BLOCK keys at a time, online softmax, in
   QUERY_CHUNK query chunks), always over the gathered rows: no dense shortcut, no split over keys. A block past a
   query's last key adds exactly nothing, so the width of the batch does not matter;
@@ -107,13 +107,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M = rows.shape[0]
     if M == 0:
         return F.linear(x, weight, bias)
-    chunks = _pad_rows(rows, ROW_CHUNK).view(-1, ROW_CHUNK, K)  # (n, C, K)
-    # bmm with a stride-0 weight: one (C, K) x (K, N) product per chunk; matmul would fold the chunks into one GEMM.
-    out = torch.bmm(chunks, weight.T.expand(chunks.shape[0], K, weight.shape[0]))  # (n, C, N)
-    out = out.reshape(-1, weight.shape[0])[:M]
-    if bias is not None:
-        out = out + bias
-    return out.view(*lead, weight.shape[0])
+    # One call per chunk, each of the same shape: a batched GEMM over the chunks would let the BLAS split the work
+    # over threads by the number of chunks (seen with MKL at 4 threads), and a single GEMM picks its kernel by M.
+    out = torch.cat([F.linear(chunk, weight, bias) for chunk in _pad_rows(rows, ROW_CHUNK).split(ROW_CHUNK)])
+    return out[:M].view(*lead, weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
