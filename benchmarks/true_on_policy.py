@@ -51,8 +51,8 @@ def recipe_dict(args: argparse.Namespace, on: bool, run_dir: Path) -> dict:
     recipe["checkpoint"] = {"save_every": 0, "keep_last": 1}
     if args.device == "cpu":
         recipe["cluster"] = {"num_gpus_per_engine": 0, "num_gpus_per_trainer": 0}
-        recipe["model"]["dtype"] = "float32"
-        recipe["trainer"]["mixed_precision"] = False
+        recipe["model"]["dtype"] = args.dtype
+        recipe["trainer"]["mixed_precision"] = args.dtype == "bfloat16"  # the trainer's bf16 compute copy
     return recipe
 
 
@@ -83,7 +83,7 @@ def markdown(args: argparse.Namespace, results: list[dict]) -> str:
         f"### True on-policy: step time with model.true_on_policy on vs off ({args.device.upper()})",
         "",
         f"- date: {datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}; recipe: {what}; "
-        f"{args.steps} steps per run, {args.rounds} round(s) of off then on; `python {' '.join(sys.argv)}`",
+        f"{args.dtype if args.device == 'cpu' else 'recipe dtype'}; {args.steps} steps per run, {args.rounds} round(s) of off then on; `python {' '.join(sys.argv)}`",
         "",
         "| mode | median step time (s) | exact-match fraction (mean, min over steps) | max abs_diff_max |",
         "|---|---|---|---|",
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--recipe", help="a recipe to run (default: a from-scratch GRPO recipe of --preset)")
     parser.add_argument("--preset", default="tiny", choices=["tiny", "quickstart", "small"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="with --device cpu: the engines' dtype (bfloat16: trainer.mixed_precision too)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1, help="off/on pairs, alternated")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")

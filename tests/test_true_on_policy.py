@@ -27,6 +27,7 @@ from slime_dsa.orchestrator.batching import build_train_batch
 from trainers.process_group import free_port
 
 VOCAB = 97
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NEW_TOKENS = 16  # prompts of 3 .. 40 tokens: sequences reach past the tiny preset's index_topk (16), so DSA selects
 
 
@@ -92,22 +93,28 @@ def trainer_gap(worker, samples: list[Sample], others: list[Sample], temperature
     return (logp[tokens] - batch.rollout_logprobs[tokens]).abs()
 
 
-@pytest.fixture(scope="module")
-def worker(checkpoint):
+def make_worker(checkpoint, **rank):
+    """An FSDP2 rank of one (on CUDA when torch sees it, as in a run) with the switch on."""
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
     from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
     config = policy_config(str(checkpoint), PPOLoss(eps_low=0.2, eps_high=0.28), OptimizerConfig(learning_rate=3e-3),
-                           ops_backend="torch", micro_batch_tokens=300, true_on_policy=True)
-    w = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+                           micro_batch_tokens=300, true_on_policy=True, **rank)
+    return FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoint):
+    w = make_worker(checkpoint, ops_backend="torch")
     yield w
     w.shutdown()
 
 
 @pytest.fixture(scope="module")
-def engine_model(checkpoint):
-    return load_model(checkpoint).eval()
+def engine_model(checkpoint, worker):
+    """The engine's model, float32 on the trainer's device."""
+    return load_model(checkpoint, device=worker.device).eval()
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["replay-off", "replay-on"])
@@ -120,6 +127,24 @@ def test_engine_and_trainer_logprobs_are_bitwise_equal(worker, engine_model, bat
     others = rollout(engine_model, prompts(5, seed=100 + batch), temperature, 64, replay)
     gap = trainer_gap(worker, samples, others, temperature or 1.0, replay)
     assert gap.numel() == n * NEW_TOKENS and torch.equal(gap, torch.zeros_like(gap)), f"max |Δ| {float(gap.max())}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_engine_and_mixed_precision_trainer_are_bitwise_equal(checkpoint, device):
+    """Issue 23's acceptance in bfloat16 on the tiny preset: a bf16 engine against the trainer's bf16 compute copy
+    (trainer.mixed_precision, float32 master), greedy and sampled; on CUDA also replay on, and batch 256."""
+    worker = make_worker(checkpoint, mixed_precision=True)  # not shut down: that would end the shared process group
+    assert worker.device.type == device
+    model = load_model(checkpoint, dtype="bfloat16", device=device).eval()
+    for batch in (1, 7, 64) + ((256,) if device == "cuda" else ()):
+        for temperature in (0.0, 0.8):
+            for replay in (False, True) if device == "cuda" else (False,):  # CPU: float32 covers replay
+                samples = rollout(model, prompts(max(batch, 9), seed=batch), temperature, batch, replay)
+                others = rollout(model, prompts(5, seed=100 + batch), temperature, 64, replay)
+                gap = trainer_gap(worker, samples, others, temperature or 1.0, replay)
+                assert torch.equal(gap, torch.zeros_like(gap)), (
+                    f"batch {batch}, T {temperature}, replay {replay}: max |Δ| {float(gap.max())}, "
+                    f"exact {float((gap == 0).float().mean()):.3f}")
 
 
 def test_groups_share_prompts_and_stay_bitwise_equal(worker, engine_model):
@@ -144,31 +169,22 @@ def test_switch_off_leaves_a_gap(worker, engine_model, batch):
 def test_still_bitwise_after_three_rl_steps_with_weight_syncs(checkpoint):
     """Three RL steps through the trainer and engine objects (not the Ray loop): roll out, check, train, push the
     new weights to the engine, and roll out again; the weights changed and the log-probs still agree bit for bit."""
-    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
-    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
-    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
-
-    config = policy_config(str(checkpoint), PPOLoss(eps_low=0.2, eps_high=0.28), OptimizerConfig(learning_rate=3e-2),
-                           ops_backend="torch", micro_batch_tokens=300, true_on_policy=True, temperature=1.0)
-    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
-    engine_model = load_model(checkpoint).eval()
+    worker = make_worker(checkpoint, ops_backend="torch", temperature=1.0)  # its own weights: it trains them
+    engine_model = load_model(checkpoint, device=worker.device).eval()
     engine = Engine(engine_model, max_cache_tokens=1 << 14, block_size=16, seed=0, max_running_requests=7)
-    try:
-        start = {k: v.clone() for k, v in engine_model.state_dict().items()}
-        for step in range(3):
-            samples = rollout(engine.model, prompts(8, seed=50 + step), 1.0, 7, False)
-            batch = build_train_batch(samples, torch.linspace(-1, 1, len(samples)))
-            batch.old_logprobs = batch.rollout_logprobs.clone()
-            metrics = worker.train_step(batch, float(batch.loss_mask.sum()), len(samples), measure_sync=True)
-            assert metrics["sync_logprob_exact"] == 1.0 and metrics["sync_logprob_abs_diff_max"] == 0.0
-            engine.update_weights(worker.full_state_dict(), str(step + 1))
-        moved = max((engine_model.state_dict()[k] - v).abs().max().item() for k, v in start.items())
-        assert moved > 1e-4
-        samples = rollout(engine.model, prompts(8, seed=99), 1.0, 7, False)
-        gap = trainer_gap(worker, samples, [], 1.0, False)
-        assert torch.equal(gap, torch.zeros_like(gap))
-    finally:
-        worker.shutdown()
+    start = {k: v.clone() for k, v in engine_model.state_dict().items()}
+    for step in range(3):
+        samples = rollout(engine.model, prompts(8, seed=50 + step), 1.0, 7, False)
+        batch = build_train_batch(samples, torch.linspace(-1, 1, len(samples)))
+        batch.old_logprobs = batch.rollout_logprobs.clone()
+        metrics = worker.train_step(batch, float(batch.loss_mask.sum()), len(samples), measure_sync=True)
+        assert metrics["sync_logprob_exact"] == 1.0 and metrics["sync_logprob_abs_diff_max"] == 0.0
+        engine.update_weights(worker.full_state_dict(), str(step + 1))
+    moved = max((engine_model.state_dict()[k] - v).abs().max().item() for k, v in start.items())
+    assert moved > 1e-4
+    samples = rollout(engine.model, prompts(8, seed=99), 1.0, 7, False)
+    gap = trainer_gap(worker, samples, [], 1.0, False)
+    assert torch.equal(gap, torch.zeros_like(gap))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,9 +259,6 @@ def test_attention_and_indexer_agree_with_the_reference_and_with_themselves_alon
         assert torch.equal(one, out[r : r + 1]) and torch.equal(one_lse, lse[r : r + 1])
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_model_level_bitwise_on_device(device, temperature):
@@ -276,14 +289,16 @@ def test_model_level_bitwise_on_device(device, temperature):
     ({"cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}}, "not yet shown on GPU (issue 23)"),
     ({"rollout": {"top_p": 0.9}}, "rollout.top_p 1 and top_k -1"),
     ({"rollout": {"top_k": 20}}, "rollout.top_p 1 and top_k -1"),
-    ({"trainer": {"mixed_precision": True}}, "float32 on CPU"),
+    ({"trainer": {"mixed_precision": True}}, "the engines compute in float32 (model.dtype auto), the trainer in bfloat16"),
+    ({"model": {"true_on_policy": True, "dtype": "bfloat16"}}, "the trainer in float32 (trainer.mixed_precision false)"),
     ({"rollout": {"engine": "external", "engine_urls": ["http://x:1"]}}, "rollout.engine 'embedded' only"),
 ])
 def test_recipe_refuses_what_is_not_built(override, message):
     from slime_dsa.config import RecipeError, validate_recipe  # noqa: PLC0415
 
     base = {"model": {"true_on_policy": True}}
-    assert validate_recipe(base).model.true_on_policy  # the CPU default is built
+    assert validate_recipe(base).model.true_on_policy  # the CPU default is built, and bf16 with mixed precision
+    assert validate_recipe({"model": {"true_on_policy": True, "dtype": "bfloat16"}, "trainer": {"mixed_precision": True}})
     with pytest.raises(RecipeError, match=re.escape(message)) as err:
         validate_recipe({**base, **override})
     assert "\n" not in str(err.value)

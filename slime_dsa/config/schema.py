@@ -63,7 +63,8 @@ class ModelSection(Section):
                            "every rollout log-prob equals the trainer's for the same token and weights bit for bit "
                            "(train/train_rollout_logprob_exact_frac 1), whatever the batches, so π_roll = π_old "
                            "and IcePop/TIS correct nothing. Slower steps. Built for embedded engines and the fsdp "
-                           "trainer in float32 on CPU; sampling unfiltered (rollout.top_p 1, top_k -1).")
+                           "trainer on CPU (float32, or bfloat16 with trainer.mixed_precision); sampling unfiltered "
+                           "(rollout.top_p 1, top_k -1).")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -963,6 +964,7 @@ class RecipeConfig(Section):
         if not self.model.true_on_policy:
             return
         ro, cl, tr = self.rollout, self.cluster, self.trainer
+        engine_bf16 = self.model.dtype == "bfloat16" or (self.model.dtype == "auto" and cl.num_gpus_per_engine > 0)
         refusals = [
             (tr.backend != "fsdp", f"is built for trainer.backend 'fsdp' only, not {tr.backend!r}", "trainer.backend"),
             (ro.engine != "embedded", f"is built for rollout.engine 'embedded' only, not {ro.engine!r} (its kernels "
@@ -970,9 +972,10 @@ class RecipeConfig(Section):
             (cl.num_gpus_per_engine > 0 or cl.num_gpus_per_trainer > 0,
              "is not yet shown on GPU (issue 23): set cluster.num_gpus_per_engine and num_gpus_per_trainer to 0",
              "cluster.num_gpus_per_engine"),
-            (self.model.dtype == "bfloat16" or tr.mixed_precision,
-             "is built for float32 on CPU: set model.dtype auto or float32 and trainer.mixed_precision false",
-             "model.dtype"),
+            (engine_bf16 != tr.mixed_precision,
+             f"needs engines and trainer in one dtype: the engines compute in {'bfloat16' if engine_bf16 else 'float32'}"
+             f" (model.dtype {self.model.dtype}), the trainer in {'bfloat16' if tr.mixed_precision else 'float32'} "
+             f"(trainer.mixed_precision {str(tr.mixed_precision).lower()})", "trainer.mixed_precision"),
             (ro.top_p < 1 or ro.top_k != -1,
              f"scores the unfiltered distribution: set rollout.top_p 1 and top_k -1 (got {ro.top_p}, {ro.top_k})",
              "rollout.top_p"),
