@@ -10,8 +10,12 @@ test shows a gap: it cannot pass vacuously. The `gpu` case runs the model-level 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,6 +282,18 @@ def test_model_level_bitwise_on_device(device, temperature):
             for s, start in zip(samples, starts):
                 trainer = logp[start + len(s.prompt_ids) : start + s.total_length].cpu()
                 assert torch.equal(trainer, torch.tensor(s.rollout_logprobs)), (batch, s.index)
+
+
+@pytest.mark.slow  # ~3 min of CPU: the tiny model's every matmul through Triton's interpreter
+def test_bitwise_through_the_triton_kernels_in_the_interpreter():
+    """The dispatch to slime_dsa.ops.triton_invariant (CUDA's path) agrees with the interface this module expects."""
+    pytest.importorskip("triton")
+    pytest.importorskip("slime_dsa.ops.triton_invariant")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "tests.true_on_policy_interpret"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ semantics, differentiable (the trainer back-propagates through them):
         x (..., D), weight (D,) -> weight * rms_norm(x in float32, eps) cast to x's dtype (the model's RMSNorm).
     log_softmax_gather(logits: Tensor, ids: Tensor, temperature: float) -> Tensor
         logits (T, V), ids (T,) -> (T,) float32: log_softmax(logits.float() / temperature)[t, ids[t]].
+    head_matmul(x: Tensor, weight: Tensor) -> Tensor   (optional; else a `linear` per head)
+        x (T, H, A), weight (H, A, B) -> (T, H, B): out[:, h] = x[:, h] @ weight[h].
 
 Same thread count on both sides: on CPU a BLAS may split one GEMM differently over more threads, so the engine and
 the trainer must run with the same torch thread count (the recipe gives both cluster.num_cpus_per_actor).
@@ -151,6 +153,9 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per-head products, each head's rows through `linear`: x (T, H, A), weight (H, A, B) -> (T, H, B)."""
+    gpu = _gpu(x)
+    if gpu is not None and hasattr(gpu, "head_matmul"):  # one launch for every head
+        return gpu.head_matmul(x, weight)
     return torch.stack([linear(x[:, h], weight[h].T) for h in range(weight.shape[0])], dim=1)
 
 
