@@ -263,6 +263,21 @@ def test_attention_and_indexer_agree_with_the_reference_and_with_themselves_alon
         assert torch.equal(one, out[r : r + 1]) and torch.equal(one_lse, lse[r : r + 1])
 
 
+def test_gradients_of_the_invariant_ops():
+    """The trainer differentiates through them: linear's plain backward and attention's recomputed reference."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(45, 3, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(8, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(invariant.linear, (x, w, b))
+    packed = PackedBatch.from_seqlens([5, 20])
+    cols = torch.arange(8)
+    rows = packed.to_rows(torch.where(cols <= packed.positions[:, None], cols, -1))  # a top-k of 8
+    q = torch.randn(25, 2, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    kv = torch.randn(25, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, kv: invariant.mla_attention(q, kv, rows, 0.3, 4), (q, kv))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_model_level_bitwise_on_device(device, temperature):

@@ -44,6 +44,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from slime_dsa.ops import reference
 from slime_dsa.ops.reference import select_topk
 
 ROW_CHUNK = 32  # rows of every GEMM the torch path runs
@@ -104,6 +105,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gpu = _gpu(x)
     if gpu is not None:
         return gpu.linear(x, weight, bias)
+    return _ChunkedLinear.apply(x, weight, bias)
+
+
+def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, K = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, K)
     M = rows.shape[0]
@@ -113,6 +118,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # over threads by the number of chunks (seen with MKL at 4 threads), and a single GEMM picks its kernel by M.
     out = torch.cat([F.linear(chunk, weight, bias) for chunk in _pad_rows(rows, ROW_CHUNK).split(ROW_CHUNK)])
     return out[:M].view(*lead, weight.shape[0])
+
+
+class _ChunkedLinear(torch.autograd.Function):
+    """The chunked forward; a plain backward (gradients need not be batch-invariant, only the log-probs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _chunked_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, weight.shape[0])  # (M, N)
+        grad_x = (g @ weight).view_as(x) if ctx.needs_input_grad[0] else None
+        grad_w = g.T @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,6 +187,33 @@ def mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scal
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.sparse_mla_attention` with one reduction order for every batch: q (Tq, H, D) over kv rows
     indices (Tq, K) (-1 unused) in KEY_BLOCK blocks with an online softmax. Returns out (Tq, H, v_dim), lse (Tq, H)."""
+    return _BlockedAttention.apply(q, kv, indices, scale, v_dim)
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """The blockwise forward; the backward recomputes the reference's attention and differentiates it (the same
+    function, so the same gradient up to rounding: only the forward must be batch-invariant)."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, scale, v_dim):
+        ctx.save_for_backward(q, kv, indices)
+        ctx.scale, ctx.v_dim = scale, v_dim
+        return _blocked_attention(q, kv, indices, scale, v_dim)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, kv, indices = ctx.saved_tensors
+        with torch.enable_grad():
+            q_, kv_ = q.detach().requires_grad_(), kv.detach().requires_grad_()
+            out, lse = reference.sparse_mla_attention(q_, kv_, indices, ctx.scale, ctx.v_dim)
+            pairs = [(t, g) for t, g in ((out, grad_out), (lse, grad_lse)) if g is not None]
+            grad_q, grad_kv = torch.autograd.grad([t for t, _ in pairs], (q_, kv_), [g for _, g in pairs],
+                                                  allow_unused=True)
+        return grad_q, grad_kv, None, None, None
+
+
+def _blocked_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     Tq, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if Tq == 0:
