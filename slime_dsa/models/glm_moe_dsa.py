@@ -340,7 +340,10 @@ class Experts(nn.ModuleList):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights/expert_ids (T, k) -> (T, D)."""
-        if invariant.is_enabled():  # every expert's rows through the invariant GEMM, summed in expert order
+        if invariant.is_enabled():  # every expert's rows through an invariant GEMM, summed in expert order
+            grouped = invariant.grouped_linear_kernel(x)
+            if grouped is not None:
+                return self._forward_invariant_grouped(x, weights, expert_ids, grouped)
             return self._forward_loop(x, weights, expert_ids)
         if self._grouped_ok(x):
             if self.use_grouped_mm:
@@ -416,6 +419,28 @@ class Experts(nn.ModuleList):
         # Back to (token, slot) order (order is a permutation: no atomics), summed over the k slots in float32.
         unsorted = torch.empty_like(y).index_copy_(0, order, y)
         return unsorted.view(T, top_k, -1).sum(1).to(x.dtype)
+
+    def _forward_invariant_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                                   grouped_linear) -> torch.Tensor:
+        """Batch-invariant mode with a grouped kernel (triton_invariant.grouped_linear): the grouped path's layout,
+        and each token's k outputs summed in ascending expert order in float32, as the loop sums them."""
+        T, top_k = expert_ids.shape
+        expert_ids, slot = expert_ids.sort(dim=1)  # (T, k) each token's experts ascending
+        weights = weights.gather(1, slot)
+        w_gate_up, w_down = self.stacked() if torch.is_inference_mode_enabled() else self._stack()
+        flat = expert_ids.reshape(-1)
+        narrow = torch.uint8 if len(self) <= 256 else torch.int16 if len(self) <= 32768 else flat.dtype
+        sorted_ids, order = torch.sort(flat.to(narrow), stable=True)  # (T*k,) slots sorted by expert
+        experts = torch.arange(len(self), device=flat.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # (E,) end rows
+        gate, up = grouped_linear(x[order // top_k], w_gate_up, offs).chunk(2, dim=-1)  # (T*k, I) each
+        y = grouped_linear(invariant.rowwise(self[0].act, gate) * up, w_down, offs)  # (T*k, D)
+        y = y.float() * weights.reshape(-1)[order, None]
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(T, top_k, -1)
+        out = per_slot[:, 0]
+        for k in range(1, top_k):  # one add per slot: a reduction kernel's order could depend on T
+            out = out + per_slot[:, k]
+        return out.to(x.dtype)
 
     def _fingerprint(self) -> tuple:
         params = [p for mlp in self for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]

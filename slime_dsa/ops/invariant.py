@@ -16,7 +16,8 @@ How, on the torch path (any device):
 - element-wise transcendental ops (the router's sigmoid, the MLP's activation, RoPE's cos and sin) run on
   fixed-shape row pieces too (`rowwise`): on CPU a vectorised and a scalar-tail exp can differ in the last bit;
 - RMSNorm, LayerNorm and log-softmax are row-wise kernels already (tests/test_true_on_policy.py checks them).
-MoE experts run the per-expert loop (each expert's rows through `linear`), combined in ascending expert order.
+MoE experts run the per-expert loop (each expert's rows through `linear`), or the kernels' grouped GEMM where
+there is one; either way each token's outputs are summed in ascending expert order.
 
 On CUDA, `slime_dsa.ops.triton_invariant` replaces these functions when it imports, with the same signatures and
 semantics, differentiable (the trainer back-propagates through them):
@@ -29,6 +30,8 @@ semantics, differentiable (the trainer back-propagates through them):
         logits (T, V), ids (T,) -> (T,) float32: log_softmax(logits.float() / temperature)[t, ids[t]].
     head_matmul(x: Tensor, weight: Tensor) -> Tensor   (optional; else a `linear` per head)
         x (T, H, A), weight (H, A, B) -> (T, H, B): out[:, h] = x[:, h] @ weight[h].
+    grouped_linear(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor   (optional; else the experts' loop)
+        x (M, K) rows sorted by expert, weight (E, N, K), offs (E,) end row of each expert -> (M, N).
 
 Same thread count on both sides: on CPU a BLAS may split one GEMM differently over more threads, so the engine and
 the trainer must run with the same torch thread count (the recipe gives both cluster.num_cpus_per_actor).
@@ -47,8 +50,8 @@ import torch.nn.functional as F
 from slime_dsa.ops import reference
 from slime_dsa.ops.reference import select_topk
 
-ROW_CHUNK = 32  # rows of every GEMM the torch path runs
-QUERY_CHUNK = 16  # query rows of every attention / indexer block
+ROW_CHUNK = 64  # rows of every GEMM the torch path runs
+QUERY_CHUNK = 32  # query rows of every attention / indexer block
 KEY_BLOCK = 64  # keys of every attention / indexer block
 
 _enabled = False
@@ -169,6 +172,13 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     T = x.shape[0]
     padded = _pad_rows(x, ROW_CHUNK)
     return torch.cat([fn(piece) for piece in padded.split(ROW_CHUNK)])[:T]
+
+
+def grouped_linear_kernel(x: torch.Tensor) -> Callable | None:
+    """triton_invariant.grouped_linear for x's device when it is there (rows sorted by expert, one launch, no host
+    sync), else None: the experts then run the per-expert loop through `linear`."""
+    gpu = _gpu(x)
+    return getattr(gpu, "grouped_linear", None) if gpu is not None else None
 
 
 # ----------------------------------------------------------------------------------------------
