@@ -967,8 +967,8 @@ class RecipeConfig(Section):
         engine_bf16 = self.model.dtype == "bfloat16" or (self.model.dtype == "auto" and cl.num_gpus_per_engine > 0)
         refusals = [
             (tr.backend != "fsdp", f"is built for trainer.backend 'fsdp' only, not {tr.backend!r}", "trainer.backend"),
-            (ro.engine != "embedded", f"is built for rollout.engine 'embedded' only, not {ro.engine!r} (its kernels "
-                                      "are not ours)", "rollout.engine"),
+            (ro.engine != "embedded", f"is built for rollout.engine 'embedded' only, not {ro.engine!r} (only the "
+                                      "embedded engines the run starts run the batch-invariant ops)", "rollout.engine"),
             (cl.num_gpus_per_engine > 0 or cl.num_gpus_per_trainer > 0,
              "is not yet shown on GPU (issue 23): set cluster.num_gpus_per_engine and num_gpus_per_trainer to 0",
              "cluster.num_gpus_per_engine"),
