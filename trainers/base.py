@@ -171,6 +171,7 @@ class RankConfig:
     mixed_precision: bool = False
     gradient_checkpointing: bool = False
     ops_backend: str = "auto"
+    true_on_policy: bool = False  # batch-invariant ops (slime_dsa.ops.invariant), as the engines run
     temperature: float = 1.0  # log-probs are of the tempered distribution the engine sampled from
     seed: int = 0
     logprob_chunk_size: int = 1024

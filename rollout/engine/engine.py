@@ -74,12 +74,13 @@ from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.rows import RUNNING, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
-from rollout.engine.sampling import sample, seed_to_int64
+from rollout.engine.sampling import exact_logprobs, sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+from slime_dsa.ops import invariant
 
 logger = logging.getLogger(__name__)
 
@@ -770,6 +771,9 @@ class Engine:
                                                              dtype=np.int64, count=len(seqs))), device)  # (B,) tokens before this one
             rows.mask_stop_ids(logits, num_output)
             tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
+            if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
+                logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
+                                                           else float(seq.req.sampling.temperature) for seq in seqs])
             result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]

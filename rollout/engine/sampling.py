@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_dsa.ops import invariant
+
 GREEDY_TEMPERATURE = 1e-6
 
 # splitmix64 (Steele, Lea, Flood 2014; Vigna's reference code) on int64 tensors, constants as two's-complement int64.
@@ -117,3 +119,15 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax of each row and its log-prob under the raw logits (temperature 1, nothing filtered)."""
     tokens = logits.argmax(dim=-1)
     return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+def exact_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """True on-policy log-probs: (B,) float32 log_softmax(logits / temperature) at the tokens, by the op the trainer
+    runs (`invariant.log_softmax_gather`) at each row's temperature (1 on greedy rows), unfiltered."""
+    if len(set(temperatures)) == 1:
+        return invariant.log_softmax_gather(logits, tokens, temperatures[0])
+    out = torch.empty(len(temperatures), dtype=torch.float32, device=logits.device)
+    for t in sorted(set(temperatures)):  # the op is row-wise: each temperature's rows alone give the same bits
+        rows = torch.tensor([i for i, u in enumerate(temperatures) if u == t], device=logits.device)
+        out[rows] = invariant.log_softmax_gather(logits[rows], tokens[rows], t)
+    return out

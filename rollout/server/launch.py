@@ -41,6 +41,7 @@ def load_engine(
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
     overlap: bool = False,
+    true_on_policy: bool = False,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -48,12 +49,14 @@ def load_engine(
     `keep_indexer_topk` keeps every cached row's DSA top-k, so requests can get their prompt rows' (index replay).
     `preload_weights`: checkpoint directories read into (pinned) host memory now, which /update_weights_from_disk
     then copies from (teachers taking turns on one engine). `overlap`: the engine's overlap scheduler (Engine).
+    `true_on_policy`: batch-invariant ops for this process (slime_dsa.ops.invariant), as the recipe's model key.
     """
     import torch
 
     from slime_dsa import ops
 
     ops.set_backend(ops_backend)
+    ops.invariant.set_enabled(true_on_policy)
     from rollout.engine.async_engine import AsyncEngine
     from rollout.engine.engine import Engine
     from slime_dsa.checkpoint import load_model

@@ -58,6 +58,13 @@ class ModelSection(Section):
                                 "randomly initialised indexer needs, as it cannot learn which keys to select. With "
                                 "model.path the model is copied into the run directory (initial_model) with this "
                                 "budget in its config.json; the weights are the same.")
+    true_on_policy: bool = Field(
+        False, description="Batch-invariant kernels in the engine and the trainer (slime_dsa/ops/invariant.py): "
+                           "every rollout log-prob equals the trainer's for the same token and weights bit for bit "
+                           "(train/train_rollout_logprob_exact_frac 1), whatever the batches, so π_roll = π_old "
+                           "and IcePop/TIS correct nothing. Slower steps. Built for embedded engines and the fsdp "
+                           "trainer on CPU (float32, or bfloat16 with trainer.mixed_precision); sampling unfiltered "
+                           "(rollout.top_p 1, top_k -1).")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -928,6 +935,7 @@ class RecipeConfig(Section):
                 f"trainer.mixed_precision with trainer.backend {self.trainer.backend!r} needs GPU trainers (on a CPU "
                 "it trains in float32): set cluster.num_gpus_per_trainer or mixed_precision: false",
                 "trainer.mixed_precision", "cluster.num_gpus_per_trainer")
+        self._check_true_on_policy()
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
@@ -962,6 +970,31 @@ class RecipeConfig(Section):
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
                 "logging.run_name (the default run name is new on every run)", "checkpoint.resume")
         return self
+
+    def _check_true_on_policy(self) -> None:
+        """model.true_on_policy only where engine and trainer run the batch-invariant ops (issue 23)."""
+        if not self.model.true_on_policy:
+            return
+        ro, cl, tr = self.rollout, self.cluster, self.trainer
+        engine_bf16 = self.model.dtype == "bfloat16" or (self.model.dtype == "auto" and cl.num_gpus_per_engine > 0)
+        refusals = [
+            (tr.backend != "fsdp", f"is built for trainer.backend 'fsdp' only, not {tr.backend!r}", "trainer.backend"),
+            (ro.engine != "embedded", f"is built for rollout.engine 'embedded' only, not {ro.engine!r} (only the "
+                                      "embedded engines the run starts run the batch-invariant ops)", "rollout.engine"),
+            (cl.num_gpus_per_engine > 0 or cl.num_gpus_per_trainer > 0,
+             "is not yet shown on GPU (issue 23): set cluster.num_gpus_per_engine and num_gpus_per_trainer to 0",
+             "cluster.num_gpus_per_engine"),
+            (engine_bf16 != tr.mixed_precision,
+             f"needs engines and trainer in one dtype: the engines compute in {'bfloat16' if engine_bf16 else 'float32'}"
+             f" (model.dtype {self.model.dtype}), the trainer in {'bfloat16' if tr.mixed_precision else 'float32'} "
+             f"(trainer.mixed_precision {str(tr.mixed_precision).lower()})", "trainer.mixed_precision"),
+            (ro.top_p < 1 or ro.top_k != -1,
+             f"scores the unfiltered distribution: set rollout.top_p 1 and top_k -1 (got {ro.top_p}, {ro.top_k})",
+             "rollout.top_p"),
+        ]
+        for refused, why, key in refusals:
+            if refused:
+                raise RecipeValueError(f"model.true_on_policy {why}", "model.true_on_policy", key)
 
     def _check_critic(self) -> None:
         """The critic section is read only by algorithms with a critic role; separate-placement keys only there."""

@@ -31,6 +31,7 @@ from slime_dsa.devices import upload
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
+from slime_dsa.ops import invariant
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # (M, K) x (G, K, N), offs (G,)
@@ -105,6 +106,15 @@ class ModelOutput:
 # Building blocks
 
 
+class Linear(nn.Linear):
+    """nn.Linear that takes the batch-invariant GEMM when that mode is on (model.true_on_policy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.is_enabled():
+            return invariant.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -112,16 +122,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.is_enabled():
+            return invariant.rms_norm(x, self.weight, self.eps)
         # Fused normalisation in float32, then transformers' rounding: cast to x's dtype before the weight.
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-class IndexerHead(nn.Linear):
+class IndexerHead(Linear):
     """The indexer's per-head weights (weights_proj): computed in float32 whatever dtype the weight is held in, so
     that bf16 noise here does not change the top-k. Held in float32 in every path (float32_modules); a module call,
     not a read of .weight, so that a separate FSDP2 shard of it is gathered."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.is_enabled():
+            return invariant.linear(x.float(), self.weight.float())
         return F.linear(x.float(), self.weight.float())
 
 
@@ -132,8 +146,8 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
         self.index_topk = config.index_topk
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = IndexerHead(config.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
@@ -165,13 +179,13 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         self.index_topk = c.index_topk
         self.scale = c.attention_scale()
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+        self.q_b_proj = Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.kv_b_proj = Linear(c.kv_lora_rank, self.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         is_full = layer_idx >= c.num_hidden_layers or c.indexer_types[layer_idx] == "full"  # MTP layers index for themselves
         self.indexer = Indexer(c) if is_full else None
 
@@ -205,7 +219,11 @@ class MLAttention(nn.Module):
 
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # (H, Dn, Dl), (H, Dv, Dl)
-        q_mqa = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_rope], dim=-1)  # (T, H, Dl+Dr)
+        if invariant.is_enabled():
+            q_absorbed = invariant.head_matmul(q_nope, w_uk)  # (T, H, Dl)
+        else:
+            q_absorbed = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        q_mqa = torch.cat([q_absorbed, q_rope], dim=-1)  # (T, H, Dl+Dr)
         kv_new = torch.cat([c_kv, k_rope], dim=-1)  # (T, Dl+Dr)
 
         index_q = index_k_new = index_w = None
@@ -243,7 +261,10 @@ class MLAttention(nn.Module):
                 "scale": self.scale, "rows": rows, "index_q": index_q, "index_k": index_k, "index_weights": index_w,
                 "index_scale": self.indexer.softmax_scale if self.indexer is not None else None,
             }
-        out = torch.einsum("thl,hvl->thv", out_latent, w_uv)  # (T, H, Dv)
+        if invariant.is_enabled():
+            out = invariant.head_matmul(out_latent, w_uv.transpose(1, 2))  # (T, H, Dv)
+        else:
+            out = torch.einsum("thl,hvl->thv", out_latent, w_uv)  # (T, H, Dv)
         return self.o_proj(out.reshape(T, H * self.v_dim)), local, rows, record
 
 
@@ -251,13 +272,15 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = invariant.rowwise(self.act, gate) if invariant.is_enabled() else self.act(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -273,7 +296,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> routing weights (T, k) float32, expert ids (T, k) ascending."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        x32, w32 = x.float(), self.weight.float()
+        if invariant.is_enabled():
+            scores = invariant.rowwise(torch.sigmoid, invariant.linear(x32, w32))  # (T, E)
+        else:
+            scores = F.linear(x32, w32).sigmoid()
         return route(scores, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                      self.norm_topk_prob, self.routed_scaling_factor)
 
@@ -323,6 +350,11 @@ class Experts(nn.ModuleList):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights/expert_ids (T, k) -> (T, D)."""
+        if invariant.is_enabled():  # every expert's rows through an invariant GEMM, summed in expert order
+            grouped = invariant.grouped_linear_kernel(x)
+            if grouped is not None:
+                return self._forward_invariant_grouped(x, weights, expert_ids, grouped)
+            return self._forward_loop(x, weights, expert_ids)
         if self._grouped_ok(x):
             if self.use_grouped_mm:
                 return self._forward_grouped(x, weights, expert_ids)
@@ -351,7 +383,7 @@ class Experts(nn.ModuleList):
     def graph_safe(self) -> bool:
         """Whether an inference forward on the experts' own device and dtype waits on no host (the grouped path):
         only then can it be captured in a CUDA graph. The loop reads the per-expert counts on the host."""
-        if _grouped_mm is None:
+        if _grouped_mm is None or invariant.is_enabled():
             return False
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
@@ -397,6 +429,28 @@ class Experts(nn.ModuleList):
         # Back to (token, slot) order (order is a permutation: no atomics), summed over the k slots in float32.
         unsorted = torch.empty_like(y).index_copy_(0, order, y)
         return unsorted.view(T, top_k, -1).sum(1).to(x.dtype)
+
+    def _forward_invariant_grouped(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                                   grouped_linear) -> torch.Tensor:
+        """Batch-invariant mode with a grouped kernel (triton_invariant.grouped_linear): the grouped path's layout,
+        and each token's k outputs summed in ascending expert order in float32, as the loop sums them."""
+        T, top_k = expert_ids.shape
+        expert_ids, slot = expert_ids.sort(dim=1)  # (T, k) each token's experts ascending
+        weights = weights.gather(1, slot)
+        w_gate_up, w_down = self.stacked() if torch.is_inference_mode_enabled() else self._stack()
+        flat = expert_ids.reshape(-1)
+        narrow = torch.uint8 if len(self) <= 256 else torch.int16 if len(self) <= 32768 else flat.dtype
+        sorted_ids, order = torch.sort(flat.to(narrow), stable=True)  # (T*k,) slots sorted by expert
+        experts = torch.arange(len(self), device=flat.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # (E,) end rows
+        gate, up = grouped_linear(x[order // top_k], w_gate_up, offs).chunk(2, dim=-1)  # (T*k, I) each
+        y = grouped_linear(invariant.rowwise(self[0].act, gate) * up, w_down, offs)  # (T*k, D)
+        y = y.float() * weights.reshape(-1)[order, None]
+        per_slot = torch.empty_like(y).index_copy_(0, order, y).view(T, top_k, -1)
+        out = per_slot[:, 0]
+        for k in range(1, top_k):  # one add per slot: a reduction kernel's order could depend on T
+            out = out + per_slot[:, k]
+        return out.to(x.dtype)
 
     def _fingerprint(self) -> tuple:
         params = [p for mlp in self for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
@@ -471,7 +525,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, layer_idx)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -648,7 +702,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from slime_dsa.ops import invariant
+
 KEEP_LOGITS_ELEMENTS = 1 << 20  # float32 logits blocks up to 4 MiB are not recomputed in backward
 
 
@@ -27,9 +29,14 @@ class ChunkedLogprobs:
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, want_entropy: bool,
            candidates: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, ...]:
-    logits = (hidden @ weight.T).float() / temperature  # (C, V): the only float32 logits alive at a time
+    exact = invariant.is_enabled()  # true on-policy: the engine's lm_head and log-prob ops, bit for bit
+    raw = (invariant.linear(hidden, weight) if exact else hidden @ weight.T).float()  # (C, V)
+    logits = raw / temperature  # the only float32 logits alive at a time
     logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(1, targets[:, None]).squeeze(1) - logz
+    if exact:
+        logp = invariant.log_softmax_gather(raw, targets, temperature)
+    else:
+        logp = logits.gather(1, targets[:, None]).squeeze(1) - logz
     out = [logp]
     if want_entropy:
         probs = torch.softmax(logits, dim=-1)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from slime_dsa.models.config import ModelConfig
+from slime_dsa.ops import invariant
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -56,7 +57,11 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     Built once per forward in the shape `apply_interleaved_rope` multiplies with, so each rotation is 4 kernels.
     """
     freqs = positions[:, None].float() * inv_freq.to(positions.device)  # (T, R/2)
-    cos, sin = (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+    if invariant.is_enabled():  # each position's table whatever the batch (true on-policy)
+        cos, sin = invariant.rowwise(torch.cos, freqs), invariant.rowwise(torch.sin, freqs)
+    else:
+        cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = (cos * scaling).to(dtype), (sin * scaling).to(dtype)
     return torch.stack([cos, cos], dim=1), torch.stack([-sin, sin], dim=1)
 
 

@@ -1,15 +1,16 @@
 """DSA attention and indexer ops behind one interface: a torch reference (any device) and Triton kernels (CUDA).
 
 `set_backend("torch" | "triton" | "auto")` picks the path; "auto" uses Triton on CUDA tensors when the
-kernels import, the torch reference otherwise. Conventions (packing, causal alignment, tie rule) are
-documented in `slime_dsa/ops/reference.py` and hold for every backend.
+kernels import, the torch reference otherwise. Batch-invariant mode (`invariant.set_enabled`, true on-policy)
+overrides the backend: every op then takes the one reduction order of `slime_dsa/ops/invariant.py`.
+Conventions (packing, causal alignment, tie rule) are documented in `slime_dsa/ops/reference.py` and hold for every backend.
 """
 
 from __future__ import annotations
 
 import torch
 
-from slime_dsa.ops import reference
+from slime_dsa.ops import invariant, reference
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -44,16 +45,16 @@ def _kernels(device: torch.device):
 
 def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
     """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
-    impl = _kernels(q.device) or reference
+    impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
     return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
 
 def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
     """Decode top-k over a paged key pool (one query per sequence): (B, topk) sequence-local positions.
 
-    Neither backend syncs with the host, so an engine can capture it in a CUDA graph.
+    Neither backend syncs with the host, so an engine can capture it in a CUDA graph (batch-invariant mode does).
     """
-    impl = _kernels(q.device) or reference
+    impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
 
 
@@ -65,6 +66,8 @@ def sparse_mla_attention(
     cu_seqlens: how q and kv are packed when they are the same rows (no cache); on the torch path, indices that
     select every causal key (a top-k at or above the sequence length) then run as dense causal attention.
     """
+    if invariant.is_enabled():  # never dense, never split: decode, prefill and training alike
+        return invariant.mla_attention(q, kv, indices, scale, v_dim)
     kernels = _kernels(q.device)
     if kernels is not None:
         return kernels.sparse_mla_attention(q, kv, indices, scale, v_dim)
@@ -86,5 +89,5 @@ def indexer_kl_loss(
 
 
 __all__ = [
-    "set_backend", "get_backend", "indexer_topk", "indexer_topk_paged", "sparse_mla_attention", "indexer_kl_loss", "reference",
+    "set_backend", "get_backend", "invariant", "indexer_topk", "indexer_topk_paged", "sparse_mla_attention", "indexer_kl_loss", "reference",
 ]

@@ -47,6 +47,7 @@ class FSDPWorker(TrainerRank):
         self.mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (world_size,))
         torch.manual_seed(config.seed)
         ops.set_backend(config.ops_backend)
+        ops.invariant.set_enabled(config.true_on_policy)
         if config.data_parallel not in ("fsdp", "replicate"):
             raise ValueError(f"trainer.data_parallel must be fsdp or replicate, got {config.data_parallel!r}")
         if config.data_parallel == "replicate" and config.mixed_precision:
