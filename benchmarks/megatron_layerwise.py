@@ -305,6 +305,10 @@ def layerwise(checkpoint: str, device: torch.device, seqlens: list[int], seed: i
         Experts.use_grouped_mm = GroupedSequentialMLP.use_grouped_mm = True
     sizes = parallel_sizes({})
     groups, place = initialize(sizes)
+    if device.type == "cuda":  # after initialize: the seed reads the tensor-parallel rank
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+        model_parallel_cuda_manual_seed(0)
     megatron = load_megatron(checkpoint, sizes, groups, place, torch.bfloat16, device).eval()
     fsdp_copy = Bf16Compute(load_model(checkpoint, dtype=torch.float32, device=device))
     fsdp, float32 = fsdp_copy.module.eval(), fsdp_copy.master.eval()
@@ -375,10 +379,6 @@ def run(rank: int, port: int, checkpoint: str, options: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=1)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
-
-        model_parallel_cuda_manual_seed(0)
     try:
         result = layerwise(checkpoint, device, options["seqlens"], grouped=options.get("grouped", False),
                            variants=tuple(options.get("variants") or VARIANTS),
