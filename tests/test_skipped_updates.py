@@ -47,6 +47,12 @@ def test_a_non_finite_gradient_skips_the_update_and_counts_it(worker):
     metrics = worker.train_step(batch, tokens, NUM_SAMPLES)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0 and metrics["skipped_updates"] == 0.0
     assert any(not torch.equal(v, before[k]) for k, v in _weights(worker).items())  # a normal update
+    # every advantage 0 (a GRPO step whose groups all agree): loss and gradient exactly 0, not a skip
+    flat = _batch()
+    flat.old_logprobs = worker.compute_logprobs(flat)
+    flat.advantages.zero_()
+    metrics = worker.train_step(flat, tokens, NUM_SAMPLES)
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0 and metrics["skipped_updates"] == 0.0
 
 
 def test_a_call_sums_its_skipped_updates_and_keeps_a_non_finite_norm():
