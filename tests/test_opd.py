@@ -65,6 +65,26 @@ def test_sparse_topk_kl_gradient_equals_the_direct_one():
     assert torch.allclose(ours, direct, atol=1e-10)
 
 
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_sparse_topk_kl_gradient_is_finite_when_the_student_tail_rounds_to_zero(direction):
+    # A collapsed float32 student (p ≈ 1 − 1.2e-7 on one id), log-probs as the trainer computes them: the
+    # candidates' log Σ p is −7e-15, exp of it rounds to 1 and the unused branch of log(1 − Σ p) had an infinite
+    # derivative: a finite KL with a NaN gradient (the skipped updates of the OPD merge run).
+    teacher = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 0.0, 0.0, 0.0]), -1)[:3].expand(4, 3)
+    logits = torch.tensor([[0.3, a, a - 0.3, -30.0, -30.0, -30.0] for a in (-16.3, -16.25, -16.2, -5.0)],
+                          requires_grad=True)
+    student = (logits - torch.logsumexp(logits, -1, keepdim=True))[:, :3]  # as slime_dsa.models.logprobs does
+    assert torch.logsumexp(student[0], -1).item() < 0.0 and torch.logsumexp(student[0], -1).exp().item() == 1.0
+    kl = sparse_topk_kl(student, teacher, direction)
+    grad = torch.autograd.grad(kl.sum(), logits)[0]
+    assert bool(torch.isfinite(kl).all()) and bool(torch.isfinite(grad).all())
+    # the rows whose tail is above the floor keep the exact gradient (float64 reference)
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref = (ref_logits - torch.logsumexp(ref_logits, -1, keepdim=True))[:, :3]
+    want = torch.autograd.grad(sparse_topk_kl(ref, teacher.double(), direction).sum(), ref_logits)[0]
+    assert torch.allclose(grad[3], want[3].float(), rtol=1e-4, atol=1e-6)
+
+
 def test_mixed_advantages_follow_the_formula():
     # two samples: 0 taught (tokens 1-3 generated), 1 a reward domain (tokens 5-6 generated)
     index = torch.tensor([0, 0, 0, 0, 1, 1, 1])

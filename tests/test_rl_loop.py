@@ -91,6 +91,7 @@ def test_three_steps_train_sync_and_log(first_run):
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
+        assert r["train/skipped_updates"] == 0
         # The engines sampled with exactly the weights the trainer holds: the sync after every step worked.
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5
         assert r["train/train_rollout_logprob_abs_diff"] <= r["train/train_rollout_logprob_abs_diff_max"] < 1e-4

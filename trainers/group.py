@@ -10,7 +10,7 @@ from slime_dsa.models.prefix_sharing import shared_prompt_lengths
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
-from trainers.rank import TrainerRank, shares_prompts
+from trainers.rank import TrainerRank, combine_steps, shares_prompts
 
 
 class RayTrainerGroup:
@@ -80,7 +80,8 @@ class RayTrainerGroup:
               detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
         """An RL step's training in one call per rank: π_old (when asked, before any update) and num_mini_batches
         optimiser steps, each on a contiguous slice of the samples (groups stay together as far as the split
-        allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's).
+        allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's,
+        skipped_updates summed).
         detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged."""
         n = len(batch.seqlens)
         parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
@@ -100,8 +101,7 @@ class RayTrainerGroup:
         steps = results[0][1]
         # The weight-sync check is the first step's alone: its weights are the engines'.
         sync = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith("sync_logprob_")}
-        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
-        metrics["lr"] = steps[-1]["lr"]
+        metrics = combine_steps(steps)
         metrics.update(sync)
         if not recompute_old_logprobs:
             return None, metrics

@@ -12,6 +12,7 @@ the loss object of its role's config on the tensors the batch carries: a policy 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 # Loss metrics already normalised by the step-wide denominator: their micro-batch values add up.
 SHARE_METRICS = {"loss", "pg_loss", "kl_ref", "value_loss"}
+# Counts of optimiser steps: one call's steps add up (the other step metrics are averaged over them).
+COUNT_METRICS = {"skipped_updates"}
 
 
 @dataclass
@@ -85,6 +88,14 @@ def _accumulate(sums: dict[str, Metric], metrics: dict[str, Metric]) -> None:
             sums[key] = torch.maximum(torch.as_tensor(sums[key]), torch.as_tensor(value))
         else:
             sums[key] = sums[key] + value
+
+
+def combine_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One call's metrics from those of its optimiser steps: counts summed, lr the last step's, the rest averaged
+    (a non-finite grad_norm stays non-finite)."""
+    out = {k: sum(m[k] for m in steps) / (1 if k in COUNT_METRICS else len(steps)) for k in steps[0]}
+    out["lr"] = steps[-1]["lr"]
+    return out
 
 
 def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy: torch.Tensor | None,
@@ -328,7 +339,8 @@ class TrainerRank:
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
         grad_norm, lr = self._optimizer_step(held)
         out = self._reduce_metrics(sums)
-        out.update({"grad_norm": grad_norm, "lr": lr})
+        # The norm is the global one, so every rank skips (and counts) the same steps.
+        out.update({"grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not math.isfinite(grad_norm))})
         return out
 
     def _policy_micro_loss(self, held: Role, mb: TrainBatch | None, step_loss_tokens: float, step_num_samples: int,

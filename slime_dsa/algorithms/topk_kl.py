@@ -22,15 +22,18 @@ from slime_dsa.algorithms.utils import masked_mean, upcast
 KLDirection = Literal["reverse", "forward"]
 TAIL_FLOOR = 1e-8
 _LOG_TAIL_FLOOR = math.log(TAIL_FLOOR)
+_LOG_2 = math.log(2.0)
 
 
 def log_tail_mass(topk_logprobs: torch.Tensor) -> torch.Tensor:
     """(…,) log(1 − Σ_k exp(topk_logprobs)) over the last dim, floored at log(TAIL_FLOOR); stable near 0 and 1."""
     lse = torch.logsumexp(upcast(topk_logprobs), dim=-1).clamp(max=0.0)  # log Σ p ≤ 0
-    # log(1 − e^x): log(−expm1(x)) near x = 0, log1p(−e^x) far from it (Mächler's log1mexp)
-    near = torch.log(-torch.expm1(lse.clamp(max=-1e-30)))
-    far = torch.log1p(-torch.exp(lse))
-    return torch.where(lse > -math.log(2.0), near, far).clamp(min=_LOG_TAIL_FLOOR)
+    # log(1 − e^x): log(−expm1(x)) near x = 0, log1p(−e^x) far from it (Mächler's log1mexp). Each branch sees
+    # only its own range: torch.where sends a zero gradient into the unused one, and 0 · inf there (log1p(−1) at
+    # an x whose e^x rounds to 1) would make the whole gradient NaN.
+    near = torch.log(-torch.expm1(lse.clamp(min=-_LOG_2, max=-1e-30)))
+    far = torch.log1p(-torch.exp(lse.clamp(max=-_LOG_2)))
+    return torch.where(lse > -_LOG_2, near, far).clamp(min=_LOG_TAIL_FLOOR)
 
 
 def sparse_topk_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,

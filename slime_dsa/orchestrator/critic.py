@@ -56,4 +56,5 @@ async def train_critic(trainers: TrainerGroup, spec: Algorithm, batch: TrainBatc
     metrics = {f"critic/{k}": sum(p[k] for p in passes) / len(passes) for k in CRITIC_METRICS if k in passes[0]}
     metrics["critic/lr"] = passes[-1]["lr"]
     metrics["critic/steps"] = len(passes) * mini_batches
+    metrics["critic/skipped_updates"] = sum(p.get("skipped_updates", 0.0) for p in passes)
     return metrics
