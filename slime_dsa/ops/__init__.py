@@ -52,7 +52,8 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
 def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
     """Decode top-k over a paged key pool (one query per sequence): (B, topk) sequence-local positions.
 
-    Neither backend syncs with the host, so an engine can capture it in a CUDA graph (batch-invariant mode does).
+    Neither backend syncs with the host, so an engine can capture it in a CUDA graph; batch-invariant mode's path
+    does sync (its key widths are read on the host), and engines in that mode decode without graphs.
     """
     impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
