@@ -70,6 +70,11 @@ PRESETS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def model_config(preset: str) -> ModelConfig:
+    """The ModelConfig of one of this benchmark's presets (also the shape of tests/test_true_on_policy_300m.py)."""
+    return ModelConfig.from_dict({**_COMMON, **PRESETS[preset][0]})
+
+
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     """Random prompts of lengths in [prompt_len / 2, prompt_len], avoiding the EOS / pad id 1."""
     g = torch.Generator().manual_seed(seed)
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> str:
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
     prompt_len, new_tokens = args.prompt_len or prompt_len, args.new_tokens or new_tokens
-    config = ModelConfig.from_dict({**_COMMON, **overrides})
+    config = model_config(args.preset)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     hf_sizes = set(batch_sizes) if args.hf_batch_sizes is None else (
         set() if args.hf_batch_sizes == "none" else {int(b) for b in args.hf_batch_sizes.split(",")})

@@ -61,7 +61,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 def rollout(model, prompt_list: list[list[int]], temperature: float, batch: int, replay: bool,
             samples_per_prompt: int = 1) -> list[Sample]:
     """Samples of the prompts from an engine that runs at most `batch` requests at once."""
-    engine = Engine(model, max_cache_tokens=1 << 14, block_size=16, seed=0, max_running_requests=batch,
+    cache_tokens = max(1 << 14, samples_per_prompt * sum(len(p) + NEW_TOKENS + 16 for p in prompt_list))
+    engine = Engine(model, max_cache_tokens=cache_tokens, block_size=16, seed=0, max_running_requests=batch,
                     keep_indexer_topk=replay)
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True,
                                                   sampling_seed=1000 * i + j),
