@@ -317,7 +317,8 @@ def test_bitwise_through_the_triton_kernels_in_the_interpreter():
 
 @pytest.mark.parametrize("override, message", [
     ({"trainer": {"backend": "deepspeed", "data_parallel": "fsdp"}}, "trainer.backend 'fsdp' only"),
-    ({"cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}}, "not yet shown on GPU (issue 23)"),
+    ({"cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}},  # engines in bf16 (dtype auto on GPU)
+     "the engines compute in bfloat16 (model.dtype auto), the trainer in float32"),
     ({"rollout": {"top_p": 0.9}}, "rollout.top_p 1 and top_k -1"),
     ({"rollout": {"top_k": 20}}, "rollout.top_p 1 and top_k -1"),
     ({"trainer": {"mixed_precision": True}}, "the engines compute in float32 (model.dtype auto), the trainer in bfloat16"),
@@ -333,3 +334,14 @@ def test_recipe_refuses_what_is_not_built(override, message):
     with pytest.raises(RecipeError, match=re.escape(message)) as err:
         validate_recipe({**base, **override})
     assert "\n" not in str(err.value)
+
+
+def test_recipe_allows_the_gpu_recipe():
+    """recipes/gpu_single.yaml with the switch on: GPU engines and trainer, bf16 engines with the trainer's bf16
+    compute copy (trainer.mixed_precision), as the Triton kernels run it."""
+    from slime_dsa.config import load_recipe  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(root / "recipes" / "gpu_single.yaml", ["model.true_on_policy=true"])
+    assert recipe.model.true_on_policy and recipe.cluster.num_gpus_per_engine > 0
+    assert recipe.model.dtype == "bfloat16" and recipe.trainer.mixed_precision
