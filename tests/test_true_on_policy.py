@@ -59,10 +59,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def rollout(model, prompt_list: list[list[int]], temperature: float, batch: int, replay: bool,
-            samples_per_prompt: int = 1) -> list[Sample]:
-    """Samples of the prompts from an engine that runs at most `batch` requests at once."""
+            samples_per_prompt: int = 1, cuda_graphs: bool = True, stats: dict | None = None) -> list[Sample]:
+    """Samples of the prompts from an engine that runs at most `batch` requests at once (its stats into `stats`)."""
     engine = Engine(model, max_cache_tokens=1 << 14, block_size=16, seed=0, max_running_requests=batch,
-                    keep_indexer_topk=replay)
+                    keep_indexer_topk=replay, cuda_graphs=cuda_graphs)
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True,
                                                   sampling_seed=1000 * i + j),
                                 rid=f"{i}/{j}", return_indexer_topk=replay, indexer_topk_start_len=0 if replay else -1)
@@ -72,6 +72,8 @@ def rollout(model, prompt_list: list[list[int]], temperature: float, batch: int,
     finals = {}
     while engine.has_work:
         finals.update({o.rid: o for o in engine.step() if o.finish_reason is not None})
+    if stats is not None:
+        stats.update(engine.stats, decode_graphs=engine.decoder is not None and engine.decoder.use_cuda_graphs)
     samples = []
     for n, req in enumerate(requests):
         out = finals[req.rid]
@@ -297,6 +299,20 @@ def test_model_level_bitwise_on_device(device, temperature):
             for s, start in zip(samples, starts):
                 trainer = logp[start + len(s.prompt_ids) : start + s.total_length].cpu()
                 assert torch.equal(trainer, torch.tensor(s.rollout_logprobs)), (batch, s.index)
+
+
+@pytest.mark.gpu
+def test_invariant_decode_runs_in_cuda_graphs():
+    """On CUDA the mode's kernels wait on no host, so the engine decodes in CUDA graphs; replayed graphs give the
+    eager engine's tokens and log-probs bit for bit."""
+    model = build_model(preset_config("tiny", VOCAB), dtype=torch.bfloat16, device="cuda", seed=0).eval()
+    with invariant.enabled(True):
+        stats: dict = {}
+        graphed = rollout(model, prompts(9, seed=3), 0.8, 7, False, stats=stats)
+        assert stats["decode_graphs"] and stats["graph_captures"] > 0, stats
+        eager = rollout(model, prompts(9, seed=3), 0.8, 7, False, cuda_graphs=False)
+    for a, b in zip(graphed, eager):
+        assert a.tokens == b.tokens and a.rollout_logprobs == b.rollout_logprobs, a.index
 
 
 @pytest.mark.slow  # ~3 min of CPU: the tiny model's every matmul through Triton's interpreter

@@ -13,10 +13,11 @@ makes MQA-mode sparse attention compute-bound rather than gather-bound. D is spl
 
 Decode (few query rows) splits each row's K keys over several programs and merges the partial results
 (flash-decoding), so a batch of single-token requests still fills the GPU. With `invariant=True` (true on-policy,
-slime_dsa/ops/invariant.py) it never splits and always launches INVARIANT_FWD_CONFIG: each row is then one program
-per head block walking its slots in BLOCK_N blocks from slot 0, so its bits depend on its own q and indices alone,
-whatever the batch (decode against the paged pool, prefill, training). A block of -1 slots past a row's keys would
-change nothing (the running max stays, alpha = exp2(0) = 1, p = 0), and the key loop stops before such blocks anyway.
+slime_dsa/ops/invariant.py) it never splits and launches one config per problem shape (INVARIANT_FWD_CONFIGS): each
+row is then one program per head block walking its slots in BLOCK_N blocks from slot 0, so its bits depend on its own
+q and indices alone, whatever the batch (decode against the paged pool, prefill, training). A block of -1 slots past a
+row's keys would change nothing (the running max stays, alpha = exp2(0) = 1, p = 0), and the key loop stops before
+such blocks anyway.
 
 Backward, two paths (both recompute the probabilities from the saved lse):
 - Key ranges (`key_ranges`): when every row selects a run of consecutive kv rows lo[t] <= r < hi[t], with lo
@@ -95,8 +96,11 @@ MASKED_RANGE_MAX_BYTES = 1 << 30
 # causal rows, short packed sequences) cost what they use. False walks every slot; benchmarks compare both.
 SKIP_EMPTY_SLOTS = True
 SCAN_SLOTS = 1024  # index slots per step of that scan
-# Batch-invariant forward: one pinned config (never chosen per shape or per process) and no key split.
-INVARIANT_FWD_CONFIG = KernelConfig(64, 64, 8, 2)
+# Batch-invariant forward: no key split, and the first of these configs that compiles and fits for the problem's
+# (heads, dims, dtype) on this device model, never chosen by row count or by timing, so an engine and a trainer on
+# the same GPU model take the same one. The first fits bf16 up to GLM-5's 64 x 576 on Hopper; the second is for
+# float32 at such sizes.
+INVARIANT_FWD_CONFIGS = [KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
@@ -125,6 +129,25 @@ def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
         try:
             launch(cfg)
         except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
+            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        _chosen[(kind, key)] = cfg
+        return
+    raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+
+
+def _launch_first_fitting(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
+    """Like `_launch`, but only a config that does not compile or fit moves on to the next (a deterministic
+    function of the device model and the problem shape); any other error propagates."""
+    cached = _chosen.get((kind, key))
+    if cached is not None:
+        launch(cached)
+        return
+    errors = []
+    for cfg in configs:
+        try:
+            launch(cfg)
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError) as err:
             errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
             continue
         _chosen[(kind, key)] = cfg
@@ -248,7 +271,7 @@ def sparse_mla_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (T, H, D), kv (Tk, D), indices (T, K) -> out (T, H, v_dim) in q's dtype, lse (T, H) float32.
 
-    invariant: no key split and INVARIANT_FWD_CONFIG, so each row's bits do not depend on the batch."""
+    invariant: no key split and a config that depends on no row count, so each row's bits do not depend on the batch."""
     T, H, D = q.shape
     K = indices.shape[1]
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
@@ -288,7 +311,7 @@ def sparse_mla_fwd(
             out.copy_((weight[..., None] * o).sum(dim=1))
 
     if invariant:
-        launch(INVARIANT_FWD_CONFIG)  # no fallback: another config would give other bits
+        _launch_first_fitting("fwd_invariant", (H, D, v_dim, q.dtype), INVARIANT_FWD_CONFIGS, launch)
     else:
         _launch("fwd", (H, D, v_dim, q.dtype), FWD_CONFIGS, launch)
     return out, lse
