@@ -243,7 +243,56 @@ def check_paged_decode_in_a_cuda_graph(Hi: int = 16, Di: int = 64, topk: int = 2
 
 
 # ----------------------------------------------------------------------------------------------
-# CPU: Triton's interpreter at tiny shapes, float32 (its bf16 dot is not faithful)
+# CPU
+
+
+def test_invariant_mode_is_graph_safe_only_with_its_kernels(monkeypatch):
+    """Decode graphs in the mode need the kernels that wait on no host: grouped experts, attention, paged indexer."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from slime_dsa.checkpoint import build_model  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+    from slime_dsa.ops import invariant  # noqa: PLC0415
+
+    model = build_model(preset_config("tiny", 97), seed=0)
+    kernels = dict(grouped_linear=None, mla_attention=None, indexer_topk_paged=None)
+    with invariant.enabled(True):
+        assert not model.graph_safe()  # CPU: the mode's torch path reads key widths and expert counts on the host
+        monkeypatch.setattr(invariant, "_gpu", lambda x: SimpleNamespace(**kernels))
+        assert model.graph_safe()
+        for missing in kernels:
+            monkeypatch.setattr(invariant, "_gpu", lambda x, m=missing: SimpleNamespace(
+                **{k: v for k, v in kernels.items() if k != m}))
+            assert not model.graph_safe(), missing
+
+
+@pytest.mark.slow  # ~5 s of CPU: Triton's compiler for sm90, no GPU needed
+def test_packed_and_paged_scoring_compile_to_one_layout():
+    """The indexer's packed and paged variants differ only in how they address keys: compiled for an H100 / H200,
+    their tensor-core and reduction layouts are the same (so are the sums they run in that layout)."""
+    pytest.importorskip("triton")
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from slime_dsa.ops import triton_indexer_invariant as tii  # noqa: PLC0415
+
+    fn = tii._invariant_scores_kernel
+    args = dict(q_ptr="*bf16", w_ptr="*fp32", k_ptr="*bf16", slots_ptr="*i64", key_start_ptr="*i64",
+                n_keys_ptr="*i64", scores_ptr="*fp32", row0="i64", width="i32", stride_slots="i32",
+                stride_scores="i32", scale="fp32")
+    layouts = {}
+    for paged in (False, True):
+        consts = dict(HI=16, DI=64, BLOCK_HI=16, BLOCK_DI=64, BLOCK_N=tii.BLOCK_N, PAGED=paged)
+        aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in args.items() if ty.startswith("*")}
+        src = ASTSource(fn, {**args, **{c: "constexpr" for c in consts}}, consts, aligned)
+        ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ttgir"]
+        layouts[paged] = [line for line in ir.splitlines() if line.startswith("#mma") or line.startswith("#linear")]
+        assert any(line.startswith("#mma") for line in layouts[paged])
+    assert layouts[False] == layouts[True]
+
+
+# Triton's interpreter at tiny shapes, float32 (its bf16 dot is not faithful)
 
 
 def run_interpret_checks() -> None:
