@@ -3,7 +3,8 @@
 The same recipe runs twice in one process through the real loop (Ray, engines, trainers, weight syncs): switch off,
 then on. For each it reads metrics.jsonl: the median `perf/step_time_s` (step 1, with its warm-up, left out), the mean
 `train/train_rollout_logprob_exact_frac` (the share of generated tokens whose engine log-prob equals the trainer's bit
-for bit) and the largest `train/train_rollout_logprob_abs_diff_max`. The figure of merit is the step-time ratio
+for bit), the largest `train/train_rollout_logprob_abs_diff_max`, and the largest PPO-KL (`train/approx_kl`) and
+IcePop masked fraction (`train/icepop_mask_frac`) of any step, which true on-policy makes exactly 0. The figure of merit is the step-time ratio
 on / off (issue 23's goal on the H200: at most 1.3).
 
     python benchmarks/true_on_policy.py --device cpu --preset tiny --steps 6
@@ -72,7 +73,17 @@ def run(args: argparse.Namespace, on: bool, root: Path, index: int) -> dict:
     gap = [r["train/train_rollout_logprob_abs_diff_max"] for r in steps if "train/train_rollout_logprob_abs_diff_max" in r]
     return {"mode": "on" if on else "off", "steps": len(steps), "step_time_s": statistics.median(times),
             "exact_frac": statistics.mean(exact) if exact else float("nan"),
-            "exact_frac_min": min(exact) if exact else float("nan"), "abs_diff_max": max(gap) if gap else float("nan")}
+            "exact_frac_min": min(exact) if exact else float("nan"), "abs_diff_max": max(gap) if gap else float("nan"),
+            **{f"{key}_max": largest(steps, f"train/{key}") for key in PER_STEP_ZEROS}}
+
+
+PER_STEP_ZEROS = ("approx_kl", "icepop_mask_frac")  # PPO-KL and IcePop's masked share: exactly 0 when on-policy
+
+
+def largest(records: list[dict], key: str) -> float:
+    """The largest value of `key` over the steps that log it (nan when none does)."""
+    values = [r[key] for r in records if key in r]
+    return max(values) if values else float("nan")
 
 
 def markdown(args: argparse.Namespace, results: list[dict]) -> str:
@@ -85,12 +96,14 @@ def markdown(args: argparse.Namespace, results: list[dict]) -> str:
         f"- date: {datetime.date.today().isoformat()}; {platform.processor() or platform.machine()}; recipe: {what}; "
         f"{args.dtype if args.device == 'cpu' else 'recipe dtype'}; {args.steps} steps per run, {args.rounds} round(s) of off then on; `python {' '.join(sys.argv)}`",
         "",
-        "| mode | median step time (s) | exact-match fraction (mean, min over steps) | max abs_diff_max |",
-        "|---|---|---|---|",
+        "| mode | steps | median step time (s) | exact-match fraction (mean, min over steps) | max abs_diff_max | "
+        "max PPO-KL (approx_kl) | max IcePop masked fraction |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        lines.append(f"| {r['mode']} | {r['step_time_s']:.3f} | {r['exact_frac']:.4f}, {r['exact_frac_min']:.4f} | "
-                     f"{r['abs_diff_max']:.3g} |")
+        lines.append(f"| {r['mode']} | {r['steps']} | {r['step_time_s']:.3f} | {r['exact_frac']:.4f}, "
+                     f"{r['exact_frac_min']:.4f} | {r['abs_diff_max']:.3g} | {r['approx_kl_max']:.3g} | "
+                     f"{r['icepop_mask_frac_max']:.3g} |")
     lines += ["", f"Step-time ratio on / off: **{median['on'] / median['off']:.2f}** (medians over rounds)."]
     return "\n".join(lines) + "\n"
 
