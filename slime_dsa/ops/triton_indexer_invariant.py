@@ -110,18 +110,21 @@ def _packed_rows(q: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torc
     return cu_seqlens_k[seq].contiguous(), (pos + 1).contiguous()
 
 
-@torch.no_grad()
-def indexer_scores(q, k, weights, cu_seqlens_q, cu_seqlens_k, scale: float, rows: slice | None = None) -> torch.Tensor:
-    """(len(rows), W) float32 scores of packed queries `rows` (all by default) over their causal keys, -inf after;
-    W is the longest such query's key count. For tests and benchmarks: `indexer_topk` scores in chunks."""
-    _check(q, k, weights, "indexer_topk")
-    key_start, n_keys = _packed_rows(q, cu_seqlens_q, cu_seqlens_k)
-    r0, r1, _ = (rows or slice(0, q.shape[0])).indices(q.shape[0])
-    width = int(n_keys[r0:r1].max()) if r1 > r0 else 0
-    scores = torch.empty(r1 - r0, width, dtype=torch.float32, device=q.device)
-    _launch(q.contiguous(), weights.contiguous(), k.contiguous().to(q.dtype), key_start, key_start, n_keys, scores,
-            r0, scale, paged=False)
+def _packed_scores(q, k, weights, key_start, n_keys, r0: int, r1: int, width: int, scale: float) -> torch.Tensor:
+    scores = torch.empty(r1 - r0, width, dtype=torch.float32, device=q.device)  # every entry written
+    _launch(q, weights, k, key_start, key_start, n_keys, scores, r0, scale, paged=False)
     return scores
+
+
+@torch.no_grad()
+def indexer_scores(q, k, weights, cu_seqlens_q, cu_seqlens_k, scale: float) -> torch.Tensor:
+    """(Tq, W) float32 scores of packed queries over their causal keys, -inf after; W is the longest query's key
+    count. What `indexer_topk` selects from (there in chunks of rows); for tests and benchmarks."""
+    _check(q, k, weights, "indexer_topk")
+    q, k, weights = q.contiguous(), k.contiguous().to(q.dtype), weights.contiguous()
+    key_start, n_keys = _packed_rows(q, cu_seqlens_q, cu_seqlens_k)
+    width = int(n_keys.max()) if q.shape[0] else 0
+    return _packed_scores(q, k, weights, key_start, n_keys, 0, q.shape[0], width, scale)
 
 
 @torch.no_grad()
@@ -138,8 +141,7 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
     step = max(1, CHUNK_ELEMS // width)
     for r0 in range(0, Tq, step):
         r1 = min(Tq, r0 + step)
-        scores = torch.empty(r1 - r0, width, dtype=torch.float32, device=q.device)
-        _launch(q, weights, k, key_start, key_start, n_keys, scores, r0, scale, paged=False)
+        scores = _packed_scores(q, k, weights, key_start, n_keys, r0, r1, width, scale)
         topk_select(scores, n_keys[r0:r1], topk, out=out[r0:r1])
     return out
 
