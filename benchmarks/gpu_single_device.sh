@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk tonp" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -43,6 +43,9 @@
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
 # 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
+# tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
+# 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
+# arguments, e.g. "--rounds 2", TONP_T caps it, default 420 s) writes $OUT/tonp.md (the table) and $OUT/tonp.log.
 set -o pipefail
 STAGES=${STAGES:-"setup test sft rl"}
 W=/root/hg                      # survives between calls while the machine is warm (not under a carried path)
@@ -147,6 +150,12 @@ invk)
   stamp invk
   timeout -k 10 ${INVK_T:-420} python3 benchmarks/invariant_kernels.py --out $OUT/invk.md ${INVK_ARGS} 2>&1 \
     | tee $OUT/invk.log | tail -20
+  ;;
+tonp)
+  stamp tonp
+  timeout -s INT -k 30 ${TONP_T:-420} python3 benchmarks/true_on_policy.py --device cuda --recipe recipes/gpu_single.yaml \
+    --steps ${TONP_STEPS:-20} --set model.path=$W/sft/model --set data.tasks.0.train_size=20000 ${TONP_ARGS} \
+    --out $OUT/tonp.md 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/tonp.log | tail -30
   ;;
 ds)
   stamp ds

@@ -4,7 +4,9 @@ at the 300m preset's shapes (hidden 1024, q_lora 384, kv_lora 256, MLP 2816, 16 
 
     PYTHONPATH=. python benchmarks/invariant_kernels.py --out $OUT/invk.md
 
-Rows are decode (M = 1, 64, 256, 1024) and training (M = 8192, 65536) batch sizes. Times are CUDA-graph replays
+Rows are decode (M = 1, 64, 256, 1024) and training (M = 8192, 65536) batch sizes. The last table times the sparse MLA
+forward and the indexer top-k, invariant against the non-invariant Triton kernels, at decode batch 256 and a packed
+training batch of 4,096 tokens (`--dsa-only` runs that table alone). Times are CUDA-graph replays
 (triton.testing.do_bench_cudagraph, so no launch overhead: the engine decodes in CUDA graphs), median, over enough
 weight copies that they do not sit in L2. For the linear kernel each candidate tile shape of --tiles is timed, and
 a cell marked ≠ says its output differs from the default tile shape's somewhere: tiles that agree bit for bit at
@@ -160,6 +162,67 @@ def row_op_rows(Ms: list[int], max_logits_m: int) -> list[list[str]]:
     return rows
 
 
+def bench_eager_us(op) -> float:
+    """Median microseconds of op() launched eagerly (for ops that read sizes on the host: no graph)."""
+    import triton.testing  # noqa: PLC0415
+
+    op()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(op, rep=50, return_mode="median") * 1000
+
+
+@torch.no_grad()
+def dsa_rows(decode_batch: int, train_tokens: int) -> list[list[str]]:
+    """Sparse MLA forward and the indexer top-k, invariant (triton_invariant) against the non-invariant Triton
+    kernels (triton_kernels): decode (one query per sequence against a paged pool of 1024-token contexts, graphs)
+    and training (packed sequences of 256 tokens, eager: the packed indexer reads sizes on the host)."""
+    from slime_dsa.ops import triton_invariant as inv  # noqa: PLC0415
+    from slime_dsa.ops import triton_kernels as base  # noqa: PLC0415
+
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    H, d_v, d_r, topk, Hi, Di, ctx, seq = 16, 256, 32, 256, 16, 64, 1024, 256
+    rows = []
+    # Decode: B queries, each sequence's keys at scattered pool slots.
+    B, pool = decode_batch, decode_batch * ctx
+    q = torch.randn(B, H, d_v + d_r, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    kv_pool = torch.randn(pool, d_v + d_r, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    slots = torch.randperm(pool, device=DEVICE, generator=g).view(B, ctx)
+    seq_lens = torch.randint(ctx // 2, ctx + 1, (B,), device=DEVICE, generator=g)
+    iq = torch.randn(B, Hi, Di, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    ik = torch.randn(pool, Di, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    iw = torch.randn(B, Hi, device=DEVICE, generator=g) * Hi**-0.5
+    local = base.indexer_topk_paged(iq, ik, iw, slots, seq_lens, topk, Di**-0.5)
+    picked = torch.where(local >= 0, slots.gather(1, local.clamp(min=0)), -1)
+    for name, ref, ours in (
+        ("indexer top-k, paged decode", lambda _: base.indexer_topk_paged(iq, ik, iw, slots, seq_lens, topk, 0.125),
+         lambda _: inv.indexer_topk_paged(iq, ik, iw, slots, seq_lens, topk, 0.125)),
+        ("sparse MLA fwd, decode", lambda _: base.sparse_mla_attention(q, kv_pool, picked, 0.06, d_v),
+         lambda _: inv.mla_attention(q, kv_pool, picked, 0.06, d_v)),
+    ):
+        ref_us, us = bench_us(ref), bench_us(ours)
+        rows.append([name, f"B={B}, {ctx}-token contexts", f"{ref_us:.1f}", f"{us:.1f}", f"{us / ref_us:.2f}x"])
+    # Training: packed sequences.
+    T = train_tokens
+    cu = torch.arange(0, T + 1, seq, device=DEVICE)
+    q = torch.randn(T, H, d_v + d_r, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    kv = torch.randn(T, d_v + d_r, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    iq = torch.randn(T, Hi, Di, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    ik = torch.randn(T, Di, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    iw = torch.randn(T, Hi, device=DEVICE, generator=g) * Hi**-0.5
+    local = base.indexer_topk(iq, ik, iw, cu, cu, topk // 2, 0.125)
+    picked = torch.where(local >= 0, local + (torch.arange(T, device=DEVICE) // seq * seq)[:, None], -1)
+    for name, ref, ours in (
+        ("indexer top-k, packed", lambda: base.indexer_topk(iq, ik, iw, cu, cu, topk // 2, 0.125),
+         lambda: inv.indexer_topk(iq, ik, iw, cu, cu, topk // 2, 0.125)),
+        ("sparse MLA fwd, packed", lambda: base.sparse_mla_attention(q, kv, picked, 0.06, d_v),
+         lambda: inv.mla_attention(q, kv, picked, 0.06, d_v)),
+    ):
+        ref_us, us = bench_eager_us(ref), bench_eager_us(ours)
+        rows.append([name, f"T={T}, sequences of {seq}, top-k {topk // 2}", f"{ref_us:.1f}", f"{us:.1f}",
+                     f"{us / ref_us:.2f}x"])
+    return rows
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -191,6 +254,9 @@ def main() -> None:
     parser.add_argument("--tiles", default="128x128x64/8/3,128x128x64/8/5,128x256x64/8/3,64x128x64/4/4,64x64x64/4/4",
                         help="bf16 linear tile shapes to time, BMxBNxBK/warps/stages; the first must be the default")
     parser.add_argument("--max-logits-m", type=int, default=8192, help="largest M for lm_head and log-softmax rows")
+    parser.add_argument("--decode-batch", type=int, default=256, help="decode rows of the DSA ops' table")
+    parser.add_argument("--train-tokens", type=int, default=4096, help="packed training tokens of the DSA ops' table")
+    parser.add_argument("--dsa-only", action="store_true", help="only the DSA ops' table")
     parser.add_argument("--out", help="also write the markdown here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -209,6 +275,11 @@ def main() -> None:
          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
          f"torch {torch.__version__}, triton {triton.__version__}; bf16; microseconds per call (CUDA-graph replay, "
          "weights cycled beyond L2); ratio = ours / torch in the same run.", mode="w")
+    if args.dsa_only:
+        emit(args.out, "### DSA ops, invariant vs the non-invariant Triton kernels\n\n"
+             + _table(["op", "batch", "non-invariant µs", "invariant µs", "ratio"],
+                      dsa_rows(args.decode_batch, args.train_tokens)))
+        return
     linear = linear_rows(Ms, tiles, args.max_logits_m)
     emit(args.out, summary(linear, {m for m in Ms if m <= 1024}) + "\n\n### linear (x @ Wᵀ) vs cuBLAS (F.linear)\n\n"
          + _table(["layer", "N x K", "M", "cuBLAS µs", *[f"tiles {n} µs" for n in tile_names],
@@ -220,6 +291,9 @@ def main() -> None:
     emit(args.out, "### RMSNorm (the model's: float32 norm, rounded, times weight) and log-softmax gather (float32, "
          "T=0.7)\n\n" + _table(["op", "width", "M", "torch µs", "ours µs", "ratio"],
                                  row_op_rows(Ms, args.max_logits_m)))
+    emit(args.out, "### DSA ops, invariant vs the non-invariant Triton kernels (300m shapes: 16 heads over 256 + 32, "
+         "indexer 16 x 64, top-k 256)\n\n" + _table(["op", "batch", "non-invariant µs", "invariant µs", "ratio"],
+                                                      dsa_rows(args.decode_batch, args.train_tokens)))
 
 
 def emit(path: str | None, text: str, mode: str = "a") -> None:

@@ -59,11 +59,11 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def rollout(model, prompt_list: list[list[int]], temperature: float, batch: int, replay: bool,
-            samples_per_prompt: int = 1) -> list[Sample]:
-    """Samples of the prompts from an engine that runs at most `batch` requests at once."""
+            samples_per_prompt: int = 1, cuda_graphs: bool = True, stats: dict | None = None) -> list[Sample]:
+    """Samples of the prompts from an engine that runs at most `batch` requests at once (its stats into `stats`)."""
     cache_tokens = max(1 << 14, samples_per_prompt * sum(len(p) + NEW_TOKENS + 16 for p in prompt_list))
     engine = Engine(model, max_cache_tokens=cache_tokens, block_size=16, seed=0, max_running_requests=batch,
-                    keep_indexer_topk=replay)
+                    keep_indexer_topk=replay, cuda_graphs=cuda_graphs)
     requests = [GenerateRequest(p, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True,
                                                   sampling_seed=1000 * i + j),
                                 rid=f"{i}/{j}", return_indexer_topk=replay, indexer_topk_start_len=0 if replay else -1)
@@ -73,6 +73,8 @@ def rollout(model, prompt_list: list[list[int]], temperature: float, batch: int,
     finals = {}
     while engine.has_work:
         finals.update({o.rid: o for o in engine.step() if o.finish_reason is not None})
+    if stats is not None:
+        stats.update(engine.stats, decode_graphs=engine.decoder is not None and engine.decoder.use_cuda_graphs)
     samples = []
     for n, req in enumerate(requests):
         out = finals[req.rid]
@@ -300,6 +302,20 @@ def test_model_level_bitwise_on_device(device, temperature):
                 assert torch.equal(trainer, torch.tensor(s.rollout_logprobs)), (batch, s.index)
 
 
+@pytest.mark.gpu
+def test_invariant_decode_runs_in_cuda_graphs():
+    """On CUDA the mode's kernels wait on no host, so the engine decodes in CUDA graphs; replayed graphs give the
+    eager engine's tokens and log-probs bit for bit."""
+    model = build_model(preset_config("tiny", VOCAB), dtype=torch.bfloat16, device="cuda", seed=0).eval()
+    with invariant.enabled(True):
+        stats: dict = {}
+        graphed = rollout(model, prompts(9, seed=3), 0.8, 7, False, stats=stats)
+        assert stats["decode_graphs"] and stats["graph_captures"] > 0, stats
+        eager = rollout(model, prompts(9, seed=3), 0.8, 7, False, cuda_graphs=False)
+    for a, b in zip(graphed, eager):
+        assert a.tokens == b.tokens and a.rollout_logprobs == b.rollout_logprobs, a.index
+
+
 @pytest.mark.slow  # ~3 min of CPU: the tiny model's every matmul through Triton's interpreter
 def test_bitwise_through_the_triton_kernels_in_the_interpreter():
     """The dispatch to slime_dsa.ops.triton_invariant (CUDA's path) agrees with the interface this module expects."""
@@ -318,7 +334,8 @@ def test_bitwise_through_the_triton_kernels_in_the_interpreter():
 
 @pytest.mark.parametrize("override, message", [
     ({"trainer": {"backend": "deepspeed", "data_parallel": "fsdp"}}, "trainer.backend 'fsdp' only"),
-    ({"cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}}, "not yet shown on GPU (issue 23)"),
+    ({"cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}},  # engines in bf16 (dtype auto on GPU)
+     "the engines compute in bfloat16 (model.dtype auto), the trainer in float32"),
     ({"rollout": {"top_p": 0.9}}, "rollout.top_p 1 and top_k -1"),
     ({"rollout": {"top_k": 20}}, "rollout.top_p 1 and top_k -1"),
     ({"trainer": {"mixed_precision": True}}, "the engines compute in float32 (model.dtype auto), the trainer in bfloat16"),
@@ -334,3 +351,14 @@ def test_recipe_refuses_what_is_not_built(override, message):
     with pytest.raises(RecipeError, match=re.escape(message)) as err:
         validate_recipe({**base, **override})
     assert "\n" not in str(err.value)
+
+
+def test_recipe_allows_the_gpu_recipe():
+    """recipes/gpu_single.yaml with the switch on: GPU engines and trainer, bf16 engines with the trainer's bf16
+    compute copy (trainer.mixed_precision), as the Triton kernels run it."""
+    from slime_dsa.config import load_recipe  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(root / "recipes" / "gpu_single.yaml", ["model.true_on_policy=true"])
+    assert recipe.model.true_on_policy and recipe.cluster.num_gpus_per_engine > 0
+    assert recipe.model.dtype == "bfloat16" and recipe.trainer.mixed_precision

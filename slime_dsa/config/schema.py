@@ -63,8 +63,8 @@ class ModelSection(Section):
                            "every rollout log-prob equals the trainer's for the same token and weights bit for bit "
                            "(train/train_rollout_logprob_exact_frac 1), whatever the batches, so π_roll = π_old "
                            "and IcePop/TIS correct nothing. Slower steps. Built for embedded engines and the fsdp "
-                           "trainer on CPU (float32, or bfloat16 with trainer.mixed_precision); sampling unfiltered "
-                           "(rollout.top_p 1, top_k -1).")
+                           "trainer, on CPU and on CUDA (Triton kernels), engines and trainer in one dtype (float32, "
+                           "or bfloat16 with trainer.mixed_precision); sampling unfiltered (rollout.top_p 1, top_k -1).")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -981,9 +981,6 @@ class RecipeConfig(Section):
             (tr.backend != "fsdp", f"is built for trainer.backend 'fsdp' only, not {tr.backend!r}", "trainer.backend"),
             (ro.engine != "embedded", f"is built for rollout.engine 'embedded' only, not {ro.engine!r} (only the "
                                       "embedded engines the run starts run the batch-invariant ops)", "rollout.engine"),
-            (cl.num_gpus_per_engine > 0 or cl.num_gpus_per_trainer > 0,
-             "is not yet shown on GPU (issue 23): set cluster.num_gpus_per_engine and num_gpus_per_trainer to 0",
-             "cluster.num_gpus_per_engine"),
             (engine_bf16 != tr.mixed_precision,
              f"needs engines and trainer in one dtype: the engines compute in {'bfloat16' if engine_bf16 else 'float32'}"
              f" (model.dtype {self.model.dtype}), the trainer in {'bfloat16' if tr.mixed_precision else 'float32'} "

@@ -382,8 +382,11 @@ class Experts(nn.ModuleList):
 
     def graph_safe(self) -> bool:
         """Whether an inference forward on the experts' own device and dtype waits on no host (the grouped path):
-        only then can it be captured in a CUDA graph. The loop reads the per-expert counts on the host."""
-        if _grouped_mm is None or invariant.is_enabled():
+        only then can it be captured in a CUDA graph. The loop reads the per-expert counts on the host. In
+        batch-invariant mode, whether that mode's kernels (grouped experts, attention, indexer) serve the device."""
+        if invariant.is_enabled():
+            return invariant.graph_safe(self[0].gate_proj.weight)
+        if _grouped_mm is None:
             return False
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm

@@ -2,7 +2,8 @@
 
 `set_backend("torch" | "triton" | "auto")` picks the path; "auto" uses Triton on CUDA tensors when the
 kernels import, the torch reference otherwise. Batch-invariant mode (`invariant.set_enabled`, true on-policy)
-overrides the backend: every op then takes the one reduction order of `slime_dsa/ops/invariant.py`.
+overrides the backend: every op then takes the one reduction order of `slime_dsa/ops/invariant.py` (its Triton
+kernels on CUDA, its torch blocks elsewhere).
 Conventions (packing, causal alignment, tie rule) are documented in `slime_dsa/ops/reference.py` and hold for every backend.
 """
 
@@ -52,8 +53,8 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
 def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
     """Decode top-k over a paged key pool (one query per sequence): (B, topk) sequence-local positions.
 
-    Neither backend syncs with the host, so an engine can capture it in a CUDA graph; batch-invariant mode's path
-    does sync (its key widths are read on the host), and engines in that mode decode without graphs.
+    No path syncs with the host on CUDA (batch-invariant mode's included: its Triton kernel), so an engine can
+    capture it in a CUDA graph; the invariant torch path (CPU) reads key widths on the host.
     """
     impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)

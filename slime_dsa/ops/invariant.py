@@ -20,7 +20,8 @@ MoE experts run the per-expert loop (each expert's rows through `linear`), or th
 there is one; either way each token's outputs are summed in ascending expert order.
 
 On CUDA, `slime_dsa.ops.triton_invariant` replaces these functions when it imports, with the same signatures and
-semantics, differentiable (the trainer back-propagates through them):
+semantics, differentiable (the trainer back-propagates through them), whatever the recipe's model.ops_backend (the
+mode picks its kernels per device, engine and trainer alike):
 
     linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
         x (..., K), weight (N, K), bias (N,) -> (..., N) in x's dtype: F.linear, each row independent of the others.
@@ -32,6 +33,9 @@ semantics, differentiable (the trainer back-propagates through them):
         x (T, H, A), weight (H, A, B) -> (T, H, B): out[:, h] = x[:, h] @ weight[h].
     grouped_linear(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor   (optional; else the experts' loop)
         x (M, K) rows sorted by expert, weight (E, N, K), offs (E,) end row of each expert -> (M, N).
+    mla_attention, indexer_topk, indexer_topk_paged   (optional; else the torch blocks below)
+        as this module's functions of those names, in the kernels' own fixed blocks, with no host sync at decode.
+With all of grouped_linear, mla_attention and indexer_topk_paged there, decode can run in CUDA graphs (`graph_safe`).
 
 Same thread count on both sides: on CPU a BLAS may split one GEMM differently over more threads, so the engine and
 the trainer must run with the same torch thread count (the recipe gives both cluster.num_cpus_per_actor).
@@ -174,6 +178,13 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return torch.cat([fn(piece) for piece in padded.split(ROW_CHUNK)])[:T]
 
 
+def graph_safe(x: torch.Tensor) -> bool:
+    """Whether this mode's inference forward on x's device waits on no host, so a CUDA graph can capture it: the
+    Triton kernels for the experts (grouped), attention and the paged indexer are there. The torch path syncs."""
+    gpu = _gpu(x)
+    return gpu is not None and all(hasattr(gpu, f) for f in ("grouped_linear", "mla_attention", "indexer_topk_paged"))
+
+
 def grouped_linear_kernel(x: torch.Tensor) -> Callable | None:
     """triton_invariant.grouped_linear for x's device when it is there (rows sorted by expert, one launch, no host
     sync), else None: the experts then run the per-expert loop through `linear`."""
@@ -196,7 +207,11 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.sparse_mla_attention` with one reduction order for every batch: q (Tq, H, D) over kv rows
-    indices (Tq, K) (-1 unused) in KEY_BLOCK blocks with an online softmax. Returns out (Tq, H, v_dim), lse (Tq, H)."""
+    indices (Tq, K) (-1 unused) in KEY_BLOCK blocks with an online softmax. Returns out (Tq, H, v_dim), lse (Tq, H).
+    On CUDA, triton_invariant's kernel (same contract, its own fixed blocks, no host sync)."""
+    gpu = _gpu(q)
+    if gpu is not None and hasattr(gpu, "mla_attention"):
+        return gpu.mla_attention(q, kv, indices, scale, v_dim)
     return _BlockedAttention.apply(q, kv, indices, scale, v_dim)
 
 
@@ -294,7 +309,11 @@ def _topk_over_rows(q, k, weights, key_rows: torch.Tensor, topk: int, scale: flo
 
 @torch.no_grad()
 def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
-    """`ops.indexer_topk` from fixed-shape score blocks: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
+    """`ops.indexer_topk` from fixed-shape score blocks: (Tq, topk) sequence-local key positions, ascending, -1 padded.
+    On CUDA, triton_invariant's scoring kernel, the one `indexer_topk_paged` runs."""
+    gpu = _gpu(q)
+    if gpu is not None and hasattr(gpu, "indexer_topk"):
+        return gpu.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
     lens_q, lens_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
     seq_id = torch.repeat_interleave(torch.arange(len(lens_q), device=q.device), lens_q, output_size=q.shape[0])
     pos = (lens_k - lens_q)[seq_id] + torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[seq_id]  # (Tq,)
@@ -310,7 +329,11 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
 
 @torch.no_grad()
 def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
-    """`ops.indexer_topk_paged` from the same blocks as `indexer_topk`: (B, topk) sequence-local positions."""
+    """`ops.indexer_topk_paged` from the same blocks as `indexer_topk`: (B, topk) sequence-local positions.
+    On CUDA, triton_invariant's kernel, which waits on no host (the torch path reads key widths on the host)."""
+    gpu = _gpu(q)
+    if gpu is not None and hasattr(gpu, "indexer_topk_paged"):
+        return gpu.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
     cols = torch.arange(key_slots.shape[1], device=q.device)
     rows = torch.where(cols[None, :] < seq_lens[:, None], key_slots, -1)
     return _topk_over_rows(q, k_pool, weights, rows, topk, scale)

@@ -15,6 +15,9 @@ The functions (slime_dsa/ops/invariant.py dispatches CUDA tensors here):
     grouped_linear(x, weight, offs)       rows sorted by expert, weight (E, N, K), offs (E,) end rows -> (M, N)
     rms_norm(x, weight, eps)              the model's RMSNorm over the last dim
     log_softmax_gather(logits, ids, t)    (T, V), (T,) -> (T,) float32 log-probs at temperature t
+    mla_attention(q, kv, indices, scale, v_dim)   sparse MLA, triton_sparse_mla's forward unsplit with one config
+    indexer_topk(...), indexer_topk_paged(...)    DSA indexer top-k, one scoring kernel (triton_indexer_invariant)
+The attention and indexer forwards wait on no host at decode (paged), so an engine captures decode in CUDA graphs.
 bf16 and fp16 inputs multiply on tensor cores with float32 sums; float32 inputs by IEEE fused multiply-adds (no tf32).
 """
 
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from slime_dsa.ops import triton_sparse_mla
+from slime_dsa.ops.triton_indexer_invariant import indexer_topk, indexer_topk_paged
 
 
 @dataclass(frozen=True)
@@ -382,3 +388,15 @@ def log_softmax_gather(logits: torch.Tensor, ids: torch.Tensor, temperature: flo
         raise ValueError(f"log_softmax_gather: logits {tuple(logits.shape)} and ids {tuple(ids.shape)} must be (T, V) "
                          "and (T,)")
     return _LogSoftmaxGather.apply(logits, ids, temperature)
+
+
+def mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA of q (T, H, D) over kv rows indices (T, K) (-1 unused) -> out (T, H, v_dim), lse (T, H) float32:
+    one program per row and head block, keys in fixed blocks from slot 0, no split. The backward is the Triton one
+    (gradients need not be batch-invariant)."""
+    return triton_sparse_mla.sparse_mla_attention(q, kv, indices, scale, v_dim, invariant=True)
+
+
+__all__ = ["linear", "head_matmul", "grouped_linear", "rms_norm", "log_softmax_gather", "mla_attention",
+           "indexer_topk", "indexer_topk_paged"]

@@ -12,7 +12,12 @@ makes MQA-mode sparse attention compute-bound rather than gather-bound. D is spl
 (a power of two, 512) and the rope part (64) because Triton tiles must be powers of two.
 
 Decode (few query rows) splits each row's K keys over several programs and merges the partial results
-(flash-decoding), so a batch of single-token requests still fills the GPU.
+(flash-decoding), so a batch of single-token requests still fills the GPU. With `invariant=True` (true on-policy,
+slime_dsa/ops/invariant.py) it never splits and launches one config per problem shape (INVARIANT_FWD_CONFIGS): each
+row is then one program per head block walking its slots in BLOCK_N blocks from slot 0, so its bits depend on its own
+q and indices alone, whatever the batch (decode against the paged pool, prefill, training). A block of -1 slots past a
+row's keys would change nothing (the running max stays, alpha = exp2(0) = 1, p = 0), and the key loop stops before
+such blocks anyway.
 
 Backward, two paths (both recompute the probabilities from the saved lse):
 - Key ranges (`key_ranges`): when every row selects a run of consecutive kv rows lo[t] <= r < hi[t], with lo
@@ -91,6 +96,11 @@ MASKED_RANGE_MAX_BYTES = 1 << 30
 # causal rows, short packed sequences) cost what they use. False walks every slot; benchmarks compare both.
 SKIP_EMPTY_SLOTS = True
 SCAN_SLOTS = 1024  # index slots per step of that scan
+# Batch-invariant forward: no key split, and the first of these configs that compiles and fits for the problem's
+# (heads, dims, dtype) on this device model, never chosen by row count or by timing, so an engine and a trainer on
+# the same GPU model take the same one. The first fits bf16 up to GLM-5's 64 x 576 on Hopper; the second is for
+# float32 at such sizes.
+INVARIANT_FWD_CONFIGS = [KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
@@ -119,6 +129,25 @@ def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
         try:
             launch(cfg)
         except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
+            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        _chosen[(kind, key)] = cfg
+        return
+    raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+
+
+def _launch_first_fitting(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
+    """Like `_launch`, but only a config that does not compile or fit moves on to the next (a deterministic
+    function of the device model and the problem shape); any other error propagates."""
+    cached = _chosen.get((kind, key))
+    if cached is not None:
+        launch(cached)
+        return
+    errors = []
+    for cfg in configs:
+        try:
+            launch(cfg)
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError) as err:
             errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
             continue
         _chosen[(kind, key)] = cfg
@@ -238,9 +267,11 @@ def _decode_splits(T: int, head_blocks: int, K: int, block_n: int, device: torch
 
 
 def sparse_mla_fwd(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (T, H, D), kv (Tk, D), indices (T, K) -> out (T, H, v_dim) in q's dtype, lse (T, H) float32."""
+    """q (T, H, D), kv (Tk, D), indices (T, K) -> out (T, H, v_dim) in q's dtype, lse (T, H) float32.
+
+    invariant: no key split and a config that depends on no row count, so each row's bits do not depend on the batch."""
     T, H, D = q.shape
     K = indices.shape[1]
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
@@ -255,7 +286,7 @@ def sparse_mla_fwd(
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
         head_blocks = triton.cdiv(H, block_h)
-        splits = _decode_splits(T, head_blocks, K, cfg.block_n, q.device)
+        splits = 1 if invariant else _decode_splits(T, head_blocks, K, cfg.block_n, q.device)
         keys_per_split = triton.cdiv(triton.cdiv(K, splits), cfg.block_n) * cfg.block_n
         splits = triton.cdiv(K, keys_per_split)
         if splits == 1:
@@ -279,7 +310,10 @@ def sparse_mla_fwd(
             weight = torch.exp(l_ - lse[:, None]).nan_to_num(0.0)  # (T, S, H); all -inf rows -> 0
             out.copy_((weight[..., None] * o).sum(dim=1))
 
-    _launch("fwd", (H, D, v_dim, q.dtype), FWD_CONFIGS, launch)
+    if invariant:
+        _launch_first_fitting("fwd_invariant", (H, D, v_dim, q.dtype), INVARIANT_FWD_CONFIGS, launch)
+    else:
+        _launch("fwd", (H, D, v_dim, q.dtype), FWD_CONFIGS, launch)
     return out, lse
 
 
@@ -673,8 +707,8 @@ class SparseMLAFunction(torch.autograd.Function):
     """Autograd wrapper: gradients flow into q and kv (indices are integers)."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, scale: float, v_dim: int):
-        out, lse = sparse_mla_fwd(q, kv, indices, scale, v_dim)
+    def forward(ctx, q, kv, indices, scale: float, v_dim: int, invariant: bool):
+        out, lse = sparse_mla_fwd(q, kv, indices, scale, v_dim, invariant)
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.scale, ctx.v_dim = scale, v_dim
         return out, lse
@@ -685,16 +719,17 @@ class SparseMLAFunction(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, ctx.scale, ctx.v_dim)
-        return dq, dkv, None, None, None
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int, invariant: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA-mode sparse attention, same contract as `reference.sparse_mla_attention`.
 
     q (T, H, D); kv (Tk, D), value = kv[:, :v_dim]; indices (T, K) rows of kv, -1 unused (any int dtype).
     Returns out (T, H, v_dim) in q's dtype and lse (T, H) float32 (natural log of the scaled scores' sum).
+    invariant: the batch-invariant forward (see the module docstring); the backward is the same either way.
     """
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or q.shape[-1] != kv.shape[-1]:
         raise ValueError(f"sparse_mla_attention expects q (T, H, D), kv (Tk, D), indices (T, K); got "
@@ -704,7 +739,7 @@ def sparse_mla_attention(
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     if kv.dtype != q.dtype:
         kv = kv.to(q.dtype)
-    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim))
+    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(v_dim), bool(invariant))
 
 
 def sparse_mla_flops(T: int, H: int, K: int, D: int, v_dim: int) -> tuple[float, float]:
