@@ -73,7 +73,8 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.rows import RUNNING, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
+from rollout.engine.rows import (LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec, SamplingRows,
+                                 row_spec, upload)
 from rollout.engine.sampling import exact_logprobs, sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
@@ -142,7 +143,6 @@ class _Launched:
     result: torch.Tensor | None  # (3, B) float64 on the host: tokens, log-probs, finish codes (rows.py); copy in flight
     topk: torch.Tensor | None  # (B_wanted, n_full, K) int32 on the host: replay rows of the requests that want them
     wanted: list[int]  # rows of `topk`
-    string_rows: list[int]  # rows whose requests have stop strings (SamplingRows.string_rows)
     stream_rows: list[int]  # rows whose requests stream
     version: int  # weight version of the tokens
     decode_only: bool
@@ -221,8 +221,12 @@ class Engine:
         self._serials = itertools.count()
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
         self._stop_completers = StopCompleters(tokenizer) if tokenizer is not None else None
+        self._completer_table = CompleterTable(self.config.vocab_size, self.device)  # their masks, on the device
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self._tables_epoch = 0  # bumped when a block table is replaced (admit, free); only appends keep it (decode.py)
+        # The last launched step's sampling serials, its rows' output counts on the device, and (decode-only steps)
+        # its positions: a launch over the same rows adds one to each instead of reading every sequence again.
+        self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None] | None = None
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
@@ -322,8 +326,9 @@ class Engine:
         seed = req.sampling.sampling_seed
         if seed is None:
             seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
+        completer = self._completer_table.row(stop.completing) if stop.stop_strings else -1
         return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
-                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream))
+                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream, completer=completer))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -538,17 +543,22 @@ class Engine:
                     sampled[b].topk.append(arrays[k].copy())  # a copy: no view pins the step's array
         self.stats["generated_tokens"] += count
         ending = [(sampled[b], self._finish_reason(sampled[b], tokens[b], codes[b]))
-                  for b in np.flatnonzero(codes != RUNNING).tolist() if sampled[b].finish_reason is None]
-        strings, decode, checked = [], [], set()
-        for b in launched.string_rows:
-            seq = sampled[b]
-            num_output = seq.num_output - seq.inflight
-            if codes[b] == RUNNING and seq.finish_reason is None and num_output >= seq.stop.min_new_tokens:
-                strings.append(seq)
-                decode.append(seq.stop.may_match_after(tokens[b], num_output))
-                checked.add(b)
+                  for b in np.flatnonzero((codes == LENGTH) | (codes == STOP_TOKEN)).tolist()
+                  if sampled[b].finish_reason is None]
+        # Rows with stop strings whose tail is decoded, and (streaming) those checked without a decode: the device
+        # sorted them (rows.finish_codes); rows that skip the check and do not stream need nothing here.
+        tail_rows = codes == TAIL_DECODE
+        if launched.stream_rows:
+            streams = np.zeros(len(codes), dtype=bool)
+            streams[launched.stream_rows] = True
+            tail_rows |= (codes == TAIL_SKIP) & streams
+        strings, decode = [], []
+        for b in np.flatnonzero(tail_rows).tolist():
+            if sampled[b].finish_reason is None:
+                strings.append(sampled[b])
+                decode.append(codes[b] == TAIL_DECODE)
         outputs = [self._output(sampled[b]) for b in launched.stream_rows
-                   if codes[b] == RUNNING and b not in checked and sampled[b].finish_reason is None]
+                   if codes[b] == RUNNING and sampled[b].finish_reason is None]
         self.stats["resolve_s"] += time.perf_counter() - start
         start = time.perf_counter()
         outputs += self._check_stop_strings(strings, decode, ending)
@@ -620,6 +630,8 @@ class Engine:
         budget = self.max_prefill_tokens
         scheduled = []
         self._scheduled_rows = 0  # rows of the step (forks' included): decode-only needs one per sequence
+        self._sampling: list[_Sequence] = []  # the scheduled sequences whose last row is in the step, in order
+        sampling = self._sampling
         prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
         def add(seq: _Sequence, n: int) -> bool:
@@ -634,6 +646,8 @@ class Engine:
                 return False
             scheduled.append((seq, n))
             self._scheduled_rows += n
+            if seq.num_computed + n == len(seq.tokens):
+                sampling.append(seq)
             return True
 
         head = self._queue[0] if self._queue else None
@@ -653,6 +667,7 @@ class Engine:
                 budget -= n
             elif (rows := seq.num_computed + 1) <= len(seq.blocks) * bs and rows // bs <= seq.num_registered:
                 scheduled.append((seq, 1))  # what add() does when the row has its block and fills none (most decode rows)
+                sampling.append(seq)
                 self._scheduled_rows += 1
                 continue
             add(seq, n)
@@ -732,12 +747,16 @@ class Engine:
         the host; nothing here waits for the device (on CPU the work runs here). Inputs sampled by `previous` and not
         yet on the host are fed from its device tokens. Each sampling sequence gets an IN_FLIGHT token."""
         device = self.device
-        seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
+        seqs = self._sampling  # the rows that sample (_schedule)
         # With kept selections the replay rows are read from the cache when a request ends; else each step's here.
         want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
         # Every sequence adds one row (n >= 1 each) and samples from it.
         decode_only = not self._forks and self._scheduled_rows == len(scheduled) == len(seqs)
         key = tuple([seq.serial for seq in seqs])
+        # Each launch adds one token to each row that samples, so the same rows as the last launch have one more each.
+        last = self._last_counts
+        same_rows = last is not None and last[0] == key
+        positions = None
         on_host = device.type != "cuda"
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
         done = None
@@ -753,9 +772,13 @@ class Engine:
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
             fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
+            if same_rows and last[2] is not None:  # the same rows decoded one token each last step
+                positions = last[2] + 1
+            else:
+                positions = np.fromiter((seq.num_computed for seq in seqs), dtype=np.int64, count=len(seqs))
             hidden, topk_all, write_slots = self.decoder.forward(
                 [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed else [seq.tokens[-1] for seq in seqs],
-                [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs],
+                positions, [seq.blocks for seq in seqs],
                 on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]), tables_key=(key, self._tables_epoch),
             )
             if self.cache.keep_topk and topk_all is not None:
@@ -767,14 +790,18 @@ class Engine:
         if seqs:
             logits = self.model.lm_head(hidden).float()  # (B, V)
             rows = self._sampling_rows(key, seqs)
-            num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
-                                                             dtype=np.int64, count=len(seqs))), device)  # (B,) tokens before this one
+            if same_rows:
+                num_output = last[1] + 1  # (B,) tokens before this one
+            else:
+                num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
+                                                                 dtype=np.int64, count=len(seqs))), device)
             rows.mask_stop_ids(logits, num_output)
             tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
             if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
                 logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
                                                            else float(seq.req.sampling.temperature) for seq in seqs])
-            result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
+            codes = rows.finish_codes(tokens, num_output, self._completer_table.table)
+            result = torch.stack([tokens.double(), logprobs.double(), codes.double()])
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
@@ -789,10 +816,11 @@ class Engine:
         if decode_only:  # scheduled and seqs are the same sequences
             for seq in seqs:
                 seq.num_computed += 1
-                seq.failures = 0
+                if seq.failures:
+                    seq.failures = 0
                 seq.tokens.append(IN_FLIGHT)
                 seq.inflight += 1
-                token_index.append(seq.num_computed)
+            token_index = (positions + 1).tolist() if positions is not None else [seq.num_computed for seq in seqs]
         else:
             for seq, n in scheduled:
                 seq.num_computed += n
@@ -803,10 +831,11 @@ class Engine:
                 token_index.append(len(seq.tokens) - 1)
         launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
-                             string_rows=rows.string_rows if rows else [], stream_rows=rows.stream_rows if rows else [],
+                             stream_rows=rows.stream_rows if rows else [],
                              version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
         if on_host:
             self._account_device(launched)
+        self._last_counts = (key, num_output, positions if decode_only else None) if seqs else None
         return launched
 
     def _feed(self, ids: torch.Tensor, rows: list[int], seqs: list[_Sequence], previous: _Launched) -> None:
@@ -958,9 +987,14 @@ class Engine:
         slots = blocks[(np.cumsum(num_blocks) - num_blocks)[span] + r // bs] * bs + r % bs
         # These rows come from steps the host has read already. On CUDA a side stream reads them, so this waits for
         # that read only, not for a step in flight on the main stream (which writes other rows: overlap).
+        # Contiguous per request, so the response encodes each part without another copy; on CUDA into pinned memory
+        # (a pageable copy of this size, hundreds of MiB when a large batch ends together, runs at a fraction of it).
         with self._side_stream():
-            rows = self.cache.read_topk(upload(torch.from_numpy(slots), self.device))  # (n_full, S, K)
-            parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
+            rows = self.cache.read_topk(upload(torch.from_numpy(slots), self.device))  # (S, n_full, K)
+            if rows.device.type == "cuda":
+                rows = _to_host_async(rows)
+                torch.cuda.current_stream(self.device).synchronize()  # the side stream: this read only
+            parts = np.split(rows.numpy(), np.cumsum(sizes)[:-1])
         return [part if k else None for part, k in zip(parts, sizes.tolist())]
 
     def _side_stream(self) -> Any:
