@@ -661,7 +661,8 @@ class Engine:
         for seq in list(self._running):
             pending = len(seq.tokens) - seq.num_computed
             n = 1 if pending == 1 else min(pending, budget)
-            if n <= 0 or (seq.inflight and seq.num_output >= seq.max_new_tokens):  # its token in flight is its last
+            # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
+            if n <= 0 or (seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens):
                 continue
             if pending > 1:
                 budget -= n
@@ -761,7 +762,7 @@ class Engine:
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
         done = None
 
-        def on_inputs(ids: torch.Tensor, fed: list[int], fed_seqs: list[_Sequence]) -> None:
+        def on_inputs(ids: torch.Tensor, fed: list[int] | range, fed_seqs: list[_Sequence] | None) -> None:
             """The input ids are queued on the device: the step's device work starts here."""
             if begin is not None:
                 begin.record()
@@ -771,15 +772,20 @@ class Engine:
         forward_start = time.perf_counter()
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
-            fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
+            if previous is not None and same_rows:  # overlap: every input is `previous`'s token, in the same rows
+                fed, input_ids = range(len(seqs)), [IN_FLIGHT_INPUT] * len(seqs)
+            else:
+                fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
+                input_ids = ([IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed
+                             else [seq.tokens[-1] for seq in seqs])
             if same_rows and last[2] is not None:  # the same rows decoded one token each last step
                 positions = last[2] + 1
             else:
                 positions = np.fromiter((seq.num_computed for seq in seqs), dtype=np.int64, count=len(seqs))
             hidden, topk_all, write_slots = self.decoder.forward(
-                [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed else [seq.tokens[-1] for seq in seqs],
-                positions, [seq.blocks for seq in seqs],
-                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]), tables_key=(key, self._tables_epoch),
+                input_ids, positions, [seq.blocks for seq in seqs],
+                on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, range) else [seqs[b] for b in fed]),
+                tables_key=(key, self._tables_epoch),
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
@@ -838,8 +844,12 @@ class Engine:
         self._last_counts = (key, num_output, positions if decode_only else None) if seqs else None
         return launched
 
-    def _feed(self, ids: torch.Tensor, rows: list[int], seqs: list[_Sequence], previous: _Launched) -> None:
-        """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet)."""
+    def _feed(self, ids: torch.Tensor, rows: list[int] | range, seqs: list[_Sequence] | None, previous: _Launched) -> None:
+        """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet);
+        `seqs` None: rows is range(B) and they are `previous`'s rows in its order."""
+        if seqs is None:
+            ids[: len(rows)].copy_(previous.tokens)
+            return
         src = [previous.row_of[id(seq)] for seq in seqs]
         n = len(previous.sampled)
         if rows == src == list(range(n)):  # the common case: the same requests in the same order
