@@ -657,21 +657,27 @@ class Engine:
             self._running.append(head)
             add(head, min(len(head.tokens) - head.num_computed, budget))
             return scheduled
-        bs = self.block_size
+        bs, decode_rows = self.block_size, 0
         for seq in list(self._running):
-            pending = len(seq.tokens) - seq.num_computed
-            n = 1 if pending == 1 else min(pending, budget)
+            computed = seq.num_computed
+            pending = len(seq.tokens) - computed
             # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
-            if n <= 0 or (seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens):
+            if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
                 continue
-            if pending > 1:
+            if pending == 1:
+                if computed < len(seq.blocks) * bs and (computed + 1) // bs <= seq.num_registered:
+                    # What add() does when the row has its block and fills none (most decode rows).
+                    scheduled.append((seq, 1))
+                    sampling.append(seq)
+                    decode_rows += 1
+                else:
+                    add(seq, 1)
+                continue
+            n = min(pending, budget)
+            if n > 0:
                 budget -= n
-            elif (rows := seq.num_computed + 1) <= len(seq.blocks) * bs and rows // bs <= seq.num_registered:
-                scheduled.append((seq, 1))  # what add() does when the row has its block and fills none (most decode rows)
-                sampling.append(seq)
-                self._scheduled_rows += 1
-                continue
-            add(seq, n)
+                add(seq, n)
+        self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
             key = tuple(seq.tokens) if seq.num_output == 0 and self.blocks.enable_prefix_caching else None
