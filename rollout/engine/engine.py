@@ -1073,13 +1073,7 @@ class Engine:
                 logger.exception("engine: final output of request %s failed", seq.req.rid)
                 seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
                 outputs.append(self._output(seq))
-        # The running ones leave in one pass (every sequence in `ending` has its finish reason now, and no other
-        # running one has).
-        kept, running = [], []
-        for seq in self._running:
-            (kept if seq.finish_reason is None else running).append(seq)
-        if running:
-            self._running = kept
+        running = self._leave_running([seq for seq, _ in ending])
         for seq in running:
             self._free(seq)
         for seq, _ in ending:
@@ -1087,6 +1081,28 @@ class Engine:
             if seq in self._queue:
                 self._queue.remove(seq)
         return outputs
+
+    def _leave_running(self, ending: list[_Sequence]) -> list[_Sequence]:
+        """Take the running ones of `ending` (each has its finish reason now, and no other running one has) out of the
+        running list; returns them in running order. A few are found by C-level searches, many in one pass."""
+        if len(ending) > 16:
+            kept, running = [], []
+            for seq in self._running:
+                (kept if seq.finish_reason is None else running).append(seq)
+            if running:
+                self._running = kept
+            return running
+        where = []
+        for seq in ending:
+            try:
+                where.append(self._running.index(seq))  # identity: _Sequence compares by `is`
+            except ValueError:  # queued, not running
+                pass
+        where = sorted(set(where))
+        running = [self._running[i] for i in where]
+        for i in reversed(where):
+            del self._running[i]
+        return running
 
     def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
         """End one request with finish_reason abort and the error; blocks it offered this step are not trusted."""
