@@ -763,6 +763,12 @@ class Engine:
         # Each launch adds one token to each row that samples, so the same rows as the last launch have one more each.
         last = self._last_counts
         same_rows = last is not None and last[0] == key
+        # Rows left or joined since (requests ended, were admitted): each row's row in the last launch, -1 if new.
+        moved = None
+        if last is not None and not same_rows:
+            where = dict(zip(last[0], range(len(last[0]))))
+            moved = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        kept = moved is not None and len(moved) and moved.min() >= 0  # only rows of the last launch
         positions = None
         on_host = device.type != "cuda"
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
@@ -786,6 +792,8 @@ class Engine:
                              else [seq.tokens[-1] for seq in seqs])
             if same_rows and last[2] is not None:  # the same rows decoded one token each last step
                 positions = last[2] + 1
+            elif kept and last[2] is not None:
+                positions = last[2][moved] + 1
             else:
                 positions = np.fromiter((seq.num_computed for seq in seqs), dtype=np.int64, count=len(seqs))
             hidden, topk_all, write_slots = self.decoder.forward(
@@ -801,9 +809,11 @@ class Engine:
         wanted: list[int] = []
         if seqs:
             logits = self.model.lm_head(hidden).float()  # (B, V)
-            rows = self._sampling_rows(key, seqs)
+            rows = self._sampling_rows(key, seqs, moved)
             if same_rows:
                 num_output = last[1] + 1  # (B,) tokens before this one
+            elif kept:
+                num_output = last[1][upload(torch.from_numpy(moved), device)] + 1
             else:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
                                                                  dtype=np.int64, count=len(seqs))), device)
@@ -864,12 +874,15 @@ class Engine:
         index = upload(torch.tensor(rows + src, dtype=torch.long), self.device)
         ids.index_copy_(0, index[: len(rows)], previous.tokens.index_select(0, index[len(rows) :]))
 
-    def _sampling_rows(self, key: tuple[int, ...], seqs: list[_Sequence]) -> SamplingRows:
-        """The device tensors of these rows (`key`: their serials), updated from the last step's (rows.py)."""
+    def _sampling_rows(self, key: tuple[int, ...], seqs: list[_Sequence], moved: np.ndarray | None = None) -> SamplingRows:
+        """The device tensors of these rows (`key`: their serials), updated from the last step's (rows.py); `moved`:
+        each row's row in the last launch (-1: new), when that launch's rows are these rows' source."""
         if self._rows is None:
             self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
         elif self._rows.key != key:
-            self._rows = self._rows.update(key, [seq.row for seq in seqs])
+            last = self._last_counts
+            known = moved if last is not None and last[0] == self._rows.key else None
+            self._rows = self._rows.update(key, [seq.row for seq in seqs], known)
         return self._rows
 
     def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool,

@@ -88,13 +88,16 @@ class SamplingRows:
                    string_rows=np.flatnonzero(row_flags & STOP_STRINGS).tolist(),
                    stream_rows=np.flatnonzero(row_flags & STREAMS).tolist(), row_flags=row_flags)
 
-    def update(self, key: tuple[int, ...], specs: list[RowSpec]) -> "SamplingRows":
+    def update(self, key: tuple[int, ...], specs: list[RowSpec], index: np.ndarray | None = None) -> "SamplingRows":
         """The rows of `key` (RowSpec each): these rows where the keys match, else rows kept from this step's (on the
-        device) and new ones uploaded for requests not here."""
+        device) and new ones uploaded for requests not here. `index`: each key's row here (-1: not here), if known."""
         if key == self.key:
             return self
-        where = dict(zip(self.key, range(len(self.key))))
-        index = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        if index is None:
+            where = dict(zip(self.key, range(len(self.key))))
+            index = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        else:
+            index = index.copy()
         fresh_rows = np.flatnonzero(index < 0)
         index[fresh_rows] = np.arange(len(self.key), len(self.key) + len(fresh_rows))
         floats, ints, stop_ids, row_flags = self.floats, self.ints, self.stop_ids, self.row_flags
