@@ -11,8 +11,8 @@ One `step()` is one scheduler iteration:
    replay on GPU);
 4. the requests whose last input row was in the batch sample one token each, in one batched call, with their
    sampling parameters, seeds and stop tokens held on the device (rows.py: rebuilt only when the rows change);
-5. lengths and stop tokens are checked on the device, stop strings on the host for the requests that have them;
-   finished requests leave and free their blocks.
+5. lengths and stop tokens are checked on the device, stop strings on the host for the requests whose new token
+   may complete one (the device flags those rows); finished requests leave and free their blocks.
 Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
 A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
