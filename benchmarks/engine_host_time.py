@@ -8,7 +8,10 @@ is the engine thread's CPU time (time.thread_time), so other processes on the ma
 
 Requests as engine_throughput.py's rollout path sends them: groups of --group-size samples of one prompt, T=1 with a
 seed per sample, return_logprob, a stop string over a word tokenizer, every row's DSA top-k kept for index replay
-from row 0, non-streaming. The tokens are those of zero hidden states (the tiny preset's lm_head on zeros).
+from row 0, non-streaming. The tokens are those of zero hidden states (the tiny preset's lm_head on zeros): uniform
+over its 512 ids, so about 2 of 1,024 requests draw EOS each step and the batch changes nearly every step;
+--ignore-eos keeps it the same until every request ends by length (as the 300m preset's 32,000 ids nearly do on the
+GPU).
 
     python benchmarks/engine_host_time.py --batch 1024 --reps 2
 """
@@ -76,15 +79,17 @@ def _instrument(model) -> None:
     model.forward_packed = forward_packed
 
 
-def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int) -> dict[str, float]:
+def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool = False,
+             overlap: bool = False) -> dict[str, float]:
     """One engine from empty to done over `batch` requests: ms of thread CPU time per step, by phase."""
     config = model.config
     engine = engine_module.Engine(model, max_cache_tokens=(-(-(24 + new_tokens) // 16) * batch + 1) * 16,
                                   max_running_requests=batch, block_size=16, tokenizer=tokenizer, keep_indexer_topk=True,
-                                  seed=seed)
+                                  seed=seed, overlap=overlap)
     for g, prompt in enumerate(et.make_prompts(batch // group, 24, config.vocab_size, seed)):
         for k in range(group):
-            params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop=["</answer>"], sampling_seed=g * group + k)
+            params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop=["</answer>"], sampling_seed=g * group + k,
+                                    ignore_eos=ignore_eos)
             engine.add_request(GenerateRequest(input_ids=prompt, sampling=params, rid=f"{g}-{k}", return_logprob=True,
                                                return_indexer_topk=True, indexer_topk_start_len=0, stream=False))
     _compute[0], start, steps = 0.0, clock(), 0
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2, help="fresh engines in a row; the median is printed too")
+    parser.add_argument("--ignore-eos", action="store_true", help="requests end by length only (no batch changes)")
+    parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (Engine(overlap=True))")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
@@ -114,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = et.word_tokenizer(config.vocab_size)
     runs = []
     for rep in range(args.reps):
-        runs.append(run_once(model, tokenizer, args.batch, args.group_size, args.new_tokens, seed=rep))
+        runs.append(run_once(model, tokenizer, args.batch, args.group_size, args.new_tokens, seed=rep, ignore_eos=args.ignore_eos,
+                             overlap=args.overlap))
         logger.info("batch %d, run %d, ms per step: %s", args.batch, rep, ", ".join(f"{k} {v:.2f}" for k, v in runs[-1].items()))
     logger.info("batch %d, median ms per step: %s", args.batch,
                 ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]))

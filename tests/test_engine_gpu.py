@@ -153,3 +153,18 @@ def test_overlap_scheduler_equals_the_synchronous_loop_on_cuda_graphs():
     assert all(o.output_ids[-1] in stop_ids for o in stopped)
     assert all(len(o.indexer_topk) == len(o.output_ids) for o in finals.values() if o.indexer_topk is not None)
     assert engine.blocks.available == engine.blocks.num_blocks
+
+
+def test_kept_replay_rows_read_at_the_end_equal_each_steps_copy():
+    """With keep_indexer_topk, a request's replay rows are read from the cache pool when it ends (one contiguous block,
+    copied into pinned memory on a side stream); without, each step copies its own. Same rows, same values."""
+    model = _model(0)
+    reqs = lambda: [r for r in _requests(37) if r.return_indexer_topk]  # noqa: E731
+    per_step = _generate(Engine(model, max_cache_tokens=8192, block_size=16, seed=0), reqs())
+    kept = _generate(Engine(model, max_cache_tokens=8192, block_size=16, seed=0, keep_indexer_topk=True), reqs())
+    assert kept.keys() == per_step.keys() and len(kept) > 10
+    for rid, out in kept.items():
+        assert out.output_ids == per_step[rid].output_ids, rid
+        assert out.indexer_topk.dtype == per_step[rid].indexer_topk.dtype and out.indexer_topk.flags.c_contiguous
+        assert out.indexer_topk_start == per_step[rid].indexer_topk_start
+        assert (out.indexer_topk == per_step[rid].indexer_topk).all(), rid

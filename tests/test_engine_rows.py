@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.engine.rows import LENGTH, RUNNING, STOP_TOKEN, SamplingRows, row_spec
+from rollout.engine.rows import LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, SamplingRows, row_spec
 from rollout.engine.sampling import counter_uniforms, seed_to_int64
 from rollout.engine.stop import StopChecker, decode_tails
 from rollout.engine.types import SamplingParams
@@ -86,6 +86,46 @@ def test_finish_codes_follow_the_stop_checker(p, n_before, token):
     reason = stop.check([0] * n_before + [token])
     expect = RUNNING if reason is None else LENGTH if reason["type"] == "length" else STOP_TOKEN
     assert codes[1].item() == expect
+
+
+class _CharTokenizer:
+    """Token id i is the character chr(97 + i % 26): enough for StopChecker's window."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 14), st.integers(0, VOCAB - 1), st.booleans(), st.integers(0, 3))
+def test_tail_codes_follow_may_match_after(p, n_before, token, streams, mask_kind):
+    """Rows with stop strings: TAIL_DECODE exactly where the host's rule (StopChecker.check reaching the strings, then
+    may_match_after) decodes the tail, TAIL_SKIP where it checks without decoding; the others as without strings."""
+    masks = [None, bytes(VOCAB), bytes([i % 3 == 0 for i in range(VOCAB)]), bytes([1, 0] * 10)]  # the last is short
+    mask = masks[mask_kind]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=9, stop=["ab"]),
+              SamplingParams(temperature=0.0, max_new_tokens=12, stop=["x", "yz"], min_new_tokens=3),
+              SamplingParams(temperature=1.0, max_new_tokens=6, stop=["q"], stop_token_ids=[4], min_new_tokens=2),
+              SamplingParams(temperature=1.0, max_new_tokens=8, stop=["q"], ignore_eos=True, min_new_tokens=5)][p]
+    stop = StopChecker(params, eos_token_ids=[1], tokenizer=_CharTokenizer(), completing=lambda strings: mask)
+    table = CompleterTable(VOCAB, torch.device("cpu"))
+    table.row(masks[2])  # another request's mask first: rows are not all 1
+    spec = row_spec(params, stop, seed_to_int64(3), VOCAB, stream=streams, completer=table.row(stop.completing))
+    plain = _spec(0, PARAMS[2])  # no stop strings: never a tail code
+    rows = SamplingRows.build((0, 1), [plain, spec], torch.device("cpu"))
+    codes = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before]), table.table).tolist()
+    n = n_before + 1
+    if n >= stop.max_new_tokens:
+        expect = LENGTH
+    elif n >= stop.min_new_tokens and token in stop.stop_ids:
+        expect = STOP_TOKEN
+    elif n >= stop.min_new_tokens:
+        expect = TAIL_DECODE if stop.may_match_after(token, n) else TAIL_SKIP
+    else:
+        expect = RUNNING
+    assert codes == [RUNNING, expect]
+    # Without a table every checked row decodes.
+    codes = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before])).tolist()
+    assert codes == [RUNNING, TAIL_DECODE if expect == TAIL_SKIP else expect]
 
 
 def test_stop_tokens_are_masked_under_min_new_tokens_only():

@@ -11,8 +11,8 @@ One `step()` is one scheduler iteration:
    replay on GPU);
 4. the requests whose last input row was in the batch sample one token each, in one batched call, with their
    sampling parameters, seeds and stop tokens held on the device (rows.py: rebuilt only when the rows change);
-5. lengths and stop tokens are checked on the device, stop strings on the host for the requests that have them;
-   finished requests leave and free their blocks.
+5. lengths and stop tokens are checked on the device, stop strings on the host for the requests whose new token
+   may complete one (the device flags those rows); finished requests leave and free their blocks.
 Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher scoring a student's sample) take no
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
 A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
@@ -73,7 +73,8 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.rows import RUNNING, STOP_TOKEN, RowSpec, SamplingRows, row_spec, upload
+from rollout.engine.rows import (LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec, SamplingRows,
+                                 row_spec, upload)
 from rollout.engine.sampling import exact_logprobs, sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
@@ -142,7 +143,6 @@ class _Launched:
     result: torch.Tensor | None  # (3, B) float64 on the host: tokens, log-probs, finish codes (rows.py); copy in flight
     topk: torch.Tensor | None  # (B_wanted, n_full, K) int32 on the host: replay rows of the requests that want them
     wanted: list[int]  # rows of `topk`
-    string_rows: list[int]  # rows whose requests have stop strings (SamplingRows.string_rows)
     stream_rows: list[int]  # rows whose requests stream
     version: int  # weight version of the tokens
     decode_only: bool
@@ -221,8 +221,12 @@ class Engine:
         self._serials = itertools.count()
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
         self._stop_completers = StopCompleters(tokenizer) if tokenizer is not None else None
+        self._completer_table = CompleterTable(self.config.vocab_size, self.device)  # their masks, on the device
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self._tables_epoch = 0  # bumped when a block table is replaced (admit, free); only appends keep it (decode.py)
+        # The last launched step's sampling serials, its rows' output counts on the device, and (decode-only steps)
+        # its positions: a launch over the same rows adds one to each instead of reading every sequence again.
+        self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None] | None = None
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
@@ -322,8 +326,9 @@ class Engine:
         seed = req.sampling.sampling_seed
         if seed is None:
             seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
+        completer = self._completer_table.row(stop.completing) if stop.stop_strings else -1
         return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
-                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream))
+                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream, completer=completer))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -538,17 +543,22 @@ class Engine:
                     sampled[b].topk.append(arrays[k].copy())  # a copy: no view pins the step's array
         self.stats["generated_tokens"] += count
         ending = [(sampled[b], self._finish_reason(sampled[b], tokens[b], codes[b]))
-                  for b in np.flatnonzero(codes != RUNNING).tolist() if sampled[b].finish_reason is None]
-        strings, decode, checked = [], [], set()
-        for b in launched.string_rows:
-            seq = sampled[b]
-            num_output = seq.num_output - seq.inflight
-            if codes[b] == RUNNING and seq.finish_reason is None and num_output >= seq.stop.min_new_tokens:
-                strings.append(seq)
-                decode.append(seq.stop.may_match_after(tokens[b], num_output))
-                checked.add(b)
+                  for b in np.flatnonzero((codes == LENGTH) | (codes == STOP_TOKEN)).tolist()
+                  if sampled[b].finish_reason is None]
+        # Rows with stop strings whose tail is decoded, and (streaming) those checked without a decode: the device
+        # sorted them (rows.finish_codes); rows that skip the check and do not stream need nothing here.
+        tail_rows = codes == TAIL_DECODE
+        if launched.stream_rows:
+            streams = np.zeros(len(codes), dtype=bool)
+            streams[launched.stream_rows] = True
+            tail_rows |= (codes == TAIL_SKIP) & streams
+        strings, decode = [], []
+        for b in np.flatnonzero(tail_rows).tolist():
+            if sampled[b].finish_reason is None:
+                strings.append(sampled[b])
+                decode.append(codes[b] == TAIL_DECODE)
         outputs = [self._output(sampled[b]) for b in launched.stream_rows
-                   if codes[b] == RUNNING and b not in checked and sampled[b].finish_reason is None]
+                   if codes[b] == RUNNING and sampled[b].finish_reason is None]
         self.stats["resolve_s"] += time.perf_counter() - start
         start = time.perf_counter()
         outputs += self._check_stop_strings(strings, decode, ending)
@@ -620,6 +630,8 @@ class Engine:
         budget = self.max_prefill_tokens
         scheduled = []
         self._scheduled_rows = 0  # rows of the step (forks' included): decode-only needs one per sequence
+        self._sampling: list[_Sequence] = []  # the scheduled sequences whose last row is in the step, in order
+        sampling = self._sampling
         prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
 
         def add(seq: _Sequence, n: int) -> bool:
@@ -634,6 +646,8 @@ class Engine:
                 return False
             scheduled.append((seq, n))
             self._scheduled_rows += n
+            if seq.num_computed + n == len(seq.tokens):
+                sampling.append(seq)
             return True
 
         head = self._queue[0] if self._queue else None
@@ -643,19 +657,27 @@ class Engine:
             self._running.append(head)
             add(head, min(len(head.tokens) - head.num_computed, budget))
             return scheduled
-        bs = self.block_size
+        bs, decode_rows = self.block_size, 0
         for seq in list(self._running):
-            pending = len(seq.tokens) - seq.num_computed
-            n = 1 if pending == 1 else min(pending, budget)
-            if n <= 0 or (seq.inflight and seq.num_output >= seq.max_new_tokens):  # its token in flight is its last
+            computed = seq.num_computed
+            pending = len(seq.tokens) - computed
+            # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
+            if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
                 continue
-            if pending > 1:
+            if pending == 1:
+                if computed < len(seq.blocks) * bs and (computed + 1) // bs <= seq.num_registered:
+                    # What add() does when the row has its block and fills none (most decode rows).
+                    scheduled.append((seq, 1))
+                    sampling.append(seq)
+                    decode_rows += 1
+                else:
+                    add(seq, 1)
+                continue
+            n = min(pending, budget)
+            if n > 0:
                 budget -= n
-            elif (rows := seq.num_computed + 1) <= len(seq.blocks) * bs and rows // bs <= seq.num_registered:
-                scheduled.append((seq, 1))  # what add() does when the row has its block and fills none (most decode rows)
-                self._scheduled_rows += 1
-                continue
-            add(seq, n)
+                add(seq, n)
+        self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
             key = tuple(seq.tokens) if seq.num_output == 0 and self.blocks.enable_prefix_caching else None
@@ -732,17 +754,27 @@ class Engine:
         the host; nothing here waits for the device (on CPU the work runs here). Inputs sampled by `previous` and not
         yet on the host are fed from its device tokens. Each sampling sequence gets an IN_FLIGHT token."""
         device = self.device
-        seqs = [seq for seq, n in scheduled if seq.num_computed + n == len(seq.tokens)]  # the rows that sample
+        seqs = self._sampling  # the rows that sample (_schedule)
         # With kept selections the replay rows are read from the cache when a request ends; else each step's here.
         want_topk = not self.cache.keep_topk and any(seq.req.return_indexer_topk for seq in seqs)
         # Every sequence adds one row (n >= 1 each) and samples from it.
         decode_only = not self._forks and self._scheduled_rows == len(scheduled) == len(seqs)
         key = tuple([seq.serial for seq in seqs])
+        # Each launch adds one token to each row that samples, so the same rows as the last launch have one more each.
+        last = self._last_counts
+        same_rows = last is not None and last[0] == key
+        # Rows left or joined since (requests ended, were admitted): each row's row in the last launch, -1 if new.
+        moved = None
+        if last is not None and not same_rows:
+            where = dict(zip(last[0], range(len(last[0]))))
+            moved = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        kept = moved is not None and len(moved) and moved.min() >= 0  # only rows of the last launch
+        positions = None
         on_host = device.type != "cuda"
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
         done = None
 
-        def on_inputs(ids: torch.Tensor, fed: list[int], fed_seqs: list[_Sequence]) -> None:
+        def on_inputs(ids: torch.Tensor, fed: list[int] | range, fed_seqs: list[_Sequence] | None) -> None:
             """The input ids are queued on the device: the step's device work starts here."""
             if begin is not None:
                 begin.record()
@@ -752,11 +784,22 @@ class Engine:
         forward_start = time.perf_counter()
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
-            fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
+            if previous is not None and same_rows:  # overlap: every input is `previous`'s token, in the same rows
+                fed, input_ids = range(len(seqs)), [IN_FLIGHT_INPUT] * len(seqs)
+            else:
+                fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
+                input_ids = ([IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed
+                             else [seq.tokens[-1] for seq in seqs])
+            if same_rows and last[2] is not None:  # the same rows decoded one token each last step
+                positions = last[2] + 1
+            elif kept and last[2] is not None:
+                positions = last[2][moved] + 1
+            else:
+                positions = np.fromiter((seq.num_computed for seq in seqs), dtype=np.int64, count=len(seqs))
             hidden, topk_all, write_slots = self.decoder.forward(
-                [IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed else [seq.tokens[-1] for seq in seqs],
-                [seq.num_computed for seq in seqs], [seq.blocks for seq in seqs],
-                on_inputs=lambda ids: on_inputs(ids, fed, [seqs[b] for b in fed]), tables_key=(key, self._tables_epoch),
+                input_ids, positions, [seq.blocks for seq in seqs],
+                on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, range) else [seqs[b] for b in fed]),
+                tables_key=(key, self._tables_epoch),
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
@@ -766,15 +809,21 @@ class Engine:
         wanted: list[int] = []
         if seqs:
             logits = self.model.lm_head(hidden).float()  # (B, V)
-            rows = self._sampling_rows(key, seqs)
-            num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
-                                                             dtype=np.int64, count=len(seqs))), device)  # (B,) tokens before this one
+            rows = self._sampling_rows(key, seqs, moved)
+            if same_rows:
+                num_output = last[1] + 1  # (B,) tokens before this one
+            elif kept:
+                num_output = last[1][upload(torch.from_numpy(moved), device)] + 1
+            else:
+                num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
+                                                                 dtype=np.int64, count=len(seqs))), device)
             rows.mask_stop_ids(logits, num_output)
             tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
             if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
                 logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
                                                            else float(seq.req.sampling.temperature) for seq in seqs])
-            result = torch.stack([tokens.double(), logprobs.double(), rows.finish_codes(tokens, num_output).double()])
+            codes = rows.finish_codes(tokens, num_output, self._completer_table.table)
+            result = torch.stack([tokens.double(), logprobs.double(), codes.double()])
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
@@ -789,10 +838,11 @@ class Engine:
         if decode_only:  # scheduled and seqs are the same sequences
             for seq in seqs:
                 seq.num_computed += 1
-                seq.failures = 0
+                if seq.failures:
+                    seq.failures = 0
                 seq.tokens.append(IN_FLIGHT)
                 seq.inflight += 1
-                token_index.append(seq.num_computed)
+            token_index = (positions + 1).tolist() if positions is not None else [seq.num_computed for seq in seqs]
         else:
             for seq, n in scheduled:
                 seq.num_computed += n
@@ -803,14 +853,19 @@ class Engine:
                 token_index.append(len(seq.tokens) - 1)
         launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
-                             string_rows=rows.string_rows if rows else [], stream_rows=rows.stream_rows if rows else [],
+                             stream_rows=rows.stream_rows if rows else [],
                              version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
         if on_host:
             self._account_device(launched)
+        self._last_counts = (key, num_output, positions if decode_only else None) if seqs else None
         return launched
 
-    def _feed(self, ids: torch.Tensor, rows: list[int], seqs: list[_Sequence], previous: _Launched) -> None:
-        """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet)."""
+    def _feed(self, ids: torch.Tensor, rows: list[int] | range, seqs: list[_Sequence] | None, previous: _Launched) -> None:
+        """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet);
+        `seqs` None: rows is range(B) and they are `previous`'s rows in its order."""
+        if seqs is None:
+            ids[: len(rows)].copy_(previous.tokens)
+            return
         src = [previous.row_of[id(seq)] for seq in seqs]
         n = len(previous.sampled)
         if rows == src == list(range(n)):  # the common case: the same requests in the same order
@@ -819,12 +874,15 @@ class Engine:
         index = upload(torch.tensor(rows + src, dtype=torch.long), self.device)
         ids.index_copy_(0, index[: len(rows)], previous.tokens.index_select(0, index[len(rows) :]))
 
-    def _sampling_rows(self, key: tuple[int, ...], seqs: list[_Sequence]) -> SamplingRows:
-        """The device tensors of these rows (`key`: their serials), updated from the last step's (rows.py)."""
+    def _sampling_rows(self, key: tuple[int, ...], seqs: list[_Sequence], moved: np.ndarray | None = None) -> SamplingRows:
+        """The device tensors of these rows (`key`: their serials), updated from the last step's (rows.py); `moved`:
+        each row's row in the last launch (-1: new), when that launch's rows are these rows' source."""
         if self._rows is None:
             self._rows = SamplingRows.build(key, [seq.row for seq in seqs], self.device)
         elif self._rows.key != key:
-            self._rows = self._rows.update(key, [seq.row for seq in seqs])
+            last = self._last_counts
+            known = moved if last is not None and last[0] == self._rows.key else None
+            self._rows = self._rows.update(key, [seq.row for seq in seqs], known)
         return self._rows
 
     def _forward_packed(self, scheduled: list[tuple[_Sequence, int]], want_topk: bool,
@@ -958,9 +1016,14 @@ class Engine:
         slots = blocks[(np.cumsum(num_blocks) - num_blocks)[span] + r // bs] * bs + r % bs
         # These rows come from steps the host has read already. On CUDA a side stream reads them, so this waits for
         # that read only, not for a step in flight on the main stream (which writes other rows: overlap).
+        # Contiguous per request, so the response encodes each part without another copy; on CUDA into pinned memory
+        # (a pageable copy of this size, hundreds of MiB when a large batch ends together, runs at a fraction of it).
         with self._side_stream():
-            rows = self.cache.read_topk(upload(torch.from_numpy(slots), self.device))  # (n_full, S, K)
-            parts = np.split(rows.transpose(0, 1).cpu().numpy(), np.cumsum(sizes)[:-1])
+            rows = self.cache.read_topk(upload(torch.from_numpy(slots), self.device))  # (S, n_full, K)
+            if rows.device.type == "cuda":
+                rows = _to_host_async(rows)
+                torch.cuda.current_stream(self.device).synchronize()  # the side stream: this read only
+            parts = np.split(rows.numpy(), np.cumsum(sizes)[:-1])
         return [part if k else None for part, k in zip(parts, sizes.tolist())]
 
     def _side_stream(self) -> Any:
@@ -1023,13 +1086,7 @@ class Engine:
                 logger.exception("engine: final output of request %s failed", seq.req.rid)
                 seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
                 outputs.append(self._output(seq))
-        # The running ones leave in one pass (every sequence in `ending` has its finish reason now, and no other
-        # running one has).
-        kept, running = [], []
-        for seq in self._running:
-            (kept if seq.finish_reason is None else running).append(seq)
-        if running:
-            self._running = kept
+        running = self._leave_running([seq for seq, _ in ending])
         for seq in running:
             self._free(seq)
         for seq, _ in ending:
@@ -1037,6 +1094,28 @@ class Engine:
             if seq in self._queue:
                 self._queue.remove(seq)
         return outputs
+
+    def _leave_running(self, ending: list[_Sequence]) -> list[_Sequence]:
+        """Take the running ones of `ending` (each has its finish reason now, and no other running one has) out of the
+        running list; returns them in running order. A few are found by C-level searches, many in one pass."""
+        if len(ending) > 16:
+            kept, running = [], []
+            for seq in self._running:
+                (kept if seq.finish_reason is None else running).append(seq)
+            if running:
+                self._running = kept
+            return running
+        where = []
+        for seq in ending:
+            try:
+                where.append(self._running.index(seq))  # identity: _Sequence compares by `is`
+            except ValueError:  # queued, not running
+                pass
+        where = sorted(set(where))
+        running = [self._running[i] for i in where]
+        for i in reversed(where):
+            del self._running[i]
+        return running
 
     def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
         """End one request with finish_reason abort and the error; blocks it offered this step are not trusted."""

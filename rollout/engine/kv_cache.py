@@ -80,8 +80,10 @@ class PagedKVCache:
         self.topk.index_copy_(1, slots, local.to(self.topk.dtype))
 
     def read_topk(self, slots: torch.Tensor) -> torch.Tensor:
-        """The kept selections of `slots` (S,) as (n_full, S, K) int32."""
-        return self.topk.index_select(1, slots).to(torch.int32)
+        """The kept selections of `slots` (S,) as (S, n_full, K) int32, contiguous: each slot's rows in one block."""
+        rows = self.topk.index_select(1, slots)  # (n_full, S, K)
+        out = torch.empty((rows.shape[1], rows.shape[0], rows.shape[2]), dtype=torch.int32, device=rows.device)
+        return out.copy_(rows.transpose(0, 1))  # the cast and the transpose in one pass
 
     def bind(self, write_slots: torch.Tensor, read_slots: torch.Tensor | None) -> "PagedKVCache":
         """Slot of each new row (Tq,), and of each key row in cu_seqlens_k layout (Tk,) or None when keys == new rows."""

@@ -5,7 +5,10 @@ a step with the same requests in the same order reuses them, and when requests l
 keeps the rows still there (one index_select on the device) and uploads only the new ones. With them the device masks
 stop tokens under min_new_tokens, draws the step's uniforms in one batched call, and finds the rows that finished by
 length or by a stop token (`finish_codes`); the host reads the codes with the tokens, in the step's one transfer.
-Stop strings need the text, so they stay on the host (stop.py), for the rows that have them only.
+Stop strings need the text, so they stay on the host (stop.py), for the rows that have them only; the device says
+which of those rows need their tail decoded this step (`TAIL_DECODE`: the new token may complete a stop string, by
+the request's completer mask from stop_chars.py, kept on the device in `CompleterTable`), so the host loops over
+those rows only.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from rollout.engine.sampling import SamplingBatch, counter_uniforms
 from rollout.engine.stop import StopChecker
 from rollout.engine.types import SamplingParams
 
-# finish_codes values
-RUNNING, LENGTH, STOP_TOKEN = 0, 1, 2
+# finish_codes values. TAIL_SKIP / TAIL_DECODE: running, with stop strings and at least min_new_tokens, and the new
+# token cannot / may complete a stop string (StopChecker.may_match_after).
+RUNNING, LENGTH, STOP_TOKEN, TAIL_SKIP, TAIL_DECODE = 0, 1, 2, 3, 4
 # RowSpec.flags bits
 SAMPLED, SORTS, MIN_P, MASKS_STOP_IDS, STOP_STRINGS, GREEDY, STREAMS = 1, 2, 4, 8, 16, 32, 64
 
@@ -30,14 +34,17 @@ class RowSpec:
     """One request's row: what it puts into each tensor of SamplingRows, and flags saying which work it needs."""
 
     floats: tuple[float, float, float]  # temperature (1 on a greedy row), top_p, min_p
-    ints: tuple[int, int, int, int, int]  # greedy, top_k (vocab size where unrestricted), seed, min_new, max_new
+    # greedy, top_k (vocab size where unrestricted), seed, min_new, max_new, completer (CompleterTable row; -1: no
+    # stop strings)
+    ints: tuple[int, int, int, int, int, int]
     stop_ids: tuple[int, ...]
     flags: int
 
 
-def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: int, stream: bool = False) -> RowSpec:
+def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: int, stream: bool = False,
+             completer: int = 0) -> RowSpec:
     """The row of a request with these sampling params, stop rules and int64 seed; `stream`: it wants every step's
-    output."""
+    output; `completer`: the CompleterTable row of its stop strings' completer mask (0: every token may complete one)."""
     greedy = params.greedy
     top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
     flags = GREEDY if greedy else SAMPLED | (SORTS if top_k < vocab_size or params.top_p < 1.0 else 0) | (
@@ -45,7 +52,8 @@ def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: i
     flags |= (MASKS_STOP_IDS if stop.min_new_tokens > 0 and stop.stop_ids else 0) | (
         STOP_STRINGS if stop.stop_strings else 0) | (STREAMS if stream else 0)
     return RowSpec(floats=(1.0 if greedy else float(params.temperature), float(params.top_p), float(params.min_p)),
-                   ints=(int(greedy), top_k, seed, stop.min_new_tokens, stop.max_new_tokens),
+                   ints=(int(greedy), top_k, seed, stop.min_new_tokens, stop.max_new_tokens,
+                         completer if stop.stop_strings else -1),
                    stop_ids=tuple(sorted(stop.stop_ids)), flags=flags)
 
 
@@ -55,7 +63,7 @@ class SamplingRows:
 
     key: tuple[int, ...]  # the requests' serial numbers, in row order
     floats: torch.Tensor  # (B, 3) float32: RowSpec.floats
-    ints: torch.Tensor  # (B, 5) int64: RowSpec.ints
+    ints: torch.Tensor  # (B, 6) int64: RowSpec.ints
     stop_ids: torch.Tensor  # (B, S) int64, padded with the row's first stop id (-1 if none); S may be 0
     flags: int  # RowSpec.flags of all rows, or-ed
     string_rows: list[int]  # rows whose requests have stop strings
@@ -70,7 +78,7 @@ class SamplingRows:
         stop_ids = [s.stop_ids + s.stop_ids[:1] * (width - len(s.stop_ids)) if s.stop_ids else (-1,) * width
                     for s in specs]
         floats = torch.tensor([s.floats for s in specs], dtype=torch.float32).view(len(specs), 3)
-        ints = torch.tensor([s.ints for s in specs], dtype=torch.long).view(len(specs), 5)
+        ints = torch.tensor([s.ints for s in specs], dtype=torch.long).view(len(specs), 6)
         return cls._of(key, np.fromiter((s.flags for s in specs), dtype=np.int64, count=len(specs)), upload(floats, device),
                        upload(ints, device), upload(torch.tensor(stop_ids, dtype=torch.long).view(len(specs), width), device))
 
@@ -80,13 +88,16 @@ class SamplingRows:
                    string_rows=np.flatnonzero(row_flags & STOP_STRINGS).tolist(),
                    stream_rows=np.flatnonzero(row_flags & STREAMS).tolist(), row_flags=row_flags)
 
-    def update(self, key: tuple[int, ...], specs: list[RowSpec]) -> "SamplingRows":
+    def update(self, key: tuple[int, ...], specs: list[RowSpec], index: np.ndarray | None = None) -> "SamplingRows":
         """The rows of `key` (RowSpec each): these rows where the keys match, else rows kept from this step's (on the
-        device) and new ones uploaded for requests not here."""
+        device) and new ones uploaded for requests not here. `index`: each key's row here (-1: not here), if known."""
         if key == self.key:
             return self
-        where = dict(zip(self.key, range(len(self.key))))
-        index = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        if index is None:
+            where = dict(zip(self.key, range(len(self.key))))
+            index = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+        else:
+            index = index.copy()
         fresh_rows = np.flatnonzero(index < 0)
         index[fresh_rows] = np.arange(len(self.key), len(self.key) + len(fresh_rows))
         floats, ints, stop_ids, row_flags = self.floats, self.ints, self.stop_ids, self.row_flags
@@ -120,15 +131,56 @@ class SamplingRows:
         """The step's one draw: a uniform per row from its seed and the index of the token it samples; None if greedy."""
         return counter_uniforms(self.ints[:, 2], num_output) if self.flags & SAMPLED else None
 
-    def finish_codes(self, tokens: torch.Tensor, num_output: torch.Tensor) -> torch.Tensor:
+    def finish_codes(self, tokens: torch.Tensor, num_output: torch.Tensor,
+                     completers: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) int64: LENGTH where this token reaches the limit, else STOP_TOKEN where it is a stop token and the
-        output is at least min_new_tokens long, else RUNNING. StopChecker.check's order, on the device."""
+        output is at least min_new_tokens long, else RUNNING. StopChecker.check's order, on the device. A running row
+        with stop strings and at least min_new_tokens gets TAIL_DECODE when its tail must be decoded (the first check,
+        or a token its completer row in `completers` (CompleterTable.table) flags; every token without a table), else
+        TAIL_SKIP."""
         count = num_output + 1
         code = torch.where(count >= self.ints[:, 4], LENGTH, RUNNING)
         if self.stop_ids.shape[1]:
             hit = (tokens[:, None] == self.stop_ids).any(dim=1) & (count >= self.ints[:, 3])
             code = torch.where((code == RUNNING) & hit, STOP_TOKEN, code)
+        if self.flags & STOP_STRINGS:
+            completer, min_new = self.ints[:, 5], self.ints[:, 3]
+            checked = (code == RUNNING) & (completer >= 0) & (count >= min_new)
+            if completers is None:
+                decode = checked
+            else:
+                decode = checked & ((count <= min_new) | completers[completer.clamp(min=0), tokens])
+            code = torch.where(decode, TAIL_DECODE, torch.where(checked, TAIL_SKIP, code))
         return code
+
+
+class CompleterTable:
+    """The completer masks of an engine's requests (stop_chars.StopCompleters.mask) as rows of one (M, vocab) bool
+    tensor on the device; row 0 flags every token (a mask of None, or more distinct masks than MAX_ROWS)."""
+
+    MAX_ROWS = 64
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.table = torch.ones((1, vocab_size), dtype=torch.bool, device=device)
+        self._rows: dict[bytes, int] = {}
+
+    def row(self, mask: bytes | None) -> int:
+        """The row of `mask` (mask[id] == 1: token id may complete a stop string; ids past it may too), added on
+        first sight."""
+        if mask is None:
+            return 0
+        row = self._rows.get(mask)
+        if row is None:
+            if len(self._rows) + 1 >= self.MAX_ROWS:
+                return 0  # decoding every tail is always exact
+            flags = torch.ones(self.vocab_size, dtype=torch.bool)
+            n = min(len(mask), self.vocab_size)
+            if n:
+                flags[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
+            self.table = torch.cat([self.table, flags.to(self.table.device)[None]])
+            row = self._rows[mask] = len(self._rows) + 1
+        return row
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
