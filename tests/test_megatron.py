@@ -432,6 +432,22 @@ def test_distributed_adam_state_round_trips_through_safetensors_and_json(tmp_pat
         again.load_state({k: v for k, v in tensors.items() if not k.startswith("p2/")}, groups)
 
 
+def test_benchmark_profiles_a_step_and_names_what_megatron_spends_more_on(tmp_path):
+    """benchmarks/megatron_vs_fsdp.py --profile-dir: one step's key_averages tables appended per backend, a summary
+    per backend, and the ops whose time is larger in Megatron's step named first."""
+    from benchmarks.megatron_vs_fsdp import PROFILE_FILE, profile_differences, profile_step
+
+    x = torch.randn(64, 64)
+    fsdp = profile_step(lambda: x @ x, lambda: None, False, "fsdp", tmp_path)
+    megatron = profile_step(lambda: [torch.linalg.qr(x) for _ in range(20)], lambda: None, False, "megatron", tmp_path)
+    text = (tmp_path / PROFILE_FILE).read_text()
+    assert text.index("== fsdp:") < text.index("== megatron:") and text.count("top 25 by self_cpu_time_total") == 2
+    assert "aten::mm" in fsdp["ops"] and megatron["ops"]["aten::linalg_qr"][2] == 20
+    lines = profile_differences(fsdp, megatron)
+    assert lines[0].startswith("profile fsdp: step") and lines[2].endswith("none")  # no device time on a CPU
+    assert "aten::linalg_qr" in lines[3] and "aten::mm " not in lines[3]
+
+
 def _dispatcher(cls, num_experts: int, topk: int, routing_map: torch.Tensor):
     """A dispatcher of `cls` holding every expert, with only the attributes its dispatch and combine read (no process
     groups: at expert parallel 1 neither step communicates)."""
