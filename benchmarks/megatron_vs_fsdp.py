@@ -181,7 +181,8 @@ PROFILED = ("fsdp", "megatron")
 PROFILE_FILE = "megatron_vs_fsdp_profile.txt"
 # Host-device syncs, copies and launches counted from the profile's runtime (CPU-side) events.
 COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
-           "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "aten::_local_scalar_dense")
+           "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "aten::_local_scalar_dense",
+           "Memcpy DtoH")  # the last: every device-to-host copy (its key names the destination memory)
 
 
 def profile_step(step, sync, cuda: bool, backend: str, directory: Path) -> dict:
@@ -200,7 +201,8 @@ def profile_step(step, sync, cuda: bool, backend: str, directory: Path) -> dict:
     events = prof.key_averages()
     on_device = [e for e in events if e.device_type != DeviceType.CPU]
     kernel_ms = sum(e.self_device_time_total for e in on_device) / 1e3
-    counts = {name: sum(e.count for e in events if e.key == name) for name in COUNTED}
+    counts = {name: sum(e.count for e in events if e.key == name or name == "Memcpy DtoH" and e.key.startswith(name))
+              for name in COUNTED}
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / PROFILE_FILE, "a") as f:
         f.write(f"== {backend}: one train step under the profiler, {wall_ms:.1f} ms wall, {kernel_ms:.1f} ms of "

@@ -150,10 +150,12 @@ def like_group(saved: dict, current: dict) -> dict:
 def use_fused_adamw(optimizer: torch.optim.Optimizer) -> None:
     """Switch an AdamW megatron built (torch's, foreach by default) to torch's fused kernel before its first step:
     one pass over the parameters, gradients and moments instead of one per elementwise op. Its `step` state then
-    lives on the parameters' device, as torch's fused AdamW keeps it (load_state_dict moves it there)."""
-    if type(optimizer) is not torch.optim.AdamW or optimizer.state:
-        raise ValueError(f"expected megatron's fresh torch AdamW, got {type(optimizer).__name__} with "
-                         f"{len(optimizer.state)} parameters' state")
+    lives on the parameters' device, as torch's fused AdamW keeps it (load_state_dict moves it there). Anything else
+    (Transformer Engine's or Apex's FusedAdam, fused already) is left as it is."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return
+    if optimizer.state:
+        raise ValueError(f"AdamW switched to its fused kernel after {len(optimizer.state)} parameters' steps")
     for group in (optimizer.defaults, *optimizer.param_groups):
         group.update(fused=True, foreach=False)
 
