@@ -31,8 +31,8 @@
 # optional parts: fsdp_split (the bf16 noise floor), fsdp_f32 (the float32 reference), then --layerwise
 # (benchmarks/megatron_layerwise.py, where Megatron's bf16 forward first differs from FSDP2's). Every phase's figures
 # reach the JSON when it ends, and the cap's SIGTERM keeps what finished) needs the megatron-core cp312 wheel in whl/;
-# MGBENCH_ARGS adds arguments, MGBENCH_T caps it (default 400 s); writes $OUT/megatron_vs_fsdp.json, .log and
-# _profile.txt.
+# MGBENCH_ARGS adds arguments (e.g. "--backends fsdp,megatron,megatron_stock": the A/B of megatron's own optimizer
+# fallbacks), MGBENCH_T caps it (default 400 s); writes $OUT/megatron_vs_fsdp.json, .log and _profile.txt.
 # ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
 # DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
 # offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);

@@ -122,8 +122,11 @@ def _measure(backend: str, checkpoint: str, port: int, args: dict, record: dict,
                            dsa=dsa, ops_backend="torch" if backend == "fsdp_f32" else "auto",
                            mixed_precision=cuda and backend != "fsdp_f32", micro_batch_tokens=micro_batch_tokens,
                            seed=0, gradient_checkpointing=args["recompute"])
-    if backend == "megatron":
+    if backend.startswith("megatron"):
+        from trainers.megatron.optimizer import DistributedAdam  # noqa: PLC0415
         from trainers.megatron.worker import MegatronWorker as Worker  # noqa: PLC0415
+
+        DistributedAdam.torch_paths = backend != "megatron_stock"
     else:
         from trainers.fsdp.worker import FSDPWorker as Worker  # noqa: PLC0415
     start = time.perf_counter()
@@ -278,7 +281,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--backends", default="fsdp,megatron,fsdp_split,fsdp_f32",
                         help="comma-separated, run in this order (fsdp_split: the noise floor, fsdp_f32: the float32 "
-                             "reference, see above)")
+                             "reference, see above; megatron_stock: Megatron with megatron's own AdamW, grad norm, "
+                             "clip and main-weight copy, as before trainers/megatron/optimizer.py replaced them)")
     parser.add_argument("--layerwise", action="store_true",
                         help="then benchmarks/megatron_layerwise.py on the same checkpoint and conformance batch "
                              "(where Megatron's bf16 forward first differs from FSDP2's)")
@@ -366,11 +370,13 @@ def _run_backend(backend: str, result: dict, checkpoint: str, options: dict, wor
     run["wall_s"] = round(time.perf_counter() - start, 1)
     if "tokens_per_s" in run and peak:
         run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
+    if "tokens_per_s" in run and "tokens_per_s" in result["runs"].get("fsdp", {}) and backend != "fsdp":
+        run["over_fsdp"] = round(run["tokens_per_s"] / result["runs"]["fsdp"]["tokens_per_s"], 3)
     result["runs"][backend] = run
     _summarise(result)
     _write(out_path, result)  # after each backend: a run cut short by the stage's time cap still reports
-    logger.info("%s: %s%s", backend, {k: run.get(k) for k in ("tokens_per_s", "mfu", "step_s", "peak_memory_gib",
-                                                               "build_s", "wall_s")},
+    logger.info("%s: %s%s", backend, {k: run.get(k) for k in ("tokens_per_s", "mfu", "over_fsdp", "step_s",
+                                                               "peak_memory_gib", "build_s", "wall_s")},
                 f"; error: {run['error'][-600:]}" if "error" in run else "")
     if "conformance_error" in run:
         logger.info("%s conformance error: %s", backend, run["conformance_error"][-600:])

@@ -28,6 +28,8 @@ from trainers.optim import lr_multiplier
 class DistributedAdam:
     """Adam over float32 main weights sharded across data-parallel ranks (megatron's DistributedOptimizer)."""
 
+    torch_paths = True  # False: megatron's own AdamW, norm, clip and copy (benchmarks/megatron_vs_fsdp.py compares)
+
     def __init__(self, model: DistributedDataParallel, config: OptimizerConfig, indexer_learning_rate: float | None,
                  dtype: torch.dtype) -> None:
         if indexer_learning_rate is not None:
@@ -41,7 +43,7 @@ class DistributedAdam:
         self.inner = get_megatron_optimizer(self.config, [model])
         self.names = {p: n for n, p in model.module.named_parameters()}
         self.device = next(model.module.parameters()).device
-        for opt in self._optimizers():
+        for opt in self._optimizers() if self.torch_paths else ():
             use_fused_adamw(opt.optimizer)
             copy_main_params_by_foreach(opt)
 
@@ -60,6 +62,9 @@ class DistributedAdam:
         counted twice), each optimizer's sum over its grad-stats group, as its ChainedOptimizer combines dense and
         expert norms; the norm and the scaling are torch's (get_total_norm, clip_grads_with_norm_)."""
         self.inner.prepare_grads()
+        if not self.torch_paths:
+            norm = self.inner.clip_grad_norm(max_norm) if max_norm > 0 else self.inner.get_grad_norm()
+            return torch.as_tensor(float(norm))
         norms = []
         for opt in self._optimizers():
             grads = opt.get_grads_for_grad_norm()
