@@ -8,6 +8,7 @@
   (its value is ~1e-5, so that is summation noise).
 - A checkpoint of megatron's DistributedOptimizer (bf16) resumes bit for bit in a fresh process: on one GPU, and on
   2 CPU ranks with its CUDA-only spots pretended.
+- DistributedAdam's fused AdamW, foreach grad norm, clipping and main-weight copy give what megatron's own do.
 """
 
 from __future__ import annotations
