@@ -24,11 +24,15 @@
 # vstrl_release).
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
-# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model, bf16 conformance
-# over 5 steps against FSDP2's split noise floor and against FSDP2 in float32, then train tokens/s and MFU, then
-# --layerwise: benchmarks/megatron_layerwise.py, where Megatron's bf16 forward first differs from FSDP2's) needs the
-# megatron-core cp312 wheel in whl/; MGBENCH_ARGS adds arguments, MGBENCH_T caps it (default 400 s; the float32
-# reference and the layerwise pass come last, so a cap cuts them first); writes $OUT/megatron_vs_fsdp.json and .log.
+# mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model; each backend in
+# its own process: 5 short bf16 conformance steps, then train tokens/s and MFU, then one step under torch.profiler
+# (FSDP2 and Megatron only: $OUT/megatron_vs_fsdp_profile.txt, top 25 ops by device and by CPU time each, and in the
+# log the ops Megatron spends more on). FSDP2 and Megatron run first, so the throughput verdict lands before the
+# optional parts: fsdp_split (the bf16 noise floor), fsdp_f32 (the float32 reference), then --layerwise
+# (benchmarks/megatron_layerwise.py, where Megatron's bf16 forward first differs from FSDP2's). Every phase's figures
+# reach the JSON when it ends, and the cap's SIGTERM keeps what finished) needs the megatron-core cp312 wheel in whl/;
+# MGBENCH_ARGS adds arguments (e.g. "--backends fsdp,megatron,megatron_stock": the A/B of megatron's own optimizer
+# fallbacks), MGBENCH_T caps it (default 400 s); writes $OUT/megatron_vs_fsdp.json, .log and _profile.txt.
 # ds: DeepSpeed on GPU 0 (DS_GPU picks another): the bf16 conformance against FSDP2 (tests/test_deepspeed_gpu.py,
 # DS_TEST_T caps it, default 120 s), then benchmarks/deepspeed_capacity.py (the largest model FSDP2 and ZeRO-3 + CPU
 # offload train on this GPU, tokens/s of each; DSCAP_ARGS replaces its arguments, DSCAP_T caps it, default 210 s);
@@ -136,8 +140,8 @@ vstrllong)
 mgbench)
   stamp mgbench
   python3 -c "import megatron.core; print('megatron-core', megatron.core.__version__)" 2>&1 | tail -1
-  timeout -k 20 ${MGBENCH_T:-400} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench --layerwise ${MGBENCH_ARGS} \
-    --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
+  timeout -k 20 ${MGBENCH_T:-400} python3 benchmarks/megatron_vs_fsdp.py --workdir $W/mgbench --layerwise \
+    --profile-dir $OUT ${MGBENCH_ARGS} --out $OUT/megatron_vs_fsdp.json 2>&1 | grep --line-buffered -v -e "warnings.warn" -e "Warning:" \
     | tee $OUT/megatron_vs_fsdp.log | tail -40
   ;;
 engthr)

@@ -1,10 +1,18 @@
 """Megatron (TP=1) against FSDP2 on one device, same GLM-MoE-DSA checkpoint and batches: bf16 conformance over 5
 steps (loss, grad norm, log-probs before each step) and training throughput (tokens/s, MFU).
 
-Each backend runs in its own process (one rank): the 5 conformance steps, then warm-up and timed steps on larger
-batches. A backend that fails records its error instead of its numbers, so one GPU call always reports.
+Each backend runs in its own process (one rank): the 5 conformance steps (short: 4 sequences a step), then warm-up
+and timed steps on larger batches, then with --profile-dir one more step under torch.profiler. FSDP2 and Megatron run
+first, so the throughput verdict lands before the noise floor, the float32 reference and the layerwise pass. Each
+phase's figures reach the JSON as soon as it ends: a process records what it finished before a failure or the time
+cap's SIGTERM, and the failure instead of the rest, so one GPU call always reports.
     python benchmarks/megatron_vs_fsdp.py --out result.json                     # H200: the 1.1B model, bf16
     python benchmarks/megatron_vs_fsdp.py --size tiny --device cpu --out r.json # CPU dry run (float32)
+
+--profile-dir DIR: one train step of FSDP2 and of Megatron under torch.profiler (after the timed steps, not timed with
+them); DIR/megatron_vs_fsdp_profile.txt gets each one's key_averages, top 25 by device time and by CPU time, the JSON
+a summary (kernel time against the step's wall time, host syncs, launches) and the log the ops whose time differs
+most between the two: where Megatron's step spends what FSDP2's does not.
 
 Two verdicts on the bf16 conformance, both in the JSON and the log:
 - against FSDP2 (`conformance`): the backend `fsdp_split` is FSDP2 again with half the micro-batch tokens, the same
@@ -39,6 +47,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -86,16 +95,21 @@ def make_batch(vocab: int, samples: int, length: int, seed: int):
 
 
 def rank_body(rank: int, backend: str, checkpoint: str, port: int, args: dict, out: str) -> None:
-    """One rank of one backend: conformance steps, then timed steps; writes its record to `out`."""
+    """One rank of one backend: conformance steps, timed steps, a profiled step; its record is written to `out` after
+    each, so a process stopped early leaves what it finished."""
     record: dict = {"backend": backend}
+
+    def save() -> None:
+        Path(out).write_text(json.dumps(record))
+
     try:
-        record.update(_measure(backend, checkpoint, port, args))
+        _measure(backend, checkpoint, port, args, record, save)
     except Exception as err:  # noqa: BLE001 - one backend's failure must not lose the other's numbers
         record["error"] = "".join(traceback.format_exception(err))[-4000:]
-    Path(out).write_text(json.dumps(record))
+    save()
 
 
-def _measure(backend: str, checkpoint: str, port: int, args: dict) -> dict:
+def _measure(backend: str, checkpoint: str, port: int, args: dict, record: dict, save) -> None:
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
     from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
 
@@ -108,42 +122,118 @@ def _measure(backend: str, checkpoint: str, port: int, args: dict) -> dict:
                            dsa=dsa, ops_backend="torch" if backend == "fsdp_f32" else "auto",
                            mixed_precision=cuda and backend != "fsdp_f32", micro_batch_tokens=micro_batch_tokens,
                            seed=0, gradient_checkpointing=args["recompute"])
-    if backend == "megatron":
+    if backend.startswith("megatron"):
+        from trainers.megatron.optimizer import DistributedAdam  # noqa: PLC0415
         from trainers.megatron.worker import MegatronWorker as Worker  # noqa: PLC0415
+
+        DistributedAdam.torch_paths = backend != "megatron_stock"
     else:
         from trainers.fsdp.worker import FSDPWorker as Worker  # noqa: PLC0415
     start = time.perf_counter()
     worker = Worker(0, 1, "127.0.0.1", port, config)
-    out: dict = {"build_s": round(time.perf_counter() - start, 1)}
-    vocab, length = args["vocab"], args["length"]
-    batches = [make_batch(vocab, args["conformance_samples"], length, seed) for seed in range(STEPS)]
-    for b in batches:
-        b.old_logprobs = worker.compute_logprobs(b)  # π_old: the starting policy, so the loss moves with the weights
-    out["steps"], out["logprobs"] = [], []
-    for b in batches:
-        out["logprobs"].append(worker.compute_logprobs(b).float().tolist())
-        m = worker.train_step(b, float(b.loss_mask.sum()), len(b.seqlens))
-        out["steps"].append({k: m[k] for k in ("loss", "grad_norm", "indexer_kl") if k in m})
+    record["build_s"] = round(time.perf_counter() - start, 1)
+    save()
+    try:
+        _conformance_steps(worker, args, record)
+    except Exception as err:  # noqa: BLE001 - the timed steps below still measure throughput
+        record["conformance_error"] = "".join(traceback.format_exception(err))[-4000:]
+    save()
     if backend == "fsdp_f32":  # the reference of the conformance only: no timed steps
         worker.shutdown()
-        return out
-    big = make_batch(vocab, args["bench_samples"], length, 100)
+        return
+    big = make_batch(args["vocab"], args["bench_samples"], args["length"], 100)
     big.old_logprobs = worker.compute_logprobs(big)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(args["warmup"]):
+
+    def step() -> None:
         worker.train_step(big, float(big.loss_mask.sum()), len(big.seqlens), detailed_metrics=False)
+
+    for _ in range(args["warmup"]):
+        step()
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args["timed"]):
-        worker.train_step(big, float(big.loss_mask.sum()), len(big.seqlens), detailed_metrics=False)
+        step()
     sync()
     seconds = (time.perf_counter() - start) / args["timed"]
-    out.update(step_s=round(seconds, 4), tokens_per_s=round(big.num_tokens / seconds, 1),
-               peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    record.update(step_s=round(seconds, 4), tokens_per_s=round(big.num_tokens / seconds, 1),
+                  peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    save()
+    if args.get("profile_dir") and backend in PROFILED:
+        record["profile"] = profile_step(step, sync, cuda, backend, Path(args["profile_dir"]))
+        save()
     worker.shutdown()
-    return out
+
+
+def _conformance_steps(worker, args: dict, record: dict) -> None:
+    """STEPS steps on the conformance batches (π_old: the starting policy); the log-probs before each, its metrics."""
+    batches = [make_batch(args["vocab"], args["conformance_samples"], args["length"], seed) for seed in range(STEPS)]
+    for b in batches:
+        b.old_logprobs = worker.compute_logprobs(b)  # π_old: the starting policy, so the loss moves with the weights
+    steps, logprobs = [], []
+    for b in batches:
+        logprobs.append(worker.compute_logprobs(b).float().tolist())
+        m = worker.train_step(b, float(b.loss_mask.sum()), len(b.seqlens))
+        steps.append({k: m[k] for k in ("loss", "grad_norm", "indexer_kl") if k in m})
+    record.update(steps=steps, logprobs=logprobs)
+
+
+PROFILED = ("fsdp", "megatron")
+PROFILE_FILE = "megatron_vs_fsdp_profile.txt"
+# Host-device syncs, copies and launches counted from the profile's runtime (CPU-side) events.
+COUNTED = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync",
+           "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "aten::_local_scalar_dense",
+           "Memcpy DtoH")  # the last: every device-to-host copy (its key names the destination memory)
+
+
+def profile_step(step, sync, cuda: bool, backend: str, directory: Path) -> dict:
+    """One more train step under torch.profiler: its key_averages tables (top 25 by device time, top 25 by CPU time)
+    appended to directory/PROFILE_FILE; a summary for the JSON (times in ms)."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    on_device = [e for e in events if e.device_type != DeviceType.CPU]
+    kernel_ms = sum(e.self_device_time_total for e in on_device) / 1e3
+    counts = {name: sum(e.count for e in events if e.key == name or name == "Memcpy DtoH" and e.key.startswith(name))
+              for name in COUNTED}
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / PROFILE_FILE, "a") as f:
+        f.write(f"== {backend}: one train step under the profiler, {wall_ms:.1f} ms wall, {kernel_ms:.1f} ms of "
+                f"device time ==\n")
+        for key in (("self_device_time_total",) if cuda else ()) + ("self_cpu_time_total",):
+            f.write(f"-- top 25 by {key}\n{events.table(sort_by=key, row_limit=25, max_name_column_width=70)}\n")
+    top = sorted(events, key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total, reverse=True)
+    return {"step_ms": round(wall_ms, 1), "device_ms": round(kernel_ms, 1),
+            "device_busy": round(kernel_ms / wall_ms, 3) if cuda else None,
+            "counts": {k: v for k, v in counts.items() if v},
+            # per op: [self device ms, self CPU ms, calls], for profile_differences
+            "ops": {e.key: [round(e.self_device_time_total / 1e3, 3), round(e.self_cpu_time_total / 1e3, 3), e.count]
+                    for e in top[:200]}}
+
+
+def profile_differences(fsdp: dict, megatron: dict, rows: int = 10) -> list[str]:
+    """Log lines: the profiled steps side by side, and the ops whose self device time, then self CPU time, is most
+    larger in Megatron's step than in FSDP2's (an op in one top-200 only counts 0 in the other)."""
+    lines = [f"profile {name}: step {p['step_ms']} ms, device {p['device_ms']} ms (busy {p['device_busy']}), "
+             f"{p['counts']}" for name, p in (("fsdp", fsdp), ("megatron", megatron))]
+    for index, what in ((0, "device"), (1, "CPU")):
+        gaps = {k: megatron["ops"].get(k, [0, 0, 0])[index] - fsdp["ops"].get(k, [0, 0, 0])[index]
+                for k in set(fsdp["ops"]) | set(megatron["ops"])}
+        worst = [k for k in sorted(gaps, key=gaps.get, reverse=True)[:rows] if gaps[k] > 0]
+        lines.append(f"self {what} ms, megatron - fsdp (calls megatron / fsdp): " + ("; ".join(
+            f"{k[:60]} {gaps[k]:+.2f} ({megatron['ops'].get(k, [0, 0, 0])[2]} / {fsdp['ops'].get(k, [0, 0, 0])[2]})"
+            for k in worst) or "none"))
+    return lines
 
 
 def compare(ref: dict, got: dict, noise: dict | None = None) -> dict:
@@ -191,7 +281,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--backends", default="fsdp,megatron,fsdp_split,fsdp_f32",
                         help="comma-separated, run in this order (fsdp_split: the noise floor, fsdp_f32: the float32 "
-                             "reference, see above)")
+                             "reference, see above; megatron_stock: Megatron with megatron's own AdamW, grad norm, "
+                             "clip and main-weight copy, as before trainers/megatron/optimizer.py replaced them)")
     parser.add_argument("--layerwise", action="store_true",
                         help="then benchmarks/megatron_layerwise.py on the same checkpoint and conformance batch "
                              "(where Megatron's bf16 forward first differs from FSDP2's)")
@@ -203,12 +294,12 @@ def main() -> None:
     parser.add_argument("--timed", type=int, default=5)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--recompute", action="store_true", help="activation recomputation in both backends")
+    parser.add_argument("--profile-dir", default=None,
+                        help="profile one extra train step of fsdp and megatron into DIR/" + PROFILE_FILE)
     parser.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temporary directory)")
     parser.add_argument("--out", required=True, help="the JSON result")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    import torch.multiprocessing as mp  # noqa: PLC0415
-
     from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.models.flops import active_params, peak_tflops, train_flops  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
@@ -233,30 +324,87 @@ def main() -> None:
     result = {"size": args.size, "parameters": total, "active_parameters": active, "flops_per_token": flops,
               "device": args.device, "device_name": device_name or "cpu", "peak_tflops": peak,
               "tokens_per_step": args.bench_samples * args.length, "args": vars(args), "runs": {}}
-    for backend in args.backends.split(","):
-        out = work / f"{backend}.json"
-        start = time.perf_counter()
-        try:
-            mp.start_processes(rank_body, args=(backend, str(checkpoint), free_port(), options, str(out)), nprocs=1,
-                               start_method="spawn")
-            run = json.loads(out.read_text())
-        except Exception as err:  # noqa: BLE001 - the process died (a signal, out of memory): record it, go on
-            run = {"backend": backend, "error": f"{type(err).__name__}: {err}"}
-        run["wall_s"] = round(time.perf_counter() - start, 1)
-        if "tokens_per_s" in run and peak:
-            run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
-        result["runs"][backend] = run
-        _summarise(result)
-        _write(args.out, result)  # after each backend: a run cut short by the stage's time cap still reports
-        logger.info("%s: %s", backend, run.get("error") or {k: run.get(k) for k in ("tokens_per_s", "mfu", "step_s",
-                                                                                        "peak_memory_gib", "wall_s")})
+    if args.profile_dir:
+        (Path(args.profile_dir) / PROFILE_FILE).unlink(missing_ok=True)
+    signal.signal(signal.SIGTERM, _stop)  # the stage's time cap: keep what the running backend finished
+    try:
+        for backend in args.backends.split(","):
+            _run_backend(backend, result, str(checkpoint), options, work, peak, flops, args.out)
+    except Stopped as stop:
+        result["stopped"] = str(stop)
+        _write(args.out, result)
+        logger.info("stopped (%s): the JSON holds what finished", stop)
+    _log_summary(result)
+    if args.layerwise and "stopped" not in result:
+        _layerwise(result, str(checkpoint), args, work)  # a SIGTERM there is recorded as its error
+    logger.info("%s", _verdict_line(result))
+
+
+class Stopped(Exception):
+    """SIGTERM (the stage's time cap) arrived."""
+
+
+def _stop(signum, _frame) -> None:
+    raise Stopped(f"signal {signum}")
+
+
+def _run_backend(backend: str, result: dict, checkpoint: str, options: dict, work: Path, peak: float | None,
+                 flops: float, out_path: str) -> None:
+    """One backend's process; its record (or what it wrote before it stopped) into result['runs']."""
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    out = work / f"{backend}.json"
+    out.unlink(missing_ok=True)
+    start = time.perf_counter()
+    stopped = None
+    try:
+        mp.start_processes(rank_body, args=(backend, checkpoint, free_port(), options, str(out)), nprocs=1,
+                           start_method="spawn")
+    except Stopped as stop:
+        stopped = stop
+    except Exception as err:  # noqa: BLE001 - the process died (a signal, out of memory): record it, go on
+        stopped = err
+    run = json.loads(out.read_text()) if out.exists() else {"backend": backend}
+    if stopped is not None:
+        run.setdefault("error", f"{type(stopped).__name__}: {stopped} (the record holds what it finished)")
+    run["wall_s"] = round(time.perf_counter() - start, 1)
+    if "tokens_per_s" in run and peak:
+        run["mfu"] = round(flops * run["tokens_per_s"] / (peak * 1e12), 4)
+    if "tokens_per_s" in run and "tokens_per_s" in result["runs"].get("fsdp", {}) and backend != "fsdp":
+        run["over_fsdp"] = round(run["tokens_per_s"] / result["runs"]["fsdp"]["tokens_per_s"], 3)
+    result["runs"][backend] = run
+    _summarise(result)
+    _write(out_path, result)  # after each backend: a run cut short by the stage's time cap still reports
+    logger.info("%s: %s%s", backend, {k: run.get(k) for k in ("tokens_per_s", "mfu", "over_fsdp", "step_s",
+                                                               "peak_memory_gib", "build_s", "wall_s")},
+                f"; error: {run['error'][-600:]}" if "error" in run else "")
+    if "conformance_error" in run:
+        logger.info("%s conformance error: %s", backend, run["conformance_error"][-600:])
+    if "megatron_over_fsdp_tokens_per_s" in result and backend == "megatron":
+        logger.info("megatron / fsdp tokens/s %s", result["megatron_over_fsdp_tokens_per_s"])
+        if all("profile" in result["runs"][b] for b in PROFILED):
+            for line in profile_differences(result["runs"]["fsdp"]["profile"], result["runs"]["megatron"]["profile"]):
+                logger.info("%s", line)
+    if isinstance(stopped, Stopped):
+        raise stopped
+
+
+def _verdict_line(result: dict) -> str:
+    """The throughput of FSDP2 and Megatron and the two conformance verdicts, in one line (the log's last)."""
+    runs = result["runs"]
+    speed = ", ".join(f"{b} {runs[b].get('tokens_per_s')} tok/s (MFU {runs[b].get('mfu')})" for b in PROFILED
+                      if b in runs)
+    return (f"verdict: {speed}; megatron / fsdp {result.get('megatron_over_fsdp_tokens_per_s')}; conformance "
+            f"vs FSDP2 {result.get('conformance', {}).get('within')}, vs float32 "
+            f"{result.get('conformance_float32', {}).get('within')}")
+
+
+def _log_summary(result: dict) -> None:
     logger.info("noise floor (fsdp vs fsdp_split) %s", result.get("noise_floor"))
     logger.info("conformance %s; megatron / fsdp tokens/s %s", result.get("conformance"),
                 result.get("megatron_over_fsdp_tokens_per_s"))
     for line in _float32_lines(result.get("conformance_float32")):
         logger.info("%s", line)
-    if args.layerwise:
-        _layerwise(result, str(checkpoint), args, work)
 
 
 def _float32_lines(verdict: dict | None) -> list[str]:
@@ -298,6 +446,7 @@ def _summarise(result: dict) -> None:
         result["noise_floor"] = compare(runs["fsdp"], runs["fsdp_split"])
     if all("steps" in runs.get(b, {}) for b in ("fsdp", "megatron")):
         result["conformance"] = compare(runs["fsdp"], runs["megatron"], result.get("noise_floor"))
+    if all("tokens_per_s" in runs.get(b, {}) for b in ("fsdp", "megatron")):
         result["megatron_over_fsdp_tokens_per_s"] = round(runs["megatron"]["tokens_per_s"] / runs["fsdp"]["tokens_per_s"], 3)
     if all("steps" in runs.get(b, {}) for b in ("fsdp", "megatron", "fsdp_f32")):
         result["conformance_float32"] = compare_float32(runs["fsdp_f32"], runs["fsdp"], runs["megatron"])

@@ -8,6 +8,7 @@
   (its value is ~1e-5, so that is summation noise).
 - A checkpoint of megatron's DistributedOptimizer (bf16) resumes bit for bit in a fresh process: on one GPU, and on
   2 CPU ranks with its CUDA-only spots pretended.
+- DistributedAdam's fused AdamW, foreach grad norm, clipping and main-weight copy give what megatron's own do.
 """
 
 from __future__ import annotations
@@ -320,6 +321,71 @@ def test_distributed_optimizer_checkpoint_resumes_exactly_on_cpu(checkpoint, tmp
     _assert_resumes_exactly(tmp_path, 2)
 
 
+def _optimizer_against_megatrons(rank: int, port: int, checkpoint: str, out: str) -> None:
+    """One CPU rank of the DistributedOptimizer (distributed_optimizer_on_cpu): after one step's backward, megatron's
+    own grad norm, clipping and main-to-model copy against DistributedAdam's; then the step itself."""
+    from tests.megatron_conformance import batches, distributed_optimizer_on_cpu, rank_config
+
+    torch.set_num_threads(1)
+    worker = distributed_optimizer_on_cpu()(0, 1, "127.0.0.1", port,
+                                            rank_config(checkpoint, {}, mixed_precision=True, ops_backend="torch"))
+    adam, record = worker.policy.optimizer, {}
+    optimizers = adam._optimizers()
+    record["optimizers"] = len(optimizers)
+    record["fused"] = all(g["fused"] is True and g["foreach"] is False for o in optimizers for g in o.optimizer.param_groups)
+
+    def compare(held):
+        worker.finish_gradients([p for p in held.model.parameters() if p.requires_grad])
+        adam.inner.prepare_grads()
+        mains = [p for o in optimizers for p in o.get_parameters()]
+        before = [p.grad.clone() for p in mains]
+        record["megatron_norm"] = float(adam.inner.get_grad_norm())
+        max_norm = record["megatron_norm"] / 3  # so both clip
+        adam.inner.clip_grad_norm(max_norm)
+        theirs = [p.grad.clone() for p in mains]
+        for p, g in zip(mains, before):
+            p.grad.copy_(g)  # the grad buffer's views: the clip scaled them in place
+        norm = adam.clip(max_norm)
+        record["norm"], record["norm_device"] = float(norm), str(norm.device)
+        record["clipped_rel"] = max(float((p.grad - t).norm() / t.norm()) for p, t in zip(mains, theirs) if t.norm() > 0)
+        record["clipped_changed"] = sum(not torch.equal(p.grad, g) for p, g in zip(mains, before))
+        adam.step()
+        buffers = [b.param_data.clone() for o in optimizers for buf in o.buffers for b in buf.buckets]
+        for o in optimizers:
+            type(o)._copy_main_params_to_model_params(o)  # megatron's loop after ours: nothing left to change
+        after = [b.param_data for o in optimizers for buf in o.buffers for b in buf.buckets]
+        record["copy_back_equal"] = all(torch.equal(a, b) for a, b in zip(buffers, after))
+        record["params_moved"] = sum(not torch.equal(a, b) for a, b in zip(buffers, start))
+        record["step_state"] = sorted({str(s["step"].device) for o in optimizers for s in o.optimizer.state.values()})
+        return norm
+
+    start = [b.param_data.clone() for o in optimizers for buf in o.buffers for b in buf.buckets]
+    worker.apply_gradients = compare
+    batch = batches(VOCAB, count=1)[0]
+    batch.old_logprobs = worker.compute_logprobs(batch)
+    worker.train_step(batch, float(batch.loss_mask.sum()), len(batch.seqlens))
+    Path(out).write_text(json.dumps(record))
+    worker.shutdown()
+
+
+@pytest.mark.slow
+def test_distributed_adam_norm_clip_and_copy_back_equal_megatrons(checkpoint, tmp_path):
+    """DistributedAdam's own grad norm (torch's foreach norm) and clipping give megatron's, its foreach copy of the
+    main weights into the bf16 parameters leaves nothing for megatron's per-parameter loop to change, and its AdamW
+    is torch's fused one (on one CPU rank of megatron's real DistributedOptimizer)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "optimizer.json"
+    mp.start_processes(_optimizer_against_megatrons, args=(free_port(), str(checkpoint), str(out)), nprocs=1,
+                       start_method="spawn")
+    record = json.loads(out.read_text())
+    assert record["optimizers"] >= 1 and record["fused"], record
+    assert record["norm"] == pytest.approx(record["megatron_norm"], rel=1e-6) and record["norm_device"] == "cpu"
+    assert record["clipped_changed"] > 0 and record["clipped_rel"] < 1e-6, record
+    assert record["copy_back_equal"] and record["params_moved"] > 0, record
+    assert record["step_state"] == ["cpu"]  # fused AdamW keeps `step` on the parameters' device
+
+
 def _adam_over_main_weights(models: list[torch.nn.Parameter]):
     """A DistributedAdam around a stand-in for one megatron DistributedOptimizer: torch's AdamW over float32 main
     copies of bf16 model parameters, found through model_param_group_index_map as megatron's are."""
@@ -365,6 +431,22 @@ def test_distributed_adam_state_round_trips_through_safetensors_and_json(tmp_pat
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"optimizer shards \(2 parameters"):
         again.load_state({k: v for k, v in tensors.items() if not k.startswith("p2/")}, groups)
+
+
+def test_benchmark_profiles_a_step_and_names_what_megatron_spends_more_on(tmp_path):
+    """benchmarks/megatron_vs_fsdp.py --profile-dir: one step's key_averages tables appended per backend, a summary
+    per backend, and the ops whose time is larger in Megatron's step named first."""
+    from benchmarks.megatron_vs_fsdp import PROFILE_FILE, profile_differences, profile_step
+
+    x = torch.randn(64, 64)
+    fsdp = profile_step(lambda: x @ x, lambda: None, False, "fsdp", tmp_path)
+    megatron = profile_step(lambda: [torch.linalg.qr(x) for _ in range(20)], lambda: None, False, "megatron", tmp_path)
+    text = (tmp_path / PROFILE_FILE).read_text()
+    assert text.index("== fsdp:") < text.index("== megatron:") and text.count("top 25 by self_cpu_time_total") == 2
+    assert "aten::mm" in fsdp["ops"] and megatron["ops"]["aten::linalg_qr"][2] == 20
+    lines = profile_differences(fsdp, megatron)
+    assert lines[0].startswith("profile fsdp: step") and lines[2].endswith("none")  # no device time on a CPU
+    assert "aten::linalg_qr" in lines[3] and "aten::mm " not in lines[3]
 
 
 def _dispatcher(cls, num_experts: int, topk: int, routing_map: torch.Tensor):

@@ -48,6 +48,17 @@ def _norm(config: ModelConfig, megatron: TransformerConfig) -> RMSNorm:
     return norm
 
 
+def _key_rows(input_ids: torch.Tensor, batch: PackedBatch) -> int:
+    """The batch's key rows, from its layout where that holds them (no read of cu_seqlens_k from the device, which
+    would wait for the GPU at the start of every forward): its query rows without a cache, the gathered rows with
+    shared prompts."""
+    if batch.kv_cache is None:
+        return input_ids.shape[0]
+    if isinstance(batch.kv_cache, GatheredKeys):
+        return batch.kv_cache.key_rows.shape[0]
+    return int(batch.cu_seqlens_k[-1])
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: DSA attention, then megatron's MLP (dense) or MoE layer (sparse)."""
 
@@ -125,7 +136,7 @@ class MegatronGlmMoeDsa(nn.Module):
     def forward_hidden(self, input_ids: torch.Tensor, batch: PackedBatch, *, replay_topk: torch.Tensor | None = None,
                        return_topk: bool = False, capture_dsa: bool = False, index_topk: int | None = None) -> ModelOutput:
         """Packed forward to the final hidden states (T, D), whole on every rank (see GlmMoeDsaForCausalLM)."""
-        T, Tk = input_ids.shape[0], int(batch.cu_seqlens_k[-1])  # query rows, key rows (more with shared prompts)
+        T, Tk = input_ids.shape[0], _key_rows(input_ids, batch)  # query rows, key rows (more with shared prompts)
         input_ids, batch, replay_topk = self._pad(input_ids, batch, replay_topk)
         h = self.embedding(input_ids[None])  # (T / tp, 1, D) reduce-scattered, or (1, T, D)
         if not self.megatron.sequence_parallel:
