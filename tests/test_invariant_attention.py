@@ -14,13 +14,14 @@ preset (attention 12 / 16 heads over kv_lora 256 + rope 32, indexer 16 heads of 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.test_invariant_kernels import _rel_l2, _same_bits, run_in_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 REL_L2 = 1e-2  # tests/test_ops_gpu.py's bf16 tolerance for sparse MLA's out; lse within 1e-3
@@ -30,20 +31,6 @@ def _inv():
     from slime_dsa.ops import triton_invariant  # noqa: PLC0415 (imports triton)
 
     return triton_invariant
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (torch.equal counts -0.0 equal to 0.0)."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        a, b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
-    return torch.equal(a, b)
-
-
-def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
 def _cu(lens: list[int], device: str) -> torch.Tensor:
@@ -306,13 +293,7 @@ def run_interpret_checks() -> None:
 
 
 def test_invariant_attention_and_indexer_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    code = "from tests.test_invariant_attention import run_interpret_checks; run_interpret_checks()"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    run_in_interpreter("tests.test_invariant_attention")
 
 
 # ----------------------------------------------------------------------------------------------

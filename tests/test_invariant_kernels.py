@@ -232,14 +232,19 @@ def run_interpret_checks() -> None:
     check_misaligned_rows("cpu", 3, 100, 300)
 
 
-def test_invariant_kernels_in_the_interpreter():
+def run_in_interpreter(module: str) -> None:
+    """`module`'s run_interpret_checks in a fresh process under Triton's interpreter (set before triton imports)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    code = "from tests.test_invariant_kernels import run_interpret_checks; run_interpret_checks()"
+    code = f"from {module} import run_interpret_checks; run_interpret_checks()"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+
+
+def test_invariant_kernels_in_the_interpreter():
+    run_in_interpreter("tests.test_invariant_kernels")
 
 
 @pytest.mark.slow  # ~5 s of CPU: four kernels through Triton's whole compiler and ptxas

@@ -118,8 +118,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
-    """Run `launch(cfg)` with the remembered config for `key`, or find the first config that works."""
+LAUNCH_FAILURES = (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError)
+
+
+def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch,
+            failures: tuple[type[BaseException], ...] = LAUNCH_FAILURES) -> None:
+    """Run `launch(cfg)` with the remembered config for `key`, or find the first config that works: one that raises
+    one of `failures` moves on to the next, any other error propagates."""
     cached = _chosen.get((kind, key))
     if cached is not None:
         launch(cached)
@@ -128,7 +133,7 @@ def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
     for cfg in configs:
         try:
             launch(cfg)
-        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
+        except failures as err:
             errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
             continue
         _chosen[(kind, key)] = cfg
@@ -139,20 +144,7 @@ def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
 def _launch_first_fitting(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
     """Like `_launch`, but only a config that does not compile or fit moves on to the next (a deterministic
     function of the device model and the problem shape); any other error propagates."""
-    cached = _chosen.get((kind, key))
-    if cached is not None:
-        launch(cached)
-        return
-    errors = []
-    for cfg in configs:
-        try:
-            launch(cfg)
-        except (triton.runtime.errors.OutOfResources, triton.CompilationError) as err:
-            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
-            continue
-        _chosen[(kind, key)] = cfg
-        return
-    raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
+    _launch(kind, key, configs, launch, (triton.runtime.errors.OutOfResources, triton.CompilationError))
 
 
 def _launch_fastest(kind: str, key: tuple, configs: list[KernelConfig], launch, device: torch.device) -> None:
