@@ -1,9 +1,10 @@
 """Mixed precision on one unsharded rank: a bf16 copy of the float32 master runs forward and backward.
 
 What FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) computes on a group of one rank, to the
-bit, micro-batch gradients summed in float32 as there (tests/test_bf16_compute.py), without its per-parameter casts, copies and hooks every forward and backward: on
-one GPU those were ~11,000 copy calls a step for the small preset's 788 parameters (benchmarks/RESULTS.md). The
-price is memory: the whole bf16 copy stays resident (half the float32 weights), where FSDP2 holds one layer's.
+bit, micro-batch gradients summed in float32 as there (tests/test_bf16_compute.py), without its per-parameter casts,
+copies and hooks every forward and backward: on one GPU those were ~11,000 copy calls a step for the small preset's
+788 parameters (benchmarks/RESULTS.md). The price is memory: the whole bf16 copy stays resident (half the float32
+weights), where FSDP2 holds one layer's.
 """
 
 from __future__ import annotations
