@@ -33,7 +33,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group):
+@pytest.mark.parametrize("micro_batches", [[[20, 28]], [[20, 28], [32, 16]], [[24], [8, 16], [40]]])
+def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group, micro_batches):
+    """3 steps of 1, 2 or 3 micro-batches: the same log-probs, gradients and weights as FSDP2's bf16 policy. FSDP2
+    sums micro-batches in float32 (its reduce_dtype), so the copy must too: summed in bf16 by autograd in the copy's
+    .grad and cast once, the gradients differed from the second micro-batch on."""
     from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
 
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)
@@ -46,21 +50,23 @@ def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group):
     opt_copy = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=False)
     g = torch.Generator().manual_seed(0)
     for step in range(3):
-        ids = torch.randint(0, config.vocab_size, (48,), generator=g)
-        packed = PackedBatch.from_seqlens([20, 28])
-        logp_fsdp = fsdp.token_logprobs(ids, packed)[0]
-        logp_copy = copy.module.token_logprobs(ids, packed)[0]
-        assert torch.equal(logp_fsdp, logp_copy), step
-        (-logp_fsdp.mean()).backward()
-        (-logp_copy.mean()).backward()
-        copy.gradients_to_master()
+        for seqlens in micro_batches:
+            ids = torch.randint(0, config.vocab_size, (sum(seqlens),), generator=g)
+            packed = PackedBatch.from_seqlens(seqlens)
+            logp_fsdp = fsdp.token_logprobs(ids, packed)[0]
+            logp_copy = copy.module.token_logprobs(ids, packed)[0]
+            assert torch.equal(logp_fsdp, logp_copy), step
+            (-logp_fsdp.mean()).backward()
+            (-logp_copy.mean()).backward()
+            copy.accumulate_gradients()
+        assert all(c.grad is None for c in copy.module.parameters())
         for (name, a), b in zip(fsdp.named_parameters(), master.parameters()):
             assert (a.grad is None) == (b.grad is None), name
             assert a.grad is None or torch.equal(_full(a.grad), b.grad), (step, name)
         opt_fsdp.step()
         opt_copy.step()
         opt_fsdp.zero_grad(set_to_none=True)
-        opt_copy.zero_grad(set_to_none=True)
+        copy.zero_grad()
         copy.refresh()
     for (name, a), b, c in zip(fsdp.named_parameters(), master.parameters(), copy.module.parameters()):
         assert torch.equal(_full(a).detach(), b.detach()), name
@@ -111,7 +117,8 @@ def test_one_rank_mixed_precision_worker_trains_through_its_copy(tmp_path, devic
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)
     start = build_model(config, seed=0, dtype=torch.float32)
     save_pretrained(start, tmp_path / "m")
-    rank = policy_config(str(tmp_path / "m"), PPOLoss(), OptimizerConfig(learning_rate=1e-3), mixed_precision=True)
+    rank = policy_config(str(tmp_path / "m"), PPOLoss(), OptimizerConfig(learning_rate=1e-3), mixed_precision=True,
+                         micro_batch_tokens=32)  # 2 micro-batches a step
     worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), rank)
     try:
         assert worker.bf16_copies and not worker.sharded
@@ -154,7 +161,7 @@ def _two_rank_fsdp2(rank: int, port: int, checkpoint: str, out: str) -> None:
     logp_fsdp, logp_copy = fsdp.token_logprobs(ids, batch)[0], copy.module.token_logprobs(ids, batch)[0]
     (-logp_fsdp.mean()).backward()
     (-logp_copy.mean()).backward()
-    copy.gradients_to_master()
+    copy.accumulate_gradients()
     grads = [name for (name, a), b in zip(fsdp.named_parameters(), copy.master.parameters())
              if (a.grad is None) != (b.grad is None) or (a.grad is not None and not torch.equal(_full(a.grad), b.grad))]
     if rank == 0:

@@ -1,9 +1,10 @@
 """Mixed precision on one unsharded rank: a bf16 copy of the float32 master runs forward and backward.
 
 What FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) computes on a group of one rank, to the
-bit (tests/test_bf16_compute.py), without its per-parameter casts, copies and hooks every forward and backward: on
-one GPU those were ~11,000 copy calls a step for the small preset's 788 parameters (benchmarks/RESULTS.md). The
-price is memory: the whole bf16 copy stays resident (half the float32 weights), where FSDP2 holds one layer's.
+bit, micro-batch gradients summed in float32 as there (tests/test_bf16_compute.py), without its per-parameter casts,
+copies and hooks every forward and backward: on one GPU those were ~11,000 copy calls a step for the small preset's
+788 parameters (benchmarks/RESULTS.md). The price is memory: the whole bf16 copy stays resident (half the float32
+weights), where FSDP2 holds one layer's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from slime_dsa.models.glm_moe_dsa import float32_modules
 
 
 class Bf16Compute:
-    """A bf16 copy of `master` that computes; gradients go back to the master in float32, and the copy is
-    refreshed from the master after every update (call `refresh` after anything writes the master's weights).
+    """A bf16 copy of `master` that computes; each backward's gradients are summed into the master's in float32
+    (`accumulate_gradients`), and the copy is refreshed from the master after every update (call `refresh` after
+    anything writes the master's weights).
     The routers and indexer heads (float32_modules) stay float32, as apply_fsdp's own float32 policy for them."""
 
     def __init__(self, master: torch.nn.Module) -> None:
@@ -36,19 +38,27 @@ class Bf16Compute:
         self.module.train(mode)
 
     def zero_grad(self) -> None:
-        for _, c in self._pairs:
-            c.grad = None
+        """Clear the copy's and the master's gradients."""
+        for m, c in self._pairs:
+            m.grad = c.grad = None
 
-    def gradients_to_master(self) -> None:
-        """The master's .grad = the copy's gradient in float32 (None where the copy has none); the copy's cleared."""
+    @torch.no_grad()
+    def accumulate_gradients(self) -> None:
+        """Add the copy's gradients (one micro-batch's) into the master's .grad in float32 and clear the copy's.
+
+        Call after every backward: FSDP2 casts each backward's gradients to float32 (reduce_dtype) and sums
+        micro-batches there; autograd would sum them in bf16 in the copy's .grad."""
         have = [(m, c) for m, c in self._pairs if c.grad is not None]
-        for m, _ in self._pairs:
-            m.grad = None
-        grads = [torch.empty_like(m) for m, _ in have]
+        first = [(m, c) for m, c in have if m.grad is None]
+        later = [(m, c) for m, c in have if m.grad is not None]
+        grads = [torch.empty_like(m) for m, _ in first]
         if grads:
-            torch._foreach_copy_(grads, [c.grad for _, c in have])  # one launch for all, casting to float32
-        for (m, c), grad in zip(have, grads):
+            torch._foreach_copy_(grads, [c.grad for _, c in first])  # one launch for all, casting to float32
+        for (m, _), grad in zip(first, grads):
             m.grad = grad
+        if later:  # FSDP2's float32 sum (bf16 widens exactly); mixed dtypes take foreach's per-tensor path
+            torch._foreach_add_([m.grad for m, _ in later], [c.grad for _, c in later])
+        for _, c in have:
             c.grad = None
 
     @torch.no_grad()

@@ -97,12 +97,15 @@ class FSDPWorker(TrainerRank):
         if (copy := self._bf16_copy(role)) is not None:
             copy.zero_grad()
 
+    def backward(self, held: Role, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch; through a bf16 copy, its gradients are added to the master's in float32."""
+        super().backward(held, loss)
+        if (copy := self._bf16_copy(held)) is not None:
+            copy.accumulate_gradients()
+
     def apply_gradients(self, held: Role) -> torch.Tensor:
-        copy = self._bf16_copy(held)
-        if copy is not None:
-            copy.gradients_to_master()
         grad_norm = super().apply_gradients(held)
-        if copy is not None:
+        if (copy := self._bf16_copy(held)) is not None:
             copy.refresh()
         return grad_norm
 

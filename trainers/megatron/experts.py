@@ -3,9 +3,10 @@ forward and backward, so that bf16 rounds alike (one rounding difference can fli
 - the router: its logits through torch's linear, GlmMoeDsa's top-k (slime_dsa.models.glm_moe_dsa.route: weights
   normalised in ascending expert order; megatron's normalises in top-k order);
 - the rows gathered by advanced indexing (megatron's index_select adds a token's k row gradients with bf16 atomics);
-- each routed expert's output weighted by its routing probability in float32, a token's k weighted outputs summed in
-  float32 in ascending expert order and rounded once to the layer's dtype (megatron's scales before fc2 and sums in
-  bf16 with scatter_add_, on a GPU atomics in no fixed order);
+- each routed expert's output weighted by its routing probability in float32, put back in token order by
+  index_copy_ (the rows are a permutation: its backward is a gather, where index_select's is an index_add_), a
+  token's k weighted outputs summed in float32 in ascending expert order and rounded once to the layer's dtype
+  (megatron's scales before fc2 and sums in bf16 with scatter_add_, on a GPU atomics in no fixed order);
 - router, routed experts, then the shared expert (gate and up as two GEMMs: mlp.py), in that order: autograd sums
   the layer input's gradients in reverse order of use (megatron runs the shared expert first).
 On a GPU in bf16 the experts run as two grouped GEMMs over the stacked expert weights, the same kernel calls as
@@ -86,33 +87,35 @@ class LocalExpertsDispatcher(MoEAllGatherTokenDispatcher):
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map.contiguous()
+        T, E = self.local_map.shape
+        k = self.router_topk
+        # GlmMoeDsa's grouped layout: each token's k experts ascending, its (token, slot) rows stably sorted by expert
+        # (expert-major, tokens ascending within an expert: the rows megatron's permute makes).
+        expert_ids = self.local_map.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, :k]  # (T, k)
+        narrow = torch.uint8 if E <= 256 else torch.int16 if E <= 32768 else expert_ids.dtype
+        self.slot_order = torch.sort(expert_ids.reshape(-1).to(narrow), stable=True).indices  # (T * k,) row -> slot
         tokens_per_expert = self.local_map.sum(dim=0).long()
         if not self.gather_by_index:
             permuted, permuted_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
-                hidden_states, self.local_map, probs=probs.contiguous(),
-                num_out_tokens=self.local_map.shape[0] * self.router_topk)
-        else:  # megatron's permute, but the rows gathered as GlmMoeDsa's Experts gather them
-            T = self.local_map.shape[0]
-            flat = self.local_map.T.reshape(-1).argsort(descending=True, stable=True)[: T * self.router_topk]
-            tokens = flat % T  # (T * k,) expert-major, tokens ascending within an expert
+                hidden_states, self.local_map, probs=probs.contiguous(), num_out_tokens=T * k)
+        else:  # megatron's permute, but the rows and probabilities gathered as GlmMoeDsa's Experts gather them
+            tokens = self.slot_order // k
             permuted = hidden_states[tokens]
-            permuted_probs = probs.T.contiguous().reshape(-1)[flat]
+            permuted_probs = probs.gather(1, expert_ids).reshape(-1)[self.slot_order]
             self.reversed_local_input_permutation_mapping = tokens
         self.local_probs = permuted_probs
         self.routing_map = None
         return permuted, tokens_per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Each token's k expert rows (N = T x k, D), summed in ascending expert order, as GlmMoeDsa's Experts sum
-        them (megatron's unpermute adds them with scatter_add_: on a GPU atomics, in no fixed order)."""
+        """Each token's k expert rows (N = T x k, D) put back in (token, slot) order and summed over the slots in
+        ascending expert order, as GlmMoeDsa's Experts do: the rows are a permutation, so neither direction
+        accumulates (megatron's unpermute adds them with scatter_add_, on a GPU atomics in no fixed order)."""
         if not (self._all_local() and self.ordered_combine):
             return super().combine_preprocess(hidden_states)
-        chosen = self.local_map  # (T, E) bool, k per row
-        T, E = chosen.shape
-        row_of = (chosen.T.reshape(-1).cumsum(0) - 1).view(E, T).T  # (T, E): permuted row of (t, e) where chosen
-        experts = chosen.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, : self.router_topk]
-        rows = row_of.gather(1, experts)  # (T, k): each token's rows, ascending expert id
-        return hidden_states.index_select(0, rows.reshape(-1)).view(T, self.router_topk, -1).sum(1)
+        T = self.local_map.shape[0]
+        unsorted = torch.empty_like(hidden_states).index_copy_(0, self.slot_order, hidden_states)
+        return unsorted.view(T, self.router_topk, -1).sum(1)
 
 
 class GlmTopKRouter(TopKRouter):

@@ -2,9 +2,10 @@
 optimizer, the collectives (the data-parallel group) and its checkpoint format; the step is trainers/rank.py's.
 
 Built in a readable order in __init__: process group → megatron's model-parallel groups → each role's model
-(HF weights sharded by convert.py) → DDP → optimizer → scheduler. On a GPU the optimizer is megatron's
-DistributedOptimizer (bf16 parameters, float32 main weights sharded over data parallel); on a CPU, where that one
-needs CUDA, megatron's DDP plus torch's AdamW (cpu_shim.py makes megatron-core run there).
+(HF weights sharded by convert.py) → DDP (gradients into its float32 buffers after each backward: main_grads.py) →
+optimizer → scheduler. On a GPU the optimizer is megatron's DistributedOptimizer (bf16 parameters, float32 main
+weights sharded over data parallel); on a CPU, where that one needs CUDA, megatron's DDP plus torch's AdamW
+(cpu_shim.py makes megatron-core run there).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -27,6 +28,7 @@ from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.base import RankConfig, RoleConfig
 from trainers.megatron import cpu_shim
 from trainers.megatron.convert import hf_to_megatron
+from trainers.megatron.main_grads import ForeachMainGradDDP
 from trainers.megatron.model import MegatronGlmMoeDsa
 from trainers.megatron.parallel import RankPlace, initialize, parallel_sizes
 from trainers.megatron.transformer_config import transformer_config
@@ -60,7 +62,7 @@ class MegatronWorker(TrainerRank):
         ops.set_backend(config.ops_backend)
         self.dtype = torch.bfloat16 if config.mixed_precision and use_cuda else torch.float32
         self.distributed_optimizer = use_cuda  # megatron's DistributedOptimizer allocates on CUDA
-        self.ddp: dict[str, DistributedDataParallel] = {}
+        self.ddp: dict[str, ForeachMainGradDDP] = {}
         self.roles = {name: self._build_role(name, role) for name, role in config.roles.items()}
 
     def _build_role(self, name: str, config: RoleConfig) -> Role:
@@ -79,7 +81,7 @@ class MegatronWorker(TrainerRank):
             return role
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=self.distributed_optimizer)
-        self.ddp[name] = DistributedDataParallel(model.megatron, ddp_config, model, pg_collection=self.groups)
+        self.ddp[name] = ForeachMainGradDDP(model.megatron, ddp_config, model, pg_collection=self.groups)
         opt = config.optimizer
         if self.distributed_optimizer:
             from trainers.megatron.optimizer import DistributedAdam, LambdaSchedule  # noqa: PLC0415
@@ -96,6 +98,13 @@ class MegatronWorker(TrainerRank):
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """Over the data-parallel group: tensor-parallel peers hold the same samples and the same metrics."""
         dist.all_reduce(tensor, op=op, group=parallel_state.get_data_parallel_group())
+
+    def backward(self, held: Role, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch, then add its gradients into DDP's float32 main gradients."""
+        super().backward(held, loss)
+        for name, role in self.roles.items():
+            if role is held and name in self.ddp:
+                self.ddp[name].accumulate_main_grads()
 
     def zero_gradients(self, role: Role) -> None:
         """Megatron's DDP accumulates into its own buffers (param.main_grad): zero those too."""
