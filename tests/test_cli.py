@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,19 @@ def test_sigterm_stops_a_run_the_way_ctrl_c_does(tmp_path):
     assert proc.returncode == 130, err.decode()[-2000:]
     assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
     assert (run_dir / ".lock").read_text() == ""  # a clean release empties the lock file
+
+
+def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
+    """CPython marks a plain KeyboardInterrupt leaving a string `exec` as unhandled and a `python -m` process then dies
+    by SIGINT (-2) whatever main returned; SIGTERM's Terminated is a subclass, so the exit stays 130."""
+    (tmp_path / "sigterm_in_exec.py").write_text(
+        "import sys\n"
+        "from slime_dsa.cli import _raise_on_sigterm\n"
+        "_raise_on_sigterm()\n"
+        "try:\n"
+        "    exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(5)')\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "sigterm_in_exec"], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr.decode()[-2000:]
