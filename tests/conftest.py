@@ -29,6 +29,18 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests: tiny matmuls run faster on one, the machine is shared, and an engine
+    and a trainer compared bit for bit must share a thread count (slime_dsa/ops/invariant.py)."""
+    import torch  # noqa: PLC0415
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def figures():
     """Numbers the fault tests measure, by test; written as JSON to $SLIME_DSA_FAULT_FIGURES at the session's end

@@ -22,13 +22,7 @@ MODEL = dict(index_topk=4, num_hidden_layers=4, index_topk_freq=2)
 VOCAB = TINY["vocab_size"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run faster on one thread, and the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module", autouse=True, params=["packed", "paged", "packed-sync", "paged-sync"])

@@ -36,12 +36,9 @@ NEW_TOKENS = 16  # prompts of 3 .. 40 tokens: sequences reach past the tiny pres
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The engine and the trainer must share a thread count (see slime_dsa/ops/invariant.py); the machine is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def invariant_off_afterwards(one_thread):
+    """One thread for engine and trainer alike (tests/conftest.py); the invariant mode off after the module."""
     yield
-    torch.set_num_threads(before)
     invariant.set_enabled(False)
 
 

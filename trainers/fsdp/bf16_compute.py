@@ -14,6 +14,7 @@ import copy
 import torch
 
 from slime_dsa.models.glm_moe_dsa import float32_modules
+from trainers.grad_sums import add_gradients
 
 
 class Bf16Compute:
@@ -52,12 +53,9 @@ class Bf16Compute:
         first = [(m, c) for m, c in have if m.grad is None]
         later = [(m, c) for m, c in have if m.grad is not None]
         grads = [torch.empty_like(m) for m, _ in first]
-        if grads:
-            torch._foreach_copy_(grads, [c.grad for _, c in first])  # one launch for all, casting to float32
+        add_gradients([(g, c.grad) for g, (_, c) in zip(grads, first)], [(m.grad, c.grad) for m, c in later])
         for (m, _), grad in zip(first, grads):
             m.grad = grad
-        if later:  # FSDP2's float32 sum (bf16 widens exactly); mixed dtypes take foreach's per-tensor path
-            torch._foreach_add_([m.grad for m, _ in later], [c.grad for _, c in later])
         for _, c in have:
             c.grad = None
 

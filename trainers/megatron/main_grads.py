@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from megatron.core.distributed import DistributedDataParallel
 
+from trainers.grad_sums import add_gradients
+
 
 def _leave_grad(*unused) -> None:
     """The gradient stays in param.grad until accumulate_main_grads."""
@@ -39,10 +41,7 @@ class ForeachMainGradDDP(DistributedDataParallel):
         have = [p for p in self.params_with_grad if p.grad is not None]
         first = [p for p in have if p in self._zero_main_grads]
         later = [p for p in have if p not in self._zero_main_grads]
-        if first:
-            torch._foreach_copy_([p.main_grad for p in first], [p.grad for p in first])
-            self._zero_main_grads.difference_update(first)
-        if later:  # mixed dtypes take foreach's per-tensor path: megatron's kernels, without a hook each
-            torch._foreach_add_([p.main_grad for p in later], [p.grad for p in later])
+        add_gradients([(p.main_grad, p.grad) for p in first], [(p.main_grad, p.grad) for p in later])
+        self._zero_main_grads.difference_update(first)
         for p in have:
             p.grad = None
