@@ -2,7 +2,7 @@
 
 Run as `TRITON_INTERPRET=1 python -m tests.true_on_policy_interpret` (tests/test_true_on_policy.py does): the
 invariant module sends CPU tensors to the Triton kernels here (on a GPU it does so for CUDA tensors), and the engine's
-log-probs must equal the model's packed forward bit for bit in float32 at engine batch 1 and 5.
+log-probs must equal the model's packed forward bit for bit in float32 at engine batch 1 and 3.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def main() -> int:
     invariant._gpu = lambda x: triton_invariant  # the kernels for every tensor, CPU ones included
     model = build_model(preset_config("tiny", VOCAB), seed=0).eval()
     with invariant.enabled(True):
-        for batch in (1, 5):
-            samples = rollout(model, prompts(5, seed=batch), 0.8, batch, False)[::-1]
+        for batch, count in ((1, 2), (3, 3)):  # the interpreter is slow: few prompts, and batch 1 on two, one at a time
+            samples = rollout(model, prompts(count, seed=batch), 0.8, batch, False)[::-1]
             ids = torch.tensor([t for s in samples for t in s.tokens])
             packed = PackedBatch.from_seqlens([s.total_length for s in samples])
             with torch.no_grad():

@@ -17,7 +17,7 @@ from tests.faults.runs import (descendants, engine_urls, pid_listening_on, recip
 
 pytestmark = pytest.mark.slow
 
-STEPS, PROMPTS, N = 5, 4, 4
+STEPS, PROMPTS, N = 7, 4, 4  # after the kill at step 1, six steps for the replacement to start on a loaded machine
 
 
 def _kill_an_engine_after(run_dir, after_records: int, out: dict) -> threading.Thread:
