@@ -381,8 +381,8 @@ class Engine:
             check_update(state_dict, params)
         except WeightFormatError as e:
             raise RequestError(f"update_weights: {e}") from None
-        for name, tensor in state_dict.items():
-            params[name].copy_(tensor)
+        if state_dict:  # one foreach call, not a launch per tensor from Python (the copy casts as copy_ does)
+            torch._foreach_copy_([params[name] for name in state_dict], list(state_dict.values()))
         self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
         self._weight_version = str(weight_version) if weight_version is not None else _next_version(self._weight_version)
