@@ -381,8 +381,11 @@ class Engine:
             check_update(state_dict, params)
         except WeightFormatError as e:
             raise RequestError(f"update_weights: {e}") from None
-        if state_dict:  # one foreach call, not a launch per tensor from Python (the copy casts as copy_ does)
-            torch._foreach_copy_([params[name] for name in state_dict], list(state_dict.values()))
+        # One foreach call, not a launch per tensor from Python (it casts as copy_ does). Tied weights are one
+        # destination: written once, from the last name that holds it, as a loop of copies would leave it.
+        copies = {id(params[name]): (params[name], tensor) for name, tensor in state_dict.items()}
+        if copies:
+            torch._foreach_copy_([dst for dst, _ in copies.values()], [src for _, src in copies.values()])
         self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
         self._weight_version = str(weight_version) if weight_version is not None else _next_version(self._weight_version)
