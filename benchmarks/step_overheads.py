@@ -8,11 +8,11 @@ step, the engine's own command time (perf/engine_command_s, of it perf/engine_we
 medians over steps 2..N.
 
   python benchmarks/step_overheads.py                    # CPU, tiny preset, shm (or http) weight sync
-  python benchmarks/step_overheads.py --baseline REF     # also the code of git REF, interleaved: before/after ratios
+  python benchmarks/step_overheads.py --baseline REF     # also the code of git REF (or a directory), alternated
   python benchmarks/step_overheads.py --device cuda      # one GPU: colocated, bf16, cuda_ipc (recipes/gpu_single.yaml)
 
---baseline runs this same script against `git archive REF` (PYTHONPATH), alternating with the working tree
---rounds times, so both sides see the same machine load.
+--baseline runs this same script against the baseline's code (PYTHONPATH; a git REF is exported with `git archive`),
+alternating with the working tree --rounds times, so both sides see the same machine load.
 """
 
 from __future__ import annotations
@@ -217,30 +217,52 @@ def table(result: dict[str, Any]) -> str:
 
 
 def compare(args: argparse.Namespace, argv: list[str]) -> None:
-    """This script over `git archive REF` and over the working tree, alternated; medians and after/before ratios."""
+    """This script over the baseline's code and over the working tree, alternated; medians and after/before ratios.
+    The baseline is a source directory, or a git ref exported with `git archive`."""
     root = Path(__file__).resolve().parents[1]
     forwarded = [a for i, a in enumerate(argv) if not _is_compare_arg(argv, i)]
     sides: dict[str, list[dict]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory(prefix="step_overheads-base-") as base:
-        archive = subprocess.run(["git", "-C", str(root), "archive", args.baseline], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
-        for _ in range(args.rounds):
-            for side, tree in (("before", base), ("after", str(root))):
-                out = Path(base) / f"{side}.json"
-                env = {**os.environ, "PYTHONPATH": tree}
-                subprocess.run([sys.executable, __file__, *forwarded, "--json", str(out)], check=True, env=env, cwd=tree)
+    with tempfile.TemporaryDirectory(prefix="step_overheads-base-") as tmp:
+        base = Path(args.baseline).resolve() if Path(args.baseline).is_dir() else _export(root, args.baseline, Path(tmp))
+        for i in range(args.rounds):
+            for side, tree in (("before", base), ("after", root)):
+                out, log = Path(tmp) / f"{side}.json", Path(tmp) / f"{side}.log"
+                env = {**os.environ, "PYTHONPATH": str(tree)}
+                with log.open("w") as f:
+                    done = subprocess.run([sys.executable, __file__, *forwarded, "--json", str(out)], env=env,
+                                          cwd=tree, stdout=f, stderr=subprocess.STDOUT)
+                if done.returncode:
+                    raise SystemExit(f"{side} run {i + 1} failed ({done.returncode}); its log's tail:\n"
+                                     + "\n".join(log.read_text().splitlines()[-30:]))
                 sides[side].append(json.loads(out.read_text()))
-    print(f"before: {args.baseline}; after: the working tree; {args.rounds} run(s) each, alternated; medians")
-    rows = [("between rollouts, s", lambda r: r["between_s"]), ("HTTP requests between rollouts", lambda r: r["between_http"]),
+                logger.warning("round %d %s: between rollouts %.4f s, step %.4f s", i + 1, side,
+                               sides[side][-1]["between_s"], sides[side][-1]["engine"]["step_time_s"])
+    print(f"before: {args.baseline}; after: the working tree; {args.rounds} run(s) each, alternated; medians of the "
+          f"runs' medians over steps 2..{args.steps}")
+    rows = [("between rollouts, s", lambda r: r["between_s"]),
+            ("HTTP requests between rollouts", lambda r: r["between_http"]),
             ("Ray calls between rollouts", lambda r: r["between_ray"])]
     rows += [(f"phase {p}, s", functools.partial(lambda r, p: r["phases"][p], p=p)) for p in PHASES]
     rows += [(f"perf/{k}", functools.partial(lambda r, k: r["engine"][k], k=k)) for k in ENGINE_KEYS]
-    print("| quantity | before | after | after/before |\n|---|---:|---:|---:|")
+    print("| quantity | before | after | after/before | before, each run | after, each run |")
+    print("|---|---:|---:|---:|---|---|")
     for label, get in rows:
-        b, a = (statistics.median(get(r) for r in sides[s]) for s in ("before", "after"))
-        print(f"| {label} | {b:.4g} | {a:.4g} | {a / b if b else float('nan'):.2f} |")
+        runs = {s: [get(r) for r in sides[s]] for s in sides}
+        b, a = (statistics.median(runs[s]) for s in ("before", "after"))
+        each = {s: " ".join(f"{v:.4g}" for v in runs[s]) for s in sides}
+        print(f"| {label} | {b:.4g} | {a:.4g} | {a / b if b else float('nan'):.2f} | {each['before']} | "
+              f"{each['after']} |")
     for side in ("before", "after"):
-        print(f"\n{side} (last run):\n{table(sides[side][-1])}")
+        print(f"\n{side} (its last run):\n{table(sides[side][-1])}")
+
+
+def _export(root: Path, ref: str, into: Path) -> Path:
+    """The tree of git `ref` under `into`/base."""
+    base = into / "base"
+    base.mkdir()
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
+    return base
 
 
 def _is_compare_arg(argv: list[str], i: int) -> bool:
@@ -261,7 +283,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--weight-sync", default="auto", help="rollout.weight_sync (auto: cuda_ipc on one GPU, shm on CPU)")
-    p.add_argument("--baseline", default=None, help="a git ref: also run its code, alternated, and print ratios")
+    p.add_argument("--baseline", default=None,
+                   help="a source directory or a git ref: also run its code, alternated, and print ratios")
     p.add_argument("--rounds", type=int, default=2, help="runs per side with --baseline")
     p.add_argument("--json", type=Path, default=None, help="write the breakdown here")
     return p.parse_args(argv)
