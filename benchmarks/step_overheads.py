@@ -227,7 +227,7 @@ def compare(args: argparse.Namespace, argv: list[str]) -> None:
         for i in range(args.rounds):
             for side, tree in (("before", base), ("after", root)):
                 out, log = Path(tmp) / f"{side}.json", Path(tmp) / f"{side}.log"
-                env = {**os.environ, "PYTHONPATH": str(tree)}
+                env = {**os.environ, "PYTHONPATH": _python_path(tree, root)}
                 with log.open("w") as f:
                     done = subprocess.run([sys.executable, __file__, *forwarded, "--json", str(out)], env=env,
                                           cwd=tree, stdout=f, stderr=subprocess.STDOUT)
@@ -254,6 +254,14 @@ def compare(args: argparse.Namespace, argv: list[str]) -> None:
               f"{each['after']} |")
     for side in ("before", "after"):
         print(f"\n{side} (its last run):\n{table(sides[side][-1])}")
+
+
+def _python_path(tree: Path, root: Path) -> str:
+    """PYTHONPATH with `tree` first and the working tree's own entries left out (installed packages stay)."""
+    own = {str(root), ".", ""}
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p not in own and Path(p or ".").resolve() != root]
+    return os.pathsep.join([str(tree), *rest])
 
 
 def _export(root: Path, ref: str, into: Path) -> Path:

@@ -219,3 +219,20 @@ def test_the_colocated_sync_step_leaves_the_continue_to_the_push(monkeypatch):
     asyncio.run(train._one_step(run, 0))
     assert calls == ["/pause_generation retract", "train", "trainer release", "trainer share",
                      "/update_weights_from_tensor abort"]
+
+
+def test_the_engine_walks_its_modules_once_for_updates_and_again_after_its_weights_move():
+    """update_weights uses a name -> tensor map built once (walking ~800 modules cost ~10 ms an update); a weights
+    release and resume (the tensors may be new objects) rebuild it, and an update after them lands in the model."""
+    front = _front()
+    engine = front.engine
+    first = engine.parameters_by_name()
+    engine.update_weights(_shifted(front), "1")
+    assert engine.parameters_by_name() is first
+    engine.release_memory(["weights"])
+    engine.resume_memory(["weights"])
+    assert engine.parameters_by_name() is not first
+    new = _shifted(front)
+    engine.update_weights(new, "2")
+    for name, tensor in engine.model.state_dict().items():
+        assert torch.equal(tensor, new[name]), name

@@ -156,7 +156,7 @@ class AsyncEngine:
 
         engine = self.engine
         try:
-            ipc.check_against({name: tuple(t.shape) for name, t in engine.model.state_dict().items()})
+            ipc.check_against({name: tuple(t.shape) for name, t in engine.parameters_by_name().items()})
             flat = open_buffer(ipc.buffer, engine.device)
         except IpcFormatError as e:
             raise RequestError(str(e)) from None
