@@ -236,3 +236,21 @@ def test_the_engine_walks_its_modules_once_for_updates_and_again_after_its_weigh
     engine.update_weights(new, "2")
     for name, tensor in engine.model.state_dict().items():
         assert torch.equal(tensor, new[name]), name
+
+
+def test_an_update_refreshes_the_experts_stacked_copies():
+    """The engine's foreach copy bumps each parameter's version, so the experts' stacked copies (what grouped-GEMM
+    decoding reads) are rebuilt from the new weights, as the loop of copies made them."""
+    from slime_dsa.models.glm_moe_dsa import Experts
+
+    front = _front()
+    experts = [m for m in front.engine.model.modules() if isinstance(m, Experts)]
+    assert experts
+    for module in experts:
+        module.stacked()
+    front.engine.update_weights(_shifted(front), "1")
+    for module in experts:
+        gate_up, down = module._stacked[1], module._stacked[2]
+        for e, mlp in enumerate(module):
+            assert torch.equal(gate_up[e], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            assert torch.equal(down[e], mlp.down_proj.weight)
