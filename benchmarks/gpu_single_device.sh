@@ -3,7 +3,7 @@
 # install carried wheels, run stages, copy logs and metrics to $OUT. Run from the repo root with the wheels in $WHL
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk tonp" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -47,6 +47,9 @@
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
 # 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
+# steps (benchmarks/step_overheads.py --device cuda, 16 x 16, 64 tokens, on $W/sft/model, else a random small preset):
+# the synchronous step's phases and, between two rollouts, each engine request and trainer call per step; STEPS_ARGS
+# adds arguments (e.g. "--baseline .stepbase --rounds 2": the same against an older tree), STEPS_T caps it (420 s).
 # tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
 # 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
 # arguments, e.g. "--rounds 2", TONP_T caps it, default 420 s) writes $OUT/tonp.md (the table) and $OUT/tonp.log.
@@ -136,6 +139,13 @@ vstrlrel)  # the vstrl stage with ours' engine releasing its KV cache (and CUDA 
   ;;
 vstrllong)
   vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
+  ;;
+steps)  # benchmarks/step_overheads.py: the RL step's engine requests and trainer calls between rollouts, by phase
+  stamp steps
+  model_arg=$([ -d $W/sft/model ] && echo "--model $W/sft/model" || echo "--preset small")
+  timeout -k 10 ${STEPS_T:-420} python3 benchmarks/step_overheads.py --device cuda $model_arg --steps 12 \
+    --prompts-per-step 16 --group-size 16 --max-new-tokens 64 ${STEPS_ARGS} 2>&1 \
+    | grep --line-buffered -v -e "Warning" -e "━" | tee $OUT/step_overheads.log | tail -60
   ;;
 mgbench)
   stamp mgbench

@@ -163,8 +163,9 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
                 p.mul_(1.5).add_(0.25)
         again = worker.share_weights("bfloat16")
         assert again["buffer"] == table["buffer"]
-        status, reply = _post_json(url + "/update_weights_from_tensor",
-                                   {**body, "serialized_named_tensors": [again], "weight_version": "2"})
+        # As the run sends it to embedded engines: pause, update and continue in this one request.
+        status, reply = _post_json(url + "/update_weights_from_tensor", {**body, "serialized_named_tensors": [again],
+                                                                        "weight_version": "2", "pause_mode": "abort"})
         assert status == 200 and reply["success"], reply
         _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v2.safetensors")
 
@@ -178,6 +179,7 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
                                        {**body, "serialized_named_tensors": [bad], "weight_version": "3"})
             assert status == 400 and message in reply["message"], reply
         assert _get_json(url + "/get_weight_version") == {"weight_version": "2"}
+        assert _get_json(url + "/get_server_info")["paused"] is False
     finally:
         conn.send("stop")
         proc.join(60)

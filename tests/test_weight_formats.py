@@ -190,3 +190,35 @@ def test_the_update_check_names_the_first_tensor_that_is_not_finite():
     update["w4"][0, 0] = float("nan")
     with pytest.raises(WeightFormatError, match="tensor w3 holds NaN or infinite values"):
         check_update(update, params)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_update_check_finds_a_bad_value_anywhere_across_dtypes_and_passes_huge_finite_ones(device):
+    """The check's per-tensor largest |x| (one foreach call per dtype): a NaN or an infinity at any position of any
+    tensor is found, the first bad tensor in the dict's order is named even when its dtype is checked later, and
+    finite values at the dtype's limit, empty tensors and -0.0 pass."""
+    import torch
+
+    from slime_dsa.weights import WeightFormatError
+    from slime_dsa.weights.checks import check_update
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    shapes = {"a": (3, 5), "b": (70_000,), "c": (0, 4), "d": (2, 2), "e": (129, 33)}
+    dtypes = {"a": torch.bfloat16, "b": torch.float32, "c": torch.float32, "d": torch.float32, "e": torch.bfloat16}
+    params = {n: torch.zeros(s, dtype=dtypes[n], device=device) for n, s in shapes.items()}
+    update = {n: torch.full(s, -0.0, dtype=dtypes[n], device=device) for n, s in shapes.items()}
+    update["a"][1, 1] = torch.finfo(torch.bfloat16).max
+    update["b"][-1] = -torch.finfo(torch.float32).max
+    check_update(update, params)
+    for name, index in (("b", (69_999,)), ("b", (0,)), ("e", (128, 32)), ("a", (0, 0)), ("d", (1, 0))):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = {n: t.clone() for n, t in update.items()}
+            broken[name][index] = bad
+            with pytest.raises(WeightFormatError, match=f"tensor {name} holds NaN"):
+                check_update(broken, params)
+    broken = {n: t.clone() for n, t in update.items()}
+    broken["e"][0, 0] = float("nan")  # bf16, checked in the first dtype group
+    broken["b"][5] = float("inf")  # float32, earlier in the dict: the one named
+    with pytest.raises(WeightFormatError, match="tensor b holds NaN"):
+        check_update(broken, params)

@@ -16,6 +16,9 @@ from slime_dsa.weights.payloads import TensorSpec
 from trainers.weight_sender import engine_dtypes, full_tensor
 
 
+COPY_BUCKET_BYTES = 256 * 2**20
+
+
 class SharedWeights:
     """The flat buffer (on the sender, rank 0, only) and its table; `fill` copies the current weights in. Every rank
     builds one and calls fill: gathering a sharded tensor is a collective."""
@@ -45,11 +48,24 @@ class SharedWeights:
     @torch.no_grad()
     def fill_from(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict | None:
         """Copy (name, whole tensor) pairs into the buffer; the sender returns the JSON table."""
-        for name, full in tensors:
-            if self.flat is not None:
-                self._views[name].copy_(full)
+        # One foreach call (casting as copy_ does) per COPY_BUCKET_BYTES, not a launch per tensor from Python; the
+        # bucket bounds the gathered tensors (a sharded model's are fresh copies) held at once.
+        views: list[torch.Tensor] = []
+        fulls: list[torch.Tensor] = []
+        held = 0
+        for name, full in tensors:  # every rank walks all of them: each gather is a collective
+            if self.flat is None:
+                continue
+            views.append(self._views[name])
+            fulls.append(full)
+            held += full.nbytes
+            if held >= COPY_BUCKET_BYTES:
+                torch._foreach_copy_(views, fulls)
+                views, fulls, held = [], [], 0
         if self.flat is None:
             return None
+        if views:
+            torch._foreach_copy_(views, fulls)
         # Engines read the buffer from another process, outside this stream's order: finish the copies first.
         torch.cuda.current_stream(self.flat.device).synchronize()
         return self.weights.to_json()

@@ -119,24 +119,44 @@ class AsyncEngine:
 
     # -- weights and cache ----------------------------------------------------------------------
 
-    async def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
-        """Update the model in place between two steps. Raises RequestError naming a bad tensor."""
-        await self._call(lambda: self.engine.update_weights(state_dict, weight_version, flush_cache=flush_cache))
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None,
+                             flush_cache: bool = True, pause_mode: str | None = None) -> None:
+        """Update the model in place between two steps. Raises RequestError naming a bad tensor.
+
+        pause_mode: pause in that mode first and continue after (also when the update fails), all in the same
+        command, so no step runs in between: one call instead of pause, update and continue.
+        """
+        await self._call(self._paused(
+            lambda: self.engine.update_weights(state_dict, weight_version, flush_cache=flush_cache), pause_mode))
 
     async def update_weights_from_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None = None,
-                                           flush_cache: bool = True) -> None:
+                                           flush_cache: bool = True, pause_mode: str | None = None) -> None:
         """Copy the tensors of a sender's CUDA buffer (same GPU, another process) into the model, device to device.
 
         Names and shapes are checked before the handle is opened; RequestError names a bad tensor or the device.
+        pause_mode: as for update_weights.
         """
-        await self._call(lambda: self._load_cuda_ipc(ipc, weight_version, flush_cache))
+        await self._call(self._paused(lambda: self._load_cuda_ipc(ipc, weight_version, flush_cache), pause_mode))
+
+    def _paused(self, update: Callable[[], None], pause_mode: str | None) -> Callable[[], None]:
+        """`update`, or with a pause_mode: pause → update → continue, run as one command on the engine thread."""
+        if pause_mode is None:
+            return update
+
+        def paused_update() -> None:
+            self._dispatch(self.engine.pause(pause_mode))
+            try:
+                update()
+            finally:
+                self.engine.resume()
+        return paused_update
 
     def _load_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None, flush_cache: bool) -> None:
         from slime_dsa.weights.cuda_ipc import IpcFormatError, open_buffer, views  # noqa: PLC0415
 
         engine = self.engine
         try:
-            ipc.check_against({name: tuple(t.shape) for name, t in engine.model.state_dict().items()})
+            ipc.check_against({name: tuple(t.shape) for name, t in engine.parameters_by_name().items()})
             flat = open_buffer(ipc.buffer, engine.device)
         except IpcFormatError as e:
             raise RequestError(str(e)) from None
@@ -147,9 +167,10 @@ class AsyncEngine:
         finally:
             del flat  # closes the IPC mapping (torch keeps it open only while a storage uses it)
 
-    async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None) -> None:
-        """Load safetensors from an HF-format directory (read off the engine thread), then update in place; a
-        preloaded directory is copied from host memory instead."""
+    async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None,
+                                       pause_mode: str | None = None) -> None:
+        """Load safetensors from an HF-format directory (read off the engine thread, while generation goes on), then
+        update in place; a preloaded directory is copied from host memory instead. pause_mode: as for update_weights."""
         from slime_dsa.checkpoint import read_state_dict  # noqa: PLC0415 (only needed here)
         from slime_dsa.checkpoint.validate import safetensors_problem  # noqa: PLC0415
 
@@ -165,7 +186,7 @@ class AsyncEngine:
                 state = await asyncio.to_thread(read)
             except (FileNotFoundError, OSError) as exc:
                 raise RequestError(f"update_weights_from_disk: model_path {str(path)!r}: {exc}") from exc
-        await self.update_weights(state, weight_version)
+        await self.update_weights(state, weight_version, pause_mode=pause_mode)
         self.model_path = str(path)
 
     def preload_weights(self, paths: list[str | Path]) -> None:

@@ -215,6 +215,7 @@ class Engine:
         self._ready: list[GenerateOutput] = []  # finished without a forward (max_new_tokens == 0, a failure)
         self._paused: str | None = None
         self._released: set[str] = set()  # memory tags released for a colocated trainer
+        self._params: dict[str, torch.Tensor] | None = None  # parameters_by_name(), built once
         self._step_registered: list[int] = []
         self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
@@ -376,13 +377,16 @@ class Engine:
 
         start = time.perf_counter()
         self._drain()  # the tokens in flight were computed with the old weights
-        params = self.model.state_dict(keep_vars=True)
+        params = self.parameters_by_name()
         try:
             check_update(state_dict, params)
         except WeightFormatError as e:
             raise RequestError(f"update_weights: {e}") from None
-        for name, tensor in state_dict.items():
-            params[name].copy_(tensor)
+        # One foreach call, not a launch per tensor from Python (it casts as copy_ does). Tied weights are one
+        # destination: written once, from the last name that holds it, as a loop of copies would leave it.
+        copies = {id(params[name]): (params[name], tensor) for name, tensor in state_dict.items()}
+        if copies:
+            torch._foreach_copy_([dst for dst, _ in copies.values()], [src for _, src in copies.values()])
         self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
         self._weight_version = str(weight_version) if weight_version is not None else _next_version(self._weight_version)
@@ -391,6 +395,13 @@ class Engine:
             self._reset_prefix_cache()
         self.stats["weights_update_s"] += time.perf_counter() - start  # checks, copies, derived caches (no device wait)
         logger.info("engine: updated %d tensors, weight_version=%s", len(state_dict), self._weight_version)
+
+    def parameters_by_name(self) -> dict[str, torch.Tensor]:
+        """The model's state dict of live tensors (keep_vars), built once and again after the weights move: walking
+        the modules cost each update ~10 ms at 800 tensors."""
+        if self._params is None:
+            self._params = self.model.state_dict(keep_vars=True)
+        return self._params
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are running or queued, as SGLang does."""
@@ -415,6 +426,7 @@ class Engine:
         if "weights" in tags:
             self.model.drop_inference_caches()
             self.model.to("cpu")
+            self._params = None  # buffers are new tensors after a move
         if self.decoder is not None:
             self.decoder.reset()  # the graphs point at the memory being freed
         if self.device.type == "cuda":
@@ -428,6 +440,7 @@ class Engine:
         tags = self._check_memory_tags(tags, releasing=False)
         if "weights" in tags:
             self.model.to(self.device)
+            self._params = None
         if "kv_cache" in tags:
             self.cache.allocate()
         self._released.difference_update(tags)

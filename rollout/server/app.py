@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from aiohttp import web
 
 from rollout.engine.async_engine import EngineStoppedError
+from rollout.engine.engine import PAUSE_MODES
 from rollout.engine.types import GenerateRequest, RequestError, SamplingParams
 from rollout.server import openai_api, protocol
 from rollout.server.bodies import read_json, read_object
@@ -270,9 +271,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def pause_generation(request: web.Request) -> web.Response:
     body = await read_object(request)
-    mode = _field(body, "mode", (str,), "abort")
-    if mode not in ("abort", "retract", "in_place"):
-        raise RequestError(f"mode must be one of 'abort', 'retract', 'in_place', got {mode!r}")
+    mode = _pause_mode(body, "mode", "abort")
     await state_of(request).engine.pause(mode=mode)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -281,6 +280,13 @@ async def continue_generation(request: web.Request) -> web.Response:
     await read_object(request)
     await state_of(request).engine.resume()
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+def _pause_mode(body: dict, key: str, default: str | None) -> str | None:
+    mode = _field(body, key, (str,), default)
+    if mode is not None and mode not in PAUSE_MODES:
+        raise RequestError(f"{key} must be one of 'abort', 'retract', 'in_place', got {mode!r}")
+    return mode
 
 
 def _update_result(ok: bool, message: str) -> web.Response:
@@ -300,10 +306,11 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     if load_format not in (None, "auto", "safetensors"):
         raise RequestError(f"load_format {load_format!r} is not supported; the embedded engine reads safetensors only")
     version = _field(body, "weight_version", (str,), None)
+    pause_mode = _pause_mode(body, "pause_mode", None)
     if _field(body, "abort_all_requests", (bool,), False):
         await st.engine.abort(abort_all=True)
     try:
-        await st.engine.update_weights_from_disk(model_path, weight_version=version)
+        await st.engine.update_weights_from_disk(model_path, weight_version=version, pause_mode=pause_mode)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         logger.warning("update_weights_from_disk(%s) failed: %s", model_path, e)
         return _update_result(False, f"failed to load {model_path}: {e}")
@@ -337,16 +344,19 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     flush = _field(body, "flush_cache", (bool,), True)
     version = _field(body, "weight_version", (str,), None)
     abort_all = _field(body, "abort_all_requests", (bool,), False)
+    pause_mode = _pause_mode(body, "pause_mode", None)
     if load_format == LOAD_FORMAT_CUDA_IPC:
         ipc = _parse_cuda_ipc(st, entries[0])
-        update = lambda: st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush)  # noqa: E731
+        update = lambda: st.engine.update_weights_from_cuda_ipc(ipc, weight_version=version, flush_cache=flush,  # noqa: E731
+                                                                pause_mode=pause_mode)
         count, how = len(ipc.tensors), " (cuda_ipc)"
     else:
         try:
             state_dict = await asyncio.to_thread(decode_named_tensors, entries[0])
         except WeightFormatError as e:
             raise RequestError(str(e)) from None
-        update = lambda: st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush)  # noqa: E731
+        update = lambda: st.engine.update_weights(state_dict, weight_version=version, flush_cache=flush,  # noqa: E731
+                                                  pause_mode=pause_mode)
         count, how = len(state_dict), ""
     if abort_all:
         await st.engine.abort(abort_all=True)

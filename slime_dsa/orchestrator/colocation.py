@@ -63,13 +63,15 @@ class MemoryHandOver:
             await self.client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
             await asyncio.to_thread(self.trainers.resume_memory)
 
-    async def to_engines(self) -> None:
+    async def to_engines(self, resume: bool = True) -> None:
         """The trainer's cached memory back to the device (always: the engines' prefill allocates too), the KV cache
-        back to the engines unless they kept it; generation continues."""
+        back to the engines unless they kept it; generation continues, or with `resume` False stays paused for the
+        caller's next call to continue it (a weight push, which continues the engines itself)."""
         await asyncio.to_thread(self.trainers.release_memory)
         if not self.keep:
             await self.client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        await self.client.broadcast("/continue_generation", {})
+        if resume:
+            await self.client.broadcast("/continue_generation", {})
 
 
 def _gib(n: Any) -> str:

@@ -99,9 +99,10 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         run.progress.saved = step + 1
 
 
-async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, float]:
+async def train_on_samples(run: Run, step: int, samples: list, resume_engines: bool = True) -> dict[str, float]:
     """trainer.num_steps_per_rollout optimiser steps of the policy on `samples`, and an algorithm's critic steps;
-    returns train/, critic/, advantage/ and perf/ metrics.
+    returns train/, critic/, advantage/ and perf/ metrics. resume_engines False: colocated engines stay paused after
+    training, for a weight push that follows at once and continues them (one continue request less).
 
     With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
     model moves; with teachers (distill.py), the per-token reverse KL to each sample's teacher. The critic trains
@@ -154,7 +155,7 @@ async def train_on_samples(run: Run, step: int, samples: list) -> dict[str, floa
     train_time = time.perf_counter() - train_start
     if colocated:
         start = time.perf_counter()
-        await run.memory.to_engines()
+        await run.memory.to_engines(resume=resume_engines)
         hand_over["perf/rollout_wake_s"] = time.perf_counter() - start
     metrics.update(hand_over)
     metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),

@@ -271,7 +271,8 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
         await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
-    metrics.update(await train_on_samples(run, step, samples))
+    # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
+    metrics.update(await train_on_samples(run, step, samples, resume_engines=False))
     run.progress.mark_trained(step + 1, run.manager.state_dict())
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
                                    want_state=run.hook_wants_state(step + 1))

@@ -1,5 +1,6 @@
 """New weights to every engine after a training step: one interface, one file per transport, and one
-pause → update → continue routine (base.paused_update) that every transport runs.
+pause → update → continue routine (base.paused_update) that every transport runs. Embedded engines take a
+one-request update (shm, cuda_ipc) with the pause in it: they pause, update and continue in one command.
 
   base.py         WeightTransport (push, close) and paused_update
   http.py         http: the state dict in /update_weights_from_tensor requests (base64 safetensors)
@@ -148,6 +149,8 @@ def build_weight_sync(recipe: Any, client: Any, trainers: Any, engine_actors: li
         transport = DiskTransport.in_directory(client, trainers, model_dir, Path(run_dir) / ENGINE_WEIGHTS_DIR)
     else:
         transport = DistributedTransport(client, trainers, ranks_per_engine=ro.sglang.tp, engine_dtype=engine_dtype)
+    # This repo's embedded engines take the pause in the update request itself: one request per engine a step.
+    transport.engines_pause = ro.engine == "embedded"
     where = getattr(transport, "directory", None)
     logger.info("weight sync: %s%s (%s)", name, f" through {where}" if where else "", setting)
     return transport

@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_mode: str = "abort") -> T:
+async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_mode: str = "abort",
+                        in_engine: bool = False) -> T:
     """Pause every engine of `client`, run `update`, continue; returns what `update` returned.
 
     Paused, no token is sampled from half-updated weights. pause_mode says what happens to requests in flight:
@@ -20,13 +21,17 @@ async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_m
     the partial rollouts of the asynchronous loop; each token records the version that produced it).
     Continue is sent even when the pause or the update fails, and that failure is raised.
 
+    in_engine: `update` is one request per engine that carries pause_mode (embedded engines): each engine pauses,
+    updates and continues in one command between two of its steps, so no pause or continue request is sent.
+
     A lost engine does not stop the update: every engine that cannot be reached is dropped from the client and the
     rest go on (rollout.client.NoEnginesLeftError when none is left). Replacements staged since the last update
     are paused before they join, so they serve nothing until they hold this version.
     """
     try:
         await _pause_staged(client, pause_mode)
-        await client.broadcast("/pause_generation", {"mode": pause_mode}, drop_unreachable=True)
+        if not in_engine:
+            await client.broadcast("/pause_generation", {"mode": pause_mode}, drop_unreachable=True)
         client.admit_staged()
         result = await update()
     except BaseException:
@@ -36,7 +41,8 @@ async def paused_update(client: Any, update: Callable[[], Awaitable[T]], pause_m
             except Exception as e:  # noqa: BLE001 (the update's failure is the one to raise)
                 logger.warning("continue_generation after a failed weight update failed too: %s", e)
         raise
-    await client.broadcast("/continue_generation", {}, drop_unreachable=True)
+    if not in_engine:
+        await client.broadcast("/continue_generation", {}, drop_unreachable=True)
     return result
 
 
@@ -66,22 +72,35 @@ async def post_update(client: Any, path: str, body: dict) -> None:
     check_replies(path, await client.broadcast(path, body, drop_unreachable=True))
 
 
+def with_pause(body: dict, pause_mode: str | None) -> dict:
+    """`body` of an update request, asking the engine to pause in `pause_mode` and continue around it (when given)."""
+    return body if pause_mode is None else {**body, "pause_mode": pause_mode}
+
+
 class WeightTransport(ABC):
     """How the trainers' weights reach every engine. `push` is the same for every transport: `prepare` while the
     engines still generate, then `update` inside paused_update, then the state dict when asked."""
 
     name = ""  # what the logs call it: the rollout.weight_sync value it came from
+    one_request = False  # whether `update` is a single request per engine (then it can carry the pause)
 
     def __init__(self, client: Any, trainers: Any) -> None:
         self.client = client  # rollout.client.EngineClient over every engine
         self.trainers = trainers  # a trainer group (trainers.base.TrainerBackend, fanned out over ranks)
         self.last_read_s = 0.0  # the last push's read_state seconds (0 when no state was wanted)
+        # Set by build_weight_sync for engines that take pause_mode in their update request (this repo's embedded
+        # engines): pause, update and continue are then one request per engine (paused_update's in_engine).
+        self.engines_pause = False
 
     async def push(self, version: int, pause_mode: str = "abort", want_state: bool = False) -> dict | None:
         """Send the weights as `version`; returns the full state dict when `want_state` (else None)."""
         start = time.perf_counter()
         prepared = await self.prepare(version)
-        await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
+        if self.engines_pause and self.one_request:
+            await paused_update(self.client, lambda: self.update(version, prepared, pause_mode), pause_mode,
+                                in_engine=True)
+        else:
+            await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
         pushed = time.perf_counter()
         logger.info("weights v%d to %d engine(s) by %s in %.3fs", version, len(self.client.engines), self.name,
                     pushed - start)
@@ -94,8 +113,9 @@ class WeightTransport(ABC):
         return None
 
     @abstractmethod
-    async def update(self, version: int, prepared: Any) -> None:
-        """Have every engine take the new weights as `version` (they are paused meanwhile)."""
+    async def update(self, version: int, prepared: Any, pause_mode: str | None = None) -> None:
+        """Have every engine take the new weights as `version`: paused meanwhile, or, given a pause_mode (only when
+        one_request), pausing in it and continuing within the update request itself."""
 
     async def read_state(self, prepared: Any) -> dict:
         """The full state dict just sent (for the on_weights hook): by default gathered again from the trainers."""

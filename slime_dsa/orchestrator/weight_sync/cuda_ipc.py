@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update
+from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update, with_pause
 from slime_dsa.weights.cuda_ipc import LOAD_FORMAT_CUDA_IPC
 
 
@@ -24,7 +24,9 @@ class CudaIpcTransport(WeightTransport):
         # The engines read the buffer only during the update, so rank 0 refills it while they still generate.
         return await asyncio.to_thread(self.trainers.share_weights, self.engine_dtype)
 
-    async def update(self, version: int, prepared: dict) -> None:
-        await post_update(self.client, "/update_weights_from_tensor", {
-            "serialized_named_tensors": [prepared], "load_format": LOAD_FORMAT_CUDA_IPC, "flush_cache": True,
-            "weight_version": str(version)})
+    one_request = True
+
+    async def update(self, version: int, prepared: dict, pause_mode: str | None = None) -> None:
+        body = {"serialized_named_tensors": [prepared], "load_format": LOAD_FORMAT_CUDA_IPC, "flush_cache": True,
+                "weight_version": str(version)}
+        await post_update(self.client, "/update_weights_from_tensor", with_pause(body, pause_mode))

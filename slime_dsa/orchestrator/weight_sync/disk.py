@@ -21,7 +21,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update
+from slime_dsa.orchestrator.weight_sync.base import WeightTransport, post_update, with_pause
 from slime_dsa.weights.payloads import update_weights_from_disk_payload
 
 logger = logging.getLogger(__name__)
@@ -94,9 +94,11 @@ class DiskTransport(WeightTransport):
     async def prepare(self, version: int) -> None:
         await asyncio.to_thread(self.trainers.save_weights, str(self.path))
 
-    async def update(self, version: int, prepared: None) -> None:
-        await post_update(self.client, "/update_weights_from_disk",
-                          update_weights_from_disk_payload(str(self.directory), weight_version=str(version)))
+    one_request = True
+
+    async def update(self, version: int, prepared: None, pause_mode: str | None = None) -> None:
+        body = update_weights_from_disk_payload(str(self.directory), weight_version=str(version))
+        await post_update(self.client, "/update_weights_from_disk", with_pause(body, pause_mode))
 
     async def read_state(self, prepared: None) -> dict:
         from safetensors.torch import load  # noqa: PLC0415

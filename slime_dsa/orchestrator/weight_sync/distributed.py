@@ -53,7 +53,7 @@ class DistributedTransport(WeightTransport):
                                  self.backend)
         await asyncio.gather(join, *(init(i, url) for i, url in enumerate(urls)))
 
-    async def update(self, version: int, prepared: None) -> None:
+    async def update(self, version: int, prepared: None, pause_mode: str | None = None) -> None:
         from rollout.client import EngineLossError  # noqa: PLC0415
 
         if gone := [url for url in self.group_urls if url not in self.client.engines]:

@@ -40,7 +40,7 @@ class HttpTransport(WeightTransport):
     async def prepare(self, version: int) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self.trainers.full_state_dict)
 
-    async def update(self, version: int, prepared: dict[str, torch.Tensor]) -> None:
+    async def update(self, version: int, prepared: dict[str, torch.Tensor], pause_mode: str | None = None) -> None:
         await send_tensors(self.client, prepared, version, self.bucket_bytes)
 
     async def read_state(self, prepared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
