@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -173,6 +174,10 @@ def measure(args: argparse.Namespace) -> dict:
     out["calls"] = rows
     out["metrics"] = metrics[0]
     out["parameters"] = len(list(worker.policy.model.parameters()))
+    digest = hashlib.sha256()
+    for tensor in worker.policy.model.state_dict().values():  # the weights after every call's update, bit for bit
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    out["weights_sha256"] = digest.hexdigest()
     if args.sync_sites:
         out["aten_ops"], out["aten_ops_outside_model"], sites = _host_read_sites(call, clocks)
         out["host_reads"] = [[n, op, site] for (op, site), n in sites.most_common()]
@@ -223,12 +228,14 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             pair = {"baseline": _child(args, args.baseline_tree), "this": _child(args, this_tree)}
             pair["host_ratio"] = pair["this"]["host_ms"] / pair["baseline"]["host_ms"]
+            pair["same_results"] = all(pair["this"][k] == pair["baseline"][k] for k in ("metrics", "weights_sha256"))
             pair["total_ratio"] = pair["this"]["total_ms"] / pair["baseline"]["total_ms"]
             logger.info("round %d: host ms %.1f -> %.1f (%.2fx), call ms %.1f -> %.1f", r + 1,
                         pair["baseline"]["host_ms"], pair["this"]["host_ms"], pair["host_ratio"],
                         pair["baseline"]["total_ms"], pair["this"]["total_ms"])
             rounds.append(pair)
-        result = {"rounds": rounds, "host_ratio_median": statistics.median(p["host_ratio"] for p in rounds),
+        result = {"rounds": rounds, "same_results": all(p["same_results"] for p in rounds),
+                  "host_ratio_median": statistics.median(p["host_ratio"] for p in rounds),
                   "total_ratio_median": statistics.median(p["total_ratio"] for p in rounds)}
     result["args"] = {k: v for k, v in vars(args).items() if k != "forward"}
     report(result)
@@ -242,8 +249,9 @@ def report(result: dict) -> None:
         for side in ("baseline", "this"):
             logger.info("%s: host ms per call %s (median of each process's calls)", side,
                         [round(p[side]["host_ms"], 1) for p in result["rounds"]])
-        logger.info("host work this/baseline, median of rounds: %.3f; whole call: %.3f",
-                    result["host_ratio_median"], result["total_ratio_median"])
+        logger.info("host work this/baseline, median of rounds: %.3f; whole call: %.3f; metrics and weights after "
+                    "every call bit-equal to the baseline's: %s", result["host_ratio_median"],
+                    result["total_ratio_median"], result["same_results"])
         last = result["rounds"][-1]
         measured = [("baseline", last["baseline"]), ("this", last["this"])]
     else:

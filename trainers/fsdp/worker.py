@@ -93,9 +93,10 @@ class FSDPWorker(TrainerRank):
         return next((c for name, c in self.bf16_copies.items() if self.roles[name] is held), None)
 
     def zero_gradients(self, role: Role) -> None:
-        super().zero_gradients(role)
         if (copy := self._bf16_copy(role)) is not None:
-            copy.zero_grad()
+            copy.zero_grad()  # every master parameter's: the optimizer's are among them
+        else:
+            super().zero_gradients(role)
 
     def backward(self, held: Role, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch; through a bf16 copy, its gradients are added to the master's in float32."""
