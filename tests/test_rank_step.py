@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +82,82 @@ def test_a_steps_metrics_are_read_in_one_copy_as_before():
                      "skipped_updates": 0.0}
     assert second["pg_loss"] == float(torch.tensor(1 / 3)) and math.isnan(second["a"])
     assert math.isnan(second["grad_norm"]) and second["skipped_updates"] == 1.0
+
+
+def _worker_results(checkpoint, reuse: bool, batch: TrainBatch, parts: list[list[int]], calls: int = 2, **options):
+    """Two train calls with a π_old pass, each over the mini-batches `parts`: (π_old and metrics per call, weights)."""
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    dsa = DSAOptions(indexer_loss_coef=options.pop("indexer_loss_coef", 0.0))
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-3), dsa=dsa, seed=0, **options)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+    worker.reuses_first_forward = reuse
+    try:
+        results = []
+        for _ in range(calls):
+            shards = [batch.select(ids) for ids in parts]
+            totals = [(float(s.loss_mask.sum()), len(s.seqlens)) for s in shards]
+            results.append(worker.train_batches(shards, totals, recompute_old_logprobs=True))
+        weights = {k: v.detach().cpu().clone() for k, v in worker.policy.model.state_dict().items()}
+    finally:
+        worker.shutdown()
+    return results, weights
+
+
+def _check_first_forward_is_pi_old(checkpoint, batch: TrainBatch, parts: list[list[int]], **options) -> None:
+    (got, got_weights), (want, want_weights) = (_worker_results(checkpoint, reuse, batch, parts, **dict(options))
+                                                for reuse in (True, False))
+    for (old, metrics), (old_ref, metrics_ref) in zip(got, want):
+        assert len(old) == len(old_ref) == len(parts)
+        for a, b in zip(old, old_ref):
+            assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+        assert metrics == metrics_ref
+    assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
+
+
+def _grpo_batch(samples: int, length: int, prompt: int, group: int, vocab: int) -> TrainBatch:
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from train_call_host_time import grpo_batch  # noqa: PLC0415
+
+    return grpo_batch(samples, length, prompt, group, vocab)
+
+
+def _checkpoint(tmp_path, preset: str, vocab: int):
+    from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+
+    path = tmp_path / preset
+    save_pretrained(build_model(preset_config(preset, vocab_size=vocab, eos_token_id=1), seed=0, dtype=torch.float32), path)
+    return path
+
+
+def test_the_first_steps_forward_is_pi_old_bit_for_bit(tmp_path):
+    """train_batches with a π_old pass: the first mini-batch's π_old taken from its training forward gives the same
+    π_old, metrics and weights as a separate no-grad pass, through shared-prompt and flat layouts, the bf16 copy,
+    several micro-batches and mini-batches, and the indexer loss."""
+    checkpoint = _checkpoint(tmp_path, "tiny", 96)
+    batch = _grpo_batch(8, 24, 10, 4, 96)  # 24 tokens > index_topk 16: the selection is a real subset
+    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(8))], micro_batch_tokens=192)
+    _check_first_forward_is_pi_old(checkpoint, batch, [[0, 1, 2, 3], [4, 5, 6, 7]], micro_batch_tokens=48,
+                                   mixed_precision=True)
+    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(8))], micro_batch_tokens=96, indexer_loss_coef=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [100, 300])
+def test_the_first_steps_forward_is_pi_old_on_the_gpu(tmp_path, length):
+    """The same on the GPU path of recipes/gpu_single.yaml: the small preset, the bf16 copy, Triton kernels; 300
+    tokens exceed index_topk (256), so top-k selects subsets there."""
+    checkpoint = _checkpoint(tmp_path, "small", 384)
+    batch = _grpo_batch(32, length, length // 4, 16, 384)
+    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(32))], micro_batch_tokens=32 * length,
+                                   mixed_precision=True, ops_backend="auto")
+    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(16)), list(range(16, 32))],
+                                   micro_batch_tokens=8 * length, mixed_precision=True, ops_backend="auto",
+                                   indexer_loss_coef=1.0)

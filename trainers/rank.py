@@ -69,6 +69,7 @@ class StepSums:
     grad_norm: torch.Tensor  # the global norm before clipping
     lr: float  # the step's learning rate
     index: int  # the role's optimiser step count before it
+    old_logprobs: list[torch.Tensor] | None = None  # π_old of each micro-batch, when its forward gave them
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, on_device: bool | None = None) -> None:
@@ -173,6 +174,11 @@ def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step
 
 class TrainerRank:
     """One training rank. Call every collective method on every rank of the group."""
+
+    # Whether the model's forward computes the same log-probs with autograd as without, bit for bit, so that the first
+    # step's forward gives π_old (train_batches then skips the π_old pass of the first mini-batch). A backend sets it
+    # where a test shows it (tests/test_rank_step.py for FSDP, on CPU and on the GPU).
+    reuses_first_forward: bool = False
 
     def __init__(self, rank: int, world_size: int, config: RankConfig) -> None:
         self.rank, self.world_size, self.config = rank, world_size, config
@@ -322,15 +328,22 @@ class TrainerRank:
         per shard. totals[i] = (loss tokens, samples) of mini-batch i over all ranks. Returns (π_old per shard or
         None, metrics per optimiser step)."""
         old = None
+        # The first step's forward runs on the weights π_old is of (no update before it): its log-probs are π_old.
+        reuse = recompute_old_logprobs and self.reuses_first_forward and self.roles[role].config.kind == "policy"
         if recompute_old_logprobs:
-            old = [self.compute_logprobs(shard, role) for shard in shards]  # before any update: π_old is π_θ now
+            old = [self.compute_logprobs(shard, role) if i or not reuse else None  # before any update
+                   for i, shard in enumerate(shards)]
             for shard, logp in zip(shards, old):
                 shard.old_logprobs = logp
         # Without a π_old pass, the first step's forward is the one that runs on the weights the engines sampled with.
         steps = [self._train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None,
-                                  role=role)
+                                  role=role, fill_old_logprobs=reuse and i == 0)
                  for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
-        return old, self._read_steps(steps)
+        metrics = self._read_steps(steps)
+        if reuse:
+            logps = steps[0].old_logprobs
+            old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)
+        return old, metrics
 
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
                    detailed_metrics: bool = True, measure_sync: bool = False, role: str = "policy") -> dict[str, float]:
@@ -345,8 +358,10 @@ class TrainerRank:
                                                   measure_sync, role)])[0]
 
     def _train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
-                    detailed_metrics: bool, measure_sync: bool, role: str) -> StepSums:
-        """train_step without reading its metrics: they stay where they were computed until _read_steps."""
+                    detailed_metrics: bool, measure_sync: bool, role: str, fill_old_logprobs: bool = False) -> StepSums:
+        """train_step without reading its metrics: they stay where they were computed until _read_steps.
+        fill_old_logprobs: π_old of each micro-batch is its own forward's log-probs (this step's weights are π_old's),
+        kept in StepSums.old_logprobs."""
         held = self.roles[role]
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
@@ -354,6 +369,7 @@ class TrainerRank:
         held.runs.train()
         self.zero_gradients(held)
         sums: dict[str, Metric] = {}
+        old_logprobs: list[torch.Tensor] | None = [] if fill_old_logprobs else None
         # The indexer loss is a mean over every query row of the step, on all ranks.
         step_rows = self._global_rows(batch) if held.config.kind == "policy" and dsa.indexer_loss_coef > 0 else 0.0
         for mb in self.micro_batches(batch, held.config):
@@ -363,7 +379,7 @@ class TrainerRank:
                                                        global_loss_tokens, global_num_samples)
             else:
                 loss, metrics = self._policy_micro_loss(held, mb, global_loss_tokens, global_num_samples,
-                                                        step_rows, detailed_metrics, measure_sync)
+                                                        step_rows, detailed_metrics, measure_sync, old_logprobs)
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             if self.data_parallel_size > 1:
@@ -379,7 +395,7 @@ class TrainerRank:
         grad_norm = self.apply_gradients(held)
         held.scheduler.step()
         held.step += 1
-        return StepSums(sums, grad_norm, lr, held.step - 1)
+        return StepSums(sums, grad_norm, lr, held.step - 1, old_logprobs)
 
     def _global_rows(self, batch: TrainBatch) -> float:
         """Query rows of the step over every data-parallel rank."""
@@ -390,12 +406,16 @@ class TrainerRank:
         return float(rows)
 
     def _policy_micro_loss(self, held: Role, mb: TrainBatch | None, step_loss_tokens: float, step_num_samples: int,
-                           step_rows: float, detailed_metrics: bool,
-                           measure_sync: bool) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics."""
+                           step_rows: float, detailed_metrics: bool, measure_sync: bool,
+                           old_logprobs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics.
+        old_logprobs: a list to append this forward's log-probs to, which are π_old (and the loss's)."""
         dsa = held.config.dsa
         logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0,
                                                     with_candidates=True)
+        if old_logprobs is not None and mb is not None:
+            used.old_logprobs = logp.detach().float()
+            old_logprobs.append(used.old_logprobs)
         loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, step_loss_tokens, step_num_samples,
                                          out.candidate_logprobs)
         indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, step_rows, detailed_metrics)
