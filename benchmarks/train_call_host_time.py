@@ -11,6 +11,9 @@ log-probs; --recompute-old-logprobs for a π_old pass), groups of --group-size s
 batch in one micro-batch, one rank, the bf16 compute copy (--no-mixed-precision: float32). --narrow keeps the
 preset's structure (layers, experts, so the same parameter tensors and ops) at the tiny preset's widths.
 
+Where torch sees a GPU the rank runs on it (as FSDPWorker does) and each call's wall time, from a synchronised start
+to a synchronised end, is the figure to compare; host reads of cuda tensors are then the host syncs.
+
 --baseline-tree runs the same measurement with another checkout's code (e.g. `git archive <commit>` unpacked) in
 child processes alternating with this tree's, and reports the median of the per-round ratios.
 --sync-sites lists, for one call, the ops that read a tensor on the host (`.item()`, `float()`, `.tolist()`,
@@ -18,6 +21,7 @@ child processes alternating with this tree's, and reports the median of the per-
 
     python benchmarks/train_call_host_time.py --preset small --narrow --sync-sites
     python benchmarks/train_call_host_time.py --preset small --narrow --baseline-tree /tmp/base --rounds 5
+    python benchmarks/train_call_host_time.py --preset small --baseline-tree /tmp/base --rounds 3 --sync-sites  # H200
 """
 
 from __future__ import annotations
@@ -110,14 +114,14 @@ def _host_read_sites(call, clocks: _Clock) -> tuple[int, int, collections.Counte
             self.ops += 1
             self.outside += clocks.depth == 0
             if str(func) in HOST_READS:
-                self.sites[(str(func).split(".")[1], _site())] += 1
+                self.sites[(str(func).split(".")[1], args[0].device.type, _site())] += 1
             return func(*args, **(kwargs or {}))
 
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
 
     def reading(name):
         def read(self, *args, **kwargs):
-            count.sites[(name, _site())] += 1
+            count.sites[(name, self.device.type, _site())] += 1
             return originals[name](self, *args, **kwargs)
         return read
 
@@ -163,24 +167,29 @@ def measure(args: argparse.Namespace) -> dict:
     for _ in range(2):
         call()
     rows = []
+    sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
     for _ in range(args.calls):
         clocks.spent.clear()
-        start = clock()
+        sync()
+        start, wall = clock(), time.perf_counter()
         _, metrics = call()
-        total = clock() - start
+        sync()
+        total, wall = clock() - start, time.perf_counter() - wall
         model = clocks.spent["model_forward"] + clocks.spent["model_backward"]
-        rows.append({"total_ms": 1e3 * total, "model_ms": 1e3 * model, "host_ms": 1e3 * (total - model)})
+        rows.append({"total_ms": 1e3 * total, "model_ms": 1e3 * model, "host_ms": 1e3 * (total - model),
+                     "wall_ms": 1e3 * wall})
     out = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     out["calls"] = rows
     out["metrics"] = metrics[0]
     out["parameters"] = len(list(worker.policy.model.parameters()))
+    out["device"] = torch.cuda.get_device_name() if worker.device.type == "cuda" else "cpu"
     digest = hashlib.sha256()
     for tensor in worker.policy.model.state_dict().values():  # the weights after every call's update, bit for bit
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     out["weights_sha256"] = digest.hexdigest()
     if args.sync_sites:
         out["aten_ops"], out["aten_ops_outside_model"], sites = _host_read_sites(call, clocks)
-        out["host_reads"] = [[n, op, site] for (op, site), n in sites.most_common()]
+        out["host_reads"] = [[n, op, device, site] for (op, device, site), n in sites.most_common()]
     worker.shutdown()
     return out
 
@@ -230,13 +239,16 @@ def main(argv: list[str] | None = None) -> None:
             pair["host_ratio"] = pair["this"]["host_ms"] / pair["baseline"]["host_ms"]
             pair["same_results"] = all(pair["this"][k] == pair["baseline"][k] for k in ("metrics", "weights_sha256"))
             pair["total_ratio"] = pair["this"]["total_ms"] / pair["baseline"]["total_ms"]
-            logger.info("round %d: host ms %.1f -> %.1f (%.2fx), call ms %.1f -> %.1f", r + 1,
-                        pair["baseline"]["host_ms"], pair["this"]["host_ms"], pair["host_ratio"],
-                        pair["baseline"]["total_ms"], pair["this"]["total_ms"])
+            pair["wall_ratio"] = pair["this"]["wall_ms"] / pair["baseline"]["wall_ms"]
+            logger.info("round %d: host ms %.1f -> %.1f (%.2fx), call CPU ms %.1f -> %.1f, wall ms %.1f -> %.1f",
+                        r + 1, pair["baseline"]["host_ms"], pair["this"]["host_ms"], pair["host_ratio"],
+                        pair["baseline"]["total_ms"], pair["this"]["total_ms"], pair["baseline"]["wall_ms"],
+                        pair["this"]["wall_ms"])
             rounds.append(pair)
         result = {"rounds": rounds, "same_results": all(p["same_results"] for p in rounds),
                   "host_ratio_median": statistics.median(p["host_ratio"] for p in rounds),
-                  "total_ratio_median": statistics.median(p["total_ratio"] for p in rounds)}
+                  "total_ratio_median": statistics.median(p["total_ratio"] for p in rounds),
+                  "wall_ratio_median": statistics.median(p["wall_ratio"] for p in rounds)}
     result["args"] = {k: v for k, v in vars(args).items() if k != "forward"}
     report(result)
     if args.out:
@@ -249,21 +261,22 @@ def report(result: dict) -> None:
         for side in ("baseline", "this"):
             logger.info("%s: host ms per call %s (median of each process's calls)", side,
                         [round(p[side]["host_ms"], 1) for p in result["rounds"]])
-        logger.info("host work this/baseline, median of rounds: %.3f; whole call: %.3f; metrics and weights after "
-                    "every call bit-equal to the baseline's: %s", result["host_ratio_median"],
-                    result["total_ratio_median"], result["same_results"])
+        logger.info("host work this/baseline, median of rounds: %.3f; whole call (CPU time): %.3f, (wall): %.3f; "
+                    "metrics and weights after every call bit-equal to the baseline's: %s", result["host_ratio_median"],
+                    result["total_ratio_median"], result["wall_ratio_median"], result["same_results"])
         last = result["rounds"][-1]
         measured = [("baseline", last["baseline"]), ("this", last["this"])]
     else:
         measured = [("this", result["this"])]
     for side, m in measured:
-        logger.info("%s: call %.1f ms, model fwd+bwd %.1f ms, host %.1f ms; %d parameter tensors; metrics %s", side,
-                    m["total_ms"], m["model_ms"], m["host_ms"], m["parameters"],
+        logger.info("%s (%s): call %.1f ms CPU, %.1f ms wall; model fwd+bwd %.1f ms, host %.1f ms; %d parameter "
+                    "tensors; metrics %s", side, m["device"], m["total_ms"], m["wall_ms"], m["model_ms"], m["host_ms"],
+                    m["parameters"],
                     {k: round(v, 6) for k, v in m["metrics"].items()})
         if "host_reads" in m:
             logger.info("%s: %d aten ops, %d outside the model's forward and backward; host reads by site:\n%s",
                         side, m["aten_ops"], m["aten_ops_outside_model"],
-                        "\n".join(f"  {n:5d} {op:22s} {site}" for n, op, site in m["host_reads"]))
+                        "\n".join(f"  {n:5d} {op:22s} {device:5s} {site}" for n, op, device, site in m["host_reads"]))
 
 
 if __name__ == "__main__":
