@@ -196,6 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def _child(args: argparse.Namespace, tree: str) -> dict:
     """measure() in a fresh process with `tree` first on the path."""
+    tree = str(Path(tree).resolve())
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", *args.forward]
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)

@@ -73,13 +73,14 @@ def test_a_steps_metrics_are_read_in_one_copy_as_before():
     """Sum keys then "_max" keys, each sorted, then "x/num" / "x/den" as the ratio "x", then grad_norm, lr and
     skipped_updates; python floats pass through, tensors are read as float64."""
     rank = TrainerRank(0, 1, RankConfig(roles={}))
-    steps = [StepSums({"pg_loss": torch.tensor(0.25), "a/num": torch.tensor(3.0), "a/den": 4.0, "ratio_max": torch.tensor(1.5),
-                       "entropy": 0.1}, torch.tensor(2.0), 1e-3, 0),
+    first_sums = {"pg_loss": torch.tensor(0.25), "a/num": torch.tensor(3.0), "a/den": 4.0,
+                  "ratio_max": torch.tensor(1.5), "entropy": 0.1}
+    steps = [StepSums(first_sums, torch.tensor(2.0), 1e-3, 0),
              StepSums({"pg_loss": torch.tensor(1 / 3), "a/num": 0.0, "a/den": 0.0}, torch.tensor(float("nan")), 2e-3, 1)]
     first, second = rank._read_steps(steps)
     assert list(first) == ["entropy", "pg_loss", "ratio_max", "a", "grad_norm", "lr", "skipped_updates"]
-    assert first == {"entropy": 0.1, "pg_loss": 0.25, "ratio_max": 1.5, "a": 0.75, "grad_norm": 2.0, "lr": 1e-3,
-                     "skipped_updates": 0.0}
+    assert first == {"entropy": 0.1, "pg_loss": 0.25, "ratio_max": 1.5, "a": 0.75, "grad_norm": 2.0,
+                     "lr": 1e-3, "skipped_updates": 0.0}
     assert second["pg_loss"] == float(torch.tensor(1 / 3)) and math.isnan(second["a"])
     assert math.isnan(second["grad_norm"]) and second["skipped_updates"] == 1.0
 
@@ -133,7 +134,8 @@ def _checkpoint(tmp_path, preset: str, vocab: int):
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
     path = tmp_path / preset
-    save_pretrained(build_model(preset_config(preset, vocab_size=vocab, eos_token_id=1), seed=0, dtype=torch.float32), path)
+    config = preset_config(preset, vocab_size=vocab, eos_token_id=1)
+    save_pretrained(build_model(config, seed=0, dtype=torch.float32), path)
     return path
 
 

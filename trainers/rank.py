@@ -435,7 +435,8 @@ class TrainerRank:
         on_device: list[torch.Tensor] = []  # the values to read, each step's sum keys then its max keys
         layouts = []
         for step in steps:
-            keys = ([k for k in sorted(step.sums) if not k.endswith("_max")], [k for k in sorted(step.sums) if k.endswith("_max")])
+            names = sorted(step.sums)
+            keys = ([k for k in names if not k.endswith("_max")], [k for k in names if k.endswith("_max")])
             for op, group in zip((dist.ReduceOp.SUM, dist.ReduceOp.MAX), keys):
                 if self.data_parallel_size > 1:  # every rank has the same keys: the same loss runs everywhere
                     values = torch.stack([torch.as_tensor(step.sums[k], dtype=torch.float64, device=self.device)
@@ -454,14 +455,16 @@ class TrainerRank:
             metrics: dict[str, float] = {}
             for key in sum_keys + max_keys:
                 value = step.sums[key]
-                metrics[key] = next(read) if self.data_parallel_size > 1 or isinstance(value, torch.Tensor) else float(value)
+                read_back = self.data_parallel_size > 1 or isinstance(value, torch.Tensor)
+                metrics[key] = next(read) if read_back else float(value)
             grad_norm = next(read)
             for num in [k for k in metrics if k.endswith("/num")]:
                 den = metrics.pop(num[: -len("num")] + "den", 0.0)
                 metrics[num[: -len("/num")]] = metrics.pop(num) / den if den else float("nan")
             if not math.isfinite(grad_norm):
                 logger.warning("step %d: non-finite grad norm %s, update skipped", step.index, grad_norm)
-            metrics.update({"grad_norm": grad_norm, "lr": step.lr, "skipped_updates": float(not math.isfinite(grad_norm))})
+            metrics.update({"grad_norm": grad_norm, "lr": step.lr,
+                            "skipped_updates": float(not math.isfinite(grad_norm))})
             out.append(metrics)
         return out
 
