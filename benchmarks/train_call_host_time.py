@@ -1,4 +1,4 @@
-"""The trainer's host work in one RL train call, on CPU: the call's time apart from the model's forward and backward.
+"""The trainer's host work in one RL train call: on CPU its time apart from the model's forward and backward.
 
 On the H200 the train call of a 16 x 16 GRPO step with short answers is host-bound (issue 19): a few GPU
 milliseconds of compute in ~0.2 s. On a CPU the model's forward and backward are real compute, so they are timed
@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -191,6 +192,7 @@ def measure(args: argparse.Namespace) -> dict:
         out["aten_ops"], out["aten_ops_outside_model"], sites = _host_read_sites(call, clocks)
         out["host_reads"] = [[n, op, device, site] for (op, device, site), n in sites.most_common()]
     worker.shutdown()
+    shutil.rmtree(checkpoint.parent, ignore_errors=True)
     return out
 
 
