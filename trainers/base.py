@@ -9,6 +9,7 @@ they call the policy loss object their config carries on tensors the batch carri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -48,11 +49,12 @@ class TrainBatch:
         return int(self.input_ids.numel())
 
     def select(self, sample_ids: list[int]) -> "TrainBatch":
-        """The sub-batch of the given samples (in that order)."""
-        starts = [0]
-        for n in self.seqlens:
-            starts.append(starts[-1] + n)
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in sample_ids]) if sample_ids else torch.zeros(0, dtype=torch.long)
+        """The sub-batch of the given samples (in that order). All the samples in order: a batch sharing these
+        tensors (the micro-batch of a step that fits one, the shard of a one-rank group)."""
+        if list(sample_ids) == list(range(len(self.seqlens))):
+            return dataclasses.replace(self, seqlens=list(self.seqlens),
+                                       prompt_lens=None if self.prompt_lens is None else list(self.prompt_lens))
+        rows = sample_rows(self.seqlens, sample_ids)
 
         def take(t: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
             return None if t is None else t.index_select(dim, rows)
@@ -66,6 +68,18 @@ class TrainBatch:
             returns=take(self.returns), old_values=take(self.old_values), candidate_ids=take(self.candidate_ids),
             candidate_target_logprobs=take(self.candidate_target_logprobs), candidate_mask=take(self.candidate_mask),
         )
+
+
+def sample_rows(seqlens: list[int], sample_ids: list[int]) -> torch.Tensor:
+    """(rows,) long: the packed rows of the given samples, in that order (one tensor op per step, not per sample)."""
+    lengths = torch.tensor(seqlens, dtype=torch.long)
+    starts = lengths.cumsum(0) - lengths  # (S,) first row of each sample
+    ids = torch.tensor(sample_ids, dtype=torch.long)
+    lengths, starts = lengths[ids], starts[ids]
+    total = int(lengths.sum()) if len(sample_ids) else 0
+    # Row j of the output is j - (rows before its sample in the output) + (its sample's first row).
+    shift = starts - (lengths.cumsum(0) - lengths)
+    return torch.arange(total) + torch.repeat_interleave(shift, lengths, output_size=total)
 
 
 def split_by_tokens(seqlens: list[int], max_tokens: int, shared: list[int] | None = None) -> list[list[int]]:

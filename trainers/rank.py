@@ -11,6 +11,7 @@ the loss object of its role's config on the tensors the batch carries: a policy 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -49,10 +50,41 @@ class Role:
     step: int = 0  # optimizer steps taken
     compute: torch.nn.Module | None = None  # what runs forward and backward when not `model` (a bf16 copy)
 
+    @functools.cached_property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The model's parameters that train, listed once (walking the module tree costs ms a step at ~800 tensors)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
     @property
     def runs(self) -> torch.nn.Module:
         """The module the step calls: the compute copy where there is one, else the model."""
         return self.compute if self.compute is not None else self.model
+
+
+@dataclass
+class StepSums:
+    """One optimiser step's metrics, still where they were computed (read by TrainerRank._read_steps)."""
+
+    sums: dict[str, Metric]  # accumulated over micro-batches (see _accumulate)
+    grad_norm: torch.Tensor  # the global norm before clipping
+    lr: float  # the step's learning rate
+    index: int  # the role's optimiser step count before it
+    old_logprobs: list[torch.Tensor] | None = None  # π_old of each micro-batch, when its forward gave them
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, on_device: bool | None = None) -> None:
+    """optimizer.step() unless grad_norm is not finite. On a GPU (on_device, by default when the norm is on one) a
+    fused optimizer decides on the device, given the found_inf tensor torch's GradScaler hands it, so the host does
+    not wait for the backward to finish to read the norm; elsewhere the host reads it."""
+    on_device = grad_norm.device.type != "cpu" if on_device is None else on_device
+    if on_device and getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif torch.isfinite(grad_norm):
+        optimizer.step()
 
 
 def shares_prompts(batch: TrainBatch, config: RankConfig, role: RoleConfig) -> bool:
@@ -143,6 +175,11 @@ def micro_batch_value_loss(loss: Any, values: torch.Tensor, mb: TrainBatch, step
 class TrainerRank:
     """One training rank. Call every collective method on every rank of the group."""
 
+    # Whether the model's forward computes the same log-probs with autograd as without, bit for bit, so that the first
+    # step's forward gives π_old (train_batches then skips the π_old pass of the first mini-batch). A backend sets it
+    # where a test shows it (tests/test_rank_step.py for FSDP, on CPU and on the GPU).
+    reuses_first_forward: bool = False
+
     def __init__(self, rank: int, world_size: int, config: RankConfig) -> None:
         self.rank, self.world_size, self.config = rank, world_size, config
         # Where this rank's samples come from: ranks of one data-parallel rank (tensor-parallel peers) share a shard.
@@ -210,11 +247,9 @@ class TrainerRank:
     def apply_gradients(self, held: Role) -> torch.Tensor:
         """Reduce, clip and apply the accumulated gradients; an update with a non-finite norm is skipped. Returns
         the global norm before clipping."""
-        trainable = [p for p in held.model.parameters() if p.requires_grad]
-        self.finish_gradients(trainable)
-        grad_norm = self.clip_grad_norm(trainable, held.config.optimizer.max_grad_norm)
-        if torch.isfinite(grad_norm):
-            held.optimizer.step()
+        self.finish_gradients(held.trainable)
+        grad_norm = self.clip_grad_norm(held.trainable, held.config.optimizer.max_grad_norm)
+        step_if_finite(held.optimizer, grad_norm)
         return grad_norm
 
     # -- forward ----------------------------------------------------------------------------------------
@@ -225,10 +260,11 @@ class TrainerRank:
         shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
                   if batch.seqlens and shares_prompts(batch, self.config, role) else None)
         groups = split_by_tokens(batch.seqlens, self.config.micro_batch_tokens, shared) if batch.seqlens else []
-        count = torch.tensor([len(groups)], device=self.device)
-        self.all_reduce(count, op=dist.ReduceOp.MAX)
         micro: list[TrainBatch | None] = [batch.select(g) for g in groups]
-        micro += [None] * (int(count) - len(micro))
+        if self.data_parallel_size > 1:
+            count = torch.tensor([len(groups)], device=self.device)
+            self.all_reduce(count, op=dist.ReduceOp.MAX)
+            micro += [None] * (int(count) - len(micro))
         return micro
 
     def forward(self, role: Role, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False,
@@ -292,14 +328,21 @@ class TrainerRank:
         per shard. totals[i] = (loss tokens, samples) of mini-batch i over all ranks. Returns (π_old per shard or
         None, metrics per optimiser step)."""
         old = None
+        # The first step's forward runs on the weights π_old is of (no update before it): its log-probs are π_old.
+        reuse = recompute_old_logprobs and self.reuses_first_forward and self.roles[role].config.kind == "policy"
         if recompute_old_logprobs:
-            old = [self.compute_logprobs(shard, role) for shard in shards]  # before any update: π_old is π_θ now
+            old = [self.compute_logprobs(shard, role) if i or not reuse else None  # before any update
+                   for i, shard in enumerate(shards)]
             for shard, logp in zip(shards, old):
                 shard.old_logprobs = logp
         # Without a π_old pass, the first step's forward is the one that runs on the weights the engines sampled with.
-        metrics = [self.train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None,
-                                   role=role)
-                   for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
+        steps = [self._train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None,
+                                  role=role, fill_old_logprobs=reuse and i == 0)
+                 for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
+        metrics = self._read_steps(steps)
+        if reuse:
+            logps = steps[0].old_logprobs
+            old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)
         return old, metrics
 
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
@@ -311,6 +354,14 @@ class TrainerRank:
         measure_sync adds sync_logprob_abs_diff, the mean |log π_θ − log π_roll| of this step's forward (before
         its update), its max (sync_logprob_abs_diff_max) and the bit-equal fraction (sync_logprob_exact): the
         weight-sync check when no π_old pass computes it."""
+        return self._read_steps([self._train_step(batch, global_loss_tokens, global_num_samples, detailed_metrics,
+                                                  measure_sync, role)])[0]
+
+    def _train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
+                    detailed_metrics: bool, measure_sync: bool, role: str, fill_old_logprobs: bool = False) -> StepSums:
+        """train_step without reading its metrics: they stay where they were computed until _read_steps.
+        fill_old_logprobs: π_old of each micro-batch is its own forward's log-probs (this step's weights are π_old's),
+        kept in StepSums.old_logprobs."""
         held = self.roles[role]
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
@@ -318,8 +369,9 @@ class TrainerRank:
         held.runs.train()
         self.zero_gradients(held)
         sums: dict[str, Metric] = {}
-        step_rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
-        self.all_reduce(step_rows)  # the indexer loss is a mean over every query row of the step, on all ranks
+        old_logprobs: list[torch.Tensor] | None = [] if fill_old_logprobs else None
+        # The indexer loss is a mean over every query row of the step, on all ranks.
+        step_rows = self._global_rows(batch) if held.config.kind == "policy" and dsa.indexer_loss_coef > 0 else 0.0
         for mb in self.micro_batches(batch, held.config):
             if held.config.kind == "value":
                 values, _ = self.value_forward(held, mb)
@@ -327,29 +379,43 @@ class TrainerRank:
                                                        global_loss_tokens, global_num_samples)
             else:
                 loss, metrics = self._policy_micro_loss(held, mb, global_loss_tokens, global_num_samples,
-                                                        float(step_rows), detailed_metrics, measure_sync)
+                                                        step_rows, detailed_metrics, measure_sync, old_logprobs)
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
-            # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
-            self.backward(held, loss * self.data_parallel_size)
+            if self.data_parallel_size > 1:
+                # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
+                loss = loss * self.data_parallel_size
+            self.backward(held, loss)
             _accumulate(sums, metrics)
         if (held.config.kind == "policy" and batch.rollout_topk is not None and batch.replay_topk is None
                 and not dsa.index_replay):
             for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
-        grad_norm, lr = self._optimizer_step(held)
-        out = self._reduce_metrics(sums)
-        # The norm is the global one, so every rank skips (and counts) the same steps.
-        out.update({"grad_norm": grad_norm, "lr": lr, "skipped_updates": float(not math.isfinite(grad_norm))})
-        return out
+        lr = held.scheduler.get_last_lr()[0]
+        grad_norm = self.apply_gradients(held)
+        held.scheduler.step()
+        held.step += 1
+        return StepSums(sums, grad_norm, lr, held.step - 1, old_logprobs)
+
+    def _global_rows(self, batch: TrainBatch) -> float:
+        """Query rows of the step over every data-parallel rank."""
+        if self.data_parallel_size == 1:
+            return float(batch.num_tokens)
+        rows = torch.tensor([float(batch.num_tokens)], dtype=torch.float64, device=self.device)
+        self.all_reduce(rows)
+        return float(rows)
 
     def _policy_micro_loss(self, held: Role, mb: TrainBatch | None, step_loss_tokens: float, step_num_samples: int,
-                           step_rows: float, detailed_metrics: bool,
-                           measure_sync: bool) -> tuple[torch.Tensor, dict[str, Metric]]:
-        """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics."""
+                           step_rows: float, detailed_metrics: bool, measure_sync: bool,
+                           old_logprobs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
+        """A policy role's loss on one micro-batch (None = padding), its indexer loss, and their metrics.
+        old_logprobs: a list to append this forward's log-probs to, which are π_old (and the loss's)."""
         dsa = held.config.dsa
         logp, ent, used, packed, out = self.forward(held, mb, return_entropy=True, capture_dsa=dsa.indexer_loss_coef > 0,
                                                     with_candidates=True)
+        if old_logprobs is not None and mb is not None:
+            used.old_logprobs = logp.detach().float()
+            old_logprobs.append(used.old_logprobs)
         loss, metrics = micro_batch_loss(held.config.loss, logp, used, ent, step_loss_tokens, step_num_samples,
                                          out.candidate_logprobs)
         indexer_loss, dsa_metrics = self._dsa_metrics(held, used, packed, out, step_rows, detailed_metrics)
@@ -362,28 +428,44 @@ class TrainerRank:
             metrics.update(sums if mb is not None else {k: 0.0 for k in sums})
         return loss, metrics
 
-    def _optimizer_step(self, held: Role) -> tuple[float, float]:
-        """Apply the gradients (apply_gradients), then advance the schedule. (grad norm, lr)."""
-        lr = held.scheduler.get_last_lr()[0]
-        grad_norm = self.apply_gradients(held)
-        if not torch.isfinite(grad_norm):
-            logger.warning("step %d: non-finite grad norm %s, update skipped", held.step, grad_norm)
-        held.scheduler.step()
-        held.step += 1
-        return float(grad_norm), lr
-
-    def _reduce_metrics(self, sums: dict[str, Metric]) -> dict[str, float]:
-        """Sum (or max, for "_max" keys) over ranks; "x/num" and "x/den" pairs become the ratio "x"."""
-        out: dict[str, float] = {}
-        for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
-                         (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
-            values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device).reshape(())
-                                  for k in keys] or [torch.zeros((), dtype=torch.float64, device=self.device)])
-            self.all_reduce(values, op=op)  # every rank has the same keys: the same loss runs everywhere
-            out.update({k: float(v) for k, v in zip(keys, values.tolist())})
-        for num in [k for k in out if k.endswith("/num")]:
-            den = out.pop(num[: -len("num")] + "den", 0.0)
-            out[num[: -len("/num")]] = out.pop(num) / den if den else float("nan")
+    def _read_steps(self, steps: list[StepSums]) -> list[dict[str, float]]:
+        """The steps' metrics summed (or maxed, for "_max" keys) over ranks and read in one copy to the host; "x/num"
+        and "x/den" pairs become the ratio "x"; then grad_norm, lr and skipped_updates (a non-finite norm: the step
+        was skipped, on every rank alike since the norm is global)."""
+        on_device: list[torch.Tensor] = []  # the values to read, each step's sum keys then its max keys
+        layouts = []
+        for step in steps:
+            names = sorted(step.sums)
+            keys = ([k for k in names if not k.endswith("_max")], [k for k in names if k.endswith("_max")])
+            for op, group in zip((dist.ReduceOp.SUM, dist.ReduceOp.MAX), keys):
+                if self.data_parallel_size > 1:  # every rank has the same keys: the same loss runs everywhere
+                    values = torch.stack([torch.as_tensor(step.sums[k], dtype=torch.float64, device=self.device)
+                                          .reshape(()) for k in group]
+                                         or [torch.zeros((), dtype=torch.float64, device=self.device)])
+                    self.all_reduce(values, op=op)
+                    on_device.append(values[: len(group)])
+                else:
+                    on_device += [step.sums[k].detach().to(self.device, torch.float64).reshape(-1) for k in group
+                                  if isinstance(step.sums[k], torch.Tensor)]
+            on_device.append(step.grad_norm.detach().to(self.device, torch.float64).reshape(-1))
+            layouts.append(keys)
+        read = iter(torch.cat(on_device).tolist()) if on_device else iter(())
+        out = []
+        for step, (sum_keys, max_keys) in zip(steps, layouts):
+            metrics: dict[str, float] = {}
+            for key in sum_keys + max_keys:
+                value = step.sums[key]
+                read_back = self.data_parallel_size > 1 or isinstance(value, torch.Tensor)
+                metrics[key] = next(read) if read_back else float(value)
+            grad_norm = next(read)
+            for num in [k for k in metrics if k.endswith("/num")]:
+                den = metrics.pop(num[: -len("num")] + "den", 0.0)
+                metrics[num[: -len("/num")]] = metrics.pop(num) / den if den else float("nan")
+            if not math.isfinite(grad_norm):
+                logger.warning("step %d: non-finite grad norm %s, update skipped", step.index, grad_norm)
+            metrics.update({"grad_norm": grad_norm, "lr": step.lr,
+                            "skipped_updates": float(not math.isfinite(grad_norm))})
+            out.append(metrics)
         return out
 
     def _dsa_metrics(self, held: Role, mb: TrainBatch, packed: PackedBatch, out, step_rows: float,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_dsa.devices import upload
 from slime_dsa.models.glm_moe_dsa import PackedBatch
 
 
@@ -45,16 +46,42 @@ class SharedPrefixPack:
         return int(self.input_ids.numel())
 
 
+def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The concatenation of arange(start, start + length) over the pairs, (sum(lengths),) long, by tensor ops."""
+    total = int(lengths.sum()) if lengths.numel() else 0
+    # Element j of range i is its start plus j minus the elements of the ranges before it.
+    shift = starts - (lengths.cumsum(0) - lengths)
+    return torch.arange(total) + torch.repeat_interleave(shift, lengths, output_size=total)
+
+
+def _check_prompt_lens(seqlens: list[int], prompt_lens: list[int]) -> None:
+    if len(seqlens) != len(prompt_lens):
+        raise ValueError(f"{len(seqlens)} seqlens but {len(prompt_lens)} prompt_lens")
+    for i, (n, p) in enumerate(zip(seqlens, prompt_lens)):
+        if not 0 < p <= n:
+            raise ValueError(f"sample {i}: prompt_lens {p} must be in [1, {n}]")
+
+
+def _shares_with_previous(ids: torch.Tensor, lens: torch.Tensor, plens: torch.Tensor) -> torch.Tensor:
+    """(S,) bool: sample i's prompt equals sample i - 1's (same length, same tokens)."""
+    starts = lens.cumsum(0) - lens
+    same = torch.zeros(len(lens), dtype=torch.bool)
+    same[1:] = plens[1:] == plens[:-1]
+    candidates = same.nonzero().squeeze(1)
+    p = plens[candidates]
+    differ = ids[concat_ranges(starts[candidates], p)] != ids[concat_ranges(starts[candidates - 1], p)]
+    owner = torch.repeat_interleave(torch.arange(len(candidates)), p, output_size=len(differ))
+    same[candidates] = torch.zeros(len(candidates), dtype=torch.long).index_add_(0, owner, differ.long()) == 0
+    return same
+
+
 def shared_prompt_lengths(input_ids: torch.Tensor | list[int], seqlens: list[int], prompt_lens: list[int]) -> list[int]:
     """Per sample, the prompt tokens it shares with the sample before it: its whole prompt when the two prompts are
     equal, else 0 (the grouping rule of pack_shared_prefixes)."""
-    flat = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids
-    out, start, prev = [], 0, None
-    for n, p in zip(seqlens, prompt_lens):
-        same = prev is not None and prev[1] == p and flat[prev[0]:prev[0] + p] == flat[start:start + p]
-        out.append(p if same else 0)
-        prev, start = (start, p), start + n
-    return out
+    _check_prompt_lens(seqlens, prompt_lens)
+    plens = torch.tensor(prompt_lens, dtype=torch.long)
+    same = _shares_with_previous(torch.as_tensor(input_ids), torch.tensor(seqlens, dtype=torch.long), plens)
+    return torch.where(same, plens, 0).tolist()
 
 
 def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_lens: list[int],
@@ -62,59 +89,38 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     """The shared-prompt layout of a flat pack, or None when no two consecutive samples share a prompt.
 
     input_ids (T,) flat, samples in order with seqlens[i] tokens, the first prompt_lens[i] of them the prompt.
-    Samples share when they are consecutive and their prompt tokens are equal.
+    Samples share when they are consecutive and their prompt tokens are equal. Built by tensor ops on the host
+    (no loop over samples or tokens), then uploaded.
     """
-    if len(seqlens) != len(prompt_lens):
-        raise ValueError(f"{len(seqlens)} seqlens but {len(prompt_lens)} prompt_lens")
-    flat = input_ids.tolist()
-    starts = [0]
-    for n in seqlens:
-        starts.append(starts[-1] + n)
-    for i, p in enumerate(prompt_lens):
-        if not 0 < p <= seqlens[i]:
-            raise ValueError(f"sample {i}: prompt_lens {p} must be in [1, {seqlens[i]}]")
-    groups: list[list[int]] = []
-    for i, shared in enumerate(shared_prompt_lengths(flat, seqlens, prompt_lens)):
-        if shared:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    if all(len(g) == 1 for g in groups):
+    _check_prompt_lens(seqlens, prompt_lens)
+    ids = input_ids.cpu()
+    lens, plens = torch.tensor(seqlens, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
+    first = ~_shares_with_previous(ids, lens, plens)  # (S,) the first sample of each run sharing a prompt
+    if bool(first.all()):
         return None
-
-    ids: list[int] = []
-    positions: list[int] = []
-    lens_q: list[int] = []
-    lens_k: list[int] = []
-    key_rows: list[int] = []
-    source = [0] * starts[-1]  # flat token -> tree row
-    for group in groups:
-        first = group[0]
-        p = prompt_lens[first]
-        prompt_row = len(ids)
-        ids += flat[starts[first]:starts[first] + p]
-        positions += range(p)
-        lens_q.append(p)
-        lens_k.append(p)
-        key_rows += range(prompt_row, prompt_row + p)
-        for i in group:
-            source[starts[i]:starts[i] + p] = range(prompt_row, prompt_row + p)
-            r = seqlens[i] - p
-            if r == 0:
-                continue
-            row = len(ids)
-            ids += flat[starts[i] + p:starts[i + 1]]
-            positions += range(p, p + r)
-            lens_q.append(r)
-            lens_k.append(p + r)
-            key_rows += list(range(prompt_row, prompt_row + p)) + list(range(row, row + r))
-            source[starts[i] + p:starts[i + 1]] = range(row, row + r)
-
-    response_index = [t for i in range(len(seqlens)) for t in range(starts[i] + prompt_lens[i], starts[i + 1])]
-    response_rows = [source[t - 1] for t in response_index]  # t - 1 is in the same sample: prompt_lens >= 1
-    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    cu_q = torch.nn.functional.pad(as_long(lens_q).cumsum(0), (1, 0))
-    cu_k = torch.nn.functional.pad(as_long(lens_k).cumsum(0), (1, 0))
-    batch = PackedBatch(positions=as_long(positions), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                        kv_cache=GatheredKeys(as_long(key_rows)))
-    return SharedPrefixPack(as_long(ids), batch, as_long(response_index), as_long(response_rows))
+    starts = lens.cumsum(0) - lens  # (S,) flat row of each sample
+    resp = lens - plens  # (S,) response tokens
+    prompt_q = torch.where(first, plens, 0)  # (S,) a run's prompt is a sequence of its first sample
+    # Sequences in order: per sample its run's prompt (first samples only), then its response (if any).
+    slot_q = torch.stack([prompt_q, resp], 1).reshape(-1)  # (2S,) query rows of each slot, 0 = no sequence
+    slot_row = slot_q.cumsum(0) - slot_q  # (2S,) first row of each slot in the new layout
+    prompt_row, resp_row = slot_row[0::2], slot_row[1::2]  # (S,) each
+    prompt_row = prompt_row[first.nonzero().squeeze(1)][first.long().cumsum(0) - 1]  # (S,) the run's prompt rows
+    tokens = concat_ranges(torch.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
+    positions = tokens - torch.repeat_interleave(starts.repeat_interleave(2), slot_q, output_size=len(tokens))
+    present = slot_q > 0
+    lens_q = slot_q[present]
+    lens_k = torch.stack([prompt_q, plens + resp], 1).reshape(-1)[present]
+    # Keys: a prompt sequence its own rows; a response the run's prompt rows, then its own rows.
+    key_rows = concat_ranges(torch.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
+                             torch.stack([prompt_q, torch.where(resp > 0, plens, 0), resp], 1).reshape(-1))
+    source = concat_ranges(torch.stack([prompt_row, resp_row], 1).reshape(-1),
+                           torch.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
+    response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
+    response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
+    on_device = lambda x: upload(x, device)  # noqa: E731
+    cu_q = torch.nn.functional.pad(on_device(lens_q).cumsum(0), (1, 0))
+    cu_k = torch.nn.functional.pad(on_device(lens_k).cumsum(0), (1, 0))
+    batch = PackedBatch(positions=on_device(positions), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                        kv_cache=GatheredKeys(on_device(key_rows)))
+    return SharedPrefixPack(on_device(ids[tokens]), batch, on_device(response_index), on_device(response_rows))

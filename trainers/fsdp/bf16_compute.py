@@ -31,6 +31,7 @@ class Bf16Compute:
             if id(p) not in kept:
                 p.data = p.data.to(torch.bfloat16)
         self._pairs = [(m, c) for m, c in zip(master.parameters(), self.module.parameters())]
+        self._buffer_pairs = list(zip(master.buffers(), self.module.buffers()))  # walked once: ms at ~800 tensors
         for m, c in self._pairs:
             c.requires_grad_(m.requires_grad)
 
@@ -39,7 +40,7 @@ class Bf16Compute:
         self.module.train(mode)
 
     def zero_grad(self) -> None:
-        """Clear the copy's and the master's gradients."""
+        """Clear the copy's and the master's gradients (the master's optimizer holds a subset of them)."""
         for m, c in self._pairs:
             m.grad = c.grad = None
 
@@ -63,5 +64,5 @@ class Bf16Compute:
     def refresh(self) -> None:
         """Round the master's weights (and buffers) into the copy."""
         torch._foreach_copy_([c for _, c in self._pairs], [m for m, _ in self._pairs])
-        for mine, theirs in zip(self.module.buffers(), self.master.buffers()):
-            mine.copy_(theirs)
+        if self._buffer_pairs:
+            torch._foreach_copy_([c for _, c in self._buffer_pairs], [m for m, _ in self._buffer_pairs])

@@ -37,6 +37,8 @@ ENTRY_POINTS = {"policy": ("token_logprobs", "token_logprobs_with_output"), "val
 class FSDPWorker(TrainerRank):
     """An FSDP2 rank (or a float32 replica). Call every collective method on every rank of the group."""
 
+    reuses_first_forward = True
+
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig) -> None:
         super().__init__(rank, world_size, config)
         use_cuda = torch.cuda.is_available()
@@ -93,9 +95,10 @@ class FSDPWorker(TrainerRank):
         return next((c for name, c in self.bf16_copies.items() if self.roles[name] is held), None)
 
     def zero_gradients(self, role: Role) -> None:
-        super().zero_gradients(role)
         if (copy := self._bf16_copy(role)) is not None:
-            copy.zero_grad()
+            copy.zero_grad()  # every master parameter's: the optimizer's are among them
+        else:
+            super().zero_gradients(role)
 
     def backward(self, held: Role, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch; through a bf16 copy, its gradients are added to the master's in float32."""
