@@ -285,9 +285,12 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
 
 def _shutdown(trainers, engine_actors) -> None:
     import ray  # noqa: PLC0415
+    from ray.exceptions import RayActorError  # noqa: PLC0415
 
     try:
         trainers.shutdown()
+    except RayActorError as e:  # a rank already dead (the failure the run reports): one line, no traceback
+        logger.warning("trainer shutdown: a rank was already gone (%s)", type(e).__name__)
     except Exception:  # noqa: BLE001 (shutting down: report and go on)
         logger.exception("trainer shutdown failed")
     for actor in engine_actors:
