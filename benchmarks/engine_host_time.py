@@ -67,8 +67,9 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # aten.to is an aliasing op in the schema but copies when the dtype changes: judged by the storage.
-        if func.is_view and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and (
-                out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
+        first = out[0] if isinstance(out, (tuple, list)) and out else out  # unbind, split: views of one storage
+        if func.is_view and isinstance(first, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and (
+                first.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
             self.views[_where[-1]] += 1
         else:
             self.ops[(_where[-1], str(func.overloadpacket.__name__))] += 1

@@ -126,6 +126,11 @@ class SamplingRows:
         return rows
 
     @functools.cached_property
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """The (B,) columns of `ints`, views made once per rows."""
+        return self.ints.unbind(1)
+
+    @functools.cached_property
     def sampling(self) -> SamplingBatch:
         """The rows' sampling parameters, made once per rows (the greedy mask is a cast)."""
         return SamplingBatch(
@@ -140,7 +145,7 @@ class SamplingRows:
         if not self.flags & MASKS_STOP_IDS:
             return
         ids = self.stop_ids.clamp(min=0)  # (B, S)
-        masked = (num_output < self.ints[:, MIN_NEW])[:, None] & (self.stop_ids >= 0)
+        masked = (num_output < self.columns[MIN_NEW])[:, None] & (self.stop_ids >= 0)
         logits.scatter_(1, ids, torch.where(masked, float("-inf"), logits.gather(1, ids)))
 
     def uniforms(self, num_output: torch.Tensor, follows: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
@@ -169,16 +174,16 @@ class SamplingRows:
         count = num_output + 1 if count is None else count
         code = RUNNING  # the codes by rising priority: tail codes, then a stop token, then the length
         if self.flags & STOP_STRINGS:
-            tail_from = self.ints[:, TAIL_FROM]
+            tail_from = self.columns[TAIL_FROM]
             if completers is None:
                 tail = TAIL_DECODE
             else:  # the first check always decodes (count == tail_from), later ones where the completer mask says
-                tail = ((count == tail_from) | completers[self.ints[:, COMPLETER_ROW], tokens]) + TAIL_SKIP
+                tail = ((count == tail_from) | completers[self.columns[COMPLETER_ROW], tokens]) + TAIL_SKIP
             code = torch.where(count >= tail_from, tail, code)
         if self.stop_ids.shape[1]:
-            hit = (tokens[:, None] == self.stop_ids).any(dim=1) & (count >= self.ints[:, MIN_NEW])
+            hit = (tokens[:, None] == self.stop_ids).any(dim=1) & (count >= self.columns[MIN_NEW])
             code = torch.where(hit, STOP_TOKEN, code)
-        return torch.where(count >= self.ints[:, MAX_NEW], LENGTH, code)
+        return torch.where(count >= self.columns[MAX_NEW], LENGTH, code)
 
 
 class CompleterTable:
