@@ -181,7 +181,9 @@ class SamplingRows:
                 tail = ((count == tail_from) | completers[self.columns[COMPLETER_ROW], tokens]) + TAIL_SKIP
             code = torch.where(count >= tail_from, tail, code)
         if self.stop_ids.shape[1]:
-            hit = (tokens[:, None] == self.stop_ids).any(dim=1) & (count >= self.columns[MIN_NEW])
+            hit = (tokens[:, None] == self.stop_ids).any(dim=1)
+            if self.flags & MASKS_STOP_IDS:  # else every row with stop tokens has min_new_tokens 0
+                hit &= count >= self.columns[MIN_NEW]
             code = torch.where(hit, STOP_TOKEN, code)
         return torch.where(count >= self.columns[MAX_NEW], LENGTH, code)
 
