@@ -3,8 +3,10 @@
 Each request's part is computed once, when it arrives (`RowSpec`). The rows stay on the device from step to step:
 a step with the same requests in the same order reuses them, and when requests leave or join, `SamplingRows.update`
 keeps the rows still there (one index_select on the device) and uploads only the new ones. With them the device masks
-stop tokens under min_new_tokens, draws the step's uniforms in one batched call, and finds the rows that finished by
-length or by a stop token (`finish_codes`); the host reads the codes with the tokens, in the step's one transfer.
+stop tokens under min_new_tokens, draws the uniforms of the next steps in one batched call (served a column a step
+while the rows only advance, leave or reorder), and finds the rows that finished by length or by a stop token
+(`finish_codes`); the host reads the codes with the tokens, in the step's one transfer. Each of those is a few device
+ops a step, outside the decode's CUDA graph: per-row constants are precomputed at upload to keep them few.
 Stop strings need the text, so they stay on the host (stop.py), for the rows that have them only; the device says
 which of those rows need their tail decoded this step (`TAIL_DECODE`: the new token may complete a stop string, by
 the request's completer mask from stop_chars.py, kept on the device in `CompleterTable`), so the host loops over
