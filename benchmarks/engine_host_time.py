@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=2, help="fresh engines in a row; the median is printed too")
     parser.add_argument("--ignore-eos", action="store_true", help="requests end by length only (no batch changes)")
     parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (Engine(overlap=True))")
-    parser.add_argument("--count-ops", action="store_true", help="also count the ATen ops per decode step (one more engine)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count the ATen ops per decode step (one more engine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)

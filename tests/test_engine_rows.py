@@ -119,7 +119,8 @@ def test_finish_codes_follow_the_stop_checker(p, n_before, token):
     reason = stop.check([0] * n_before + [token])
     expect = RUNNING if reason is None else LENGTH if reason["type"] == "length" else STOP_TOKEN
     assert codes[1].item() == expect
-    counted = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before]), count=torch.tensor([1, n_before + 1]))
+    counted = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before]),
+                                count=torch.tensor([1, n_before + 1]))
     assert torch.equal(counted, codes)
 
 

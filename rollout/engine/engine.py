@@ -833,13 +833,15 @@ class Engine:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
                                                                  dtype=np.int64, count=len(seqs))), device)
             rows.mask_stop_ids(logits, num_output)
-            tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype))
+            uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
+            tokens, logprobs = sample(logits, rows.sampling, uniforms)
             if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
                 logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
                                                            else float(seq.req.sampling.temperature) for seq in seqs])
             count = num_output + 1  # (B,) with this token: the next launch's num_output on these rows
             codes = rows.finish_codes(tokens, num_output, self._completer_table.table, count=count)
-            result = torch.stack([tokens, logprobs, codes], out=torch.empty((3, len(seqs)), dtype=torch.float64, device=device))
+            result = torch.empty((3, len(seqs)), dtype=torch.float64, device=device)
+            torch.stack([tokens, logprobs, codes], out=result)  # the casts inside the stack
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)

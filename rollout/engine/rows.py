@@ -150,10 +150,11 @@ class SamplingRows:
         masked = (num_output < self.columns[MIN_NEW])[:, None] & (self.stop_ids >= 0)
         logits.scatter_(1, ids, torch.where(masked, float("-inf"), logits.gather(1, ids)))
 
-    def uniforms(self, num_output: torch.Tensor, follows: bool = False, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    def uniforms(self, num_output: torch.Tensor, follows: bool = False,
+                 dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
         """The step's uniforms: one per row from its seed and the index of the token it samples, as `dtype`; None if
         greedy. `follows`: num_output is the last call's plus one on every row. Such calls are served from a block of
-        draws made ahead (1, 2, 4, ... up to MAX_DRAW_SPAN steps), one column each, so that the hash runs once per block."""
+        draws made ahead (1, 2, 4, ... up to MAX_DRAW_SPAN steps), one column each: the hash runs once per block."""
         if not self.flags & SAMPLED:
             return None
         draws = self._draws
