@@ -14,6 +14,10 @@ over its 512 ids, so about 2 of 1,024 requests draw EOS each step and the batch 
 GPU).
 
     python benchmarks/engine_host_time.py --batch 1024 --reps 2
+
+--count-ops counts the ATen ops (on a GPU: one kernel launch each, views aside) that one more engine issues per decode
+step, by where they come from (the innermost instrumented function; `decode graph` is inside the CUDA graph on a GPU),
+and lists the most frequent ones. It runs apart from the timed engines: the counting slows the host.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import statistics
 import sys
 import time
 import types
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,6 +48,46 @@ logger = logging.getLogger("engine_host_time")
 PHASES = ("schedule", "launch", "resolve", "stop_strings", "finish")
 clock = time.thread_time
 _compute = [0.0]
+_where: list[str] = ["step"]  # the innermost instrumented function running, for --count-ops
+# Where each op is counted: the engine's phases, and inside them the parts timed as `compute`.
+_PLACES = {"_schedule": "schedule", "_launch": "launch (other)", "_resolve": "resolve", "_sampling_rows": "rows update",
+           "_feed": "feed inputs", "forward": "decoder inputs", "_run": "decode graph", "sample": "sample",
+           "uniforms": "uniforms", "finish_codes": "finish codes", "mask_stop_ids": "mask stop ids",
+           "store_topk": "store topk", "lm_head": "lm_head"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops run under it by (place, op); views (no kernel on a GPU) apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[tuple[str, str]] = Counter()
+        self.views: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # aten.to is an aliasing op in the schema but copies when the dtype changes: judged by the storage.
+        first = out[0] if isinstance(out, (tuple, list)) and out else out  # unbind, split: views of one storage
+        if func.is_view and isinstance(first, torch.Tensor) and args and isinstance(args[0], torch.Tensor) and (
+                first.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
+            self.views[_where[-1]] += 1
+        else:
+            self.ops[(_where[-1], str(func.overloadpacket.__name__))] += 1
+        return out
+
+
+def _placed(owner: object, name: str, place: str) -> None:
+    """Label the ops run inside owner.name with `place`."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        _where.append(place)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _where.pop()
+
+    setattr(owner, name, wrapper)
 
 
 def _timed(owner: object, name: str) -> None:
@@ -66,9 +112,24 @@ def _instrument(model) -> None:
     for name in ("uniforms", "finish_codes", "mask_stop_ids"):
         _timed(rows.SamplingRows, name)
     _timed(kv_cache.PagedKVCache, "store_topk")
+    for owner, names in ((engine_module.Engine, ("_schedule", "_launch", "_resolve", "_sampling_rows", "_feed")),
+                         (decode.PagedDecoder, ("forward", "_run")), (engine_module, ("sample",)),
+                         (rows.SamplingRows, ("uniforms", "finish_codes", "mask_stop_ids")),
+                         (kv_cache.PagedKVCache, ("store_topk",))):
+        for name in names:
+            _placed(owner, name, _PLACES[name])
     started = [0.0]
-    model.lm_head.register_forward_pre_hook(lambda *_: started.__setitem__(0, clock()))
-    model.lm_head.register_forward_hook(lambda *_: _compute.__setitem__(0, _compute[0] + clock() - started[0]))
+
+    def lm_head_start(*_) -> None:
+        started[0] = clock()
+        _where.append("lm_head")
+
+    def lm_head_end(*_) -> None:
+        _compute[0] += clock() - started[0]
+        _where.pop()
+
+    model.lm_head.register_forward_pre_hook(lm_head_start)
+    model.lm_head.register_forward_hook(lm_head_end)
     config, n_full = model.config, len(model.config.full_layer_ids)
 
     def forward_packed(ids, batch, return_logits=False, return_topk=False):
@@ -79,19 +140,25 @@ def _instrument(model) -> None:
     model.forward_packed = forward_packed
 
 
-def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool = False,
-             overlap: bool = False) -> dict[str, float]:
-    """One engine from empty to done over `batch` requests: ms of thread CPU time per step, by phase."""
-    config = model.config
+def _engine(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool,
+            overlap: bool) -> engine_module.Engine:
+    """An engine holding `batch` requests of the rollout path, none stepped yet."""
     engine = engine_module.Engine(model, max_cache_tokens=(-(-(24 + new_tokens) // 16) * batch + 1) * 16,
                                   max_running_requests=batch, block_size=16, tokenizer=tokenizer, keep_indexer_topk=True,
                                   seed=seed, overlap=overlap)
-    for g, prompt in enumerate(et.make_prompts(batch // group, 24, config.vocab_size, seed)):
+    for g, prompt in enumerate(et.make_prompts(batch // group, 24, model.config.vocab_size, seed)):
         for k in range(group):
             params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop=["</answer>"], sampling_seed=g * group + k,
                                     ignore_eos=ignore_eos)
             engine.add_request(GenerateRequest(input_ids=prompt, sampling=params, rid=f"{g}-{k}", return_logprob=True,
                                                return_indexer_topk=True, indexer_topk_start_len=0, stream=False))
+    return engine
+
+
+def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool = False,
+             overlap: bool = False) -> dict[str, float]:
+    """One engine from empty to done over `batch` requests: ms of thread CPU time per step, by phase."""
+    engine = _engine(model, tokenizer, batch, group, new_tokens, seed, ignore_eos, overlap)
     _compute[0], start, steps = 0.0, clock(), 0
     while engine.has_work:
         engine.step()
@@ -104,6 +171,29 @@ def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: in
     return ms
 
 
+def count_ops(model, tokenizer, batch: int, group: int, new_tokens: int, ignore_eos: bool = False,
+              overlap: bool = False) -> None:
+    """Log the ATen ops per decode step of one engine from empty to done, by place, and the most frequent ones."""
+    engine = _engine(model, tokenizer, batch, group, new_tokens, 0, ignore_eos, overlap)
+    per_step, views, steps, changed = Counter(), Counter(), 0, 0
+    while engine.has_work:
+        decodes, key = engine.stats["paged_decode_steps"], engine._rows.key if engine._rows is not None else None
+        with OpCounter() as counter:
+            engine.step()
+        if engine.stats["paged_decode_steps"] > decodes:
+            per_step.update(counter.ops)
+            views.update(counter.views)
+            steps += 1
+            changed += engine._rows.key != key
+    by_place = Counter()
+    for (place, _), n in per_step.items():
+        by_place[place] += n
+    logger.info("batch %d: %.1f ATen ops (+ %.1f views) per decode step over %d decode steps (%d with a batch change)",
+                batch, sum(per_step.values()) / steps, sum(views.values()) / steps, steps, changed)
+    logger.info("by place: %s", ", ".join(f"{p} {n / steps:.1f}" for p, n in by_place.most_common()))
+    logger.info("top ops: %s", ", ".join(f"{p}:{op} {n / steps:.1f}" for (p, op), n in per_step.most_common()))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=1024, help="requests, all running at once")
@@ -112,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=2, help="fresh engines in a row; the median is printed too")
     parser.add_argument("--ignore-eos", action="store_true", help="requests end by length only (no batch changes)")
     parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (Engine(overlap=True))")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count the ATen ops per decode step (one more engine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
@@ -126,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("batch %d, run %d, ms per step: %s", args.batch, rep, ", ".join(f"{k} {v:.2f}" for k, v in runs[-1].items()))
     logger.info("batch %d, median ms per step: %s", args.batch,
                 ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]))
+    if args.count_ops:
+        count_ops(model, tokenizer, args.batch, args.group_size, args.new_tokens, args.ignore_eos, args.overlap)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 import slime_dsa
 from rollout.engine import AsyncEngine, Engine, EngineStoppedError, GenerateRequest, RequestError, SamplingParams
+from rollout.engine.rows import SamplingRows
 from slime_dsa.models import PackedBatch
 from tests.hf_reference import TINY, make_hf_checkpoint
 
@@ -453,6 +454,27 @@ def test_seeded_tokens_survive_a_retract(model):
     engine.pause("retract")
     engine.resume()
     assert run(engine)["r"].output_ids == plain.output_ids
+
+
+def test_seeded_tokens_survive_a_step_that_fails_after_its_draw(model, monkeypatch):
+    """A launch that fails after drawing its uniforms (the rows draw ahead) is rerun with the same draws."""
+    ps = prompts((6, 5), seed=18)
+    reqs = lambda: [GenerateRequest(input_ids=p, rid=str(i), sampling=SamplingParams(  # noqa: E731
+        max_new_tokens=10, temperature=1.0, sampling_seed=5 + i, ignore_eos=True)) for i, p in enumerate(ps)]
+    plain = run(Engine(model, max_cache_tokens=512, block_size=4), {0: reqs()})
+    calls, finish_codes = [0], SamplingRows.finish_codes
+
+    def fails_once(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected")
+        return finish_codes(self, *args, **kwargs)
+
+    monkeypatch.setattr(SamplingRows, "finish_codes", fails_once)
+    failed = run(Engine(model, max_cache_tokens=512, block_size=4), {0: reqs()})
+    assert calls[0] > 5
+    for rid in plain:
+        assert failed[rid].output_ids == plain[rid].output_ids, rid
 
 
 def test_non_streaming_requests_get_only_their_final_output(model):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.engine.rows import LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, SamplingRows, row_spec
-from rollout.engine.sampling import counter_uniforms, seed_to_int64
+from rollout.engine.sampling import cached_arange, counter_uniforms, seed_to_int64
 from rollout.engine.stop import StopChecker, decode_tails
 from rollout.engine.types import SamplingParams
 
@@ -75,6 +76,38 @@ def test_updated_rows_equal_rows_built_from_scratch(batches):
         _same(rows, fresh)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 11), unique=True, min_size=1, max_size=8)),
+                min_size=1, max_size=90), st.sampled_from([torch.float64, torch.float32]))
+def test_uniforms_drawn_ahead_equal_the_hash_of_each_step(steps, dtype):
+    """Steps over the same rows (follows), over rows that only left or reordered (update with index: the draws made
+    ahead are kept) and over new rows: every step's uniforms are counter_uniforms of its seeds and counts, cast."""
+    specs = {i: _spec(i, PARAMS[1 + i % 4]) for i in range(12)}  # all sampled
+    seeds = torch.tensor([specs[i].ints[2] for i in range(12)])
+    counts = {i: 3 * i for i in range(12)}  # tokens before this one, per request
+    rows, last_key = None, None
+    for kind, batch in steps:
+        key = tuple(batch) if kind or last_key is None else last_key  # kind 0: the same rows again
+        if rows is None or kind == 3:  # kind 3: rows built afresh
+            rows, follows = SamplingRows.build(key, [specs[i] for i in key], torch.device("cpu")), False
+        else:
+            where = dict(zip(rows.key, range(len(rows.key))))
+            index = np.array([where.get(i, -1) for i in key], dtype=np.int64)
+            follows = bool((index >= 0).all())
+            rows = rows.update(key, [specs[i] for i in key], index if kind != 2 else None)  # kind 2: index unknown
+        num_output = torch.tensor([counts[i] for i in key])
+        got = rows.uniforms(num_output, follows=follows, dtype=dtype)
+        assert torch.equal(got, counter_uniforms(seeds[list(key)], num_output).to(dtype))
+        for i in key:
+            counts[i] += 1
+        last_key = key
+
+
+def test_cached_arange_is_made_once():
+    a = cached_arange(7, torch.device("cpu"))
+    assert torch.equal(a, torch.arange(7)) and cached_arange(7, torch.device("cpu")) is a
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, len(PARAMS) - 1), st.integers(0, 14), st.integers(0, VOCAB - 1))
 def test_finish_codes_follow_the_stop_checker(p, n_before, token):
@@ -86,6 +119,9 @@ def test_finish_codes_follow_the_stop_checker(p, n_before, token):
     reason = stop.check([0] * n_before + [token])
     expect = RUNNING if reason is None else LENGTH if reason["type"] == "length" else STOP_TOKEN
     assert codes[1].item() == expect
+    counted = rows.finish_codes(torch.tensor([0, token]), torch.tensor([0, n_before]),
+                                count=torch.tensor([1, n_before + 1]))
+    assert torch.equal(counted, codes)
 
 
 class _CharTokenizer:

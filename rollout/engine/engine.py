@@ -225,8 +225,9 @@ class Engine:
         self._completer_table = CompleterTable(self.config.vocab_size, self.device)  # their masks, on the device
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self._tables_epoch = 0  # bumped when a block table is replaced (admit, free); only appends keep it (decode.py)
-        # The last launched step's sampling serials, its rows' output counts on the device, and (decode-only steps)
-        # its positions: a launch over the same rows adds one to each instead of reading every sequence again.
+        # The last launched step's sampling serials, its rows' output counts with its token on the device (a launch
+        # over the same rows samples at those counts instead of reading every sequence again), and (decode-only steps)
+        # its positions.
         self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None] | None = None
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
@@ -491,6 +492,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
                 logger.exception("engine: step over %d requests failed", len(scheduled))
                 self._pending = None
+                self._rows = None  # it may have handed out uniforms for a launch that never happened
                 if previous is not None:  # the suspects' tokens in flight first
                     outputs += self._resolve(previous)
                     previous = None
@@ -824,19 +826,22 @@ class Engine:
             logits = self.model.lm_head(hidden).float()  # (B, V)
             rows = self._sampling_rows(key, seqs, moved)
             if same_rows:
-                num_output = last[1] + 1  # (B,) tokens before this one
+                num_output = last[1]  # (B,) tokens before this one: the last launch's counts with its token
             elif kept:
-                num_output = last[1][upload(torch.from_numpy(moved), device)] + 1
+                num_output = last[1][upload(torch.from_numpy(moved), device)]
             else:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
                                                                  dtype=np.int64, count=len(seqs))), device)
             rows.mask_stop_ids(logits, num_output)
-            tokens, logprobs = sample(logits, rows.sampling, rows.uniforms(num_output))
+            uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
+            tokens, logprobs = sample(logits, rows.sampling, uniforms)
             if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
                 logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
                                                            else float(seq.req.sampling.temperature) for seq in seqs])
-            codes = rows.finish_codes(tokens, num_output, self._completer_table.table)
-            result = torch.stack([tokens.double(), logprobs.double(), codes.double()])
+            count = num_output + 1  # (B,) with this token: the next launch's num_output on these rows
+            codes = rows.finish_codes(tokens, num_output, self._completer_table.table, count=count)
+            result = torch.empty((3, len(seqs)), dtype=torch.float64, device=device)
+            torch.stack([tokens, logprobs, codes], out=result)  # the casts inside the stack
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
@@ -870,7 +875,7 @@ class Engine:
                              version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
         if on_host:
             self._account_device(launched)
-        self._last_counts = (key, num_output, positions if decode_only else None) if seqs else None
+        self._last_counts = (key, count, positions if decode_only else None) if seqs else None
         return launched
 
     def _feed(self, ids: torch.Tensor, rows: list[int] | range, seqs: list[_Sequence] | None, previous: _Launched) -> None:

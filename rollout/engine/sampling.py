@@ -64,17 +64,31 @@ class SamplingBatch:
     any_greedy: bool  # some row is greedy (else no row needs the raw log-probs)
     needs_sort: bool  # some sampled row restricts top_k or top_p
     needs_min_p: bool
+    scales: bool = True  # some row's temperature is not 1 (dividing by 1 changes no bit: skipped)
+
+
+def cached_arange(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n) (int64) on `device`, made once per (n, device): no op per step."""
+    out = _ARANGES.get((n, device))
+    if out is None:
+        if len(_ARANGES) >= 64:
+            _ARANGES.clear()
+        out = _ARANGES[(n, device)] = torch.arange(n, device=device)
+    return out
+
+
+_ARANGES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with everything outside top-k / top-p / min-p set to -inf. (B, V) -> (B, V)."""
-    scaled = logits / batch.temperature[:, None]
+    scaled = logits / batch.temperature[:, None] if batch.scales else logits
     if not (batch.needs_sort or batch.needs_min_p):
         return scaled
     if batch.needs_sort:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # (B, V)
         probs = torch.softmax(sorted_logits, dim=-1)
-        rank = torch.arange(scaled.shape[-1], device=scaled.device)
+        rank = cached_arange(scaled.shape[-1], scaled.device)
         remove = rank[None, :] >= batch.top_k[:, None]
         remove |= (probs.cumsum(-1) - probs) > batch.top_p[:, None]  # keep the smallest prefix reaching top_p
         if batch.needs_min_p:
@@ -94,7 +108,7 @@ def sample_inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.
     target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
     # Rounding can push the target to the total: fall back to the last token that has probability.
-    vocab = torch.arange(probs.shape[-1], device=probs.device)
+    vocab = cached_arange(probs.shape[-1], probs.device)
     last_kept = torch.where(probs > 0, vocab[None, :], 0).amax(dim=-1)
     return torch.minimum(tokens, last_kept)
 
