@@ -184,3 +184,46 @@ def test_two_fsdp2_ranks_compute_the_float32_router_as_the_copy(tmp_path):
     mp.start_processes(_two_rank_fsdp2, args=(free_port(), str(tmp_path / "m"), str(out)), nprocs=2,
                        start_method="spawn")
     assert json.loads(out.read_text()) == {"logprobs_equal": True, "grads_differ": []}
+
+
+def _set_copy_grads(copy: Bf16Compute, grads: dict[int, torch.Tensor]) -> None:
+    """What a backward leaves: the copy's .grad of the parameters at these indices (the rest None)."""
+    for i, c in enumerate(copy.module.parameters()):
+        c.grad = grads[i].to(c.dtype) if i in grads else None
+
+
+def test_master_gradients_are_allocated_once_and_written_fresh_each_step():
+    """The master's float32 gradients are the same tensors every step (no per-parameter allocation), even after a
+    set_to_none elsewhere; a step's first micro-batch overwrites them, so a skipped step's NaNs do not leak into the
+    next; a parameter no micro-batch reaches keeps .grad None, as the optimizer expects."""
+    master = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    copy = Bf16Compute(master)
+    optimizer = torch.optim.AdamW(master.parameters(), fused=True)
+    g = torch.Generator().manual_seed(0)
+    shapes = [p.shape for p in master.parameters()]
+    draws = [{i: torch.randn(s, generator=g) for i, s in enumerate(shapes)} for _ in range(4)]
+
+    _set_copy_grads(copy, draws[0])
+    copy.accumulate_gradients()
+    kept = [p.grad for p in master.parameters()]
+    for grad in kept:
+        grad.fill_(float("nan"))  # a non-finite step, skipped: its gradients stay behind
+    copy.zero_grad()
+    optimizer.zero_grad(set_to_none=True)
+    _set_copy_grads(copy, {i: draws[1][i] for i in (0, 1, 2)})  # the last bias gets no gradient this micro-batch
+    copy.accumulate_gradients()
+    assert master[1].bias.grad is None
+    _set_copy_grads(copy, {i: draws[2][i] for i in (0, 1)})
+    copy.accumulate_gradients()
+    for i, (p, grad) in enumerate(zip(master.parameters(), kept)):
+        if i == 3:
+            assert p.grad is None
+            continue
+        assert p.grad is grad and p.grad.data_ptr() == grad.data_ptr(), i
+        want = draws[1][i].bfloat16().float() + (draws[2][i].bfloat16().float() if i < 2 else 0)
+        assert torch.equal(p.grad, want), i
+    copy.zero_grad()
+    _set_copy_grads(copy, draws[3])
+    copy.accumulate_gradients()
+    assert all(p.grad is grad for p, grad in zip(master.parameters(), kept))
+    assert all(torch.equal(p.grad, draws[3][i].bfloat16().float()) for i, p in enumerate(master.parameters()))

@@ -34,13 +34,17 @@ class Bf16Compute:
         self._buffer_pairs = list(zip(master.buffers(), self.module.buffers()))  # walked once: ms at ~800 tensors
         for m, c in self._pairs:
             c.requires_grad_(m.requires_grad)
+        # The master's float32 gradients, kept across steps: a step's first micro-batch copies into them, so nothing
+        # needs zeroing and a skipped step's values are overwritten; a set_to_none elsewhere leaves them here.
+        self._grads = _GradBuffers()
 
     def train(self, mode: bool = True) -> None:
         self.master.train(mode)
         self.module.train(mode)
 
     def zero_grad(self) -> None:
-        """Clear the copy's and the master's gradients (the master's optimizer holds a subset of them)."""
+        """Clear the copy's and the master's gradients (the master's optimizer holds a subset of them); the master's
+        float32 buffers stay allocated for the next step. A parameter no micro-batch reaches keeps .grad None."""
         for m, c in self._pairs:
             m.grad = c.grad = None
 
@@ -53,7 +57,7 @@ class Bf16Compute:
         have = [(m, c) for m, c in self._pairs if c.grad is not None]
         first = [(m, c) for m, c in have if m.grad is None]
         later = [(m, c) for m, c in have if m.grad is not None]
-        grads = [torch.empty_like(m) for m, _ in first]
+        grads = [self._grads[m] for m, _ in first]
         add_gradients([(g, c.grad) for g, (_, c) in zip(grads, first)], [(m.grad, c.grad) for m, c in later])
         for (m, _), grad in zip(first, grads):
             m.grad = grad
@@ -66,3 +70,12 @@ class Bf16Compute:
         torch._foreach_copy_([c for _, c in self._pairs], [m for m, _ in self._pairs])
         if self._buffer_pairs:
             torch._foreach_copy_([c for _, c in self._buffer_pairs], [m for m, _ in self._buffer_pairs])
+
+
+class _GradBuffers(dict):
+    """Each parameter's float32 gradient, allocated when the parameter first gets one and kept (keyed by the
+    parameter, as torch.optim keys its state)."""
+
+    def __missing__(self, param: torch.Tensor) -> torch.Tensor:
+        self[param] = grad = torch.empty_like(param)
+        return grad
