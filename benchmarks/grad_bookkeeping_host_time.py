@@ -1,0 +1,107 @@
+"""Host time of one optimiser step's gradient bookkeeping on the bf16 copy path, apart from the model.
+
+Per step: `Bf16Compute.zero_grad` then one micro-batch's `accumulate_gradients` (the copy's bf16 gradients are
+put in place beforehand, as a backward leaves them), for this tree's copy and, with --baseline-tree, another
+checkout's, alternating in one process on the same model; then fused AdamW's step split into its per-parameter
+Python (`_init_group`) and the rest. The model is a preset's structure (--narrow: the tiny preset's widths, as in
+train_call_host_time.py), so the parameter tensors are the same ones the trainer walks.
+
+    python benchmarks/grad_bookkeeping_host_time.py --preset small --narrow --baseline-tree /tmp/base636
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("grad_bookkeeping_host_time")
+
+
+def _copy_class(tree: str | None) -> type:
+    """Bf16Compute from this tree, or from `tree`'s trainers/fsdp/bf16_compute.py."""
+    if tree is None:
+        from trainers.fsdp.bf16_compute import Bf16Compute  # noqa: PLC0415
+
+        return Bf16Compute
+    spec = importlib.util.spec_from_file_location("baseline_bf16_compute", Path(tree) / "trainers/fsdp/bf16_compute.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Bf16Compute
+
+
+def _median_ms(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--narrow", action="store_true", help="the preset's structure at the tiny preset's widths")
+    parser.add_argument("--baseline-tree", default=None, help="another checkout's bf16_compute.py to compare with")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating measurements of each tree")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from benchmarks.train_call_host_time import NARROW  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import build_model  # noqa: PLC0415
+    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
+    from trainers.optim import build_optimizer  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    config = preset_config(args.preset, vocab_size=384, eos_token_id=1, **(NARROW if args.narrow else {}))
+    master = build_model(config, seed=0, dtype=torch.float32).to(device)
+    trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
+    copies = {name: _copy_class(tree)(master) for name, tree in trees.items()}
+    grads = [torch.randn_like(c) for c in next(iter(copies.values())).module.parameters()]
+    logger.info("%d parameter tensors on %s", len(grads), device)
+
+    def step(copy) -> None:
+        copy.zero_grad()
+        for c, g in zip(copy.module.parameters(), grads):
+            c.grad = g  # what a backward leaves (outside the timing below: subtracted)
+        copy.accumulate_gradients()
+
+    def put_only(copy) -> None:
+        for c, g in zip(copy.module.parameters(), grads):
+            c.grad = g
+
+    figures = {name: [] for name in copies}
+    for _ in range(args.rounds):
+        for name, copy in copies.items():
+            step(copy)
+            sync()
+            spent = _median_ms(lambda: (step(copy), sync()), args.steps)
+            figures[name].append(spent - _median_ms(lambda: put_only(copy), args.steps))
+    for name, values in figures.items():
+        logger.info("zero_grad + accumulate_gradients, %s: %s ms a step (median %.3f)", name,
+                    ", ".join(f"{v:.3f}" for v in values), statistics.median(values))
+    if args.baseline_tree:
+        ratios = [a / b for a, b in zip(figures["this tree"], figures["baseline"])]
+        logger.info("this tree / baseline: median %.2f (%.2f-%.2f)", statistics.median(ratios), min(ratios), max(ratios))
+
+    copy = copies["this tree"]
+    step(copy)
+    optimizer = build_optimizer(master, 1e-6, 0.1, (0.9, 0.999), fused=True)
+    optimizer.step()
+    sync()
+    whole = _median_ms(lambda: (optimizer.step(), sync()), args.steps)
+    init = _median_ms(lambda: [optimizer._init_group(g, [], [], [], [], [], []) for g in optimizer.param_groups], args.steps)
+    logger.info("fused AdamW step: %.3f ms, of which _init_group (per-parameter Python, %d groups): %.3f ms",
+                whole, len(optimizer.param_groups), init)
+
+
+if __name__ == "__main__":
+    main()
