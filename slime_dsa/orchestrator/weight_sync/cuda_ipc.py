@@ -26,7 +26,7 @@ class CudaIpcTransport(WeightTransport):
 
     one_request = True
 
-    async def update(self, version: int, prepared: dict, pause_mode: str | None = None) -> None:
+    async def update(self, version: int, prepared: dict, pause_mode: str | None = None) -> dict[str, Any]:
         body = {"serialized_named_tensors": [prepared], "load_format": LOAD_FORMAT_CUDA_IPC, "flush_cache": True,
                 "weight_version": str(version)}
-        await post_update(self.client, "/update_weights_from_tensor", with_pause(body, pause_mode))
+        return await post_update(self.client, "/update_weights_from_tensor", with_pause(body, pause_mode))
