@@ -38,6 +38,7 @@ BETWEEN = ("train", "sync", "tail")  # from the end of one rollout to the start 
 ENGINE_KEYS = ("engine_command_s", "engine_commands", "engine_weights_update_s", "sync_time_s", "train_time_s",
                "rollout_time_s", "step_time_s", "rollout_sleep_s", "rollout_wake_s")
 TRAINER_CALLS = ("train", "full_state_dict", "save_weights", "share_weights", "release_memory", "resume_memory",
+                 "release_memory_and_share_weights",
                  "compute_logprobs", "broadcast_weights", "save_checkpoint")
 
 

@@ -139,6 +139,7 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
     from trainers.base import policy_config  # noqa: PLC0415
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.group import share_then_release  # noqa: PLC0415
 
     config = policy_config(str(checkpoints[1]), PPOLoss(), frozen=(".indexer.",), mixed_precision=True)
     worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
@@ -169,6 +170,16 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
         assert status == 200 and reply["success"], reply
         _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v2.safetensors")
 
+        with torch.no_grad():  # the colocated step's one rank call: fill the buffer, then release cached memory
+            for p in worker.policy.model.parameters():
+                p.mul_(0.5)
+        third = share_then_release(worker, "bfloat16")
+        assert third["buffer"] == table["buffer"]
+        status, reply = _post_json(url + "/update_weights_from_tensor", {**body, "serialized_named_tensors": [third],
+                                                                        "weight_version": "3", "pause_mode": "abort"})
+        assert status == 200 and reply["success"] and "stats_commands" in reply, reply  # the counters ride along
+        _assert_engine_holds(worker.full_state_dict(), conn, tmp_path / "v3.safetensors")
+
         wrong_shape = copy.deepcopy(again)
         wrong_shape["tensors"][0]["shape"] = [1]
         other_gpu = copy.deepcopy(again)
@@ -176,9 +187,9 @@ def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
         for bad, message in ((wrong_shape, f"tensor {again['tensors'][0]['name']} has shape (1,)"),
                              (other_gpu, "is not this engine's GPU")):
             status, reply = _post_json(url + "/update_weights_from_tensor",
-                                       {**body, "serialized_named_tensors": [bad], "weight_version": "3"})
+                                       {**body, "serialized_named_tensors": [bad], "weight_version": "4"})
             assert status == 400 and message in reply["message"], reply
-        assert _get_json(url + "/get_weight_version") == {"weight_version": "2"}
+        assert _get_json(url + "/get_weight_version") == {"weight_version": "3"}
         assert _get_json(url + "/get_server_info")["paused"] is False
     finally:
         conn.send("stop")

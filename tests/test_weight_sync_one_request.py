@@ -208,7 +208,7 @@ def test_the_colocated_sync_step_leaves_the_continue_to_the_push(monkeypatch):
             return {}
 
     class Run:  # FAKE: what _one_step reads
-        client, manager, fleet, on_weights = Client(), Manager(), None, None
+        client, manager, fleet, on_weights, engine_stats = Client(), Manager(), None, None, None
         progress = train.StepProgress()
 
         def hook_wants_state(self, version):

@@ -155,6 +155,11 @@ class RayTrainerGroup:
     def release_memory(self) -> None:
         ray.get([w.release_memory.remote() for w in self.workers])
 
+    def release_memory_and_share_weights(self, engine_dtype: str) -> dict:
+        """share_weights, then release_memory, in one Ray call per rank (the colocated step between training and
+        the push); rank 0's cuda_ipc table. Releasing last also returns what filling the buffer cached."""
+        return ray.get([w.__ray_call__.remote(share_then_release, engine_dtype) for w in self.workers])[0]
+
     def resume_memory(self) -> None:
         ray.get([w.resume_memory.remote() for w in self.workers])
 
@@ -162,6 +167,13 @@ class RayTrainerGroup:
         ray.get([w.shutdown.remote() for w in self.workers])
         for w in self.workers:
             ray.kill(w)
+
+
+def share_then_release(rank: TrainerRank, engine_dtype: str) -> dict | None:
+    """On a rank: its share_weights table (rank 0's; the others None), then its cached memory released."""
+    table = rank.share_weights(engine_dtype)
+    rank.release_memory()
+    return table
 
 
 def _scatter_rows(out: torch.Tensor, seqlens: list[int], part: list[int], assignment: list[list[int]],

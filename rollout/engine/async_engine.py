@@ -8,6 +8,7 @@ thread between two steps; results and streamed outputs come back to the event lo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -265,8 +266,15 @@ class AsyncEngine:
             "num_queued": engine.num_queued,
             "paused": engine.paused,
             "weight_version": engine.weight_version,
-            **{f"stats_{k}": v for k, v in engine.stats.items()},
+            **self.step_stats(),
         }
+
+    def step_stats(self) -> dict:
+        """The step loop's counters as /get_server_info gives them (stats_*, with max_running_requests): what
+        slime_dsa.orchestrator.perf reads, also sent in a weight update's reply."""
+        engine = self.engine
+        return {"max_running_requests": engine.max_running_requests,
+                **{f"stats_{k}": v for k, v in engine.stats.items()}}
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -280,9 +288,12 @@ class AsyncEngine:
                 while True:
                     fn, future = self._commands.get(block=block)
                     start = time.perf_counter()
-                    self._execute(fn, future)
+                    hand_over = self._execute(fn, future)
+                    # Counted before the caller sees the result: a reply that carries the counters (a weight
+                    # update's) then includes its own command, as a later /get_server_info would.
                     stats["commands"] += 1
                     stats["command_s"] += time.perf_counter() - start
+                    hand_over()
                     block = False
             except queue.Empty:
                 pass
@@ -305,17 +316,18 @@ class AsyncEngine:
             if future is not None:
                 self._loop.call_soon_threadsafe(_set_exception, future, EngineStoppedError("engine stopped"))
 
-    def _execute(self, fn: Callable[[], Any], future: asyncio.Future | None) -> None:
+    def _execute(self, fn: Callable[[], Any], future: asyncio.Future | None) -> Callable[[], None]:
+        """Run a command; returns what hands its result (or error) to the awaiting coroutine."""
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             if future is None:
                 logger.exception("engine: background command failed")
-            else:
-                self._loop.call_soon_threadsafe(_set_exception, future, exc)
-            return
-        if future is not None:
-            self._loop.call_soon_threadsafe(_set_result, future, result)
+                return _nothing
+            return functools.partial(self._loop.call_soon_threadsafe, _set_exception, future, exc)
+        if future is None:
+            return _nothing
+        return functools.partial(self._loop.call_soon_threadsafe, _set_result, future, result)
 
     def _dispatch(self, outputs: list[GenerateOutput]) -> None:
         """Engine thread: hand a step's outputs to their streams on the event loop, in one callback."""
@@ -347,6 +359,10 @@ def _device_memory(device: torch.device) -> int | None:
 
 def _key(path: str | Path) -> str:
     return str(Path(path).expanduser().resolve())
+
+
+def _nothing() -> None:
+    pass
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -289,8 +289,15 @@ def _pause_mode(body: dict, key: str, default: str | None) -> str | None:
     return mode
 
 
-def _update_result(ok: bool, message: str) -> web.Response:
-    return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+def _update_result(ok: bool, message: str, extra: dict | None = None) -> web.Response:
+    return web.json_response({"success": ok, "message": message, **(extra or {})}, status=200 if ok else 400)
+
+
+def _step_stats(st: ServerState) -> dict:
+    """The engine's step-loop counters, read once the update's command is counted: a successful update's reply
+    carries them, so the orchestrator's per-step stats need no /get_server_info (SGLang's replies do not)."""
+    step_stats = getattr(st.engine, "step_stats", None)
+    return step_stats() if step_stats is not None else {}
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -316,7 +323,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return _update_result(False, f"failed to load {model_path}: {e}")
     return web.json_response({"success": True, "num_paused_requests": 0,
                               "message": f"Succeeded to update model weights from {model_path}; "
-                                         f"weight_version is {st.engine.weight_version}."})
+                                         f"weight_version is {st.engine.weight_version}.", **_step_stats(st)})
 
 
 def _in_weight_dirs(model_path: str, weight_dirs: tuple[str, ...]) -> bool:
@@ -367,7 +374,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return _update_result(False, f"failed to update weights: {e}")
     suffix = ", cuda_ipc" if how else ""
     return _update_result(True, f"Succeeded to update model weights ({count} tensors{suffix}); "
-                                f"weight_version is {st.engine.weight_version}.")
+                                f"weight_version is {st.engine.weight_version}.", _step_stats(st))
 
 
 def _parse_cuda_ipc(st: ServerState, entry: Any) -> Any:

@@ -347,6 +347,7 @@ class Experts(nn.ModuleList):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
         self._stacked: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (fingerprint, w_gate_up, w_down)
+        self._refill_views: list[torch.Tensor] | None = None  # views of _stacked's buffers, one per expert weight
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x (T, D), weights/expert_ids (T, k) -> (T, D)."""
@@ -463,32 +464,45 @@ class Experts(nn.ModuleList):
     @torch.no_grad()
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up (E, 2I, D), w_down (E, D, I)): stacked copies of the expert weights, rebuilt when they change."""
-        key = self._fingerprint()
-        if self._stacked is None or self._stacked[0] != key:
-            old = self._stacked
+        refill = self.stale_refill()
+        if refill is not None:
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
-                if old is not None and old[0][:2] == key[:2]:
-                    # Same device and dtype (a weight update): refill in place, since captured CUDA graphs
-                    # hold these very buffers.
-                    w_gate_up, w_down = self._stack(out=old[1:])
-                else:
-                    self._stacked = None  # free the stale copy before building the new one
-                    w_gate_up, w_down = self._stack()
-            self._stacked = (key, w_gate_up, w_down)
+                torch._foreach_copy_(*refill)
         return self._stacked[1], self._stacked[2]
 
-    def _stack(self, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.no_grad()
+    def stale_refill(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """None when the stacked copy is current; else (destinations, sources) whose copy brings it up to date in
+        place, and it is marked current: the caller copies them before the next forward. A copy of another device
+        or dtype (or none) is rebuilt here, and None returned.
+
+        In place because captured CUDA graphs hold these very buffers; as one foreach copy (over every MoE layer
+        in GlmMoeDsaPreTrainedModel.refresh_inference_caches) instead of a cat per expert and two stacks per layer.
+        """
+        key = self._fingerprint()
+        old = self._stacked
+        if old is not None and old[0] == key:
+            return None
+        with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
+            if old is None or old[0][:2] != key[:2]:
+                self._stacked = self._refill_views = None  # free the stale copy before building the new one
+                self._stacked = (key, *self._stack())
+                return None
+            if self._refill_views is None:
+                experts = len(self)
+                gate_up = old[1].view(2 * experts, -1, old[1].shape[-1]).unbind(0)  # gate_0, up_0, gate_1, ...
+                self._refill_views = [*gate_up, *old[2].unbind(0)]
+        self._stacked = (key, old[1], old[2])
+        gate_up = [proj.weight for mlp in self for proj in (mlp.gate_proj, mlp.up_proj)]
+        return self._refill_views, [*gate_up, *(mlp.down_proj.weight for mlp in self)]
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self]
-        down = [m.down_proj.weight for m in self]
-        if out is None:
-            return torch.stack(gate_up), torch.stack(down)
-        torch.stack(gate_up, out=out[0])
-        torch.stack(down, out=out[1])
-        return out[0], out[1]
+        return torch.stack(gate_up), torch.stack([m.down_proj.weight for m in self])
 
     def drop_stacked(self) -> None:
         """Free the stacked copy (it is rebuilt on the next grouped forward)."""
-        self._stacked = None
+        self._stacked = self._refill_views = None
 
 
 class MoE(nn.Module):
@@ -674,11 +688,20 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
         layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
         return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
 
+    @torch.no_grad()
     def refresh_inference_caches(self) -> None:
-        """Bring the derived weight copies up to date now, in place where they exist (after a weight update)."""
+        """Bring the derived weight copies up to date now, in place where they exist (after a weight update): the
+        experts' stacked copies of every MoE layer in one foreach copy."""
+        destinations, sources = [], []
         for module in self.modules():
             if isinstance(module, Experts) and module._stacked is not None:
-                module.stacked()
+                refill = module.stale_refill()
+                if refill is not None:
+                    destinations += refill[0]
+                    sources += refill[1]
+        if destinations:
+            with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
+                torch._foreach_copy_(destinations, sources)
 
     def drop_inference_caches(self) -> None:
         """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""

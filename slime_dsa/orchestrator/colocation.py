@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,16 @@ class MemoryHandOver:
             await self.client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
             await asyncio.to_thread(self.trainers.resume_memory)
 
-    async def to_engines(self, resume: bool = True) -> None:
+    async def to_engines(self, resume: bool = True, release: Callable[[], Awaitable[None]] | None = None) -> None:
         """The trainer's cached memory back to the device (always: the engines' prefill allocates too), the KV cache
         back to the engines unless they kept it; generation continues, or with `resume` False stays paused for the
-        caller's next call to continue it (a weight push, which continues the engines itself)."""
-        await asyncio.to_thread(self.trainers.release_memory)
+        caller's next call to continue it (a weight push, which continues the engines itself). `release`: what
+        releases the trainer's memory instead of trainers.release_memory (a transport's call that also prepares
+        its push: CudaIpcTransport.release_and_prepare)."""
+        if release is not None:
+            await release()
+        else:
+            await asyncio.to_thread(self.trainers.release_memory)
         if not self.keep:
             await self.client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
         if resume:

@@ -17,20 +17,31 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     """Reads every engine's step-loop counters (/get_server_info) and turns two readings into perf/engine_* metrics
     of the interval between them. Engines without the counters (SGLang servers) add nothing; an engine that joined
-    since the last reading counts from its start."""
+    since the last reading counts from its start.
+
+    A reading the engines already sent (an embedded engine's weight-update reply, see `offer`) stands in for the
+    next request when nothing can have run on the engines since: the synchronous loop's push right before its tail.
+    """
 
     def __init__(self, client: Any, timeout_s: float = 30.0) -> None:
         self.client, self.timeout_s = client, timeout_s
         self._last: dict[str, dict[str, float]] = {}
+        self._offered: dict[str, tuple[dict[str, float], int]] | None = None
+
+    def offer(self, bodies: dict[str, Any] | None) -> None:
+        """Replies ({url: body}) the engines sent at the end of their last command, for the next metrics() or reset()
+        to read instead of /get_server_info. The caller vouches that no engine runs anything before that read. Taken
+        only when they come from every engine of the client and each has the counters (else: the request)."""
+        readings = _readings(bodies or {})
+        complete = bool(readings) and set(readings) == set(bodies or {}) == set(self.client.engines)
+        self._offered = readings if complete else None
 
     async def _read(self) -> dict[str, tuple[dict[str, float], int]]:
+        offered, self._offered = self._offered, None
+        if offered is not None:
+            return offered
         bodies = await self.client.broadcast("/get_server_info", method="GET", check=False, timeout_s=self.timeout_s)
-        readings = {}
-        for url, body in bodies.items():
-            found = engine_perf.counters(body, prefix="stats_") if isinstance(body, dict) else None
-            if found is not None:
-                readings[url] = (found, int(body.get("max_running_requests") or 1))
-        return readings
+        return _readings(bodies)
 
     async def _read_or_none(self) -> dict[str, tuple[dict[str, float], int]] | None:
         try:
@@ -54,6 +65,16 @@ class EngineStats:
         self._last = {url: c for url, (c, _) in now.items()}
         found = engine_perf.step_metrics(deltas, [m for _, m in now.values()])
         return {f"perf/engine_{k}": v for k, v in found.items()}
+
+
+def _readings(bodies: dict[str, Any]) -> dict[str, tuple[dict[str, float], int]]:
+    """{url: (counters, max_running_requests)} of the bodies that carry the counters (stats_*)."""
+    readings = {}
+    for url, body in bodies.items():
+        found = engine_perf.counters(body, prefix="stats_") if isinstance(body, dict) else None
+        if found is not None:
+            readings[url] = (found, int(body.get("max_running_requests") or 1))
+    return readings
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,9 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
     train_time = time.perf_counter() - train_start
     if colocated:
         start = time.perf_counter()
-        await run.memory.to_engines(resume=resume_engines)
+        # A push that follows at once and fills a buffer (cuda_ipc) does so in the trainers' release call.
+        release = None if resume_engines else getattr(run.weights, "release_and_prepare", None)
+        await run.memory.to_engines(resume=resume_engines, release=release)
         hand_over["perf/rollout_wake_s"] = time.perf_counter() - start
     metrics.update(hand_over)
     metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),

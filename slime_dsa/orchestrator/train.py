@@ -276,6 +276,9 @@ async def _one_step(run: Run, step: int) -> dict[str, float]:
     run.progress.mark_trained(step + 1, run.manager.state_dict())
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
                                    want_state=run.hook_wants_state(step + 1))
+    if run.engine_stats is not None:
+        # Nothing runs on the engines between the push and after_step's read: the push's replies serve as it.
+        run.engine_stats.offer(getattr(run.weights, "last_replies", None))
     # The read-back of the weights for an on_weights hook (a benchmark's) is in sync_time; said apart, so it can be
     # taken out of what the step costs a run without one.
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start,

@@ -66,10 +66,12 @@ def check_replies(path: str, replies: dict[str, Any]) -> None:
                            + "; ".join(f"{url} ({message})" for url, message in refused.items()))
 
 
-async def post_update(client: Any, path: str, body: dict) -> None:
-    """POST one weight update to every engine; an error status or {"success": false} raises, naming the engine. An
-    engine that cannot be reached is dropped as lost (see paused_update)."""
-    check_replies(path, await client.broadcast(path, body, drop_unreachable=True))
+async def post_update(client: Any, path: str, body: dict) -> dict[str, Any]:
+    """POST one weight update to every engine; returns {url: reply}. An error status or {"success": false} raises,
+    naming the engine. An engine that cannot be reached is dropped as lost (see paused_update)."""
+    replies = await client.broadcast(path, body, drop_unreachable=True)
+    check_replies(path, replies)
+    return replies
 
 
 def with_pause(body: dict, pause_mode: str | None) -> dict:
@@ -88,6 +90,9 @@ class WeightTransport(ABC):
         self.client = client  # rollout.client.EngineClient over every engine
         self.trainers = trainers  # a trainer group (trainers.base.TrainerBackend, fanned out over ranks)
         self.last_read_s = 0.0  # the last push's read_state seconds (0 when no state was wanted)
+        # {url: reply} of the last push when its update request was each engine's last command (paused in the
+        # engine), else None: embedded engines' replies carry their step-loop counters (orchestrator/perf.py).
+        self.last_replies: dict[str, Any] | None = None
         # Set by build_weight_sync for engines that take pause_mode in their update request (this repo's embedded
         # engines): pause, update and continue are then one request per engine (paused_update's in_engine).
         self.engines_pause = False
@@ -95,10 +100,12 @@ class WeightTransport(ABC):
     async def push(self, version: int, pause_mode: str = "abort", want_state: bool = False) -> dict | None:
         """Send the weights as `version`; returns the full state dict when `want_state` (else None)."""
         start = time.perf_counter()
+        self.last_replies = None
         prepared = await self.prepare(version)
         if self.engines_pause and self.one_request:
-            await paused_update(self.client, lambda: self.update(version, prepared, pause_mode), pause_mode,
-                                in_engine=True)
+            replies = await paused_update(self.client, lambda: self.update(version, prepared, pause_mode), pause_mode,
+                                          in_engine=True)
+            self.last_replies = replies if isinstance(replies, dict) else None
         else:
             await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
         pushed = time.perf_counter()
@@ -113,9 +120,10 @@ class WeightTransport(ABC):
         return None
 
     @abstractmethod
-    async def update(self, version: int, prepared: Any, pause_mode: str | None = None) -> None:
+    async def update(self, version: int, prepared: Any, pause_mode: str | None = None) -> dict[str, Any] | None:
         """Have every engine take the new weights as `version`: paused meanwhile, or, given a pause_mode (only when
-        one_request), pausing in it and continuing within the update request itself."""
+        one_request), pausing in it and continuing within the update request itself. A one-request update returns
+        the engines' replies ({url: body})."""
 
     async def read_state(self, prepared: Any) -> dict:
         """The full state dict just sent (for the on_weights hook): by default gathered again from the trainers."""

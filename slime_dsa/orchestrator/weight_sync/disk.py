@@ -96,9 +96,9 @@ class DiskTransport(WeightTransport):
 
     one_request = True
 
-    async def update(self, version: int, prepared: None, pause_mode: str | None = None) -> None:
+    async def update(self, version: int, prepared: None, pause_mode: str | None = None) -> dict[str, Any]:
         body = update_weights_from_disk_payload(str(self.directory), weight_version=str(version))
-        await post_update(self.client, "/update_weights_from_disk", with_pause(body, pause_mode))
+        return await post_update(self.client, "/update_weights_from_disk", with_pause(body, pause_mode))
 
     async def read_state(self, prepared: None) -> dict:
         from safetensors.torch import load  # noqa: PLC0415
