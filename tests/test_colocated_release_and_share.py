@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from slime_dsa.orchestrator import train
+from tests.fake_step_run import FakeStepRun
 
 
 class _Client:  # FAKE: one engine that keeps its KV cache; records the control calls
@@ -55,22 +56,7 @@ def _steps(monkeypatch, combined: bool, steps: int = 2) -> list[str]:
     weights = CudaIpcTransport(client, trainers, "bfloat16")
     weights.engines_pause = True
 
-    class Manager:
-        async def collect_step(self):
-            return [[object()]], {}
-
-        def state_dict(self):
-            return {}
-
-    class Run:  # FAKE: what _one_step and train_on_samples's colocated part read
-        manager, fleet, on_weights, engine_stats = Manager(), None, None, None
-        progress = train.StepProgress()
-        memory = MemoryHandOver(client, trainers, "keep")
-
-        def hook_wants_state(self, version):
-            return False
-    run = Run()
-    run.client, run.weights = client, weights
+    run = FakeStepRun(client, weights, memory=MemoryHandOver(client, trainers, "keep"))
 
     # The colocated hand-over of step.train_on_samples, without the batch and the training call.
     async def train_on_samples(run, step, samples, resume_engines=True):

@@ -108,15 +108,25 @@ def _worker_results(checkpoint, reuse: bool, batch: TrainBatch, parts: list[list
     return results, weights
 
 
-def _check_first_forward_is_pi_old(checkpoint, batch: TrainBatch, parts: list[list[int]], **options) -> None:
-    (got, got_weights), (want, want_weights) = (_worker_results(checkpoint, reuse, batch, parts, **dict(options))
+def _check_first_forward_is_pi_old(checkpoint, batch: TrainBatch, parts: list[list[int]], calls: int = 2,
+                                   exact_backward: bool = True, **options) -> None:
+    """π_old, metrics and weights with π_old from the first training forward equal those of a separate pass.
+    exact_backward=False (GPU: the Triton backward sums with atomics, so two equal runs differ in the last bits of
+    the gradients): the grad norm within 1e-3 relative and the weights unchecked (AdamW's first step moves a weight by
+    about lr times its gradient's sign, which such noise can flip); π_old and the other metrics still exact."""
+    (got, got_weights), (want, want_weights) = (_worker_results(checkpoint, reuse, batch, parts, calls, **dict(options))
                                                 for reuse in (True, False))
     for (old, metrics), (old_ref, metrics_ref) in zip(got, want):
         assert len(old) == len(old_ref) == len(parts)
         for a, b in zip(old, old_ref):
             assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-        assert metrics == metrics_ref
-    assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
+        if not exact_backward:
+            for m, m_ref in zip(metrics, metrics_ref):
+                assert m.pop("grad_norm") == pytest.approx(m_ref.pop("grad_norm"), rel=1e-3)
+        keep = len(metrics) if exact_backward else 1  # later mini-batches start from noisy weights
+        assert metrics[:keep] == metrics_ref[:keep]
+    if exact_backward:
+        assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)
 
 
 def _grpo_batch(samples: int, length: int, prompt: int, group: int, vocab: int) -> TrainBatch:
@@ -155,11 +165,11 @@ def test_the_first_steps_forward_is_pi_old_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("length", [100, 300])
 def test_the_first_steps_forward_is_pi_old_on_the_gpu(tmp_path, length):
     """The same on the GPU path of recipes/gpu_single.yaml: the small preset, the bf16 copy, Triton kernels; 300
-    tokens exceed index_topk (256), so top-k selects subsets there."""
+    tokens exceed index_topk (256), so top-k selects subsets there. One call: its π_old and forward metrics are exact;
+    after a step the weights carry the backward's atomic-order noise, so a second call's π_old could not be."""
     checkpoint = _checkpoint(tmp_path, "small", 384)
     batch = _grpo_batch(32, length, length // 4, 16, 384)
-    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(32))], micro_batch_tokens=32 * length,
-                                   mixed_precision=True, ops_backend="auto")
+    gpu = dict(calls=1, exact_backward=False, mixed_precision=True, ops_backend="auto")
+    _check_first_forward_is_pi_old(checkpoint, batch, [list(range(32))], micro_batch_tokens=32 * length, **gpu)
     _check_first_forward_is_pi_old(checkpoint, batch, [list(range(16)), list(range(16, 32))],
-                                   micro_batch_tokens=8 * length, mixed_precision=True, ops_backend="auto",
-                                   indexer_loss_coef=1.0)
+                                   micro_batch_tokens=8 * length, indexer_loss_coef=1.0, **gpu)

@@ -135,6 +135,7 @@ def test_a_one_request_push_keeps_its_replies_and_a_paused_push_does_not():
 
 def test_the_sync_loop_offers_the_push_replies_to_its_tail(monkeypatch):
     from slime_dsa.orchestrator import train
+    from tests.fake_step_run import FakeStepRun
 
     offered = []
 
@@ -149,23 +150,9 @@ def test_the_sync_loop_offers_the_push_replies_to_its_tail(monkeypatch):
         async def push(self, version, pause_mode="abort", want_state=False):
             return None
 
-    class Manager:
-        async def collect_step(self):
-            return [[object()]], {}
-
-        def state_dict(self):
-            return {}
-
-    class Run:  # FAKE: what _one_step reads
-        client, manager, fleet, on_weights, weights = type("C", (), {"engines": {"e": 1}})(), Manager(), None, None, \
-            Weights()
-        progress, engine_stats = train.StepProgress(), Stats()
-
-        def hook_wants_state(self, version):
-            return False
-
     async def train_on_samples(run, step, samples, resume_engines=True):
         return {}
     monkeypatch.setattr(train, "train_on_samples", train_on_samples)
-    asyncio.run(train._one_step(Run(), 0))
+    run = FakeStepRun(type("C", (), {"engines": {"e": 1}})(), Weights(), Stats())
+    asyncio.run(train._one_step(run, 0))
     assert offered == [{"e": {"stats_steps": 3}}]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from slime_dsa.orchestrator.weight_sync import SHM_ROOT, DiskTransport
+from tests.fake_step_run import FakeStepRun
 from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
 from tests.test_weight_sync import _engine, trainer  # noqa: F401 (trainer is a fixture)
 
@@ -200,21 +201,7 @@ def test_the_colocated_sync_step_leaves_the_continue_to_the_push(monkeypatch):
         await hand_over.to_engines(resume=resume_engines)
         return {}
 
-    class Manager:
-        async def collect_step(self):
-            return [[object()]], {}
-
-        def state_dict(self):
-            return {}
-
-    class Run:  # FAKE: what _one_step reads
-        client, manager, fleet, on_weights, engine_stats = Client(), Manager(), None, None, None
-        progress = train.StepProgress()
-
-        def hook_wants_state(self, version):
-            return False
-    run = Run()
-    run.weights = weights
+    run = FakeStepRun(Client(), weights)
     monkeypatch.setattr(train, "train_on_samples", train_on_samples)
     asyncio.run(train._one_step(run, 0))
     assert calls == ["/pause_generation retract", "train", "trainer release", "trainer share",
