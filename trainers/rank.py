@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -393,7 +394,10 @@ class TrainerRank:
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
         lr = held.scheduler.get_last_lr()[0]
         grad_norm = self.apply_gradients(held)
-        held.scheduler.step()
+        with warnings.catch_warnings():
+            # A first update skipped for a non-finite norm makes torch warn that the scheduler stepped first: intended.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            held.scheduler.step()
         held.step += 1
         return StepSums(sums, grad_norm, lr, held.step - 1, old_logprobs)
 
