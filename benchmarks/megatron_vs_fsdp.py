@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import tempfile
 import time
 import traceback
@@ -153,12 +154,15 @@ def _measure(backend: str, checkpoint: str, port: int, args: dict, record: dict,
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(args["timed"]):
+    each = []
+    for _ in range(args["timed"]):  # each step timed to a sync: the median is robust to one slow step
+        start = time.perf_counter()
         step()
-    sync()
-    seconds = (time.perf_counter() - start) / args["timed"]
-    record.update(step_s=round(seconds, 4), tokens_per_s=round(big.num_tokens / seconds, 1),
+        sync()
+        each.append(time.perf_counter() - start)
+    seconds = statistics.median(each)
+    record.update(step_s=round(seconds, 4), step_s_each=[round(t, 4) for t in each],
+                  tokens_per_s=round(big.num_tokens / seconds, 1),
                   peak_memory_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
     save()
     if args.get("profile_dir") and backend in PROFILED:
@@ -291,7 +295,7 @@ def main() -> None:
     parser.add_argument("--bench-samples", type=int, default=16, help="sequences per timed step")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--timed", type=int, default=5)
+    parser.add_argument("--timed", type=int, default=10, help="timed steps per backend (median)")
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--recompute", action="store_true", help="activation recomputation in both backends")
     parser.add_argument("--profile-dir", default=None,
