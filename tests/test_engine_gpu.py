@@ -104,6 +104,20 @@ def test_graph_captures_are_counted_once_while_the_kv_cache_is_kept():
     assert engine.stats["memory_release_s"] > 0 and engine.stats["memory_resume_s"] > 0
 
 
+def test_the_first_step_at_a_width_captures_every_batch_size_the_engine_runs():
+    """The batch shrinks as requests finish; graphs for all its buckets come with the first step at a table width,
+    so a later run of another batch size at that width captures none."""
+    engine = Engine(_model(0), max_cache_tokens=8192, block_size=16, paged_decode=True, cuda_graphs=True, seed=0,
+                    max_running_requests=48)
+    _generate(engine, _requests(20, seed=3))
+    widths = {w for _, w in engine.decoder._graphs}
+    assert set(engine.decoder._graphs) == {(b, w) for w in widths for b in (1, 2, 4, 8, 12, 16, 24, 32, 48)}
+    captured = engine.stats["graph_captures"]
+    _generate(engine, _requests(7, seed=4))
+    new_widths = {w for _, w in engine.decoder._graphs} - widths
+    assert engine.stats["graph_captures"] - captured == 9 * len(new_widths)  # none at the widths already seen
+
+
 def test_float32_engine_decodes_without_graphs():
     """float32 on CUDA: the experts take the loop, which reads counts on the host, so no graph is captured (the
     SFT's greedy eval runs the float32 master weights); eager paged decode still gives the same tokens."""

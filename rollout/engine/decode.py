@@ -8,7 +8,8 @@ graph and replayed: one launch instead of about a thousand. The eager step was l
 benchmarks in benchmarks/RESULTS.md.
 
 Buckets: a batch is padded to the next bucket size with rows that write into the cache's scratch block,
-and block tables are padded with the scratch block to a power of two of blocks. A graph holds the
+and block tables are padded with the scratch block to a power of two of blocks. The first step at a table
+width captures that width's graphs for every batch bucket the engine can run. A graph holds the
 addresses of the weights, the KV pool and the experts' stacked weights. Weight updates copy in place, so
 the graphs stay valid (`refresh` rebuilds the derived copies in place). Releasing memory must call `reset`.
 """
@@ -79,9 +80,11 @@ class PagedDecoder:
     """Runs decode-only steps through `PagedDecodeBatch`: eagerly, or replaying CUDA graphs on CUDA."""
 
     def __init__(self, model: GlmMoeDsaForCausalLM, cache: PagedKVCache, block_size: int, use_cuda_graphs: bool = True,
-                 stats: dict[str, float] | None = None) -> None:
-        """stats: where graph_captures and graph_capture_s (cumulative) are counted (the engine's stats)."""
+                 stats: dict[str, float] | None = None, max_batch: int = BATCH_BUCKETS[-1]) -> None:
+        """stats: where graph_captures and graph_capture_s (cumulative) are counted (the engine's stats). max_batch:
+        the most sequences a step decodes; the first step at a block-table width captures every batch bucket up to it."""
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.batch_ladder = BATCH_BUCKETS[: bisect_left(BATCH_BUCKETS, min(max_batch, BATCH_BUCKETS[-1])) + 1]
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("graph_captures", 0)
         self.stats.setdefault("graph_capture_s", 0.0)
@@ -171,7 +174,7 @@ class PagedDecoder:
 
     def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs,
                 tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        graph = self._graphs.get((B, width)) or self._capture(B, width)
+        graph = self._graphs.get((B, width)) or self._capture_width(B, width)
         host = self._host_inputs(input_ids, positions, tables, B, width, tables_key)
         graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
         graph.staging.numpy()[:] = host
@@ -182,6 +185,16 @@ class PagedDecoder:
         graph.graph.replay()
         n = len(input_ids)
         return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
+
+    def _capture_width(self, B: int, width: int) -> _Graph:
+        """The graph of (B, width). At a width not seen before, the graphs of the whole batch ladder too: a step's
+        batch shrinks as requests finish, and capturing each size when first met put captures in every early RL step.
+        Largest first, so the shared memory pool grows once."""
+        new_width = all(w != width for _, w in self._graphs)
+        for size in sorted({B, *self.batch_ladder}, reverse=True) if new_width else [B]:
+            if (size, width) not in self._graphs:
+                self._capture(size, width)
+        return self._graphs[(B, width)]
 
     def _capture(self, B: int, width: int) -> _Graph:
         start = time.perf_counter()

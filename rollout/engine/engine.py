@@ -202,7 +202,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk)
         self.stats: dict[str, float] = {}
-        self.decoder = PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats) if paged_decode else None
+        self.decoder = (PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats, max_running_requests)
+                        if paged_decode else None)
         self.n_full_layers = len(self.config.full_layer_ids)
         self._weight_version = str(weight_version)
         self._version_int = _version_number(self._weight_version, 0)
