@@ -35,14 +35,14 @@ class _Trainers:  # FAKE trainer group: the weights' version moves with each tra
         if combined:
             self.release_memory_and_share_weights = self._combined
 
-    def release_memory(self):
+    def release_memory(self, min_free_share=None):
         self.calls.append("trainer release")
 
     def share_weights(self, dtype):
         self.calls.append("trainer share")
         return {"version": self.version}
 
-    def _combined(self, dtype):
+    def _combined(self, dtype, min_free_share=None):
         self.calls.append("trainer share+release")
         return {"version": self.version}
 
@@ -95,7 +95,7 @@ def test_a_rank_shares_then_releases_in_one_call():
             self.calls.append(f"share {dtype}")
             return {"rank": 0}
 
-        def release_memory(self):
+        def release_memory(self, min_free_share=None):
             self.calls.append("release")
 
     rank = Rank()

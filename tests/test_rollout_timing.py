@@ -114,13 +114,13 @@ class _Trainers:
     def resume_memory(self) -> None:
         self.calls.append("trainer resume")
 
-    def release_memory(self) -> None:
-        self.calls.append("trainer release")
+    def release_memory(self, min_free_share: float | None = None) -> None:
+        self.calls.append(f"trainer release {min_free_share}")
 
 
 @pytest.mark.parametrize(("kv_bytes", "expected"), [
-    (5, ["/pause_generation", "trainer release", "/continue_generation"]),
-    (50, ["/pause_generation", "/release_memory_occupation", "trainer resume", "trainer release",
+    (5, ["/pause_generation", "trainer release 0.15", "/continue_generation"]),  # the trainer keeps its cache too
+    (50, ["/pause_generation", "/release_memory_occupation", "trainer resume", "trainer release None",
           "/resume_memory_occupation", "/continue_generation"]),
 ])
 def test_the_hand_over_releases_the_kv_cache_only_when_auto_does_not_keep_it(kv_bytes, expected):
@@ -185,3 +185,56 @@ def test_prompt_token_ids_are_checked_in_one_pass_on_both_sides(ids):
     with pytest.raises(RequestError, match="input_ids"):
         engine.add_request(GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1), rid="r"))
     assert check_input_ids([0, 5, 383], "input_ids", vocab_size=384, max_prompt_tokens=None) == [0, 5, 383]
+
+
+@pytest.mark.parametrize(("kv_mode", "trainer_mode", "share"), [
+    ("keep", "auto", 0.15), ("release", "auto", None), ("keep", "release", None), ("keep", "keep", 0.0),
+])
+def test_the_trainer_keeps_its_cache_as_cluster_trainer_cache_in_rollout_says(kv_mode, trainer_mode, share):
+    """auto keeps the trainer's cache (while 15% of the GPU is free) only when the engines keep their KV cache: a
+    released cache comes back after the trainer's release and needs the room."""
+    from slime_dsa.orchestrator.colocation import MemoryHandOver
+
+    client = _Client(5)
+    hand_over = MemoryHandOver(client, _Trainers(client.calls), kv_mode, trainer_mode)
+
+    async def step() -> None:
+        await hand_over.to_trainer()
+        await hand_over.to_engines()
+
+    asyncio.run(step())
+    assert f"trainer release {share}" in client.calls
+
+
+def test_the_recipe_refuses_a_trainer_cache_choice_where_nothing_is_handed_over():
+    from slime_dsa.config import RecipeConfig
+
+    base = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
+    with pytest.raises(ValueError, match="trainer_cache_in_rollout"):
+        RecipeConfig.model_validate({**base, "cluster": {"trainer_cache_in_rollout": "keep"}})
+    gpu = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
+           "trainer_cache_in_rollout": "release"}
+    assert RecipeConfig.model_validate({**base, "cluster": gpu}).cluster.trainer_cache_in_rollout == "release"
+    with pytest.raises(ValueError, match="the trainer must give its cached memory back"):
+        RecipeConfig.model_validate({**base, "cluster": {**gpu, "trainer_cache_in_rollout": "keep",
+                                                          "engine_kv_cache_in_training": "release"}})
+
+
+@pytest.mark.gpu
+def test_a_rank_keeps_its_cached_blocks_while_enough_of_the_gpu_is_free():
+    import torch
+
+    from trainers.rank import TrainerRank
+
+    rank = TrainerRank.__new__(TrainerRank)  # release_memory reads only the device
+    rank.device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    del block
+    cached = torch.cuda.memory_reserved()
+    assert cached >= 256 * 2**20
+    rank.release_memory(0.0)  # at least 0% free: kept
+    assert torch.cuda.memory_reserved() == cached
+    rank.release_memory(1.01)  # never 101% free: released
+    assert torch.cuda.memory_reserved() < cached
+    rank.release_memory(None)  # always released

@@ -183,7 +183,7 @@ def test_the_colocated_sync_step_leaves_the_continue_to_the_push(monkeypatch):
             return {"e": {"success": True}}
 
     class Trainers:  # FAKE
-        def release_memory(self):
+        def release_memory(self, min_free_share=None):
             calls.append("trainer release")
 
         def share_weights(self, dtype):

@@ -252,8 +252,9 @@ class TrainerGroup(Protocol):
     def load_checkpoint(self, directory: str) -> None:
         """The inverse of save_checkpoint: training continues exactly."""
 
-    def release_memory(self) -> None:
-        """Give cached device memory back while the engines generate (colocated on a GPU)."""
+    def release_memory(self, min_free_share: float | None = None) -> None:
+        """Give cached device memory back while the engines generate (colocated on a GPU); with min_free_share, only
+        when less than that share of the device's memory is free."""
 
     def resume_memory(self) -> None:
         """Ready the device memory for the next training call."""

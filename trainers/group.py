@@ -152,13 +152,14 @@ class RayTrainerGroup:
     def load_checkpoint(self, directory: str) -> None:
         ray.get([w.load_checkpoint.remote(directory) for w in self.workers])
 
-    def release_memory(self) -> None:
-        ray.get([w.release_memory.remote() for w in self.workers])
+    def release_memory(self, min_free_share: float | None = None) -> None:
+        ray.get([w.release_memory.remote(min_free_share) for w in self.workers])
 
-    def release_memory_and_share_weights(self, engine_dtype: str) -> dict:
+    def release_memory_and_share_weights(self, engine_dtype: str, min_free_share: float | None = None) -> dict:
         """share_weights, then release_memory, in one Ray call per rank (the colocated step between training and
         the push); rank 0's cuda_ipc table. Releasing last also returns what filling the buffer cached."""
-        return ray.get([w.__ray_call__.remote(share_then_release, engine_dtype) for w in self.workers])[0]
+        return ray.get([w.__ray_call__.remote(share_then_release, engine_dtype, min_free_share)
+                        for w in self.workers])[0]
 
     def resume_memory(self) -> None:
         ray.get([w.resume_memory.remote() for w in self.workers])
@@ -169,10 +170,10 @@ class RayTrainerGroup:
             ray.kill(w)
 
 
-def share_then_release(rank: TrainerRank, engine_dtype: str) -> dict | None:
+def share_then_release(rank: TrainerRank, engine_dtype: str, min_free_share: float | None = None) -> dict | None:
     """On a rank: its share_weights table (rank 0's; the others None), then its cached memory released."""
     table = rank.share_weights(engine_dtype)
-    rank.release_memory()
+    rank.release_memory(min_free_share)
     return table
 
 

@@ -84,9 +84,9 @@ class RoleGroups:
         for group in self._distinct:
             group.load_checkpoint(directory)
 
-    def release_memory(self) -> None:
+    def release_memory(self, min_free_share: float | None = None) -> None:
         for group in self._distinct:
-            group.release_memory()
+            group.release_memory(min_free_share)
 
     def resume_memory(self) -> None:
         for group in self._distinct:

@@ -728,6 +728,12 @@ class ClusterSection(Section):
                             "memory with it (nothing re-allocated or captured again; the trainer has that much less "
                             "memory); auto = keep when every embedded engine's KV cache is at most 10% of its GPU's "
                             "memory, else release.")
+    trainer_cache_in_rollout: Literal["auto", "release", "keep"] = Field(
+        "auto", description="Colocated on GPUs: what the trainers do with their allocator's cached memory while the "
+                            "engines generate. release = give it back to the device after every training call (the "
+                            "next call allocates it again); keep = hold it (the engines have that much less memory); "
+                            "auto = keep while the engines keep their KV cache and at least 15% of the GPU's memory is "
+                            "free, else release.")
 
 
 class LoggingSection(Section):
@@ -926,6 +932,16 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        if cl.trainer_cache_in_rollout != "auto" and not (cl.placement == "colocated" and cl.num_gpus_per_engine > 0):
+            raise RecipeValueError(
+                f"cluster.trainer_cache_in_rollout ({cl.trainer_cache_in_rollout!r}) applies to trainers colocated "
+                "with engines on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
+                "cluster.trainer_cache_in_rollout", "cluster.placement")
+        if cl.trainer_cache_in_rollout == "keep" and cl.engine_kv_cache_in_training == "release":
+            raise RecipeValueError(
+                "cluster.trainer_cache_in_rollout 'keep' with engine_kv_cache_in_training 'release': the engines take "
+                "their KV cache back after each training call, so the trainer must give its cached memory back",
+                "cluster.trainer_cache_in_rollout", "cluster.engine_kv_cache_in_training")
         if self.trainer.data_parallel == "replicate" and self.trainer.mixed_precision:
             raise RecipeValueError(
                 "trainer.data_parallel 'replicate' trains in float32; bf16 mixed precision needs 'fsdp'",

@@ -1,5 +1,6 @@
 """Engines and trainers colocated on GPUs take turns: around each training call the engines are paused and hand
-their KV cache to the trainer, then take it back (cluster.engine_kv_cache_in_training).
+their KV cache to the trainer, then take it back (cluster.engine_kv_cache_in_training); after it the trainer gives
+its allocator's cached memory back to the engines (cluster.trainer_cache_in_rollout).
 
 Releasing the cache also drops an embedded engine's decode CUDA graphs (they hold the pool's addresses), so each
 rollout after a release re-allocates the pool and captures its graphs again. When the pool is small next to the GPU
@@ -16,6 +17,9 @@ from typing import Any, Literal
 logger = logging.getLogger(__name__)
 
 KEEP_SHARE = 0.10  # auto keeps a KV cache of at most this share of its GPU's memory
+# auto keeps the trainer's cache while this share of the GPU stays free for the engines' activations and graphs
+# (SGLang leaves about 12% outside its static pool for the same).
+ENGINE_ROOM_SHARE = 0.15
 KvCacheMode = Literal["auto", "release", "keep"]
 
 
@@ -41,9 +45,17 @@ class MemoryHandOver:
     """The pause and memory calls around one training call of colocated engines and trainers. The keep-or-release
     choice is made once, at the first hand-over, from the engines' /get_server_info."""
 
-    def __init__(self, client: Any, trainers: Any, mode: KvCacheMode = "auto") -> None:
-        self.client, self.trainers, self.mode = client, trainers, mode
+    def __init__(self, client: Any, trainers: Any, mode: KvCacheMode = "auto",
+                 trainer_mode: KvCacheMode = "auto") -> None:
+        self.client, self.trainers, self.mode, self.trainer_mode = client, trainers, mode, trainer_mode
         self.keep: bool | None = None  # decided at the first to_trainer
+
+    def trainer_min_free_share(self) -> float | None:
+        """What the trainers' release_memory gets: None releases always, else only below that free share. While the
+        engines release their KV cache they take it back after the trainer: auto releases then."""
+        if self.trainer_mode == "auto":
+            return ENGINE_ROOM_SHARE if self.keep else None
+        return 0.0 if self.trainer_mode == "keep" else None
 
     async def _decide(self) -> bool:
         infos = {} if self.mode != "auto" else await self.client.broadcast("/get_server_info", method="GET",
@@ -52,7 +64,10 @@ class MemoryHandOver:
         sizes = ", ".join(f"{_gib(i.get('kv_cache_bytes'))} of {_gib(i.get('device_memory_bytes'))} GiB"
                           for i in infos.values() if isinstance(i, dict))
         logger.info("colocated engines %s their KV cache while the trainer steps (cluster.engine_kv_cache_in_training "
-                    "%s%s)", "keep" if keep else "release", self.mode, f": {sizes}" if sizes else "")
+                    "%s%s); the trainer's cached memory: %s (cluster.trainer_cache_in_rollout)", "keep" if keep else
+                    "release", self.mode, f": {sizes}" if sizes else "",
+                    {"auto": f"kept while {ENGINE_ROOM_SHARE:.0%} of the GPU is free" if keep else "released",
+                     "keep": "kept", "release": "released"}[self.trainer_mode])
         return keep
 
     async def to_trainer(self) -> None:
@@ -64,16 +79,18 @@ class MemoryHandOver:
             await self.client.broadcast("/release_memory_occupation", {"tags": ["kv_cache"]})
             await asyncio.to_thread(self.trainers.resume_memory)
 
-    async def to_engines(self, resume: bool = True, release: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The trainer's cached memory back to the device (always: the engines' prefill allocates too), the KV cache
+    async def to_engines(self, resume: bool = True,
+                         release: Callable[[float | None], Awaitable[None]] | None = None) -> None:
+        """The trainer's cached memory back to the device (unless `trainer_min_free_share` lets it keep it), the KV cache
         back to the engines unless they kept it; generation continues, or with `resume` False stays paused for the
         caller's next call to continue it (a weight push, which continues the engines itself). `release`: what
         releases the trainer's memory instead of trainers.release_memory (a transport's call that also prepares
         its push: CudaIpcTransport.release_and_prepare)."""
+        min_free_share = self.trainer_min_free_share()
         if release is not None:
-            await release()
+            await release(min_free_share)
         else:
-            await asyncio.to_thread(self.trainers.release_memory)
+            await asyncio.to_thread(self.trainers.release_memory, min_free_share)
         if not self.keep:
             await self.client.broadcast("/resume_memory_occupation", {"tags": ["kv_cache"]})
         if resume:

@@ -129,7 +129,8 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
         if run.memory is None:
             from slime_dsa.orchestrator.colocation import MemoryHandOver  # noqa: PLC0415
 
-            run.memory = MemoryHandOver(client, trainers, recipe.cluster.engine_kv_cache_in_training)
+            run.memory = MemoryHandOver(client, trainers, recipe.cluster.engine_kv_cache_in_training,
+                                        recipe.cluster.trainer_cache_in_rollout)
         await run.memory.to_trainer()
         hand_over["perf/rollout_sleep_s"] = time.perf_counter() - start
     train_start = time.perf_counter()

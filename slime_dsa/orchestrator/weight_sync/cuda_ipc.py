@@ -21,15 +21,15 @@ class CudaIpcTransport(WeightTransport):
         self.engine_dtype = engine_dtype  # the engines' dtype, which rank 0 casts to
         self._filled: dict | None = None  # the table of a buffer filled by release_and_prepare, for the next push
 
-    async def release_and_prepare(self) -> None:
+    async def release_and_prepare(self, min_free_share: float | None = None) -> None:
         """The trainers' release_memory, with the next push's buffer fill in the same Ray call per rank (colocated:
         the push follows the training call at once, the weights as they are now). Two calls when the trainers
         have no combined one."""
         combined = getattr(self.trainers, "release_memory_and_share_weights", None)
         if combined is None:
-            await asyncio.to_thread(self.trainers.release_memory)
+            await asyncio.to_thread(self.trainers.release_memory, min_free_share)
             return
-        self._filled = await asyncio.to_thread(combined, self.engine_dtype)
+        self._filled = await asyncio.to_thread(combined, self.engine_dtype, min_free_share)
 
     async def prepare(self, version: int) -> dict:
         if self._filled is not None:
