@@ -143,6 +143,7 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
         recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
                              "engine_kv_cache_in_training": args.ours_kv_cache}
+    recipe["rollout"]["overlap_schedule"] = args.ours_overlap
     return recipe
 
 
@@ -457,7 +458,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
                 f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
                 f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
-                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps), "
+                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps; "
+                f"rollout.overlap_schedule {str(args.ours_overlap).lower()}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
@@ -593,6 +595,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-kv-cache", choices=("auto", "release", "keep"), default="auto",
                         help="ours on cuda: cluster.engine_kv_cache_in_training, what the engine does with its KV "
                              "cache (and decode CUDA graphs) while the trainer steps (default auto: keep a small one)")
+    parser.add_argument("--ours-overlap", action="store_true",
+                        help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
+                             "the previous one's tokens")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "

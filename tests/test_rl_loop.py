@@ -178,10 +178,12 @@ def test_report_renders_pngs(first_run, tmp_path):
 
 
 def test_bypass_with_replicated_trainers_still_checks_the_weight_sync(tmp_path, ray_cluster):
-    """Bypass mode (π_old := π_roll) runs no π_old pass; the first optimiser step's forward is the sync check."""
+    """Bypass mode (π_old := π_roll) runs no π_old pass; the first optimiser step's forward is the sync check. The
+    engines run the overlap scheduler (rollout.overlap_schedule): pauses and weight pushes drain its step in flight."""
     from slime_dsa.orchestrator.train import run_training
 
     recipe = {**RECIPE, "algorithm": {"use_rollout_logprobs": True},
+              "rollout": {**RECIPE["rollout"], "overlap_schedule": True},
               "trainer": {**RECIPE["trainer"], "num_steps": 2, "data_parallel": "replicate"},
               "logging": {"eval_every": 0, "wandb_mode": "disabled"}, "checkpoint": {"save_every": 0}}
     path = tmp_path / "recipe.yaml"

@@ -287,6 +287,11 @@ class RolloutSection(Section):
                                  "max_staleness + 1 steps' groups in the asynchronous one, at most max_concurrency "
                                  "requests, split over num_engines, each reserving max_prompt_length + "
                                  "max_response_length tokens.")
+    overlap_schedule: bool = Field(
+        False, description="Embedded engines launch each decode step before they read the previous step's tokens, "
+                           "so the host's bookkeeping runs while the GPU computes (SGLang's overlap scheduler); the "
+                           "outputs are the same. Off by default until it is shown faster on the rollout path on a "
+                           "GPU (benchmarks/RESULTS.md). SGLang servers set their own.")
     max_response_length: int = Field(
         512, ge=1, description="Most tokens generated per response (max_new_tokens); longer responses are cut "
                                "and marked truncated.")
@@ -932,6 +937,10 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        if ro.overlap_schedule and ro.engine != "embedded":
+            raise RecipeValueError(
+                f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
+                "(SGLang: --disable-overlap-schedule)", "rollout.overlap_schedule", "rollout.engine")
         if cl.trainer_cache_in_rollout != "auto" and not (cl.placement == "colocated" and cl.num_gpus_per_engine > 0):
             raise RecipeValueError(
                 f"cluster.trainer_cache_in_rollout ({cl.trainer_cache_in_rollout!r}) applies to trainers colocated "
