@@ -1,10 +1,12 @@
-"""Run checkpoints: a damaged newest checkpoint is skipped with one WARNING for the newest intact one, and the
-temporary directories a killed save left behind are removed at the next start."""
+"""Run checkpoints: a damaged newest checkpoint is skipped with one WARNING for the newest intact one, the
+temporary directories a killed save left behind are removed at the next start, and a rank resumes exactly where a
+trained parameter has no AdamW state yet (real FSDP2 and DeepSpeed ranks of one over gloo, the tiny preset)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -104,3 +106,116 @@ def test_export_writes_float32_routers_and_indexer_heads_as_saved(tmp_path):
         assert set(out) == set(saved)
         for name, tensor in saved.items():
             assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), (source, name)
+
+
+def _fsdp_worker(checkpoint: Path, frozen: tuple[str, ...] = ()):
+    """An FSDP2 rank of one over gloo training the tiny preset. Its indexer trains, but without the indexer loss
+    (indexer_loss_coef 0) it never gets a gradient, so AdamW holds no state for it."""
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-2, weight_decay=0.1),
+                           frozen=frozen, ops_backend="torch", micro_batch_tokens=24)
+    return FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+
+
+def _assert_same_tensors(got: Path, want: Path, name: str) -> None:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    a, b = load_file(got / name), load_file(want / name)
+    assert a.keys() == b.keys(), (name, a.keys() ^ b.keys())
+    for key, tensor in b.items():
+        assert a[key].dtype == tensor.dtype and torch.equal(a[key], tensor), (name, key)
+
+
+@pytest.mark.parametrize("saved_after", [0, 2])
+def test_fsdp_resume_is_exact_when_a_trained_parameter_had_no_gradient(tmp_path, saved_after):
+    """Four steps in one run against the same run saving after `saved_after` steps, and against a new rank loading
+    that checkpoint and taking the rest: the same metrics, and bit-equal weights and AdamW state at the end, where the
+    indexer (no gradient) has none. Saved after 0 steps (a policy during a critic warm-up) no parameter has state.
+    Before, the load refused ("Missing optimizer state"), and a save before any step gave every parameter the state
+    of a step at lr 0, in the checkpoint and in the run that saved."""
+    from tests.hf_reference import TINY  # noqa: PLC0415
+    from tests.test_deepspeed_conformance import _step  # noqa: PLC0415
+    from tests.test_rank_step import _checkpoint  # noqa: PLC0415
+
+    checkpoint, steps = _checkpoint(tmp_path, "tiny", TINY["vocab_size"]), 4
+    workers = {run: _fsdp_worker(checkpoint) for run in ("whole", "saver", "resumed")}
+    try:
+        whole, saver, resumed = workers.values()
+        metrics = [_step(whole, step) for step in range(steps)]
+        whole.save_checkpoint(str(tmp_path / "whole"))
+        assert [_step(saver, step) for step in range(saved_after)] == metrics[:saved_after]
+        saver.save_checkpoint(str(tmp_path / "saved"))
+        resumed.load_checkpoint(str(tmp_path / "saved"))
+        for run in ("saver", "resumed"):
+            assert [_step(workers[run], step) for step in range(saved_after, steps)] == metrics[saved_after:], run
+            workers[run].save_checkpoint(str(tmp_path / run))
+    finally:
+        for worker in workers.values():
+            worker.shutdown()
+    for run in ("saver", "resumed"):
+        for name in ("model.safetensors", "optimizer.safetensors"):
+            _assert_same_tensors(tmp_path / run, tmp_path / "whole", name)
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    assert not any(".indexer." in key for key in load_file(tmp_path / "whole" / "optimizer.safetensors"))
+
+
+def test_fsdp_resume_refuses_a_checkpoint_that_froze_a_parameter_this_run_trains(tmp_path):
+    """Without optimizer state a parameter starts fresh, but only one the checkpoint's optimizer held: one it froze
+    is a changed run, refused with one line naming it."""
+    from tests.hf_reference import TINY  # noqa: PLC0415
+    from tests.test_rank_step import _checkpoint  # noqa: PLC0415
+
+    checkpoint = _checkpoint(tmp_path, "tiny", TINY["vocab_size"])
+    frozen, trains = _fsdp_worker(checkpoint, frozen=(".indexer.",)), _fsdp_worker(checkpoint)
+    try:
+        frozen.save_checkpoint(str(tmp_path / "saved"))
+        with pytest.raises(ValueError, match=r"optimizer.json lists no model\.layers\.0\.self_attn\.indexer\."):
+            trains.load_checkpoint(str(tmp_path / "saved"))
+    finally:
+        frozen.shutdown()
+        trains.shutdown()
+
+
+def test_deepspeed_resumes_from_fsdp2_checkpoints_without_state_for_a_parameter(tmp_path):
+    """A ZeRO-1 rank loading FSDP2 checkpoints that hold no AdamW state for the indexer (no gradient yet), saved
+    before any step and after two, starts its moments at zero, as AdamW starts a parameter, at the checkpoint's step
+    count, and trains on. Before, a KeyError. One rank for both: DeepSpeed keeps the first one's process group."""
+    pytest.importorskip("deepspeed")
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from tests.hf_reference import TINY  # noqa: PLC0415
+    from tests.test_deepspeed_conformance import _step  # noqa: PLC0415
+    from tests.test_rank_step import _checkpoint  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.deepspeed.worker import DeepSpeedWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    checkpoint = _checkpoint(tmp_path, "tiny", TINY["vocab_size"])
+    fsdp = _fsdp_worker(checkpoint)
+    try:
+        fsdp.save_checkpoint(str(tmp_path / "fsdp0"))
+        for step in range(2):
+            _step(fsdp, step)
+        fsdp.save_checkpoint(str(tmp_path / "fsdp2"))
+    finally:
+        fsdp.shutdown()
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-2, weight_decay=0.1),
+                           ops_backend="torch", micro_batch_tokens=24, backend_options={"zero_stage": 1})
+    zero = DeepSpeedWorker(0, 1, "127.0.0.1", free_port(), config)
+    try:
+        for step in (0, 2):
+            zero.load_checkpoint(str(tmp_path / f"fsdp{step}"))
+            zero.save_checkpoint(str(tmp_path / f"zero{step}"))
+            state = load_file(tmp_path / f"zero{step}" / "optimizer.safetensors")
+            moments = [key for key in state if ".indexer." in key and "/exp_avg" in key]
+            assert moments and not any(state[key].any() for key in moments)
+            assert {float(v) for key, v in state.items() if key.endswith("/step")} == {float(step)}
+            assert math.isfinite(_step(zero, step)["loss"])
+    finally:
+        zero.shutdown()

@@ -92,8 +92,8 @@ def _load_role(worker, name: str, src: Path) -> None:
         if not p.requires_grad:
             continue
         set_full(p, state[key], None)
-        for m in MOMENTS:
-            set_full(p, optim[f"{key}/{m}"], m)
+        for m in MOMENTS:  # an FSDP2 checkpoint has none for a parameter without a gradient yet: AdamW's zeros
+            set_full(p, optim.get(f"{key}/{m}", torch.zeros_like(state[key])), m)
     steps = {float(v) for k, v in optim.items() if k.endswith("/step")}
     set_optimizer_step_count(built.basic_optimizer, int(steps.pop()) if steps else 0)
     groups = json.loads((src / "optimizer.json").read_text())["param_groups"]

@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory (written into a temporary directory and renamed by the caller):
   model.safetensors            the policy's full model state (rank 0)
-  optimizer.safetensors        its AdamW moments, keyed "<param fqn>/<state key>" (rank 0)
+  optimizer.safetensors        its AdamW moments, keyed "<param fqn>/<state key>" (rank 0); none for a parameter that
+                               has had no gradient yet, which gets none at the load either (AdamW starts it fresh)
   optimizer.json               its param groups (hyper-parameters, parameter names)
   trainer.json                 its step, scheduler state
   <role>/...                   the same four files for every other trained role, and a value role's config.json (its
@@ -81,15 +82,25 @@ def save_rng_state(worker, out: Path) -> None:
     (rng_dir / f"rng_rank{worker.rank}.json").write_text(json.dumps({"python": jsonable(random.getstate())}))
 
 
+def _stateless(role) -> dict[str, torch.nn.Parameter]:
+    """The trained parameters AdamW holds no state for yet (none had a gradient): they have none in a checkpoint."""
+    state = role.optimizer.state
+    return {name: p for name, p in role.model.named_parameters() if p.requires_grad and not state.get(p)}
+
+
 def _save_role(role, out: Path, writer: bool) -> None:
     model_state = get_model_state_dict(role.model, options=_FULL)  # collective: every rank gathers
+    stateless = _stateless(role)
     optim_state = get_optimizer_state_dict(role.model, role.optimizer, options=_FULL)
+    for p in stateless.values():  # torch steps an optimizer holding no state at all at lr 0 to create it: undone
+        role.optimizer.state.pop(p, None)
     if not writer:
         return
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model_state.items()}, out / "model.safetensors")
     tensors = {f"{fqn}/{key}": value.detach().cpu().contiguous().reshape(value.shape)
-               for fqn, entry in optim_state["state"].items() for key, value in entry.items()}
+               for fqn, entry in optim_state["state"].items() if fqn not in stateless
+               for key, value in entry.items()}
     save_file(tensors, out / "optimizer.safetensors")
     (out / "optimizer.json").write_text(json.dumps({"param_groups": jsonable(optim_state["param_groups"])}))
     (out / "trainer.json").write_text(json.dumps({"step": role.step, "scheduler": jsonable(role.scheduler.state_dict())}))
@@ -129,8 +140,16 @@ def _load_role(role, src: Path) -> None:
     for g in groups:
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
+    trained = {name: p for name, p in role.model.named_parameters() if p.requires_grad}
+    unknown = sorted(set(trained).difference(*(g["params"] for g in groups)))
+    if unknown:
+        raise ValueError(f"{src / 'optimizer.json'} lists no {unknown[0]} ({len(unknown)} parameters in all), which "
+                         "this run trains: resume with the parameters frozen as in the run that saved")
+    # strict=False: the parameters that had no gradient before the save have no state in it, and get none.
     set_optimizer_state_dict(role.model, role.optimizer, {"state": state, "param_groups": groups},
-                             options=StateDictOptions(full_state_dict=True))
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    for name in trained.keys() - state.keys():  # what they hold now goes (in a fresh optimizer, a step at lr 0's)
+        role.optimizer.state.pop(trained[name], None)
     trainer = json.loads((src / "trainer.json").read_text())
     role.step = trainer["step"]
     role.scheduler.load_state_dict(trainer["scheduler"])
