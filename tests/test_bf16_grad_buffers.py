@@ -19,7 +19,8 @@ def _worker(checkpoint: str):
     from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
     from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
 
-    # The indexer gets no gradient without its loss, so no optimizer state to save: frozen, as in test_data_parallel.
+    # The indexer gets no gradient without its loss: frozen, as in test_data_parallel (training it resumes exactly
+    # too: tests/test_checkpoints.py).
     config = policy_config(checkpoint, PPOLoss(), OptimizerConfig(learning_rate=1e-2), frozen=(".indexer.",),
                            ops_backend="torch", mixed_precision=True, micro_batch_tokens=27)
     return FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
