@@ -36,3 +36,9 @@ def test_ours_kv_cache_reaches_the_recipe_on_cuda_only() -> None:
                                        ).cluster.engine_kv_cache_in_training == "auto"
     with pytest.raises(SystemExit):
         parse_args(["--ours-kv-cache", "keep"])  # CPU: nothing is handed over
+
+
+def test_ours_overlap_reaches_the_recipe() -> None:
+    on = RecipeConfig.model_validate(recipe_dict(parse_args(["--ours-overlap"]), Path("m"), Path("run")))
+    off = RecipeConfig.model_validate(recipe_dict(parse_args([]), Path("m"), Path("run")))
+    assert on.rollout.overlap_schedule and not off.rollout.overlap_schedule
