@@ -8,6 +8,7 @@ A round draws what the last round's keep share says is needed, so one round usua
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -46,7 +47,8 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
     n = max(len(scored), 1)
     out_tokens = sum(s.response_length for s in samples)
     metrics = {
-        "rollout/reward_mean": sum(s.reward for s in scored) / n,
+        # fsum: exactly rounded whatever order the samples finished in (the async loop's differs from run to run)
+        "rollout/reward_mean": math.fsum(s.reward for s in scored) / n,
         "rollout/response_length_mean": sum(s.response_length for s in scored) / n,
         "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / max(len(samples), 1),
         "rollout/num_samples": len(samples),
@@ -63,7 +65,7 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
     for name in task_names:
         mine = [s.reward for s in scored if s.task == name]
         if mine and len(task_names) > 1:
-            metrics[f"rollout/{name}/reward_mean"] = sum(mine) / len(mine)
+            metrics[f"rollout/{name}/reward_mean"] = math.fsum(mine) / len(mine)
     return metrics
 
 
