@@ -11,6 +11,9 @@ import pytest
 from rollout.engine import perf
 from rollout.timing import RolloutClock
 
+MINIMAL_RECIPE = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
+COLOCATED_GPU = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
+
 
 def test_rollout_clock_splits_the_phase_into_dispatch_generate_and_tail(monkeypatch):
     from rollout import timing
@@ -142,12 +145,10 @@ def test_the_hand_over_releases_the_kv_cache_only_when_auto_does_not_keep_it(kv_
 def test_the_recipe_refuses_a_kv_cache_choice_where_nothing_is_handed_over():
     from slime_dsa.config import RecipeConfig
 
-    base = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
     with pytest.raises(ValueError, match="engine_kv_cache_in_training"):
-        RecipeConfig.model_validate({**base, "cluster": {"engine_kv_cache_in_training": "keep"}})  # CPU engines
-    gpu = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
-           "engine_kv_cache_in_training": "keep"}
-    assert RecipeConfig.model_validate({**base, "cluster": gpu}).cluster.engine_kv_cache_in_training == "keep"
+        RecipeConfig.model_validate({**MINIMAL_RECIPE, "cluster": {"engine_kv_cache_in_training": "keep"}})  # CPU engines
+    gpu = {**COLOCATED_GPU, "engine_kv_cache_in_training": "keep"}
+    assert RecipeConfig.model_validate({**MINIMAL_RECIPE, "cluster": gpu}).cluster.engine_kv_cache_in_training == "keep"
 
 
 def test_the_engine_thread_counts_the_commands_it_runs_between_steps():
@@ -209,14 +210,12 @@ def test_the_trainer_keeps_its_cache_as_cluster_trainer_cache_in_rollout_says(kv
 def test_the_recipe_refuses_a_trainer_cache_choice_where_nothing_is_handed_over():
     from slime_dsa.config import RecipeConfig
 
-    base = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
     with pytest.raises(ValueError, match="trainer_cache_in_rollout"):
-        RecipeConfig.model_validate({**base, "cluster": {"trainer_cache_in_rollout": "keep"}})
-    gpu = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
-           "trainer_cache_in_rollout": "release"}
-    assert RecipeConfig.model_validate({**base, "cluster": gpu}).cluster.trainer_cache_in_rollout == "release"
+        RecipeConfig.model_validate({**MINIMAL_RECIPE, "cluster": {"trainer_cache_in_rollout": "keep"}})
+    gpu = {**COLOCATED_GPU, "trainer_cache_in_rollout": "release"}
+    assert RecipeConfig.model_validate({**MINIMAL_RECIPE, "cluster": gpu}).cluster.trainer_cache_in_rollout == "release"
     with pytest.raises(ValueError, match="the trainer must give its cached memory back"):
-        RecipeConfig.model_validate({**base, "cluster": {**gpu, "trainer_cache_in_rollout": "keep",
+        RecipeConfig.model_validate({**MINIMAL_RECIPE, "cluster": {**gpu, "trainer_cache_in_rollout": "keep",
                                                           "engine_kv_cache_in_training": "release"}})
 
 
@@ -244,8 +243,7 @@ def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_ot
     from slime_dsa.config import RecipeConfig
     from slime_dsa.orchestrator import setup
 
-    base = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
-    recipe = RecipeConfig.model_validate({**base, "rollout": {"overlap_schedule": True}})
+    recipe = RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True}})
     made = {}
 
     def create_engine_actors(count, **kwargs):  # FAKE: records what the Ray engine actors would be built with
@@ -255,5 +253,5 @@ def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_ot
     setup.create_engines(recipe, tmp_path, use_async=False, access=None, count=1)
     assert made["engine_kwargs"]["overlap"] is True
     with pytest.raises(ValueError, match="rollout.overlap_schedule applies to embedded engines"):
-        RecipeConfig.model_validate({**base, "rollout": {"overlap_schedule": True, "engine": "external",
+        RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True, "engine": "external",
                                                          "engine_urls": ["http://127.0.0.1:1"]}})
