@@ -3,6 +3,9 @@ critic's per-token advantages read besides the batch (its values, which trajecto
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 from slime_dsa.algorithms.is_correction import logprob_agreement_sums
@@ -60,14 +63,34 @@ def engine_topk_rows(samples: list[Sample]) -> torch.Tensor | None:
     if len(shapes) > 1:
         raise ValueError(f"samples' indexer_topk disagree on (n_full_layers, index_topk): {sorted(shapes)}")
     n_full, k = shapes.pop()
-    out = torch.full((n_full, sum(s.total_length for s in samples), k), REPLAY_COMPUTE, dtype=torch.long)
+    # Only the rows no sample covers are filled: the covered ones (nearly all) are written once, cast on the way.
+    out = np.empty((n_full, sum(s.total_length for s in samples), k), dtype=np.int64)
     start = 0
     for s in samples:
-        if s.indexer_topk is not None and len(s.indexer_topk):
-            rows = start + s.topk_first_row
-            out[:, rows : rows + len(s.indexer_topk)] = torch.tensor(s.indexer_topk, dtype=torch.long).permute(1, 0, 2)
+        covered = len(s.indexer_topk) if s.indexer_topk is not None else 0
+        first = start + s.topk_first_row if covered else start + s.total_length
+        out[:, start:first] = REPLAY_COMPUTE
+        if covered:
+            out[:, first : first + covered] = s.indexer_topk.transpose(1, 0, 2)
+            out[:, first + covered : start + s.total_length] = REPLAY_COMPUTE
         start += s.total_length
-    return out
+    return torch.from_numpy(out)
+
+
+def _response_rows(prompt_lens: list[int], response_lens: list[int]) -> np.ndarray:
+    """(T,) bool over the packed samples: True on response tokens."""
+    lengths = np.empty(2 * len(prompt_lens), dtype=np.int64)
+    lengths[0::2], lengths[1::2] = prompt_lens, response_lens
+    return np.repeat(np.tile(np.array([False, True]), len(prompt_lens)), lengths)
+
+
+def _per_response_token(samples: list[Sample], name: str, n_tokens: int) -> np.ndarray:
+    """The samples' per-response-token list `name` concatenated, as float32; ValueError on a length mismatch."""
+    for s in samples:
+        if len(getattr(s, name)) != len(s.response_ids):
+            raise ValueError(f"sample {s.index}: {name} has {len(getattr(s, name))} entries, response_ids has "
+                             f"{len(s.response_ids)}")
+    return np.fromiter(chain.from_iterable(getattr(s, name) for s in samples), dtype=np.float32, count=n_tokens)
 
 
 def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_replay: bool = False) -> TrainBatch:
@@ -79,21 +102,25 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     (kept to measure the rollout/training selection mismatch; a trainer whose DSAOptions.index_replay is on
     replays it all the same, so callers that do not pass index_replay still get replay from the recipe).
     """
-    ids, mask, rollout_logp, adv, seqlens = [], [], [], [], []
-    for sample, a in zip(samples, advantages.tolist()):
-        n_prompt, n_resp = len(sample.prompt_ids), len(sample.response_ids)
-        ids.extend(sample.tokens)
-        mask.extend([0.0] * n_prompt + [float(m) for m in sample.loss_mask])
-        rollout_logp.extend([0.0] * n_prompt + list(sample.rollout_logprobs))
-        adv.extend([a] * (n_prompt + n_resp))
-        seqlens.append(n_prompt + n_resp)
+    prompt_lens = [len(s.prompt_ids) for s in samples]
+    response_lens = [len(s.response_ids) for s in samples]
+    seqlens = [p + r for p, r in zip(prompt_lens, response_lens)]
+    total = sum(seqlens)
+    # One conversion per field over flat lists: per-sample tensors cost more than the packing itself.
+    input_ids = np.fromiter(chain.from_iterable(chain.from_iterable((s.prompt_ids, s.response_ids) for s in samples)),
+                            dtype=np.int64, count=total)
+    response = _response_rows(prompt_lens, response_lens)
+    loss_mask, rollout_logp = np.zeros(total, dtype=np.float32), np.zeros(total, dtype=np.float32)
+    loss_mask[response] = _per_response_token(samples, "loss_mask", sum(response_lens))
+    rollout_logp[response] = _per_response_token(samples, "rollout_logprobs", sum(response_lens))
     topk = engine_topk_rows(samples)
     return TrainBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long), seqlens=seqlens,
-        loss_mask=torch.tensor(mask, dtype=torch.float32), rollout_logprobs=torch.tensor(rollout_logp, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32),
+        input_ids=torch.from_numpy(input_ids), seqlens=seqlens,
+        loss_mask=torch.from_numpy(loss_mask), rollout_logprobs=torch.from_numpy(rollout_logp),
+        advantages=torch.repeat_interleave(advantages.detach().to("cpu", torch.float32),
+                                           torch.tensor(seqlens, dtype=torch.long)),
         replay_topk=topk if index_replay else None, rollout_topk=None if index_replay else topk,
-        prompt_lens=[len(s.prompt_ids) for s in samples],
+        prompt_lens=prompt_lens,
     )
 
 
