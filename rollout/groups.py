@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.agents.runtime import AgentRuntime
@@ -64,6 +65,39 @@ class SampleNumbering:
         return [prompt.to_sample(index=first + k, group_id=group_id) for k in range(n)]
 
 
+_FINISH_STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}  # else completed
+_LOGPROB, _TOKEN = itemgetter(0), itemgetter(1)
+
+
+def answer_tokens(meta: dict) -> tuple[list[int], list[float], list[int]]:
+    """(token ids, log-probs, weight versions) of the output tokens of one /generate answer's meta_info."""
+    entries = meta["output_token_logprobs"]  # [logprob, token id, text] per token
+    ids = list(map(int, map(_TOKEN, entries)))
+    versions = meta.get("output_token_versions") or [int(meta.get("weight_version") or 0)] * len(ids)
+    return ids, list(map(float, map(_LOGPROB, entries))), list(map(int, versions))
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of the ids.
+
+    A transformers fast tokenizer whose decode only calls its Rust tokenizer (no clean-up of spaces, no override) is
+    decoded by the Rust tokenizer directly: transformers' wrapper checks every id in Python first."""
+    if _plain_fast_tokenizer(tokenizer):
+        return lambda ids: tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _plain_fast_tokenizer(tokenizer: Any) -> bool:
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: PLC0415
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: PLC0415
+    except ImportError:
+        return False
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and tokenizer.clean_up_tokenization_spaces is False)
+
+
 def _index_range(samples: list[Sample]) -> str:
     return str(samples[0].index) if len(samples) == 1 else f"{samples[0].index}-{samples[-1].index}"
 
@@ -79,6 +113,7 @@ class GroupRollout:
                  seed: int = 0, limiter: SampleLimiter | None = None, indexer_topk: bool | None = None,
                  teachers: TeacherPool | None = None) -> None:
         self.client, self.tasks, self.tokenizer, self.cfg, self.seed = client, tasks, tokenizer, rollout, seed
+        self.decode = text_decoder(tokenizer)
         self.teachers = teachers
         # rollout.max_concurrency null: a run passes its resolved limiter; alone (SFT's evaluation), one step's
         # samples and at least what one engine runs at once.
@@ -86,6 +121,7 @@ class GroupRollout:
             rollout.max_concurrency or max(rollout.step_samples(), DEFAULT_MAX_RUNNING_REQUESTS))
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
+        self.inline_rewards = {name: fn.isolation == "inline" and not fn.is_async for name, fn in self.reward_fns.items()}
         self.reward_stats = {t.name: RewardStats() for t in tasks}
         self.clock = RolloutClock()  # the current phase's timings (StepCollector starts it)
         self.agents = {t.name: AgentRuntime.build(t.agent, tokenizer, rollout.max_response_length)
@@ -138,7 +174,12 @@ class GroupRollout:
                     sample.metadata["error"] = f"{type(e).__name__}: {e}"
                 logger.warning("samples %s: generation failed: %s", _index_range(samples), e)
                 return samples
-        samples = list(await asyncio.gather(*(self._score(s, o, t) for s, o, t in zip(samples, outs, topks))))
+        samples = samples[: len(outs)]
+        start = time.perf_counter()
+        for sample, out, topk in zip(samples, outs, topks):
+            self._fill(sample, out["meta_info"], topk)
+        self.clock.assemble_s += time.perf_counter() - start
+        samples = await self._reward_all(samples)
         if self.teachers is not None and not greedy:
             await self.teachers.score_group(samples)
         return samples
@@ -152,23 +193,22 @@ class GroupRollout:
                 agent.run(s, self.client, params, seed=self.sample_seed(s), session_id=f"group-{s.group_id}",
                           indexer_topk=self.indexer_topk, request_timeout_s=self.cfg.request_timeout_s)
                 for s in samples))
-        return list(await asyncio.gather(*(self._reward(s) for s in done)))
+        return await self._reward_all(list(done))
 
-    async def _score(self, sample: Sample, out: dict, topk: tuple[Any, int | None]) -> Sample:
-        """Fill `sample` from its /generate response and compute its reward."""
-        start = time.perf_counter()
-        meta = out["meta_info"]
-        ids = [int(tok) for _, tok, *_ in meta["output_token_logprobs"]]
-        logprobs = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
-        versions = meta.get("output_token_versions") or [int(meta.get("weight_version") or 0)] * len(ids)
-        sample.append_tokens(ids, logprobs, [int(v) for v in versions])
+    def _fill(self, sample: Sample, meta: dict, topk: tuple[Any, int | None]) -> None:
+        """Fill `sample` from its /generate answer's meta_info: tokens, log-probs, versions, replay rows, text."""
+        ids, logprobs, versions = answer_tokens(meta)
+        sample.append_tokens(ids, logprobs, versions)
         sample.indexer_topk, sample.indexer_topk_start = topk
-        sample.response_text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        finish = (meta.get("finish_reason") or {}).get("type")
-        sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(finish,
-                                                                                             SampleStatus.COMPLETED)
-        self.clock.assemble_s += time.perf_counter() - start
-        return await self._reward(sample)
+        sample.response_text = self.decode(ids)
+        sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type"), SampleStatus.COMPLETED)
+
+    async def _reward_all(self, samples: list[Sample]) -> list[Sample]:
+        """Score `samples`: in turn when each one's reward function runs inline (each call ends before the next
+        starts either way, and a task per sample cost more than the call), else concurrently."""
+        if all(self.inline_rewards[s.task] for s in samples):
+            return [await self._reward(s) for s in samples]
+        return list(await asyncio.gather(*(self._reward(s) for s in samples)))
 
     async def _reward(self, sample: Sample) -> Sample:
         """Score a generated sample (a failed one is left unscored: it is never trained on)."""

@@ -24,12 +24,19 @@ _MAX_EXPRESSION_CHARS = 200  # countdown answers are short; a cap keeps ast.pars
 _EXPRESSION_CHARS = re.compile(r"[\d\s()+\-*/]+")
 
 
+# ASCII digits, operators, parentheses and plain spaces: what a model writes nearly always, parsed without ast.
+_PLAIN_CHARS = re.compile(r"[0-9 ()+\-*/]+")
+_PLAIN_TOKEN = re.compile(r"\d+|\*\*|//|\S")
+
+
 def parse_expression(text: str) -> tuple[Fraction, list[int]] | None:
     """(exact value, integer literals used) of an arithmetic expression, or None if it is not one."""
     text = text.replace("×", "*").replace("÷", "/").replace("−", "-").replace("\\times", "*").replace("\\div", "/")
     text = text.strip().strip("$").split("=")[0].strip()
     if not text or len(text) > _MAX_EXPRESSION_CHARS or not _EXPRESSION_CHARS.fullmatch(text):
         return None
+    if _PLAIN_CHARS.fullmatch(text):
+        return _parse_plain(text)
     try:
         tree = ast.parse(text, mode="eval")
         literals: list[int] = []
@@ -45,6 +52,57 @@ def _evaluate(node: ast.AST, literals: list[int]) -> Fraction:
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         return _OPS[type(node.op)](_evaluate(node.left, literals), _evaluate(node.right, literals))
     raise ValueError(f"not allowed in a countdown expression: {type(node).__name__}")
+
+
+def _parse_plain(text: str) -> tuple[Fraction, list[int]] | None:
+    """parse_expression of a text of ASCII digits, + - * / ( ) and spaces, as ast.parse and _evaluate would read it:
+    binary operators over integer literals only (no unary sign, no // or **, no leading zeros but in 0, 00, ...)."""
+    tokens = _PLAIN_TOKEN.findall(text)
+    literals: list[int] = []
+    try:
+        value, end = _sum(tokens, 0, literals)
+    except (ValueError, ZeroDivisionError, IndexError, RecursionError):
+        return None
+    return (Fraction(value), literals) if end == len(tokens) else None
+
+
+def _sum(tokens: list[str], i: int, literals: list[int]) -> tuple[int | Fraction, int]:
+    """term (('+' | '-') term)* from tokens[i]; (value, index after it)."""
+    value, i = _product(tokens, i, literals)
+    while i < len(tokens) and tokens[i] in "+-":
+        op = tokens[i]
+        right, i = _product(tokens, i + 1, literals)
+        value = value + right if op == "+" else value - right
+    return value, i
+
+
+def _product(tokens: list[str], i: int, literals: list[int]) -> tuple[int | Fraction, int]:
+    """factor (('*' | '/') factor)* from tokens[i]; exact: an inexact quotient of integers becomes a Fraction."""
+    value, i = _factor(tokens, i, literals)
+    while i < len(tokens) and tokens[i] in "*/":
+        op = tokens[i]
+        right, i = _factor(tokens, i + 1, literals)
+        if op == "*":
+            value = value * right
+        elif type(value) is int and type(right) is int and right and value % right == 0:
+            value = value // right
+        else:
+            value = Fraction(value) / right  # ZeroDivisionError for a zero divisor, as Fraction division raises
+    return value, i
+
+
+def _factor(tokens: list[str], i: int, literals: list[int]) -> tuple[int | Fraction, int]:
+    """An integer literal or a parenthesised sum from tokens[i]; ValueError for anything else."""
+    token = tokens[i]
+    if token == "(":
+        value, i = _sum(tokens, i + 1, literals)
+        if tokens[i] != ")":
+            raise ValueError("unclosed parenthesis")
+        return value, i + 1
+    if not token.isdigit() or (token[0] == "0" and token.strip("0")):  # Python refuses leading zeros: 007
+        raise ValueError(f"not an integer literal: {token}")
+    literals.append(int(token))
+    return literals[-1], i + 1
 
 
 def _ground_truth(answer: Any) -> tuple[int, list[int], bool]:
