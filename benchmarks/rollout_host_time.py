@@ -2,8 +2,8 @@
 and the trainer's packed batch, with no model and no engine.
 
 The pieces are the real ones: countdown prompts of `build_tasks` with the countdown-sft tokenizer, `GroupRollout`
-(one batched /generate per group, then `_score`: token lists, detokenisation, the countdown verifier through
-`compute_reward`), and `train_on_samples`' batch build (`sample_advantages` + `build_train_batch`, GRPO). Only the
+(one batched /generate per group, then each answer's token lists and detokenisation, and the countdown verifier
+through `compute_reward`), and `train_on_samples`' batch build (`sample_advantages` + `build_train_batch`, GRPO). Only the
 client is replaced: it answers every group at once with answers built beforehand as the server's /generate returns
 them (log-probs, weight versions, finish reasons; with --replay every row's DSA top-k, base64, as the embedded engine
 sends it at indexer_topk_start_len 0). Answers are countdown solutions, right, wrong or unparseable, some with words
