@@ -3,11 +3,11 @@ and the trainer's packed batch, with no model and no engine.
 
 The pieces are the real ones: countdown prompts of `build_tasks` with the countdown-sft tokenizer, `GroupRollout`
 (one batched /generate per group, then each answer's token lists and detokenisation, and the countdown verifier
-through `compute_reward`), and `train_on_samples`' batch build (`sample_advantages` + `build_train_batch`, GRPO). Only the
-client is replaced: it answers every group at once with answers built beforehand as the server's /generate returns
-them (log-probs, weight versions, finish reasons; with --replay every row's DSA top-k, base64, as the embedded engine
-sends it at indexer_topk_start_len 0). Answers are countdown solutions, right, wrong or unparseable, some with words
-before them, 20-64 tokens.
+through `compute_reward`), and `train_on_samples`' batch build (`sample_advantages` + `build_train_batch`, GRPO).
+Only the client is replaced: it answers every group at once with answers built beforehand as the server's /generate
+returns them (log-probs, weight versions, finish reasons; with --replay every row's DSA top-k, base64, as the embedded
+engine sends it at indexer_topk_start_len 0). Answers are countdown solutions, right, wrong or unparseable, some with
+words before them, 7-64 tokens.
 
 Per step: `assemble` and `reward` are the rollout clock's sums (perf/rollout_assemble_s, perf/rollout_reward_s),
 `rollout` the wall time of all the groups' generate_group calls (those two, the replay rows' decoding, the event

@@ -121,7 +121,8 @@ class GroupRollout:
             rollout.max_concurrency or max(rollout.step_samples(), DEFAULT_MAX_RUNNING_REQUESTS))
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
-        self.inline_rewards = {name: fn.isolation == "inline" and not fn.is_async for name, fn in self.reward_fns.items()}
+        self.inline_rewards = {name: fn.isolation == "inline" and not fn.is_async
+                               for name, fn in self.reward_fns.items()}
         self.reward_stats = {t.name: RewardStats() for t in tasks}
         self.clock = RolloutClock()  # the current phase's timings (StepCollector starts it)
         self.agents = {t.name: AgentRuntime.build(t.agent, tokenizer, rollout.max_response_length)

@@ -52,7 +52,8 @@ def ragged_samples(rng: random.Random, topk_starts: list[str]) -> list[Sample]:
                    status=SampleStatus.COMPLETED)
         for turn in range(rng.randint(1, 3)):
             n = rng.randint(1, 9)
-            s.append_tokens([rng.randrange(3, 400) for _ in range(n)], [-rng.random() * 5 for _ in range(n)], [turn] * n)
+            ids, logprobs = [rng.randrange(3, 400) for _ in range(n)], [-rng.random() * 5 for _ in range(n)]
+            s.append_tokens(ids, logprobs, [turn] * n)
             if rng.random() < 0.5:
                 s.append_tokens([rng.randrange(3, 400) for _ in range(rng.randint(1, 4))], trainable=False)
         rows = s.total_length - 1

@@ -86,7 +86,8 @@ def test_the_decoder_equals_the_tokenizers_decode() -> None:
     rng = random.Random(0)
     decode = text_decoder(tokenizer)
     sequences = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(0, 70))] for _ in range(300)]
-    sequences += [tokenizer.encode("<think>a</think> <answer>(3 + 4) * 2</answer><|endoftext|>", add_special_tokens=False)]
+    text = "<think>a</think> <answer>(3 + 4) * 2</answer><|endoftext|>"
+    sequences += [tokenizer.encode(text, add_special_tokens=False)]
     for ids in sequences:
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
     tokenizer.clean_up_tokenization_spaces = True  # then transformers' decode decides: no shortcut
