@@ -143,8 +143,14 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
         recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
                              "engine_kv_cache_in_training": args.ours_kv_cache}
-    recipe["rollout"]["overlap_schedule"] = args.ours_overlap
+    recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
     return recipe
+
+
+def trl_micro_batch(args: argparse.Namespace) -> int:
+    """TRL's per-device train batch: the step's samples, or --trl-micro-batch of them per accumulated micro-batch."""
+    batch = args.prompts_per_step * args.group_size
+    return min(batch, args.trl_micro_batch)
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> tuple[Path, str]:
@@ -335,10 +341,11 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
         "prompt": [[{"role": "user", "content": m}] for m in messages], "answer": answers,
     })
     batch = args.prompts_per_step * args.group_size
+    micro = trl_micro_batch(args)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=not cuda, bf16=cuda, fp16=False, report_to="none", logging_steps=1,
         save_strategy="no", max_steps=args.steps, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=args.group_size,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_generations=args.group_size,
         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
@@ -459,10 +466,11 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
                 f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
                 f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps; "
-                f"rollout.overlap_schedule {str(args.ours_overlap).lower()}), "
+                f"overlap scheduler {args.ours_overlap}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
+                f"micro-batches of {trl_micro_batch(args)} samples accumulated into one optimizer step, "
                 f"{args.trl_threads} torch thread(s)")
     return ("float32",
             f"ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
@@ -588,6 +596,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--recompute-old-logprobs", action="store_true",
                         help="ours: recompute pi_old with a trainer forward instead of using the rollout log-probs")
+    parser.add_argument("--trl-micro-batch", type=int, default=256,
+                        help="TRL: samples per training micro-batch (gradient accumulation over the step's samples; "
+                             "transformers' dense indexer scores of 1,024 samples at once do not fit an H200)")
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL side (and the eval)")
     parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
     parser.add_argument("--ours-workers", type=int, default=1,
@@ -595,9 +606,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-kv-cache", choices=("auto", "release", "keep"), default="auto",
                         help="ours on cuda: cluster.engine_kv_cache_in_training, what the engine does with its KV "
                              "cache (and decode CUDA graphs) while the trainer steps (default auto: keep a small one)")
-    parser.add_argument("--ours-overlap", action="store_true",
+    parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
-                             "the previous one's tokens")
+                             "the previous one's tokens (default on, the recipe's default for embedded engines)")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "
@@ -623,6 +634,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.hook_state = "last" if args.device == "cuda" else "every"
     if args.max_prompt_length is None:
         args.max_prompt_length = 64 if args.task == "arithmetic" else 160
+    step_samples = args.prompts_per_step * args.group_size
+    if args.trl_micro_batch < 1 or step_samples % min(step_samples, args.trl_micro_batch):
+        parser.error(f"--trl-micro-batch {args.trl_micro_batch} must divide the step's {step_samples} samples")
     if args.micro_batch_tokens is None:
         whole_batch = args.prompts_per_step * args.group_size * (args.max_prompt_length + args.max_new_tokens)
         args.micro_batch_tokens = whole_batch if args.device == "cuda" else 4096

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vs_trl import parse_args, recipe_dict, task_desc
+from benchmarks.vs_trl import parse_args, recipe_dict, task_desc, trl_micro_batch
 from slime_dsa.config import RecipeConfig
 
 LONG = '{"min_numbers": 5, "max_numbers": 6, "worked_steps": true}'
@@ -39,6 +39,13 @@ def test_ours_kv_cache_reaches_the_recipe_on_cuda_only() -> None:
 
 
 def test_ours_overlap_reaches_the_recipe() -> None:
-    on = RecipeConfig.model_validate(recipe_dict(parse_args(["--ours-overlap"]), Path("m"), Path("run")))
-    off = RecipeConfig.model_validate(recipe_dict(parse_args([]), Path("m"), Path("run")))
+    on = RecipeConfig.model_validate(recipe_dict(parse_args([]), Path("m"), Path("run")))
+    off = RecipeConfig.model_validate(recipe_dict(parse_args(["--ours-overlap", "off"]), Path("m"), Path("run")))
     assert on.rollout.overlap_schedule and not off.rollout.overlap_schedule
+
+
+def test_trl_trains_a_large_step_in_accumulated_micro_batches() -> None:
+    assert trl_micro_batch(parse_args(["--prompts-per-step", "64", "--group-size", "16"])) == 256
+    assert trl_micro_batch(parse_args(["--prompts-per-step", "4", "--group-size", "8"])) == 32
+    with pytest.raises(SystemExit):
+        parse_args(["--prompts-per-step", "64", "--group-size", "16", "--trl-micro-batch", "300"])

@@ -17,7 +17,7 @@ Prefill-only scoring requests (max_new_tokens 0 with input log-probs: a teacher 
 cache: each step first scores a batch of them in one forward of their own (scoring.py), under the prefill budget.
 A step's results (tokens, log-probs, finish codes, replay rows) come to the host in one copy, queued behind its work.
 
-Overlap (SGLang's overlap schedule; `overlap=True`, off by default until it is measured on a GPU): `step()` launches
+Overlap (SGLang's overlap schedule; `overlap=True`, which RL recipes turn on: rollout.overlap_schedule): `step()` launches
 step N+1 before it reads step N's results, so the host's bookkeeping of N (appending tokens, stop strings, outputs,
 freeing) runs while the device computes N+1. A token the host does not have yet is an IN_FLIGHT placeholder in its
 sequence; N+1 takes it as input straight from N's sampled tokens on the device. Lengths are known without the tokens:
