@@ -29,14 +29,13 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import baseline_tree  # beside this script (sys.path[0]): a child on a baseline tree imports this tree's copy
 
 logger = logging.getLogger("rollout_host_time")
 PHASES = ("assemble", "reward", "rollout", "batch")
@@ -170,23 +169,10 @@ def measure(args: argparse.Namespace) -> dict:
             "reward_mean": statistics.mean(s.reward for s in samples)}
 
 
-def _child(args: argparse.Namespace, tree: str) -> dict:
-    """measure() in a fresh process with `tree` first on the path."""
-    tree = str(Path(tree).resolve())
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", *args.forward]
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"child on {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def compare(args: argparse.Namespace) -> dict:
     """Alternate baseline and this tree in child processes; per-round ratios this/baseline per phase."""
-    this_tree = str(Path(__file__).resolve().parents[1])
     rounds = []
-    for r in range(args.rounds):
-        pair = {"baseline": _child(args, args.baseline_tree), "this": _child(args, this_tree)}
+    for r, pair in enumerate(baseline_tree.alternate(__file__, args.forward, args.baseline_tree, args.rounds)):
         pair["ratio"] = {p: pair["this"]["ms"][p] / pair["baseline"]["ms"][p] for p in PHASES}
         pair["same_results"] = pair["this"]["digest"] == pair["baseline"]["digest"]
         logger.info("round %d: %s; same samples and batch: %s", r + 1, ", ".join(
@@ -206,16 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--replay", action="store_true", help="engines return every row's DSA top-k (index replay)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per process (after 2 warm-up steps)")
-    parser.add_argument("--baseline-tree", default=None, help="another checkout to compare with, in child processes")
-    parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: alternating process pairs")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args, _ = parser.parse_known_args(argv)
-    args.forward = [a for a in (argv if argv is not None else sys.argv[1:])
-                    if a != "--child" and not a.startswith("--baseline-tree") and a != args.baseline_tree]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.child:
-        print(json.dumps(measure(args)))
+    args = baseline_tree.parse(parser, argv)
+    if baseline_tree.answered_as_child(args, measure):
         return
     result = {"this": measure(args)} if args.baseline_tree is None else compare(args)
     result["args"] = {k: v for k, v in vars(args).items() if k != "forward"}

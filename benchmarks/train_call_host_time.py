@@ -31,17 +31,16 @@ import collections
 import hashlib
 import json
 import logging
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+import baseline_tree  # beside this script (sys.path[0]): a child on a baseline tree imports this tree's copy
 
 logger = logging.getLogger("train_call_host_time")
 clock = time.thread_time
@@ -196,17 +195,6 @@ def measure(args: argparse.Namespace) -> dict:
     return out
 
 
-def _child(args: argparse.Namespace, tree: str) -> dict:
-    """measure() in a fresh process with `tree` first on the path."""
-    tree = str(Path(tree).resolve())
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", *args.forward]
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"child on {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -221,24 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="a π_old pass (default: bypass)")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per process (after 2 warm-up calls)")
     parser.add_argument("--sync-sites", action="store_true", help="list the host reads of one call by source line")
-    parser.add_argument("--baseline-tree", default=None, help="another checkout to compare with, in child processes")
-    parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: alternating process pairs")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args, _ = parser.parse_known_args(argv)
-    args.forward = [a for a in (argv if argv is not None else sys.argv[1:])
-                    if a != "--child" and not a.startswith("--baseline-tree") and a != args.baseline_tree]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.child:
-        print(json.dumps(measure(args)))
+    args = baseline_tree.parse(parser, argv)
+    if baseline_tree.answered_as_child(args, measure):
         return
     if args.baseline_tree is None:
         result = {"this": measure(args)}
     else:
-        this_tree = str(Path(__file__).resolve().parents[1])
         rounds = []
-        for r in range(args.rounds):
-            pair = {"baseline": _child(args, args.baseline_tree), "this": _child(args, this_tree)}
+        for r, pair in enumerate(baseline_tree.alternate(__file__, args.forward, args.baseline_tree, args.rounds)):
             pair["host_ratio"] = pair["this"]["host_ms"] / pair["baseline"]["host_ms"]
             pair["same_results"] = all(pair["this"][k] == pair["baseline"][k] for k in ("metrics", "weights_sha256"))
             pair["total_ratio"] = pair["this"]["total_ms"] / pair["baseline"]["total_ms"]

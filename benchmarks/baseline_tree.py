@@ -1,0 +1,64 @@
+"""A benchmark's measurement in child processes on this tree and on another checkout, alternately.
+
+The child runs the same script with `--child` and the other tree first on PYTHONPATH, and prints its result as one
+JSON line; timings on these noisy machines only count as ratios of runs taken in turn."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+THIS_TREE = str(Path(__file__).resolve().parents[1])
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The script's arguments plus --out and this module's; args.forward is what a child gets. Sets up logging."""
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    add_arguments(parser)
+    args, _ = parser.parse_known_args(argv)
+    args.forward = forwarded_argv(argv, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    return args
+
+
+def answered_as_child(args: argparse.Namespace, measure: Callable[[argparse.Namespace], dict]) -> bool:
+    """In a child process: print measure(args) as the JSON line the parent reads, and say so."""
+    if args.child:
+        print(json.dumps(measure(args)))
+    return args.child
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--baseline-tree, --rounds and the hidden --child flag."""
+    parser.add_argument("--baseline-tree", default=None, help="another checkout to compare with, in child processes")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: alternating process pairs")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def forwarded_argv(argv: list[str] | None, args: argparse.Namespace) -> list[str]:
+    """The command line a child gets: this one without --child and --baseline-tree."""
+    return [a for a in (argv if argv is not None else sys.argv[1:])
+            if a != "--child" and not a.startswith("--baseline-tree") and a != args.baseline_tree]
+
+
+def child_result(script: str, argv: list[str], tree: str) -> dict:
+    """`script --child argv` in a fresh process with `tree` first on the path; its last stdout line as JSON."""
+    tree = str(Path(tree).resolve())
+    command = [sys.executable, str(Path(script).resolve()), "--child", *argv]
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"child on {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alternate(script: str, argv: list[str], baseline_tree: str, rounds: int) -> list[dict]:
+    """`rounds` pairs {"baseline": result, "this": result}, the baseline first in each."""
+    return [{"baseline": child_result(script, argv, baseline_tree), "this": child_result(script, argv, THIS_TREE)}
+            for _ in range(rounds)]
