@@ -799,3 +799,41 @@ def test_async_engine_streams_cancels_and_updates(checkpoint, tmp_path):
             await collect(GenerateRequest(input_ids=[1, 2]))
 
     asyncio.run(main())
+
+
+def test_async_engine_finals_add_a_call_at_once(model):
+    """AsyncEngine.finals (the server's non-streaming path): the final outputs of separate generate() calls; a call
+    with one refused request runs none of them; cancelling it aborts those left."""
+    ps = prompts((6, 9, 4), seed=21)
+
+    def reqs(tag, n=8):
+        return [GenerateRequest(input_ids=p, sampling=greedy(n), rid=f"{tag}{i}") for i, p in enumerate(ps)]
+
+    async def main():
+        engine = AsyncEngine(Engine(model, max_cache_tokens=512, block_size=4))
+        await engine.start()
+        alone = [[out async for out in engine.generate(req)][-1] for req in reqs("a")]
+        together = await engine.finals(reqs("b"))
+        assert [(o.output_ids, o.finish_reason) for o in together] == [(o.output_ids, o.finish_reason) for o in alone]
+        for a, b in zip(alone, together):  # alone and in one batch: equal up to the packed forward's batch numerics
+            assert np.allclose(a.output_token_logprobs, b.output_token_logprobs, rtol=0, atol=1e-5)
+        generated = engine.engine.stats["generated_tokens"]
+        with pytest.raises(RequestError, match="input_ids"):
+            await engine.finals(reqs("c") + [GenerateRequest(input_ids=[], rid="bad")])
+        with pytest.raises(RequestError, match="already in use"):
+            await engine.finals(reqs("d") + reqs("d"))
+        assert await engine.finals(reqs("c", 2)) and engine.engine.stats["generated_tokens"] == generated + 6
+        task = asyncio.create_task(engine.finals(reqs("e", 400)))
+        while engine.engine.stats["generated_tokens"] < generated + 9:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.num_running == 0 and engine.num_queued == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_running == 0 and engine.engine.stats["generated_tokens"] < generated + 6 + 3 * 300
+        await engine.stop()
+
+    asyncio.run(main())

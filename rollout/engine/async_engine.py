@@ -39,7 +39,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[GenerateOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[GenerateOutput] | _Finals] = {}  # rid -> where its outputs go
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -106,6 +106,50 @@ class AsyncEngine:
                     self._submit(lambda: self._dispatch(self.engine.abort(req.rid, message="client disconnected")))
                 except EngineStoppedError:
                     pass  # stopping: every request is being aborted anyway
+
+    async def finals(self, reqs: list[GenerateRequest]) -> list[GenerateOutput]:
+        """The requests' final outputs, in order: all added in one engine command and collected by one future (none
+        streams). A refused request raises its RequestError, and none of them runs; cancelling aborts those left."""
+        if not reqs:
+            return []
+        rids = [req.rid for req in reqs]
+        if taken := next((rid for rid in rids if rid in self._streams), None) or _repeated(rids):
+            raise RequestError(f"rid {taken!r} is already in use")
+        for req in reqs:
+            req.stream = False  # only the final state is used: the engine skips the per-step copies
+        finals = _Finals(rids, asyncio.get_running_loop().create_future())
+        for rid in rids:
+            self._streams[rid] = finals
+        refused = False
+        try:
+            try:
+                await self._call(lambda: self._add_all(reqs))
+            except RequestError:
+                refused = True  # nothing to abort
+                raise
+            return await finals.future
+        finally:
+            for rid in rids:
+                self._streams.pop(rid, None)
+            if not refused and finals.left and self.running:  # cancelled (also while being added)
+                left = [rid for rid, out in zip(rids, finals.outputs) if out is None]
+                try:
+                    self._submit(lambda: self._dispatch(self._abort_each(left, "client disconnected")))
+                except EngineStoppedError:
+                    pass  # stopping: every request is being aborted anyway
+
+    def _add_all(self, reqs: list[GenerateRequest]) -> None:
+        """Engine thread: add every request, or (one refused) none: those added before it are taken back unrun."""
+        for i, req in enumerate(reqs):
+            try:
+                self.engine.add_request(req)
+            except BaseException:
+                self._abort_each([r.rid for r in reqs[:i]], "another request of its call was refused")
+                raise
+
+    def _abort_each(self, rids: list[str], message: str) -> list[GenerateOutput]:
+        """Engine thread: abort these requests; their final outputs."""
+        return [out for rid in rids for out in self.engine.abort(rid, message=message)]
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request (or all); their streams end with finish_reason abort."""
@@ -350,6 +394,33 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit(fn, future)
         return await future
+
+
+class _Finals:
+    """Collects the final outputs of one call's requests for `AsyncEngine.finals`; stands in for their streams."""
+
+    def __init__(self, rids: list[str], future: asyncio.Future) -> None:
+        self.index = {rid: i for i, rid in enumerate(rids)}
+        self.outputs: list[GenerateOutput | None] = [None] * len(rids)
+        self.left, self.future = len(rids), future
+
+    def put_nowait(self, out: GenerateOutput) -> None:
+        """Event loop: keep a final output; the future resolves with all of them once the last is in."""
+        i = self.index[out.rid]
+        if out.finish_reason is None or self.outputs[i] is not None:
+            return
+        self.outputs[i] = out
+        self.left -= 1
+        if not self.left and not self.future.done():
+            self.future.set_result(self.outputs)
+
+
+def _repeated(rids: list[str]) -> str | None:
+    """A rid that appears twice in `rids`, if any."""
+    if len(set(rids)) == len(rids):
+        return None
+    seen: set[str] = set()
+    return next(rid for rid in rids if rid in seen or seen.add(rid))
 
 
 def _device_memory(device: torch.device) -> int | None:

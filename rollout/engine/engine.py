@@ -649,6 +649,7 @@ class Engine:
         self._sampling: list[_Sequence] = []  # the scheduled sequences whose last row is in the step, in order
         sampling = self._sampling
         prompts: dict[tuple[int, ...], _Sequence] = {}  # fresh prompts this step computes through their last row
+        hashed: dict[tuple[int, ...], list[bytes]] = {}  # fresh prompts admitted this step -> their blocks' digests
 
         def add(seq: _Sequence, n: int) -> bool:
             try:
@@ -698,8 +699,10 @@ class Engine:
             seq = self._queue[0]
             key = tuple(seq.tokens) if seq.num_output == 0 and self.blocks.enable_prefix_caching else None
             twin = prompts.get(key) if key is not None else None
-            if (budget <= 0 and twin is None) or seq.failures or not self._admit(seq):
+            if (budget <= 0 and twin is None) or seq.failures or not self._admit(seq, hashed.get(key)):
                 break
+            if key is not None and key not in hashed:  # the group's other samples reuse them (GRPO's n samples)
+                hashed[key] = list(seq.digests)
             self._queue.popleft()
             self._running.append(seq)
             n = len(seq.tokens) - seq.num_computed
@@ -716,13 +719,14 @@ class Engine:
                 prompts[key] = seq
         return scheduled
 
-    def _admit(self, seq: _Sequence) -> bool:
-        """Take the cached prefix and reserve the rest of the request's blocks, if the budget allows."""
+    def _admit(self, seq: _Sequence, digests: list[bytes] | None = None) -> bool:
+        """Take the cached prefix and reserve the rest of the request's blocks, if the budget allows. `digests`: those
+        of the same tokens' blocks, hashed for an earlier request."""
         bs = self.block_size
         rows = len(seq.tokens) + (seq.max_new_tokens - seq.num_output) - 1
         need = -(-rows // bs)
         # At least the last input token is recomputed: its row produces the next token's logits.
-        seq.digests = block_digests(seq.tokens, bs, (len(seq.tokens) - 1) // bs)
+        seq.digests = list(digests) if digests is not None else block_digests(seq.tokens, bs, (len(seq.tokens) - 1) // bs)
         matched = self.blocks.match(seq.digests)
         if need - len(matched) + self.blocks.cost_of(matched) > self.blocks.available:
             return False

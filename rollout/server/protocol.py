@@ -6,7 +6,7 @@ naming the field; the app turns it into HTTP 400 {"error": {"message": ...}}.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import logging
 import math
 import uuid
@@ -343,7 +343,14 @@ def encode_int32(array: Any) -> tuple[str, list[int]]:
     if hasattr(array, "detach"):  # a torch tensor
         array = array.detach().cpu().numpy()
     arr = np.ascontiguousarray(np.asarray(array), dtype="<i4")
-    return base64.b64encode(arr.tobytes()).decode("ascii"), list(arr.shape)
+    # binascii reads the array's buffer in place: no bytes copy of a replay array (hundreds of KiB per request).
+    return binascii.b2a_base64(arr.reshape(-1).view(np.uint8), newline=False).decode("ascii"), list(arr.shape)
+
+
+def token_logprobs(logprobs: list[float], ids: list[int]) -> list[list]:
+    """[[log-prob, token id, None], ...]: SGLang's output_token_logprobs without texts. The engine's log-probs are
+    Python floats and its ids Python ints already (tolist), so nothing is converted per token."""
+    return [[lp, tok, None] for lp, tok in zip(logprobs, ids)]
 
 
 def decode_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
@@ -395,7 +402,7 @@ def build_response(
                 [float(lp), int(tok), txt] for lp, tok, txt in zip(out.output_token_logprobs, out.output_ids, texts)
             ]
         else:  # the common case, one entry per output token: no texts to zip in
-            meta["output_token_logprobs"] = [[float(lp), int(tok), None] for lp, tok in zip(out.output_token_logprobs, out.output_ids)]
+            meta["output_token_logprobs"] = token_logprobs(out.output_token_logprobs, out.output_ids)
         meta["input_token_logprobs"] = []
         if out.input_token_logprobs is not None:  # prefill-only scoring, aligned with input_ids[logprob_start_len:]
             ids = req.input_ids[req.logprob_start_len:]

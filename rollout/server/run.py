@@ -30,12 +30,6 @@ async def run_request(engine: Any, req: GenerateRequest) -> GenerateOutput:
 
 
 async def run_all(engine: Any, requests: list[GenerateRequest]) -> list[GenerateOutput]:
-    """Run the requests of one HTTP call concurrently; the first failure aborts the others and is raised."""
-    if len(requests) == 1:
-        return [await run_request(engine, requests[0])]
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(run_request(engine, r)) for r in requests]
-    except BaseExceptionGroup as group:
-        raise group.exceptions[0] from None
-    return [t.result() for t in tasks]
+    """Run the requests of one HTTP call concurrently to their final outputs (AsyncEngine.finals: one engine command
+    and one wake-up for all of them); a refused request is raised and none of them runs."""
+    return await engine.finals(requests)
