@@ -9,8 +9,10 @@ so the run is host work plus the sampling's and the replay rows' tensor ops, whi
 
 Per batch: the timed run's wall time; the CPU time of the event loop's thread (parsing, admission calls, responses)
 and of the engine thread (steps, commands); the wall time in engine steps, before the first step and after the last
-one (the device idles there on a GPU); the engine's host phases per step; and a digest of the responses (every field
-but the rid, the latency and cached_tokens, which moves with when a group's requests reach the engine).
+one (the device idles there on a GPU); of the event loop's CPU time, that of building the responses
+(protocol.build_response) and of it the replay rows' base64 (encode_int32); the engine's host phases per step; and a
+digest of the responses (every field but the rid, the latency and cached_tokens, which moves with when a group's
+requests reach the engine).
 
 --shape 300m gives the responses the 300m preset's sizes on the H200 (index_topk 256, 4 full layers, prompts of
 128-256 tokens, 128 new tokens); the vocabulary stays the tiny preset's, so sampling on the CPU stays small.
@@ -44,6 +46,7 @@ import torch  # noqa: E402
 
 import rollout  # noqa: E402
 from rollout.engine import AsyncEngine, Engine  # noqa: E402
+from rollout.server import protocol  # noqa: E402
 from rollout.server.in_process import InProcessClient  # noqa: E402
 from slime_dsa.checkpoint import build_model  # noqa: E402
 from slime_dsa.models import ModelConfig  # noqa: E402
@@ -55,7 +58,9 @@ SHAPES = {  # name: (config overrides of the tiny preset, longest prompt, new to
     "tiny": ({}, 24, 64),
     "300m": ({"index_topk": 256, "num_hidden_layers": 8}, 256, 128),
 }
-FIGURES = ("wall_ms", "main_cpu_ms", "engine_cpu_ms", "in_steps_ms", "before_first_step_ms", "after_last_step_ms")
+responses, base64 = [0.0], [0.0]  # thread CPU seconds in protocol.build_response and, of it, encode_int32
+FIGURES = ("wall_ms", "main_cpu_ms", "engine_cpu_ms", "in_steps_ms", "before_first_step_ms", "after_last_step_ms",
+           "responses_cpu_ms", "replay_base64_cpu_ms")
 
 
 def zero_forward(model) -> None:
@@ -84,6 +89,20 @@ def _timed_steps(engine: Engine) -> list[float]:
 
     engine.step = timed
     return span
+
+
+def _cpu_timed(owner: object, name: str, total: list[float]) -> None:
+    """Add the thread CPU time of every call of owner.name to total[0]."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            total[0] += time.thread_time() - start
+
+    setattr(owner, name, timed)
 
 
 def digest(groups: list[list[dict]]) -> str:
@@ -120,6 +139,7 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
         stats = dict(engine.stats)
         engine_cpu = await front._call(time.thread_time)
         span = _timed_steps(engine)
+        responses[0] = base64[0] = 0.0
         main_cpu, start = time.thread_time(), time.perf_counter()
         groups = await once(1)
         wall, main_cpu = time.perf_counter() - start, time.thread_time() - main_cpu
@@ -132,6 +152,7 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
             "in_steps_ms": d["step_s"] * 1e3, "before_first_step_ms": (span[0] - start) * 1e3,
             "after_last_step_ms": (start + wall - span[1]) * 1e3, "steps": d["steps"], "commands": d["commands"],
             "phase_ms": {k.removesuffix("_s"): d[k] / steps * 1e3 for k in et.HOST_PHASES},
+            "responses_cpu_ms": responses[0] * 1e3, "replay_base64_cpu_ms": base64[0] * 1e3,
             "tokens": d["generated_tokens"], "digest": digest(groups), "tree": str(Path(rollout.__file__).parents[1])}
 
 
@@ -142,6 +163,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     config = ModelConfig.from_dict({**et._COMMON, **et.PRESETS["tiny"][0], **overrides})
     model = build_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=args.seed).eval()
     zero_forward(model)
+    _cpu_timed(protocol, "build_response", responses)  # the event loop's part of answering (in_process calls these)
+    _cpu_timed(protocol, "encode_int32", base64)
     tokenizer = et.word_tokenizer(config.vocab_size)
     return {str(b): asyncio.run(run_batch(model, tokenizer, b, args)) for b in args.batches}
 
