@@ -600,3 +600,22 @@ def test_release_and_resume_memory_keep_outputs(server):
     _, after = post(server, "/generate", request)
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+
+def test_response_helpers_equal_their_plain_forms():
+    """protocol's fast paths (log-prob lists, base64 from the array's buffer, the collector paused) change nothing."""
+    import gc
+
+    from rollout.server import protocol
+
+    rows = np.arange(-1, 5 * 2 * 7 - 1, dtype=np.int32).reshape(5, 2, 7)[1::2]  # a strided view: copied first
+    text, shape = protocol.encode_int32(rows)
+    assert text == base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode() and shape == [2, 2, 7]
+    assert protocol.encode_int32(np.zeros((0, 2, 7), dtype=np.int32)) == ("", [0, 2, 7])
+    assert protocol.token_logprobs([-0.5, -1.25], [3, 9]) == [[-0.5, 3, None], [-1.25, 9, None]]
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        with protocol.collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+    gc.enable()

@@ -122,12 +122,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await _stream(request, st, call, t0)
     outputs = await run_all(st.engine, call.requests)
     latency = time.perf_counter() - t0
-    results = [
-        protocol.build_response(out, req, tokenizer=st.tokenizer, e2e_latency=latency,
-                                return_text_in_logprobs=call.return_text_in_logprobs)
-        for out, req in zip(outputs, call.requests)
-    ]
-    return web.json_response(results if call.is_batch else results[0])
+    with protocol.collector_paused():  # the response lists die once serialised: no collector pass needs to see them
+        results = [
+            protocol.build_response(out, req, tokenizer=st.tokenizer, e2e_latency=latency,
+                                    return_text_in_logprobs=call.return_text_in_logprobs)
+            for out, req in zip(outputs, call.requests)
+        ]
+        return web.json_response(results if call.is_batch else results[0])
 
 
 async def _stream(request: web.Request, st: ServerState, call: protocol.GenerateCall, t0: float) -> web.StreamResponse:

@@ -64,5 +64,6 @@ class InProcessClient:
         except EngineStoppedError as e:
             raise EngineUnavailableError(f"{WHERE}: {e}") from None
         latency = time.perf_counter() - start
-        return [protocol.build_response(out, req, tokenizer=self.tokenizer, e2e_latency=latency)
-                for out, req in zip(outputs, call.requests)], call.is_batch
+        with protocol.collector_paused():
+            return [protocol.build_response(out, req, tokenizer=self.tokenizer, e2e_latency=latency)
+                    for out, req in zip(outputs, call.requests)], call.is_batch

@@ -7,9 +7,12 @@ naming the field; the app turns it into HTTP 400 {"error": {"message": ...}}.
 from __future__ import annotations
 
 import binascii
+import contextlib
+import gc
 import logging
 import math
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,6 +377,19 @@ def response_text(tokenizer: Any, out: GenerateOutput, params: SamplingParams) -
         if cut >= 0:
             text = text[:cut]
     return text
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a call's responses are built: they are acyclic lists (one per
+    output token with log-probs) that the collector would otherwise scan again and again as they pile up."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def build_response(
