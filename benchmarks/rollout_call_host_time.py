@@ -16,11 +16,11 @@ requests reach the engine).
 
 --shape 300m gives the responses the 300m preset's sizes on the H200 (index_topk 256, 4 full layers, prompts of
 128-256 tokens, 128 new tokens); the vocabulary stays the tiny preset's, so sampling on the CPU stays small.
---baseline-tree runs the same measurement with another checkout's code in child processes, alternating with this
-tree's, and reports both and whether their responses were the same.
+--baseline-tree runs the same measurement with another checkout's code in child processes (baseline_tree.py),
+alternating with this tree's, and reports both and whether their responses were the same.
 
-    python benchmarks/rollout_call_host_time.py --shape 300m --batch-sizes 256,1024
-    python benchmarks/rollout_call_host_time.py --shape 300m --baseline-tree /tmp/base --rounds 3
+    PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --shape 300m --batch-sizes 256,1024
+    PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --shape 300m --baseline-tree /tmp/base --rounds 3
 """
 
 from __future__ import annotations
@@ -30,28 +30,22 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import statistics
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
 
-_TREE = Path(os.environ.get("ROLLOUT_CALL_TREE", Path(__file__).resolve().parents[1]))  # the code under test
-sys.path.insert(0, str(_TREE))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
+import baseline_tree  # beside this script (sys.path[0]): a child on a baseline tree imports this tree's copy
+import rollout  # the tree under test (PYTHONPATH; a child: the baseline tree) before engine_throughput puts this
+from rollout.engine import AsyncEngine, Engine  # checkout first on the path: its imports then find these modules
+from rollout.server import protocol
+from rollout.server.in_process import InProcessClient
+from slime_dsa.checkpoint import build_model
+from slime_dsa.models import ModelConfig
 
-import rollout  # noqa: E402
-from rollout.engine import AsyncEngine, Engine  # noqa: E402
-from rollout.server import protocol  # noqa: E402
-from rollout.server.in_process import InProcessClient  # noqa: E402
-from slime_dsa.checkpoint import build_model  # noqa: E402
-from slime_dsa.models import ModelConfig  # noqa: E402
-
-import engine_throughput as et  # noqa: E402  (after the tree's modules: it puts this checkout first on the path)
+import engine_throughput as et  # noqa: E402, I001
 
 logger = logging.getLogger("rollout_call_host_time")
 SHAPES = {  # name: (config overrides of the tiny preset, longest prompt, new tokens)
@@ -169,27 +163,14 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     return {str(b): asyncio.run(run_batch(model, tokenizer, b, args)) for b in args.batches}
 
 
-def _child(args: argparse.Namespace, tree: str) -> dict:
-    """measure() in a fresh process with `tree`'s code (this file's benchmark, the other tree's modules)."""
-    env = {**os.environ, "ROLLOUT_CALL_TREE": str(Path(tree).resolve()), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", *args.forward]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"child on {tree} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def compare(args: argparse.Namespace) -> dict:
     """Alternate the baseline tree and this one in child processes; medians per batch and figure."""
-    this_tree = str(Path(__file__).resolve().parents[1])
-    rounds = []
-    for r in range(args.rounds):
-        pair = {"baseline": _child(args, args.baseline_tree), "this": _child(args, this_tree)}
+    rounds = baseline_tree.alternate(__file__, args.forward, args.baseline_tree, args.rounds)
+    for r, pair in enumerate(rounds):
         for b in pair["this"]:
             logger.info("round %d, batch %s: %s; same responses: %s", r + 1, b, ", ".join(
                 f"{f} {pair['baseline'][b][f]:.0f} -> {pair['this'][b][f]:.0f}" for f in FIGURES),
                 pair["baseline"][b]["digest"] == pair["this"][b]["digest"])
-        rounds.append(pair)
     summary = {}
     for b in rounds[0]["this"]:
         summary[b] = {side: {f: statistics.median(r[side][b][f] for r in rounds) for f in FIGURES}
@@ -206,21 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-replay", action="store_true", help="no DSA top-k rows for index replay")
     parser.add_argument("--no-logprob", action="store_true", help="return_logprob off")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baseline-tree", default=None, help="another checkout to compare with, in child processes")
-    parser.add_argument("--rounds", type=int, default=3, help="with --baseline-tree: alternating process pairs")
-    parser.add_argument("--out", default=None, help="write the figures as JSON here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = baseline_tree.parse(parser, argv)
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     if any(b % args.group_size for b in args.batches):
         parser.error(f"--batch-sizes must be multiples of --group-size ({args.group_size})")
-    skip = {"--child", "--baseline-tree", args.baseline_tree, "--out", args.out}
-    given = argv if argv is not None else sys.argv[1:]
-    args.forward = [a for i, a in enumerate(given) if a not in skip and not (i and given[i - 1] in ("--baseline-tree", "--out"))]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("rollout").setLevel(logging.WARNING)
-    if args.child:
-        print(json.dumps(measure(args)))
+    if baseline_tree.answered_as_child(args, measure):
         return {}
     result = {"this": measure(args)} if args.baseline_tree is None else compare(args)
     if "median" in result:

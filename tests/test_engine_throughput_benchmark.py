@@ -44,3 +44,21 @@ def test_release_kv_times_the_rollout_again_after_the_kv_cache_is_handed_over(tm
     line = next(line for line in text.splitlines() if line.startswith("- batch 16, KV cache released"))
     assert " tok/s kept (" in line and line.endswith("0 in 0.000 s released, 0 in 0.000 s kept")
     sys.modules.pop("engine_throughput", None)
+
+
+def test_rollout_call_host_time_reports_the_host_work_around_the_steps(monkeypatch):
+    """benchmarks/rollout_call_host_time.py (the rollout path with a zero forward): every figure, the engine's phases
+    and a digest of the responses that is the same from run to run."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import rollout_call_host_time as bench
+
+    argv = ["--shape", "tiny", "--batch-sizes", "16", "--group-size", "8"]
+    runs = [bench.main(argv)["this"]["16"] for _ in range(2)]
+    for r in runs:
+        assert all(r[f] >= 0 for f in bench.FIGURES) and r["wall_ms"] >= r["in_steps_ms"] > 0
+        assert r["tokens"] > 0 and r["steps"] >= 64 and set(r["phase_ms"]) == {"schedule", "launch", "resolve",
+                                                                               "stop_strings", "finish"}
+        assert 0 < r["replay_base64_cpu_ms"] <= r["responses_cpu_ms"] <= r["main_cpu_ms"]
+    assert runs[0]["digest"] == runs[1]["digest"]
+    for name in ("rollout_call_host_time", "engine_throughput", "baseline_tree"):
+        sys.modules.pop(name, None)
