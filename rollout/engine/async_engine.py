@@ -417,10 +417,12 @@ class _Finals:
 
 def _repeated(rids: list[str]) -> str | None:
     """A rid that appears twice in `rids`, if any."""
-    if len(set(rids)) == len(rids):
-        return None
     seen: set[str] = set()
-    return next(rid for rid in rids if rid in seen or seen.add(rid))
+    for rid in rids:
+        if rid in seen:
+            return rid
+        seen.add(rid)
+    return None
 
 
 def _device_memory(device: torch.device) -> int | None:

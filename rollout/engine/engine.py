@@ -726,7 +726,8 @@ class Engine:
         rows = len(seq.tokens) + (seq.max_new_tokens - seq.num_output) - 1
         need = -(-rows // bs)
         # At least the last input token is recomputed: its row produces the next token's logits.
-        seq.digests = list(digests) if digests is not None else block_digests(seq.tokens, bs, (len(seq.tokens) - 1) // bs)
+        full = (len(seq.tokens) - 1) // bs
+        seq.digests = list(digests) if digests is not None else block_digests(seq.tokens, bs, full)
         matched = self.blocks.match(seq.digests)
         if need - len(matched) + self.blocks.cost_of(matched) > self.blocks.available:
             return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from rollout.engine.types import GenerateOutput, GenerateRequest
