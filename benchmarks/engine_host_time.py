@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_throughput as et  # noqa: E402
+from rollout_call_host_time import zero_forward  # noqa: E402
 from rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rollout.engine import engine as engine_module  # noqa: E402
 from rollout.engine import decode, kv_cache, rows  # noqa: E402
@@ -130,14 +131,7 @@ def _instrument(model) -> None:
 
     model.lm_head.register_forward_pre_hook(lm_head_start)
     model.lm_head.register_forward_hook(lm_head_end)
-    config, n_full = model.config, len(model.config.full_layer_ids)
-
-    def forward_packed(ids, batch, return_logits=False, return_topk=False):
-        rows_ = ids.shape[0]
-        topk = torch.zeros(n_full, rows_, config.index_topk, dtype=torch.long) if return_topk else None
-        return types.SimpleNamespace(hidden_states=torch.zeros(rows_, config.hidden_size), topk_indices=topk)
-
-    model.forward_packed = forward_packed
+    zero_forward(model)
 
 
 def _engine(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool,
