@@ -119,7 +119,8 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
         assert 0 <= r["perf/engine_host_gap_share"] <= 1 and 0 <= r["perf/engine_decode_host_gap_share"] <= 1
         assert r["perf/engine_step_ms"] > 0 and r["perf/engine_decode_step_ms"] > 0 and r["perf/engine_busy_s"] > 0
         assert r["perf/engine_host_gap_s"] >= 0
-        assert r["perf/engine_commands"] >= 16 and r["perf/engine_weights_update_s"] > 0  # 16 requests, one update each
+        # 4 /generate calls (a call's requests go in as one command) and a weight update on each of the 2 engines
+        assert r["perf/engine_commands"] >= 4 + 2 and r["perf/engine_weights_update_s"] > 0
         # the rollout phase on the driver (rollout.timing): one /generate per group, the phase split in three
         assert r["perf/rollout_calls"] == 4 and r["perf/rollout_call_ms"] >= r["perf/rollout_transport_ms"] >= 0
         parts = r["perf/rollout_dispatch_s"] + r["perf/rollout_generate_s"] + r["perf/rollout_tail_s"]
