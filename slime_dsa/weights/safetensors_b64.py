@@ -8,9 +8,10 @@ GPU also take `load_format: "cuda_ipc"`: a JSON table of CUDA IPC rebuild argume
 
 from __future__ import annotations
 
-import base64
 import binascii
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import pybase64
 
 from slime_dsa.weights import WeightFormatError
 
@@ -34,7 +35,7 @@ def encode_named_tensors(named_tensors: Mapping[str, torch.Tensor] | Iterable[tu
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     # clone: safetensors refuses tensors that share storage (tied embeddings, views of one flat buffer)
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in items}
-    return base64.b64encode(save(tensors)).decode("ascii")
+    return pybase64.b64encode(save(tensors)).decode("ascii")
 
 
 def decode_named_tensors(entry: Any, where: str = "serialized_named_tensors[0]") -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def decode_named_tensors(entry: Any, where: str = "serialized_named_tensors[0]")
     if not isinstance(entry, str):
         raise WeightFormatError(f"{where} must be a base64 string, got {type(entry).__name__}")
     try:
-        data = base64.b64decode(entry, validate=True)
+        data = pybase64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError):
         raise WeightFormatError(f"{where} is not valid base64") from None
     if not _looks_like_safetensors(data) and data[:1] == b"\x80":  # pickle protocol 2+ opens with PROTO
