@@ -93,7 +93,7 @@ setup)
     touch /tmp/site/.done
   fi
   stamp installed
-  python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, pebble, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
+  python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, pebble, pybase64, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
   ;;
 test)
