@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from rollout.engine import Engine, GenerateRequest, SamplingParams
+from rollout.engine.warmup import warm_up_engine
 from slime_dsa.checkpoint import build_model
 from slime_dsa.models import ModelConfig
+from tests.triton_cache import compiled_kernels, new_compiles
 
 pytestmark = pytest.mark.gpu
 
@@ -182,3 +184,18 @@ def test_kept_replay_rows_read_at_the_end_equal_each_steps_copy():
         assert out.indexer_topk.dtype == per_step[rid].indexer_topk.dtype and out.indexer_topk.flags.c_contiguous
         assert out.indexer_topk_start == per_step[rid].indexer_topk_start
         assert (out.indexer_topk == per_step[rid].indexer_topk).all(), rid
+
+
+def test_after_the_warmup_a_rollout_compiles_and_captures_nothing():
+    """An engine warmed up for samples of up to 64 tokens (prompts of 5-40 and 24 new tokens): a rollout of such
+    requests, log-probs and top-k rows included, captures no decode graph and compiles no Triton kernel."""
+    engine = Engine(_model(0), max_cache_tokens=8192, max_running_requests=64, keep_indexer_topk=True)
+    assert warm_up_engine(engine, 64) > 0
+    captures, before = engine.stats["graph_captures"], compiled_kernels()
+    reqs = _requests(48)
+    for req in reqs:
+        req.return_logprob = True
+    finals = _generate(engine, reqs)
+    assert len(finals) == 48
+    assert engine.stats["graph_captures"] == captures
+    assert not new_compiles(before, compiled_kernels())

@@ -25,11 +25,11 @@ def _decoder(max_batch: int) -> PagedDecoder:
 def test_a_new_width_captures_the_ladder_largest_first_and_a_known_width_one_graph():
     decoder = _decoder(max_batch=48)
     assert decoder.batch_ladder == (1, 2, 4, 8, 12, 16, 24, 32, 48)
-    decoder._capture_width(24, 8)
+    decoder.capture_width(24, 8)
     assert decoder.order == [(b, 8) for b in (48, 32, 24, 16, 12, 8, 4, 2, 1)]
     decoder.order.clear()
-    decoder._capture_width(64, 8)  # beyond the ladder (not from this engine): just that graph
-    decoder._capture_width(4, 16)
+    decoder.capture_width(64, 8)  # beyond the ladder (not from this engine): just that graph
+    decoder.capture_width(4, 16)
     assert decoder.order == [(64, 8)] + [(b, 16) for b in (48, 32, 24, 16, 12, 8, 4, 2, 1)]
 
 

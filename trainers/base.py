@@ -192,6 +192,7 @@ class RankConfig:
     share_prompt_prefix: bool = True  # compute a prompt once for the consecutive samples that share it
     data_parallel: str = "fsdp"  # fsdp: shard with FSDP2; replicate: whole model per rank, one gradient all-reduce
     backend_options: dict[str, Any] = field(default_factory=dict)  # the backend's own recipe section (trainer.<backend>)
+    warmup_max_len: int = 0  # the longest sample a step trains: GPU ranks compile their kernels for it at start (0: not)
 
 
 def policy_config(model_path: str, loss: Any, optimizer: OptimizerConfig | None = None, frozen: tuple[str, ...] = (),

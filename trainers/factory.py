@@ -53,7 +53,8 @@ def rank_config(recipe: RecipeConfig, model_dir: Path, algorithm: Algorithm,
         roles=held, micro_batch_tokens=tr.micro_batch_tokens, mixed_precision=tr.mixed_precision,
         gradient_checkpointing=recipe.model.gradient_checkpointing, ops_backend=recipe.model.ops_backend,
         true_on_policy=recipe.model.true_on_policy, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed, share_prompt_prefix=tr.share_prompt_prefix,
-        data_parallel=tr.data_parallel, backend_options=tr.backend_options())
+        data_parallel=tr.data_parallel, backend_options=tr.backend_options(),
+        warmup_max_len=recipe.data.max_prompt_length + recipe.rollout.max_response_length)
 
 
 def build_trainer_group(recipe: RecipeConfig, model_dir: Path, algorithm: Algorithm) -> TrainerGroup:

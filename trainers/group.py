@@ -3,6 +3,8 @@ answers. The batch is split by rank here (whole groups per rank where their prom
 
 from __future__ import annotations
 
+import logging
+
 import ray
 import torch
 
@@ -11,6 +13,8 @@ from slime_dsa.weights.payloads import TensorSpec
 from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
 from trainers.rank import TrainerRank, combine_steps, shares_prompts
+
+logger = logging.getLogger(__name__)
 
 
 class RayTrainerGroup:
@@ -35,6 +39,10 @@ class RayTrainerGroup:
         self.dp_ranks = [dp_rank for dp_rank, _ in layouts]
         self.dp_size = layouts[0][1]
         self._readers = [self.dp_ranks.index(d) for d in range(self.dp_size)]
+        seconds = ray.get([w.warm_up.remote(config.warmup_max_len) for w in self.workers])[0]
+        if seconds is not None:
+            logger.info("trainer kernels compiled for samples up to %d tokens in %.1f s (before the first step)",
+                        config.warmup_max_len, seconds)
 
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
 from slime_dsa.weights.payloads import TensorSpec, bucket_specs
 from trainers.base import RankConfig, RoleConfig, TrainBatch, split_by_tokens
+from trainers.warmup import warmup_batches
 from trainers.weight_sender import broadcast_weights, group_address, weight_specs
 
 logger = logging.getLogger(__name__)
@@ -180,6 +182,9 @@ class TrainerRank:
     # step's forward gives π_old (train_batches then skips the π_old pass of the first mini-batch). A backend sets it
     # where a test shows it (tests/test_rank_step.py for FSDP, on CPU and on the GPU).
     reuses_first_forward: bool = False
+    # Whether warm_up may run a forward and backward outside a step: where backward only adds into gradients that
+    # zero_gradients clears (not where an engine owns the backward and the update, as DeepSpeed's does).
+    warms_up_kernels: bool = False
 
     def __init__(self, rank: int, world_size: int, config: RankConfig) -> None:
         self.rank, self.world_size, self.config = rank, world_size, config
@@ -328,6 +333,36 @@ class TrainerRank:
         return torch.cat(outs).cpu() if outs else torch.zeros(0)
 
     # -- the step ---------------------------------------------------------------------------------------
+
+    def warm_up(self, max_len: int) -> float | None:
+        """Compile the training kernels for samples up to max_len tokens before the first step: warmup_passes on a
+        GPU. Seconds taken, or None where nothing compiles (CPU, max_len 0, a backend without warms_up_kernels)."""
+        if self.device.type != "cuda" or max_len <= 0 or not self.warms_up_kernels:
+            return None
+        start = time.perf_counter()
+        self.warmup_passes(max_len)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def warmup_passes(self, max_len: int) -> None:
+        """One forward and backward of each trained policy role over trainers/warmup.py's micro-batches, gradients
+        cleared after; weights, optimizer state and the random generators stay as they were. Collective: every rank
+        runs the same micro-batches."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            for held in self.roles.values():
+                if not (held.config.trains and held.config.kind == "policy"):
+                    continue
+                model_config = held.model.config
+                batches = warmup_batches(max_len, model_config.index_topk, model_config.vocab_size,
+                                         self.config.micro_batch_tokens, self.config.seed)
+                held.runs.train()
+                self.zero_gradients(held)
+                for mb in batches:
+                    loss, _ = self._policy_micro_loss(held, mb, float(mb.loss_mask.sum()), len(mb.seqlens),
+                                                      float(mb.num_tokens), detailed_metrics=True, measure_sync=False)
+                    self.backward(held, loss)
+                self.zero_gradients(held)
 
     def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
                       recompute_old_logprobs: bool = False, detailed_metrics: bool = True,

@@ -174,7 +174,7 @@ class PagedDecoder:
 
     def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs,
                 tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        graph = self._graphs.get((B, width)) or self._capture_width(B, width)
+        graph = self._graphs.get((B, width)) or self.capture_width(B, width)
         host = self._host_inputs(input_ids, positions, tables, B, width, tables_key)
         graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
         graph.staging.numpy()[:] = host
@@ -186,7 +186,7 @@ class PagedDecoder:
         n = len(input_ids)
         return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
 
-    def _capture_width(self, B: int, width: int) -> _Graph:
+    def capture_width(self, B: int, width: int) -> _Graph:
         """The graph of (B, width). At a width not seen before, the graphs of the whole batch ladder too: a step's
         batch shrinks as requests finish, and capturing each size when first met put captures in every early RL step.
         Largest first, so the shared memory pool grows once."""

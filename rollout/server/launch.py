@@ -42,6 +42,7 @@ def load_engine(
     preload_weights: list[str] | None = None,
     overlap: bool = False,
     true_on_policy: bool = False,
+    warmup_max_len: int = 0,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -50,6 +51,8 @@ def load_engine(
     `preload_weights`: checkpoint directories read into (pinned) host memory now, which /update_weights_from_disk
     then copies from (teachers taking turns on one engine). `overlap`: the engine's overlap scheduler (Engine).
     `true_on_policy`: batch-invariant ops for this process (slime_dsa.ops.invariant), as the recipe's model key.
+    `warmup_max_len` (CUDA only; 0: none): compile the kernels and capture the decode graphs for samples of up to
+    that many tokens now, not in the first rollout (rollout/engine/warmup.py).
     """
     import torch
 
@@ -67,6 +70,12 @@ def load_engine(
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
                     tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk,
                     overlap=overlap)
+    if warmup_max_len > 0 and engine.device.type == "cuda":
+        from rollout.engine.warmup import warm_up_engine
+
+        seconds = warm_up_engine(engine, warmup_max_len)
+        logger.info("engine: kernels compiled and decode graphs captured for samples up to %d tokens in %.1f s",
+                    warmup_max_len, seconds)
     async_engine = AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None)
     async_engine.preload_weights(preload_weights or [])
     return async_engine, tokenizer

@@ -128,7 +128,8 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
         num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, model_dir=str(model_dir),
         engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk,
-                       "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False},
+                       "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,
+                       "warmup_max_len": recipe.data.max_prompt_length + ro.max_response_length},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
     )
 

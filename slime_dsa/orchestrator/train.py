@@ -88,7 +88,18 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     shm_dir = shm_dir_name()
     access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
 
-    urls, engine_actors = await asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
+    # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
+    # which size their memory pools from the GPU memory free when they start.
+    engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
+    if recipe.rollout.engine == "sglang":
+        (urls, engine_actors), trainers_up = await engines_up, None
+    else:
+        trainers_up = asyncio.ensure_future(asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+        try:
+            urls, engine_actors = await engines_up
+        except BaseException:
+            await asyncio.gather(trainers_up, return_exceptions=True)  # no rank left starting behind the error
+            raise
     ro = recipe.rollout
     concurrency = recipe.max_concurrency(use_async)
     logger.info("%s", recipe.concurrency_line(use_async))
@@ -96,7 +107,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                           timeout_s=ro.request_timeout_s, api_key=access.api_key)
     teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
     pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
-    trainers = await asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm)
+    trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
                                       shm_dir)

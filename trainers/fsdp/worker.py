@@ -38,6 +38,7 @@ class FSDPWorker(TrainerRank):
     """An FSDP2 rank (or a float32 replica). Call every collective method on every rank of the group."""
 
     reuses_first_forward = True
+    warms_up_kernels = True
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig) -> None:
         super().__init__(rank, world_size, config)

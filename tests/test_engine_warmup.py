@@ -1,0 +1,53 @@
+"""The engine's warm-up (rollout/engine/warmup.py): what it runs and captures, and that an engine after it answers
+as a fresh one does. Its point, compiling and capturing on the GPU, is checked by tests/test_engine_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slime_dsa
+from rollout.engine import Engine, GenerateRequest, SamplingParams
+from rollout.engine.warmup import graph_widths, warm_up_engine, warmup_prompt_lengths
+from tests.hf_reference import TINY, make_hf_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_graph_widths_run_from_one_block_to_the_longest_samples_width():
+    assert graph_widths(416, 16) == [1, 2, 4, 8, 16, 32]  # 26 blocks: width 32
+    assert graph_widths(512, 16) == [1, 2, 4, 8, 16, 32]
+    assert graph_widths(513, 16) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_widths(20, 16) == [1, 2]
+    assert graph_widths(3, 16) == [1]
+
+
+def test_warmup_prompts_prefill_within_and_past_index_topk():
+    assert warmup_prompt_lengths(416, 256) == [64, 63, 412]
+    assert warmup_prompt_lengths(200, 256) == [64, 63]
+    assert warmup_prompt_lengths(12, 4) == [4, 3, 8]
+
+
+def test_an_engine_after_its_warmup_answers_as_a_fresh_one(tmp_path):
+    """Seeded sampling with log-probs and top-k rows, after the warm-up, equals a fresh engine's; nothing of the
+    warm-up's prompts stays in the prefix cache."""
+    make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=4, index_topk_freq=2)
+    model = slime_dsa.load_model(tmp_path).eval()
+    g = torch.Generator().manual_seed(1)
+    requests = [(torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(), seed)
+                for seed, n in enumerate((5, 9, 14))]
+
+    def answers(warm: bool) -> list[tuple]:
+        engine = Engine(model, max_cache_tokens=512, keep_indexer_topk=True)
+        if warm:
+            assert warm_up_engine(engine, 24) > 0
+            assert not engine.has_work and engine.num_running == 0
+        for ids, seed in requests:
+            engine.add_request(GenerateRequest(ids, SamplingParams(max_new_tokens=6, ignore_eos=True, sampling_seed=seed),
+                                               rid=str(seed), return_logprob=True, return_indexer_topk=True, stream=False))
+        finals = {}
+        while engine.has_work:
+            finals.update({out.rid: out for out in engine.step() if out.finish_reason is not None})
+        return [(o.output_ids, o.output_token_logprobs, o.cached_tokens) for o in (finals[r] for r in sorted(finals))]
+
+    assert answers(warm=True) == answers(warm=False)
