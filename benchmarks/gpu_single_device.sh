@@ -28,7 +28,7 @@
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
 # trlnan (benchmarks/trl_nan_check.py on $W/sftlong/model with LONG_TASK_ARGS: TRL's GRPO loss and backward on 4
 # batches of 256 sampled completions, one cut to 30 tokens, zero advantages, per attention setting sdpa / sdpa-math /
-# sdpa-eff / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
+# sdpa-eff / sdpa-cudnn / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
 # "--rounds 8", TRLNAN_T caps it, default 420 s) writes $OUT/trlnan.log.
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model; each backend in
 # its own process: 5 short bf16 conformance steps, then train tokens/s and MFU, then one step under torch.profiler

@@ -9,6 +9,7 @@ completion is cut to --short tokens + EOS (the step-4 shape). Then TRL's own `co
   sdpa       transformers' default (on CUDA with a padding mask: usually the memory-efficient kernel)
   sdpa-math  sdpa restricted to torch's math backend
   sdpa-eff   sdpa restricted to the memory-efficient kernel
+  sdpa-cudnn sdpa restricted to cuDNN attention
   eager      transformers' eager attention
 Per setting it prints the loss, the gradient norm and, when a gradient is not finite, the backward function that first
 returned NaN (from the anomaly error). Nothing is trained: gradients are zeroed between settings.
@@ -32,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 logger = logging.getLogger("trl_nan_check")
-ATTN = ("sdpa", "sdpa-math", "sdpa-eff", "eager")
+ATTN = ("sdpa", "sdpa-math", "sdpa-eff", "sdpa-cudnn", "eager")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,7 +116,8 @@ def attention(trainer: Any, name: str) -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     trainer.model.set_attn_implementation("eager" if name == "eager" else "sdpa")
-    backends = {"sdpa-math": [SDPBackend.MATH], "sdpa-eff": [SDPBackend.EFFICIENT_ATTENTION]}
+    backends = {"sdpa-math": [SDPBackend.MATH], "sdpa-eff": [SDPBackend.EFFICIENT_ATTENTION],
+                "sdpa-cudnn": [SDPBackend.CUDNN_ATTENTION]}
     return sdpa_kernel(backends[name]) if name in backends else contextlib.nullcontext()
 
 
@@ -141,7 +143,7 @@ def backward(trainer: Any, inputs: dict[str, Any], name: str) -> str:
         if grads else "-"
     bad = sum(1 for g in grads if not torch.isfinite(g).all())
     model.zero_grad(set_to_none=True)
-    return f"  {name:9s} loss {shown:>8s}  grad_norm {norm}  non-finite grads {bad}  first NaN: {first_nan}"
+    return f"  {name:10s} loss {shown:>8s}  grad_norm {norm}  non-finite grads {bad}  first NaN: {first_nan}"
 
 
 def main(argv: list[str] | None = None) -> int:

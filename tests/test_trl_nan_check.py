@@ -20,7 +20,7 @@ def test_cut_one_shortens_the_longest_completion() -> None:
 
 
 def test_attention_settings_are_checked() -> None:
-    assert parse_args(["--model", "m"]).attn == ["sdpa", "sdpa-math", "sdpa-eff", "eager"]
+    assert parse_args(["--model", "m"]).attn == ["sdpa", "sdpa-math", "sdpa-eff", "sdpa-cudnn", "eager"]
     with pytest.raises(SystemExit):
         parse_args(["--model", "m", "--attn", "sdpa,flash"])
 
