@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -17,14 +17,19 @@
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
 # It also writes $OUT/${VSTRL_NAME}_result.json, _ours_metrics.jsonl (ours' perf/rollout_* and perf/engine_* per step)
 # and _engine_0.log; the nvidia_ml_py wheel in whl/ gives the report's GPU-busy column (else "-").
-# sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown with worked steps, 5-6 numbers: answers
-# of ~260 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN (30000), SFTLONG_T (480 s cap),
+# sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown, 3 numbers, worked steps with the
+# search's pairs listed: answers of ~280 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN
+# (30000), SFTLONG_T (480 s cap),
 # SFT_EVAL, SFT_SET and SFT_FORCE as for sft; writes $OUT/sftlong.log and sftlong_metrics.jsonl.
 # vstrlrel: the vstrl stage with --ours-kv-cache release (the engine frees its KV cache and decode graphs at every
 # training call, as before cluster.engine_kv_cache_in_training): the A/B of keeping them (VSTRL_NAME default
 # vstrl_release).
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
+# trlnan (benchmarks/trl_nan_check.py on $W/sftlong/model with LONG_TASK_ARGS: TRL's GRPO loss and backward on 4
+# batches of 256 sampled completions, one cut to 30 tokens, zero advantages, per attention setting sdpa / sdpa-math /
+# sdpa-eff / sdpa-cudnn / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
+# "--rounds 8", TRLNAN_T caps it, default 420 s) writes $OUT/trlnan.log.
 # mgbench (benchmarks/megatron_vs_fsdp.py: Megatron TP=1 against FSDP2 on a 1.1B GLM-MoE-DSA model; each backend in
 # its own process: 5 short bf16 conformance steps, then train tokens/s and MFU, then one step under torch.profiler
 # (FSDP2 and Megatron only: $OUT/megatron_vs_fsdp_profile.txt, top 25 ops by device and by CPU time each, and in the
@@ -74,7 +79,7 @@ vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown;
   cp $W/$N/ours/metrics.jsonl $OUT/${N}_ours_metrics.jsonl 2>/dev/null  # perf/rollout_*, perf/engine_* per step
   cp $W/$N/ours/engine_0.log $OUT/${N}_engine_0.log 2>/dev/null
 }
-LONG_TASK_ARGS='{"min_numbers":5,"max_numbers":6,"worked_steps":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
+LONG_TASK_ARGS='{"min_numbers":3,"max_numbers":3,"worked_steps":true,"worked_search":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
 sft_stage() {  # NAME RECIPE STEPS TRAIN_SIZE CAP_S: `slime-dsa sft` into $W/NAME/model, unless it is there already
   stamp $1
   if [ -f $W/$1/model/config.json ] && [ -z "$SFT_FORCE" ]; then stamp "$1 model already there"; return; fi
@@ -140,6 +145,12 @@ vstrlrel)  # the vstrl stage with ours' engine releasing its KV cache (and CUDA 
   ;;
 vstrllong)
   vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
+  ;;
+trlnan)  # benchmarks/trl_nan_check.py: where TRL's backward turns non-finite on the long-answer policy (issue 19)
+  stamp trlnan
+  timeout -k 10 ${TRLNAN_T:-420} python3 benchmarks/trl_nan_check.py --device cuda --model $W/sftlong/model \
+    --task-args $LONG_TASK_ARGS --rounds 4 ${TRLNAN_ARGS} 2>&1 \
+    | grep --line-buffered -v -e "Warning" -e "warn(" -e "detect_anomaly" | tee $OUT/trlnan.log | tail -40
   ;;
 steps)  # benchmarks/step_overheads.py: the RL step's engine requests and trainer calls between rollouts, by phase
   stamp steps

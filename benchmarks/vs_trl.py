@@ -37,13 +37,14 @@ loaded through `slime_dsa.load_model` in float32 (on the GPU with --device cuda)
 recipes/gpu_single.yaml, 1 embedded engine + 1 FSDP2 trainer rank colocated on the GPU (0.5 + 0.5;
 --ours-kv-cache: what the engine does with its KV cache while the trainer steps, default auto = keep a small one),
 bf16 engine, bf16 mixed-precision training (float32 master weights), Triton kernels (ops_backend auto); TRL loads the
-model in float32 with bf16=True (accelerate's bf16 autocast around the model's forward, in generation and training
-alike: float32 master weights and optimiser state, as ours), use_cpu=False, HF `generate` (no vLLM). Everything else is
-the CPU mode's. Both sides' step clocks wait for the GPU (torch.cuda.synchronize in TRL's callback; ours stamps
-after the weight push, which waits for the trainer). Ours' weight push reads the weights back for this script's
-hook only at the last step there (--hook-state last; every step cost ~0.5 s a step for the small preset on an
-H200, a cost of the measurement, not of ours); on CPU at every step, as before (--hook-state every). Either way the
-read-back (its seconds: perf/weights_readback_s) is taken out of ours' step times: TRL's steps do no such work.
+model (attn_implementation --trl-attn, transformers' default sdpa) in float32 with bf16=True (accelerate's bf16
+autocast around the model's forward, in generation and training alike: float32 master weights and optimiser state, as
+ours), use_cpu=False, HF `generate` (no vLLM). Everything else is the CPU mode's. Both sides' step clocks wait for
+the GPU (torch.cuda.synchronize in TRL's callback; ours stamps after the weight push, which waits for the trainer).
+Ours' weight push reads the weights back for this script's hook only at the last step there (--hook-state last; every
+step cost ~0.5 s a step for the small preset on an H200, a cost of the measurement, not of ours); on CPU at every
+step, as before (--hook-state every). Either way the read-back (its seconds: perf/weights_readback_s) is taken out of
+ours' step times: TRL's steps do no such work.
 GPU busy (cuda, with pynvml from nvidia-ml-py): a thread in this process reads the device's utilisation through NVML
 every 20 ms while each side trains (device-wide: ours' engine and trainer actors are other processes); the report
 gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). Without pynvml or a GPU: "-".
@@ -66,9 +67,10 @@ gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). 
         --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --out benchmarks/RESULTS.md
         # one GPU, countdown, the small-preset policy of recipes/gpu_single_sft.yaml
     python benchmarks/vs_trl.py --device cuda --task countdown --model runs/gpu-single-sft-long/model \
-        --task-args '{"min_numbers": 5, "max_numbers": 6, "worked_steps": true}' --steps 10 --prompts-per-step 16 \
-        --group-size 16 --max-new-tokens 384 --lr 1e-5 --out benchmarks/RESULTS.md
-        # one GPU, long answers (~260 tokens: worked steps in <think>): recipes/gpu_single_sft_long.yaml's policy
+        --task-args '{"min_numbers": 3, "max_numbers": 3, "worked_steps": true, "worked_search": true}' --steps 10 \
+        --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --out benchmarks/RESULTS.md
+        # one GPU, long answers (~280 tokens: the search's pairs and worked steps in <think>):
+        # recipes/gpu_single_sft_long.yaml's policy
 """
 
 from __future__ import annotations
@@ -336,7 +338,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # float32 weights on both devices; on cuda bf16=True autocasts the forward (mixed precision, as ours)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=args.trl_attn)
     dataset = datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": m}] for m in messages], "answer": answers,
     })
@@ -471,12 +473,12 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
                 f"micro-batches of {trl_micro_batch(args)} samples accumulated into one optimizer step, "
-                f"{args.trl_threads} torch thread(s)")
+                f"attn_implementation {args.trl_attn}, {args.trl_threads} torch thread(s)")
     return ("float32",
             f"ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
             f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
             f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
-            f"`generate`")
+            f"`generate`, attn_implementation {args.trl_attn}")
 
 
 def busy_line(ours: dict[str, Any], trl_side: dict[str, Any]) -> str:
@@ -578,8 +580,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="built-in task: arithmetic (1-2 digits, the quickstart's) or countdown (the GPU recipes')")
     parser.add_argument("--task-args", type=_json_object, default={},
                         help="JSON object of the built-in task's parameters (data.tasks.0.task_args), e.g. "
-                             "'{\"min_numbers\": 5, \"max_numbers\": 6, \"worked_steps\": true}' for "
-                             "recipes/gpu_single_sft_long.yaml's policy")
+                             "'{\"min_numbers\": 3, \"max_numbers\": 3, \"worked_steps\": true, "
+                             "\"worked_search\": true}' for recipes/gpu_single_sft_long.yaml's policy")
     parser.add_argument("--max-prompt-length", type=int, default=None,
                         help="prompt tokens (longer prompts are dropped); default 64 for arithmetic, 160 for countdown")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
@@ -600,6 +602,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="TRL: samples per training micro-batch (gradient accumulation over the step's samples; "
                              "transformers' dense indexer scores of 1,024 samples at once do not fit an H200)")
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL side (and the eval)")
+    parser.add_argument("--trl-attn", choices=("sdpa", "eager"), default="sdpa",
+                        help="TRL: the model's attn_implementation in from_pretrained (transformers' default sdpa; "
+                             "eager if sdpa's CUDA backward is what turns the gradients non-finite: "
+                             "benchmarks/trl_nan_check.py tells)")
     parser.add_argument("--ours-engines", type=int, default=1, help="ours: embedded engines (1 CPU each)")
     parser.add_argument("--ours-workers", type=int, default=1,
                         help="ours: trainer ranks (1 CPU each; whole-model replicas, one gradient all-reduce)")

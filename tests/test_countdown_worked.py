@@ -1,6 +1,6 @@
-"""Countdown with worked steps (task_args worked_steps): the reference solution reasons in <think> before its
-<answer>, every line is true arithmetic, the reward still reads the answer, and recipes/gpu_single_sft_long.yaml's
-answers are long (>= 200 tokens on average with the built-in tokenizer)."""
+"""Countdown with worked steps (task_args worked_steps, and worked_search's pair lines): the reference solution
+reasons in <think> before its <answer>, every line is true arithmetic, the reward still reads the answer, and
+recipes/gpu_single_sft_long.yaml's answers are long (>= 200 tokens on average with the built-in tokenizer)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from slime_dsa.data.tasks import TASKS, countdown_problem
 ROOT = Path(__file__).resolve().parents[1]
 _STEP = re.compile(r"step (\d+): (\d+) ([-+*/]) (\d+) = (\d+), left \[([\d, ]*)\]")
 _CHECK = re.compile(r"check: (.+) = (\d+), the target")
+_PAIR = re.compile(r"pair (\d+), (\d+): (.+)")
+_RESULT = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a // b}
 
 
@@ -28,11 +30,33 @@ def worked_problems(n: int, seed: int = 0, **args) -> list[tuple[str, dict, str]
     return [countdown_problem(rng, params) for _ in range(n)]
 
 
-def check_worked_solution(answer: dict, solution: str) -> None:
+def check_search(numbers: list[int], lines: list[str], ops: str) -> None:
+    """The pair lines: one per pair of the numbers, each listing every allowed op that keeps a positive integer."""
+    assert len(lines) == len(numbers) * (len(numbers) - 1) // 2
+    pairs = Counter()
+    for line in lines:
+        a, b, results = _PAIR.fullmatch(line).groups()
+        a, b = int(a), int(b)
+        assert a >= b
+        pairs[(a, b)] += 1
+        listed = [] if results == "none" else [_RESULT.fullmatch(r).groups() for r in results.split(", ")]
+        expected = [op for op in "+-*/" if op in ops and (op in "+*" or (op == "-" and a > b) or
+                                                          (op == "/" and a % b == 0))]
+        assert [op for _, op, _, _ in listed] == expected, line
+        for x, op, y, value in listed:
+            assert (int(x), int(y)) == (a, b) and _APPLY[op](a, b) == int(value) > 0, line
+    assert pairs == Counter((max(x, y), min(x, y)) for i, x in enumerate(numbers) for y in numbers[i + 1:])
+
+
+def check_worked_solution(answer: dict, solution: str, ops: str = "+-*/") -> None:
     """Every line of the <think> block is true and follows from the numbers; the answer is the checked expression."""
     think, rest = re.fullmatch(r"<think>\n(.*)\n</think>\n(<answer>.*</answer>)", solution, re.DOTALL).groups()
     header, *steps, check = think.split("\n")
     assert header == f"Numbers {answer['numbers']}, target {answer['target']}."
+    search = [line for line in steps if line.startswith("pair ")]
+    steps = steps[len(search):]
+    if search:
+        check_search(answer["numbers"], search, ops)
     pool = Counter(answer["numbers"])
     for k, line in enumerate(steps, 1):
         number, a, op, b, value, left = _STEP.fullmatch(line).groups()
@@ -51,10 +75,14 @@ def check_worked_solution(answer: dict, solution: str) -> None:
 
 
 @pytest.mark.parametrize("args", [{}, {"min_numbers": 5, "max_numbers": 6}, {"use_all": True, "ops": "+-*"},
-                                  {"min_numbers": 2, "max_numbers": 8, "max_number": 9}])
+                                  {"min_numbers": 2, "max_numbers": 8, "max_number": 9},
+                                  {"min_numbers": 3, "max_numbers": 3, "worked_search": True},
+                                  {"min_numbers": 2, "max_numbers": 5, "ops": "+/", "worked_search": True},
+                                  {"max_number": 3, "ops": "-/", "worked_search": True}])
 def test_worked_solutions_are_true_and_score_one(args) -> None:
     for prompt, answer, solution in worked_problems(300, seed=len(args), **args):
-        check_worked_solution(answer, solution)
+        check_worked_solution(answer, solution, args.get("ops", "+-*/"))
+        assert ("\npair " in solution) == args.get("worked_search", False)
         scores = countdown_reward(None, solution, answer)
         assert scores == {"reward": 1.0, "answer_found": 1.0, "answer_tagged": 1.0}, solution
         assert "<answer>" not in solution.split("</think>")[0]  # the think block cannot be taken for the answer
@@ -105,3 +133,5 @@ def test_params_are_the_generators_and_types_are_checked() -> None:
     with pytest.raises(ValueError, match="unknown task parameter 'num_count'"):
         task_params("countdown", num_count=4)
     assert task_params("countdown", worked_steps=True, max_numbers=6).worked_steps is True
+    with pytest.raises(ValueError, match=r"worked_search \(True\) .* needs worked_steps true"):
+        task_params("countdown", worked_search=True)

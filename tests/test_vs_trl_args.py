@@ -6,17 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vs_trl import parse_args, recipe_dict, task_desc, trl_micro_batch
+from benchmarks.vs_trl import parse_args, recipe_dict, setup_desc, task_desc, trl_micro_batch
 from slime_dsa.config import RecipeConfig
 
-LONG = '{"min_numbers": 5, "max_numbers": 6, "worked_steps": true}'
+LONG = '{"min_numbers": 3, "max_numbers": 3, "worked_steps": true, "worked_search": true}'
 
 
 def test_task_args_reach_the_recipe() -> None:
     args = parse_args(["--device", "cuda", "--task", "countdown", "--task-args", LONG, "--max-new-tokens", "384"])
     recipe = RecipeConfig.model_validate(recipe_dict(args, Path("m"), Path("run")))
     task = recipe.data.tasks[0]
-    assert task.kind == "countdown" and task.task_args == {"min_numbers": 5, "max_numbers": 6, "worked_steps": True}
+    assert task.kind == "countdown" and task.task_args == {"min_numbers": 3, "max_numbers": 3, "worked_steps": True,
+                                                              "worked_search": True}
     assert recipe.rollout.max_response_length == 384 and '"worked_steps": true' in task_desc(args)
     arithmetic = recipe_dict(parse_args(["--task-args", '{"ops": "+"}']), Path("m"), Path("run"))
     assert arithmetic["data"]["tasks"][0]["task_args"] == {"max_digits": 2, "ops": "+"}  # over the default
@@ -49,3 +50,12 @@ def test_trl_trains_a_large_step_in_accumulated_micro_batches() -> None:
     assert trl_micro_batch(parse_args(["--prompts-per-step", "4", "--group-size", "8"])) == 32
     with pytest.raises(SystemExit):
         parse_args(["--prompts-per-step", "64", "--group-size", "16", "--trl-micro-batch", "300"])
+
+
+def test_trl_attention_is_sdpa_unless_asked_and_the_setup_line_says_which() -> None:
+    assert parse_args([]).trl_attn == "sdpa"
+    args = parse_args(["--device", "cuda", "--trl-attn", "eager"])
+    assert "attn_implementation eager" in setup_desc(args)[1]
+    assert "attn_implementation sdpa" in setup_desc(parse_args([]))[1]
+    with pytest.raises(SystemExit):
+        parse_args(["--trl-attn", "flash"])

@@ -148,7 +148,9 @@ class TaskConfig(Section):
                     "or range is an error). arithmetic: min_digits, max_digits, num_operands, ops, allow_negative. "
                     "countdown: min_numbers, max_numbers, max_number, max_target, ops, use_all (each number "
                     "exactly once), worked_steps (the reference solution, which SFT learns, works the steps out "
-                    "in <think> before <answer>: ~150 tokens at 3-4 numbers, ~260 at 5-6). sort: min_numbers, "
+                    "in <think> before <answer>: ~150 tokens at 3-4 numbers, ~260 at 5-6), worked_search (with "
+                    "worked_steps: <think> first lists every pair combined by each op: ~280 tokens at 3 "
+                    "numbers). sort: min_numbers, "
                     "max_numbers, max_number. calc_chain: start_digits, min_steps, max_steps, operand_digits, "
                     "ops. fact_lookup: questions. E.g. {max_digits: 2} for arithmetic.")
     eval_fraction: float = Field(

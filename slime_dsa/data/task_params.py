@@ -45,8 +45,15 @@ class CountdownParams:
     # True: the reference solution works the steps out in <think> (one line per combination, then a check) before
     # <answer>: long answers to train on (~150 tokens at 3-4 numbers, ~260 at 5-6 with the built-in tokenizer)
     worked_steps: bool = False
+    # True (with worked_steps): <think> first lists every pair of the given numbers combined by each allowed op (the
+    # search's first level), then the steps: ~280 tokens at 3 numbers (~360 at 3-4, ~480 at 4): long answers to a
+    # problem no harder than 3 numbers
+    worked_search: bool = False
 
     def __post_init__(self) -> None:
+        if self.worked_search and not self.worked_steps:
+            raise ValueError("countdown: worked_search (True) lists the search inside the worked steps; it needs "
+                             "worked_steps true, got false")
         if not 2 <= self.min_numbers <= self.max_numbers <= 8:
             raise ValueError(f"countdown: need 2 <= min_numbers ({self.min_numbers}) <= max_numbers "
                              f"({self.max_numbers}) <= 8")

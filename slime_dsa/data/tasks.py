@@ -3,7 +3,8 @@
 - `arithmetic`: multi-digit addition/subtraction ("Compute 47 + 385. ..." → "432"). Difficulty knobs:
   `max_digits` (main one), `num_operands`, `allow_negative`.
 - `countdown`: reach a target with the given numbers, each used at most once (`use_all` = exactly once), +-*/;
-  `worked_steps`: the solution works the combinations out in `<think>` before its `<answer>` (long answers).
+  `worked_steps`: the solution works the combinations out in `<think>` before its `<answer>` (long answers);
+  `worked_search`: that `<think>` first lists every pair of the given numbers combined by each allowed op.
 - `sort`: list the given numbers from smallest to largest ("Sort 42, 7, 19 from smallest to largest. ..." →
   "7, 19, 42"); knobs `min_numbers`, `max_numbers`, `max_number`.
 - `calc_chain` (agentic): a chain of operations on a start number, one calculator call per step.
@@ -87,6 +88,20 @@ def _combine(rng: random.Random, a: int, b: int, ops: str) -> tuple[str, int] | 
     return None
 
 
+def _pair_results(numbers: list[int], ops: str) -> list[str]:
+    """One line per pair of the given numbers (by position): each allowed op on it that keeps a positive integer,
+    larger number first."""
+    lines = []
+    for i in range(len(numbers)):
+        for j in range(i + 1, len(numbers)):
+            a, b = max(numbers[i], numbers[j]), min(numbers[i], numbers[j])
+            results = [f"{a} {op} {b} = {value}" for op, value in (("+", a + b), ("-", a - b), ("*", a * b),
+                                                                  ("/", a // b if a % b == 0 else 0))
+                       if op in ops and value > 0]
+            lines.append(f"pair {a}, {b}: " + (", ".join(results) or "none"))
+    return lines
+
+
 def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
     """Draw numbers, combine all of them in a random expression tree, and use its value as the target."""
     while True:
@@ -117,7 +132,9 @@ def countdown_problem(rng: random.Random, params: CountdownParams) -> Problem:
     answer = {"target": target, "numbers": numbers, "use_all": params.use_all}
     solution = f"<answer>{expression}</answer>"
     if params.worked_steps:
-        lines = [f"Numbers {numbers}, target {target}.", *steps, f"check: {expression} = {target}, the target"]
+        search = _pair_results(numbers, params.ops) if params.worked_search else []
+        lines = [f"Numbers {numbers}, target {target}.", *search, *steps,
+                 f"check: {expression} = {target}, the target"]
         solution = "<think>\n" + "\n".join(lines) + "\n</think>\n" + solution
     return prompt, answer, solution
 
