@@ -109,7 +109,7 @@ BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "roll
              "engine_command_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
              "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s")
 RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
-               "gpu_busy_steps")  # per side, in result.json
+               "gpu_busy_steps", "failed", "grad_norms")  # per side, in result.json (TRL's failure, if any)
 
 
 # ---------------------------------------------------------------------------------------------------- shared setup
@@ -358,19 +358,28 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=TRL_REWARDS[args.task], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
+    failed = None
     with sampling(gpu) as sampler:
-        trainer.train()
+        try:
+            trainer.train()
+        except Exception as err:  # noqa: BLE001 - the steps TRL finished are still measured (and ours' whole run)
+            failed = f"step {len(clock.stamps)}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            logger.exception("TRL failed at %s", failed)
     total = time.perf_counter() - t0
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
     lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
-    out_dir = workdir / "trl_final"
-    trainer.save_model(str(out_dir))
-    tokenizer.save_pretrained(out_dir)
-    if len(rewards) != args.steps:
-        raise RuntimeError(f"trl: expected {args.steps} logged rewards, got {len(rewards)}")
-    return {"step_times": step_times(clock.stamps), "cpu_times": step_times(clock.cpu), "rewards": rewards,
-            "response_lengths": lengths, "model_dir": out_dir, "total_s": total,
-            **busy(sampler, windows(clock.stamps))}
+    grad_norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
+    out_dir = None
+    if failed is None:
+        out_dir = workdir / "trl_final"
+        trainer.save_model(str(out_dir))
+        tokenizer.save_pretrained(out_dir)
+        if len(rewards) != args.steps:
+            raise RuntimeError(f"trl: expected {args.steps} logged rewards, got {len(rewards)}")
+    done = min(len(clock.stamps), len(rewards) + 1)  # stamps of finished steps, after the start's
+    return {"step_times": step_times(clock.stamps[:done]), "cpu_times": step_times(clock.cpu[:done]),
+            "rewards": rewards[: done - 1], "response_lengths": lengths[: done - 1], "grad_norms": grad_norms,
+            "model_dir": out_dir, "total_s": total, "failed": failed, **busy(sampler, windows(clock.stamps[:done]))}
 
 
 def user_messages(task: Any, prompts: list) -> list[str]:
@@ -409,12 +418,18 @@ def evaluate(model_dir: Path, tokenizer: Any, tasks: list, args: argparse.Namesp
 
 
 def summary(side: dict[str, Any]) -> dict[str, float]:
-    times, cpu = side["step_times"], side["cpu_times"]
-    later = times[1:] or times
-    k = min(FINAL_STEPS, len(side["rewards"]))
-    return {"median_step_s": statistics.median(later), "first_step_s": times[0],
-            "median_cpu_s": statistics.median(cpu[1:] or cpu),
-            "first_reward": side["rewards"][0], "final_reward": sum(side["rewards"][-k:]) / k}
+    """Medians over steps 2..N (step 1 alone when that is all), step 1, and rewards; NaN where a side that failed
+    finished no step."""
+    times, cpu, rewards = side["step_times"], side["cpu_times"], side["rewards"]
+    nan = float("nan")
+    k = min(FINAL_STEPS, len(rewards))
+    return {"median_step_s": statistics.median(times[1:] or times) if times else nan,
+            "first_step_s": times[0] if times else nan, "median_cpu_s": statistics.median(cpu[1:] or cpu) if cpu else nan,
+            "first_reward": rewards[0] if rewards else nan, "final_reward": sum(rewards[-k:]) / k if k else nan}
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def at_least_equal(ours: float, trl: float, n: int) -> tuple[bool, str]:
@@ -497,8 +512,10 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
     cpu_ratio = st["median_cpu_s"] / so["median_cpu_s"]
     k = min(FINAL_STEPS, args.steps)
     roll_ok, roll_note = at_least_equal(so["final_reward"], st["final_reward"], k * args.prompts_per_step * args.group_size)
-    eval_ok, eval_note = at_least_equal(evals["ours"], evals["trl"], args.eval_prompts)
-    reached = ratio >= 3.0 and roll_ok and eval_ok
+    eval_ok, eval_note = (at_least_equal(evals["ours"], evals["trl"], args.eval_prompts) if evals["trl"] is not None
+                          else (False, "no TRL eval"))
+    failed = trl_side.get("failed")
+    reached = ratio >= 3.0 and roll_ok and eval_ok and not failed
     cmd = "python benchmarks/vs_trl.py " + shlex.join(sys.argv[1:])
     precision, sides = setup_desc(args)
     where = "one GPU" if args.device == "cuda" else "CPU"
@@ -516,6 +533,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         f"- same prompts in the same order per step (TRL prompt ids equal ours: {'yes' if ids_match else 'NO'}); "
         f"step time = wall time between weight versions, median over steps 2..{args.steps}; eval = greedy pass@1 on "
         f"{args.eval_prompts} held-out prompts (`slime_dsa.sft.greedy_eval`), initial model {evals['initial']:.3f}",
+        *([f"- **TRL failed at {failed}**: its figures are over the {len(trl_side['step_times'])} steps it finished "
+           f"(grad_norm per logged step: {' '.join(str(g) for g in trl_side.get('grad_norms', []))}); no TRL eval"]
+          if failed else []),
         "",
         f"| trainer | median step s | median CPU s / step | GPU busy | step 1 s (warm-up) | {args.steps} steps s "
         f"| with setup s | reward step 1 | reward last {k} steps | eval pass@1 after |",
@@ -525,7 +545,7 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         lines.append(f"| {name} | {s['median_step_s']:.2f} | {s['median_cpu_s']:.2f} "
                      f"| {busy_cell(side.get('gpu_busy'))} | {s['first_step_s']:.2f} "
                      f"| {sum(side['step_times']):.1f} | {side['total_s']:.1f} | {s['first_reward']:.3f} "
-                     f"| {s['final_reward']:.3f} | {ev:.3f} |")
+                     f"| {s['final_reward']:.3f} | {_score(ev)} |")
     lines.append("")
     lines += [
         f"- step-time ratio TRL / ours: **{ratio:.2f}x** (wall); CPU-time ratio TRL / ours: {cpu_ratio:.2f}x",
@@ -539,9 +559,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         "- ours' step in parts (perf/ keys of its metrics.jsonl, median of steps 2..N): "
         + (", ".join(f"{k} {v:.3g}" for k, v in ours.get("breakdown", {}).items()) or "none logged"),
         f"- goal (ours >= 3x faster per step with equal or better reward): "
-        f"{'reached' if reached else 'NOT reached'} ({ratio:.2f}x; reward of the last {k} steps ours "
-        f"{so['final_reward']:.3f} vs TRL {st['final_reward']:.3f}: {roll_note}; eval pass@1 ours {evals['ours']:.3f} "
-        f"vs TRL {evals['trl']:.3f}: {eval_note})",
+        f"{'reached' if reached else 'NOT reached'}{' (not decided: TRL failed)' if failed else ''} ({ratio:.2f}x; "
+        f"reward of the last {k} steps ours {so['final_reward']:.3f} vs TRL {st['final_reward']:.3f}: {roll_note}; "
+        f"eval pass@1 ours {evals['ours']:.3f} vs TRL {_score(evals['trl'])}: {eval_note})",
         "- 'with setup': ours from `run_training` to its return (Ray start, engine and trainer actors, final "
         "checkpoint, shutdown); TRL from building GRPOTrainer to the end of `train()`",
         f"- mean response tokens (mean of the steps' means): ours {mean_length(ours)}, TRL {mean_length(trl_side)}",
@@ -687,13 +707,13 @@ def main(argv: list[str] | None = None) -> int:
     gpu = nvml_source() if args.device == "cuda" else None
     logger.info("ours: %d steps", args.steps)
     ours = run_ours(args, model_dir, workdir, gpu)
+    # Evaluated before TRL runs: an error on TRL's side can leave the CUDA context unusable (a device-side assert).
+    logger.info("greedy eval of the initial model and ours' final one")
+    evals = {"initial": evaluate(model_dir, tokenizer, tasks, args),
+             "ours": evaluate(model_dir, tokenizer, tasks, args, state=ours["state"])}
     logger.info("TRL %s: %d steps", trl.__version__, args.steps)
     trl_side = run_trl(args, model_dir, workdir, messages, [trl_answer(p.answer) for p in prompts], gpu)
-
-    logger.info("greedy eval of the initial and both final models")
-    evals = {"initial": evaluate(model_dir, tokenizer, tasks, args),
-             "ours": evaluate(model_dir, tokenizer, tasks, args, state=ours["state"]),
-             "trl": evaluate(trl_side["model_dir"], tokenizer, tasks, args)}
+    evals["trl"] = None if trl_side["failed"] else evaluate(trl_side["model_dir"], tokenizer, tasks, args)
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}"
     report = markdown(args, model_desc, ours, trl_side, evals, ids_match, versions, (load_start, os.getloadavg()[0]))
     print(report)

@@ -74,7 +74,7 @@ def test_the_report_has_both_sides_gpu_busy_from_fake_readings(monkeypatch):
                               max_new_tokens=8, temperature=1.0, lr=1e-5, task="countdown", task_args={},
                               max_prompt_length=160, seed=7, recompute_old_logprobs=False, hook_state="last",
                               micro_batch_tokens=64, trl_threads=1, ours_kv_cache="auto",
-                              ours_overlap="off", trl_micro_batch=256)
+                              ours_overlap="off", trl_micro_batch=256, trl_attn="sdpa")
     text = vs_trl.markdown(args, "m", ours, trl_side, {"initial": 0.1, "ours": 0.2, "trl": 0.2}, True, "v",
                            (0.0, 0.0))
     assert "| GPU busy |" in text and "| ours | 1.10 | 1.00 | 40% |" in text and "| TRL | 1.10 | 1.00 | 80% |" in text
@@ -86,3 +86,21 @@ def test_the_report_has_both_sides_gpu_busy_from_fake_readings(monkeypatch):
     assert "| ours | 1.10 | 1.00 | - |" in cpu_text and "- per-step GPU busy TRL: -\n" in cpu_text
     unmeasured = vs_trl.busy_line(_side(None, []), _side(None, []))
     assert unmeasured.startswith("GPU busy, ours / TRL: - / - (not measured")
+
+
+def test_a_trl_side_that_failed_is_reported_over_the_steps_it_finished(monkeypatch):
+    """TRL stopped in its 3rd step (the long-answer run's NaN): the report keeps ours' whole run, TRL's two finished
+    steps and its grad norms, has no TRL eval, and leaves the goal undecided."""
+    import benchmarks.vs_trl as vs_trl
+
+    monkeypatch.setattr(vs_trl, "hardware", lambda device="cpu": "fake hardware")
+    ours = _side(None, [], parts={"rollout": 0.5, "train": 0.2, "sync": 0.1}, readback_s=[0.0])
+    trl_side = {"step_times": [9.0, 4.0], "cpu_times": [9.0, 4.0], "rewards": [0.1, 0.2], "response_lengths": [250.0, 260.0],
+                "total_s": 20.0, "gpu_busy": None, "gpu_busy_steps": [], "grad_norms": [0.0, "nan"],
+                "failed": "step 3: AcceleratorError: CUDA error: device-side assert triggered"}
+    args = vs_trl.parse_args(["--device", "cuda", "--task", "countdown", "--steps", "3"])
+    text = vs_trl.markdown(args, "m", ours, trl_side, {"initial": 0.1, "ours": 0.2, "trl": None}, True, "v", (0.0, 0.0))
+    assert "**TRL failed at step 3: AcceleratorError" in text and "over the 2 steps it finished" in text
+    assert "grad_norm per logged step: 0.0 nan" in text
+    assert "| TRL | 4.00 | 4.00 | - | 9.00 | 13.0 | 20.0 | 0.100 | 0.150 | - |" in text
+    assert "NOT reached (not decided: TRL failed) (3.64x" in text

@@ -340,8 +340,14 @@ class TrainerRank:
         if self.device.type != "cuda" or max_len <= 0 or not self.warms_up_kernels:
             return None
         start = time.perf_counter()
-        self.warmup_passes(max_len)
-        torch.cuda.synchronize(self.device)
+        try:
+            self.warmup_passes(max_len)
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a failed warm-up costs its time, not the run: kernels compile in step 1
+            logger.exception("trainer rank %d: kernel warm-up failed; the first steps compile instead", self.rank)
+            for held in self.roles.values():
+                if held.optimizer is not None:
+                    self.zero_gradients(held)
         return time.perf_counter() - start
 
     def warmup_passes(self, max_len: int) -> None:
