@@ -1,4 +1,4 @@
-"""The host work of engine_throughput.py's rollout path on CPU, with the model's forward replaced by zeros.
+r"""The host work of engine_throughput.py's rollout path on CPU, with the model's forward replaced by zeros.
 
 What runs is the rollout path itself (engine_throughput.py's module docstring): groups of --group-size samples, one
 /generate body per group parsed and answered by the server's code in process (rollout.server.in_process), an
@@ -7,30 +7,46 @@ tokenizer, every row's DSA top-k for index replay from row 0, prefix caching, an
 run. Only the forward is gone: it returns zero hidden states and zero top-k rows at once (as engine_host_time.py),
 so the run is host work plus the sampling's and the replay rows' tensor ops, which a GPU would run.
 
-Per batch: the timed run's wall time; the CPU time of the event loop's thread (parsing, admission calls, responses)
-and of the engine thread (steps, commands); the wall time in engine steps, before the first step and after the last
-one (the device idles there on a GPU); of the event loop's CPU time, that of building the responses
-(protocol.build_response) and of it the replay rows' base64 (encode_int32); the engine's host phases per step; and a
-digest of the responses (every field but the rid, the latency and cached_tokens, which moves with when a group's
-requests reach the engine).
+The RL loop's call pattern (issue 19): --paths http sends the same calls over real HTTP, the embedded server
+(rollout.server.launch.EmbeddedServer) on 127.0.0.1 in this process's event loop and the calls from a client process
+(rollout_http_client.py, rollout.client.EngineClient), as the orchestrator sends them to the engine's Ray actor;
+--lengths rl makes the answers end at varied steps, ~19 tokens (answer_lengths says what is faked). --model-forward real
+keeps the model's forward (--shape 300m: engine_throughput.py's 300m preset), so --device cuda measures the same
+on a GPU; its numerics depend on which requests share a step, so its digests may differ between paths and runs.
+
+Per batch and path: the timed run's wall time; the CPU time of the event loop's thread (parsing, admission calls,
+responses) and of the engine thread (steps, commands), and of the client process over HTTP; the wall time in engine
+steps and the engine thread's CPU time in them (the rest it waited: for the GIL, or for a core), before the first
+step and after the last one (the device idles there on a GPU); the mean decode step, its host part and host gap
+share (the engine's own stats, as perf/engine_decode_* in the RL loop); the garbage collector's time in each thread;
+of the event loop's CPU time, that of building the responses (protocol.build_response) and of it the replay rows'
+base64 (encode_int32); the engine's host phases per step; and a digest of the responses (every field but the rid,
+the latency and cached_tokens, which moves with when a group's requests reach the engine).
 
 --shape 300m gives the responses the 300m preset's sizes on the H200 (index_topk 256, 4 full layers, prompts of
 128-256 tokens, 128 new tokens); the vocabulary stays the tiny preset's, so sampling on the CPU stays small.
 --baseline-tree runs the same measurement with another checkout's code in child processes (baseline_tree.py),
-alternating with this tree's, and reports both and whether their responses were the same.
+alternating with this tree's, and reports both and whether their responses were the same. --profile-loop and
+--profile-engine write cProfile stats of the event loop's thread and of the engine's steps.
 
     PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --shape 300m --batch-sizes 256,1024
     PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --shape 300m --baseline-tree /tmp/base --rounds 3
+    PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --batch-sizes 1024 --lengths rl --no-replay \
+        --paths inprocess,http
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
+import cProfile
+import gc
 import json
 import logging
+import random
 import statistics
+import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -46,6 +62,8 @@ from slime_dsa.checkpoint import build_model
 from slime_dsa.models import ModelConfig
 
 import engine_throughput as et  # noqa: E402, I001
+import rollout_http_client  # noqa: E402, I001
+from rollout_http_client import digest  # noqa: E402, I001
 
 logger = logging.getLogger("rollout_call_host_time")
 SHAPES = {  # name: (config overrides of the tiny preset, longest prompt, new tokens)
@@ -53,7 +71,8 @@ SHAPES = {  # name: (config overrides of the tiny preset, longest prompt, new to
     "300m": ({"index_topk": 256, "num_hidden_layers": 8}, 256, 128),
 }
 responses, base64 = [0.0], [0.0]  # thread CPU seconds in protocol.build_response and, of it, encode_int32
-FIGURES = ("wall_ms", "main_cpu_ms", "engine_cpu_ms", "in_steps_ms", "before_first_step_ms", "after_last_step_ms",
+FIGURES = ("wall_ms", "main_cpu_ms", "engine_cpu_ms", "decode_step_ms", "decode_host_ms", "in_steps_ms",
+           "in_steps_engine_cpu_ms", "before_first_step_ms", "after_last_step_ms",
            "responses_cpu_ms", "replay_base64_cpu_ms")
 
 
@@ -69,20 +88,48 @@ def zero_forward(model) -> None:
     model.forward_packed = forward_packed
 
 
-def _timed_steps(engine: Engine) -> list[float]:
-    """Record [first step's start, last step's end] of the engine from now on (an instance wrapper of step)."""
+def _timed_steps(engine: Engine, profile: cProfile.Profile | None = None) -> list[float]:
+    """Record [first step's start, last step's end, engine thread CPU seconds in steps] of the engine from now on
+    (an instance wrapper of step); with `profile`, profile the steps."""
     span: list[float] = []
     step = engine.step
 
     def timed():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
+        if profile:
+            profile.enable()
         try:
             return step()
         finally:
-            span[:] = [span[0] if span else start, time.perf_counter()]
+            if profile:
+                profile.disable()
+            span[:] = [span[0] if span else start, time.perf_counter(),
+                       (span[2] if span else 0.0) + time.thread_time() - cpu]
 
     engine.step = timed
     return span
+
+
+class _GcTimer:
+    """Wall ms of the garbage collector's passes, by the thread that ran them (the engine's or the event loop's)."""
+
+    def __init__(self) -> None:
+        self.ms = {"engine": 0.0, "loop": 0.0}
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            where = "loop" if threading.current_thread() is threading.main_thread() else "engine"
+            self.ms[where] += (time.perf_counter() - self._start) * 1e3
+
+    def __enter__(self) -> "_GcTimer":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def _cpu_timed(owner: object, name: str, total: list[float]) -> None:
@@ -99,11 +146,13 @@ def _cpu_timed(owner: object, name: str, total: list[float]) -> None:
     setattr(owner, name, timed)
 
 
-def digest(groups: list[list[dict]]) -> str:
-    """sha256 of the responses, without the fields that change from run to run (rid, latency, cached_tokens)."""
-    skip = {"id", "e2e_latency", "cached_tokens"}
-    rows = [{**r, "meta_info": {k: v for k, v in r["meta_info"].items() if k not in skip}} for g in groups for r in g]
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+def answer_lengths(n: int, cap: int, seed: int) -> list[int]:
+    """--lengths rl: each sample's max_new_tokens, from N(19, 4), at least 4 and at most `cap`, as the RL loop's
+    answers (vs_trl.py on the H200: ~19 tokens, ~26 decode steps); at seed 0 and batch 1024 a group's longest is 22-33.
+    FAKE: the zero forward samples uniformly and never says EOS or the stop string; a per-sample token cap makes
+    samples end at varied steps through the engine's same finish path (finish_reason length instead of stop)."""
+    rng = random.Random(seed)
+    return [min(cap, max(4, round(rng.gauss(19, 4)))) for _ in range(n)]
 
 
 async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> dict:
@@ -116,51 +165,142 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
                     keep_indexer_topk=not args.no_replay, overlap=True, seed=args.seed)
     front = AsyncEngine(engine)
     await front.start()
-    client = InProcessClient(front, tokenizer)
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": ["</answer>"]}
+    caps = answer_lengths(batch, new_tokens, args.seed) if args.lengths == "rl" else [new_tokens] * batch
+    send = await _sender(front, tokenizer, args)
 
-    async def once(run: int) -> list[list[dict]]:
-        return await asyncio.gather(*(
-            client.generate_batch([p] * group, [{**params, "sampling_seed": run * batch + g * group + k}
-                                                for k in range(group)],
-                                  return_logprob=not args.no_logprob, session_id=f"group-{run}-{g}",
-                                  return_indexer_topk=not args.no_replay, indexer_topk_start_len=0)
-            for g, p in enumerate(prompts)))
+    def groups_of(run: int) -> list:
+        return [[p, [{**params, "max_new_tokens": caps[g * group + k], "sampling_seed": run * batch + g * group + k}
+                     for k in range(group)]] for g, p in enumerate(prompts)]
 
     try:
-        await once(0)
+        await send.digest(await (await send(0, groups_of(0)))())
         await front.update_weights({k: v.clone() for k, v in model.state_dict().items()}, weight_version="1")
+        go = await send(1, groups_of(1))
         stats = dict(engine.stats)
         engine_cpu = await front._call(time.thread_time)
-        span = _timed_steps(engine)
+        engine_profile = cProfile.Profile() if args.profile_engine else None
+        span = _timed_steps(engine, engine_profile)
         responses[0] = base64[0] = 0.0
         main_cpu, start = time.thread_time(), time.perf_counter()
-        groups = await once(1)
+        profile = cProfile.Profile() if args.profile_loop else None
+        if profile:
+            profile.enable()
+        with _GcTimer() as gc_timer:
+            done = await go()
+        if profile:
+            profile.disable()
+            profile.dump_stats(f"{args.profile_loop}.{batch}.{args.path}")
+        if engine_profile:
+            engine_profile.dump_stats(f"{args.profile_engine}.{batch}.{args.path}")
         wall, main_cpu = time.perf_counter() - start, time.thread_time() - main_cpu
         engine_cpu = await front._call(time.thread_time) - engine_cpu
+        done["digest"] = await send.digest(done)
     finally:
+        await send.close()
         await front.stop()
     d = {k: engine.stats[k] - stats.get(k, 0) for k in engine.stats}
-    steps = max(d["steps"], 1)
+    steps, decode_steps = max(d["steps"], 1), max(d["decode_steps"], 1)
     return {"wall_ms": wall * 1e3, "main_cpu_ms": main_cpu * 1e3, "engine_cpu_ms": engine_cpu * 1e3,
-            "in_steps_ms": d["step_s"] * 1e3, "before_first_step_ms": (span[0] - start) * 1e3,
+            "in_steps_ms": d["step_s"] * 1e3, "in_steps_engine_cpu_ms": span[2] * 1e3,
+            "before_first_step_ms": (span[0] - start) * 1e3,
             "after_last_step_ms": (start + wall - span[1]) * 1e3, "steps": d["steps"], "commands": d["commands"],
+            "decode_steps": d["decode_steps"], "decode_step_ms": d["decode_step_s"] / decode_steps * 1e3,
+            "decode_host_ms": (d["decode_step_s"] - d["decode_device_s"]) / decode_steps * 1e3,
+            "decode_host_gap_share": 1 - d["decode_device_s"] / max(d["decode_step_s"], 1e-9),
             "phase_ms": {k.removesuffix("_s"): d[k] / steps * 1e3 for k in et.HOST_PHASES},
+            "engine_gc_ms": gc_timer.ms["engine"], "loop_gc_ms": gc_timer.ms["loop"],
             "responses_cpu_ms": responses[0] * 1e3, "replay_base64_cpu_ms": base64[0] * 1e3,
-            "tokens": d["generated_tokens"], "digest": digest(groups), "tree": str(Path(rollout.__file__).parents[1])}
+            "tokens": d["generated_tokens"], "digest": done["digest"], "client_wall_ms": done["wall_s"] * 1e3,
+            "client_cpu_ms": done.get("cpu_s", float("nan")) * 1e3,
+            "tree": str(Path(rollout.__file__).parents[1])}
+
+
+async def _sender(front: AsyncEngine, tokenizer, args: argparse.Namespace):
+    """send(run, groups) -> go(), and go() -> {"wall_s", ...}: every group's call at once, in process (InProcessClient)
+    or, with --paths http, through the embedded server on 127.0.0.1 from a client process (rollout_http_client.py),
+    which got the groups in send(). send.digest(go's result): the responses' digest, after the timing; send.close()."""
+    def spec(run: int, groups: list) -> dict:
+        return {"run": run, "groups": groups, "return_logprob": not args.no_logprob, "replay": not args.no_replay}
+
+    if args.path == "inprocess":
+        client = InProcessClient(front, tokenizer)
+
+        async def send(run: int, groups: list):
+            async def go() -> dict:
+                done = await rollout_http_client.run(spec(run, groups), client)  # digested after the timing
+                del done["cpu_s"]  # the whole process's here: no client process of its own
+                return done
+            return go
+
+        async def groups_digest(done: dict) -> str:
+            return digest(done.pop("groups"))
+
+        send.close, send.digest = _nothing, groups_digest
+        return send
+    from rollout.server.launch import EmbeddedServer  # noqa: PLC0415
+
+    server = await EmbeddedServer.start(front, tokenizer, max_body_bytes=1 << 30)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(rollout_http_client.__file__).resolve()), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, limit=1 << 20)
+
+    async def line(text: bytes) -> bytes:
+        child.stdin.write(text + b"\n")
+        await child.stdin.drain()
+        answer = await child.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the HTTP client process ended (exit code {await child.wait()})")
+        return answer
+
+    async def send(run: int, groups: list):
+        await line(json.dumps({"url": server.url, **spec(run, groups)}).encode())  # "ready"
+
+        async def go() -> dict:
+            return json.loads(await line(b"go"))
+        return go
+
+    async def read_digest(done: dict) -> str:
+        return json.loads(await child.stdout.readline())["digest"]  # the client's second line
+
+    async def close() -> None:
+        child.stdin.close()
+        await child.wait()
+        await server.stop()
+
+    send.close, send.digest = close, read_digest
+    return send
+
+
+async def _nothing() -> None:
+    pass
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict]:
-    """run_batch at each batch size in this process: {batch: figures}."""
+    """run_batch at each batch size and call path in this process: {"<batch>" or "<batch> http": figures}."""
     torch.set_num_threads(1)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    device = torch.device(args.device)
     overrides, _, _ = SHAPES[args.shape]
-    config = ModelConfig.from_dict({**et._COMMON, **et.PRESETS["tiny"][0], **overrides})
-    model = build_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=args.seed).eval()
-    zero_forward(model)
+    if args.model_forward == "real":  # the model of engine_throughput.py's preset (300m: the H200's engthr stage)
+        config = et.model_config("300m" if args.shape == "300m" else "tiny")
+    else:
+        config = ModelConfig.from_dict({**et._COMMON, **et.PRESETS["tiny"][0], **overrides})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(config, dtype=dtype, device=device, seed=args.seed).eval()
+    if args.model_forward == "zero":
+        zero_forward(model)
     _cpu_timed(protocol, "build_response", responses)  # the event loop's part of answering (in_process calls these)
     _cpu_timed(protocol, "encode_int32", base64)
     tokenizer = et.word_tokenizer(config.vocab_size)
-    return {str(b): asyncio.run(run_batch(model, tokenizer, b, args)) for b in args.batches}
+    results = {}
+    for b in args.batches:
+        for path in args.paths:
+            args.path = path
+            key = str(b) if path == "inprocess" else f"{b} {path}"
+            results[key] = asyncio.run(run_batch(model, tokenizer, b, args))
+    return results
 
 
 def compare(args: argparse.Namespace) -> dict:
@@ -186,11 +326,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--no-replay", action="store_true", help="no DSA top-k rows for index replay")
     parser.add_argument("--no-logprob", action="store_true", help="return_logprob off")
+    parser.add_argument("--paths", default="inprocess",
+                        help="comma list of inprocess | http (the embedded server on 127.0.0.1, the calls from a "
+                             "client process: the RL loop's); each batch size runs on each path")
+    parser.add_argument("--lengths", choices=("fixed", "rl"), default="fixed",
+                        help="rl: answers end at varied steps, ~19 tokens (answer_lengths; faked by a token cap)")
+    parser.add_argument("--profile-loop", default=None, metavar="FILE",
+                        help="cProfile the event loop's thread over the timed run into FILE.<batch>.<path>")
+    parser.add_argument("--profile-engine", default=None, metavar="FILE",
+                        help="cProfile the engine thread's steps over the timed run into FILE.<batch>.<path>")
+    parser.add_argument("--model-forward", choices=("zero", "real"), default="zero",
+                        help="real: the model computes (--shape 300m: engine_throughput.py's 300m preset)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda needs --model-forward real")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in the engine's process (default: Python's, 0.005 s)")
     parser.add_argument("--seed", type=int, default=0)
     args = baseline_tree.parse(parser, argv)
     args.batches = [int(b) for b in args.batch_sizes.split(",")]
     if any(b % args.group_size for b in args.batches):
         parser.error(f"--batch-sizes must be multiples of --group-size ({args.group_size})")
+    args.paths = args.paths.split(",")
+    if not set(args.paths) <= {"inprocess", "http"}:
+        parser.error(f"--paths takes inprocess and http, got {','.join(args.paths)}")
+    if args.device == "cuda" and args.model_forward != "real":
+        parser.error("--device cuda needs --model-forward real (the zero forward makes CPU tensors)")
     logging.getLogger("rollout").setLevel(logging.WARNING)
     if baseline_tree.answered_as_child(args, measure):
         return {}

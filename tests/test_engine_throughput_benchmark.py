@@ -60,5 +60,23 @@ def test_rollout_call_host_time_reports_the_host_work_around_the_steps(monkeypat
                                                                                "stop_strings", "finish"}
         assert 0 < r["replay_base64_cpu_ms"] <= r["responses_cpu_ms"] <= r["main_cpu_ms"]
     assert runs[0]["digest"] == runs[1]["digest"]
-    for name in ("rollout_call_host_time", "engine_throughput", "baseline_tree"):
+    for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
+        sys.modules.pop(name, None)
+
+
+def test_rollout_call_host_time_over_http_answers_as_in_process(monkeypatch):
+    """--paths inprocess,http --lengths rl (the RL loop's calls: the embedded server on 127.0.0.1, a client process,
+    answers ending at varied steps): the same responses both ways, and the client's figures over HTTP."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import rollout_call_host_time as bench
+
+    argv = ["--shape", "tiny", "--batch-sizes", "32", "--group-size", "8", "--lengths", "rl", "--paths",
+            "inprocess,http", "--no-replay"]
+    result = bench.main(argv)["this"]
+    local, http = result["32"], result["32 http"]
+    assert local["digest"] == http["digest"]
+    for r in (local, http):
+        assert all(r[f] >= 0 for f in bench.FIGURES) and 0 < r["decode_steps"] < 48  # capped at 64 new tokens
+    assert http["client_cpu_ms"] > 0 and http["client_wall_ms"] <= http["wall_ms"]
+    for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
         sys.modules.pop(name, None)

@@ -1,0 +1,58 @@
+"""The orchestrator's side of rollout_call_host_time.py --paths http, in its own process as in the RL loop.
+
+Reads one JSON line per run from stdin ({"url", "groups": [[prompt, [sampling_params, ...]], ...], "return_logprob",
+"replay", "run"}) and answers "ready"; on the next line ("go") sends one /generate call per group at once through
+rollout.client.EngineClient, and prints two JSON lines: {"wall_s": from the first call to the last response,
+"cpu_s": this process's CPU time meanwhile}, then {"digest": digest(the response lists)}. No torch: the process
+stays small and starts fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+import time
+
+from rollout.client import EngineClient
+
+
+def digest(groups: list[list[dict]]) -> str:
+    """sha256 of the responses, without the fields that change from run to run (rid, latency, cached_tokens)."""
+    skip = {"id", "e2e_latency", "cached_tokens"}
+    rows = [{**r, "meta_info": {k: v for k, v in r["meta_info"].items() if k not in skip}} for g in groups for r in g]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+
+
+async def run(spec: dict, client) -> dict:
+    """One rollout of every group at once, gathered as the orchestrator gathers them (orchestrator/collection.py):
+    its wall time, this process's CPU time and the responses. `client`: EngineClient or InProcessClient."""
+    start, cpu = time.perf_counter(), time.process_time()
+    groups = await asyncio.gather(*(
+        client.generate_batch([prompt] * len(params), params, return_logprob=spec["return_logprob"],
+                              session_id=f"group-{spec['run']}-{g}", return_indexer_topk=spec["replay"],
+                              indexer_topk_start_len=0)
+        for g, (prompt, params) in enumerate(spec["groups"])))
+    return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "groups": groups}
+
+
+async def main() -> None:
+    client = None
+    loop = asyncio.get_running_loop()
+    try:
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            spec = json.loads(line)
+            client = client or EngineClient(spec["url"], max_inflight_per_engine=4096, timeout_s=3600)
+            print("ready", flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # "go": the parent's timing starts
+            done = await run(spec, client)
+            print(json.dumps({"wall_s": done["wall_s"], "cpu_s": done["cpu_s"]}), flush=True)  # its timing ends
+            print(json.dumps({"digest": digest(done["groups"])}), flush=True)
+    finally:
+        if client is not None:
+            await client.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
