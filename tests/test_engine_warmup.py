@@ -8,7 +8,7 @@ import torch
 
 import slime_dsa
 from rollout.engine import Engine, GenerateRequest, SamplingParams
-from rollout.engine.warmup import graph_widths, warm_up_engine, warmup_prompt_lengths
+from rollout.engine.warmup import graph_widths, prefill_rounds, warm_up_engine, warmup_prompt_lengths
 from tests.hf_reference import TINY, make_hf_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -26,6 +26,7 @@ def test_warmup_prompts_prefill_within_and_past_index_topk():
     assert warmup_prompt_lengths(416, 256) == [64, 63, 412]
     assert warmup_prompt_lengths(200, 256) == [64, 63]
     assert warmup_prompt_lengths(12, 4) == [4, 3, 8]
+    assert prefill_rounds(416, 256) == [[64], [63], [64, 64], [64, 63], [412]]  # rows 128 and 127 with two prompts
 
 
 def test_an_engine_after_its_warmup_answers_as_a_fresh_one(tmp_path):

@@ -32,6 +32,15 @@ def warmup_prompt_lengths(max_len: int, index_topk: int) -> list[int]:
     return [n for n in lengths if n > 0]
 
 
+def prefill_rounds(max_len: int, index_topk: int) -> list[list[int]]:
+    """Prompt lengths of each warm-up prefill: one prompt and several (kernels specialise a count of 1), of rows
+    both a multiple of 16 and odd, and the long prompt past index_topk alone."""
+    lengths = warmup_prompt_lengths(max_len, index_topk)
+    short = lengths[:2]
+    rounds = [[n] for n in short] + [[short[0], n] for n in short]
+    return rounds + [[n] for n in lengths[2:]]
+
+
 def graph_widths(max_len: int, block_size: int) -> list[int]:
     """The decode block-table widths (powers of two, in blocks) that samples of up to max_len tokens reach."""
     widest = 1 << (max(1, -(-max_len // block_size)) - 1).bit_length()
@@ -44,12 +53,13 @@ def warm_up_engine(engine: Engine, max_len: int) -> float:
     start = time.perf_counter()
     vocab, topk = engine.config.vocab_size, engine.config.index_topk
     generator = torch.Generator().manual_seed(0)
-    for i, n in enumerate(warmup_prompt_lengths(max_len, topk)):
-        ids = torch.randint(vocab, (n,), generator=generator).tolist()
-        sampling = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling_seed=i)
-        engine.add_request(GenerateRequest(ids, sampling, return_logprob=True, stream=False,
-                                           return_indexer_topk=engine.cache.keep_topk))
-        while engine.has_work:  # one prompt per prefill, so each prefill's row count keeps its parity
+    for i, lengths in enumerate(prefill_rounds(max_len, topk)):
+        for j, n in enumerate(lengths):
+            ids = torch.randint(vocab, (n,), generator=generator).tolist()
+            sampling = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling_seed=10 * i + j)
+            engine.add_request(GenerateRequest(ids, sampling, return_logprob=True, stream=False,
+                                               return_indexer_topk=engine.cache.keep_topk))
+        while engine.has_work:  # one round per prefill: its row count and its number of sequences are the round's
             engine.step()
     if engine.decoder is not None and engine.decoder.use_cuda_graphs:
         largest = engine.decoder.batch_ladder[-1]
