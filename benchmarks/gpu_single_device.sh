@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -26,6 +26,11 @@
 # vstrl_release).
 # vstrllong: the vstrl stage in the long-answer configuration, on $W/sftlong/model with its task_args, 16 x 16, 384 new
 # tokens (VSTRL_NAME default vstrl_long, VSTRL_ARGS replaces the defaults; a JSON --task-args must hold no spaces).
+# rollhttp (benchmarks/rollout_call_host_time.py --device cuda --model-forward real, 300m, batch 1024 = 64 x 16, no replay
+# rows: the rollout path in process and over the embedded server's HTTP from a client process, as the RL loop calls it;
+# ROLLHTTP_LENGTHS rl (default: answers end at varied steps, ~19 tokens) or fixed, ROLLHTTP_ARGS adds arguments,
+# ROLLHTTP_T caps it, default 240 s) appends to $OUT/rollhttp.log and writes $OUT/rollhttp_<lengths>.json: whether the
+# RL loop's 53-62% decode host gap at 64 x 16 comes from the shrinking batch (in process shows it too) or the server.
 # trlnan (benchmarks/trl_nan_check.py on $W/sftlong/model with LONG_TASK_ARGS: TRL's GRPO loss and backward on 4
 # batches of 256 sampled completions, one cut to 30 tokens, zero advantages, per attention setting sdpa / sdpa-math /
 # sdpa-eff / sdpa-cudnn / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
@@ -145,6 +150,13 @@ vstrlrel)  # the vstrl stage with ours' engine releasing its KV cache (and CUDA 
   ;;
 vstrllong)
   vstrl_stage vstrl_long "--model $W/sftlong/model --task-args $LONG_TASK_ARGS --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 384 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl_long.md"
+  ;;
+rollhttp)  # benchmarks/rollout_call_host_time.py on the GPU: the rollout path in process and over HTTP (the RL loop's)
+  stamp rollhttp
+  timeout -k 10 ${ROLLHTTP_T:-240} python3 benchmarks/rollout_call_host_time.py --device cuda --model-forward real \
+    --shape 300m --batch-sizes 1024 --lengths ${ROLLHTTP_LENGTHS:-rl} --no-replay --paths inprocess,http \
+    --out $OUT/rollhttp_${ROLLHTTP_LENGTHS:-rl}.json ${ROLLHTTP_ARGS} 2>&1 | grep --line-buffered -v "Warning" \
+    | tee -a $OUT/rollhttp.log | tail -30
   ;;
 trlnan)  # benchmarks/trl_nan_check.py: where TRL's backward turns non-finite on the long-answer policy (issue 19)
   stamp trlnan
