@@ -32,6 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.vs_trl import trl_grpo_settings  # noqa: E402 (after the path)
+
 logger = logging.getLogger("trl_nan_check")
 ATTN = ("sdpa", "sdpa-math", "sdpa-eff", "sdpa-cudnn", "eager")
 
@@ -72,9 +74,7 @@ def build_trainer(args: argparse.Namespace, prompts: list[str]) -> Any:
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=not cuda, bf16=cuda and not args.fp32, report_to="none",
         max_steps=1, per_device_train_batch_size=args.batch, num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2,
-        epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False,
-        mask_truncated_completions=False, gradient_checkpointing=False, router_aux_loss_coef=0.0, disable_tqdm=True)
+        **trl_grpo_settings(args.max_new_tokens))
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=config,
                           train_dataset=dataset, processing_class=tokenizer)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); compute_loss reads it

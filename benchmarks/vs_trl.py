@@ -306,6 +306,15 @@ def busy(sampler: UtilizationSampler | None, steps: list[tuple[float, float]]) -
 # ---------------------------------------------------------------------------------------------------- TRL
 
 
+def trl_grpo_settings(max_new_tokens: int, temperature: float = 1.0) -> dict[str, Any]:
+    """GRPOConfig's sampling and loss settings that match ours: the whole vocabulary at `temperature`, no KL,
+    Clip-Higher (0.2 / 0.28), token-mean (dapo) loss, group-scaled rewards, one update per batch."""
+    return dict(max_completion_length=max_new_tokens, temperature=temperature, top_p=1.0, top_k=0, beta=0.0,
+                epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", num_iterations=1,
+                mask_truncated_completions=False, gradient_checkpointing=False, router_aux_loss_coef=0.0,
+                shuffle_dataset=False, disable_tqdm=True)
+
+
 def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: list[str],
             answers: list[str], gpu: Source | None = None) -> dict[str, Any]:
     """TRL's GRPOTrainer on --device with the same prompts (in our order), reward and hyper-parameters; `gpu` as
@@ -346,13 +355,11 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     micro = trl_micro_batch(args)
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=not cuda, bf16=cuda, fp16=False, report_to="none", logging_steps=1,
-        save_strategy="no", max_steps=args.steps, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
+        save_strategy="no", max_steps=args.steps, seed=args.seed, data_seed=args.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro, num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
-        adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-        scale_rewards="group", num_iterations=1, mask_truncated_completions=False, gradient_checkpointing=False,
-        router_aux_loss_coef=0.0, dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
+        adam_beta2=0.999, max_grad_norm=1.0, dataloader_num_workers=0, remove_unused_columns=False,
+        **trl_grpo_settings(args.max_new_tokens, args.temperature),
     )
     clock = StepClock()
     t0 = time.perf_counter()

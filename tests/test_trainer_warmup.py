@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tests.test_rank_step import _checkpoint
 from tests.triton_cache import compiled_kernels, new_compiles
 from trainers.base import TrainBatch
 from trainers.warmup import PROMPT_TOKENS, warmup_batches, warmup_lengths
@@ -63,15 +64,6 @@ def _train_twice(worker, batch: TrainBatch) -> tuple[list, dict[str, torch.Tenso
                                             recompute_old_logprobs=True))
     weights = {k: v.detach().cpu().clone() for k, v in worker.policy.model.state_dict().items()}
     return results, weights
-
-
-def _checkpoint(tmp_path, preset: str, vocab: int):
-    from slime_dsa.checkpoint.hf_format import build_model, save_pretrained  # noqa: PLC0415
-    from slime_dsa.models.presets import preset_config  # noqa: PLC0415
-
-    path = tmp_path / preset
-    save_pretrained(build_model(preset_config(preset, vocab_size=vocab, eos_token_id=1), seed=0, dtype=torch.float32), path)
-    return path
 
 
 def _grpo_batch(lengths: list[int], prompt: int, group: int, vocab: int, seed: int = 0) -> TrainBatch:
