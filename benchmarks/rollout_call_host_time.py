@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import gc
 import json
@@ -53,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+import trace_steps  # beside this script
 import baseline_tree  # beside this script (sys.path[0]): a child on a baseline tree imports this tree's copy
 import rollout  # the tree under test (PYTHONPATH; a child: the baseline tree) before engine_throughput puts this
 from rollout.engine import AsyncEngine, Engine  # checkout first on the path: its imports then find these modules
@@ -88,21 +90,26 @@ def zero_forward(model) -> None:
     model.forward_packed = forward_packed
 
 
-def _timed_steps(engine: Engine, profile: cProfile.Profile | None = None) -> list[float]:
+def _timed_steps(engine: Engine, profile: cProfile.Profile | None = None,
+                 windows: list[tuple[int, int, bool]] | None = None) -> list[float]:
     """Record [first step's start, last step's end, engine thread CPU seconds in steps] of the engine from now on
-    (an instance wrapper of step); with `profile`, profile the steps."""
+    (an instance wrapper of step); with `profile`, profile the steps; with `windows`, append each step's (start ns,
+    end ns, decode-only) on the wall clock, which torch.profiler's traces use (trace_steps.summarize)."""
     span: list[float] = []
     step = engine.step
 
     def timed():
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, wall_ns = time.perf_counter(), time.thread_time(), time.time_ns()
         if profile:
             profile.enable()
+        decodes = engine.stats["decode_steps"]
         try:
             return step()
         finally:
             if profile:
                 profile.disable()
+            if windows is not None:
+                windows.append((wall_ns, time.time_ns(), engine.stats["decode_steps"] > decodes))
             span[:] = [span[0] if span else start, time.perf_counter(),
                        (span[2] if span else 0.0) + time.thread_time() - cpu]
 
@@ -163,7 +170,7 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
     need = sum(-(-(len(p) + new_tokens) // 16) for p in prompts) * group * 16
     engine = Engine(model, max_cache_tokens=need + 16, max_running_requests=batch, block_size=16, tokenizer=tokenizer,
                     keep_indexer_topk=not args.no_replay, overlap=True, seed=args.seed)
-    front = AsyncEngine(engine)
+    front = AsyncEngine(engine) if args.gather_ms is None else AsyncEngine(engine, gather_ms=args.gather_ms)
     await front.start()
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": ["</answer>"]}
     caps = answer_lengths(batch, new_tokens, args.seed) if args.lengths == "rl" else [new_tokens] * batch
@@ -180,13 +187,15 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
         stats = dict(engine.stats)
         engine_cpu = await front._call(time.thread_time)
         engine_profile = cProfile.Profile() if args.profile_engine else None
-        span = _timed_steps(engine, engine_profile)
+        windows: list[tuple[int, int, bool]] | None = [] if args.torch_trace else None
+        span = _timed_steps(engine, engine_profile, windows)
+        tracer = _torch_tracer(args)
         responses[0] = base64[0] = 0.0
         main_cpu, start = time.thread_time(), time.perf_counter()
         profile = cProfile.Profile() if args.profile_loop else None
         if profile:
             profile.enable()
-        with _GcTimer() as gc_timer:
+        with _GcTimer() as gc_timer, tracer:
             done = await go()
         if profile:
             profile.disable()
@@ -200,6 +209,11 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
         await send.close()
         await front.stop()
     d = {k: engine.stats[k] - stats.get(k, 0) for k in engine.stats}
+    trace = None
+    if args.torch_trace:
+        path = f"{args.torch_trace}.{batch}.{args.path}.json.gz"
+        tracer.export_chrome_trace(path)
+        trace = trace_steps.summarize(path, windows)
     steps, decode_steps = max(d["steps"], 1), max(d["decode_steps"], 1)
     return {"wall_ms": wall * 1e3, "main_cpu_ms": main_cpu * 1e3, "engine_cpu_ms": engine_cpu * 1e3,
             "in_steps_ms": d["step_s"] * 1e3, "in_steps_engine_cpu_ms": span[2] * 1e3,
@@ -213,7 +227,17 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
             "responses_cpu_ms": responses[0] * 1e3, "replay_base64_cpu_ms": base64[0] * 1e3,
             "tokens": d["generated_tokens"], "digest": done["digest"], "client_wall_ms": done["wall_s"] * 1e3,
             "client_cpu_ms": done.get("cpu_s", float("nan")) * 1e3,
-            "tree": str(Path(rollout.__file__).parents[1])}
+            "tree": str(Path(rollout.__file__).parents[1]), **({"trace": trace} if trace else {})}
+
+
+def _torch_tracer(args: argparse.Namespace):
+    """A torch.profiler over the timed run with --torch-trace (CUDA kernels on a GPU), else a no-op context."""
+    if not args.torch_trace:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 async def _sender(front: AsyncEngine, tokenizer, args: argparse.Namespace):
@@ -333,6 +357,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="rl: answers end at varied steps, ~19 tokens (answer_lengths; faked by a token cap)")
     parser.add_argument("--profile-loop", default=None, metavar="FILE",
                         help="cProfile the event loop's thread over the timed run into FILE.<batch>.<path>")
+    parser.add_argument("--gather-ms", type=float, default=None,
+                        help="AsyncEngine's gather_ms (default: its own): how long an idle engine waits for the next "
+                             "call of a burst before its first step")
+    parser.add_argument("--torch-trace", default=None, metavar="PREFIX",
+                        help="torch.profiler over the timed run: PREFIX.<batch>.<path>.json.gz (Chrome trace) and, in "
+                             "the figures, the GPU-busy share per step kind and the top kernels (trace_steps.py)")
     parser.add_argument("--profile-engine", default=None, metavar="FILE",
                         help="cProfile the engine thread's steps over the timed run into FILE.<batch>.<path>")
     parser.add_argument("--model-forward", choices=("zero", "real"), default="zero",

@@ -106,7 +106,7 @@ FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many st
 # (rollout.timing), the engine's own time in it, and the hand-over of memory around training (colocated GPUs).
 BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "rollout_call_ms", "rollout_transport_ms",
              "rollout_assemble_s", "rollout_reward_s", "engine_busy_s", "engine_decode_steps", "engine_decode_step_ms",
-             "engine_command_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
+             "engine_command_s", "engine_gather_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
              "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s")
 RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
                "gpu_busy_steps", "failed", "grad_norms")  # per side, in result.json (TRL's failure, if any)

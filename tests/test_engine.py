@@ -837,3 +837,26 @@ def test_async_engine_finals_add_a_call_at_once(model):
         await engine.stop()
 
     asyncio.run(main())
+
+
+def test_async_engine_gathers_a_burst_of_calls_into_one_prefill(model):
+    """An idle engine waits for the rest of a burst (calls arriving within gather_ms of each other) before its first
+    step: 12 calls started together are prefilled in one step; gather_ms < 0 is refused."""
+    ps = prompts([5 + i for i in range(12)], seed=3)
+
+    async def main():
+        engine = AsyncEngine(Engine(model, max_cache_tokens=2048, block_size=4), gather_ms=200.0)
+        await engine.start()
+        await engine.finals([GenerateRequest(input_ids=ps[0], sampling=greedy(1), rid="warm")])
+        stats = engine.engine.stats
+        steps, decode_steps, gathered = stats["steps"], stats["decode_steps"], stats["gather_s"]
+        outs = await asyncio.gather(*(engine.finals([GenerateRequest(input_ids=p, sampling=greedy(3), rid=f"r{i}")])
+                                      for i, p in enumerate(ps)))
+        assert all(len(o[0].output_ids) == 3 for o in outs)
+        assert (stats["steps"] - steps) - (stats["decode_steps"] - decode_steps) == 1  # one prefill step for all
+        assert stats["gather_s"] > gathered
+        await engine.stop()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="gather_ms"):
+        AsyncEngine(Engine(model, max_cache_tokens=64, block_size=4), gather_ms=-1)

@@ -19,9 +19,10 @@ COUNTERS = ("steps", "generated_tokens", "step_s", "device_s", "decode_steps", "
 # Counted outside the steps, 0 when an engine does not report them (an older build): CUDA graphs captured and the
 # seconds they took, and the seconds spent handing memory to a colocated trainer and taking it back.
 # commands / command_s: calls run on the engine thread between steps (adding requests, aborts, weights, memory);
-# weights_update_s: of them, applying weight updates (checks, copies, derived caches).
+# weights_update_s: of them, applying weight updates (checks, copies, derived caches); gather_s: time an idle
+# engine waited for the rest of a burst of calls before its first step (AsyncEngine's gather_ms).
 OPTIONAL_COUNTERS = ("graph_captures", "graph_capture_s", "memory_release_s", "memory_resume_s", "commands",
-                     "command_s", "weights_update_s")
+                     "command_s", "weights_update_s", "gather_s")
 
 
 def counters(stats: Mapping[str, float], prefix: str = "") -> dict[str, float] | None:

@@ -26,7 +26,10 @@ BLOCK_N = 128  # keys per tile
 TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them)
 
 
-@triton.jit
+# Lengths vary from call to call; specialising on them (an int's divisibility by 16, a block row's alignment) would
+# compile new variants mid-run. The scores' row stride is kept a multiple of 16 instead (score_rows), so stores stay wide.
+@triton.jit(do_not_specialize=["chunk_q0", "width"],
+            do_not_specialize_on_alignment=["blk_q_ptr", "blk_n_ptr", "blk_kstart_ptr", "blk_pos_ptr"])
 def _indexer_scores_kernel(
     q_ptr, k_ptr, w_ptr, scores_ptr,
     blk_q_ptr, blk_n_ptr, blk_kstart_ptr, blk_pos_ptr,
@@ -122,6 +125,11 @@ def block_queries(Hi: int, cu_q: list[int]) -> int:
     return max(16 // block_hi, 1, min(fill, triton.next_power_of_2(max(1, longest))))
 
 
+def score_rows(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised float32 (rows, width) view whose row stride is a multiple of 16 (one kernel variant)."""
+    return torch.empty(rows, -(-width // 16) * 16, dtype=torch.float32, device=device)[:, :width]
+
+
 def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scale: float, block_m: int) -> None:
     """Score one chunk: `blocks` from `_plan_chunks` (made with the same block_m) into scores (rows, width)."""
     Hi, Di = q.shape[1], q.shape[2]
@@ -161,7 +169,7 @@ def indexer_topk(
     block_m = block_queries(Hi, cu_q)
     n_valid = _query_positions(cu_seqlens_q, cu_seqlens_k)[1] + 1  # (Tq,) causal keys per query
     for r0, r1, width, blocks in _plan_chunks(cu_q, cu_k, topk, block_m):
-        scores = torch.empty(r1 - r0, width, dtype=torch.float32, device=q.device)  # every entry written below
+        scores = score_rows(r1 - r0, width, q.device)  # every entry written below
         launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m)
         topk_select(scores, n_valid[r0:r1], topk, out=out[r0:r1])
     return out

@@ -26,7 +26,8 @@ def _order_key(x):
     return tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
 
 
-@triton.jit
+# One variant for every call: widths vary with the lengths, and n_valid / out are often row slices of larger tensors.
+@triton.jit(do_not_specialize=["width"], do_not_specialize_on_alignment=["n_valid_ptr", "out_ptr"])
 def _topk_select_kernel(
     scores_ptr, n_valid_ptr, out_ptr, stride_s, stride_o, width, K, BLOCK: tl.constexpr,
 ):
