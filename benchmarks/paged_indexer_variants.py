@@ -105,6 +105,7 @@ class ScoreVariant:
 
 SCORE_VARIANTS: list[Callable] = [
     paged_scores,  # the current kernel: BLOCK_N 64, 4 warps
+    ScoreVariant("n64 w2", num_warps=2),
     ScoreVariant("n128 w4", block_n=128),
     ScoreVariant("n128 w8", block_n=128, num_warps=8),
     ScoreVariant("n256 w8", block_n=256, num_warps=8),
