@@ -19,6 +19,7 @@ from slime_dsa.ops.triton_topk import _order_key
 BLOCK = 1024  # entries per step of a slice
 NUM_WARPS = 4
 PROGRAMS_PER_SM = 4  # slices are sized so that rows x slices fill the GPU this many times over
+MAX_SLICES = 256  # one bound for every call, so that no batch size compiles a new variant
 
 
 @triton.jit
@@ -37,7 +38,8 @@ def _threshold(hist_ptr, n, K, LEVELS):
     return prefix, need
 
 
-@triton.jit(do_not_specialize=["level"])
+# As in triton_topk, one variant for every call: widths vary with the lengths, and n_valid / out may be row slices.
+@triton.jit(do_not_specialize=["width", "level"], do_not_specialize_on_alignment=["n_valid_ptr"])
 def _hist_kernel(
     scores_ptr, n_valid_ptr, hist_ptr, stride_s, width, K, slice_len, level, BLOCK: tl.constexpr,
 ):
@@ -62,7 +64,7 @@ def _hist_kernel(
     tl.atomic_add(h_row + level * 256 + bins, hist, mask=hist != 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width"], do_not_specialize_on_alignment=["n_valid_ptr"])
 def _count_kernel(scores_ptr, n_valid_ptr, hist_ptr, counts_ptr, stride_s, width, K, slice_len, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(n_valid_ptr + row).to(tl.int32), width)
@@ -83,7 +85,7 @@ def _count_kernel(scores_ptr, n_valid_ptr, hist_ptr, counts_ptr, stride_s, width
     tl.store(c + 1, ties)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width"], do_not_specialize_on_alignment=["n_valid_ptr", "out_ptr"])
 def _write_kernel(
     scores_ptr, n_valid_ptr, hist_ptr, counts_ptr, out_ptr, stride_s, stride_o, width, K, slice_len,
     BLOCK: tl.constexpr, MAX_SLICES: tl.constexpr,
@@ -120,7 +122,7 @@ def _write_kernel(
 def split_slices(rows: int, width: int, block: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Slices per row so that rows x slices fill every SM `per_sm` times, at least one block a slice."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(per_sm * sms, max(rows, 1)), triton.cdiv(width, block)))
+    return max(1, min(triton.cdiv(per_sm * sms, max(rows, 1)), triton.cdiv(width, block), MAX_SLICES))
 
 
 def topk_select_split(
@@ -135,7 +137,7 @@ def topk_select_split(
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     n_valid = n_valid.contiguous()
-    slices = slices or split_slices(R, W, block, scores.device)
+    slices = min(slices or split_slices(R, W, block, scores.device), MAX_SLICES)
     slice_len = triton.cdiv(triton.cdiv(W, slices), block) * block
     slices = triton.cdiv(W, slice_len) if W else 1
     hist = torch.zeros(R, 4, 256, dtype=torch.int32, device=scores.device)
@@ -147,7 +149,7 @@ def topk_select_split(
     _count_kernel[grid](scores, n_valid, hist, counts, scores.stride(0), W, topk, slice_len, BLOCK=block,
                         num_warps=num_warps)
     _write_kernel[grid](scores, n_valid, hist, counts, out, scores.stride(0), out.stride(0), W, topk, slice_len,
-                        BLOCK=block, MAX_SLICES=max(2, triton.next_power_of_2(slices)), num_warps=num_warps)
+                        BLOCK=block, MAX_SLICES=MAX_SLICES, num_warps=num_warps)
     return out
 
 
