@@ -43,6 +43,22 @@ def check_topk_select() -> None:
         assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select width {width} k {k}"
 
 
+def check_topk_select_split() -> None:
+    """The split radix select on the rows of check_topk_select, cut into one to many slices."""
+    from slime_dsa.ops.triton_topk_split import topk_select_split  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    cases = ((300, 64, False, 3, 64), (4100, 2100, True, 5, 256), (2500, 100, True, None, 128), (700, 50, True, 1, 1024))
+    for width, k, tied, slices, block in cases:
+        scores = _ints(6, width, g=g) if tied else torch.randn(6, width, generator=g)
+        scores[scores == 0] = -0.0
+        scores[0, 7] = float("-inf")
+        n_valid = torch.tensor([width, min(k, width), 0, 1, width - 1, k + 1])
+        got = topk_select_split(scores, n_valid, k, slices=slices, block=block)
+        valid = torch.arange(width)[None, :] < n_valid[:, None]
+        assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select_split width {width} k {k}"
+
+
 def check_indexer_topk() -> None:
     """Packed prefill and decode rows (one query per sequence), several heads per tile row."""
     from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
@@ -145,7 +161,7 @@ def check_masked_ranges() -> None:
         mla.USE_MASKED_RANGES = saved
 
 
-CHECKS = [check_topk_select, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla, check_masked_ranges]
+CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla, check_masked_ranges]
 
 
 def main() -> int:

@@ -353,6 +353,28 @@ def test_topk_select_matches_reference(tied):
     assert torch.equal(got, reference.select_topk(scores, valid, k))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_topk_select_split_matches_reference_in_a_cuda_graph(tied):
+    """The split radix select (a decode candidate) on the rows above, at several slice counts, and in a graph."""
+    from slime_dsa.ops.triton_topk_split import topk_select_split
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    R, W, k = 8, 96 * 1024, 2048
+    scores = (torch.randint(-3, 4, (R, W), device="cuda", generator=g).float() if tied
+              else torch.randn(R, W, device="cuda", generator=g))
+    n_valid = torch.tensor([W, 1, 0, k, k + 1, 5000, W - 1, 70000], device="cuda")
+    valid = torch.arange(W, device="cuda")[None, :] < n_valid[:, None]
+    want = reference.select_topk(scores, valid, k)
+    for slices in (None, 1, 7, 96):
+        assert torch.equal(topk_select_split(scores, n_valid, k, slices=slices), want), f"slices {slices}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = topk_select_split(scores, n_valid, k)
+    scores.neg_()  # new inputs in the same buffers
+    graph.replay()
+    assert torch.equal(got, reference.select_topk(scores, valid, k))
+
+
 def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int):
     """Keys scattered over a pool in random slots; per-sequence lengths from 1 to the table width."""
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -39,12 +39,11 @@ def _paged_scores_kernel(
     tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
 
 
-@torch.no_grad()
-def indexer_topk_paged(
+def paged_scores(
     q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
-    topk: int, scale: float,
+    scale: float,
 ) -> torch.Tensor:
-    """Same contract as `reference.indexer_topk_paged`: (B, topk) sequence-local positions, ascending, -1 padded."""
+    """Indexer scores (B, W) float32 of every key position, -inf past seq_lens[b]."""
     B, Hi, Di = q.shape
     width = key_slots.shape[1]
     scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
@@ -54,7 +53,16 @@ def indexer_topk_paged(
             width, float(scale), HI=Hi, DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)),
             BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N, num_warps=4,
         )
-    return topk_select(scores, seq_lens, topk)
+    return scores
 
 
-__all__ = ["indexer_topk_paged"]
+@torch.no_grad()
+def indexer_topk_paged(
+    q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
+    topk: int, scale: float,
+) -> torch.Tensor:
+    """Same contract as `reference.indexer_topk_paged`: (B, topk) sequence-local positions, ascending, -1 padded."""
+    return topk_select(paged_scores(q, k_pool, weights, key_slots, seq_lens, scale), seq_lens, topk)
+
+
+__all__ = ["indexer_topk_paged", "paged_scores"]
