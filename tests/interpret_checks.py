@@ -80,8 +80,15 @@ def check_indexer_topk_paged() -> None:
     q, k_pool, w = _ints(B, Hi, Di, g=g), _ints(pool, Di, g=g), _ints(B, Hi, g=g)
     slots = torch.randperm(pool, generator=g)[: B * width].view(B, width)
     lens = torch.tensor([1, 100, 37, 64, 65, 5])
-    got = indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)
-    assert torch.equal(got, reference.indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)), "indexer_topk_paged"
+    want = reference.indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)
+    assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged"
+    from slime_dsa.ops import triton_indexer_paged  # noqa: PLC0415
+
+    wide, triton_indexer_paged.SPLIT_MIN_WIDTH = triton_indexer_paged.SPLIT_MIN_WIDTH, width  # the split select
+    try:
+        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
+    finally:
+        triton_indexer_paged.SPLIT_MIN_WIDTH = wide
 
 
 def _mostly_empty_indices(T: int, Tk: int, K: int, g: torch.Generator) -> torch.Tensor:

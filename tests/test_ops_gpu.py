@@ -375,10 +375,10 @@ def test_topk_select_split_matches_reference_in_a_cuda_graph(tied):
     assert torch.equal(got, reference.select_topk(scores, valid, k))
 
 
-def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int):
+def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int, width: int = 384):
     """Keys scattered over a pool in random slots; per-sequence lengths from 1 to the table width."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    width, pool = 384, 40_000
+    pool = max(40_000, B * width)
     draw = (lambda *s: torch.randint(-2, 3, s, device="cuda", generator=g).float()) if integer else \
         (lambda *s: torch.randn(*s, device="cuda", generator=g))
     q, k_pool, w = draw(B, Hi, Di).bfloat16(), draw(pool, Di).bfloat16(), draw(B, Hi) * (1.0 if integer else Hi**-0.5)
@@ -389,9 +389,10 @@ def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int):
 
 
 @pytest.mark.parametrize("integer", [True, False])
-def test_indexer_topk_paged_matches_reference(integer):
+@pytest.mark.parametrize("batch,width", [(64, 384), (8, 12_000)])  # the wide rows take the split select
+def test_indexer_topk_paged_matches_reference(integer, batch, width):
     """Integer inputs: exact scores with many ties, so identical results; random ones: at most 0.1% of slots differ."""
-    q, k_pool, w, key_slots, seq_lens = _paged_case(64, 16, 64, integer, seed=4)
+    q, k_pool, w, key_slots, seq_lens = _paged_case(batch, 16, 64, integer, seed=4, width=width)
     scale = 1.0 if integer else 64**-0.5
     got = _kernels().indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 128, scale)
     want = reference.indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 128, scale)

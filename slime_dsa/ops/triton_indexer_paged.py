@@ -3,7 +3,8 @@
 One program scores BLOCK_N key positions of one sequence with all index heads. It reads the keys through
 their pool slots, so nothing is first gathered into a packed copy, and writes float32 scores (-inf past the
 sequence's length). `triton_topk.topk_select` then picks the top-k with the tie rule of `reference.py`
-(equal scores prefer the lower position), positions ascending.
+(equal scores prefer the lower position), positions ascending; from SPLIT_MIN_WIDTH key positions on,
+`triton_topk_split.topk_select_split` does, with each row spread over many programs (same result).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import triton
 import triton.language as tl
 
 from slime_dsa.ops.triton_topk import topk_select
+from slime_dsa.ops.triton_topk_split import topk_select_split
 
 BLOCK_N = 64  # key positions per program
+# One program per row leaves most SMs idle on long rows at small batches (H200, 64K keys: batch 1 0.345 -> 0.035 ms,
+# batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
+SPLIT_MIN_WIDTH = 8192
 
 
 @triton.jit
@@ -62,7 +67,9 @@ def indexer_topk_paged(
     topk: int, scale: float,
 ) -> torch.Tensor:
     """Same contract as `reference.indexer_topk_paged`: (B, topk) sequence-local positions, ascending, -1 padded."""
-    return topk_select(paged_scores(q, k_pool, weights, key_slots, seq_lens, scale), seq_lens, topk)
+    scores = paged_scores(q, k_pool, weights, key_slots, seq_lens, scale)
+    select = topk_select_split if scores.shape[1] >= SPLIT_MIN_WIDTH else topk_select
+    return select(scores, seq_lens, topk)
 
 
 __all__ = ["indexer_topk_paged", "paged_scores"]
