@@ -355,7 +355,8 @@ def test_topk_select_matches_reference(tied):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_topk_select_split_matches_reference_in_a_cuda_graph(tied):
-    """The split radix select (the paged indexer's for long rows) on the rows above, at several slice counts, and in a graph."""
+    """The split radix select (the paged indexer's, for long rows) on the rows above, at several slice counts, and
+    in a CUDA graph."""
     from slime_dsa.ops.triton_topk_split import topk_select_split
 
     g = torch.Generator(device="cuda").manual_seed(7)

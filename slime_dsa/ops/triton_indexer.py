@@ -27,7 +27,7 @@ TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them
 
 
 # Lengths vary from call to call; specialising on them (an int's divisibility by 16, a block row's alignment) would
-# compile new variants mid-run. The scores' row stride is kept a multiple of 16 instead (score_rows), so stores stay wide.
+# compile new variants mid-run. The scores' row stride is kept a multiple of 16 instead (score_rows): stores stay wide.
 @triton.jit(do_not_specialize=["chunk_q0", "width"],
             do_not_specialize_on_alignment=["blk_q_ptr", "blk_n_ptr", "blk_kstart_ptr", "blk_pos_ptr"])
 def _indexer_scores_kernel(
