@@ -10,7 +10,9 @@ so the run is host work plus the sampling's and the replay rows' tensor ops, whi
 The RL loop's call pattern (issue 19): --paths http sends the same calls over real HTTP, the embedded server
 (rollout.server.launch.EmbeddedServer) on 127.0.0.1 in this process's event loop and the calls from a client process
 (rollout_http_client.py, rollout.client.EngineClient), as the orchestrator sends them to the engine's Ray actor;
---lengths rl makes the answers end at varied steps, ~19 tokens (answer_lengths says what is faked). --model-forward real
+--call-form n (the default) sends each group's prompt once with n and the first seed, as the RL loop does to embedded
+engines, per-sample one prompt per sample with its seed, as to SGLang (same responses); --lengths rl makes the
+answers end at varied steps, ~19 tokens (answer_lengths says what is faked). --model-forward real
 keeps the model's forward (--shape 300m: engine_throughput.py's 300m preset), so --device cuda measures the same
 on a GPU; its numerics depend on which requests share a step, so its digests may differ between paths and runs.
 
@@ -33,6 +35,8 @@ alternating with this tree's, and reports both and whether their responses were 
     PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --shape 300m --baseline-tree /tmp/base --rounds 3
     PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --batch-sizes 1024 --lengths rl --no-replay \
         --paths inprocess,http
+    PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --batch-sizes 256,1024 --lengths rl --no-replay \
+        --paths http --call-form per-sample
 """
 
 from __future__ import annotations
@@ -162,6 +166,20 @@ def answer_lengths(n: int, cap: int, seed: int) -> list[int]:
     return [min(cap, max(4, round(rng.gauss(19, 4)))) for _ in range(n)]
 
 
+def cap_by_seed(front: AsyncEngine, caps: list[int], batch: int) -> None:
+    """--lengths rl: each request's max_new_tokens is caps[its sampling_seed % batch] (seeds run * batch + sample), set
+    once the server has parsed its call. FAKE, with answer_lengths: the calls carry one max_new_tokens for every
+    sample, as the RL loop's do, so a group's call can take either form."""
+    finals = front.finals
+
+    async def capped(requests):
+        for req in requests:
+            req.sampling.max_new_tokens = caps[req.sampling.sampling_seed % batch]
+        return await finals(requests)
+
+    front.finals = capped
+
+
 async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> dict:
     """One engine through a first run, a weight update and the timed run of `batch` requests: its figures."""
     _, prompt_len, new_tokens = SHAPES[args.shape]
@@ -173,12 +191,13 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
     front = AsyncEngine(engine) if args.gather_ms is None else AsyncEngine(engine, gather_ms=args.gather_ms)
     await front.start()
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": ["</answer>"]}
-    caps = answer_lengths(batch, new_tokens, args.seed) if args.lengths == "rl" else [new_tokens] * batch
+    if args.lengths == "rl":
+        cap_by_seed(front, answer_lengths(batch, new_tokens, args.seed), batch)
     send = await _sender(front, tokenizer, args)
 
     def groups_of(run: int) -> list:
-        return [[p, [{**params, "max_new_tokens": caps[g * group + k], "sampling_seed": run * batch + g * group + k}
-                     for k in range(group)]] for g, p in enumerate(prompts)]
+        return [[p, [{**params, "sampling_seed": run * batch + g * group + k} for k in range(group)]]
+                for g, p in enumerate(prompts)]
 
     try:
         await send.digest(await (await send(0, groups_of(0)))())
@@ -245,7 +264,8 @@ async def _sender(front: AsyncEngine, tokenizer, args: argparse.Namespace):
     or, with --paths http, through the embedded server on 127.0.0.1 from a client process (rollout_http_client.py),
     which got the groups in send(). send.digest(go's result): the responses' digest, after the timing; send.close()."""
     def spec(run: int, groups: list) -> dict:
-        return {"run": run, "groups": groups, "return_logprob": not args.no_logprob, "replay": not args.no_replay}
+        return {"run": run, "groups": groups, "return_logprob": not args.no_logprob, "replay": not args.no_replay,
+                "form": args.call_form}
 
     if args.path == "inprocess":
         client = InProcessClient(front, tokenizer)
@@ -355,6 +375,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "client process: the RL loop's); each batch size runs on each path")
     parser.add_argument("--lengths", choices=("fixed", "rl"), default="fixed",
                         help="rl: answers end at varied steps, ~19 tokens (answer_lengths; faked by a token cap)")
+    parser.add_argument("--call-form", choices=("n", "per-sample"), default="n",
+                        help="a group's call: n, the prompt once with n and the first seed (the RL loop's to embedded "
+                             "engines); per-sample, one prompt per sample with its seed (its form for SGLang)")
     parser.add_argument("--profile-loop", default=None, metavar="FILE",
                         help="cProfile the event loop's thread over the timed run into FILE.<batch>.<path>")
     parser.add_argument("--gather-ms", type=float, default=None,

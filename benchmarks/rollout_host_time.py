@@ -53,8 +53,11 @@ class AnswerClient:
     async def generate_batch(self, prompts, sampling_params, **options) -> list[dict]:
         return [self.answers[tuple(p), sp["sampling_seed"]] for p, sp in zip(prompts, sampling_params)]
 
-    async def generate(self, input_ids, sampling_params=None, **options) -> dict:
-        return self.answers[tuple(input_ids), sampling_params["sampling_seed"]]
+    async def generate(self, input_ids, sampling_params=None, **options) -> dict | list[dict]:
+        n, seed = sampling_params.get("n", 1), sampling_params["sampling_seed"]
+        if n == 1:
+            return self.answers[tuple(input_ids), seed]
+        return [self.answers[tuple(input_ids), seed + j] for j in range(n)]  # as our server seeds n samples
 
 
 def answer_text(solution: str, k: int, rng: random.Random) -> str:

@@ -1,10 +1,11 @@
 """The orchestrator's side of rollout_call_host_time.py --paths http, in its own process as in the RL loop.
 
 Reads one JSON line per run from stdin ({"url", "groups": [[prompt, [sampling_params, ...]], ...], "return_logprob",
-"replay", "run"}) and answers "ready"; on the next line ("go") sends one /generate call per group at once through
-rollout.client.EngineClient, and prints two JSON lines: {"wall_s": from the first call to the last response,
-"cpu_s": this process's CPU time meanwhile}, then {"digest": digest(the response lists)}. No torch: the process
-stays small and starts fast.
+"replay", "run", "form"}) and answers "ready"; on the next line ("go") sends one /generate call per group at once
+through rollout.client.EngineClient, in the form the RL loop sends (form "n": one prompt with n and the first seed, as
+to embedded engines; "per-sample": one prompt per sample, as to SGLang), and prints two JSON lines: {"wall_s": from
+the first call to the last response, "cpu_s": this process's CPU time meanwhile}, then {"digest": digest(the response
+lists)}. No torch: the process stays small and starts fast.
 """
 
 from __future__ import annotations
@@ -25,14 +26,21 @@ def digest(groups: list[list[dict]]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def group_call(client, prompt: list[int], params: list[dict], form: str, **options):
+    """A group's call as rollout.groups.GroupRollout sends it: form "n", the prompt once with n and the first seed
+    (`params` differ only in consecutive seeds, as the RL loop's); "per-sample", one prompt per sample."""
+    if form == "n":
+        return client.generate(prompt, {**params[0], "n": len(params)}, **options)
+    return client.generate_batch([prompt] * len(params), params, **options)
+
+
 async def run(spec: dict, client) -> dict:
     """One rollout of every group at once, gathered as the orchestrator gathers them (orchestrator/collection.py):
     its wall time, this process's CPU time and the responses. `client`: EngineClient or InProcessClient."""
     start, cpu = time.perf_counter(), time.process_time()
     groups = await asyncio.gather(*(
-        client.generate_batch([prompt] * len(params), params, return_logprob=spec["return_logprob"],
-                              session_id=f"group-{spec['run']}-{g}", return_indexer_topk=spec["replay"],
-                              indexer_topk_start_len=0)
+        group_call(client, prompt, params, spec.get("form", "per-sample"), return_logprob=spec["return_logprob"],
+                   session_id=f"group-{spec['run']}-{g}", return_indexer_topk=spec["replay"], indexer_topk_start_len=0)
         for g, (prompt, params) in enumerate(spec["groups"])))
     return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "groups": groups}
 

@@ -349,8 +349,9 @@ class EngineClient:
         indexer_topk_start_len: int = -1,
         rid: str | None = None,
         timeout_s: float | None = None,
-    ) -> dict:
-        """POST /generate with token ids; returns SGLang's response dict (validated).
+    ) -> dict | list[dict]:
+        """POST /generate with token ids; returns SGLang's response dict (validated), a list of n of them when
+        sampling_params has n > 1 (rids `{rid}_{j}`, as SGLang and our server name them).
 
         indexer_topk_start_len >= 0 (with return_indexer_topk) asks for the prompt rows' top-k too, from that row on
         (docs/sglang.md); `indexer_topk_rows` reads the reply."""
@@ -360,7 +361,7 @@ class EngineClient:
         add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
         n = payload["sampling_params"].get("n", 1)
         body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
-                                       abort_rid=rid)
+                                       abort_rid=rid if n == 1 else [f"{rid}_{j}" for j in range(n)])
         items = body if isinstance(body, list) else [body]
         if n > 1 and (not isinstance(body, list) or len(body) != n):
             raise MalformedResponseError(f"{url}/generate: expected a list of {n} results for n={n}")
@@ -524,6 +525,15 @@ def add_generate_options(payload: dict[str, Any], session_id: str | None, return
         payload["return_indexer_topk"] = True
         if indexer_topk_start_len >= 0:
             payload["indexer_topk_start_len"] = indexer_topk_start_len
+
+
+def n_sample_params(sampling_params: dict, seeds: Sequence[int]) -> dict | None:
+    """One sampling_params dict for len(seeds) samples of one prompt seeded `seeds`, or None unless the seeds are
+    consecutive: `n` and the first seed, since our embedded server gives sample j seed sampling_seed + j
+    (docs/sglang.md). SGLang gives all n samples the same seed: send this to embedded engines only."""
+    if len(seeds) < 2 or list(seeds) != list(range(seeds[0], seeds[0] + len(seeds))):
+        return None
+    return {**sampling_params, "n": len(seeds), "sampling_seed": seeds[0]}
 
 
 def _is_int(x: Any) -> bool:

@@ -1,12 +1,15 @@
-"""Groups of rewarded samples: the n samples of one prompt in ONE batched /generate, then a reward for each.
+"""Groups of rewarded samples: the n samples of one prompt in ONE /generate, then a reward for each.
 
 A task with an agent (data.tasks.<i>.agent) plays n multi-turn trajectories instead (rollout/agents), concurrently,
 each its own sequence of /generate calls in the group's session; GRPO then compares the n trajectories.
 
 One HTTP call per group instead of per sample: the driver's and the server's per-request cost dominated rollout
 time for short responses. Each sample carries its own sampling seed, so rollouts are reproducible (and resumption
-exact) whatever the batching or routing. A failed request costs its group's samples, an aborted sample or a
-crashing reward function costs that sample: marked on the sample and counted, never raised.
+exact) whatever the batching or routing. To our embedded engines the call carries the prompt once, with `n` and the
+first seed (the server gives sample j seed sampling_seed + j; the group's seeds are consecutive); to SGLang, which
+gives n samples one seed, it is a batch of one prompt per sample, each with its seed. Both give the same samples.
+A failed request costs its group's samples, an aborted sample or a crashing reward function costs that sample:
+marked on the sample and counted, never raised.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.agents.runtime import AgentRuntime
-from rollout.client import EngineError, indexer_topk_rows
+from rollout.client import EngineError, indexer_topk_rows, n_sample_params
 from rollout.engine.defaults import DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.limiter import SampleLimiter
 from rollout.rewards.compute import RewardStats, compute_reward, reward_step_metrics
@@ -41,7 +44,8 @@ class GenerateClient(Protocol):
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None, *,
                        return_logprob: bool = True, session_id: str | None = None, return_indexer_topk: bool = False,
-                       indexer_topk_start_len: int = -1, timeout_s: float | None = None) -> dict: ...
+                       indexer_topk_start_len: int = -1, timeout_s: float | None = None) -> dict | list[dict]:
+        """One response dict; a list of n when sampling_params has n > 1."""
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict], *,
                              return_logprob: bool = True, session_id: str | None = None,
@@ -120,6 +124,7 @@ class GroupRollout:
         self.limiter = limiter or SampleLimiter(
             rollout.max_concurrency or max(rollout.step_samples(), DEFAULT_MAX_RUNNING_REQUESTS))
         self.indexer_topk = rollout.return_indexer_topk if indexer_topk is None else indexer_topk
+        self.n_sample_calls = rollout.engine == "embedded"  # a group's call carries its prompt once (module docstring)
         self.reward_fns = {t.name: load_reward_fn(t.reward_fn) for t in tasks}
         self.inline_rewards = {name: fn.isolation == "inline" and not fn.is_async
                                for name, fn in self.reward_fns.items()}
@@ -155,7 +160,6 @@ class GroupRollout:
         if agent is not None:
             return await self._generate_trajectories(samples, agent, greedy)
         params = self.sampling_params(greedy)
-        per_sample = [{**params, "sampling_seed": self.sample_seed(s)} for s in samples]
         # One session per group: the router keeps the group on one engine, which shares its prompt's cache.
         options = dict(return_logprob=True, session_id=f"group-{samples[0].group_id}",
                        return_indexer_topk=self.indexer_topk, timeout_s=self.cfg.request_timeout_s,
@@ -163,10 +167,7 @@ class GroupRollout:
         async with self.limiter.hold(len(samples)):
             try:
                 sent_at = self.clock.sent()
-                if len(samples) == 1:
-                    outs = [await self.client.generate(samples[0].prompt_ids, per_sample[0], **options)]
-                else:
-                    outs = await self.client.generate_batch([s.prompt_ids for s in samples], per_sample, **options)
+                outs = await self._call(samples, params, options)
                 self.clock.answered(sent_at, outs[0]["meta_info"].get("e2e_latency") if outs else None)
                 topks = [indexer_topk_rows(o["meta_info"]) if self.indexer_topk else (None, None) for o in outs]
             except (EngineError, asyncio.TimeoutError) as e:
@@ -184,6 +185,20 @@ class GroupRollout:
         if self.teachers is not None and not greedy:
             await self.teachers.score_group(samples)
         return samples
+
+    async def _call(self, samples: list[Sample], params: dict[str, Any], options: dict[str, Any]) -> list[dict]:
+        """The group's /generate, one response per sample in order: the prompt once with n samples (embedded engines,
+        consecutive seeds), else one prompt per sample with its own seed."""
+        seeds = [self.sample_seed(s) for s in samples]
+        first = samples[0].prompt_ids
+        if len(samples) == 1:
+            return [await self.client.generate(first, {**params, "sampling_seed": seeds[0]}, **options)]
+        compact = n_sample_params(params, seeds) if self.n_sample_calls else None
+        if compact is not None and all(s.prompt_ids == first for s in samples):
+            return await self.client.generate(first, compact, **options)
+        # seeds that wrap at 2**31 inside the group are not consecutive: this form, about once in 10**8 groups
+        return await self.client.generate_batch([s.prompt_ids for s in samples],
+                                                [{**params, "sampling_seed": seed} for seed in seeds], **options)
 
     async def _generate_trajectories(self, samples: list[Sample], agent: AgentRuntime, greedy: bool) -> list[Sample]:
         """Play and score one trajectory per sample, all at once, in the group's session."""

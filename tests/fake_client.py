@@ -16,11 +16,18 @@ class FakeClient:
         self.vocab_size = vocab_size
         self.held, self.release = set(held), asyncio.Event()
         self.abort_once = set(abort_once)
-        self.requests: list[tuple[str | None, int]] = []  # (session_id, prompts) of each request
+        self.requests: list[tuple[str | None, int]] = []  # (session_id, samples) of each request
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict | None = None, *,
-                       session_id: str | None = None, **options) -> dict:
-        return (await self._answer([input_ids], [sampling_params or {}], session_id))[0]
+                       session_id: str | None = None, **options) -> dict | list[dict]:
+        """n > 1: n samples, sample j seeded sampling_seed + j, as our embedded server expands n."""
+        params = dict(sampling_params or {})
+        n = params.pop("n", 1)
+        if n == 1:
+            return (await self._answer([input_ids], [params], session_id))[0]
+        seed = params.get("sampling_seed")
+        samples = [params if seed is None else {**params, "sampling_seed": seed + j} for j in range(n)]
+        return await self._answer([input_ids] * n, samples, session_id)
 
     async def generate_batch(self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[dict], *,
                              session_id: str | None = None, **options) -> list[dict]:

@@ -142,6 +142,10 @@ def parse_sampling_params(raw: Any, where: str = "sampling_params", vocab_size: 
         if where != "sampling_params":
             raise RequestError(str(e).replace("sampling_params", where, 1)) from None
         raise
+    seed = params.sampling_seed
+    if n > 1 and seed is not None and seed + n - 1 >= 2**64:
+        raise RequestError(f"{where}.sampling_seed {seed} with n={n}: sample j gets seed sampling_seed + j, which "
+                           "must stay below 2**64 (a torch generator seed)")
     return params, n
 
 
@@ -333,7 +337,8 @@ def _scoring_fields(body: dict, prompts: list[list[int]], parsed: list[tuple[Sam
 
 
 def nth_sample(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n parallel samples: a copy whose sampling_seed (if any) is offset by j, so samples differ."""
+    """The j-th of n parallel samples: a copy whose sampling_seed (if any) is offset by j, so samples differ (SGLang
+    gives all n one seed). The RL client relies on it: a group's n samples with consecutive seeds in one call."""
     copy = SamplingParams(**{**vars(params), "stop": list(params.stop), "stop_token_ids": list(params.stop_token_ids)})
     if copy.sampling_seed is not None:
         copy.sampling_seed += j
