@@ -104,7 +104,7 @@ class ScoreVariant:
 
 
 SCORE_VARIANTS: list[Callable] = [
-    paged_scores,  # the current kernel: BLOCK_N 64, 4 warps
+    paged_scores,  # the current kernel: BLOCK_N 64, 4 tiles a program, 4 warps
     ScoreVariant("n64 w2", num_warps=2),
     ScoreVariant("n128 w4", block_n=128),
     ScoreVariant("n128 w8", block_n=128, num_warps=8),
@@ -155,7 +155,7 @@ SELECT_VARIANTS: dict[str, Callable] = {
 
 
 def variant_name(fn: Callable) -> str:
-    return "current (n64 w4)" if fn is paged_scores else fn.name
+    return "current (n64 w4 x4 tiles)" if fn is paged_scores else fn.name
 
 
 @dataclass

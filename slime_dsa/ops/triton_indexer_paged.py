@@ -1,6 +1,6 @@
 """Decode-time lightning-indexer top-k over a paged key pool (Triton), with no host sync: CUDA-graph safe.
 
-One program scores BLOCK_N key positions of one sequence with all index heads. It reads the keys through
+One program scores TILES x BLOCK_N key positions of one sequence with all index heads. It reads the keys through
 their pool slots, so nothing is first gathered into a packed copy, and writes float32 scores (-inf past the
 sequence's length). `triton_topk.topk_select` then picks the top-k with the tie rule of `reference.py`
 (equal scores prefer the lower position), positions ascending; from SPLIT_MIN_WIDTH key positions on,
@@ -16,7 +16,8 @@ import triton.language as tl
 from slime_dsa.ops.triton_topk import topk_select
 from slime_dsa.ops.triton_topk_split import topk_select_split
 
-BLOCK_N = 64  # key positions per program
+BLOCK_N = 64  # key positions per tile
+TILES = 4  # tiles per program, q and w loaded once for them (faster at large batches: paged_indexer_variants.py)
 # One program per row leaves most SMs idle on long rows at small batches (H200, 64K keys: batch 1 0.345 -> 0.035 ms,
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
@@ -26,22 +27,25 @@ SPLIT_MIN_WIDTH = 8192
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_HI)
     offs_d = tl.arange(0, BLOCK_DI)
     h_ok, d_ok = offs_h < HI, offs_d < DI
     q = tl.load(q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + b * HI + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale  # relu(s x) = relu(x) s, s > 0
-    in_row = offs_n < width
-    valid = offs_n < tl.load(lens_ptr + b)
-    slot = tl.load(slots_ptr + b * width + offs_n, mask=in_row, other=0).to(tl.int64)
-    k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-    s = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype))), 0.0) * w[:, None]  # (BH, BN) fp32
-    score = tl.sum(s, axis=0)  # (BN,)
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
-    tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
+    n_keys = tl.load(lens_ptr + b)
+    for tile in range(TILES):  # q and w are loaded once for several tiles
+        offs_n = (tl.program_id(1) * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_row = offs_n < width
+        valid = offs_n < n_keys
+        slot = tl.load(slots_ptr + b * width + offs_n, mask=in_row, other=0).to(tl.int64)
+        k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+        s = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype))), 0.0) * w[:, None]  # (BH, BN) fp32
+        score = tl.sum(s, axis=0)  # (BN,)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
+        tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
 
 
 def paged_scores(
@@ -53,10 +57,10 @@ def paged_scores(
     width = key_slots.shape[1]
     scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
     if B and width:
-        _paged_scores_kernel[(B, triton.cdiv(width, BLOCK_N))](
+        _paged_scores_kernel[(B, triton.cdiv(width, BLOCK_N * TILES))](
             q.contiguous(), weights.contiguous(), k_pool, key_slots.contiguous(), seq_lens.contiguous(), scores,
             width, float(scale), HI=Hi, DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)),
-            BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N, num_warps=4,
+            BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N, TILES=TILES, num_warps=4,
         )
     return scores
 
