@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+import sync_sites  # beside this script
 import trace_steps  # beside this script
 import baseline_tree  # beside this script (sys.path[0]): a child on a baseline tree imports this tree's copy
 import rollout  # the tree under test (PYTHONPATH; a child: the baseline tree) before engine_throughput puts this
@@ -206,15 +207,16 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
         stats = dict(engine.stats)
         engine_cpu = await front._call(time.thread_time)
         engine_profile = cProfile.Profile() if args.profile_engine else None
-        windows: list[tuple[int, int, bool]] | None = [] if args.torch_trace else None
+        windows: list[tuple[int, int, bool]] | None = [] if args.torch_trace or args.sync_sites else None
         span = _timed_steps(engine, engine_profile, windows)
         tracer = _torch_tracer(args)
+        syncs = sync_sites.SyncSites() if args.sync_sites else contextlib.nullcontext()
         responses[0] = base64[0] = 0.0
         main_cpu, start = time.thread_time(), time.perf_counter()
         profile = cProfile.Profile() if args.profile_loop else None
         if profile:
             profile.enable()
-        with _GcTimer() as gc_timer, tracer:
+        with _GcTimer() as gc_timer, tracer, syncs:
             done = await go()
         if profile:
             profile.disable()
@@ -246,7 +248,8 @@ async def run_batch(model, tokenizer, batch: int, args: argparse.Namespace) -> d
             "responses_cpu_ms": responses[0] * 1e3, "replay_base64_cpu_ms": base64[0] * 1e3,
             "tokens": d["generated_tokens"], "digest": done["digest"], "client_wall_ms": done["wall_s"] * 1e3,
             "client_cpu_ms": done.get("cpu_s", float("nan")) * 1e3,
-            "tree": str(Path(rollout.__file__).parents[1]), **({"trace": trace} if trace else {})}
+            "tree": str(Path(rollout.__file__).parents[1]), **({"trace": trace} if trace else {}),
+            **({"sync_sites": syncs.summary(windows)} if args.sync_sites else {})}
 
 
 def _torch_tracer(args: argparse.Namespace):
@@ -386,6 +389,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--torch-trace", default=None, metavar="PREFIX",
                         help="torch.profiler over the timed run: PREFIX.<batch>.<path>.json.gz (Chrome trace) and, in "
                              "the figures, the GPU-busy share per step kind and the top kernels (trace_steps.py)")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="on CUDA, count the timed run's host syncs by the code that made them and by engine step "
+                             "kind (sync_sites.py; its warnings slow the run, so its times are not comparable)")
     parser.add_argument("--profile-engine", default=None, metavar="FILE",
                         help="cProfile the engine thread's steps over the timed run into FILE.<batch>.<path>")
     parser.add_argument("--model-forward", choices=("zero", "real"), default="zero",
