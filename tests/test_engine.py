@@ -225,6 +225,30 @@ def test_samples_of_one_prompt_fork_and_equal_separate_runs(model):
         assert np.array_equal(got.indexer_topk, alone.indexer_topk), s
 
 
+def test_packed_steps_give_the_indexer_host_offsets_equal_to_the_device_ones(model, monkeypatch):
+    """The engine's packed forwards pass cu_seqlens as host lists too (the Triton indexer then never reads them back
+    from the device): they must equal the device offsets, with cached prefixes, forks and staggered arrivals."""
+    from slime_dsa import ops
+
+    seen = []
+    real = ops.indexer_topk
+
+    def spy(q, k, weights, cu_q, cu_k, topk, scale, host_cu_seqlens=None):
+        seen.append((cu_q.tolist(), cu_k.tolist(), host_cu_seqlens))
+        return real(q, k, weights, cu_q, cu_k, topk, scale, host_cu_seqlens)
+
+    monkeypatch.setattr(ops, "indexer_topk", spy)
+    prompt = prompts((13,), seed=8)[0]
+    samples = [GenerateRequest(input_ids=prompt, rid=f"s{s}",
+                               sampling=SamplingParams(max_new_tokens=6, sampling_seed=s, ignore_eos=True))
+               for s in range(3)]
+    later = [GenerateRequest(input_ids=p, sampling=greedy(5), rid=f"late{i}") for i, p in enumerate(prompts((9, 21)))]
+    run(Engine(model, max_cache_tokens=1024, block_size=4), {0: samples, 2: later})
+    assert seen
+    for cu_q, cu_k, host in seen:
+        assert host is not None and (list(host[0]), list(host[1])) == (cu_q, cu_k)
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_tiny_cache_budget_queues_and_completes(model, prefix_caching):
     ps = prompts([6] * 10, seed=4)

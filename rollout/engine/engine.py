@@ -960,7 +960,9 @@ class Engine:
             k_seq = torch.repeat_interleave(seq_ids, lens_k_d, output_size=Tk)
             k_pos = torch.arange(Tk, device=device) - cu_k[k_seq]
             read_slots = table_d[k_seq, k_pos // bs] * bs + k_pos % bs
-        batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=self.cache.bind(write_slots, read_slots))
+        host_cu = ([0, *row_ends.tolist()], [0, *np.cumsum(lens_k).tolist()])
+        batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            kv_cache=self.cache.bind(write_slots, read_slots), host_cu_seqlens=host_cu)
         keep = self.cache.keep_topk
         out = self.model.forward_packed(ids_d, batch, return_logits=False, return_topk=want_topk or keep)
         if keep:

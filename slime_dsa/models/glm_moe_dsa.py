@@ -17,6 +17,7 @@ Shapes: T tokens in the pack, H heads, Dn/Dr/Dl/Dv nope/rope/latent/value dims, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,6 +62,8 @@ class PackedBatch:
     cu_seqlens_q: torch.Tensor  # (S+1,) query rows per sequence
     cu_seqlens_k: torch.Tensor  # (S+1,) key rows per sequence (== cu_seqlens_q without a cache)
     kv_cache: KVCache | None = None
+    # The same offsets as host lists when the builder has them: the indexer then reads nothing back from the device.
+    host_cu_seqlens: tuple[list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         # Sequence of each query row, by search rather than repeat_interleave: no host sync on CUDA.
@@ -74,16 +77,17 @@ class PackedBatch:
     @classmethod
     def from_seqlens(cls, seqlens: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "PackedBatch":
         """A batch of whole sequences (training / prefill without a cache)."""
-        total = sum(seqlens) if isinstance(seqlens, list) else None  # known on the host: no sync for the sizes
+        host_cu = list(itertools.accumulate(seqlens, initial=0)) if isinstance(seqlens, list) else None
         lens = upload(torch.as_tensor(seqlens, dtype=torch.long), device)
         cu = F.pad(lens.cumsum(0), (1, 0))
-        total = int(cu[-1]) if total is None else total
+        total = int(cu[-1]) if host_cu is None else host_cu[-1]  # known on the host: no sync for the sizes
         positions = torch.arange(total, device=device) - torch.repeat_interleave(cu[:-1], lens, output_size=total)
-        return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                   host_cu_seqlens=None if host_cu is None else (host_cu, host_cu))
 
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         """The indexer's causal top-k of every query row: (Tq, topk) sequence-local key positions, -1 padded."""
-        return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale)
+        return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale, self.host_cu_seqlens)
 
     def to_rows(self, local_indices: torch.Tensor) -> torch.Tensor:
         """Sequence-local key positions (Tq, K) -> rows of the key tensor attention reads, -1 kept."""

@@ -121,6 +121,7 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     on_device = lambda x: upload(x, device)  # noqa: E731
     cu_q = torch.nn.functional.pad(on_device(lens_q).cumsum(0), (1, 0))
     cu_k = torch.nn.functional.pad(on_device(lens_k).cumsum(0), (1, 0))
+    host_cu = ([0, *lens_q.cumsum(0).tolist()], [0, *lens_k.cumsum(0).tolist()])  # host tensors: no sync
     batch = PackedBatch(positions=on_device(positions), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                        kv_cache=GatheredKeys(on_device(key_rows)))
+                        kv_cache=GatheredKeys(on_device(key_rows)), host_cu_seqlens=host_cu)
     return SharedPrefixPack(on_device(ids[tokens]), batch, on_device(response_index), on_device(response_rows))

@@ -44,9 +44,16 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float) -> torch.Tensor:
-    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded."""
-    impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
+def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float,
+                 host_cu_seqlens: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded.
+
+    host_cu_seqlens: the two offsets as host lists when the caller has them, so the Triton path waits on no device.
+    """
+    kernels = None if invariant.is_enabled() else _kernels(q.device)
+    if kernels is not None:
+        return kernels.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, host_cu_seqlens)
+    impl = invariant if invariant.is_enabled() else reference
     return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
 

@@ -19,12 +19,15 @@ from torch.utils.checkpoint import checkpoint
 QUERY_CHUNK = 256
 
 
-def _query_positions(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every query row: its sequence id and its position within the sequence (bottom-right aligned)."""
+def _query_positions(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every query row: its sequence id and its position within the sequence (bottom-right aligned).
+    total: the number of query rows when the caller knows it (no host sync on CUDA then)."""
     lens_q = cu_seqlens_q.diff()
     lens_k = cu_seqlens_k.diff()
-    seq_id = torch.repeat_interleave(torch.arange(len(lens_q), device=lens_q.device), lens_q)
-    row_in_seq = torch.arange(int(cu_seqlens_q[-1]), device=lens_q.device) - cu_seqlens_q[seq_id]
+    total = int(cu_seqlens_q[-1]) if total is None else total
+    seq_id = torch.repeat_interleave(torch.arange(len(lens_q), device=lens_q.device), lens_q, output_size=total)
+    row_in_seq = torch.arange(total, device=lens_q.device) - cu_seqlens_q[seq_id]
     return seq_id, (lens_k - lens_q)[seq_id] + row_in_seq
 
 

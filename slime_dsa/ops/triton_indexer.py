@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slime_dsa.devices import upload
 from slime_dsa.ops.reference import _query_positions
 from slime_dsa.ops.triton_topk import topk_select
 
@@ -133,7 +134,7 @@ def score_rows(rows: int, width: int, device: torch.device) -> torch.Tensor:
 def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scale: float, block_m: int) -> None:
     """Score one chunk: `blocks` from `_plan_chunks` (made with the same block_m) into scores (rows, width)."""
     Hi, Di = q.shape[1], q.shape[2]
-    blocks_dev = torch.tensor(blocks, dtype=torch.int32).T.contiguous().to(q.device)  # (4, n_blocks)
+    blocks_dev = upload(torch.tensor(blocks, dtype=torch.int32).T.contiguous(), q.device)  # (4, n_blocks)
     grid = (len(blocks), triton.cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     _indexer_scores_kernel[grid](
         q, k, weights, scores, *blocks_dev.unbind(0), chunk_q0, width, scores.stride(0), scale,
@@ -151,11 +152,13 @@ def indexer_topk(
     cu_seqlens_k: torch.Tensor,
     topk: int,
     scale: float,
+    host_cu_seqlens: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """Causal lightning-indexer top-k, same contract as `reference.indexer_topk`.
 
     q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi), packed by cu_seqlens_q / cu_seqlens_k (S+1,).
-    Returns (Tq, topk) int64 sequence-local key positions, ascending, -1 padded.
+    Returns (Tq, topk) int64 sequence-local key positions, ascending, -1 padded. host_cu_seqlens: the same offsets
+    as host lists, when the caller has them; with them the call reads nothing back from the device.
     """
     if q.dim() != 3 or k.dim() != 2 or weights.shape != q.shape[:2] or q.shape[2] != k.shape[1]:
         raise ValueError(f"indexer_topk expects q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi); got "
@@ -165,9 +168,12 @@ def indexer_topk(
     if Tq == 0 or topk == 0:
         return out
     q, k, weights = q.contiguous(), k.contiguous().to(q.dtype), weights.contiguous()
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if host_cu_seqlens is None:
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    else:
+        cu_q, cu_k = host_cu_seqlens
     block_m = block_queries(Hi, cu_q)
-    n_valid = _query_positions(cu_seqlens_q, cu_seqlens_k)[1] + 1  # (Tq,) causal keys per query
+    n_valid = _query_positions(cu_seqlens_q, cu_seqlens_k, Tq)[1] + 1  # (Tq,) causal keys per query
     for r0, r1, width, blocks in _plan_chunks(cu_q, cu_k, topk, block_m):
         scores = score_rows(r1 - r0, width, q.device)  # every entry written below
         launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m)
