@@ -4,16 +4,19 @@ Same contract as `triton_sparse_mla._sparse_mla_fwd_kernel` (one program per que
 masked, the stop at a row's last used slot, the decode key split, lse = -inf and out = 0 for rows without keys);
 `triton_sparse_mla.FWD_VARIANT = "<name>"` routes the non-invariant forward here. The invariant forward never does.
 
-Why the current kernel sits at ~230 TFLOP/s (its sm_90 TTGIR and SASS, compiled here without a GPU by Triton 3.8
-with the H200's argument specialisations): the kv gather is cp.async into two buffers, but Triton's pipeliner issues
-the gather of step i + 1 at the end of step i, after a synchronous load of step i + 1's indices (the gather's address
-depends on a load of its own iteration), and step i + 1 begins by waiting for it. Only the PV wgmma of step i overlaps
-that index load and gather, so each step pays most of a memory round trip. The RESULTS sweep agrees: 32 keys a step
-took 13.6 ms at 8K against 9.5 ms at 64 (twice the steps, twice the exposed latency: ~43% of the 64-key time). 255
-registers with some spills inside the loop add to it. The variants:
+Why the current kernel sits at ~230 TFLOP/s (its sm_90 TTGIR and SASS, compiled here without a GPU by Triton 3.6, the
+H200's version, and 3.8, with the H200's argument specialisations): the kv gather is cp.async into two buffers, but
+Triton's pipeliner issues the gather of step i + 1 at the end of step i, after a synchronous load of step i + 1's
+indices (the gather's address depends on a load of its own iteration), and step i + 1 begins by waiting for it. Only
+the PV wgmma of step i overlaps that index load and gather, so each step pays most of a memory round trip. The
+RESULTS sweep agrees: 32 keys a step took 13.6 ms at 8K against 9.5 ms at 64 (twice the steps, twice the exposed
+latency: ~43% of the 64-key time). Compiled with 3.6 for sm_90 (registers, spills, shared memory; loop body in SASS):
+current 255 / 0 / 217 KB; idx_reg 32 keys 4 stages 211 / 0 / 224 KB, two gathers in flight, 694 instructions a step;
+idx_reg 64 keys 243 / 0 / 224 KB; every variant compiles except `ws` at 4 warps. The variants:
 - `idx_reg`: the program's whole index range (up to IDX_REG_MAX_SLOTS slots) loaded once into registers; each step
   takes its slice with tl.gather, so the gather's address depends on no load in the loop and the pipeliner keeps
-  2-3 gathers in flight (32 keys a step, 3-4 stages: 188-224 KB of shared memory). Expected the winner.
+  1-2 gathers in flight while a step computes (32 keys a step, 3-4 stages: 188-224 KB of shared memory). Expected
+  the winner; at 64 keys (2 buffers) it only saves the index load.
 - `idx_reg_nomask`: the same, -1 slots reading kv row 0 with no mask (their scores are masked, p = 0); fewer
   predicate registers; kv must be finite (0 * inf = nan), which the model's kv is.
 - `exact`: no dimension masks when D_V and D_R are powers of two, int32 row offsets when kv fits, int32 indices
@@ -27,10 +30,10 @@ registers with some spills inside the loop add to it. The variants:
 - `idx_ahead_nomask_lazy`: the three together at 64 keys a step.
 - `exact16`: 16 warps: 64 accumulator registers a thread instead of 128, narrower QK wgmmas (4 warp groups).
 - `prefetch`: next step's kv rows loaded into registers before this step's dots (register double buffer): issued
-  early, but no cp.async and 1-1.4 KB of spills at sm_90; kept as the counter-example.
+  early, but no cp.async and 300-480 bytes of spills (3.6); kept as the counter-example.
 - `ws`: `tl.range(..., warp_specialize=True)`. On sm_90 this goes to Meta's Hopper auto warp specialisation
-  (`add_hopper_warpspec`), written for TMA-fed matmul loops: compiled here it changes nothing at 8 warps and the
-  pass fails at 4 warps.
+  (`add_hopper_warpspec`), written for TMA-fed matmul loops: compiled here (3.6 and 3.8) it changes nothing at 8
+  warps (same TTGIR as without) and the pass fails at 4 warps.
 """
 
 from __future__ import annotations
