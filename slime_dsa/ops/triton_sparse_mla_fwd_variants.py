@@ -58,10 +58,11 @@ class FwdVariant:
     idx_ahead: bool = False  # indices of the next step loaded one step ahead
     idx_in_registers: bool = False  # the program's whole index range loaded once; each step takes its slice
     split_v: bool = False  # two accumulators of BLOCK_DV // 2 columns
-    loop_stages: int = 0  # > 0: tl.range(num_stages=loop_stages) on the key loop
+    loop_stages: int = 0  # tl.range(num_stages=...) on the key loop: > 0 that, -1 the launch's num_stages, 0 unset
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the key loop
     lazy_rescale: bool = False  # skip acc * alpha when no row max changed in the step
     no_mask: bool = False  # -1 slots read kv row 0 unmasked (scores masked): kv must be finite
+
 
 IDX_REG_MAX_SLOTS = 4096  # index slots a program holds in registers with idx_in_registers (16 a thread at 8 warps)
 _C = KernelConfig
