@@ -141,6 +141,45 @@ def check_sparse_mla() -> None:
         mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES = saved
 
 
+def _forget_fwd_configs(mla) -> None:
+    for key in [k for k in mla._chosen if k[0] == "fwd"]:
+        del mla._chosen[key]
+
+
+def check_sparse_mla_fwd_variants() -> None:
+    """Every forward variant (slime_dsa/ops/triton_sparse_mla_fwd_variants.py) at its first config: rows of mostly
+    -1 slots and rows without keys, at power-of-two dims (the unmasked paths) and odd ones; a decode split."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_fwd_variants as fv  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(5)
+    T, Tk, K = 6, 40, 48
+    decode_idx = torch.full((2, 600), -1, dtype=torch.long)
+    decode_idx[0, :100] = torch.randperm(700, generator=g)[:100]
+    decode_idx[1, 550:] = torch.randperm(700, generator=g)[:50]
+    idx = _mostly_empty_indices(T, Tk, K, g)
+    saved = mla.FWD_VARIANT
+    try:
+        for H, v_dim, d_r in ((16, 32, 16), (3, 40, 8)):
+            D = v_dim + d_r
+            q, kv = torch.randn(T, H, D, generator=g), torch.randn(Tk, D, generator=g)
+            kv_dec = torch.randn(700, D, generator=g)
+            cases = ((q, kv, idx), (q[:2], kv_dec, decode_idx))
+            refs = [reference.sparse_mla_attention(*case, D**-0.5, v_dim) for case in cases]
+            for name in fv.VARIANTS:
+                mla.FWD_VARIANT = name
+                for case, (ref_out, ref_lse) in zip(cases, refs):
+                    _forget_fwd_configs(mla)  # each variant at its first config, as on a GPU where it fits
+                    out, lse = mla.sparse_mla_attention(*case, D**-0.5, v_dim)
+                    has = torch.isfinite(ref_lse)
+                    where = f"variant {name}, dims {v_dim}+{d_r}, rows {case[0].shape[0]}"
+                    assert torch.equal(torch.isfinite(lse), has) and (out[~has] == 0).all(), where
+                    assert (lse[has] - ref_lse[has]).abs().max() < 1e-4 and _rel_l2(out, ref_out) < 1e-4, where
+    finally:
+        mla.FWD_VARIANT = saved
+        _forget_fwd_configs(mla)
+
+
 def check_masked_ranges() -> None:
     """The range backward over a byte map of selected keys (subsets of short packed sequences), and the general
     backward on the same selection, against the reference."""
@@ -168,7 +207,8 @@ def check_masked_ranges() -> None:
         mla.USE_MASKED_RANGES = saved
 
 
-CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla, check_masked_ranges]
+CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
+          check_sparse_mla_fwd_variants, check_masked_ranges]
 
 
 def main() -> int:

@@ -256,6 +256,52 @@ def test_sparse_mla_rows_without_keys():
     assert torch.isfinite(lse[[0, 2]]).all()
 
 
+# The forward variants of slime_dsa/ops/triton_sparse_mla_fwd_variants.py: dims off the powers of two (masked path),
+# GLM-5 prefill, packed, decode (key split) and mostly -1 slots
+FWD_VARIANT_CASES = ["odd_dims_tq_lt_tk", "heads128", "glm5", "glm5_packed_long", "glm5_decode", "glm5_decode_single",
+                     "glm5_mostly_empty_packed", "glm5_mostly_empty_decode"]
+
+
+@pytest.mark.parametrize("name", FWD_VARIANT_CASES + ["glm5_scattered_empty"])
+def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
+    """Every forward variant, at the first of its configs that compiles and fits, against the torch reference; a
+    variant with no config that compiles is listed, not failed (benchmarks/sparse_mla_fwd_variants.py reports it)."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+    from slime_dsa.ops.triton_sparse_mla_fwd_variants import VARIANTS
+
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES["glm5" if name == "glm5_scattered_empty" else name]
+    torch.manual_seed(0)
+    D = v_dim + d_r
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
+    indices = causal_rows(lens_q, lens_k, K)
+    if name == "glm5_scattered_empty":
+        indices = scatter_empty(indices, keep=0.2)
+        indices[0] = -1  # a row without keys
+    ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv.float(), indices, D**-0.5, v_dim)
+    has = torch.isfinite(ref_lse)
+    failed, uncompiled = [], []
+    for variant in VARIANTS:
+        monkeypatch.setattr(mla, "FWD_VARIANT", variant)
+        try:
+            with torch.no_grad():
+                out, lse = mla.sparse_mla_attention(q, kv, indices, D**-0.5, v_dim)
+        except RuntimeError as err:
+            if "no fwd kernel config fits" not in str(err):
+                raise
+            uncompiled.append(variant)
+            continue
+        err_out = rel_l2(out, ref_out)
+        err_lse = (lse[has] - ref_lse[has]).abs().max().item() if has.any() else 0.0
+        if not (torch.equal(torch.isfinite(lse), has) and (out[~has] == 0).all() and err_out <= REL_L2
+                and err_lse <= 1e-3):
+            failed.append(f"{variant}: out rel L2 {err_out:.2e}, lse {err_lse:.2e}")
+    assert not failed, failed
+    if uncompiled:
+        print(f"{name}: no config of {uncompiled} compiles here")
+    assert len(uncompiled) < len(VARIANTS)
+
+
 def test_dispatcher_uses_triton_on_cuda():
     q = torch.randn(8, 16, 96, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(8, 96, device="cuda", dtype=torch.bfloat16)

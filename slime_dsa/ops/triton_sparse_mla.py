@@ -101,6 +101,9 @@ SCAN_SLOTS = 1024  # index slots per step of that scan
 # the same GPU model take the same one. The first fits bf16 up to GLM-5's 64 x 576 on Hopper; the second is for
 # float32 at such sizes.
 INVARIANT_FWD_CONFIGS = [KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
+# A candidate forward of slime_dsa/ops/triton_sparse_mla_fwd_variants.py (by name) for the non-invariant path, with
+# that variant's own configs; None runs the kernel below. benchmarks/sparse_mla_fwd_variants.py compares them.
+FWD_VARIANT: str | None = None
 _chosen: dict[tuple, KernelConfig | str] = {}
 
 
@@ -274,6 +277,9 @@ def sparse_mla_fwd(
         return out.zero_(), lse.fill_(float("-inf"))
     d_r = D - v_dim
     block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
+    variant = None if invariant else FWD_VARIANT
+    if variant is not None:
+        from slime_dsa.ops import triton_sparse_mla_fwd_variants as fwd_variants  # noqa: PLC0415 (imports this module)
 
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
@@ -288,13 +294,17 @@ def sparse_mla_fwd(
             o = torch.empty(T, splits, H, v_dim, dtype=torch.float32, device=q.device)
             l_ = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
             so, sl = o.stride(1), l_.stride(1)
-        _sparse_mla_fwd_kernel[(T, splits, head_blocks)](
+        kernel, switches = _sparse_mla_fwd_kernel, {}
+        if variant is not None:
+            kernel = fwd_variants._fwd_variant_kernel
+            switches = fwd_variants.kernel_switches(variant, cfg, kv, v_dim, d_r, keys_per_split)
+        kernel[(T, splits, head_blocks)](
             q, kv, indices, o, l_,
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
             o.stride(0), so, o.stride(-2), l_.stride(0), sl,
             H, K, keys_per_split, scale * LOG2E,
             D_V=v_dim, D_R=d_r, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-            BLOCK_H=block_h, BLOCK_N=cfg.block_n, SCAN=_scan_block(K), SKIP_EMPTY=SKIP_EMPTY_SLOTS,
+            BLOCK_H=block_h, BLOCK_N=cfg.block_n, SCAN=_scan_block(K), SKIP_EMPTY=SKIP_EMPTY_SLOTS, **switches,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if splits > 1:
@@ -305,7 +315,9 @@ def sparse_mla_fwd(
     if invariant:
         _launch_first_fitting("fwd_invariant", (H, D, v_dim, q.dtype), INVARIANT_FWD_CONFIGS, launch)
     else:
-        _launch("fwd", (H, D, v_dim, q.dtype), FWD_CONFIGS, launch)
+        configs = FWD_CONFIGS if variant is None else fwd_variants.variant_configs(variant)
+        key = (H, D, v_dim, q.dtype) + (() if variant is None else (variant,))
+        _launch("fwd", key, configs, launch)
     return out, lse
 
 
