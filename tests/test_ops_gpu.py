@@ -209,6 +209,61 @@ def test_sparse_mla_skipping_empty_slots_changes_nothing(monkeypatch):
     assert rel_l2(dkv1, dkv0) <= 1e-3  # float32 atomics: the summation order may differ
 
 
+# The general backward's modes (BWD_MODES: fused, split and the variants of triton_sparse_mla_bwd_variants.py) run on
+# these shapes, plus rows of mostly -1 slots anywhere at the GLM-5 shape ("glm5_scattered").
+BWD_MODE_CASES = ["packed_short", "odd_dims_tq_lt_tk", "heads128", "glm5_mostly_empty_packed", "glm5_scattered"]
+
+
+def _bwd_mode_problem(name: str):
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES["glm5" if name == "glm5_scattered" else name]
+    indices = causal_rows(lens_q, lens_k, K)
+    if name == "glm5_scattered":
+        indices = scatter_empty(indices, keep=0.2)
+        indices[0] = -1  # one row without keys
+    torch.manual_seed(2)
+    q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16)
+    return q, kv, indices, v_dim
+
+
+def _mode_list() -> list[str]:
+    try:
+        from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    except ImportError:  # no triton: the tests are skipped anyway (no GPU)
+        return ["fused"]
+    return list(mla.BWD_MODES)
+
+
+@pytest.mark.parametrize("mode", _mode_list())
+def test_sparse_mla_backward_modes(mode, monkeypatch):
+    """Each mode of the general (atomic) backward, forced, against the float32 reference: forward and gradients."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants
+
+    monkeypatch.setattr(mla, "USE_KEY_RANGES", False)
+    for name in BWD_MODE_CASES:
+        q, kv, indices, v_dim = _bwd_mode_problem(name)
+        key = (q.shape[1], q.shape[2], v_dim, q.dtype)
+        scale = q.shape[2] ** -0.5
+        variants.force_mode(mode, key)
+        try:
+            q1, kv1 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+            out, lse = mla.sparse_mla_attention(q1, kv1, indices, scale, v_dim)
+            q32, kv32 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+            ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
+            has = torch.isfinite(ref_lse)
+            dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~has, 0.0)
+            dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse.masked_fill(~has, 0) * dlse).sum(), (q1, kv1))
+            assert mla._chosen[("bwd_mode", key)] == mode
+        finally:
+            variants.force_mode(None, key)
+        ref_dq, ref_dkv = torch.autograd.grad(
+            (ref_out * dout.float()).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(), (q32, kv32))
+        errs = rel_l2(out, ref_out), rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv)
+        assert max(errs) <= REL_L2, f"{mode} on {name}: rel L2 out, dq, dkv {errs}"
+        assert torch.equal(torch.isfinite(lse), has) and (lse[has] - ref_lse[has]).abs().max().item() <= 1e-3
+
+
 def test_sparse_mla_key_range_detection():
     """The key-range backward is taken exactly when every row is a run of consecutive kv rows, in row order."""
     from slime_dsa.ops import triton_sparse_mla as mla
