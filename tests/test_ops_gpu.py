@@ -12,6 +12,8 @@ Tolerances (bf16 inputs; the reference runs in float32 on the same bf16 values):
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -214,16 +216,27 @@ def test_sparse_mla_skipping_empty_slots_changes_nothing(monkeypatch):
 BWD_MODE_CASES = ["packed_short", "odd_dims_tq_lt_tk", "heads128", "glm5_mostly_empty_packed", "glm5_scattered"]
 
 
-def _bwd_mode_problem(name: str):
+@functools.cache
+def _bwd_mode_case(name: str) -> dict:
+    """Inputs, upstream gradients and the float32 reference (out, lse, dq, dkv) of one case, shared by every mode."""
     lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES["glm5" if name == "glm5_scattered" else name]
     indices = causal_rows(lens_q, lens_k, K)
     if name == "glm5_scattered":
         indices = scatter_empty(indices, keep=0.2)
         indices[0] = -1  # one row without keys
-    torch.manual_seed(2)
-    q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16)
-    return q, kv, indices, v_dim
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = (v_dim + d_r) ** -0.5
+    q32, kv32 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
+    has = torch.isfinite(ref_lse)
+    dout = torch.randn(ref_out.shape, device="cuda", generator=g)
+    dlse = torch.randn(ref_lse.shape, device="cuda", generator=g).masked_fill(~has, 0.0)
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(),
+                                          (q32, kv32))
+    return dict(q=q, kv=kv, indices=indices, v_dim=v_dim, scale=scale, dout=dout, dlse=dlse, has=has,
+                out=ref_out.detach(), lse=ref_lse.detach(), dq=ref_dq, dkv=ref_dkv)
 
 
 def _mode_list() -> list[str]:
@@ -242,26 +255,21 @@ def test_sparse_mla_backward_modes(mode, monkeypatch):
 
     monkeypatch.setattr(mla, "USE_KEY_RANGES", False)
     for name in BWD_MODE_CASES:
-        q, kv, indices, v_dim = _bwd_mode_problem(name)
-        key = (q.shape[1], q.shape[2], v_dim, q.dtype)
-        scale = q.shape[2] ** -0.5
+        c = _bwd_mode_case(name)
+        key = (c["q"].shape[1], c["q"].shape[2], c["v_dim"], c["q"].dtype)
         variants.force_mode(mode, key)
         try:
-            q1, kv1 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
-            out, lse = mla.sparse_mla_attention(q1, kv1, indices, scale, v_dim)
-            q32, kv32 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
-            ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
-            has = torch.isfinite(ref_lse)
-            dout, dlse = torch.randn_like(out), torch.randn_like(lse).masked_fill(~has, 0.0)
-            dq, dkv = torch.autograd.grad((out.float() * dout).sum() + (lse.masked_fill(~has, 0) * dlse).sum(), (q1, kv1))
+            q, kv = c["q"].clone().requires_grad_(True), c["kv"].clone().requires_grad_(True)
+            out, lse = mla.sparse_mla_attention(q, kv, c["indices"], c["scale"], c["v_dim"])
+            has = c["has"]
+            dq, dkv = torch.autograd.grad(
+                (out.float() * c["dout"]).sum() + (lse.masked_fill(~has, 0) * c["dlse"]).sum(), (q, kv))
             assert mla._chosen[("bwd_mode", key)] == mode
         finally:
             variants.force_mode(None, key)
-        ref_dq, ref_dkv = torch.autograd.grad(
-            (ref_out * dout.float()).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(), (q32, kv32))
-        errs = rel_l2(out, ref_out), rel_l2(dq, ref_dq), rel_l2(dkv, ref_dkv)
+        errs = rel_l2(out, c["out"]), rel_l2(dq, c["dq"]), rel_l2(dkv, c["dkv"])
         assert max(errs) <= REL_L2, f"{mode} on {name}: rel L2 out, dq, dkv {errs}"
-        assert torch.equal(torch.isfinite(lse), has) and (lse[has] - ref_lse[has]).abs().max().item() <= 1e-3
+        assert torch.equal(torch.isfinite(lse), has) and (lse[has] - c["lse"][has]).abs().max().item() <= 1e-3
 
 
 def test_sparse_mla_key_range_detection():

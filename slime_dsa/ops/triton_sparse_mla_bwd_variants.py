@@ -28,42 +28,52 @@ import triton.language as tl
 from slime_dsa.ops import triton_sparse_mla as mla
 from slime_dsa.ops.triton_sparse_mla import KernelConfig, _used_slots_end
 
-# Two fp32 adds as one instruction when their addresses are adjacent and 8-byte aligned (one v2 red, sm_90+), else
-# one red per element; a masked element adds nothing. $0 $1 dummy outputs, $2 $3 addresses, $4 $5 values, $6 $7 masks.
+# dkv[base + 4 * col] += val for two elements: one v2 red when their addresses are adjacent and 8-byte aligned (sm_90+),
+# else one red each; an element whose row or column mask is 0 adds nothing. Operands: $0 $1 dummy outputs, $2 $3 row
+# base addresses, $4 $5 columns, $6 $7 values, $8 $9 row masks, $10 $11 column masks. Bases and columns come in
+# broadcast, so a thread keeps one register per distinct row and column rather than a 64-bit address per element.
 _RED_ADD_F32X2 = tl.constexpr("""{
-.reg .pred m0, m1, pv, pn;
-.reg .b64 nxt, low;
-setp.ne.b32 m0, $6, 0;
-setp.ne.b32 m1, $7, 0;
-add.s64 nxt, $2, 4;
-and.b64 low, $2, 7;
-setp.eq.and.s64 pv, nxt, $3, m0;
+.reg .pred m0, m1, c0, c1, pv, pn;
+.reg .b64 a0, a1, nxt, low;
+setp.ne.b32 m0, $8, 0;
+setp.ne.b32 m1, $9, 0;
+setp.ne.b32 c0, $10, 0;
+setp.ne.b32 c1, $11, 0;
+and.pred m0, m0, c0;
+and.pred m1, m1, c1;
+mad.wide.s32 a0, $4, 4, $2;
+mad.wide.s32 a1, $5, 4, $3;
+add.s64 nxt, a0, 4;
+and.b64 low, a0, 7;
+setp.eq.and.s64 pv, nxt, a1, m0;
 setp.eq.and.s64 pv, low, 0, pv;
 and.pred pv, pv, m1;
 not.pred pn, pv;
 and.pred m0, m0, pn;
 and.pred m1, m1, pn;
-@pv red.global.add.v2.f32 [$2], {$4, $5};
-@m0 red.global.add.f32 [$2], $4;
-@m1 red.global.add.f32 [$3], $5;
+@pv red.global.add.v2.f32 [a0], {$6, $7};
+@m0 red.global.add.f32 [a0], $6;
+@m1 red.global.add.f32 [a1], $7;
 mov.b32 $0, 0;
 mov.b32 $1, 0;
 }""")
 
 
 @triton.jit
-def _red_add(ptrs, vals, mask):
-    """dkv[ptrs] += vals where mask, in the layout vals already have (no conversion through shared memory)."""
-    tl.inline_asm_elementwise(_RED_ADD_F32X2, "=r,=r,l,l,r,r,r,r", [ptrs.to(tl.int64), vals, mask.to(tl.int32)],
+def _red_add(base, cols, vals, row_mask, col_mask):
+    """dkv[base + cols] += vals where row_mask & col_mask (base: float32 pointers, broadcast against cols), in the
+    layout vals already have (no conversion through shared memory)."""
+    tl.inline_asm_elementwise(_RED_ADD_F32X2, "=r,=r,l,l,r,r,r,r,r,r,r,r",
+                              [base.to(tl.int64), cols, vals, row_mask.to(tl.int32), col_mask.to(tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=2)
 
 
 @triton.jit
-def _add_dkv(ptrs, vals, mask, RED: tl.constexpr):
+def _add_dkv(base, cols, vals, row_mask, col_mask, RED: tl.constexpr):
     if RED:
-        _red_add(ptrs, vals, mask)
+        _red_add(base, cols, vals, row_mask, col_mask)
     else:
-        tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+        tl.atomic_add(base + cols, vals, mask=row_mask & col_mask, sem="relaxed")
 
 
 @triton.jit
@@ -130,13 +140,13 @@ def _bwd_variant_kernel(
             if DKV_T:  # key + value gradient, transposed: (DV, BN) and (DR, BN)
                 dk_nope = tl.dot(tl.trans(q_nope), ds) + tl.dot(tl.trans(do), p.to(do.dtype))
                 dk_pe = tl.dot(tl.trans(q_pe), ds)
-                _add_dkv(dkv_rows[None, :] + offs_v[:, None], dk_nope, valid[None, :] & mask_v[:, None], RED)
-                _add_dkv(dkv_rows[None, :] + D_V + offs_r[:, None], dk_pe, valid[None, :] & mask_r[:, None], RED)
+                _add_dkv(dkv_rows[None, :], offs_v[:, None], dk_nope, valid[None, :], mask_v[:, None], RED)
+                _add_dkv(dkv_rows[None, :], D_V + offs_r[:, None], dk_pe, valid[None, :], mask_r[:, None], RED)
             else:  # (BN, DV) and (BN, DR)
                 dk_nope = tl.dot(tl.trans(ds), q_nope) + tl.dot(tl.trans(p.to(do.dtype)), do)
                 dk_pe = tl.dot(tl.trans(ds), q_pe)
-                _add_dkv(dkv_rows[:, None] + offs_v[None, :], dk_nope, valid[:, None] & mask_v[None, :], RED)
-                _add_dkv(dkv_rows[:, None] + D_V + offs_r[None, :], dk_pe, valid[:, None] & mask_r[None, :], RED)
+                _add_dkv(dkv_rows[:, None], offs_v[None, :], dk_nope, valid[:, None], mask_v[None, :], RED)
+                _add_dkv(dkv_rows[:, None], D_V + offs_r[None, :], dk_pe, valid[:, None], mask_r[None, :], RED)
 
     if DO_DQ:
         dq_rows = dq_ptr + t * stride_dqt + offs_h[:, None] * stride_dqh
