@@ -189,7 +189,8 @@ def _fmt(x, spec: str) -> str:
 
 def markdown(results: list[Result], summary: dict, lengths: list[int], notes: list[str]) -> str:
     """The summary table (mode x length) and every measured row."""
-    lines = ["| mode | " + " | ".join(f"{T} ms | TFLOP/s" for T in lengths) + " | configs (heads, keys, warps, stages) |",
+    header = " | ".join(f"{T} ms | TFLOP/s" for T in lengths)
+    lines = [f"| mode | {header} | configs (heads, keys, warps, stages) |",
              "|---|" + "---|---|" * len(lengths) + "---|"]
     ranked = sorted(summary, key=lambda m: summary[m].get(lengths[0], {}).get("ms", math.inf))
     for mode in ranked:
@@ -198,9 +199,10 @@ def markdown(results: list[Result], summary: dict, lengths: list[int], notes: li
             s = summary[mode].get(T)
             cells.append(f"{s['ms']:.2f} | {s['tflops']:.0f}" if s else " | ")
         cfgs = next(iter(summary[mode].values()))["configs"]
-        lines.append(f"| {mode} | " + " | ".join(cells) + " | " + "; ".join(f"{u}: {c}" for u, c in cfgs.items()) + " |")
-    lines += ["", "| T | mode | launch | config | ms | TFLOP/s | rel L2 dq | rel L2 dkv | regs | spilled B | shared KB | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        configs = "; ".join(f"{u}: {c}" for u, c in cfgs.items())
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {configs} |")
+    lines += ["", "| T | mode | launch | config | ms | TFLOP/s | rel L2 dq | rel L2 dkv | regs | spilled B | shared KB "
+                  "| note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.T} | {r.mode} | {r.unit} | {r.config} | {_fmt(r.ms, '.2f')} | {_fmt(r.tflops, '.0f')} | "
                      f"{_fmt(r.err_dq, '.1e')} | {_fmt(r.err_dkv, '.1e')} | {_fmt(r.regs, 'd')} | "

@@ -167,8 +167,10 @@ class Launch:
     configs: tuple[KernelConfig, ...]
 
 
-# Ordered by what Triton 3.6 compiles for sm_90a at GLM-5 sizes (64 heads, 512 + 64, bf16): shared memory, and
-# register spills, per thread (run-independent numbers; the H200 decides: benchmarks/sparse_mla_bwd_variants.py).
+# Ordered by what Triton 3.6 compiles for sm_90a at GLM-5 sizes (64 heads, 512 + 64, bf16, tl.atomic_add builds):
+# shared memory and bytes spilled per thread, all at 255 registers (the H200 decides on time:
+# benchmarks/sparse_mla_bwd_variants.py). The red builds of the first entries spill 564 B (fused64), 44 B (dkv64)
+# and nothing (fused32), and need less shared memory (no conversion scratch).
 FUSED64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, 424 B spilled
            KernelConfig(64, 16, 8, 1),  # 156 KB, 900 B
            KernelConfig(64, 32, 8, 1),  # 176 KB, 1,112 B
@@ -214,8 +216,8 @@ def red_fits(dkv_t: bool, cfg: KernelConfig, block_dv: int, block_dr: int) -> bo
     """Whether the inline PTX reduction may add this launch's dKV tiles: only where each tile element lives in one
     thread. tl.atomic_add skips the replicas a small tile has when its tensor-core layout covers more than the
     tile; the inline asm cannot, so it would add them twice. Checked on Triton 3.6's sm_90 layouts: transposed
-    tiles (512 or 128k, BN) and (64, BN) at 8 warps; untransposed (BN, 512) and (BN, 64) at 8 warps x 32 keys and
-    4 warps x 16 keys. Any other shape takes tl.atomic_add."""
+    tiles (128 k, BN) and (64, BN) at 8 warps, BN 16 to 64; untransposed (BN, 512) and (BN, 64) at 8 warps x 32 keys
+    and 4 warps x 16 keys. Any other shape takes tl.atomic_add."""
     if dkv_t:
         return cfg.num_warps == 8 and block_dv % 128 == 0 and block_dr == 64 and cfg.block_n in (16, 32, 64)
     return (block_dv, block_dr) == (512, 64) and (cfg.num_warps, cfg.block_n) in ((8, 32), (4, 16))
