@@ -21,12 +21,13 @@ def test_every_variant_is_a_backward_mode_and_fused_stays_first():
 
 
 def test_red_only_on_tiles_checked_to_have_no_replicas():
-    assert variants.red_fits(True, KernelConfig(64, 16, 8, 2), 512, 64)
-    assert variants.red_fits(True, KernelConfig(64, 64, 8, 1), 128, 64)
-    assert not variants.red_fits(True, KernelConfig(64, 16, 8, 2), 64, 16)  # small dims: replicated tiles
-    assert not variants.red_fits(True, KernelConfig(64, 16, 4, 1), 512, 64)
-    assert variants.red_fits(False, KernelConfig(32, 32, 8, 1), 512, 64)
-    assert not variants.red_fits(False, KernelConfig(32, 64, 8, 1), 512, 64)
+    assert variants.red_fits(1, True, KernelConfig(64, 16, 8, 2), 512, 64)
+    assert variants.red_fits(1, True, KernelConfig(64, 64, 8, 1), 128, 64)
+    assert not variants.red_fits(1, True, KernelConfig(64, 16, 8, 2), 64, 16)  # small dims: replicated tiles
+    assert not variants.red_fits(1, True, KernelConfig(64, 16, 4, 1), 512, 64)
+    assert variants.red_fits(2, False, KernelConfig(32, 32, 8, 1), 512, 64)
+    assert not variants.red_fits(1, False, KernelConfig(32, 64, 8, 1), 512, 64)
+    assert not variants.red_fits(2, True, KernelConfig(64, 16, 8, 2), 512, 64)  # v4 pairs columns: untransposed only
 
 
 def test_summary_adds_the_fastest_correct_config_of_each_launch():

@@ -9,8 +9,8 @@ take q and dO as the other operand of an mma.sync, so both sit in shared memory 
   as the score products do.
 - dKV added either by `tl.atomic_add` (Triton 3.6 converts the tile through shared memory to a layout of 4
   consecutive columns per thread and emits red.global.add.v4.f32) or by inline PTX `red.global.add` straight from
-  the tensor-core layout ("red": no conversion scratch; two adjacent columns go as one v2 red, sm_90+; CUDA only,
-  not in Triton's interpreter).
+  the tensor-core layout ("red": no conversion scratch; two adjacent columns go as one v2 red, sm_90+; "red4": lane
+  pairs swap halves first so that four adjacent columns go as one v4 red; CUDA only, not in Triton's interpreter).
 - "rot": each row's key loop starts at a block chosen by its row number and wraps, so neighbouring queries, whose
   ascending index rows overlap, do not add to the same kv rows at the same moment.
 - split: dQ alone (no atomics) and dKV alone (no dQ accumulator, so more keys per step), at 64 heads.
@@ -59,6 +59,98 @@ mov.b32 $1, 0;
 }""")
 
 
+# The same for four elements, packed as a tensor-core accumulator holds them: (row g, columns 2c and 2c+1) and
+# (row g+8, the same columns), c = lane % 4. Lanes 2k and 2k+1 swap half of them (shfl.bfly 1): the even lane keeps
+# row g and takes its partner's two columns of row g, the odd one keeps row g+8 and takes its partner's, so each holds
+# four adjacent columns: one v4 red when their addresses are adjacent and 16-byte aligned, else one red each. Every
+# (address, value, mask) triple moves whole, so each element is added exactly once whatever the layout; only the v4
+# needs the layout above. Operands: $0-$3 dummy outputs, $4-$7 row bases, $8-$11 columns, $12-$15 values,
+# $16-$19 row masks, $20-$23 column masks. All lanes of a warp must run it together (no divergent branch around it).
+_RED_ADD_F32X4 = tl.constexpr("""{
+.reg .pred odd, p4, q, f0, f1, f2, f3;
+.reg .b32 lane, m0, m1, m2, m3, sv0, sv1, sm0, sm1, rv0, rv1, rm0, rm1, v0, v1, v2, v3, k0, k1, k2, k3, lo, hi;
+.reg .b64 a0, a1, a2, a3, sa0, sa1, ra0, ra1, b0, b1, b2, b3, t;
+and.b32 m0, $16, $20;
+and.b32 m1, $17, $21;
+and.b32 m2, $18, $22;
+and.b32 m3, $19, $23;
+mad.wide.s32 a0, $8, 4, $4;
+mad.wide.s32 a1, $9, 4, $5;
+mad.wide.s32 a2, $10, 4, $6;
+mad.wide.s32 a3, $11, 4, $7;
+mov.u32 lane, %laneid;
+and.b32 lane, lane, 1;
+setp.ne.b32 odd, lane, 0;
+selp.b32 sv0, $12, $14, odd;
+selp.b32 sv1, $13, $15, odd;
+selp.b32 sm0, m0, m2, odd;
+selp.b32 sm1, m1, m3, odd;
+selp.b64 sa0, a0, a2, odd;
+selp.b64 sa1, a1, a3, odd;
+shfl.sync.bfly.b32 rv0, sv0, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 rv1, sv1, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 rm0, sm0, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 rm1, sm1, 1, 0x1f, 0xffffffff;
+mov.b64 {lo, hi}, sa0;
+shfl.sync.bfly.b32 lo, lo, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 hi, hi, 1, 0x1f, 0xffffffff;
+mov.b64 ra0, {lo, hi};
+mov.b64 {lo, hi}, sa1;
+shfl.sync.bfly.b32 lo, lo, 1, 0x1f, 0xffffffff;
+shfl.sync.bfly.b32 hi, hi, 1, 0x1f, 0xffffffff;
+mov.b64 ra1, {lo, hi};
+selp.b64 b0, ra0, a0, odd;
+selp.b64 b1, ra1, a1, odd;
+selp.b64 b2, a2, ra0, odd;
+selp.b64 b3, a3, ra1, odd;
+selp.b32 v0, rv0, $12, odd;
+selp.b32 v1, rv1, $13, odd;
+selp.b32 v2, $14, rv0, odd;
+selp.b32 v3, $15, rv1, odd;
+selp.b32 k0, rm0, m0, odd;
+selp.b32 k1, rm1, m1, odd;
+selp.b32 k2, m2, rm0, odd;
+selp.b32 k3, m3, rm1, odd;
+setp.ne.b32 f0, k0, 0;
+setp.ne.b32 f1, k1, 0;
+setp.ne.b32 f2, k2, 0;
+setp.ne.b32 f3, k3, 0;
+and.pred p4, f0, f1;
+and.pred p4, p4, f2;
+and.pred p4, p4, f3;
+add.s64 t, b0, 4;
+setp.eq.and.s64 p4, t, b1, p4;
+add.s64 t, b0, 8;
+setp.eq.and.s64 p4, t, b2, p4;
+add.s64 t, b0, 12;
+setp.eq.and.s64 p4, t, b3, p4;
+and.b64 t, b0, 15;
+setp.eq.and.s64 p4, t, 0, p4;
+not.pred q, p4;
+and.pred f0, f0, q;
+and.pred f1, f1, q;
+and.pred f2, f2, q;
+and.pred f3, f3, q;
+@p4 red.global.add.v4.f32 [b0], {v0, v1, v2, v3};
+@f0 red.global.add.f32 [b0], v0;
+@f1 red.global.add.f32 [b1], v1;
+@f2 red.global.add.f32 [b2], v2;
+@f3 red.global.add.f32 [b3], v3;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+mov.b32 $2, 0;
+mov.b32 $3, 0;
+}""")
+
+
+@triton.jit
+def _red_add4(base, cols, vals, row_mask, col_mask):
+    """`_red_add` with lane pairs swapping halves so that each thread adds four adjacent columns as one v4 red."""
+    tl.inline_asm_elementwise(_RED_ADD_F32X4, "=r,=r,=r,=r" + ",l" * 4 + ",r" * 16,
+                              [base.to(tl.int64), cols, vals, row_mask.to(tl.int32), col_mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=4)
+
+
 @triton.jit
 def _red_add(base, cols, vals, row_mask, col_mask):
     """dkv[base + cols] += vals where row_mask & col_mask (base: float32 pointers, broadcast against cols), in the
@@ -70,7 +162,10 @@ def _red_add(base, cols, vals, row_mask, col_mask):
 
 @triton.jit
 def _add_dkv(base, cols, vals, row_mask, col_mask, RED: tl.constexpr):
-    if RED:
+    """dkv[base + cols] += vals where both masks hold: RED 0 tl.atomic_add, 1 PTX v2 reds, 2 PTX v4 reds."""
+    if RED == 2:
+        _red_add4(base, cols, vals, row_mask, col_mask)
+    elif RED == 1:
         _red_add(base, cols, vals, row_mask, col_mask)
     else:
         tl.atomic_add(base + cols, vals, mask=row_mask & col_mask, sem="relaxed")
@@ -162,7 +257,7 @@ class Launch:
     do_dq: bool
     do_dkv: bool
     dkv_t: bool  # dKV^T = q^T @ dS (wgmma-sized at 64 heads) instead of dS^T @ q
-    red: bool  # inline PTX red from the tensor-core layout instead of tl.atomic_add (CUDA only; see red_fits)
+    red: int  # 0 tl.atomic_add; inline PTX from the tensor-core layout (CUDA only, see red_fits): 1 v2 reds, 2 v4 reds
     rotate: bool  # start each row's key loop at a block set by its row number
     configs: tuple[KernelConfig, ...]
 
@@ -185,25 +280,26 @@ DKV64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, none
 FUSED32 = (KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1))  # 132 KB, 28 B; 100 KB, 460 B
 
 
-def _fused(kind: str, red: bool, rotate: bool, dkv_t: bool = True, configs=FUSED64) -> tuple[Launch, ...]:
+def _fused(kind: str, red: int, rotate: bool, dkv_t: bool = True, configs=FUSED64) -> tuple[Launch, ...]:
     return (Launch(kind, True, True, dkv_t, red, rotate, configs),)
 
 
-def _split(kind: str, red: bool, rotate: bool) -> tuple[Launch, ...]:
-    return (Launch("bwd_v_dq64", True, False, True, False, False, DQ64),
+def _split(kind: str, red: int, rotate: bool) -> tuple[Launch, ...]:
+    return (Launch("bwd_v_dq64", True, False, True, 0, False, DQ64),
             Launch(kind, False, True, True, red, rotate, DKV64))
 
 
 MODES: dict[str, tuple[Launch, ...]] = {
-    "fused64": _fused("bwd_v_fused64", red=False, rotate=False),
-    "fused64_rot": _fused("bwd_v_fused64_rot", red=False, rotate=True),
-    "fused64_red": _fused("bwd_v_fused64_red", red=True, rotate=False),
-    "fused64_red_rot": _fused("bwd_v_fused64_red_rot", red=True, rotate=True),
-    "split64": _split("bwd_v_dkv64", red=False, rotate=False),
-    "split64_rot": _split("bwd_v_dkv64_rot", red=False, rotate=True),
-    "split64_red_rot": _split("bwd_v_dkv64_red_rot", red=True, rotate=True),
-    "fused32_red": _fused("bwd_v_fused32_red", red=True, rotate=False, dkv_t=False, configs=FUSED32),
-    "fused32_rot": _fused("bwd_v_fused32_rot", red=False, rotate=True, dkv_t=False, configs=FUSED32),
+    "fused64": _fused("bwd_v_fused64", red=0, rotate=False),
+    "fused64_rot": _fused("bwd_v_fused64_rot", red=0, rotate=True),
+    "fused64_red": _fused("bwd_v_fused64_red", red=1, rotate=False),
+    "fused64_red_rot": _fused("bwd_v_fused64_red_rot", red=1, rotate=True),
+    "split64": _split("bwd_v_dkv64", red=0, rotate=False),
+    "split64_rot": _split("bwd_v_dkv64_rot", red=0, rotate=True),
+    "split64_red_rot": _split("bwd_v_dkv64_red_rot", red=1, rotate=True),
+    "fused32_red": _fused("bwd_v_fused32_red", red=1, rotate=False, dkv_t=False, configs=FUSED32),
+    "fused32_red4": _fused("bwd_v_fused32_red4", red=2, rotate=False, dkv_t=False, configs=FUSED32),
+    "fused32_rot": _fused("bwd_v_fused32_rot", red=0, rotate=True, dkv_t=False, configs=FUSED32),
 }
 
 
@@ -212,13 +308,16 @@ def cuda_only(mode: str) -> bool:
     return any(launch.red for launch in MODES[mode])
 
 
-def red_fits(dkv_t: bool, cfg: KernelConfig, block_dv: int, block_dr: int) -> bool:
+def red_fits(red: int, dkv_t: bool, cfg: KernelConfig, block_dv: int, block_dr: int) -> bool:
     """Whether the inline PTX reduction may add this launch's dKV tiles: only where each tile element lives in one
     thread. tl.atomic_add skips the replicas a small tile has when its tensor-core layout covers more than the
     tile; the inline asm cannot, so it would add them twice. Checked on Triton 3.6's sm_90 layouts: transposed
     tiles (128 k, BN) and (64, BN) at 8 warps, BN 16 to 64; untransposed (BN, 512) and (BN, 64) at 8 warps x 32 keys
-    and 4 warps x 16 keys. Any other shape takes tl.atomic_add."""
+    and 4 warps x 16 keys. Any other shape takes tl.atomic_add. The v4 form (red 2) pairs columns, so only the
+    untransposed tiles (whose thread-held pairs run along columns)."""
     if dkv_t:
+        if red == 2:
+            return False
         return cfg.num_warps == 8 and block_dv % 128 == 0 and block_dr == 64 and cfg.block_n in (16, 32, 64)
     return (block_dv, block_dr) == (512, 64) and (cfg.num_warps, cfg.block_n) in ((8, 32), (4, 16))
 
@@ -229,7 +328,7 @@ def launch_variant(launch: Launch, cfg: KernelConfig, q, kv, indices, dout, lse,
     T, H, D = q.shape
     block_h = min(cfg.block_h, mla._pow2(H))
     block_dv, block_dr = mla._pow2(v_dim), mla._pow2(D - v_dim)
-    red = launch.red and launch.do_dkv and red_fits(launch.dkv_t, cfg, block_dv, block_dr)
+    red = launch.red if launch.do_dkv and red_fits(launch.red, launch.dkv_t, cfg, block_dv, block_dr) else 0
     return _bwd_variant_kernel[(T, triton.cdiv(H, block_h))](
         q, kv, indices, dout, lse, delta, dq, dkv,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1),
