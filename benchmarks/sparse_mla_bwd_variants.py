@@ -215,7 +215,7 @@ def config_label(cfg) -> str:
 
 
 def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float, results: list[Result],
-        flops: dict[int, float], notes: list[str]) -> None:
+        flops: dict[int, float], notes: list[str], max_configs: int | None = None) -> None:
     """Every mode at every length (configs swept at the first), until the time limit; appends to results, flops
     (backward FLOPs by length) and notes as it goes, so a crash still leaves what ran."""
     t0 = time.time()
@@ -235,7 +235,7 @@ def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float
         for mode in modes:
             for unit in mode_units(mode):
                 tried = []
-                for cfg in unit.configs if i == 0 else chosen.get((mode, unit.label), []):
+                for cfg in unit.configs[:max_configs] if i == 0 else chosen.get((mode, unit.label), []):
                     if time.time() - t0 > time_limit:
                         notes.append(f"T={T} {mode} {unit.label} {config_label(cfg)}: not run, past the time limit")
                         continue
@@ -259,6 +259,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=sorted(mla.BWD_MODES, key=lambda m: "red" in m),
                         choices=mla.BWD_MODES)
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of repetitions per measurement")
+    parser.add_argument("--max-configs", type=int, default=None, help="sweep only the first N configs of a launch")
     parser.add_argument("--time-limit", type=float, default=200.0, help="stop starting measurements after this")
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here (tables: .md)")
     args = parser.parse_args()
@@ -268,7 +269,7 @@ def main() -> None:
     flops: dict[int, float] = {}
     notes: list[str] = []
     try:
-        run(args.lengths, args.modes, args.budget, args.time_limit, results, flops, notes)
+        run(args.lengths, args.modes, args.budget, args.time_limit, results, flops, notes, args.max_configs)
     except Exception as exc:  # noqa: BLE001 (report what ran before the failure)
         log.exception("run stopped")
         notes.append(f"run stopped: {type(exc).__name__}: {str(exc)[:300]}")
