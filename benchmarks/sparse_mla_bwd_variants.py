@@ -9,8 +9,10 @@ queries have fewer keys); TFLOP/s count the keys used (5 matmuls, flash-attentio
 kernel or two (split: dQ alone, dKV alone); each of its launches is run with every config of its list at the first
 length, then with its fastest correct config at the others. A launch whose dq or dkv differs from the fused mode's
 by more than 2e-2 relative L2 is marked wrong and not timed; one that does not compile is a row saying so. A mode's
-time is the sum of its launches' best times. Each row gives the compiled kernel's registers, spilled bytes per
-thread and shared memory. --time-limit stops cleanly between measurements; the JSON and the tables hold what ran.
+time is the sum of its launches' best times, or for the variants of several kernels their time run together as
+the backward runs them (row "whole": split64_par overlaps its two on two streams). Each row gives the compiled
+kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly between measurements;
+--max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md beside it) hold what ran.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from benchmarks.dsa_kernels import D, H, V_DIM, _indices, sparse_flops, timed
 
 log = logging.getLogger("sparse_mla_bwd_variants")
 MAX_REL_ERR = 2e-2
+WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its kernels' fastest configs)
 
 
 @dataclass
@@ -164,7 +167,8 @@ def measure(T: int, mode: str, unit: Unit, cfg, p: Problem, budget_s: float) -> 
 
 
 def summarize(results: list[Result], flops: dict[int, float]) -> dict[str, dict[int, dict]]:
-    """Per mode and length: the sum over the mode's launches of their fastest correct times, and its TFLOP/s."""
+    """Per mode and length: the time of the whole mode where it was measured (launch "whole"), else the sum over its
+    launches of their fastest correct times; and its TFLOP/s."""
     best: dict[tuple, Result] = {}
     units: dict[str, set] = {}
     for r in results:
@@ -175,11 +179,12 @@ def summarize(results: list[Result], flops: dict[int, float]) -> dict[str, dict[
     out: dict[str, dict[int, dict]] = {}
     for mode, names in units.items():
         for T in sorted({r.T for r in results if r.mode == mode}):
-            picked = [best.get((mode, T, u)) for u in sorted(names)]
-            if all(picked):
-                ms = sum(r.ms for r in picked)
+            picked = [best.get((mode, T, u)) for u in sorted(names - {WHOLE})]
+            whole = best.get((mode, T, WHOLE))
+            if whole or all(picked):
+                ms = whole.ms if whole else sum(r.ms for r in picked)
                 out.setdefault(mode, {})[T] = dict(ms=ms, tflops=flops[T] / (ms * 1e-3) / 1e12,
-                                                   configs={r.unit: r.config for r in picked})
+                                                   configs={r.unit: r.config for r in picked if r})
     return out
 
 
@@ -211,7 +216,26 @@ def markdown(results: list[Result], summary: dict, lengths: list[int], notes: li
 
 
 def config_label(cfg) -> str:
-    return f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
+    return "fastest of each" if cfg is None else f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
+
+
+def whole_mode(mode: str, fastest: dict[str, object]) -> Unit | None:
+    """A variant mode of several kernels run as `run_mode` runs it (streams included), each kernel at its fastest
+    config; None for one-kernel modes, the original split, or a kernel without a correct config."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415
+
+    launches = variants.MODES.get(mode, ())
+    if len(launches) < 2 or any(launch.kind not in fastest for launch in launches):
+        return None
+    key = (H, D, V_DIM, torch.bfloat16)
+    for launch in launches:
+        mla._chosen[(launch.kind, key)] = fastest[launch.kind]
+
+    def run(cfg, p, dq, dkv):
+        variants.run_mode(mode, key, p.q, p.kv, p.idx, p.dout, p.lse, p.delta, dq, dkv, p.scale, V_DIM)
+
+    return Unit(WHOLE, True, True, [None], run)
 
 
 def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float, results: list[Result],
@@ -233,6 +257,7 @@ def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float
         p.ref = (dq, dkv)
         done: dict[tuple[str, str], Result] = {}  # a launch shared by several modes (split's dQ) runs once
         for mode in modes:
+            fastest = {}  # launch -> its fastest correct config at this length
             for unit in mode_units(mode):
                 tried = []
                 for cfg in unit.configs[:max_configs] if i == 0 else chosen.get((mode, unit.label), []):
@@ -244,8 +269,13 @@ def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float
                     results.append(Result(**{**asdict(res), "mode": mode}))
                     tried.append((res, cfg))
                 timed_ok = [(r.ms, n, cfg) for n, (r, cfg) in enumerate(tried) if r.ms is not None]
+                if timed_ok:
+                    fastest[unit.label] = min(timed_ok)[2]
                 if i == 0 and timed_ok:
                     chosen[(mode, unit.label)] = [min(timed_ok)[2]]
+            unit = whole_mode(mode, fastest)
+            if unit is not None and time.time() - t0 <= time_limit:
+                results.append(measure(T, mode, unit, None, p, budget_s))
         p = dq = dkv = None
         torch.cuda.empty_cache()
 

@@ -39,13 +39,18 @@ def test_summary_adds_the_fastest_correct_config_of_each_launch():
         R(8192, "split64", "dkv", "64, 64, 8, 1", note="failed: OutOfResources"),
         R(32768, "split64", "dq", "64, 32, 8, 1", ms=80.0),  # dkv not run at 32K: no total there
         R(8192, "fused", "fused", "32, 32, 8, 1", ms=70.0),
+        R(8192, "split64_par", "bwd_v_dq64", "64, 32, 8, 1", ms=20.0),
+        R(8192, "split64_par", "bwd_v_dkv64", "64, 16, 8, 2", ms=15.0),
+        R(8192, "split64_par", bench.WHOLE, "fastest of each", ms=28.0),  # the two kernels overlapped
     ]
     summary = bench.summarize(results, {8192: 7e12, 32768: 3e13})
     assert summary["split64"][8192]["ms"] == 35.0
     assert summary["split64"][8192]["tflops"] == pytest.approx(200.0)
     assert summary["split64"][8192]["configs"] == {"dkv": "64, 32, 8, 1", "dq": "64, 32, 8, 1"}
     assert 32768 not in summary["split64"] and summary["fused"][8192]["ms"] == 70.0
+    assert summary["split64_par"][8192]["ms"] == 28.0  # measured whole, not the sum
+    assert summary["split64_par"][8192]["configs"] == {"bwd_v_dkv64": "64, 16, 8, 2", "bwd_v_dq64": "64, 32, 8, 1"}
     table = bench.markdown(results, summary, [8192, 32768], ["a note"])
     lines = table.splitlines()
-    assert lines[2].startswith("| split64 | 35.00 | 200 |")  # fastest mode first
+    assert lines[2].startswith("| split64_par | 28.00 | 250 |")  # fastest mode first
     assert "failed: OutOfResources" in table and "wrong: rel L2" in table and "- a note" in table

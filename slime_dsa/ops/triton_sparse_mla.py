@@ -75,7 +75,7 @@ FWD_CONFIGS = [
 # at 8K); split stays as the fallback. The other modes are the variants of triton_sparse_mla_bwd_variants.py (64 heads
 # per program, PTX reductions, rotated key loops), tried only when chosen (benchmarks/sparse_mla_bwd_variants.py).
 BWD_MODES = ["fused", "split", "fused64", "fused64_rot", "fused64_red", "fused64_red_rot", "split64", "split64_rot",
-             "split64_red_rot", "fused32_red", "fused32_red4", "fused32_rot"]
+             "split64_red_rot", "split64_par", "fused32_red", "fused32_red4", "fused32_rot"]
 BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
 BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
 BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]

@@ -13,7 +13,8 @@ take q and dO as the other operand of an mma.sync, so both sit in shared memory 
   pairs swap halves first so that four adjacent columns go as one v4 red; CUDA only, not in Triton's interpreter).
 - "rot": each row's key loop starts at a block chosen by its row number and wraps, so neighbouring queries, whose
   ascending index rows overlap, do not add to the same kv rows at the same moment.
-- split: dQ alone (no atomics) and dKV alone (no dQ accumulator, so more keys per step), at 64 heads.
+- split: dQ alone (no atomics) and dKV alone (no dQ accumulator, so more keys per step), at 64 heads; "par" runs
+  the two on two streams at once.
 Every variant stops at a row's last used slot when `SKIP_EMPTY_SLOTS` is set and masks -1 slots before it.
 benchmarks/sparse_mla_bwd_variants.py checks and times them at GLM-5 sizes.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -297,10 +299,16 @@ MODES: dict[str, tuple[Launch, ...]] = {
     "split64": _split("bwd_v_dkv64", red=0, rotate=False),
     "split64_rot": _split("bwd_v_dkv64_rot", red=0, rotate=True),
     "split64_red_rot": _split("bwd_v_dkv64_red_rot", red=1, rotate=True),
+    "split64_par": _split("bwd_v_dkv64", red=0, rotate=False),  # split64 with its two kernels side by side
     "fused32_red": _fused("bwd_v_fused32_red", red=1, rotate=False, dkv_t=False, configs=FUSED32),
     "fused32_red4": _fused("bwd_v_fused32_red4", red=2, rotate=False, dkv_t=False, configs=FUSED32),
     "fused32_rot": _fused("bwd_v_fused32_rot", red=0, rotate=True, dkv_t=False, configs=FUSED32),
 }
+
+
+# Split modes whose dQ kernel runs on a side stream while the dKV kernel runs (CUDA): an SM that the atomic-bound dKV
+# kernel leaves takes dQ programs (tensor-core bound), so the two overlap instead of running one after the other.
+PARALLEL = {"split64_par"}
 
 
 def cuda_only(mode: str) -> bool:
@@ -348,13 +356,28 @@ def run_mode(mode: str, key: tuple, q, kv, indices, dout, lse, delta, dq, dkv, s
     dkv (float32) must be zero on entry; raises RuntimeError when a launch has no config that fits."""
     if cuda_only(mode) and q.device.type != "cuda":
         raise RuntimeError(f"backward mode {mode} uses inline PTX: CUDA only")
-    for launch in MODES[mode]:
-        def run(cfg: KernelConfig, launch: Launch = launch) -> None:
+
+    def run_launch(launch: Launch) -> None:
+        def run(cfg: KernelConfig) -> None:
             if launch.do_dkv:
                 dkv.zero_()  # a failed attempt may have added into it
             launch_variant(launch, cfg, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim)
 
         mla._launch(launch.kind, key, list(launch.configs), run)
+
+    if mode in PARALLEL and q.device.type == "cuda":
+        first, *rest = MODES[mode]
+        main = torch.cuda.current_stream(q.device)
+        side = torch.cuda.Stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            run_launch(first)
+        for launch in rest:
+            run_launch(launch)
+        main.wait_stream(side)  # dq is ready for whatever the main stream does next
+        return
+    for launch in MODES[mode]:
+        run_launch(launch)
 
 
 def force_mode(mode: str | None, key: tuple) -> None:
