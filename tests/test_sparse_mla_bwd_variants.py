@@ -24,7 +24,7 @@ def test_red_only_on_tiles_checked_to_have_no_replicas():
     assert variants.red_fits(1, True, KernelConfig(64, 16, 8, 2), 512, 64)
     assert variants.red_fits(1, True, KernelConfig(64, 64, 8, 1), 128, 64)
     assert not variants.red_fits(1, True, KernelConfig(64, 16, 8, 2), 64, 16)  # small dims: replicated tiles
-    assert not variants.red_fits(1, True, KernelConfig(64, 16, 4, 1), 512, 64)
+    assert not variants.red_fits(1, True, KernelConfig(64, 16, 16, 1), 512, 64)
     assert variants.red_fits(2, False, KernelConfig(32, 32, 8, 1), 512, 64)
     assert not variants.red_fits(1, False, KernelConfig(32, 64, 8, 1), 512, 64)
     assert not variants.red_fits(2, True, KernelConfig(64, 16, 8, 2), 512, 64)  # v4 pairs columns: untransposed only

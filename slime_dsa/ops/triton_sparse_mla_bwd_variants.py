@@ -278,7 +278,11 @@ DQ64 = (KernelConfig(64, 32, 8, 1),  # 172 KB, 92 B
 DKV64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, none
          KernelConfig(64, 32, 8, 1),  # 172 KB, 324 B
          KernelConfig(64, 32, 8, 2),  # 224 KB, 196 B
-         KernelConfig(64, 64, 8, 1))  # 208 KB, 892 B
+         KernelConfig(64, 64, 8, 1),  # 208 KB, 892 B
+         # one warpgroup: the score products (64 rows) read q and dO from shared memory once, not once per
+         # warpgroup, at the cost of registers
+         KernelConfig(64, 16, 4, 2),  # 180 KB, 444 B
+         KernelConfig(64, 32, 4, 2))  # 216 KB, 884 B
 FUSED32 = (KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1))  # 132 KB, 28 B; 100 KB, 460 B
 
 
@@ -320,13 +324,13 @@ def red_fits(red: int, dkv_t: bool, cfg: KernelConfig, block_dv: int, block_dr: 
     """Whether the inline PTX reduction may add this launch's dKV tiles: only where each tile element lives in one
     thread. tl.atomic_add skips the replicas a small tile has when its tensor-core layout covers more than the
     tile; the inline asm cannot, so it would add them twice. Checked on Triton 3.6's sm_90 layouts: transposed
-    tiles (128 k, BN) and (64, BN) at 8 warps, BN 16 to 64; untransposed (BN, 512) and (BN, 64) at 8 warps x 32 keys
-    and 4 warps x 16 keys. Any other shape takes tl.atomic_add. The v4 form (red 2) pairs columns, so only the
-    untransposed tiles (whose thread-held pairs run along columns)."""
+    tiles (128 k, BN) and (64, BN) at 4 or 8 warps, BN 16 to 64; untransposed (BN, 512) and (BN, 64) at 8 warps x
+    32 keys and 4 warps x 16 keys. Any other shape takes tl.atomic_add. The v4 form (red 2) pairs columns, so only
+    the untransposed tiles (whose thread-held pairs run along columns)."""
     if dkv_t:
         if red == 2:
             return False
-        return cfg.num_warps == 8 and block_dv % 128 == 0 and block_dr == 64 and cfg.block_n in (16, 32, 64)
+        return cfg.num_warps in (4, 8) and block_dv % 128 == 0 and block_dr == 64 and cfg.block_n in (16, 32, 64)
     return (block_dv, block_dr) == (512, 64) and (cfg.num_warps, cfg.block_n) in ((8, 32), (4, 16))
 
 
