@@ -16,7 +16,8 @@ take q and dO as the other operand of an mma.sync, so both sit in shared memory 
 - split: dQ alone (no atomics) and dKV alone (no dQ accumulator, so more keys per step), at 64 heads; "par" runs
   the two on two streams at once.
 Every variant stops at a row's last used slot when `SKIP_EMPTY_SLOTS` is set and masks -1 slots before it.
-benchmarks/sparse_mla_bwd_variants.py checks and times them at GLM-5 sizes.
+benchmarks/sparse_mla_bwd_variants.py checks and times them at GLM-5 sizes; tools/kernel_resources.py compiles them
+for sm_90a without a GPU (shared memory, registers, spills).
 """
 
 from __future__ import annotations
