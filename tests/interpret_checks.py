@@ -180,6 +180,42 @@ def check_sparse_mla_fwd_variants() -> None:
         _forget_fwd_configs(mla)
 
 
+def check_sparse_mla_bwd_variants() -> None:
+    """Each backward variant the interpreter can run (no inline PTX) on rows of mostly -1 slots, with and without the
+    stop at the last used slot, against the reference; heads and dims off the powers of two (masked tiles)."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(5)
+    T, Tk, H, v_dim, d_r, K = 6, 40, 12, 40, 8, 48
+    D = v_dim + d_r
+    q, kv = torch.randn(T, H, D, generator=g), torch.randn(Tk, D, generator=g)
+    idx = _mostly_empty_indices(T, Tk, K, g)
+    q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q2, kv2, idx, D**-0.5, v_dim)
+    has = torch.isfinite(ref_lse)
+    dout, dlse = torch.randn(ref_out.shape, generator=g), torch.randn(ref_lse.shape, generator=g).masked_fill(~has, 0)
+    ref = torch.autograd.grad((ref_out * dout).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(), (q2, kv2))
+    key = (H, D, v_dim, q.dtype)
+    saved = mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES
+    try:
+        mla.USE_KEY_RANGES = False
+        for mode in variants.MODES:
+            if variants.cuda_only(mode):
+                continue
+            for skip in (True, False) if mode == "fused64_rot" else (True,):
+                mla.SKIP_EMPTY_SLOTS = skip
+                variants.force_mode(mode, key)
+                q1, kv1 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+                out, lse = mla.sparse_mla_attention(q1, kv1, idx, D**-0.5, v_dim)
+                grads = torch.autograd.grad((out * dout).sum() + (lse.masked_fill(~has, 0) * dlse).sum(), (q1, kv1))
+                errs = _rel_l2(grads[0], ref[0]), _rel_l2(grads[1], ref[1])
+                assert max(errs) < 1e-4, f"backward mode {mode}, skip={skip}: rel L2 dq, dkv {errs}"
+    finally:
+        variants.force_mode(None, key)
+        mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES = saved
+
+
 def check_masked_ranges() -> None:
     """The range backward over a byte map of selected keys (subsets of short packed sequences), and the general
     backward on the same selection, against the reference."""
@@ -208,7 +244,7 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
-          check_sparse_mla_fwd_variants, check_masked_ranges]
+          check_sparse_mla_fwd_variants, check_sparse_mla_bwd_variants, check_masked_ranges]
 
 
 def main() -> int:

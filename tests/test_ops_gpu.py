@@ -12,6 +12,8 @@ Tolerances (bf16 inputs; the reference runs in float32 on the same bf16 values):
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -207,6 +209,67 @@ def test_sparse_mla_skipping_empty_slots_changes_nothing(monkeypatch):
     # Slots past the last used one add exact zeros; only instruction scheduling may differ between the builds.
     assert rel_l2(out1, out0) <= 1e-4 and (lse1 - lse0).abs().max().item() <= 1e-5 and rel_l2(dq1, dq0) <= 1e-4
     assert rel_l2(dkv1, dkv0) <= 1e-3  # float32 atomics: the summation order may differ
+
+
+# The general backward's modes (BWD_MODES: fused, split and the variants of triton_sparse_mla_bwd_variants.py) run on
+# these shapes, plus rows of mostly -1 slots anywhere at the GLM-5 shape ("glm5_scattered").
+BWD_MODE_CASES = ["packed_short", "odd_dims_tq_lt_tk", "heads128", "glm5_mostly_empty_packed", "glm5_scattered"]
+
+
+@functools.cache
+def _bwd_mode_case(name: str) -> dict:
+    """Inputs, upstream gradients and the float32 reference (out, lse, dq, dkv) of one case, shared by every mode."""
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES["glm5" if name == "glm5_scattered" else name]
+    indices = causal_rows(lens_q, lens_k, K)
+    if name == "glm5_scattered":
+        indices = scatter_empty(indices, keep=0.2)
+        indices[0] = -1  # one row without keys
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(sum(lens_q), H, v_dim + d_r, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(sum(lens_k), v_dim + d_r, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = (v_dim + d_r) ** -0.5
+    q32, kv32 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, v_dim)
+    has = torch.isfinite(ref_lse)
+    dout = torch.randn(ref_out.shape, device="cuda", generator=g)
+    dlse = torch.randn(ref_lse.shape, device="cuda", generator=g).masked_fill(~has, 0.0)
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout).sum() + (ref_lse.masked_fill(~has, 0) * dlse).sum(),
+                                          (q32, kv32))
+    return dict(q=q, kv=kv, indices=indices, v_dim=v_dim, scale=scale, dout=dout, dlse=dlse, has=has,
+                out=ref_out.detach(), lse=ref_lse.detach(), dq=ref_dq, dkv=ref_dkv)
+
+
+def _mode_list() -> list[str]:
+    try:
+        from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    except ImportError:  # no triton: the tests are skipped anyway (no GPU)
+        return ["fused"]
+    return sorted(mla.BWD_MODES, key=lambda m: "red" in m)  # inline PTX last: a fault there kills the CUDA context
+
+
+@pytest.mark.parametrize("mode", _mode_list())
+def test_sparse_mla_backward_modes(mode, monkeypatch):
+    """Each mode of the general (atomic) backward, forced, against the float32 reference: forward and gradients."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants
+
+    monkeypatch.setattr(mla, "USE_KEY_RANGES", False)
+    for name in BWD_MODE_CASES:
+        c = _bwd_mode_case(name)
+        key = (c["q"].shape[1], c["q"].shape[2], c["v_dim"], c["q"].dtype)
+        variants.force_mode(mode, key)
+        try:
+            q, kv = c["q"].clone().requires_grad_(True), c["kv"].clone().requires_grad_(True)
+            out, lse = mla.sparse_mla_attention(q, kv, c["indices"], c["scale"], c["v_dim"])
+            has = c["has"]
+            dq, dkv = torch.autograd.grad(
+                (out.float() * c["dout"]).sum() + (lse.masked_fill(~has, 0) * c["dlse"]).sum(), (q, kv))
+            assert mla._chosen[("bwd_mode", key)] == mode
+        finally:
+            variants.force_mode(None, key)
+        errs = rel_l2(out, c["out"]), rel_l2(dq, c["dq"]), rel_l2(dkv, c["dkv"])
+        assert max(errs) <= REL_L2, f"{mode} on {name}: rel L2 out, dq, dkv {errs}"
+        assert torch.equal(torch.isfinite(lse), has) and (lse[has] - c["lse"][has]).abs().max().item() <= 1e-3
 
 
 def test_sparse_mla_key_range_detection():

@@ -33,7 +33,8 @@ Backward, two paths (both recompute the probabilities from the saved lse):
   selected keys. They do up to MASKED_RANGE_MAX_RATIO times the selected work but no atomics, which serialise when
   many queries share kv rows and few heads share each query; so only for few heads x head dim
   (MASKED_RANGE_MAX_HEAD_WORK), where they were measured to win.
-- General: one program per query row and 32 heads (64 do not fit in shared memory). dQ is accumulated in
+- General: one program per query row and 32 heads (64 do not fit in shared memory; triton_sparse_mla_bwd_variants.py
+  has 64-head variants, modes of BWD_MODES that run only when chosen). dQ is accumulated in
   registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
   summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
   forward's TFLOP/s at GLM-5 sizes.
@@ -71,8 +72,10 @@ FWD_CONFIGS = [
 ]
 # Backward, either one fused kernel or two ("split"): dQ alone (no atomics) and dKV alone (no dQ accumulator),
 # which recompute the scores twice but relieve register pressure. Fused was faster on the H200 (61 vs 69 ms
-# at 8K); split stays as the fallback.
-BWD_MODES = ["fused", "split"]
+# at 8K); split stays as the fallback. The other modes are the variants of triton_sparse_mla_bwd_variants.py (64 heads
+# per program, PTX reductions, rotated key loops), tried only when chosen (benchmarks/sparse_mla_bwd_variants.py).
+BWD_MODES = ["fused", "split", "fused64", "fused64_rot", "fused64_red", "fused64_red_rot", "split64", "split64_rot",
+             "split64_red_rot", "split64_par", "fused32_red", "fused32_red4", "fused32_rot"]
 BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
 BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
 BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]
@@ -639,11 +642,12 @@ def bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) 
 
 def launch_bwd_kernel(
     cfg: KernelConfig, do_dq: bool, do_dkv: bool, q, kv, indices, dout, lse, delta, dq, dkv, scale: float, v_dim: int
-) -> None:
-    """One backward launch: dq (written) and/or dkv (float32, added to) for all query rows."""
+):
+    """One backward launch: dq (written) and/or dkv (float32, added to) for all query rows; returns the compiled
+    kernel (its registers and spills, for benchmarks)."""
     T, H, D = q.shape
     block_h = min(cfg.block_h, _pow2(H))
-    _sparse_mla_bwd_kernel[(T, triton.cdiv(H, block_h))](
+    return _sparse_mla_bwd_kernel[(T, triton.cdiv(H, block_h))](
         q, kv, indices, dout, lse, delta, dq, dkv,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1),
         lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
@@ -694,9 +698,14 @@ def sparse_mla_bwd(
         try:
             if mode == "fused":
                 _launch("bwd_fused", key, BWD_FUSED_CONFIGS, launcher(True, True))
-            else:
+            elif mode == "split":
                 _launch("bwd_dq", key, BWD_DQ_CONFIGS, launcher(True, False))
                 _launch("bwd_dkv", key, BWD_DKV_CONFIGS, launcher(False, True))
+            else:
+                from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415 (imports this)
+
+                dkv.zero_()
+                variants.run_mode(mode, key, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim)
         except RuntimeError as err:
             errors.append(str(err))
             continue

@@ -1,0 +1,131 @@
+"""Shared memory, registers and spills of the sparse MLA backward kernels compiled for sm_90a, on a machine without
+a GPU.
+
+    PYTHONPATH=. python tools/kernel_resources.py --modes fused fused64 split64 --heads 64 --dims 512 64
+
+Triton compiles ahead of time for a target it does not have (sm_90, Hopper) and the ptxas shipped in the triton wheel
+reports registers and bytes spilled per thread. Arguments are specialised as a launch specialises them (pointers and
+16-divisible integers get divisibility 16), so this is the code a GPU with the same Triton runs; the numbers change
+with the Triton version (3.6 and 3.8 differ by hundreds of spilled bytes on the 64-head kernels). Also printed: the
+tensor-core instruction (wgmma or mma.sync) and the global atomics/reductions in the PTX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_PTR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+              torch.int32: "*i32"}
+
+
+def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile `kernel` for sm_90a: args maps each runtime argument to a torch dtype (a pointer), an int or a float;
+    returns shared bytes, registers, spilled bytes (stores), the MMA kind and the atomic instructions."""
+    signature, attrs, consts = {}, {}, dict(constexprs)
+    for i, name in enumerate(kernel.arg_names):
+        value = args.get(name)
+        if name in consts:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.dtype):
+            signature[name] = _PTR_TYPES[value]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, int) and value == 1:  # launches specialise 1 as a constant
+            consts[name], signature[name] = 1, "constexpr"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise ValueError(f"argument {name}: expected a torch dtype, an int or a float, got {value!r}")
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else None,
+                spilled=int(spills.group(1)) if spills else None,
+                mma="wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-"),
+                atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))))
+
+
+def bwd_launches(modes: list[str], H: int, d_v: int, d_r: int):
+    """(mode, launch, config, kernel, constexprs) for each kernel config of the given backward modes."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415
+
+    dims = dict(D_V=d_v, D_R=d_r, BLOCK_DV=mla._pow2(d_v), BLOCK_DR=mla._pow2(d_r), SCAN=1024,
+                SKIP_EMPTY=mla.SKIP_EMPTY_SLOTS)
+
+    def consts(cfg, **flags):
+        return dict(dims, BLOCK_H=min(cfg.block_h, mla._pow2(H)), BLOCK_N=cfg.block_n, **flags)
+
+    for mode in modes:
+        if mode in ("fused", "split"):
+            halves = [("fused", True, True, mla.BWD_FUSED_CONFIGS)] if mode == "fused" else [
+                ("dq", True, False, mla.BWD_DQ_CONFIGS), ("dkv", False, True, mla.BWD_DKV_CONFIGS)]
+            for label, do_dq, do_dkv, configs in halves:
+                for cfg in configs:
+                    yield mode, label, cfg, mla._sparse_mla_bwd_kernel, consts(cfg, DO_DQ=do_dq, DO_DKV=do_dkv)
+            continue
+        for launch in variants.MODES[mode]:
+            for cfg in launch.configs:
+                fits = variants.red_fits(launch.red, launch.dkv_t, cfg, mla._pow2(d_v), mla._pow2(d_r))
+                red = launch.red if launch.do_dkv and fits else 0
+                yield mode, launch.kind, cfg, variants._bwd_variant_kernel, consts(
+                    cfg, DO_DQ=launch.do_dq, DO_DKV=launch.do_dkv, DKV_T=launch.dkv_t, RED=red, ROTATE=launch.rotate)
+
+
+def bwd_args(H: int, d_v: int, d_r: int, K: int = 2048) -> dict:
+    """Runtime arguments of the backward kernels for contiguous bf16 q, kv, dout and int64 indices."""
+    D = d_v + d_r
+    bf16, f32 = torch.bfloat16, torch.float32
+    return dict(q_ptr=bf16, kv_ptr=bf16, idx_ptr=torch.int64, dout_ptr=bf16, lse_ptr=f32, delta_ptr=f32, dq_ptr=bf16,
+                dkv_ptr=f32, stride_qt=H * D, stride_qh=D, stride_kvt=D, stride_it=K, stride_dot=H * d_v,
+                stride_doh=d_v, stride_lt=H, stride_dqt=H * D, stride_dqh=D, stride_dkvt=D, H=H, K=K,
+                scale=D**-0.5, scale_log2=D**-0.5 * 1.4426950408889634)
+
+
+def main() -> None:
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", default=list(mla.BWD_MODES), choices=mla.BWD_MODES)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--dims", type=int, nargs=2, default=[512, 64], metavar=("LATENT", "ROPE"))
+    args = parser.parse_args()
+    H, (d_v, d_r) = args.heads, args.dims
+    print(f"triton {triton.__version__}, sm_90a, {H} heads, {d_v} + {d_r}, bf16")
+    print("| mode | launch | heads, keys, warps, stages | shared KB | registers | spilled B | mma | atomics |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for mode, label, cfg, kernel, constexprs in bwd_launches(args.modes, H, d_v, d_r):
+        config = f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
+        try:
+            r = compile_sm90(kernel, bwd_args(H, d_v, d_r), constexprs, cfg.num_warps, cfg.num_stages)
+        except Exception as exc:  # noqa: BLE001 (a config that does not compile is a row)
+            print(f"| {mode} | {label} | {config} | failed: {type(exc).__name__} | | | | |", flush=True)
+            continue
+        print(f"| {mode} | {label} | {config} | {r['shared'] / 1024:.0f} | {r['regs']} | {r['spilled']} | "
+              f"{r['mma']} | {', '.join(r['atomics'])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
