@@ -235,7 +235,7 @@ def test_packed_steps_give_the_indexer_host_offsets_equal_to_the_device_ones(mod
 
     def spy(q, k, weights, cu_q, cu_k, topk, scale, host_cu_seqlens=None):
         seen.append((cu_q.tolist(), cu_k.tolist(), host_cu_seqlens))
-        return real(q, k, weights, cu_q, cu_k, topk, scale, host_cu_seqlens)
+        return real(q, k, weights, cu_q, cu_k, topk, scale, host_cu_seqlens=host_cu_seqlens)
 
     monkeypatch.setattr(ops, "indexer_topk", spy)
     prompt = prompts((13,), seed=8)[0]

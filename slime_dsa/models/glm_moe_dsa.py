@@ -87,7 +87,8 @@ class PackedBatch:
 
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         """The indexer's causal top-k of every query row: (Tq, topk) sequence-local key positions, -1 padded."""
-        return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale, self.host_cu_seqlens)
+        return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale,
+                                host_cu_seqlens=self.host_cu_seqlens)
 
     def to_rows(self, local_indices: torch.Tensor) -> torch.Tensor:
         """Sequence-local key positions (Tq, K) -> rows of the key tensor attention reads, -1 kept."""
