@@ -262,3 +262,24 @@ def test_rollout_coalesce_calls_is_on_for_embedded_engines_only():
     recipe["rollout"] = {"coalesce_calls": False, "coalesce_max_samples": 32}
     with pytest.raises(ValueError, match="coalesce_max_samples .32. applies with coalesce_calls"):
         RecipeConfig.model_validate(recipe)
+
+
+def test_a_merged_body_whose_engine_is_unreachable_is_sent_again_alone_elsewhere(checkpoint):
+    """Two engines, one of them not listening: the calls routed to it (merged) fail to connect once, count one failure
+    against it, and each is sent again alone, routed and retried as without coalescing, to the live engine."""
+    from rollout.client import EngineClient
+
+    dead = "http://127.0.0.1:9"  # nothing listens there
+
+    async def main(server):
+        async with EngineClient([dead, server.url], coalesce=True, max_retries=1, backoff_s=0.0) as client:
+            calls = [client.generate([3 + i, 4, 5], {"max_new_tokens": 3, "sampling_seed": i, "n": 2},
+                                     session_id=f"group-{i}") for i in range(4)]
+            answers = await asyncio.gather(*calls)
+            return answers, dict(client.coalescer.counts), client.stats()
+
+    answers, counts, stats = _serve(checkpoint, main)
+    assert all(len(a) == 2 and a[0]["meta_info"]["completion_tokens"] == 3 for a in answers)
+    assert counts == {"merged_bodies": 1, "merged_calls": 2, "failed_merges": 1, "alone": 2}
+    assert stats[dead]["failures"] >= 1 and stats[dead]["completed"] == 0
+    assert all(e["outstanding"] == 0 for e in stats.values())
