@@ -170,6 +170,10 @@ class Coalescer:
             return await self._alone(payload, session_id, timeout_s, abort_rids)
         return result
 
+    def requests_sent(self) -> int:
+        """/generate bodies sent so far: merged ones (answered or failed) and calls sent alone (first attempts)."""
+        return self.counts["merged_bodies"] + self.counts["failed_merges"] + self.counts["alone"]
+
     async def _alone(self, payload: dict, session_id: str | None, timeout_s: float,
                      abort_rids: list[str]) -> tuple[Any, str]:
         self.counts["alone"] += 1

@@ -283,3 +283,26 @@ def test_a_merged_body_whose_engine_is_unreachable_is_sent_again_alone_elsewhere
     assert counts == {"merged_bodies": 1, "merged_calls": 2, "failed_merges": 1, "alone": 2}
     assert stats[dead]["failures"] >= 1 and stats[dead]["completed"] == 0
     assert all(e["outstanding"] == 0 for e in stats.values())
+
+
+def test_a_synchronous_step_reports_the_bodies_that_carried_its_group_calls(checkpoint):
+    """StepCollector (the synchronous loop's rollout) over a coalescing client: 6 group calls of 4 samples in bodies of
+    at most 8 samples, perf/rollout_calls 6 and perf/rollout_requests 3; every sample generated."""
+    from rollout.client import EngineClient
+    from rollout.groups import SampleNumbering
+    from slime_dsa.data.prompts import TaskMixture
+    from slime_dsa.data.sample import SampleStatus
+    from slime_dsa.orchestrator.collection import StepCollector
+
+    _, task, rollout = _setup(6)
+    rollout = rollout.model_copy(update={"return_indexer_topk": False})
+
+    async def main(server):
+        async with EngineClient([server.url], coalesce=2 * GROUP) as client:
+            collector = StepCollector(_rollout(client, task, rollout), TaskMixture([task]), SampleNumbering(), rollout,
+                                      show_progress=False)
+            return await collector.collect()
+
+    groups, metrics = _serve(checkpoint, main)
+    assert len(groups) == 6 and all(s.status != SampleStatus.FAILED for g in groups for s in g)
+    assert metrics["perf/rollout_calls"] == 6 and metrics["perf/rollout_requests"] == 3
