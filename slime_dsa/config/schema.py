@@ -966,7 +966,8 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"rollout.coalesce_calls applies to embedded engines; rollout.engine {ro.engine!r} gets one call per "
                 "group", "rollout.coalesce_calls", "rollout.engine")
-        if ro.coalesce_max_samples != 64 and not ro.coalesces_calls():
+        if ro.coalesce_max_samples != RolloutSection.model_fields["coalesce_max_samples"].default \
+                and not ro.coalesces_calls():
             raise RecipeValueError(
                 f"rollout.coalesce_max_samples ({ro.coalesce_max_samples}) applies with coalesce_calls on embedded "
                 "engines", "rollout.coalesce_max_samples", "rollout.coalesce_calls")
