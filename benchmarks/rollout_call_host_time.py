@@ -11,7 +11,8 @@ The RL loop's call pattern (issue 19): --paths http sends the same calls over re
 (rollout.server.launch.EmbeddedServer) on 127.0.0.1 in this process's event loop and the calls from a client process
 (rollout_http_client.py, rollout.client.EngineClient), as the orchestrator sends them to the engine's Ray actor;
 --call-form n (the default) sends each group's prompt once with n and the first seed, as the RL loop does to embedded
-engines, per-sample one prompt per sample with its seed, as to SGLang (same responses); --lengths rl makes the
+engines, per-sample one prompt per sample with its seed, as to SGLang, batch the n form's calls merged by the client
+into batch bodies, as with rollout.coalesce_calls (same responses, all three); --lengths rl makes the
 answers end at varied steps, ~19 tokens (answer_lengths says what is faked). --model-forward real
 keeps the model's forward (--shape 300m: engine_throughput.py's 300m preset), so --device cuda measures the same
 on a GPU; its numerics depend on which requests share a step, so its digests may differ between paths and runs.
@@ -37,6 +38,8 @@ alternating with this tree's, and reports both and whether their responses were 
         --paths inprocess,http
     PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --batch-sizes 256,1024 --lengths rl --no-replay \
         --paths http --call-form per-sample
+    PYTHONPATH=$PWD python benchmarks/rollout_call_host_time.py --batch-sizes 256,1024 --lengths rl --no-replay \
+        --paths http --call-form n,batch
 """
 
 from __future__ import annotations
@@ -344,9 +347,11 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     results = {}
     for b in args.batches:
         for path in args.paths:
-            args.path = path
-            key = str(b) if path == "inprocess" else f"{b} {path}"
-            results[key] = asyncio.run(run_batch(model, tokenizer, b, args))
+            for form in args.call_forms:  # several: in turn, each batch size's forms side by side
+                args.path, args.call_form = path, form
+                key = str(b) if path == "inprocess" else f"{b} {path}"
+                key += f" {form}" if len(args.call_forms) > 1 else ""
+                results[key] = asyncio.run(run_batch(model, tokenizer, b, args))
     return results
 
 
@@ -378,9 +383,12 @@ def main(argv: list[str] | None = None) -> dict:
                              "client process: the RL loop's); each batch size runs on each path")
     parser.add_argument("--lengths", choices=("fixed", "rl"), default="fixed",
                         help="rl: answers end at varied steps, ~19 tokens (answer_lengths; faked by a token cap)")
-    parser.add_argument("--call-form", choices=("n", "per-sample"), default="n",
-                        help="a group's call: n, the prompt once with n and the first seed (the RL loop's to embedded "
-                             "engines); per-sample, one prompt per sample with its seed (its form for SGLang)")
+    parser.add_argument("--call-form", default="n",
+                        help="a group's call, a comma list of forms (each batch size runs each in turn): n, the prompt "
+                             "once with n and the first seed (the RL loop's to embedded engines without "
+                             "rollout.coalesce_calls); batch, the same calls merged by the client into batch bodies "
+                             "of up to 64 samples (rollout.coalesce_calls; --paths http only), batch:N up to N; "
+                             "per-sample, one prompt per sample with its seed (its form for SGLang)")
     parser.add_argument("--profile-loop", default=None, metavar="FILE",
                         help="cProfile the event loop's thread over the timed run into FILE.<batch>.<path>")
     parser.add_argument("--gather-ms", type=float, default=None,
@@ -407,6 +415,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.paths = args.paths.split(",")
     if not set(args.paths) <= {"inprocess", "http"}:
         parser.error(f"--paths takes inprocess and http, got {','.join(args.paths)}")
+    args.call_forms = args.call_form.split(",")
+    if not all(f in ("n", "batch", "per-sample") or f.startswith("batch:") for f in args.call_forms):
+        parser.error(f"--call-form takes n, batch and per-sample, got {args.call_form}")
+    if any(f.startswith("batch") for f in args.call_forms) and args.paths != ["http"]:
+        parser.error("--call-form batch merges the calls in EngineClient: it needs --paths http")
     if args.device == "cuda" and args.model_forward != "real":
         parser.error("--device cuda needs --model-forward real (the zero forward makes CPU tensors)")
     logging.getLogger("rollout").setLevel(logging.WARNING)

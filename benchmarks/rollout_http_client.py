@@ -3,9 +3,10 @@
 Reads one JSON line per run from stdin ({"url", "groups": [[prompt, [sampling_params, ...]], ...], "return_logprob",
 "replay", "run", "form"}) and answers "ready"; on the next line ("go") sends one /generate call per group at once
 through rollout.client.EngineClient, in the form the RL loop sends (form "n": one prompt with n and the first seed, as
-to embedded engines; "per-sample": one prompt per sample, as to SGLang), and prints two JSON lines: {"wall_s": from
-the first call to the last response, "cpu_s": this process's CPU time meanwhile}, then {"digest": digest(the response
-lists)}. No torch: the process stays small and starts fast.
+to embedded engines; "batch": the same calls from a coalescing client, which sends them in one batch body, as the RL
+loop does with rollout.coalesce_calls; "per-sample": one prompt per sample, as to SGLang), and prints two JSON lines:
+{"wall_s": from the first call to the last response, "cpu_s": this process's CPU time meanwhile}, then
+{"digest": digest(the response lists)}. No torch: the process stays small and starts fast.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ def digest(groups: list[list[dict]]) -> str:
 
 
 def group_call(client, prompt: list[int], params: list[dict], form: str, **options):
-    """A group's call as rollout.groups.GroupRollout sends it: form "n", the prompt once with n and the first seed
-    (`params` differ only in consecutive seeds, as the RL loop's); "per-sample", one prompt per sample."""
-    if form == "n":
+    """A group's call as rollout.groups.GroupRollout sends it: form "n" (and "batch", whose client merges the calls),
+    the prompt once with n and the first seed (`params` differ only in consecutive seeds, as the RL loop's);
+    "per-sample", one prompt per sample."""
+    if form == "n" or form.startswith("batch"):
         return client.generate(prompt, {**params[0], "n": len(params)}, **options)
     return client.generate_batch([prompt] * len(params), params, **options)
+
+
+def coalesce_option(form: str) -> bool | int:
+    """EngineClient's coalesce for a form: "batch" True, "batch:N" at most N generations a body, else False."""
+    return (int(form.split(":")[1]) if ":" in form else True) if form.startswith("batch") else False
 
 
 async def run(spec: dict, client) -> dict:
@@ -51,7 +58,8 @@ async def main() -> None:
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             spec = json.loads(line)
-            client = client or EngineClient(spec["url"], max_inflight_per_engine=4096, timeout_s=3600)
+            client = client or EngineClient(spec["url"], max_inflight_per_engine=4096, timeout_s=3600,
+                                            coalesce=coalesce_option(spec.get("form", "")))
             print("ready", flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)  # "go": the parent's timing starts
             done = await run(spec, client)

@@ -11,6 +11,10 @@ engine it cannot reach, tells the on_engine_lost listeners (the orchestrator res
 NoEnginesLeftError when none is left. A replacement is staged (stage_engine) and joins when admit_staged is called,
 between the pause and the update, so that it serves only weights of the current version.
 
+Coalescing (coalesce=True or a body size, for embedded engines: the RL loop's rollout.coalesce_calls): the generate
+and generate_batch calls made in one event-loop burst that go to the same engine are sent there in batch bodies, and
+any failure of a body sends each of its calls again alone (rollout/coalesce.py).
+
 One aiohttp session with a large connection pool carries every request (see rollout/server/app.py for why
 aiohttp). Responses are validated; a malformed one raises an error that names the engine and the field.
 """
@@ -28,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 import pybase64
+
+from rollout.coalesce import Coalescer
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,7 @@ class EngineClient:
         connect_timeout_s: float = 10.0,
         api_key: str | None = None,
         max_sessions: int = 100_000,
+        coalesce: bool | int = False,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if max_inflight_per_engine < 1:
@@ -123,6 +130,9 @@ class EngineClient:
         self.lost: list[tuple[str, str]] = []  # (url, reason) of every engine dropped, in order
         for url in urls:
             self.add_engine(url)
+        # generate / generate_batch calls of one event-loop burst go to their engine in batch bodies of at most
+        # `coalesce` samples (True: the default size), rollout/coalesce.py
+        self.coalescer = Coalescer(self, *([] if coalesce is True else [coalesce])) if coalesce else None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
@@ -143,6 +153,8 @@ class EngineClient:
 
     async def close(self) -> None:
         """Stop the health probes and close the connection pool."""
+        if self.coalescer is not None:
+            await self.coalescer.close()
         probes = [e.probe for e in self.engines.values() if e.probe is not None]
         for probe in probes:
             probe.cancel()
@@ -360,8 +372,8 @@ class EngineClient:
                                    "return_logprob": return_logprob, "rid": rid}
         add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
         n = payload["sampling_params"].get("n", 1)
-        body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
-                                       abort_rid=rid if n == 1 else [f"{rid}_{j}" for j in range(n)])
+        body, url = await self._generate_call(payload, session_id, timeout_s,
+                                              [rid] if n == 1 else [f"{rid}_{j}" for j in range(n)])
         items = body if isinstance(body, list) else [body]
         if n > 1 and (not isinstance(body, list) or len(body) != n):
             raise MalformedResponseError(f"{url}/generate: expected a list of {n} results for n={n}")
@@ -390,14 +402,22 @@ class EngineClient:
                                    "sampling_params": [dict(sp) for sp in sampling_params],
                                    "return_logprob": return_logprob, "rid": rids}
         add_generate_options(payload, session_id, return_indexer_topk, indexer_topk_start_len)
-        body, url = await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
-                                       abort_rid=rids)
+        body, url = await self._generate_call(payload, session_id, timeout_s, rids)
         if not isinstance(body, list) or len(body) != len(prompts):
             raise MalformedResponseError(f"{url}/generate: expected a list of {len(prompts)} results for a batch of "
                                          f"{len(prompts)} prompts, got {str(body)[:120]!r}")
         for i, item in enumerate(body):
             validate_generate_response(item, url, return_logprob=return_logprob, where=f"[{i}]")
         return body
+
+    async def _generate_call(self, payload: dict, session_id: str | None, timeout_s: float | None,
+                             abort_rids: list[str]) -> tuple[Any, str]:
+        """POST a generate / generate_batch body: merged with its burst's when coalescing, else routed alone."""
+        if self.coalescer is not None:
+            return await self.coalescer.generate(payload, session_id=session_id, timeout_s=timeout_s or self.timeout_s,
+                                                 abort_rids=abort_rids)
+        return await self.request("/generate", payload, session_id=session_id, timeout_s=timeout_s,
+                                  abort_rid=abort_rids)
 
     async def generate_raw(self, payload: dict, *, session_id: str | None = None, timeout_s: float | None = None) -> Any:
         """POST /generate with any SGLang payload (text, batches, ...); routed and retried, not validated."""

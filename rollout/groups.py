@@ -8,6 +8,9 @@ time for short responses. Each sample carries its own sampling seed, so rollouts
 exact) whatever the batching or routing. To our embedded engines the call carries the prompt once, with `n` and the
 first seed (the server gives sample j seed sampling_seed + j; the group's seeds are consecutive); to SGLang, which
 gives n samples one seed, it is a batch of one prompt per sample, each with its seed. Both give the same samples.
+With rollout.coalesce_calls the client sends the group calls made at once to one embedded engine in one batch body
+(rollout/coalesce.py); each group still holds its limiter places and is timed (`clock`) from its call to its answer,
+which then comes with the body's slowest group.
 A failed request costs its group's samples, an aborted sample or a crashing reward function costs that sample:
 marked on the sample and counted, never raised.
 """

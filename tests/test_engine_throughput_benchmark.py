@@ -80,3 +80,22 @@ def test_rollout_call_host_time_over_http_answers_as_in_process(monkeypatch):
     assert http["client_cpu_ms"] > 0 and http["client_wall_ms"] <= http["wall_ms"]
     for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
         sys.modules.pop(name, None)
+
+
+def test_rollout_call_host_time_coalesced_calls_answer_as_the_n_form(monkeypatch):
+    """--call-form n,batch,batch:16 (the calls merged by a coalescing client into one body, or into bodies of 16
+    samples, two groups): the same responses as one call per group, side by side in one process; batch needs --paths
+    http."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import rollout_call_host_time as bench
+
+    argv = ["--shape", "tiny", "--batch-sizes", "32", "--group-size", "8", "--lengths", "rl", "--paths", "http",
+            "--no-replay", "--call-form", "n,batch,batch:16"]
+    result = bench.main(argv)["this"]
+    assert set(result) == {"32 http n", "32 http batch", "32 http batch:16"}
+    assert len({r["digest"] for r in result.values()}) == 1
+    assert all(r["client_cpu_ms"] > 0 for r in result.values())
+    with pytest.raises(SystemExit):
+        bench.main(["--call-form", "batch", "--paths", "inprocess"])
+    for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
+        sys.modules.pop(name, None)

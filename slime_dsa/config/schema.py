@@ -295,6 +295,20 @@ class RolloutSection(Section):
                           "outputs are the same. null: on for embedded engines (the 16 x 16 RL step on an H200 "
                           "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang "
                           "servers set their own.")
+    coalesce_calls: bool | None = Field(
+        None, description="Send the group calls that the driver makes at once (before its event loop next waits) "
+                          "to one embedded engine in batch /generate bodies of up to coalesce_max_samples samples, "
+                          "each prompt with its own seeds and request ids, so the engine gets a step in a few "
+                          "requests instead of a burst of calls it waits for; the samples are the same, a merged "
+                          "body that fails sends its calls again alone, and a merged call answers with its slowest "
+                          "member (rollout/coalesce.py). "
+                          "null: on for embedded engines (the 64 x 16 call pattern on CPU: benchmarks/RESULTS.md); "
+                          "false turns it off. SGLang and external engines get one call per group.")
+    coalesce_max_samples: int = Field(
+        64, ge=1, le=4096, description="With coalesce_calls: most samples in one merged body (a group is never "
+                                        "split). A body answers when its slowest sample ends, and its answers are "
+                                        "built and read in one piece after that: smaller bodies let the early ones' "
+                                        "answers overlap the later ones' decoding.")
     max_response_length: int = Field(
         512, ge=1, description="Most tokens generated per response (max_new_tokens); longer responses are cut "
                                "and marked truncated.")
@@ -373,6 +387,14 @@ class RolloutSection(Section):
                 f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
                 f"({self.oversample_factor})", "max_oversample_factor", "oversample_factor")
         return self
+
+    def coalesces_calls(self) -> bool:
+        """Whether the driver's client merges each burst of group calls per engine (coalesce_calls, null = embedded)."""
+        return self.engine == "embedded" and self.coalesce_calls is not False
+
+    def client_coalesce(self) -> bool | int:
+        """EngineClient's `coalesce` for the driver: the most samples a merged body carries, False when off."""
+        return self.coalesce_max_samples if self.coalesces_calls() else False
 
     def step_samples(self) -> int:
         """Samples of one synchronous step's largest sampling round: prompts_per_step × n_samples_per_prompt, the
@@ -940,6 +962,15 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        if ro.coalesce_calls and ro.engine != "embedded":
+            raise RecipeValueError(
+                f"rollout.coalesce_calls applies to embedded engines; rollout.engine {ro.engine!r} gets one call per "
+                "group", "rollout.coalesce_calls", "rollout.engine")
+        if ro.coalesce_max_samples != RolloutSection.model_fields["coalesce_max_samples"].default \
+                and not ro.coalesces_calls():
+            raise RecipeValueError(
+                f"rollout.coalesce_max_samples ({ro.coalesce_max_samples}) applies with coalesce_calls on embedded "
+                "engines", "rollout.coalesce_max_samples", "rollout.coalesce_calls")
         if ro.overlap_schedule and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "

@@ -92,6 +92,8 @@ class StepCollector:
         cfg = self.cfg
         self.groups.reset_reward_stats()
         self.groups.clock.start()
+        coalescer = getattr(self.groups.client, "coalescer", None)  # EngineClient with rollout.coalesce_calls
+        sent_before = coalescer.requests_sent() if coalescer is not None else 0
         start = time.perf_counter()
         kept: list[list[Sample]] = []
         counters: Counter[str] = Counter()
@@ -117,6 +119,8 @@ class StepCollector:
         metrics = rollout_metrics(every, kept, counters, end - start,
                                   [t.name for t in self.groups.tasks], self.groups.reward_metrics())
         metrics.update(self.groups.clock.metrics(end))
+        if coalescer is not None:  # perf/rollout_calls counts group calls; these are the bodies that carried them
+            metrics["perf/rollout_requests"] = float(coalescer.requests_sent() - sent_before)
         metrics["rollout/sampling_rounds"] = rounds
         return kept, metrics
 

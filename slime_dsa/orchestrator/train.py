@@ -104,7 +104,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     concurrency = recipe.max_concurrency(use_async)
     logger.info("%s", recipe.concurrency_line(use_async))
     client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
-                          timeout_s=ro.request_timeout_s, api_key=access.api_key)
+                          timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
     teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
     pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
     trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
