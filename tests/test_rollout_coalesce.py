@@ -245,20 +245,20 @@ def test_a_cancelled_member_is_aborted_and_the_others_answer(checkpoint):
     assert waited < 5.0
 
 
-def test_rollout_coalesce_calls_is_on_for_embedded_engines_only():
+def test_rollout_coalesce_calls_is_off_by_default_and_for_embedded_engines_only():
     from slime_dsa.config import RecipeConfig
     from slime_dsa.config.schema import RolloutSection
 
-    assert RolloutSection().coalesces_calls() is True
-    assert RolloutSection(coalesce_calls=False).coalesces_calls() is False
-    assert RolloutSection(engine="sglang").coalesces_calls() is False
+    assert RolloutSection().coalesces_calls() is False
+    assert RolloutSection(coalesce_calls=True).coalesces_calls() is True
+    assert RolloutSection(engine="sglang", coalesce_calls=True).coalesces_calls() is False
     recipe = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]},
               "rollout": {"coalesce_calls": True, "engine": "external", "engine_urls": ["http://127.0.0.1:1"]}}
     with pytest.raises(ValueError, match="rollout.coalesce_calls applies to embedded engines"):
         RecipeConfig.model_validate(recipe)
-    assert RolloutSection().client_coalesce() == 64
-    assert RolloutSection(coalesce_max_samples=32).client_coalesce() == 32
-    assert RolloutSection(coalesce_calls=False).client_coalesce() is False
+    assert RolloutSection(coalesce_calls=True).client_coalesce() == 64
+    assert RolloutSection(coalesce_calls=True, coalesce_max_samples=32).client_coalesce() == 32
+    assert RolloutSection().client_coalesce() is False
     recipe["rollout"] = {"coalesce_calls": False, "coalesce_max_samples": 32}
     with pytest.raises(ValueError, match="coalesce_max_samples .32. applies with coalesce_calls"):
         RecipeConfig.model_validate(recipe)

@@ -295,15 +295,16 @@ class RolloutSection(Section):
                           "outputs are the same. null: on for embedded engines (the 16 x 16 RL step on an H200 "
                           "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang "
                           "servers set their own.")
-    coalesce_calls: bool | None = Field(
-        None, description="Send the group calls that the driver makes at once (before its event loop next waits) "
+    coalesce_calls: bool = Field(
+        False, description="Send the group calls that the driver makes at once (before its event loop next waits) "
                           "to one embedded engine in batch /generate bodies of up to coalesce_max_samples samples, "
                           "each prompt with its own seeds and request ids, so the engine gets a step in a few "
                           "requests instead of a burst of calls it waits for; the samples are the same, a merged "
                           "body that fails sends its calls again alone, and a merged call answers with its slowest "
                           "member (rollout/coalesce.py). "
-                          "null: on for embedded engines (the 64 x 16 call pattern on CPU: benchmarks/RESULTS.md); "
-                          "false turns it off. SGLang and external engines get one call per group.")
+                          "Off by default: on CPU it cut the 64 x 16 burst's wait before the engine's first step but "
+                          "not the rollout's wall time, and it is not yet measured on a GPU (benchmarks/RESULTS.md). "
+                          "Embedded engines only; SGLang and external engines get one call per group.")
     coalesce_max_samples: int = Field(
         64, ge=1, le=4096, description="With coalesce_calls: most samples in one merged body (a group is never "
                                         "split). A body answers when its slowest sample ends, and its answers are "
@@ -389,8 +390,8 @@ class RolloutSection(Section):
         return self
 
     def coalesces_calls(self) -> bool:
-        """Whether the driver's client merges each burst of group calls per engine (coalesce_calls, null = embedded)."""
-        return self.engine == "embedded" and self.coalesce_calls is not False
+        """Whether the driver's client merges each burst of group calls per engine (coalesce_calls, embedded engines)."""
+        return self.engine == "embedded" and self.coalesce_calls
 
     def client_coalesce(self) -> bool | int:
         """EngineClient's `coalesce` for the driver: the most samples a merged body carries, False when off."""
