@@ -132,7 +132,8 @@ class EngineClient:
             self.add_engine(url)
         # generate / generate_batch calls of one event-loop burst go to their engine in batch bodies of at most
         # `coalesce` samples (True: the default size), rollout/coalesce.py
-        self.coalescer = Coalescer(self, *([] if coalesce is True else [coalesce])) if coalesce else None
+        self.coalescer = (Coalescer(self, EngineRequestError, _ServerError, *([] if coalesce is True else [coalesce]))
+                          if coalesce else None)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 

@@ -24,12 +24,9 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import aiohttp
-
-if TYPE_CHECKING:
-    from rollout.client import EngineClient, EngineState
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +51,7 @@ class _Call:
     session_id: str | None
     timeout_s: float
     abort_rids: list[str]
-    engine: EngineState  # where it was routed (and counted as outstanding) when it came
+    engine: Any  # rollout.client.EngineState where it was routed (and counted as outstanding) when it came
     future: asyncio.Future = field(repr=False)
     generations: int = 1
     tokens: int = 0
@@ -139,10 +136,14 @@ class Coalescer:
     """Merges an EngineClient's /generate calls per burst and engine; `counts`: bodies sent merged, calls in them,
     calls sent alone (lone in their burst, not mergeable, or after a failed merge)."""
 
-    def __init__(self, client: EngineClient, max_generations: int = DEFAULT_MAX_SAMPLES) -> None:
+    def __init__(self, client: Any, request_error: type[Exception], server_error: type[Exception],
+                 max_generations: int = DEFAULT_MAX_SAMPLES) -> None:
+        """client: the rollout.client.EngineClient whose calls merge (that module imports this one, so it hands over
+        its error types too): request_error, an engine's 4xx answer; server_error, its 5xx answer."""
         if not 1 <= max_generations <= MAX_MERGED_GENERATIONS:
             raise ValueError(f"max_generations must be in [1, {MAX_MERGED_GENERATIONS}], got {max_generations}")
         self.client, self.max_generations = client, max_generations
+        self.request_error, self.server_error = request_error, server_error
         self._waiting: dict[tuple, list[_Call]] = {}
         self._flush_scheduled = False
         self._tasks: set[asyncio.Future] = set()
@@ -200,8 +201,6 @@ class Coalescer:
 
     async def _send(self, url: str, n: int, calls: list[_Call]) -> None:
         """POST one merged body to `url`; each call gets its part, or _ALONE when the body failed."""
-        from rollout.client import EngineRequestError, _ServerError  # noqa: PLC0415 - rollout.client imports us
-
         client, engine = self.client, calls[0].engine
         payloads = [c.payload for c in calls]
         merged = merge_bodies(payloads)
@@ -220,14 +219,14 @@ class Coalescer:
             for c in calls:
                 c.future.cancel()
             raise
-        except EngineRequestError as e:  # one prompt may be at fault: each call alone finds out which
+        except self.request_error as e:  # one prompt may be at fault: each call alone finds out which
             engine.consecutive_failures = 0
             logger.info("a merged /generate of %d calls on %s answered %d (%s); sending them alone", len(calls), url,
                         e.status, e.message[:200])
         except Exception as e:  # noqa: BLE001 - whatever went wrong, each call alone gets today's handling of it
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             logger.info("a merged /generate of %d calls on %s failed (%s); sending them alone", len(calls), url, reason)
-            if isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError, _ServerError)):
+            if isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError, self.server_error)):
                 client._record_failure(engine, reason)
             if isinstance(e, asyncio.TimeoutError):  # they may still run there: free their rids before they go again
                 await asyncio.gather(*(client._abort(url, rid) for c in calls for rid in c.abort_rids))

@@ -49,18 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch shape of one kernel: heads per program, keys per step, warps, pipeline stages."""
-
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
+from slime_dsa.ops import triton_sparse_mla_bwd_variants as bwd_variants
+from slime_dsa.ops import triton_sparse_mla_fwd_variants as fwd_variants
+from slime_dsa.ops.triton_sparse_mla_launch import (
+    LOG2E, KernelConfig, _chosen, _launch, _launch_fastest, _launch_first_fitting, _num_sms, _pow2, _scan_block,
+    _used_slots_end,
+)
 
 # Tried in order; the first that compiles and fits on the device is kept for that problem shape.
 # benchmarks/dsa_kernels.py checks and times every entry (H200, GLM-5 sizes: benchmarks/RESULTS.md); the
@@ -98,7 +92,6 @@ MASKED_RANGE_MAX_BYTES = 1 << 30
 # Key loops stop after a row's last used slot (found by one scan of its indices), so rows with few keys (early
 # causal rows, short packed sequences) cost what they use. False walks every slot; benchmarks compare both.
 SKIP_EMPTY_SLOTS = True
-SCAN_SLOTS = 1024  # index slots per step of that scan
 # Batch-invariant forward: no key split, and the first of these configs that compiles and fits for the problem's
 # (heads, dims, dtype) on this device model, never chosen by row count or by timing, so an engine and a trainer on
 # the same GPU model take the same one. The first fits bf16 up to GLM-5's 64 x 576 on Hopper; the second is for
@@ -107,95 +100,10 @@ INVARIANT_FWD_CONFIGS = [KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
 # A candidate forward of slime_dsa/ops/triton_sparse_mla_fwd_variants.py (by name) for the non-invariant path, with
 # that variant's own configs; None runs the kernel below. benchmarks/sparse_mla_fwd_variants.py compares them.
 FWD_VARIANT: str | None = None
-_chosen: dict[tuple, KernelConfig | str] = {}
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
-def _scan_block(K: int) -> int:
-    return min(SCAN_SLOTS, _pow2(K))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) runs on CPU tensors
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-LAUNCH_FAILURES = (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError)
-
-
-def _launch(kind: str, key: tuple, configs: list[KernelConfig], launch,
-            failures: tuple[type[BaseException], ...] = LAUNCH_FAILURES) -> None:
-    """Run `launch(cfg)` with the remembered config for `key`, or find the first config that works: one that raises
-    one of `failures` moves on to the next, any other error propagates."""
-    cached = _chosen.get((kind, key))
-    if cached is not None:
-        launch(cached)
-        return
-    errors = []
-    for cfg in configs:
-        try:
-            launch(cfg)
-        except failures as err:
-            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
-            continue
-        _chosen[(kind, key)] = cfg
-        return
-    raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
-
-
-def _launch_first_fitting(kind: str, key: tuple, configs: list[KernelConfig], launch) -> None:
-    """Like `_launch`, but only a config that does not compile or fit moves on to the next (a deterministic
-    function of the device model and the problem shape); any other error propagates."""
-    _launch(kind, key, configs, launch, (triton.runtime.errors.OutOfResources, triton.CompilationError))
-
-
-def _launch_fastest(kind: str, key: tuple, configs: list[KernelConfig], launch, device: torch.device) -> None:
-    """Like `_launch`, but the first call for `key` times every config that fits and keeps the fastest.
-
-    Only for launches that overwrite their outputs (no accumulation), since each config runs several times.
-    Timing: two launches between CUDA events after a warm-up one. On the interpreter (CPU), the first that works.
-    """
-    if (kind, key) in _chosen or device.type != "cuda":
-        _launch(kind, key, configs, launch)
-        return
-    timings, errors = [], []
-    for cfg in configs:
-        try:
-            launch(cfg)  # compiles; also the warm-up
-        except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError) as err:
-            errors.append(f"{cfg}: {type(err).__name__}: {str(err)[:200]}")
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch(cfg)
-        launch(cfg)
-        end.record()
-        end.synchronize()
-        timings.append((start.elapsed_time(end), configs.index(cfg)))
-    if not timings:
-        raise RuntimeError(f"no {kind} kernel config fits this device:\n" + "\n".join(errors))
-    best = configs[min(timings)[1]]
-    _chosen[(kind, key)] = best
-    launch(best)  # the outputs of the kept config, as every later call computes them
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward
-
-
-@triton.jit
-def _used_slots_end(idx_row_ptr, lo, hi, SCAN: tl.constexpr):
-    """One past the last slot of lo..hi-1 that holds a key (-1 = unused), lo if none: key loops stop there."""
-    end = lo
-    for c0 in range(lo, hi, SCAN):
-        offs = c0 + tl.arange(0, SCAN)
-        idx = tl.load(idx_row_ptr + offs, mask=offs < hi, other=-1)
-        end = tl.maximum(end, tl.max(tl.where(idx >= 0, offs + 1, 0), axis=0))
-    return end
 
 
 @triton.jit
@@ -281,8 +189,6 @@ def sparse_mla_fwd(
     d_r = D - v_dim
     block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
     variant = None if invariant else FWD_VARIANT
-    if variant is not None:
-        from slime_dsa.ops import triton_sparse_mla_fwd_variants as fwd_variants  # noqa: PLC0415 (imports this module)
 
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
@@ -702,10 +608,9 @@ def sparse_mla_bwd(
                 _launch("bwd_dq", key, BWD_DQ_CONFIGS, launcher(True, False))
                 _launch("bwd_dkv", key, BWD_DKV_CONFIGS, launcher(False, True))
             else:
-                from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415 (imports this)
-
                 dkv.zero_()
-                variants.run_mode(mode, key, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim)
+                bwd_variants.run_mode(mode, key, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim,
+                                      skip_empty=SKIP_EMPTY_SLOTS)
         except RuntimeError as err:
             errors.append(str(err))
             continue

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from slime_dsa.ops import triton_sparse_mla as mla
-from slime_dsa.ops.triton_sparse_mla import KernelConfig, _used_slots_end
+from slime_dsa.ops.triton_sparse_mla_launch import (
+    LOG2E, KernelConfig, _chosen, _launch, _pow2, _scan_block, _used_slots_end,
+)
 
 # dkv[base + 4 * col] += val for two elements: one v2 red when their addresses are adjacent and 8-byte aligned (sm_90+),
 # else one red each; an element whose row or column mask is 0 adds nothing. Operands: $0 $1 dummy outputs, $2 $3 row
@@ -336,26 +337,28 @@ def red_fits(red: int, dkv_t: bool, cfg: KernelConfig, block_dv: int, block_dr: 
 
 
 def launch_variant(launch: Launch, cfg: KernelConfig, q, kv, indices, dout, lse, delta, dq, dkv,
-                   scale: float, v_dim: int):
-    """One launch: dq (written) and/or dkv (float32, added to) for all query rows; returns the compiled kernel."""
+                   scale: float, v_dim: int, skip_empty: bool = True):
+    """One launch: dq (written) and/or dkv (float32, added to) for all query rows; returns the compiled kernel.
+    skip_empty: key loops stop at a row's last used slot (triton_sparse_mla.SKIP_EMPTY_SLOTS)."""
     T, H, D = q.shape
-    block_h = min(cfg.block_h, mla._pow2(H))
-    block_dv, block_dr = mla._pow2(v_dim), mla._pow2(D - v_dim)
+    block_h = min(cfg.block_h, _pow2(H))
+    block_dv, block_dr = _pow2(v_dim), _pow2(D - v_dim)
     red = launch.red if launch.do_dkv and red_fits(launch.red, launch.dkv_t, cfg, block_dv, block_dr) else 0
     return _bwd_variant_kernel[(T, triton.cdiv(H, block_h))](
         q, kv, indices, dout, lse, delta, dq, dkv,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1),
         lse.stride(0), dq.stride(0), dq.stride(1), dkv.stride(0),
-        H, indices.shape[1], scale, scale * mla.LOG2E,
+        H, indices.shape[1], scale, scale * LOG2E,
         D_V=v_dim, D_R=D - v_dim, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         BLOCK_H=block_h, BLOCK_N=cfg.block_n, DO_DQ=launch.do_dq, DO_DKV=launch.do_dkv,
         DKV_T=launch.dkv_t, RED=red, ROTATE=launch.rotate,
-        SCAN=mla._scan_block(indices.shape[1]), SKIP_EMPTY=mla.SKIP_EMPTY_SLOTS,
+        SCAN=_scan_block(indices.shape[1]), SKIP_EMPTY=skip_empty,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def run_mode(mode: str, key: tuple, q, kv, indices, dout, lse, delta, dq, dkv, scale: float, v_dim: int) -> None:
+def run_mode(mode: str, key: tuple, q, kv, indices, dout, lse, delta, dq, dkv, scale: float, v_dim: int,
+             skip_empty: bool = True) -> None:
     """The backward of `mode`: each of its launches with the first of its configs that works (kept for `key`).
 
     dkv (float32) must be zero on entry; raises RuntimeError when a launch has no config that fits."""
@@ -366,9 +369,9 @@ def run_mode(mode: str, key: tuple, q, kv, indices, dout, lse, delta, dq, dkv, s
         def run(cfg: KernelConfig) -> None:
             if launch.do_dkv:
                 dkv.zero_()  # a failed attempt may have added into it
-            launch_variant(launch, cfg, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim)
+            launch_variant(launch, cfg, q, kv, indices, dout, lse, delta, dq, dkv, scale, v_dim, skip_empty)
 
-        mla._launch(launch.kind, key, list(launch.configs), run)
+        _launch(launch.kind, key, list(launch.configs), run)
 
     if mode in PARALLEL and q.device.type == "cuda":
         first, *rest = MODES[mode]
@@ -388,9 +391,9 @@ def run_mode(mode: str, key: tuple, q, kv, indices, dout, lse, delta, dq, dkv, s
 def force_mode(mode: str | None, key: tuple) -> None:
     """Make `sparse_mla_bwd` use `mode` for problems of `key` (H, D, v_dim, dtype); None forgets the choice."""
     if mode is None:
-        mla._chosen.pop(("bwd_mode", key), None)
+        _chosen.pop(("bwd_mode", key), None)
     else:
-        mla._chosen[("bwd_mode", key)] = mode
+        _chosen[("bwd_mode", key)] = mode
 
 
 __all__ = ["MODES", "Launch", "launch_variant", "run_mode", "cuda_only", "force_mode"]

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slime_dsa.ops.triton_sparse_mla import KernelConfig, _used_slots_end
+from slime_dsa.ops.triton_sparse_mla_launch import KernelConfig, _used_slots_end
 
 
 @dataclass(frozen=True)
