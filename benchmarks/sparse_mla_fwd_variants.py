@@ -110,12 +110,14 @@ def smoke_problems() -> Iterator[Callable[[], Problem]]:
     yield build(2, 700, 300, "smoke decode")
 
 
-def candidates() -> list[tuple[str, object]]:
-    """(variant, config) pairs: the current kernel at its first config, then every variant at each of its configs."""
+def candidates(only: list[str] | None = None) -> list[tuple[str, object]]:
+    """(variant, config) pairs: the current kernel at its first config, then every variant (or those of `only`) at
+    each of its configs."""
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
     from slime_dsa.ops.triton_sparse_mla_fwd_variants import VARIANTS  # noqa: PLC0415
 
-    return [(CURRENT, mla.FWD_CONFIGS[0])] + [(name, cfg) for name, v in VARIANTS.items() for cfg in v.configs]
+    return [(CURRENT, mla.FWD_CONFIGS[0])] + [(name, cfg) for name, v in VARIANTS.items() for cfg in v.configs
+                                              if only is None or name in only]
 
 
 def run_forward(problem: Problem, variant: str, cfg, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,6 +243,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=200.0, help="seconds; later rows are marked skipped")
     parser.add_argument("--top", type=int, default=6, help="(variant, config) pairs kept after the first shape; 0 all")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="only these variants (and the current kernel); a kernel that faults poisons the process's "
+                             "CUDA context, so run one at a time to see each")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if not args.smoke and not torch.cuda.is_available():
@@ -263,7 +268,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 
-    pairs = candidates()
+    pairs = candidates(args.variants)
     v_dim = 32 if args.smoke else V_DIM
     for i, build in enumerate(smoke_problems() if args.smoke else gpu_problems(args.lengths)):
         if time.time() > deadline:
