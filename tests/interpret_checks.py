@@ -137,6 +137,14 @@ def check_sparse_mla() -> None:
         out, lse = mla.sparse_mla_attention(q[:2], kv, idx, D**-0.5, v_dim)
         ref_out, ref_lse = reference.sparse_mla_attention(q[:2], kv, idx, D**-0.5, v_dim)
         assert _rel_l2(out, ref_out) < 1e-4 and (lse - ref_lse).abs().max() < 1e-4, "decode split"
+        # dims that are not powers of two: the forward's column masks
+        v_dim, D = 24, 36
+        q, kv = torch.randn(T, H, D, generator=g), torch.randn(Tk, D, generator=g)
+        idx = _mostly_empty_indices(T, Tk, 48, g)
+        out, lse = mla.sparse_mla_fwd(q, kv, idx, D**-0.5, v_dim)
+        ref_out, ref_lse = reference.sparse_mla_attention(q, kv, idx, D**-0.5, v_dim)
+        has = torch.isfinite(ref_lse)
+        assert _rel_l2(out, ref_out) < 1e-4 and (lse[has] - ref_lse[has]).abs().max() < 1e-4, "dims not powers of 2"
     finally:
         mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES = saved
 

@@ -74,6 +74,7 @@ def bwd_launches(modes: list[str], H: int, d_v: int, d_r: int):
 
     dims = dict(D_V=d_v, D_R=d_r, BLOCK_DV=mla._pow2(d_v), BLOCK_DR=mla._pow2(d_r), SCAN=1024,
                 SKIP_EMPTY=mla.SKIP_EMPTY_SLOTS)
+    gathers = dict(DIMS_POW2=d_v == mla._pow2(d_v) and d_r == mla._pow2(d_r), ROW64=False)
 
     def consts(cfg, **flags):
         return dict(dims, BLOCK_H=min(cfg.block_h, mla._pow2(H)), BLOCK_N=cfg.block_n, **flags)
@@ -84,7 +85,8 @@ def bwd_launches(modes: list[str], H: int, d_v: int, d_r: int):
                 ("dq", True, False, mla.BWD_DQ_CONFIGS), ("dkv", False, True, mla.BWD_DKV_CONFIGS)]
             for label, do_dq, do_dkv, configs in halves:
                 for cfg in configs:
-                    yield mode, label, cfg, mla._sparse_mla_bwd_kernel, consts(cfg, DO_DQ=do_dq, DO_DKV=do_dkv)
+                    yield mode, label, cfg, mla._sparse_mla_bwd_kernel, consts(cfg, DO_DQ=do_dq, DO_DKV=do_dkv,
+                                                                                **gathers)
             continue
         for launch in variants.MODES[mode]:
             for cfg in launch.configs:

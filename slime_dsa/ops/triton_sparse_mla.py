@@ -114,6 +114,7 @@ def _sparse_mla_fwd_kernel(
     H, K, keys_per_split, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    DIMS_POW2: tl.constexpr, ROW64: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -140,9 +141,18 @@ def _sparse_mla_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_hi, other=-1)  # (BN,)
         valid = idx >= 0
-        kv_rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
-        k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)  # (BN, DV)
-        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # (BN, DR)
+        # The row offset stays a plain product: a select on it (where(valid, idx, 0)) hides its divisibility by 16,
+        # and the gather then does not become cp.async copies that overlap the next step. -1 rows are masked off.
+        if ROW64:
+            kv_rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kvt
+        else:  # int32 offsets: the launcher checks that every kv offset fits
+            kv_rows = kv_ptr + (idx.to(tl.int32) * stride_kvt)[:, None]
+        if DIMS_POW2:  # no column masks
+            k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # (BN, DV)
+            k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)  # (BN, DR)
+        else:
+            k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
+            k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
 
         s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BH, BN) fp32
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
@@ -160,6 +170,13 @@ def _sparse_mla_fwd_kernel(
     out_ptrs = out_ptr + t * stride_ot + split * stride_os + offs_h[:, None] * stride_oh + offs_v[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_v[None, :])
     tl.store(lse_ptr + t * stride_lt + split * stride_ls + offs_h, lse, mask=mask_h)
+
+
+def gather_switches(kv: torch.Tensor, dkv: torch.Tensor, v_dim: int, d_r: int) -> dict[str, bool]:
+    """Compile-time switches of the kv-row gathers: no column masks when both dims are powers of two, int64 row
+    offsets only when some offset of kv (or dkv) does not fit in int32."""
+    return dict(DIMS_POW2=v_dim == _pow2(v_dim) and d_r == _pow2(d_r),
+                ROW64=max(kv.shape[0] * kv.stride(0), dkv.shape[0] * dkv.stride(0)) >= 2**31)
 
 
 def _decode_splits(T: int, head_blocks: int, K: int, block_n: int, device: torch.device) -> int:
@@ -203,7 +220,8 @@ def sparse_mla_fwd(
             o = torch.empty(T, splits, H, v_dim, dtype=torch.float32, device=q.device)
             l_ = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
             so, sl = o.stride(1), l_.stride(1)
-        kernel, switches = _sparse_mla_fwd_kernel, {}
+        kernel = _sparse_mla_fwd_kernel
+        switches = gather_switches(kv, kv, v_dim, d_r)
         if variant is not None:
             kernel = fwd_variants._fwd_variant_kernel
             switches = fwd_variants.kernel_switches(variant, cfg, kv, v_dim, d_r, keys_per_split)
@@ -242,7 +260,7 @@ def _sparse_mla_bwd_kernel(
     H, K, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr,
-    SCAN: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    SCAN: tl.constexpr, SKIP_EMPTY: tl.constexpr, DIMS_POW2: tl.constexpr, ROW64: tl.constexpr,
 ):
     """Gradients for one query row and a block of heads: dQ (stored) and/or dKV (atomically added)."""
     t = tl.program_id(0).to(tl.int64)
@@ -273,10 +291,12 @@ def _sparse_mla_bwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_end, other=-1)  # (BN,)
         valid = idx >= 0
-        row = tl.where(valid, idx, 0).to(tl.int64)
+        row = idx.to(tl.int64) if ROW64 else idx.to(tl.int32)  # a plain product below, as in the forward
         kv_rows = kv_ptr + row[:, None] * stride_kvt
-        k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)  # (BN, DV)
-        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)  # (BN, DR)
+        mask_nv = valid[:, None] if DIMS_POW2 else valid[:, None] & mask_v[None, :]
+        mask_nr = valid[:, None] if DIMS_POW2 else valid[:, None] & mask_r[None, :]
+        k_nope = tl.load(kv_rows + offs_v[None, :], mask=mask_nv, other=0.0)  # (BN, DV)
+        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=mask_nr, other=0.0)  # (BN, DR)
 
         s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BH, BN)
         p = tl.exp2(s * scale_log2 - lse[:, None])
@@ -291,9 +311,8 @@ def _sparse_mla_bwd_kernel(
             dk_nope = tl.dot(tl.trans(ds), q_nope) + tl.dot(tl.trans(p.to(do.dtype)), do)  # (BN, DV): key + value
             dk_pe = tl.dot(tl.trans(ds), q_pe)  # (BN, DR)
             dkv_rows = dkv_ptr + row[:, None] * stride_dkvt
-            tl.atomic_add(dkv_rows + offs_v[None, :], dk_nope, mask=valid[:, None] & mask_v[None, :], sem="relaxed")
-            tl.atomic_add(dkv_rows + D_V + offs_r[None, :], dk_pe, mask=valid[:, None] & mask_r[None, :],
-                          sem="relaxed")
+            tl.atomic_add(dkv_rows + offs_v[None, :], dk_nope, mask=mask_nv, sem="relaxed")
+            tl.atomic_add(dkv_rows + D_V + offs_r[None, :], dk_pe, mask=mask_nr, sem="relaxed")
 
     if DO_DQ:
         dq_rows = dq_ptr + t * stride_dqt + offs_h[:, None] * stride_dqh
@@ -560,7 +579,7 @@ def launch_bwd_kernel(
         H, indices.shape[1], scale, scale * LOG2E,
         D_V=v_dim, D_R=D - v_dim, BLOCK_DV=_pow2(v_dim), BLOCK_DR=_pow2(D - v_dim),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n, DO_DQ=do_dq, DO_DKV=do_dkv,
-        SCAN=_scan_block(indices.shape[1]), SKIP_EMPTY=SKIP_EMPTY_SLOTS,
+        SCAN=_scan_block(indices.shape[1]), SKIP_EMPTY=SKIP_EMPTY_SLOTS, **gather_switches(kv, dkv, v_dim, D - v_dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
