@@ -400,7 +400,7 @@ def decode_rows(log, batches: list[int]) -> tuple[list[str], dict]:
 
     ctx = 65536
     lines = ["| batch | context | sparse MLA ms | indexer top-k ms before | after | after / sparse MLA | "
-             "paged indexer ms |", "|---|---|---|---|---|---|---|"]
+             "paged indexer ms | paged / sparse MLA |", "|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for batch in batches:
         kv = torch.randn(batch * ctx, D, device="cuda", dtype=torch.bfloat16)
@@ -419,9 +419,9 @@ def decode_rows(log, batches: list[int]) -> tuple[list[str], dict]:
         slots = torch.arange(batch * ctx, device="cuda").view(batch, ctx)
         lens = torch.full((batch,), ctx, device="cuda")
         paged_ms = timed(lambda: indexer_topk_paged(iq, ik, iw, slots, lens, TOPK, DI**-0.5), 0.5)
-        ratios[batch] = after_ms / mla_ms
-        lines.append(f"| {batch} | {ctx} | {mla_ms:.3f} | {before_ms:.3f} | {after_ms:.3f} | {ratios[batch]:.2f}x | "
-                     f"{paged_ms:.3f} |")
+        ratios[batch] = {"packed": after_ms / mla_ms, "paged": paged_ms / mla_ms}
+        lines.append(f"| {batch} | {ctx} | {mla_ms:.3f} | {before_ms:.3f} | {after_ms:.3f} | "
+                     f"{ratios[batch]['packed']:.2f}x | {paged_ms:.3f} | {ratios[batch]['paged']:.2f}x |")
         log(lines[-1])
         kv = q = ik = iq = iw = slots = local = rows = None
         torch.cuda.empty_cache()
@@ -530,9 +530,11 @@ def goals(rows: list[Row], ratios: dict) -> list[str]:
                    f"{100 * share:.0f}% -> {verdict(share <= GOAL_KL_SHARE_64K)}")
     else:
         out.append("- indexer KL loss share at 64K: not measured")
-    if 128 in ratios:
-        out.append(f"- decode indexer top-k <= {GOAL_DECODE_RATIO:.0f}x sparse MLA at batch 128, 64K: "
-                   f"{ratios[128]:.2f}x -> {verdict(ratios[128] <= GOAL_DECODE_RATIO)}")
+    if 128 in ratios:  # the engine's decode steps run the paged indexer (rollout/engine/decode.py)
+        paged, packed = ratios[128]["paged"], ratios[128]["packed"]
+        out.append(f"- decode indexer top-k <= {GOAL_DECODE_RATIO:.0f}x sparse MLA at batch 128, 64K: paged (the "
+                   f"engine's decode path) {paged:.2f}x -> {verdict(paged <= GOAL_DECODE_RATIO)}; packed keys "
+                   f"{packed:.2f}x")
     else:
         out.append("- decode indexer at batch 128: not measured")
     return out

@@ -270,17 +270,16 @@ class Launch:
 # shared memory and bytes spilled per thread, all at 255 registers (the H200 decides on time:
 # benchmarks/sparse_mla_bwd_variants.py). The red builds of the first entries spill 564 B (fused64), 44 B (dkv64)
 # and nothing (fused32), and need less shared memory (no conversion scratch).
+# No single-stage configs of the 64-head kernels that add dKV: on the H200 (2026-12-03, RESULTS.md) every one measured
+# either hit an illegal memory access or returned a wrong dKV (rel L2 485 or NaN), at 200+ B spilled per thread;
+# the same kernels at two stages were correct. The cause is not found.
 FUSED64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, 424 B spilled
-           KernelConfig(64, 16, 8, 1),  # 156 KB, 900 B
-           KernelConfig(64, 32, 8, 1),  # 176 KB, 1,112 B
            KernelConfig(64, 32, 8, 2))  # 224 KB (Hopper's limit is 227 KB), 756 B
 DQ64 = (KernelConfig(64, 32, 8, 1),  # 172 KB, 92 B
         KernelConfig(64, 16, 8, 1),  # 154 KB, 368 B
         KernelConfig(64, 64, 8, 1))  # 208 KB, 276 B
 DKV64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, none
-         KernelConfig(64, 32, 8, 1),  # 172 KB, 324 B
          KernelConfig(64, 32, 8, 2),  # 224 KB, 196 B
-         KernelConfig(64, 64, 8, 1),  # 208 KB, 892 B
          # one warpgroup: the score products (64 rows) read q and dO from shared memory once, not once per
          # warpgroup, at the cost of registers
          KernelConfig(64, 16, 4, 2),  # 180 KB, 444 B
