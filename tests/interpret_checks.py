@@ -188,6 +188,35 @@ def check_sparse_mla_fwd_variants() -> None:
         _forget_fwd_configs(mla)
 
 
+def check_idx_reg_slices() -> None:
+    """The idx_reg variants' per-step slice of the index range: the right slots in every step, and inside the range in
+    the steps past the loop's end, which Triton's pipeliner also runs (up to num_stages - 1 of them, their kv copies
+    predicated off) and where a slot past BLOCK_K read past the block's shared memory on the H200."""
+    import triton  # noqa: PLC0415
+    from triton.runtime.errors import InterpreterError  # noqa: PLC0415
+
+    from slime_dsa.ops import triton_sparse_mla_fwd_variants as fv  # noqa: PLC0415
+    from tests.interpret_probes import idx_slice_probe  # noqa: PLC0415
+
+    configs = [c for v in fv.VARIANTS.values() if v.idx_in_registers for c in v.configs]
+    ahead = max(c.num_stages for c in configs) - 1
+    for block_n in sorted({c.block_n for c in configs}):
+        for keys_per_split in (2048, 3 * block_n, block_n):  # GLM-5's top-k; a range short of a power of two
+            block_k = triton.next_power_of_2(keys_per_split)
+            idx_all = torch.arange(block_k, dtype=torch.int32) + 100
+            steps = keys_per_split // block_n
+            for k_lo in (0, keys_per_split):  # the first and the second key split
+                for step in range(max(0, steps - 2), steps + ahead):
+                    out, n0 = torch.empty(block_n, dtype=torch.int32), k_lo + step * block_n
+                    where = f"block_n {block_n}, keys_per_split {keys_per_split}, k_lo {k_lo}, step {step}"
+                    try:
+                        idx_slice_probe[(1,)](idx_all, out, n0, k_lo, BLOCK_N=block_n, BLOCK_K=block_k)
+                    except InterpreterError as err:  # the interpreter's gather checks the range; a GPU's does not
+                        raise AssertionError(f"{where}: slice outside the index range ({err})") from None
+                    if step < steps:
+                        assert torch.equal(out, idx_all[step * block_n:(step + 1) * block_n]), where
+
+
 def check_sparse_mla_bwd_variants() -> None:
     """Each backward variant the interpreter can run (no inline PTX) on rows of mostly -1 slots, with and without the
     stop at the last used slot, against the reference; heads and dims off the powers of two (masked tiles)."""
@@ -252,7 +281,7 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
-          check_sparse_mla_fwd_variants, check_sparse_mla_bwd_variants, check_masked_ranges]
+          check_sparse_mla_fwd_variants, check_idx_reg_slices, check_sparse_mla_bwd_variants, check_masked_ranges]
 
 
 def main() -> int:

@@ -16,7 +16,9 @@ idx_reg 64 keys 243 / 0 / 224 KB; every variant compiles except `ws` at 4 warps.
 - `idx_reg`: the program's whole index range (up to IDX_REG_MAX_SLOTS slots) loaded once into registers; each step
   takes its slice with tl.gather, so the gather's address depends on no load in the loop and the pipeliner keeps
   1-2 gathers in flight while a step computes (32 keys a step, 3-4 stages: 188-224 KB of shared memory). Expected
-  the winner; at 64 keys (2 buffers) it only saves the index load.
+  the winner; at 64 keys (2 buffers) it only saves the index load. The slice wraps inside the range (`_idx_slice`:
+  the pipeliner's steps past the loop's end read past the block's shared memory otherwise: the likely cause of the
+  H200's illegal memory access of 2026-12-03).
 - `idx_reg_nomask`: the same, -1 slots reading kv row 0 with no mask (their scores are masked, p = 0); fewer
   predicate registers; kv must be finite (0 * inf = nan), which the model's kv is.
 - `exact`: no dimension masks when D_V and D_R are powers of two, int32 row offsets when kv fits, int32 indices
@@ -94,6 +96,17 @@ def _load_idx(idx_row_ptr, n0, k_hi, BLOCK_N: tl.constexpr, EXACT: tl.constexpr)
     if EXACT:
         idx = idx.to(tl.int32)
     return idx
+
+
+@triton.jit
+def _idx_slice(idx_all, n0, k_lo, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Slots n0 - k_lo .. + BLOCK_N - 1 of the program's (BLOCK_K,) index range, wrapped to stay inside it."""
+    # The pipeliner also runs this for the num_stages - 1 steps past the loop's end (their kv copies are predicated
+    # off, the gather is not). tl.gather reads idx_all back from a shared memory scratch, the last 8 KB of the
+    # block's (sm_90a TTGIR/LLVM IR, Triton 3.6 and 3.8), unchecked: slots past BLOCK_K read past the block's shared
+    # memory: the likely cause of the H200's illegal memory access at 32K (rows there use all 2048 slots). Real steps
+    # have n0 - k_lo < keys_per_split <= BLOCK_K (no wrap); both are multiples of BLOCK_N, so a wrapped slice is whole.
+    return tl.gather(idx_all, ((n0 - k_lo) & (BLOCK_K - 1)) + tl.arange(0, BLOCK_N), 0)
 
 
 @triton.jit
@@ -193,8 +206,8 @@ def _fwd_variant_kernel(
                                                          SPLIT_V, EXACT, ROW64, NO_MASK)
             idx = _load_idx(idx_row, n0 + BLOCK_N, k_hi, BLOCK_N, EXACT)
         else:
-            if IDX_REG:  # slots n0 - k_lo .. + BLOCK_N - 1 of the range (keys_per_split is a multiple of BLOCK_N)
-                cur_idx = tl.gather(idx_all, n0 - k_lo + tl.arange(0, BLOCK_N), 0)
+            if IDX_REG:
+                cur_idx = _idx_slice(idx_all, n0, k_lo, BLOCK_N, BLOCK_K)
             else:
                 cur_idx = _load_idx(idx_row, n0, k_hi, BLOCK_N, EXACT)
             cur_valid, cur_a, cur_b, cur_pe = _gather_kv(kv_ptr, cur_idx, stride_kvt, D_V, D_R, BLOCK_V, BLOCK_DR,
