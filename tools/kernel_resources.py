@@ -1,13 +1,15 @@
-"""Shared memory, registers and spills of the sparse MLA backward kernels compiled for sm_90a, on a machine without
-a GPU.
+"""Shared memory, registers, spills and key-loop length of the sparse MLA kernels compiled for sm_90a, on a machine
+without a GPU.
 
     PYTHONPATH=. python tools/kernel_resources.py --modes fused fused64 split64 --heads 64 --dims 512 64
+    PYTHONPATH=. python tools/kernel_resources.py --forward    the forward's configs, skipping empty slots or not
 
 Triton compiles ahead of time for a target it does not have (sm_90, Hopper) and the ptxas shipped in the triton wheel
 reports registers and bytes spilled per thread. Arguments are specialised as a launch specialises them (pointers and
 16-divisible integers get divisibility 16), so this is the code a GPU with the same Triton runs; the numbers change
 with the Triton version (3.6 and 3.8 differ by hundreds of spilled bytes on the 64-head kernels). Also printed: the
-tensor-core instruction (wgmma or mma.sync) and the global atomics/reductions in the PTX.
+tensor-core instruction (wgmma or mma.sync), the global atomics/reductions in the PTX and the machine instructions of
+the key loop (per key block; issue-bound code runs about that much longer).
 """
 
 from __future__ import annotations
@@ -52,19 +54,30 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
+        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(path, "w") as f:
             f.write(ptx)
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
-                                text=True, check=True).stderr
+        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", path, "-o", cubin],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
     return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else None,
                 spilled=int(spills.group(1)) if spills else None,
                 mma="wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-"),
-                atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))))
+                atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))),
+                loop=largest_loop(sass))
+
+
+def largest_loop(sass: str) -> int:
+    """Machine instructions in the longest loop of a SASS listing (a kernel's key loop): the span of its longest
+    backward branch. Instructions are 16 bytes on sm_90."""
+    spans = [int(at, 16) - int(target, 16)
+             for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)]
+    return max([span // 16 + 1 for span in spans if span > 0], default=0)
 
 
 def bwd_launches(modes: list[str], H: int, d_v: int, d_r: int):
@@ -106,6 +119,27 @@ def bwd_args(H: int, d_v: int, d_r: int, K: int = 2048) -> dict:
                 scale=D**-0.5, scale_log2=D**-0.5 * 1.4426950408889634)
 
 
+def fwd_launches(H: int, d_v: int, d_r: int):
+    """(mode, label, config, kernel, constexprs) of the forward's configs, with and without skipping empty slots."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    dims = dict(D_V=d_v, D_R=d_r, BLOCK_DV=mla._pow2(d_v), BLOCK_DR=mla._pow2(d_r), SCAN=1024,
+                DIMS_POW2=d_v == mla._pow2(d_v) and d_r == mla._pow2(d_r), ROW64=False)
+    for cfg in mla.FWD_CONFIGS:
+        for skip in (True, False):
+            yield "fwd", f"skip {'on' if skip else 'off'}", cfg, mla._sparse_mla_fwd_kernel, dict(
+                dims, BLOCK_H=min(cfg.block_h, mla._pow2(H)), BLOCK_N=cfg.block_n, SKIP_EMPTY=skip)
+
+
+def fwd_args(H: int, d_v: int, d_r: int, K: int = 2048) -> dict:
+    """Runtime arguments of the forward kernel for contiguous bf16 q and kv, int64 indices and one key split."""
+    D = d_v + d_r
+    return dict(q_ptr=torch.bfloat16, kv_ptr=torch.bfloat16, idx_ptr=torch.int64, out_ptr=torch.bfloat16,
+                lse_ptr=torch.float32, stride_qt=H * D, stride_qh=D, stride_kvt=D, stride_it=K, stride_ot=H * d_v,
+                stride_os=0, stride_oh=d_v, stride_lt=H, stride_ls=0, H=H, K=K, keys_per_split=K,
+                scale_log2=D**-0.5 * 1.4426950408889634)
+
+
 def main() -> None:
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
@@ -113,20 +147,23 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(mla.BWD_MODES), choices=mla.BWD_MODES)
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dims", type=int, nargs=2, default=[512, 64], metavar=("LATENT", "ROPE"))
+    parser.add_argument("--forward", action="store_true", help="the forward's configs instead of backward modes")
     args = parser.parse_args()
     H, (d_v, d_r) = args.heads, args.dims
+    launches = fwd_launches(H, d_v, d_r) if args.forward else bwd_launches(args.modes, H, d_v, d_r)
+    kernel_args = fwd_args(H, d_v, d_r) if args.forward else bwd_args(H, d_v, d_r)
     print(f"triton {triton.__version__}, sm_90a, {H} heads, {d_v} + {d_r}, bf16")
-    print("| mode | launch | heads, keys, warps, stages | shared KB | registers | spilled B | mma | atomics |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for mode, label, cfg, kernel, constexprs in bwd_launches(args.modes, H, d_v, d_r):
+    print("| mode | launch | heads, keys, warps, stages | shared KB | registers | spilled B | mma | atomics | "
+          "key loop instrs |\n|---|---|---|---|---|---|---|---|---|")
+    for mode, label, cfg, kernel, constexprs in launches:
         config = f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
         try:
-            r = compile_sm90(kernel, bwd_args(H, d_v, d_r), constexprs, cfg.num_warps, cfg.num_stages)
+            r = compile_sm90(kernel, kernel_args, constexprs, cfg.num_warps, cfg.num_stages)
         except Exception as exc:  # noqa: BLE001 (a config that does not compile is a row)
-            print(f"| {mode} | {label} | {config} | failed: {type(exc).__name__} | | | | |", flush=True)
+            print(f"| {mode} | {label} | {config} | failed: {type(exc).__name__} | | | | | |", flush=True)
             continue
         print(f"| {mode} | {label} | {config} | {r['shared'] / 1024:.0f} | {r['regs']} | {r['spilled']} | "
-              f"{r['mma']} | {', '.join(r['atomics'])} |", flush=True)
+              f"{r['mma']} | {', '.join(r['atomics'])} | {r['loop']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def _bwd_variant_kernel(
         blk = j + first
         blk = tl.where(blk >= n_blocks, blk - n_blocks, blk)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_end, other=-1)  # (BN,)
+        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < K, other=-1)  # (BN,) K: see the forward
         valid = idx >= 0
         row = tl.where(valid, idx, 0).to(tl.int64)
         kv_rows = kv_ptr + row[:, None] * stride_kvt

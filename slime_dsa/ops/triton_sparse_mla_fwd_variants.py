@@ -185,9 +185,10 @@ def _fwd_variant_kernel(
     acc_b = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)  # BLOCK_V..2 BLOCK_V-1 with SPLIT_V (else unused)
 
     k_lo = split * keys_per_split
-    k_hi = tl.minimum(k_lo + keys_per_split, K)
+    k_hi = tl.minimum(k_lo + keys_per_split, K)  # index loads stay masked here, as in the main forward kernel
+    k_end = k_hi
     if SKIP_EMPTY:
-        k_hi = _used_slots_end(idx_row, k_lo, k_hi, SCAN)
+        k_end = _used_slots_end(idx_row, k_lo, k_hi, SCAN)
     if PREFETCH:
         valid, k_a, k_b, k_pe = _gather_kv(kv_ptr, _load_idx(idx_row, k_lo, k_hi, BLOCK_N, EXACT), stride_kvt, D_V,
                                            D_R, BLOCK_V, BLOCK_DR, SPLIT_V, EXACT, ROW64, NO_MASK)
@@ -195,7 +196,7 @@ def _fwd_variant_kernel(
         idx = _load_idx(idx_row, k_lo, k_hi, BLOCK_N, EXACT)
     if IDX_REG:  # (BLOCK_K,) every index of this program, so the gather's address depends on no load in the loop
         idx_all = _load_idx(idx_row, k_lo, k_hi, BLOCK_K, EXACT)
-    for n0 in tl.range(k_lo, k_hi, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPEC):
+    for n0 in tl.range(k_lo, k_end, BLOCK_N, num_stages=LOOP_STAGES, warp_specialize=WARP_SPEC):
         if PREFETCH:  # this step's rows came in the previous step; issue the next step's gather now
             cur_valid, cur_a, cur_b, cur_pe = valid, k_a, k_b, k_pe
             next_idx = _load_idx(idx_row, n0 + BLOCK_N, k_hi, BLOCK_N, EXACT)
