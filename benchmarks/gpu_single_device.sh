@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp rollspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -31,6 +31,9 @@
 # ROLLHTTP_LENGTHS rl (default: answers end at varied steps, ~19 tokens) or fixed, ROLLHTTP_ARGS adds arguments,
 # ROLLHTTP_T caps it, default 240 s) appends to $OUT/rollhttp.log and writes $OUT/rollhttp_<lengths>.json: whether the
 # RL loop's 53-62% decode host gap at 64 x 16 comes from the shrinking batch (in process shows it too) or the server.
+# rollspy: the rollhttp stage's in-process path (1024 samples, 300m, ROLLHTTP_LENGTHS) under py-spy (500 Hz, every
+# thread, idle samples in; ROLLSPY_ARGS adds benchmark arguments, ROLLSPY_T caps it, default 180 s): $OUT/rollspy.md
+# is benchmarks/spy_steps.py's report (samples inside Engine.step by frame), $OUT/rollspy.json the benchmark's figures.
 # trlnan (benchmarks/trl_nan_check.py on $W/sftlong/model with LONG_TASK_ARGS: TRL's GRPO loss and backward on 4
 # batches of 256 sampled completions, one cut to 30 tokens, zero advantages, per attention setting sdpa / sdpa-math /
 # sdpa-eff / sdpa-cudnn / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
@@ -157,6 +160,16 @@ rollhttp)  # benchmarks/rollout_call_host_time.py on the GPU: the rollout path i
     --shape 300m --batch-sizes 1024 --lengths ${ROLLHTTP_LENGTHS:-rl} --no-replay --paths inprocess,http \
     --out $OUT/rollhttp_${ROLLHTTP_LENGTHS:-rl}.json ${ROLLHTTP_ARGS} 2>&1 | grep --line-buffered -v "Warning" \
     | tee -a $OUT/rollhttp.log | tail -30
+  ;;
+rollspy)  # the rollhttp stage's in-process rollout under py-spy (no slowdown of the Python it samples): where the steps go
+  stamp rollspy
+  SPY=/tmp/site/bin/py-spy
+  [ -x $SPY ] || { echo "no py-spy (the py-spy wheel missing from ${WHL:-.whl}, or setup skipped)"; continue; }
+  timeout -k 10 ${ROLLSPY_T:-180} $SPY record -r 500 --threads --idle -f raw -o /tmp/rollspy.txt -- python3 \
+    benchmarks/rollout_call_host_time.py --device cuda --model-forward real --shape 300m --batch-sizes 1024 \
+    --lengths ${ROLLHTTP_LENGTHS:-rl} --no-replay --paths inprocess --out $OUT/rollspy.json ${ROLLSPY_ARGS} 2>&1 \
+    | grep --line-buffered -v "Warning" | tail -5
+  python3 benchmarks/spy_steps.py /tmp/rollspy.txt --top 40 | tee $OUT/rollspy.md | head -45
   ;;
 trlnan)  # benchmarks/trl_nan_check.py: where TRL's backward turns non-finite on the long-answer policy (issue 19)
   stamp trlnan
