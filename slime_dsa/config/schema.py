@@ -303,7 +303,8 @@ class RolloutSection(Section):
                           "body that fails sends its calls again alone, and a merged call answers with its slowest "
                           "member (rollout/coalesce.py). "
                           "Off by default: on CPU it cut the 64 x 16 burst's wait before the engine's first step but "
-                          "not the rollout's wall time, and it is not yet measured on a GPU (benchmarks/RESULTS.md). "
+                          "not the rollout's wall time, and on one H200 the rollout took longer with it (450 against "
+                          "354 ms for 1,024 samples; benchmarks/RESULTS.md). "
                           "Embedded engines only; SGLang and external engines get one call per group.")
     coalesce_max_samples: int = Field(
         64, ge=1, le=4096, description="With coalesce_calls: most samples in one merged body (a group is never "
