@@ -151,12 +151,10 @@ def _sparse_mla_fwd_kernel(
             kv_rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kvt
         else:  # int32 offsets: the launcher checks that every kv offset fits
             kv_rows = kv_ptr + (idx.to(tl.int32) * stride_kvt)[:, None]
-        if DIMS_POW2:  # no column masks
-            k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # (BN, DV)
-            k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)  # (BN, DR)
-        else:
-            k_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
-            k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=valid[:, None] & mask_r[None, :], other=0.0)
+        mask_nv = valid[:, None] if DIMS_POW2 else valid[:, None] & mask_v[None, :]  # no column masks when exact
+        mask_nr = valid[:, None] if DIMS_POW2 else valid[:, None] & mask_r[None, :]
+        k_nope = tl.load(kv_rows + offs_v[None, :], mask=mask_nv, other=0.0)  # (BN, DV)
+        k_pe = tl.load(kv_rows + D_V + offs_r[None, :], mask=mask_nr, other=0.0)  # (BN, DR)
 
         s = tl.dot(q_nope, tl.trans(k_nope)) + tl.dot(q_pe, tl.trans(k_pe))  # (BH, BN) fp32
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
