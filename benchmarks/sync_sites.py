@@ -3,7 +3,8 @@
 `SyncSites` turns on torch's sync debug mode ("warn") and records each warning's Python stack: its site is the
 innermost frames under slime_dsa/ or rollout/, and, given engine step windows (rollout_call_host_time.py's), whether it
 fell in a decode-only step, another step (a prefill or a mixed step) or between steps. The warnings cost time, so
-a run under it measures counts, not speed.
+a run under it measures counts, not speed. On CUDA it makes one sync of its own at the start (`probe_seen`), so that
+a count of 0 can be told from a debug mode that recorded nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class SyncSites:
         self._lock = threading.Lock()
         self._show = None
         self._filters = None
+        self.probe_seen: bool | None = None  # on CUDA: whether a known sync (.item()) was recorded at the start
 
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
         if SYNC_MESSAGE not in str(message):
@@ -65,6 +67,9 @@ class SyncSites:
         self._show, warnings.showwarning = warnings.showwarning, self._record
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")
+            # A sync of our own, left out of the records: a summary of 0 syncs means something only if this was seen.
+            torch.ones(1, device="cuda").item()
+            self.probe_seen, self.records = bool(self.records), []
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -81,6 +86,7 @@ class SyncSites:
             per_site[site][kind] += 1
         sites = sorted(per_site.items(), key=lambda item: -sum(item[1].values()))[:top]
         steps = collections.Counter(decode for _, _, decode in windows or [])
-        return {"syncs": len(self.records), "by_step_kind": dict(collections.Counter(kinds)),
+        return {"syncs": len(self.records), "probe_seen": self.probe_seen,
+                "by_step_kind": dict(collections.Counter(kinds)),
                 "steps": {"decode": steps[True], "other": steps[False]},
                 "sites": [{"site": site, **counts} for site, counts in sites]}
