@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp rollspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
@@ -34,6 +34,10 @@
 # rollspy: the rollhttp stage's in-process path (1024 samples, 300m, ROLLHTTP_LENGTHS) under py-spy (500 Hz, every
 # thread, idle samples in; ROLLSPY_ARGS adds benchmark arguments, ROLLSPY_T caps it, default 180 s): $OUT/rollspy.md
 # is benchmarks/spy_steps.py's report (samples inside Engine.step by frame), $OUT/rollspy.json the benchmark's figures.
+# rlspy: the rl stage's loop (recipes/gpu_single.yaml, 64 x 16, on $W/sft/model when the sft stage made it, else the
+# recipe's model), RLSPY_STEPS steps (default 30), with py-spy attached after step 1 to the engine actor and the trainer
+# rank for RLSPY_D seconds (default 12; RLSPY_RATE Hz, default 250, --nonblocking: the processes are not paused):
+# $OUT/rlspy.md (spy_steps.py --threads of the engine, --every-process of the trainer), rlspy.log, rlspy_metrics.jsonl.
 # trlnan (benchmarks/trl_nan_check.py on $W/sftlong/model with LONG_TASK_ARGS: TRL's GRPO loss and backward on 4
 # batches of 256 sampled completions, one cut to 30 tokens, zero advantages, per attention setting sdpa / sdpa-math /
 # sdpa-eff / sdpa-cudnn / eager; names the backward function that first returns NaN; TRLNAN_ARGS adds arguments, e.g.
@@ -170,6 +174,29 @@ rollspy)  # the rollhttp stage's in-process rollout under py-spy (no slowdown of
     --lengths ${ROLLHTTP_LENGTHS:-rl} --no-replay --paths inprocess --out $OUT/rollspy.json ${ROLLSPY_ARGS} 2>&1 \
     | grep --line-buffered -v "Warning" | tail -5
   python3 benchmarks/spy_steps.py /tmp/rollspy.txt --top 40 | tee $OUT/rollspy.md | head -45
+  ;;
+rlspy)  # the rl stage's 64 x 16 loop with py-spy attached to the engine actor and the trainer rank after step 1
+  stamp rlspy
+  SPY=/tmp/site/bin/py-spy
+  [ -x $SPY ] || { echo "no py-spy (the py-spy wheel missing from ${WHL:-.whl}, or setup skipped)"; continue; }
+  rm -rf $W/rlspy /tmp/rlspy_*.txt
+  model_arg=$([ -d $W/sft/model ] && echo "--set model.path=$W/sft/model" || echo "")
+  timeout -s INT -k 30 ${RLSPY_T:-200} $CLI train recipes/gpu_single.yaml $model_arg --set logging.wandb_mode=disabled \
+    --set logging.run_dir=$W/rlspy --set trainer.num_steps=${RLSPY_STEPS:-30} --set data.tasks.0.train_size=20000 \
+    ${RL_SET} > $W/rlspy.log 2>&1 &
+  run=$!
+  until [ -s $W/rlspy/metrics.jsonl ] || ! kill -0 $run 2>/dev/null; do sleep 0.5; done
+  for actor in EngineActor FSDPWorker; do
+    pid=$(pgrep -f "^ray::$actor" | head -1)
+    [ -n "$pid" ] && $SPY record --pid $pid -r ${RLSPY_RATE:-250} -d ${RLSPY_D:-12} --threads --idle --nonblocking \
+      -f raw -o /tmp/rlspy_$actor.txt > /tmp/rlspy_$actor.log 2>&1 &
+  done
+  wait
+  { tail -3 /tmp/rlspy_*.log; python3 benchmarks/spy_steps.py /tmp/rlspy_EngineActor.txt --top 40 --threads
+    echo; python3 benchmarks/spy_steps.py /tmp/rlspy_FSDPWorker.txt --top 40 --every-process; } > $OUT/rlspy.md 2>&1
+  head -60 $OUT/rlspy.md
+  grep -v "━" $W/rlspy.log | tail -15 > $OUT/rlspy.log
+  cp $W/rlspy/metrics.jsonl $OUT/rlspy_metrics.jsonl 2>/dev/null
   ;;
 trlnan)  # benchmarks/trl_nan_check.py: where TRL's backward turns non-finite on the long-answer policy (issue 19)
   stamp trlnan

@@ -22,3 +22,18 @@ def test_samples_outside_the_step_are_left_out_and_the_rest_go_to_their_frames()
     assert by_project["sample (rollout/engine/sampling.py:120)"] == 3  # torch's frame is charged to the caller
     assert by_project["_resolve (rollout/engine/engine.py:537)"] == 5
     assert by_leaf["softmax (torch/functional.py:5)"] == 3 and by_leaf["synchronize (torch/cuda/streams.py:245)"] == 5
+
+
+def test_the_thread_table_covers_the_processes_that_stepped_the_engine():
+    from benchmarks.spy_steps import thread_samples
+
+    engine = 'process 5:"ray::EngineActor"'
+    lines = [f'process 1:"python -m slime_dsa.cli train";{engine};{line}' for line in FOLDED]
+    lines.append(f'process 1:"python -m slime_dsa.cli train";{engine};thread (3): loop;run (asyncio/base_events.py:9);'
+                 f'build_response (rollout/server/protocol.py:40);dumps (json/__init__.py:3) 4\n')
+    lines.append('process 1:"python -m slime_dsa.cli train";thread (1): MainThread;wait (x.py:1) 9\n')  # no step here
+    processes = thread_samples(lines)
+    assert list(processes) == [engine]
+    threads = processes[engine]
+    assert sum(threads["thread (2): engine"].values()) == 15
+    assert threads["thread (3): loop"] == {"build_response (rollout/server/protocol.py:40) <- dumps (json/__init__.py:3)": 4}
