@@ -37,3 +37,5 @@ def test_the_ladder_ends_at_the_bucket_of_max_running_requests():
     assert _decoder(200).batch_ladder[-1] == 256
     assert _decoder(1).batch_ladder == (1,)
     assert _decoder(10_000).batch_ladder == BATCH_BUCKETS
+    # an RL recipe's cap with dynamic sampling (recipes/gpu_single.yaml: 64 prompts x 16 samples x 4): graphs up to it
+    assert _decoder(4096).batch_ladder[-4:] == (1536, 2048, 3072, 4096)

@@ -14,9 +14,11 @@ from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: E4
 from slime_dsa.ops.triton_sparse_mla import KernelConfig  # noqa: E402
 
 
-def test_every_variant_is_a_backward_mode_and_fused_stays_first():
+def test_every_variant_is_a_backward_mode_and_the_defaults_are_the_measured_ones():
     assert mla.BWD_MODES[:2] == ["fused", "split"]
     assert set(mla.BWD_MODES[2:]) == set(variants.MODES)
+    assert mla.BWD_DEFAULT_MODES == ["fused", "split"]
+    assert mla.BWD_DEFAULT_MODES_64_HEADS[0] == "split64" and not variants.cuda_only("split64")
     assert [m for m in variants.MODES if variants.cuda_only(m)] == [m for m in variants.MODES if "red" in m]
 
 

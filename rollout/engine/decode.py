@@ -33,8 +33,11 @@ from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
 logger = logging.getLogger(__name__)
 
-# Batch sizes a graph is captured for: padding costs at most a third of the rows, and few graphs are needed.
-BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# Batch sizes a graph is captured for: padding costs at most a third of the rows, and few graphs are needed. They
+# reach the running-request caps RL recipes derive (recipes/gpu_single.yaml: 4,096 with dynamic sampling): a batch past
+# the last bucket decodes eagerly, ~1,000 launches a step.
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                 6144, 8192)
 
 
 class PagedDecodeBatch(PackedBatch):

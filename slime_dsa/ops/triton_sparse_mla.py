@@ -33,8 +33,9 @@ Backward, two paths (both recompute the probabilities from the saved lse):
   selected keys. They do up to MASKED_RANGE_MAX_RATIO times the selected work but no atomics, which serialise when
   many queries share kv rows and few heads share each query; so only for few heads x head dim
   (MASKED_RANGE_MAX_HEAD_WORK), where they were measured to win.
-- General: one program per query row and 32 heads (64 do not fit in shared memory; triton_sparse_mla_bwd_variants.py
-  has 64-head variants, modes of BWD_MODES that run only when chosen). dQ is accumulated in
+- General: one program per query row and 32 heads (64 do not fit in shared memory with dQ and dKV together);
+  with 64 heads or more, triton_sparse_mla_bwd_variants.py's split64 first (64 heads a program, dQ and dKV in two
+  kernels; its other modes of BWD_MODES run only when chosen). dQ is accumulated in
   registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
   summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
   forward's TFLOP/s at GLM-5 sizes.
@@ -70,6 +71,11 @@ FWD_CONFIGS = [
 # per program, PTX reductions, rotated key loops), tried only when chosen (benchmarks/sparse_mla_bwd_variants.py).
 BWD_MODES = ["fused", "split", "fused64", "fused64_rot", "fused64_red", "fused64_red_rot", "split64", "split64_rot",
              "split64_red_rot", "split64_par", "fused32_red", "fused32_red4", "fused32_rot"]
+# The modes the general backward tries, in order, until one runs (the first that does is kept per problem). With 64
+# heads or more, split64 (64 heads a program, dQ and dKV apart) first: 46.2 against 50.2 ms at 8K and 215.8 against
+# 227.4 ms at 32K on the H200 (RESULTS.md, 2026-12-03), and right at the GPU tests' shapes.
+BWD_DEFAULT_MODES = ["fused", "split"]
+BWD_DEFAULT_MODES_64_HEADS = ["split64", "fused", "split"]
 BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
 BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
 BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]
@@ -619,7 +625,10 @@ def sparse_mla_bwd(
         return launch
 
     key = (H, D, v_dim, q.dtype)
-    modes = [_chosen[("bwd_mode", key)]] if ("bwd_mode", key) in _chosen else BWD_MODES
+    if ("bwd_mode", key) in _chosen:
+        modes = [_chosen[("bwd_mode", key)]]
+    else:
+        modes = BWD_DEFAULT_MODES_64_HEADS if H >= 64 and q.device.type == "cuda" else BWD_DEFAULT_MODES
     errors = []
     for mode in modes:
         try:
