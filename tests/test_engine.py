@@ -694,6 +694,10 @@ def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
         engine = Engine(model, max_cache_tokens=512, block_size=4, overlap=overlap)
         fed, feed = [], engine._feed
         engine._feed = lambda *a: (fed.append(len(a[1])), feed(*a))  # noqa: E731 - counts inputs taken from the device
+        picked = []  # decode steps whose block table rows come from the last one's (paged decode)
+        if engine.decoder is not None:
+            forward = engine.decoder.forward
+            engine.decoder.forward = lambda *a, **k: (picked.append(k.get("rows_from") is not None), forward(*a, **k))[1]  # noqa: E731
         req = lambda i, rid: GenerateRequest(input_ids=ps[i], sampling=params[i], rid=rid, return_indexer_topk=True)  # noqa: E731
         streamed, finals, step = {}, {}, 0
         arrivals = {0: [req(0, "0"), req(1, "1")], 2: [req(2, "2"), req(3, "3")], 5: [req(4, "4")]}
@@ -710,11 +714,13 @@ def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
         wave = {0: [GenerateRequest(input_ids=ps[i] + finals[str(i)].output_ids, sampling=greedy(3), rid=f"w{i}")
                     for i in range(len(ps))]}
         again = run(engine, wave)
-        return finals, streamed, again, sum(fed)
+        return finals, streamed, again, sum(fed), sum(picked)
 
-    sync, sync_streamed, sync_again, sync_fed = go(False)
-    over, over_streamed, over_again, over_fed = go(True)
+    sync, sync_streamed, sync_again, sync_fed, sync_picked = go(False)
+    over, over_streamed, over_again, over_fed, over_picked = go(True)
     assert sync_fed == 0 and over_fed > 20
+    if Engine.__init__.__kwdefaults__["paged_decode"]:
+        assert sync_picked > 0 and over_picked > 0  # requests ended while others decoded on
     assert {o.finish_reason["type"] for o in sync.values()} == {"stop", "length"}
     assert over_streamed == sync_streamed
     for rid, out in sync.items():

@@ -113,24 +113,27 @@ class PagedDecoder:
 
     def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
                 on_inputs: Callable[[torch.Tensor], None] | None = None,
-                tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                tables_key: Hashable = None,
+                rows_from: tuple[Hashable, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
         and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
         before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
         still sampling on the device). `tables_key` (optional): equal keys promise the same block tables as the
-        last call's, or the same ones grown at their ends; the host table is then updated, not rebuilt."""
+        last call's, or the same ones grown at their ends; the host table is then updated, not rebuilt. `rows_from`
+        (optional, with a new key): (the last call's key, each row's row in that call, all >= 0): the same promise
+        row by row, when rows left or moved since."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(map(len, tables)) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                return self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key)
+                return self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key, rows_from)
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
                 self.reset()
-        inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width, tables_key))
+        inputs = torch.from_numpy(self._host_inputs(input_ids, positions, tables, B, width, tables_key, rows_from))
         if self.model.device.type == "cuda":
             inputs = inputs.pin_memory()
         inputs = inputs.to(self.model.device, non_blocking=True)
@@ -139,7 +142,8 @@ class PagedDecoder:
         hidden, topk, slots = self._run(inputs, B, width)
         return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
 
-    def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None) -> np.ndarray:
+    def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None,
+                     rows_from: tuple[Hashable, np.ndarray] | None = None) -> np.ndarray:
         """ids | positions | block table (B, width), padded with token 0 / position 0 / the scratch block."""
         flat = np.zeros(B * (2 + width), dtype=np.int64)
         n = len(input_ids)
@@ -148,17 +152,25 @@ class PagedDecoder:
         table = flat[2 * B :].reshape(B, width)
         table[n:] = self.cache.scratch_block
         if n:
-            table[:n] = self._block_table(tables, width, tables_key)
+            table[:n] = self._block_table(tables, width, tables_key, rows_from)
         return flat
 
-    def _block_table(self, tables: list[list[int]], width: int, key: Hashable) -> np.ndarray:
+    def _block_table(self, tables: list[list[int]], width: int, key: Hashable,
+                     rows_from: tuple[Hashable, np.ndarray] | None = None) -> np.ndarray:
         """(n, width) block ids, scratch-padded: the last call's table with the rows that grew extended when `key`
-        matches its key, else built in one scatter."""
+        matches its key, or its rows picked by `rows_from` and extended, else built in one scatter."""
         n = len(tables)
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         last = self._tables
-        if key is not None and last is not None and last[0] == key and last[1].shape == (n, width) and (lens >= last[2]).all():
-            table, before = last[1], last[2]
+        table = None
+        if key is not None and last is not None and last[1].shape[1] == width:
+            if last[0] == key and last[1].shape[0] == n:
+                table, before = last[1], last[2]
+            elif rows_from is not None and rows_from[0] == last[0] and len(rows_from[1]) == n:
+                table, before = last[1][rows_from[1]], last[2][rows_from[1]]  # copies: the last table stays whole
+            if table is not None and not (lens >= before).all():
+                table = None
+        if table is not None:
             for r in np.flatnonzero(lens != before).tolist():
                 table[r, before[r] : lens[r]] = tables[r][before[r] :]
         else:
@@ -175,10 +187,10 @@ class PagedDecoder:
         out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
         return out.hidden_states, out.topk_indices, batch.write_slots
 
-    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs,
-                tables_key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs, tables_key: Hashable = None,
+                rows_from: tuple[Hashable, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         graph = self._graphs.get((B, width)) or self.capture_width(B, width)
-        host = self._host_inputs(input_ids, positions, tables, B, width, tables_key)
+        host = self._host_inputs(input_ids, positions, tables, B, width, tables_key, rows_from)
         graph.copied.synchronize()  # the host may run a step ahead of the device (the engine's overlap)
         graph.staging.numpy()[:] = host
         graph.inputs.copy_(graph.staging, non_blocking=True)

@@ -227,9 +227,9 @@ class Engine:
         self._rows: SamplingRows | None = None  # the last step's sampling rows, reused while the rows stay the same
         self._tables_epoch = 0  # bumped when a block table is replaced (admit, free); only appends keep it (decode.py)
         # The last launched step's sampling serials, its rows' output counts with its token on the device (a launch
-        # over the same rows samples at those counts instead of reading every sequence again), and (decode-only steps)
-        # its positions.
-        self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None] | None = None
+        # over the same rows samples at those counts instead of reading every sequence again), (decode-only steps) its
+        # positions, and (paged decode steps) the key of its block tables in the decoder.
+        self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None, Any] | None = None
         self.overlap = overlap
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
@@ -795,18 +795,24 @@ class Engine:
         begin = torch.cuda.Event(enable_timing=True) if not on_host else None
         done = None
 
-        def on_inputs(ids: torch.Tensor, fed: list[int] | range, fed_seqs: list[_Sequence] | None) -> None:
+        def on_inputs(ids: torch.Tensor, fed: list[int] | range | np.ndarray, fed_seqs: list[_Sequence] | None) -> None:
             """The input ids are queued on the device: the step's device work starts here."""
             if begin is not None:
                 begin.record()
-            if fed:
+            if len(fed):
                 self._feed(ids, fed, fed_seqs, previous)
 
         forward_start = time.perf_counter()
+        tables_key = None
         if decode_only and self.decoder is not None:
             self.stats["paged_decode_steps"] += 1
+            tables_key = (key, self._tables_epoch)
+            # Rows of the last launch only, which was a paged decode step: its block table rows, picked and grown.
+            rows_from = (last[3], moved) if kept and last[3] is not None else None
             if previous is not None and same_rows:  # overlap: every input is `previous`'s token, in the same rows
                 fed, input_ids = range(len(seqs)), [IN_FLIGHT_INPUT] * len(seqs)
+            elif previous is not None and kept:  # overlap: every input is `previous`'s token, at its row `moved`
+                fed, input_ids = moved, [IN_FLIGHT_INPUT] * len(seqs)
             else:
                 fed = [b for b, seq in enumerate(seqs) if seq.inflight] if previous is not None else []
                 input_ids = ([IN_FLIGHT_INPUT if seq.inflight else seq.tokens[-1] for seq in seqs] if fed
@@ -819,8 +825,9 @@ class Engine:
                 positions = np.fromiter((seq.num_computed for seq in seqs), dtype=np.int64, count=len(seqs))
             hidden, topk_all, write_slots = self.decoder.forward(
                 input_ids, positions, [seq.blocks for seq in seqs],
-                on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, range) else [seqs[b] for b in fed]),
-                tables_key=(key, self._tables_epoch),
+                on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, (range, np.ndarray))
+                                                else [seqs[b] for b in fed]),
+                tables_key=tables_key, rows_from=rows_from,
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
@@ -881,14 +888,19 @@ class Engine:
                              version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
         if on_host:
             self._account_device(launched)
-        self._last_counts = (key, count, positions if decode_only else None) if seqs else None
+        self._last_counts = (key, count, positions if decode_only else None, tables_key) if seqs else None
         return launched
 
-    def _feed(self, ids: torch.Tensor, rows: list[int] | range, seqs: list[_Sequence] | None, previous: _Launched) -> None:
+    def _feed(self, ids: torch.Tensor, rows: list[int] | range | np.ndarray, seqs: list[_Sequence] | None,
+              previous: _Launched) -> None:
         """ids[rows] = the tokens `previous` sampled for `seqs`, on the device (the host does not have them yet);
-        `seqs` None: rows is range(B) and they are `previous`'s rows in its order."""
+        `seqs` None: every row is fed, rows is range(B) (`previous`'s rows in its order) or, as an array, each row's
+        row in `previous`."""
         if seqs is None:
-            ids[: len(rows)].copy_(previous.tokens)
+            if isinstance(rows, range):
+                ids[: len(rows)].copy_(previous.tokens)
+            else:
+                ids[: len(rows)].copy_(previous.tokens.index_select(0, upload(torch.from_numpy(rows), self.device)))
             return
         src = [previous.row_of[id(seq)] for seq in seqs]
         n = len(previous.sampled)
