@@ -192,7 +192,7 @@ rlspy)  # the rl stage's 64 x 16 loop with py-spy attached to the engine actor a
       -f raw -o /tmp/rlspy_$actor.txt > /tmp/rlspy_$actor.log 2>&1 &
   done
   wait
-  { tail -3 /tmp/rlspy_*.log; python3 benchmarks/spy_steps.py /tmp/rlspy_EngineActor.txt --top 40 --threads
+  { tail -n 3 /tmp/rlspy_*.log; python3 benchmarks/spy_steps.py /tmp/rlspy_EngineActor.txt --top 40 --threads
     echo; python3 benchmarks/spy_steps.py /tmp/rlspy_FSDPWorker.txt --top 40 --every-process; } > $OUT/rlspy.md 2>&1
   head -60 $OUT/rlspy.md
   grep -v "━" $W/rlspy.log | tail -15 > $OUT/rlspy.log
