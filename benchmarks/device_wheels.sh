@@ -17,7 +17,7 @@ download() {
 download pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 math-verify==0.9.0 \
   latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 jsonschema==4.26.0 jsonschema-specifications \
-  referencing rpds-py pebble pybase64==1.5.1 trl==1.16.0 megatron-core==0.19.2
+  referencing rpds-py pebble pybase64==1.5.1 orjson==3.13.0 trl==1.16.0 megatron-core==0.19.2
 # py-spy (the rollspy stage): a sampling profiler that reads the engine thread from outside the process
 download py-spy==0.4.3
 # Ray: unzip, drop Java, RLlib and the LLM library, strip the binaries' symbol tables, then xz.

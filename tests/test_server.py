@@ -625,3 +625,23 @@ def test_response_helpers_equal_their_plain_forms():
             assert not gc.isenabled()
         assert gc.isenabled() == enabled
     gc.enable()
+
+
+def test_generate_bodies_are_orjson_unless_a_log_prob_is_not_finite():
+    """The /generate body is orjson's (SGLang's server writes it so too); one with a non-finite log-prob keeps the
+    standard library's NaN / Infinity, which orjson would write as null and a client refuse."""
+    from rollout.engine.types import GenerateOutput
+    from rollout.server.protocol import response_json
+
+    def out(logprobs, inputs=None):
+        return GenerateOutput(rid="r", output_ids=[3] * len(logprobs), output_token_logprobs=logprobs,
+                              output_token_versions=[0] * len(logprobs), finish_reason=None, prompt_tokens=2,
+                              cached_tokens=0, weight_version="0", input_token_logprobs=inputs)
+
+    body = {"meta_info": {"output_token_logprobs": [[-0.25, 3, None], [-1e-9, 3, None]], "e2e_latency": 0.5}}
+    fine = [out([-0.25, -1e-9], inputs=[None, -2.5])]
+    assert json.loads(response_json(body, fine)) == body and b" " not in response_json(body, fine)  # orjson: compact
+    for bad in ([-0.25, float("-inf")], [float("nan")]):
+        text = response_json({"x": bad}, [out(bad)])
+        assert text == json.dumps({"x": bad}).encode() and (b"Infinity" in text or b"NaN" in text)
+    assert b"NaN" in response_json({"x": [float("nan")]}, [out([-1.0], inputs=[None, float("nan")])])

@@ -128,7 +128,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                     return_text_in_logprobs=call.return_text_in_logprobs)
             for out, req in zip(outputs, call.requests)
         ]
-        return web.json_response(results if call.is_batch else results[0])
+        return web.Response(body=protocol.response_json(results if call.is_batch else results[0], outputs),
+                            content_type="application/json")
 
 
 async def _stream(request: web.Request, st: ServerState, call: protocol.GenerateCall, t0: float) -> web.StreamResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import pybase64
 
 from rollout.engine.stop import decode_ids
@@ -354,6 +356,24 @@ def encode_int32(array: Any) -> tuple[str, list[int]]:
     arr = np.ascontiguousarray(np.asarray(array), dtype="<i4")
     # pybase64 (SIMD) reads the array's buffer in place: no bytes copy of a replay array (hundreds of KiB a request).
     return pybase64.b64encode(arr.reshape(-1).view(np.uint8)).decode("ascii"), list(arr.shape)
+
+
+def response_json(body: Any, outputs: list[GenerateOutput]) -> bytes:
+    """A /generate response body as JSON bytes, by orjson as SGLang's server writes it. orjson is ~20x the standard
+    library on log-prob lists (0.02 against 0.39 ms for 16 samples of 20 tokens), and the event loop that runs this
+    shares the GIL with the engine's step thread. orjson writes a non-finite float as null, which a client would
+    refuse as a log-prob; a body whose outputs hold one keeps the standard library's NaN / Infinity as before."""
+    if all(_finite(out.output_token_logprobs) and _finite(out.input_token_logprobs or ()) for out in outputs):
+        return orjson.dumps(body)
+    return json.dumps(body).encode()
+
+
+def _finite(values: Any) -> bool:
+    """No NaN or infinity among these floats (None entries, as input log-probs start with, allowed)."""
+    try:
+        return all(map(math.isfinite, values))
+    except TypeError:  # a None
+        return all(v is None or math.isfinite(v) for v in values)
 
 
 def token_logprobs(logprobs: list[float], ids: list[int]) -> list[list]:
