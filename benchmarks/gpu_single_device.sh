@@ -34,6 +34,7 @@
 # rollspy: the rollhttp stage's in-process path (1024 samples, 300m, ROLLHTTP_LENGTHS) under py-spy (500 Hz, every
 # thread, idle samples in; ROLLSPY_ARGS adds benchmark arguments, ROLLSPY_T caps it, default 180 s): $OUT/rollspy.md
 # is benchmarks/spy_steps.py's report (samples inside Engine.step by frame), $OUT/rollspy.json the benchmark's figures.
+# PY_SWITCH_INTERVAL: sys.setswitchinterval of every Python process (setup writes /tmp/site/sitecustomize.py).
 # rlspy: the rl stage's loop (recipes/gpu_single.yaml, 64 x 16, on $W/sft/model when the sft stage made it, else the
 # recipe's model), RLSPY_STEPS steps (default 30), with py-spy attached after step 1 to the engine actor and the trainer
 # rank for RLSPY_D seconds (default 12; RLSPY_RATE Hz, default 250, --nonblocking: the processes are not paused):
@@ -109,6 +110,11 @@ setup)
     tar xJf ${WHL:-.whl}/ray-*.tar.xz -C /tmp/site || exit 1
     touch /tmp/site/.done
   fi
+  # PY_SWITCH_INTERVAL (seconds) sets sys.setswitchinterval in every Python process of a stage (Ray's actors too:
+  # they inherit the environment): the A/B of how long the engine thread waits to take the GIL back from the event
+  # loop. Unset: Python's default, 0.005.
+  printf 'import os, sys\nif os.environ.get("PY_SWITCH_INTERVAL"):\n    sys.setswitchinterval(float(os.environ["PY_SWITCH_INTERVAL"]))\n' \
+    > /tmp/site/sitecustomize.py
   stamp installed
   python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, pebble, pybase64, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
