@@ -75,7 +75,7 @@ BWD_MODES = ["fused", "split", "fused64", "fused64_rot", "fused64_red", "fused64
 # heads or more, split64 (64 heads a program, dQ and dKV apart) first: 46.2 against 50.2 ms at 8K and 215.8 against
 # 227.4 ms at 32K on the H200 (RESULTS.md, 2026-12-03), and right at the GPU tests' shapes.
 BWD_DEFAULT_MODES = ["fused", "split"]
-BWD_DEFAULT_MODES_64_HEADS = ["split64", "fused", "split"]
+BWD_DEFAULT_MODES_64_HEADS = ["split64", *BWD_DEFAULT_MODES]
 BWD_FUSED_CONFIGS = [KernelConfig(32, 32, 8, 1), KernelConfig(32, 16, 4, 1)]
 BWD_DQ_CONFIGS = [KernelConfig(64, 32, 8, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 8, 1)]
 BWD_DKV_CONFIGS = [KernelConfig(32, 16, 4, 1), KernelConfig(32, 32, 8, 1)]
