@@ -6,7 +6,8 @@ wall time), the host syncs (`aten::_local_scalar_dense`, `cudaStreamSynchronize`
     python benchmarks/profile_train_step.py --out profile.md                      # H200: preset small, 100/300/1000
     python benchmarks/profile_train_step.py --device cpu --preset tiny --lengths 32,96 --samples 4 --out p.md
 --compare-fsdp2 also runs each length through FSDP2 on the one rank (the path before the bf16 copy), in the same
-process, as the baseline.
+process, as the baseline. --sync-sites (CUDA) runs one more step per length under torch's sync debug mode
+(benchmarks/sync_sites.py) and lists the code that made each host sync.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import sync_sites  # beside this script
 from trainers.process_group import free_port
 
 logger = logging.getLogger("profile_train_step")
@@ -66,8 +68,10 @@ def fsdp2_one_rank_worker():
     return FSDP2OneRank
 
 
-def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cuda: bool) -> dict:
-    """Warm up, time `timed` train steps, then profile one; the figures of this sequence length."""
+def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cuda: bool,
+                   with_sites: bool = False) -> dict:
+    """Warm up, time `timed` train steps, then profile one (and with `with_sites` run one more under the sync debug
+    mode); the figures of this sequence length."""
     batch = make_batch(vocab, samples, length, seed=length)
     batch.old_logprobs = worker.compute_logprobs(batch)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -90,6 +94,12 @@ def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cu
         step()
         sync()
         profiled_s = time.perf_counter() - start
+    sites = None
+    if with_sites and cuda:
+        with sync_sites.SyncSites(depth=3) as recorder:
+            step()
+            sync()
+        sites = recorder.summary(top=20)
     events = prof.events()
     averages = prof.key_averages()
     syncs = {e.key: e.count for e in averages if e.key in SYNC_OPS}
@@ -97,7 +107,7 @@ def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cu
     return {"length": length, "samples": samples, "tokens": tokens, "step_s": round(step_s, 4),
             "tokens_per_s": round(tokens / step_s, 1), "profiled_step_s": round(profiled_s, 4),
             "gpu_busy": round(gpu_busy_share(events, profiled_s * 1e6), 3) if cuda else None,
-            "host_syncs": syncs,
+            "host_syncs": syncs, "sync_sites": sites,
             "top_cuda": averages.table(sort_by=sort, row_limit=15, max_name_column_width=55),
             "top_cpu": averages.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=55)}
 
@@ -113,6 +123,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=32768)
     parser.add_argument("--timed", type=int, default=3)
     parser.add_argument("--compare-fsdp2", action="store_true", help="also time FSDP2 on one rank, the baseline")
+    parser.add_argument("--sync-sites", action="store_true", help="CUDA: one more step per length under the sync debug "
+                        "mode; the report lists the code that made each host sync (benchmarks/sync_sites.py)")
     parser.add_argument("--out", required=True, help="a Markdown report; a .json of the same name holds the figures")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -142,7 +154,8 @@ def main() -> None:
         worker = worker_class(0, 1, "127.0.0.1", free_port(), rank)
         for length in (int(x) for x in args.lengths.split(",")):
             samples = args.samples or max(1, args.tokens_per_step // length)
-            row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda)}
+            row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda,
+                                                                  args.sync_sites)}
             row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
             rows.append(row)
             logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
@@ -160,6 +173,11 @@ def write_report(args: argparse.Namespace, device_name: str, config, rows: list[
         lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
                      f"{r['gpu_busy']} | {r['host_syncs']} |")
     for r in rows:
+        if r.get("sync_sites"):
+            found = r["sync_sites"]
+            lines += ["", f"## {r['compute']}, {r['length']} tokens/seq: host syncs by site ({found['syncs']} in one "
+                      f"step; probe seen: {found['probe_seen']})", ""]
+            lines += [f"- {site['-']} x `{site['site']}`" for site in found["sites"]]
         lines += ["", f"## {r['compute']}, {r['length']} tokens/seq: top ops", "```", r["top_cuda"], "```", "```", r["top_cpu"], "```"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(

@@ -88,7 +88,10 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-@dataclass(eq=False)  # identity semantics: sequences are found in lists by `is`, never by value
+# Identity semantics: sequences are found in lists by `is` and are dict keys themselves (hashed by identity), never
+# compared by value. Not id(seq): id() raises an audit event, which a process-wide audit hook (filelock >= 4 adds one
+# on Python 3.12) turns into a Python call per use.
+@dataclass(eq=False)
 class _Sequence:
     """Engine-side state of one request."""
 
@@ -151,9 +154,9 @@ class _Launched:
     done: Any = None  # torch.cuda.Event after its copy to the host (CUDA only)
 
     @functools.cached_property
-    def row_of(self) -> dict[int, int]:
-        """id(seq) -> its row (built when a later step feeds from this one's device tokens: overlap only)."""
-        return {id(seq): b for b, seq in enumerate(self.sampled)}
+    def row_of(self) -> dict[_Sequence, int]:
+        """seq -> its row (built when a later step feeds from this one's device tokens: overlap only)."""
+        return {seq: b for b, seq in enumerate(self.sampled)}
 
 
 class Engine:
@@ -218,7 +221,7 @@ class Engine:
         self._released: set[str] = set()  # memory tags released for a colocated trainer
         self._params: dict[str, torch.Tensor] | None = None  # parameters_by_name(), built once
         self._step_registered: list[int] = []
-        self._forks: dict[int, _Sequence] = {}  # id(seq) -> the sequence of this step whose rows it copies
+        self._forks: dict[_Sequence, _Sequence] = {}  # seq -> the sequence of this step whose rows it copies
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
         self._serials = itertools.count()
         self._stop_windows: dict[tuple[str, ...], int] = {}  # stop strings -> tail length (stop.py), per tokenizer
@@ -709,7 +712,7 @@ class Engine:
             if twin is not None:
                 # Same prompt as a request computed in this step (GRPO's n samples): copy its rows, sample from
                 # its last row. Prefix caching shares full blocks only; this also covers the partial last block.
-                self._forks[id(seq)] = twin
+                self._forks[seq] = twin
                 seq.cached_tokens += n
                 self.stats["cached_tokens"] += n
             else:
@@ -902,7 +905,7 @@ class Engine:
             else:
                 ids[: len(rows)].copy_(previous.tokens.index_select(0, upload(torch.from_numpy(rows), self.device)))
             return
-        src = [previous.row_of[id(seq)] for seq in seqs]
+        src = [previous.row_of[seq] for seq in seqs]
         n = len(previous.sampled)
         if rows == src == list(range(n)):  # the common case: the same requests in the same order
             ids[:n].copy_(previous.tokens)
@@ -931,7 +934,7 @@ class Engine:
         forward, and they sample from their twin's last row.
         """
         bs, device = self.block_size, self.device
-        everything, scheduled = scheduled, [(seq, n) for seq, n in scheduled if id(seq) not in self._forks]
+        everything, scheduled = scheduled, [(seq, n) for seq, n in scheduled if seq not in self._forks]
         S = len(scheduled)
         lens_q = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=S)
         starts = np.fromiter((seq.num_computed for seq, _ in scheduled), dtype=np.int64, count=S)
@@ -948,11 +951,11 @@ class Engine:
         fed = [i for i, (seq, _) in enumerate(scheduled) if seq.inflight]  # decode rows (n == 1) whose input is in flight
         fed_rows = [int(row_ends[i]) - 1 for i in fed]
         input_ids[fed_rows] = IN_FLIGHT_INPUT
-        last_row_of = {id(seq): int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
+        last_row_of = {seq: int(row_ends[i]) - 1 for i, (seq, n) in enumerate(scheduled)
                        if seq.num_computed + n == len(seq.tokens)}
         # Every sequence that samples this step, in scheduled order, and the query row it samples from.
         sampled = [(i, seq) for i, (seq, n) in enumerate(everything) if seq.num_computed + n == len(seq.tokens)]
-        last_rows = np.array([last_row_of[id(self._forks.get(id(seq), seq))] for _, seq in sampled], dtype=np.int64)
+        last_rows = np.array([last_row_of[self._forks.get(seq, seq)] for _, seq in sampled], dtype=np.int64)
         # One host-to-device copy for all step metadata (pinned: a pageable copy would wait for the device).
         packed = torch.from_numpy(np.concatenate([input_ids, starts, lens_q, lens_k, last_rows, table.reshape(-1)]))
         if device.type == "cuda":
@@ -996,7 +999,7 @@ class Engine:
         bs = self.block_size
         src, dst = [], []
         for seq, n in scheduled:
-            twin = self._forks.get(id(seq))
+            twin = self._forks.get(seq)
             if twin is None:
                 continue
             for pos in range(seq.num_computed, seq.num_computed + n):
@@ -1111,7 +1114,7 @@ class Engine:
                 seq.inflight = 0
         wanting = [seq for seq, _ in ending if seq.req.return_indexer_topk]
         try:
-            topk = dict(zip(map(id, wanting), self._topk_rows(wanting))) if wanting else {}
+            topk = dict(zip(wanting, self._topk_rows(wanting))) if wanting else {}
         except Exception:  # noqa: BLE001 - e.g. a device error: each output then reads (and fails) alone
             logger.exception("engine: reading the replay rows of %d requests failed", len(wanting))
             topk = {}
@@ -1119,7 +1122,7 @@ class Engine:
         for seq, reason in ending:
             seq.finish_reason = reason
             try:
-                outputs.append(self._output(seq, final=True, topk=topk.get(id(seq))))
+                outputs.append(self._output(seq, final=True, topk=topk.get(seq)))
             except Exception as exc:  # noqa: BLE001 - a tokenizer failure must still deliver the final state
                 logger.exception("engine: final output of request %s failed", seq.req.rid)
                 seq.finish_reason = {"type": "abort", "message": f"final output failed: {type(exc).__name__}: {exc}"}
