@@ -278,8 +278,10 @@ FUSED64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, 424 B spilled
 DQ64 = (KernelConfig(64, 32, 8, 1),  # 172 KB, 92 B
         KernelConfig(64, 16, 8, 1),  # 154 KB, 368 B
         KernelConfig(64, 64, 8, 1))  # 208 KB, 276 B
-DKV64 = (KernelConfig(64, 16, 8, 2),  # 188 KB, none
-         KernelConfig(64, 32, 8, 2),  # 224 KB, 196 B
+# dKV: (64, 32, 8, 2) first, the fastest on the H200 at 8K and 32K (32.37 and 141.66 ms; RESULTS.md, 2026-12-03); with
+# (64, 16, 8, 2) first, split64's backward at 32K took 274 ms against fused's 241.
+DKV64 = (KernelConfig(64, 32, 8, 2),  # 224 KB, 196 B
+         KernelConfig(64, 16, 8, 2),  # 188 KB, none
          # one warpgroup: the score products (64 rows) read q and dO from shared memory once, not once per
          # warpgroup, at the cost of registers
          KernelConfig(64, 16, 4, 2),  # 180 KB, 444 B
