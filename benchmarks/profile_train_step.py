@@ -154,25 +154,37 @@ def main() -> None:
         worker = worker_class(0, 1, "127.0.0.1", free_port(), rank)
         for length in (int(x) for x in args.lengths.split(",")):
             samples = args.samples or max(1, args.tokens_per_step // length)
-            row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda,
-                                                                  args.sync_sites)}
+            try:
+                row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda,
+                                                                      args.sync_sites)}
+            except torch.OutOfMemoryError as error:  # this length does not fit: the others still run and report
+                logger.error("%s, length %d: out of memory", compute, length)
+                rows.append({"compute": compute, "length": length, "samples": samples,
+                             "error": f"out of memory: {str(error).splitlines()[0]}"})
+                torch.cuda.empty_cache()
+                write_report(args, device_name, config, rows, echo=False)
+                continue
             row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
             rows.append(row)
+            write_report(args, device_name, config, rows, echo=False)  # after each length: a later failure keeps these
             logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
                 "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
         worker.shutdown()
     write_report(args, device_name, config, rows)
 
 
-def write_report(args: argparse.Namespace, device_name: str, config, rows: list[dict]) -> None:
-    """The Markdown report (summary table, then each length's top ops) and its JSON twin."""
+def write_report(args: argparse.Namespace, device_name: str, config, rows: list[dict], echo: bool = True) -> None:
+    """The Markdown report (summary table, then each length's top ops) and its JSON twin; `echo` prints the table."""
     lines = [f"# One RL train call, preset {args.preset}, {device_name}", "",
              "| compute | tokens/seq | samples | step s | tokens/s | MFU | GPU busy | host syncs |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['error']} | | | | |")
+            continue
         lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
                      f"{r['gpu_busy']} | {r['host_syncs']} |")
-    for r in rows:
+    for r in (r for r in rows if "error" not in r):
         if r.get("sync_sites"):
             found = r["sync_sites"]
             lines += ["", f"## {r['compute']}, {r['length']} tokens/seq: host syncs by site ({found['syncs']} in one "
@@ -183,7 +195,8 @@ def write_report(args: argparse.Namespace, device_name: str, config, rows: list[
     Path(args.out).with_suffix(".json").write_text(json.dumps(
         {"args": vars(args), "device": device_name, "index_topk": config.index_topk,
          "rows": [{k: v for k, v in r.items() if not k.startswith("top_")} for r in rows]}, indent=1))
-    print("\n".join(lines[:4 + len(rows)]))
+    if echo:
+        print("\n".join(lines[:4 + len(rows)]))
 
 
 if __name__ == "__main__":
