@@ -220,6 +220,9 @@ def run_interpret_checks() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
     torch.set_num_threads(1)
+    from tests.interpret_dot import use_row_invariant_dot  # noqa: PLC0415 (imports triton)
+
+    use_row_invariant_dot()
     # float32 only: the interpreter's bf16 dot is not faithful. K = 100 ends in a partial block, K = 64 does not.
     check_linear("cpu", torch.float32, [(100, 72, 100), (70, 40, 64)], sizes=[7])
     for dtype in (torch.float32, torch.bfloat16):

@@ -15,11 +15,13 @@ from slime_dsa.checkpoint import build_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.presets import preset_config
 from slime_dsa.ops import invariant, triton_invariant
+from tests.interpret_dot import use_row_invariant_dot
 from tests.test_true_on_policy import VOCAB, prompts, rollout
 
 
 def main() -> int:
     torch.set_num_threads(1)
+    use_row_invariant_dot()
     invariant._gpu = lambda x: triton_invariant  # the kernels for every tensor, CPU ones included
     model = build_model(preset_config("tiny", VOCAB), seed=0).eval()
     with invariant.enabled(True):
