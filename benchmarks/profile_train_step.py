@@ -157,18 +157,16 @@ def main() -> None:
             try:
                 row = {"compute": compute, **profile_length(worker, args.vocab, samples, length, args.timed, cuda,
                                                                       args.sync_sites)}
+                row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
+                logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
+                    "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
             except torch.OutOfMemoryError as error:  # this length does not fit: the others still run and report
                 logger.error("%s, length %d: out of memory", compute, length)
-                rows.append({"compute": compute, "length": length, "samples": samples,
-                             "error": f"out of memory: {str(error).splitlines()[0]}"})
+                row = {"compute": compute, "length": length, "samples": samples,
+                       "error": f"out of memory: {str(error).splitlines()[0]}"}
                 torch.cuda.empty_cache()
-                write_report(args, device_name, config, rows, echo=False)
-                continue
-            row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
             rows.append(row)
             write_report(args, device_name, config, rows, echo=False)  # after each length: a later failure keeps these
-            logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
-                "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
         worker.shutdown()
     write_report(args, device_name, config, rows)
 
@@ -184,7 +182,9 @@ def write_report(args: argparse.Namespace, device_name: str, config, rows: list[
             continue
         lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
                      f"{r['gpu_busy']} | {r['host_syncs']} |")
-    for r in (r for r in rows if "error" not in r):
+    for r in rows:
+        if "error" in r:
+            continue
         if r.get("sync_sites"):
             found = r["sync_sites"]
             lines += ["", f"## {r['compute']}, {r['length']} tokens/seq: host syncs by site ({found['syncs']} in one "

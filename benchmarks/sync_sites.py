@@ -1,8 +1,8 @@
 """Where a CUDA process waits for the GPU: every synchronizing call, by the project code that made it.
 
 `SyncSites` turns on torch's sync debug mode ("warn") and records each warning's Python stack: its site is the
-innermost frames under slime_dsa/, rollout/ or trainers/, and, given engine step windows (rollout_call_host_time.py's), whether it
-fell in a decode-only step, another step (a prefill or a mixed step) or between steps. The warnings cost time, so
+innermost frames under slime_dsa/, rollout/ or trainers/, and, given engine step windows (rollout_call_host_time.py's),
+whether it fell in a decode-only step, another step (a prefill or a mixed step) or between steps. The warnings cost time, so
 a run under it measures counts, not speed. On CUDA it makes one sync of its own at the start (`probe_seen`), so that
 a count of 0 can be told from a debug mode that recorded nothing.
 """
