@@ -442,7 +442,8 @@ def render(rows: list[Row], sweep: list[str], decode: list[str], ratios: dict, p
            skipped: list[str]) -> str:
     lines = list(header)
     lines += ["", "### Sparse MLA (MQA mode, 64 heads, 512+64, top-k 2048) vs dense causal attention (64 heads, qk 256, v 256)",
-              "", "before -> after: the same kernels walking every index slot -> stopping at each row's last used slot. "
+              "", "before -> after: the plain forward kernel, key loops walking every index slot -> the prefill forward "
+              "(idx_reg), key loops stopping at each row's last used slot. "
               "TFLOP/s count the keys used; bwd = fwd+bwd minus fwd.", "",
               "| T | sparse fwd ms | fwd TFLOP/s | sparse fwd+bwd ms | bwd TFLOP/s | fwd+bwd TFLOP/s | dense fwd ms | TFLOP/s | "
               "dense fwd+bwd ms | TFLOP/s |",

@@ -3,7 +3,8 @@ after in one run.
 
 - `indexer_topk_before`: scoring tiles of 128 (query, head) rows even at decode (4 query slots for 1 query),
   then `torch.topk` on float32 scores, a tie repair for rows where the k-th score is tied, and a sort.
-- `skip_empty_slots(False)`: the sparse MLA forward and general backward walk all K index slots of every row.
+- `skip_empty_slots(False)`: the plain sparse MLA forward (no idx_reg for prefill), and the forward and general
+  backward walking all K index slots of every row.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def indexer_topk_before(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, sc
 
 @contextmanager
 def skip_empty_slots(on: bool):
-    """Sparse MLA with (after) or without (before) the stop at each row's last used slot."""
-    saved = mla.SKIP_EMPTY_SLOTS
+    """Sparse MLA as it is (after) or as before issue 20 (before): the plain forward kernel (no idx_reg for
+    prefill), walking every slot (no stop at each row's last used slot)."""
+    saved = mla.SKIP_EMPTY_SLOTS, mla.FWD_VARIANT
     mla.SKIP_EMPTY_SLOTS = on
+    if not on:
+        mla.FWD_VARIANT = mla.PLAIN_FWD
     try:
         yield
     finally:
-        mla.SKIP_EMPTY_SLOTS = saved
+        mla.SKIP_EMPTY_SLOTS, mla.FWD_VARIANT = saved

@@ -125,7 +125,8 @@ def run_forward(problem: Problem, variant: str, cfg, v_dim: int) -> tuple[torch.
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
     H_, D_ = problem.q.shape[1:]
-    mla.FWD_VARIANT = None if variant == CURRENT else variant
+    saved = mla.FWD_VARIANT
+    mla.FWD_VARIANT = mla.PLAIN_FWD if variant == CURRENT else variant
     key = (H_, D_, v_dim, problem.q.dtype) + (() if variant == CURRENT else (variant,))
     mla._chosen[("fwd", key)] = cfg
     try:
@@ -133,7 +134,7 @@ def run_forward(problem: Problem, variant: str, cfg, v_dim: int) -> tuple[torch.
             return mla.sparse_mla_fwd(problem.q, problem.kv, problem.indices, D_**-0.5, v_dim)
     finally:
         mla._chosen.pop(("fwd", key), None)
-        mla.FWD_VARIANT = None
+        mla.FWD_VARIANT = saved
 
 
 def timed(fn: Callable[[], object], budget_s: float, device: str) -> float:

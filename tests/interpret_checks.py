@@ -188,6 +188,40 @@ def check_sparse_mla_fwd_variants() -> None:
         _forget_fwd_configs(mla)
 
 
+def check_prefill_forward_choice() -> None:
+    """The default forward runs PREFILL_FWD_VARIANT for rows that need no key split with 64+ heads, the plain kernel
+    for decode rows (split keys), fewer heads, the invariant forward and FWD_VARIANT = PLAIN_FWD; each against the
+    reference."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(11)
+    H, v_dim, d_r, Tk = 64, 32, 16, 700
+    D = v_dim + d_r
+    kv = torch.randn(Tk, D, generator=g)
+    saved = mla.FWD_VARIANT, mla._num_sms
+    mla._num_sms = lambda device: 4  # a GPU of 4 SMs: 8 rows of 64 heads need no key split, and interpret quickly
+    rows = 8
+    try:
+        for T, K, heads, forced, invariant, expected in (
+                (rows, 32, H, None, False, mla.PREFILL_FWD_VARIANT), (2, 600, H, None, False, None),
+                (rows, 32, 32, None, False, None), (rows, 32, H, None, True, None),
+                (rows, 32, H, mla.PLAIN_FWD, False, None)):
+            mla.FWD_VARIANT = forced
+            _forget_fwd_configs(mla)
+            q = torch.randn(T, heads, D, generator=g)
+            idx = torch.stack([torch.randperm(Tk, generator=g)[:K] for _ in range(T)])
+            idx[::7, K // 2:] = -1  # some rows with half their slots empty
+            out, lse = mla.sparse_mla_fwd(q, kv, idx, D**-0.5, v_dim, invariant=invariant)
+            ref_out, ref_lse = reference.sparse_mla_attention(q, kv, idx, D**-0.5, v_dim)
+            where = f"T {T}, K {K}, heads {heads}, FWD_VARIANT {forced}, invariant {invariant}"
+            assert _rel_l2(out, ref_out) < 1e-4 and (lse - ref_lse).abs().max() < 1e-4, where
+            ran = {key[-1] if isinstance(key[-1], str) else None for kind, key in mla._chosen if kind == "fwd"}
+            assert ran == (set() if invariant else {expected}), f"{where}: ran {ran}, expected {expected}"
+    finally:
+        mla.FWD_VARIANT, mla._num_sms = saved
+        _forget_fwd_configs(mla)
+
+
 def check_idx_reg_slices() -> None:
     """The idx_reg variants' per-step slice of the index range: the right slots in every step, and inside the range in
     the steps past the loop's end, which Triton's pipeliner also runs (up to num_stages - 1 of them, their kv copies
@@ -281,7 +315,8 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
-          check_sparse_mla_fwd_variants, check_idx_reg_slices, check_sparse_mla_bwd_variants, check_masked_ranges]
+          check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
+          check_sparse_mla_bwd_variants, check_masked_ranges]
 
 
 def main() -> int:

@@ -442,6 +442,38 @@ def test_same_seed_same_tokens_alone_or_in_a_batch(model):
     assert crowd["y"].output_ids != alone.output_ids
 
 
+def test_add_requests_shares_a_groups_checks_and_equals_adding_one_by_one(model):
+    """add_requests (a /generate call's requests at once): the samples of a group share one prompt check, stop rules
+    and row; seeds (given or drawn from the engine's generator) and outputs equal those of add_request one by one; a
+    refused request takes back the ones before it."""
+    ps = prompts((6, 9), seed=23)
+    params = lambda seed, temperature=1.0: SamplingParams(  # noqa: E731
+        max_new_tokens=8, temperature=temperature, sampling_seed=seed, min_new_tokens=2,
+        stop_token_ids=list(range(0, VOCAB, 3)))
+    reqs = lambda: ([GenerateRequest(input_ids=list(ps[0]), sampling=params(10 + j), rid=f"a{j}") for j in range(3)]  # noqa: E731
+                    + [GenerateRequest(input_ids=list(ps[0]), sampling=params(None), rid=f"u{j}") for j in range(2)]
+                    + [GenerateRequest(input_ids=list(ps[1]), sampling=params(20), rid="b0"),
+                       GenerateRequest(input_ids=list(ps[1]), sampling=params(21, 0.7), rid="b1")])
+    one_by_one = Engine(model, max_cache_tokens=1024, block_size=4, seed=5)
+    for req in reqs():
+        one_by_one.add_request(req)
+    at_once = Engine(model, max_cache_tokens=1024, block_size=4, seed=5)
+    batch = reqs()
+    at_once.add_requests(batch)
+    seqs = [at_once._active[req.rid] for req in batch]
+    assert all(seq.stop is seqs[0].stop for seq in seqs[1:5])  # one group: its checks and stop rules made once
+    assert seqs[5].stop is not seqs[0].stop and seqs[6].stop is not seqs[5].stop  # another prompt; another temperature
+    assert [seq.row for seq in seqs] == [one_by_one._active[req.rid].row for req in batch]  # seeds drawn alike
+    expected, got = run(one_by_one), run(at_once)
+    assert len({tuple(got[f"a{j}"].output_ids) for j in range(3)}) > 1
+    for rid, out in expected.items():
+        assert (got[rid].output_ids, got[rid].finish_reason) == (out.output_ids, out.finish_reason), rid
+        assert np.allclose(got[rid].output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
+    with pytest.raises(RequestError, match="already in use"):
+        at_once.add_requests(reqs()[:3] + reqs()[:1])
+    assert at_once.num_queued == 0 and not at_once.has_work
+
+
 def test_mixed_sampling_rows_across_batch_changes_equal_each_request_alone(model):
     """Requests with different sampling params, seeds, limits and stop tokens join and leave the batch at different
     steps (the engine keeps their rows on the device and updates them): each gets what it gets alone."""

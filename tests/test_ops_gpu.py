@@ -375,6 +375,31 @@ def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
     assert len(uncompiled) < len(VARIANTS)
 
 
+@pytest.mark.parametrize("name", ["glm5_packed_long", "glm5_decode"])
+def test_sparse_mla_default_forward_choice(name, monkeypatch):
+    """The default forward runs PREFILL_FWD_VARIANT at GLM-5 prefill and the plain kernel at decode; either way its
+    output is the plain kernel's within bf16 tolerance."""
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES[name]
+    torch.manual_seed(0)
+    D = v_dim + d_r
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
+    indices = causal_rows(lens_q, lens_k, K)
+    for key in [k for k in mla._chosen if k[0] == "fwd"]:
+        del mla._chosen[key]  # only this call's choices remain to be read
+    with torch.no_grad():
+        out, lse = mla.sparse_mla_attention(q, kv, indices, D**-0.5, v_dim)
+        ran = {key[-1] if isinstance(key[-1], str) else None for kind, key in mla._chosen if kind == "fwd"}
+        monkeypatch.setattr(mla, "FWD_VARIANT", mla.PLAIN_FWD)
+        plain_out, plain_lse = mla.sparse_mla_attention(q, kv, indices, D**-0.5, v_dim)
+    assert ran == ({mla.PREFILL_FWD_VARIANT} if name == "glm5_packed_long" else {None}), ran
+    has = torch.isfinite(plain_lse)
+    assert torch.equal(torch.isfinite(lse), has) and rel_l2(out, plain_out) <= REL_L2
+    assert (lse[has] - plain_lse[has]).abs().max().item() <= 1e-3
+
+
 def test_dispatcher_uses_triton_on_cuda():
     q = torch.randn(8, 16, 96, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(8, 96, device="cuda", dtype=torch.bfloat16)

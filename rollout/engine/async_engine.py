@@ -138,7 +138,7 @@ class AsyncEngine:
         refused = False
         try:
             try:
-                await self._call(lambda: self._add_all(reqs))
+                await self._call(lambda: self.engine.add_requests(reqs))
             except RequestError:
                 refused = True  # nothing to abort
                 raise
@@ -153,14 +153,6 @@ class AsyncEngine:
                 except EngineStoppedError:
                     pass  # stopping: every request is being aborted anyway
 
-    def _add_all(self, reqs: list[GenerateRequest]) -> None:
-        """Engine thread: add every request, or (one refused) none: those added before it are taken back unrun."""
-        for i, req in enumerate(reqs):
-            try:
-                self.engine.add_request(req)
-            except BaseException:
-                self._abort_each([r.rid for r in reqs[:i]], "another request of its call was refused")
-                raise
 
     def _abort_each(self, rids: list[str], message: str) -> list[GenerateOutput]:
         """Engine thread: abort these requests; their final outputs."""

@@ -73,13 +73,13 @@ from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.rows import (LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec, SamplingRows,
-                                 row_spec, upload)
+from rollout.engine.rows import (LENGTH, RUNNING, SEED, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec,
+                                 SamplingRows, row_spec, upload)
 from rollout.engine.sampling import exact_logprobs, sample, seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.stop_chars import StopCompleters
-from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.ops import invariant
 
@@ -286,18 +286,54 @@ class Engine:
 
     def add_request(self, req: GenerateRequest) -> None:
         """Queue a request; it joins the running batch at the next step that has room. Raises RequestError."""
+        self._add(req, None)
+
+    def add_requests(self, reqs: list[GenerateRequest]) -> None:
+        """Queue requests in order, all or none: one refused (RequestError) takes back those added before it. A
+        request that differs from the one before it only in rid and sampling seed (the samples of a group) shares
+        its checks, stop rules and sampling row."""
+        added: list[str] = []
+        last: _Sequence | None = None
+        try:
+            for req in reqs:
+                last = self._add(req, last if last is not None and _same_but_seed(last.req, req) else None)
+                added.append(req.rid)
+        except BaseException:
+            for rid in added:
+                self.abort(rid, message="another request of its call was refused")
+            raise
+
+    def _add(self, req: GenerateRequest, like: _Sequence | None) -> _Sequence | None:
+        """Queue `req`; `like`: an added sequence whose request differs from it only in rid and seed."""
         if req.scores_input:
             if req.rid in self._active:
                 raise RequestError(f"rid {req.rid!r} is already in use")
             self._scoring.add(req)
-            return
-        seq = self._new_sequence(req)
+            return None
+        seq = self._new_sequence(req) if like is None else self._sibling(like, req)
         if seq.max_new_tokens == 0:
             seq.finish_reason = {"type": "length", "length": 0}
             self._ready.append(self._output(seq))
-            return
+            return seq
         self._queue.append(seq)
         self._active[req.rid] = seq
+        return seq
+
+    def _sibling(self, like: _Sequence, req: GenerateRequest) -> _Sequence:
+        """A sequence for `req` from `like`'s checked prompt, stop rules and row, with its own rid and seed."""
+        if req.rid in self._active:
+            raise RequestError(f"rid {req.rid!r} is already in use")
+        row = like.row
+        seed = seed_to_int64(self._seed(req.sampling))
+        ints = row.ints[:SEED] + (seed,) + row.ints[SEED + 1:]
+        return _Sequence(req=req, tokens=like.tokens[:like.prompt_len], prompt_len=like.prompt_len, stop=like.stop,
+                         serial=next(self._serials), row=RowSpec(row.floats, ints, row.stop_ids, row.flags))
+
+    def _seed(self, sampling: SamplingParams) -> int:
+        """The request's sampling_seed, or one drawn from the engine's generator."""
+        if sampling.sampling_seed is not None:
+            return sampling.sampling_seed
+        return int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
 
     def _new_sequence(self, req: GenerateRequest) -> _Sequence:
         vocab = self.config.vocab_size
@@ -329,12 +365,10 @@ class Engine:
                 f"input_ids ({len(ids)} tokens) + sampling_params.max_new_tokens ({stop.max_new_tokens}) need {rows} cache "
                 f"tokens, more than the engine's max_cache_tokens ({self.max_cache_tokens})"
             )
-        seed = req.sampling.sampling_seed
-        if seed is None:
-            seed = int(torch.randint(-2**63, 2**63 - 1, (), generator=self._rng))
         completer = self._completer_table.row(stop.completing) if stop.stop_strings else -1
         return _Sequence(req=req, tokens=list(ids), prompt_len=len(ids), stop=stop, serial=next(self._serials),
-                         row=row_spec(req.sampling, stop, seed_to_int64(seed), vocab, stream=req.stream, completer=completer))
+                         row=row_spec(req.sampling, stop, seed_to_int64(self._seed(req.sampling)), vocab,
+                                      stream=req.stream, completer=completer))
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted by request") -> list[GenerateOutput]:
         """Finish the request `rid` (or all) with finish_reason abort; returns their final outputs."""
@@ -1209,6 +1243,17 @@ def _freeze_heap_once() -> None:
         gc.collect()
         gc.freeze()
         _heap_frozen = True
+
+
+def _same_but_seed(a: GenerateRequest, b: GenerateRequest) -> bool:
+    """Whether b's checks, stop rules and sampling row are a's: the same prompt, sampling parameters apart from the
+    seed, and the flags those depend on (b not a scoring request)."""
+    if (a.input_ids != b.input_ids or a.stream != b.stream or a.return_indexer_topk != b.return_indexer_topk
+            or a.indexer_topk_start_len != b.indexer_topk_start_len or b.scores_input):
+        return False
+    sa, sb = a.sampling, b.sampling
+    return sa == sb if sa.sampling_seed == sb.sampling_seed else {**vars(sa), "sampling_seed": None} == {
+        **vars(sb), "sampling_seed": None}
 
 
 def _tail(seq: _Sequence) -> list[int]:

@@ -17,7 +17,8 @@ slime_dsa/ops/invariant.py) it never splits and launches one config per problem 
 row is then one program per head block walking its slots in BLOCK_N blocks from slot 0, so its bits depend on its own
 q and indices alone, whatever the batch (decode against the paged pool, prefill, training). A block of -1 slots past a
 row's keys would change nothing (the running max stays, alpha = exp2(0) = 1, p = 0), and the key loop stops before
-such blocks anyway.
+such blocks anyway. Rows that need no key split with 64 heads or more (prefill, training) run PREFILL_FWD_VARIANT of
+triton_sparse_mla_fwd_variants.py instead (idx_reg: each program's index range held in registers).
 
 Backward, two paths (both recompute the probabilities from the saved lse):
 - Key ranges (`key_ranges`): when every row selects a run of consecutive kv rows lo[t] <= r < hi[t], with lo
@@ -44,6 +45,7 @@ Choosing the path is one pass over `indices` and one host sync per backward call
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,8 @@ from slime_dsa.ops.triton_sparse_mla_launch import (
     LOG2E, KernelConfig, _chosen, _launch, _launch_fastest, _launch_first_fitting, _num_sms, _pow2, _scan_block,
     _used_slots_end,
 )
+
+logger = logging.getLogger(__name__)
 
 # Tried in order; the first that compiles and fits on the device is kept for that problem shape.
 # benchmarks/dsa_kernels.py checks and times every entry (H200, GLM-5 sizes: benchmarks/RESULTS.md); the
@@ -103,9 +107,17 @@ SKIP_EMPTY_SLOTS = True
 # the same GPU model take the same one. The first fits bf16 up to GLM-5's 64 x 576 on Hopper; the second is for
 # float32 at such sizes.
 INVARIANT_FWD_CONFIGS = [KernelConfig(64, 64, 8, 2), KernelConfig(32, 32, 4, 1)]
-# A candidate forward of slime_dsa/ops/triton_sparse_mla_fwd_variants.py (by name) for the non-invariant path, with
-# that variant's own configs; None runs the kernel below. benchmarks/sparse_mla_fwd_variants.py compares them.
+# The non-invariant forward's kernel: None chooses by shape (`_forward_variant`); PLAIN_FWD always runs the kernel
+# below; any other name runs that variant of slime_dsa/ops/triton_sparse_mla_fwd_variants.py with its own configs.
+# benchmarks/sparse_mla_fwd_variants.py compares them.
 FWD_VARIANT: str | None = None
+PLAIN_FWD = "plain"
+# Rows that fill the GPU without a key split (prefill, training) with 64+ heads run idx_reg: 1.10x the kernel below at
+# 32K and 1.12x on 64 packed sequences of 1K on the H200 (benchmarks/RESULTS.md, 2026-12-03 third session). Decode,
+# which splits keys, stays on the kernel below, which was faster there.
+PREFILL_FWD_VARIANT = "idx_reg"
+PREFILL_FWD_MIN_HEADS = 64
+_unfit_variants: set[tuple] = set()  # (variant, problem key) with no config that compiles and fits here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +225,7 @@ def sparse_mla_fwd(
         return out.zero_(), lse.fill_(float("-inf"))
     d_r = D - v_dim
     block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
-    variant = None if invariant else FWD_VARIANT
+    variant = _forward_variant(invariant, T, H, K, q.dtype, D, v_dim, q.device)
 
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
@@ -247,13 +259,38 @@ def sparse_mla_fwd(
             weight = torch.exp(l_ - lse[:, None]).nan_to_num(0.0)  # (T, S, H); all -inf rows -> 0
             out.copy_((weight[..., None] * o).sum(dim=1))
 
+    key = (H, D, v_dim, q.dtype)
     if invariant:
-        _launch_first_fitting("fwd_invariant", (H, D, v_dim, q.dtype), INVARIANT_FWD_CONFIGS, launch)
+        _launch_first_fitting("fwd_invariant", key, INVARIANT_FWD_CONFIGS, launch)
+    elif variant is None:
+        _launch("fwd", key, FWD_CONFIGS, launch)
     else:
-        configs = FWD_CONFIGS if variant is None else fwd_variants.variant_configs(variant)
-        key = (H, D, v_dim, q.dtype) + (() if variant is None else (variant,))
-        _launch("fwd", key, configs, launch)
+        try:
+            _launch("fwd", key + (variant,), fwd_variants.variant_configs(variant), launch)
+        except RuntimeError as err:
+            if FWD_VARIANT is not None or "no fwd kernel config fits" not in str(err):
+                raise  # a variant asked for by name fails loudly
+            logger.warning("sparse MLA forward: %s does not fit here, using the plain kernel: %s", variant, err)
+            _unfit_variants.add((variant,) + key)
+            variant = None
+            _launch("fwd", key, FWD_CONFIGS, launch)
     return out, lse
+
+
+def _forward_variant(invariant: bool, T: int, H: int, K: int, dtype: torch.dtype, D: int, v_dim: int,
+                     device: torch.device) -> str | None:
+    """The forward variant for this call (None: the plain kernel): FWD_VARIANT when set, else PREFILL_FWD_VARIANT
+    for rows that need no key split with PREFILL_FWD_MIN_HEADS heads or more."""
+    if invariant or FWD_VARIANT == PLAIN_FWD:
+        return None
+    if FWD_VARIANT is not None:
+        return FWD_VARIANT
+    head_blocks = triton.cdiv(H, 64)  # every variant config has 64 heads a program
+    if (H < PREFILL_FWD_MIN_HEADS or K > fwd_variants.IDX_REG_MAX_SLOTS
+            or _decode_splits(T, head_blocks, K, 64, device) > 1
+            or (PREFILL_FWD_VARIANT, H, D, v_dim, dtype) in _unfit_variants):
+        return None
+    return PREFILL_FWD_VARIANT
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Same contract as `triton_sparse_mla._sparse_mla_fwd_kernel` (one program per query row and head block, -1 slots
 masked, the stop at a row's last used slot, the decode key split, lse = -inf and out = 0 for rows without keys);
-`triton_sparse_mla.FWD_VARIANT = "<name>"` routes the non-invariant forward here. The invariant forward never does.
+`triton_sparse_mla.FWD_VARIANT = "<name>"` routes the non-invariant forward here; by default prefill rows with 64+
+heads come here as `triton_sparse_mla.PREFILL_FWD_VARIANT` (idx_reg). The invariant forward never does.
 
 Why the current kernel sits at ~230 TFLOP/s (its sm_90 TTGIR and SASS, compiled here without a GPU by Triton 3.6, the
 H200's version, and 3.8, with the H200's argument specialisations): the kv gather is cp.async into two buffers, but
@@ -71,7 +72,7 @@ _C = KernelConfig
 # Configs per variant, the expected fastest first. The current kernel's pipeliner keeps two kv buffers at 3-4 stages
 # too (the gather's address depends on a load), so only the idx_reg variants list deeper ones.
 VARIANTS: dict[str, FwdVariant] = {v.name: v for v in [
-    FwdVariant("idx_reg", [_C(64, 32, 8, 4), _C(64, 32, 8, 3), _C(64, 64, 8, 2)], exact=True, idx_in_registers=True),
+    FwdVariant("idx_reg", [_C(64, 64, 8, 2), _C(64, 32, 8, 4), _C(64, 32, 8, 3)], exact=True, idx_in_registers=True),
     FwdVariant("idx_reg_nomask", [_C(64, 32, 8, 4), _C(64, 32, 8, 3)], exact=True, idx_in_registers=True,
                no_mask=True),
     FwdVariant("idx_reg_lazy", [_C(64, 32, 8, 4)], exact=True, idx_in_registers=True, lazy_rescale=True),
