@@ -55,3 +55,24 @@ def test_general_kernel_where_the_cover_would_not_pay():
     repeated = causal_topk([5, 40], K=16)
     repeated[30, 1] = repeated[30, 0]  # the forward would count that key twice; a byte map counts it once
     assert mla.selection_ranges(repeated) is None
+
+
+def test_layers_sharing_a_selection_share_its_cover(monkeypatch):
+    """The backwards of an IndexShare group (one indices tensor, one backward after another) compute its cover once;
+    another tensor, an in-place change or another ratio computes it again, and the cover goes with its tensor."""
+    calls = []
+    compute = mla.selection_ranges
+    monkeypatch.setattr(mla, "selection_ranges", lambda *args: calls.append(args) or compute(*args))
+    last = mla._LastCover()
+    indices = causal_topk([5, 40, 23], K=16)
+    first = last.get(indices, 4.0)
+    assert first is not None and all(last.get(indices, 4.0) is first for _ in range(3)) and len(calls) == 1
+    assert last.get(indices.clone(), 4.0) is not first and len(calls) == 2  # equal values, another selection
+    assert last.get(indices, 0.0) is None and len(calls) == 3  # another ratio: the general kernel
+    before = last.get(indices, 4.0)
+    indices[3, 0] = -1  # changed in place: computed again
+    after = last.get(indices, 4.0)
+    assert len(calls) == 5 and after is not before and int(after.sel.sum()) == int(before.sel.sum()) - 1
+    calls.clear()  # they hold the tensor too
+    del indices
+    assert last.cover is None and last.indices is None

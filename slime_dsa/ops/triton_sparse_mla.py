@@ -40,12 +40,14 @@ Backward, two paths (both recompute the probabilities from the saved lse):
   registers; dKV rows are shared between queries, so their contributions are added with float32 atomics (the
   summation order, and so the last bits of dKV, can change from run to run). It runs at about 40% of the
   forward's TFLOP/s at GLM-5 sizes.
-Choosing the path is one pass over `indices` and one host sync per backward call (two with a byte map).
+Choosing the path is one pass over `indices` and one host sync (two with a byte map) per selection: the backwards
+of the layers that share one (IndexShare), run one after another, reuse its cover (`_LastCover`).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -409,6 +411,34 @@ def selection_ranges(indices: torch.Tensor, max_ratio: float = MASKED_RANGE_MAX_
     return SelectionRanges(lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous(), sel)
 
 
+class _LastCover:
+    """The last backward's `selection_ranges` result, for the next backward over the same indices tensor: the layers
+    of an IndexShare group share their full layer's selection and run their backwards one after another, so the group
+    pays one pass over the indices and one host sync instead of one per layer. Dropped when the indices are freed."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.indices: weakref.ref | None = None
+        self.cover: SelectionRanges | None = None
+
+    def get(self, indices: torch.Tensor, max_ratio: float) -> SelectionRanges | None:
+        key = (indices._version, max_ratio)
+        if self.indices is not None and self.indices() is indices and self.key == key:
+            return self.cover
+        self.indices, self.cover = None, None  # a new selection: the last one's cover is not kept meanwhile
+        cover = selection_ranges(indices, max_ratio)
+        self.key, self.cover = key, cover
+        self.indices = weakref.ref(indices, self._forget)
+        return cover
+
+    def _forget(self, _ref: weakref.ref) -> None:
+        if self.indices is _ref:
+            self.indices, self.key, self.cover = None, None, None
+
+
+_last_cover = _LastCover()
+
+
 def key_ranges(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(lo, hi) int32 (T,) if every row of `indices` is lo, lo+1, ..., hi-1 then -1 padding; else None.
 
@@ -641,7 +671,7 @@ def sparse_mla_bwd(
     dq = torch.empty_like(q)
     if T > 0 and K > 0 and USE_KEY_RANGES and lse.stride(1) == 1:
         masked = USE_MASKED_RANGES and H * D <= MASKED_RANGE_MAX_HEAD_WORK
-        ranges = selection_ranges(indices, MASKED_RANGE_MAX_RATIO if masked else 0.0)
+        ranges = _last_cover.get(indices, MASKED_RANGE_MAX_RATIO if masked else 0.0)
         if ranges is not None:
             dkv = torch.empty_like(kv)
             try:
