@@ -128,11 +128,12 @@ def topk_overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class IndexerLossOutput:
-    """Sum over query rows of the mean-over-groups KL (scalar, with grad), and per-group detached metrics."""
+    """Sum over query rows of the mean-over-groups KL (scalar, with grad), and per-group detached metrics (0-dim
+    tensors on the loss's device: reading them is the caller's one host sync, not one per group)."""
 
     loss_sum: torch.Tensor
     num_rows: int
-    metrics: dict[str, float]
+    metrics: dict[str, torch.Tensor]
 
 
 def dsa_indexer_loss(
@@ -170,7 +171,7 @@ def dsa_indexer_loss(
         if mask is not None:
             kl = kl[mask]
         losses.append(kl)
-        metrics[f"indexer_kl/{full}"] = float(kl.detach().sum())
+        metrics[f"indexer_kl/{full}"] = kl.detach().sum()
     if not losses:
         raise ValueError("dsa_indexer_loss: the capture holds no full layer; run forward_packed(capture_dsa=True)")
     per_row = torch.stack(losses).mean(0)  # (rows,) mean over groups

@@ -111,7 +111,7 @@ def warmup_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
     optimizer.step()
     return {"indexer_kl": loss.item(), "grad_norm": float(grad_norm),
-            **{k: v / res.num_rows for k, v in res.metrics.items()}}
+            **{k: float(v) / res.num_rows for k, v in res.metrics.items()}}
 
 
 @torch.no_grad()

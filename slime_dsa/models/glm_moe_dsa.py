@@ -844,9 +844,7 @@ class GlmMoeDsaForCausalLM(GlmMoeDsaPreTrainedModel):
         def to_token_rows(next_rows: torch.Tensor | None) -> torch.Tensor | None:
             if next_rows is None:
                 return None
-            rows = torch.roll(next_rows, 1, dims=0)
-            rows[starts] = 0.0
-            return rows
+            return torch.roll(next_rows, 1, dims=0).index_fill_(0, starts, 0.0)  # index_fill: no host sync
 
         out.candidate_logprobs = to_token_rows(res.candidate_logprobs)
         return to_token_rows(res.logprobs), to_token_rows(res.entropy), out

@@ -168,7 +168,7 @@ class _Plan:
     """Per-query key sets and the chunking of query rows."""
 
     def __init__(self, cu_seqlens_q, cu_seqlens_k, rows: torch.Tensor | None, n_rows: int, device) -> None:
-        seq_id, pos = _query_positions(cu_seqlens_q.to(device), cu_seqlens_k.to(device))
+        seq_id, pos = _query_positions(cu_seqlens_q.to(device), cu_seqlens_k.to(device), total=n_rows)
         self.pos = pos.to(torch.int32).contiguous()  # (Tq,)
         self.key_start = cu_seqlens_k.to(device)[seq_id].to(torch.int64).contiguous()  # (Tq,)
         self.rows = rows.contiguous() if rows is not None else None
