@@ -335,6 +335,16 @@ FWD_VARIANT_CASES = ["odd_dims_tq_lt_tk", "heads128", "glm5", "glm5_packed_long"
                      "glm5_mostly_empty_packed", "glm5_mostly_empty_decode"]
 
 
+def mla_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """An MLA_CASES case's bf16 q and kv (seed 0) and causal indices, with its v_dim and D."""
+    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES[name]
+    torch.manual_seed(0)
+    D = v_dim + d_r
+    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
+    return q, kv, causal_rows(lens_q, lens_k, K), v_dim, D
+
+
 @pytest.mark.parametrize("name", FWD_VARIANT_CASES + ["glm5_scattered_empty"])
 def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
     """Every forward variant, at the first of its configs that compiles and fits, against the torch reference; a
@@ -342,12 +352,7 @@ def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
     from slime_dsa.ops import triton_sparse_mla as mla
     from slime_dsa.ops.triton_sparse_mla_fwd_variants import VARIANTS
 
-    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES["glm5" if name == "glm5_scattered_empty" else name]
-    torch.manual_seed(0)
-    D = v_dim + d_r
-    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
-    indices = causal_rows(lens_q, lens_k, K)
+    q, kv, indices, v_dim, D = mla_inputs("glm5" if name == "glm5_scattered_empty" else name)
     if name == "glm5_scattered_empty":
         indices = scatter_empty(indices, keep=0.2)
         indices[0] = -1  # a row without keys
@@ -381,12 +386,7 @@ def test_sparse_mla_default_forward_choice(name, monkeypatch):
     output is the plain kernel's within bf16 tolerance."""
     from slime_dsa.ops import triton_sparse_mla as mla
 
-    lens_q, lens_k, H, v_dim, d_r, K, _ = MLA_CASES[name]
-    torch.manual_seed(0)
-    D = v_dim + d_r
-    q = torch.randn(sum(lens_q), H, D, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(sum(lens_k), D, device="cuda", dtype=torch.bfloat16)
-    indices = causal_rows(lens_q, lens_k, K)
+    q, kv, indices, v_dim, D = mla_inputs(name)
     for key in [k for k in mla._chosen if k[0] == "fwd"]:
         del mla._chosen[key]  # only this call's choices remain to be read
     with torch.no_grad():
