@@ -153,7 +153,6 @@ class AsyncEngine:
                 except EngineStoppedError:
                     pass  # stopping: every request is being aborted anyway
 
-
     def _abort_each(self, rids: list[str], message: str) -> list[GenerateOutput]:
         """Engine thread: abort these requests; their final outputs."""
         return [out for rid in rids for out in self.engine.abort(rid, message=message)]
