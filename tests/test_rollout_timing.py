@@ -167,7 +167,8 @@ def test_the_engine_thread_counts_the_commands_it_runs_between_steps():
         await front.stop()
 
     asyncio.run(three_requests())
-    assert engine.stats["commands"] >= 3 and engine.stats["command_s"] > 0  # one add_request each, at least
+    # run_all admits the three in one command (AsyncEngine.finals); how many more run depends on timing
+    assert engine.stats["commands"] >= 1 and engine.stats["command_s"] > 0
     assert perf.counters(engine.stats)["commands"] == engine.stats["commands"]
 
 
