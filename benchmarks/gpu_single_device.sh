@@ -16,7 +16,9 @@
 # accelerate wheels in whl/ too. VSTRL_ARGS replaces its default arguments (the full comparison on $W/sft/model);
 # VSTRL_NAME names its log ($OUT/$VSTRL_NAME.log) and work directory, so a smoke run and the real one can share a call.
 # It also writes $OUT/${VSTRL_NAME}_result.json, _ours_metrics.jsonl (ours' perf/rollout_* and perf/engine_* per step)
-# and _engine_0.log; the nvidia_ml_py wheel in whl/ gives the report's GPU-busy column (else "-").
+# and _engine_0.log; the nvidia_ml_py wheel in whl/ gives the report's GPU-busy column (else "-"). With --profile-steps
+# in VSTRL_ARGS, each traced step's `python -m slime_dsa.logging.timeline` report ($OUT/${VSTRL_NAME}_timeline_step_N.md)
+# and its traces (_traces_step_N.tgz).
 # sftlong: SFT as the sft stage, of recipes/gpu_single_sft_long.yaml (countdown, 3 numbers, worked steps with the
 # search's pairs listed: answers of ~280 tokens) into $W/sftlong/model; SFTLONG_STEPS (default 200), SFTLONG_TRAIN
 # (30000), SFTLONG_T (480 s cap),
@@ -91,6 +93,11 @@ vstrl_stage() {  # DEFAULT_NAME DEFAULT_ARGS: benchmarks/vs_trl.py on countdown;
   cp $W/$N/result.json $OUT/${N}_result.json 2>/dev/null
   cp $W/$N/ours/metrics.jsonl $OUT/${N}_ours_metrics.jsonl 2>/dev/null  # perf/rollout_*, perf/engine_* per step
   cp $W/$N/ours/engine_0.log $OUT/${N}_engine_0.log 2>/dev/null
+  for d in $W/$N/ours/profile/step_*; do  # --profile-steps: each step's device timeline, and its traces
+    [ -d "$d" ] || continue
+    python3 -m slime_dsa.logging.timeline $d --top-gaps 25 > $OUT/${N}_timeline_$(basename $d).md 2>&1
+    tar czf $OUT/${N}_traces_$(basename $d).tgz -C $d .
+  done
 }
 LONG_TASK_ARGS='{"min_numbers":3,"max_numbers":3,"worked_steps":true,"worked_search":true}'  # recipes/gpu_single_sft_long.yaml's (no spaces: one word)
 sft_stage() {  # NAME RECIPE STEPS TRAIN_SIZE CAP_S: `slime-dsa sft` into $W/NAME/model, unless it is there already

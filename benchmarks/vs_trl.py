@@ -146,6 +146,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
                              "engine_kv_cache_in_training": args.ours_kv_cache}
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
+    recipe["logging"]["profile_steps"] = args.profile_steps
+    recipe["logging"]["profile_activities"] = args.profile_activities
     return recipe
 
 
@@ -646,6 +648,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "
                              "(default on cuda: ~0.5 s a step for the small preset on an H200, not ours' cost)")
+    parser.add_argument("--profile-steps", type=int, nargs="*", default=[],
+                        help="ours: steps traced with torch.profiler in the engines and trainer ranks "
+                             "(logging.profile_steps: <workdir>/ours/profile/step_N). They run slower and their "
+                             "traces are written between steps, inside this report's step windows: a run for the "
+                             "timeline, not for the ratio (benchmarks/vs_trl_ours.py runs ours alone)")
+    parser.add_argument("--profile-activities", nargs="+", choices=("CPU", "GPU"), default=["CPU", "GPU"],
+                        help="what --profile-steps records (logging.profile_activities): GPU alone perturbs the step "
+                             "least")
     parser.add_argument("--date", default=datetime.date.today().isoformat(), help="date written in the report")
     parser.add_argument("--workdir", type=Path, default=None, help="run directories (default: a temporary one)")
     parser.add_argument("--out", type=Path, help="append the result section to this markdown file")

@@ -21,7 +21,7 @@ RECIPE = {
     "rollout": {"num_engines": 2, "n_samples_per_prompt": 4, "prompts_per_step": 4, "max_response_length": 8},
     "trainer": {"num_workers": 2, "num_steps": 3, "num_steps_per_rollout": 2, "learning_rate": 3.0e-3,
                 "micro_batch_tokens": 256},
-    "logging": {"eval_every": 3, "wandb_mode": "offline", "peak_tflops": 1.0},
+    "logging": {"eval_every": 3, "wandb_mode": "offline", "peak_tflops": 1.0, "profile_steps": [2]},
     "checkpoint": {"save_every": 1, "keep_last": 0},
 }
 
@@ -136,6 +136,24 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
     for i in range(2):
         text = (run_dir / f"engine_{i}.log").read_text()
         assert "INFO rollout.engine.engine: engine:" in text and "weight_version=3" in text
+
+
+def test_a_profiled_step_writes_every_process_trace_and_its_phases(first_run):
+    from slime_dsa.logging.timeline import load_trace, report
+
+    _, run_dir = first_run
+    assert [p.name for p in (run_dir / "profile").iterdir()] == ["step_2"]
+    directory = run_dir / "profile" / "step_2"
+    engines = sorted(directory.glob("engine-*.trace.json.gz"))
+    ranks = sorted(directory.glob("trainer-rank*.trace.json.gz"))
+    assert len(engines) == 2 and [p.name for p in ranks] == ["trainer-rank0.trace.json.gz", "trainer-rank1.trace.json.gz"]
+    assert {"engine.step", "engine.launch"} <= {e.name for e in load_trace(engines[0]).cpu}
+    assert {"train.forward", "train.backward", "train.optimizer"} <= {e.name for e in load_trace(ranks[0]).cpu}
+    phases = json.loads((directory / "phases.json").read_text())
+    assert phases["step"] == 2 and [p["name"] for p in phases["phases"]] == ["engines", "rollout", "batch", "train", "sync", "log"]
+    assert all(p["start_ns"] <= p["end_ns"] for p in phases["phases"])
+    assert "No GPU activity" in report(directory)  # a CPU run: phases only
+    assert "step 2 profiled (no GPU activity)" in (run_dir / "train.log").read_text()
 
 
 def test_resume_from_step_2_reproduces_step_3(first_run):

@@ -10,6 +10,7 @@ they call the policy loss object their config carries on tensors the batch carri
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -259,6 +260,12 @@ class TrainerGroup(Protocol):
 
     def resume_memory(self) -> None:
         """Ready the device memory for the next training call."""
+
+    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+        """Every rank records its ops (CPU) and/or kernels (GPU) with torch.profiler until stop_profile."""
+
+    def stop_profile(self) -> list[str]:
+        """Every rank writes its trace into start_profile's directory; their paths."""
 
     def shutdown(self) -> None:
         """Stop every rank."""

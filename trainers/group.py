@@ -4,6 +4,7 @@ answers. The batch is split by rank here (whole groups per rank where their prom
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import ray
 import torch
@@ -171,6 +172,12 @@ class RayTrainerGroup:
 
     def resume_memory(self) -> None:
         ray.get([w.resume_memory.remote() for w in self.workers])
+
+    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+        ray.get([w.start_profile.remote(directory, activities) for w in self.workers])
+
+    def stop_profile(self) -> list[str]:
+        return ray.get([w.stop_profile.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         ray.get([w.shutdown.remote() for w in self.workers])

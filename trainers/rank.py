@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from slime_dsa.algorithms import LossInputs, ValueLossInputs
 from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
+from slime_dsa.trace_recorder import annotate
 from slime_dsa.devices import upload
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
@@ -193,6 +195,7 @@ class TrainerRank:
         self.device = torch.device("cpu")
         self.roles: dict[str, Role] = {}  # built by the backend
         self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
+        self._recorder = None  # a TraceRecorder once start_profile ran
 
     @property
     def policy(self) -> Role:
@@ -230,6 +233,21 @@ class TrainerRank:
 
     def resume_memory(self) -> None:
         """Nothing to bring back: the weights and optimizer state stay where the backend keeps them."""
+
+    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+        """Record this rank's ops and/or kernels with torch.profiler until stop_profile (logging.profile_steps)."""
+        from slime_dsa.trace_recorder import TraceRecorder  # noqa: PLC0415
+
+        self._recorder = self._recorder or TraceRecorder()
+        self._recorder.start(directory, f"trainer-rank{self.rank}", activities)
+
+    def stop_profile(self) -> str:
+        """Write the trace start_profile began; returns its path."""
+        from slime_dsa.trace_recorder import ProfileError  # noqa: PLC0415
+
+        if self._recorder is None:
+            raise ProfileError("no profile is being recorded")
+        return str(self._recorder.stop())
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -388,7 +406,8 @@ class TrainerRank:
         steps = [self._train_step(shard, tokens, samples, detailed_metrics, measure_sync=i == 0 and old is None,
                                   role=role, fill_old_logprobs=reuse and i == 0)
                  for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
-        metrics = self._read_steps(steps)
+        with annotate("train.read_metrics"):
+            metrics = self._read_steps(steps)
         if reuse:
             logps = steps[0].old_logprobs
             old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)
@@ -422,26 +441,30 @@ class TrainerRank:
         # The indexer loss is a mean over every query row of the step, on all ranks.
         step_rows = self._global_rows(batch) if held.config.kind == "policy" and dsa.indexer_loss_coef > 0 else 0.0
         for mb in self.micro_batches(batch, held.config):
-            if held.config.kind == "value":
-                values, _ = self.value_forward(held, mb)
-                loss, metrics = micro_batch_value_loss(held.config.loss, values, mb if mb is not None else _padding_batch(),
-                                                       global_loss_tokens, global_num_samples)
-            else:
-                loss, metrics = self._policy_micro_loss(held, mb, global_loss_tokens, global_num_samples,
-                                                        step_rows, detailed_metrics, measure_sync, old_logprobs)
+            with annotate("train.forward"):
+                if held.config.kind == "value":
+                    values, _ = self.value_forward(held, mb)
+                    loss, metrics = micro_batch_value_loss(held.config.loss, values,
+                                                           mb if mb is not None else _padding_batch(),
+                                                           global_loss_tokens, global_num_samples)
+                else:
+                    loss, metrics = self._policy_micro_loss(held, mb, global_loss_tokens, global_num_samples,
+                                                            step_rows, detailed_metrics, measure_sync, old_logprobs)
             if mb is None:
                 loss = loss * 0.0  # its loss_mask is 0 already; metrics keep their keys so ranks reduce alike
             if self.data_parallel_size > 1:
                 # Data-parallel ranks average gradients; the loss is already a share of the global mean, so undo that.
                 loss = loss * self.data_parallel_size
-            self.backward(held, loss)
+            with annotate("train.backward"):
+                self.backward(held, loss)
             _accumulate(sums, metrics)
         if (held.config.kind == "policy" and batch.rollout_topk is not None and batch.replay_topk is None
                 and not dsa.index_replay):
             for key in ("index_topk_mismatch/num", "index_topk_mismatch/den"):
                 sums.setdefault(key, 0.0)  # a rank with only padding passes still reduces the same keys
         lr = held.scheduler.get_last_lr()[0]
-        grad_norm = self.apply_gradients(held)
+        with annotate("train.optimizer"):
+            grad_norm = self.apply_gradients(held)
         with warnings.catch_warnings():
             # A first update skipped for a non-finite norm makes torch warn that the scheduler stepped first: intended.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")

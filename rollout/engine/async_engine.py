@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.engine.engine import Engine
+from rollout.engine.gc_watch import GcWatch
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from slime_dsa.trace_recorder import annotate
 
 if TYPE_CHECKING:
     from slime_dsa.weights.cuda_ipc import IpcWeights
@@ -47,11 +49,13 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Engine, *, model_path: str | None = None, tokenizer_path: str | None = None,
-                 gather_ms: float = DEFAULT_GATHER_MS) -> None:
+                 gather_ms: float = DEFAULT_GATHER_MS, collect_when_paused: bool = True) -> None:
         if gather_ms < 0:
             raise ValueError(f"gather_ms must be >= 0, got {gather_ms}")
         self.engine = engine
         self.gather_s = gather_ms / 1e3
+        self.gc_watch = GcWatch(engine.stats)
+        self.collect_when_paused = collect_when_paused
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future | None]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[GenerateOutput] | _Finals] = {}  # rid -> where its outputs go
@@ -68,6 +72,7 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self.gc_watch.install()
         self._thread = threading.Thread(target=self._run, name="slime-dsa-engine", daemon=True)
         self._thread.start()
 
@@ -83,6 +88,7 @@ class AsyncEngine:
         self._commands.put((lambda: None, None))  # wake the thread
         thread, self._thread = self._thread, None
         await asyncio.to_thread(thread.join)
+        self.gc_watch.uninstall()
 
     @property
     def running(self) -> bool:
@@ -162,8 +168,11 @@ class AsyncEngine:
         await self._call(lambda: self._dispatch(self.engine.abort(rid, abort_all)))
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation: mode abort | retract | in_place (SGLang's pause_generation)."""
+        """Pause generation: mode abort | retract | in_place (SGLang's pause_generation). With collect_when_paused,
+        a full garbage collection follows on the engine thread once the caller has its answer (gc_watch.py)."""
         await self._call(lambda: self._dispatch(self.engine.pause(mode)))
+        if self.collect_when_paused:
+            self._submit(self.gc_watch.collect_paused)
 
     async def resume(self) -> None:
         await self._call(self.engine.resume)
@@ -340,10 +349,13 @@ class AsyncEngine:
                 continue
             if idle and self.gather_s > 0:
                 start = time.perf_counter()
-                self._take_commands(block=True, gap_s=self.gather_s)
+                with annotate("engine.gather"):
+                    self._take_commands(block=True, gap_s=self.gather_s)
                 stats["gather_s"] += time.perf_counter() - start
             try:
-                self._dispatch(self.engine.step())
+                with annotate("engine.step"):
+                    outputs = self.engine.step()
+                self._dispatch(outputs)
             except Exception as exc:  # noqa: BLE001 - a scheduler bug: end the requests, keep serving
                 logger.exception("engine: step failed outside a forward; aborting all requests")
                 try:
@@ -412,6 +424,10 @@ class AsyncEngine:
         if not self.running:
             raise EngineStoppedError("the engine is not running: call start() first")
         self._commands.put((fn, future))
+
+    async def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between two steps (a profiler's start and stop: it records that thread's ops)."""
+        return await self._call(fn)
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread between two steps and return its result."""

@@ -82,6 +82,7 @@ from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.ops import invariant
+from slime_dsa.trace_recorder import annotate
 
 logger = logging.getLogger(__name__)
 
@@ -518,14 +519,16 @@ class Engine:
         self._forks, self._failed_later = {}, []
         previous, launched = self._pending, None
         phase = time.perf_counter()
-        scheduled = self._schedule()
+        with annotate("engine.schedule"):
+            scheduled = self._schedule()
         self.stats["schedule_s"] += time.perf_counter() - phase
         outputs, self._ready = outputs + self._ready, []  # requests whose scheduling failed
         if scheduled:
             self.stats["steps"] += 1
             try:
                 phase = time.perf_counter()
-                launched = self._launch(scheduled, previous)
+                with annotate("engine.launch"):
+                    launched = self._launch(scheduled, previous)
                 self.stats["launch_s"] += time.perf_counter() - phase
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
                 logger.exception("engine: step over %d requests failed", len(scheduled))
@@ -537,7 +540,8 @@ class Engine:
                 outputs += self._recover([(seq, n) for seq, n in scheduled if seq.finish_reason is None], exc)
         self._pending = None
         if previous is not None:
-            outputs += self._resolve(previous)  # while the device computes `launched`
+            with annotate("engine.resolve"):
+                outputs += self._resolve(previous)  # while the device computes `launched`
         for seq, exc in self._failed_later:
             if seq.finish_reason is None:
                 self._fail(seq, exc)

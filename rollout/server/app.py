@@ -21,7 +21,7 @@ from aiohttp import web
 from rollout.engine.async_engine import EngineStoppedError
 from rollout.engine.engine import PAUSE_MODES
 from rollout.engine.types import GenerateRequest, RequestError, SamplingParams
-from rollout.server import openai_api, protocol
+from rollout.server import openai_api, profiling, protocol
 from rollout.server.bodies import read_json, read_object
 from rollout.server.defaults import (
     DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_WEIGHT_BODY_BYTES,
@@ -476,5 +476,6 @@ def create_app(
         r.add_post(path, unsupported_distributed)
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         r.add_post(path, memory_occupation)
+    profiling.add_routes(app)
     openai_api.add_routes(app)
     return app

@@ -790,6 +790,35 @@ class LoggingSection(Section):
                                 "of perf/train_mfu; null = looked up from the GPU's name (H100, H200, A100, L40S: "
                                 "bf16 with trainer.mixed_precision, else fp32), and no perf/train_mfu on a CPU or "
                                 "another GPU (perf/train_model_tflops is logged either way).")
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="RL steps (1-based) to record with torch.profiler in every engine and trainer rank: each writes "
+                    "<run_dir>/profile/step_<N>/ with one trace per process (CPU ops and GPU kernels, for Perfetto or "
+                    "chrome://tracing) and the orchestrator's phase times, and logs the step's GPU-busy share; "
+                    "`python -m slime_dsa.logging.timeline <dir>` lists where the GPU sat idle. A profiled step runs "
+                    "slower. Synchronous loop only; [] = none.")
+    profile_activities: list[Literal["CPU", "GPU"]] = Field(
+        default_factory=lambda: ["CPU", "GPU"],
+        description="What logging.profile_steps records: CPU = each engine thread's and trainer rank's ops and named "
+                    "ranges (engine.step, train.forward, ...), which slow a host-bound step several times over; GPU = "
+                    "every kernel and copy, whose timeline stays close to an unprofiled step's (SGLang's activities "
+                    "names).")
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _check_profile_steps(cls, steps: list[int]) -> list[int]:
+        if any(s < 1 for s in steps):
+            raise ValueError(f"steps are counted from 1, got {sorted(steps)}")
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"a step is listed twice: {steps}")
+        return sorted(steps)
+
+    @field_validator("profile_activities")
+    @classmethod
+    def _check_profile_activities(cls, activities: list[str]) -> list[str]:
+        if not activities or len(set(activities)) != len(activities):
+            raise ValueError(f"list CPU, GPU or both, once each; got {activities}")
+        return activities
 
 
 class CheckpointSection(Section):
@@ -956,6 +985,13 @@ class RecipeConfig(Section):
                     f"data.tasks.{i}.agent.max_turn_tokens ({turn}) exceeds rollout.max_response_length "
                     f"({ro.max_response_length}), which caps the whole trajectory", f"data.tasks.{i}.agent.max_turn_tokens",
                     "rollout.max_response_length")
+        profiled = self.logging.profile_steps
+        if profiled and profiled[-1] > self.trainer.num_steps:
+            raise RecipeValueError(f"logging.profile_steps lists step {profiled[-1]}, past trainer.num_steps "
+                                   f"({self.trainer.num_steps})", "logging.profile_steps", "trainer.num_steps")
+        if profiled and self.uses_async_loop():
+            raise RecipeValueError(f"logging.profile_steps needs the synchronous loop; algorithm '{alg.name}' runs the "
+                                   "asynchronous one, whose steps overlap", "logging.profile_steps", "algorithm.name")
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")

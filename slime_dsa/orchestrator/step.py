@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from slime_dsa.algorithms.specs import Algorithm, OldLogprobs
 from slime_dsa.config import RecipeConfig
+from slime_dsa.orchestrator.profile import PhaseClock
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,12 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         run.progress.saved = step + 1
 
 
-async def train_on_samples(run: Run, step: int, samples: list, resume_engines: bool = True) -> dict[str, float]:
+async def train_on_samples(run: Run, step: int, samples: list, resume_engines: bool = True,
+                           clock: PhaseClock | None = None) -> dict[str, float]:
     """trainer.num_steps_per_rollout optimiser steps of the policy on `samples`, and an algorithm's critic steps;
     returns train/, critic/, advantage/ and perf/ metrics. resume_engines False: colocated engines stay paused after
-    training, for a weight push that follows at once and continues them (one continue request less).
+    training, for a weight push that follows at once and continues them (one continue request less). clock: marks
+    the phases batch, to_trainer (colocated on GPUs), train and to_engines (the same) for a profiled step.
 
     With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
     model moves; with teachers (distill.py), the per-token reverse KL to each sample's teacher. The critic trains
@@ -121,6 +124,8 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
                   else torch.zeros(len(samples)))
     batch = build_train_batch(samples, per_sample, index_replay=recipe.algorithm.index_replay)
     hand_over = {"perf/batch_build_s": time.perf_counter() - batch_start}
+    clock = clock or PhaseClock()
+    clock.mark("batch")
     # Colocated on GPUs: the engines pause, and hand their KV pool to the trainer while it trains unless they keep it
     # (colocation.py).
     colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
@@ -133,6 +138,7 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
                                         recipe.cluster.trainer_cache_in_rollout)
         await run.memory.to_trainer()
         hand_over["perf/rollout_sleep_s"] = time.perf_counter() - start
+        clock.mark("to_trainer")
     train_start = time.perf_counter()
     # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
     logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
@@ -154,12 +160,14 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
         metrics.update(result)
     metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0
     train_time = time.perf_counter() - train_start
+    clock.mark("train")
     if colocated:
         start = time.perf_counter()
         # A push that follows at once and fills a buffer (cuda_ipc) does so in the trainers' release call.
         release = None if resume_engines else getattr(run.weights, "release_and_prepare", None)
         await run.memory.to_engines(resume=resume_engines, release=release)
         hand_over["perf/rollout_wake_s"] = time.perf_counter() - start
+        clock.mark("to_engines")
     metrics.update(hand_over)
     metrics.update({"perf/train_time_s": train_time, "perf/train_tok_s": batch.num_tokens / max(train_time, 1e-9),
                     "train/num_tokens": batch.num_tokens})

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.orchestrator.async_loop import run_async_loop
+from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
     HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, ensure_engines, print_step,
     probe_engines, sync_weights, train_on_samples,
@@ -74,6 +75,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     algorithm = build_algorithm(recipe.algorithm)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
+    if use_async and recipe.logging.profile_steps:
+        raise UserError("logging.profile_steps needs the synchronous loop, and this run uses the asynchronous one")
     progress = progress or StepProgress()
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
@@ -267,26 +270,35 @@ def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
 
 
 async def _sync_loop(run: Run) -> None:
+    logs = run.recipe.logging
+    profiler = StepProfiler(logs.profile_steps, run.run_dir, run.client, run.trainers, logs.profile_activities)
     for step in range(run.start_step, run.recipe.trainer.num_steps):
         run.progress.current = step + 1
-        metrics = await _one_step(run, step)
-        await after_step(run, step, metrics)
+        async with profiler.window(step + 1) as clock:
+            metrics = await _one_step(run, step, clock)
+            await after_step(run, step, metrics)
+            clock.mark("log")
 
 
-async def _one_step(run: Run, step: int) -> dict[str, float]:
+async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dict[str, float]:
+    """One synchronous RL step: rollout, training, weight push; its metrics. clock: marks its phases (profile.py)."""
+    clock = clock or PhaseClock()
     step_start = time.perf_counter()
     await ensure_engines(run, version=step)
+    clock.mark("engines")
     groups, metrics = await run.manager.collect_step()
+    clock.mark("rollout")
     samples = [s for group in groups for s in group]
     if not samples:
         logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
         await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
     # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
-    metrics.update(await train_on_samples(run, step, samples, resume_engines=False))
+    metrics.update(await train_on_samples(run, step, samples, resume_engines=False, clock=clock))
     run.progress.mark_trained(step + 1, run.manager.state_dict())
     sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
                                    want_state=run.hook_wants_state(step + 1))
+    clock.mark("sync")
     if run.engine_stats is not None:
         # Nothing runs on the engines between the push and after_step's read: the push's replies serve as it.
         run.engine_stats.offer(getattr(run.weights, "last_replies", None))
