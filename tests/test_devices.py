@@ -29,3 +29,22 @@ def test_upload_and_packing_do_not_wait_for_the_gpu():
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(y.cpu(), x)
     assert packed.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+
+
+def test_foreach_copy_equals_copy_and_calls_foreach_once_per_dtype_pair(monkeypatch):
+    from slime_dsa.devices import foreach_copy
+
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.empty(3, dtype=dst), torch.randn(3, generator=g).to(src))
+             for dst, src in [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                              (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                              (torch.float32, torch.bfloat16)]]
+    expected = [torch.empty_like(d).copy_(s) for d, s in pairs]
+    calls = []
+    inner = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda ds, ss: (calls.append(len(ds)), inner(ds, ss)))
+    foreach_copy([d for d, _ in pairs], [s for _, s in pairs])
+    assert all(torch.equal(d, e) for (d, _), e in zip(pairs, expected))
+    assert sorted(calls) == [1, 1, 1, 2]  # four (destination, source) dtype pairs, bf16 <- fp32 twice
+    with pytest.raises(ValueError):
+        foreach_copy([torch.empty(1)], [])

@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from slime_dsa.devices import foreach_copy
 from slime_dsa.weights.cuda_ipc import IpcWeights, dtype_name, export_buffer, layout, views
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.weight_sender import engine_dtypes, full_tensor
@@ -60,12 +61,12 @@ class SharedWeights:
             fulls.append(full)
             held += full.nbytes
             if held >= COPY_BUCKET_BYTES:
-                torch._foreach_copy_(views, fulls)
+                foreach_copy(views, fulls)
                 views, fulls, held = [], [], 0
         if self.flat is None:
             return None
         if views:
-            torch._foreach_copy_(views, fulls)
+            foreach_copy(views, fulls)
         # Engines read the buffer from another process, outside this stream's order: finish the copies first.
         torch.cuda.current_stream(self.flat.device).synchronize()
         return self.weights.to_json()

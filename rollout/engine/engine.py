@@ -80,6 +80,7 @@ from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
+from slime_dsa.devices import foreach_copy
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.ops import invariant
 from slime_dsa.trace_recorder import annotate
@@ -422,11 +423,11 @@ class Engine:
             check_update(state_dict, params)
         except WeightFormatError as e:
             raise RequestError(f"update_weights: {e}") from None
-        # One foreach call, not a launch per tensor from Python (it casts as copy_ does). Tied weights are one
+        # Foreach calls, not a launch per tensor from Python (they cast as copy_ does). Tied weights are one
         # destination: written once, from the last name that holds it, as a loop of copies would leave it.
         copies = {id(params[name]): (params[name], tensor) for name, tensor in state_dict.items()}
         if copies:
-            torch._foreach_copy_([dst for dst, _ in copies.values()], [src for _, src in copies.values()])
+            foreach_copy([dst for dst, _ in copies.values()], [src for _, src in copies.values()])
         self.model.refresh_inference_caches()  # in place: captured decode graphs read these buffers
         self._num_updates += 1
         self._weight_version = str(weight_version) if weight_version is not None else _next_version(self._weight_version)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
-from slime_dsa.devices import upload
+from slime_dsa.devices import foreach_copy, upload
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
@@ -472,7 +472,7 @@ class Experts(nn.ModuleList):
         refill = self.stale_refill()
         if refill is not None:
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
-                torch._foreach_copy_(*refill)
+                foreach_copy(*refill)
         return self._stacked[1], self._stacked[2]
 
     @torch.no_grad()
@@ -706,7 +706,7 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
                     sources += refill[1]
         if destinations:
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
-                torch._foreach_copy_(destinations, sources)
+                foreach_copy(destinations, sources)
 
     def drop_inference_caches(self) -> None:
         """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""

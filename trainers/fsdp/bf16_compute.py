@@ -13,6 +13,7 @@ import copy
 
 import torch
 
+from slime_dsa.devices import foreach_copy
 from slime_dsa.models.glm_moe_dsa import float32_modules
 from trainers.grad_sums import add_gradients
 
@@ -67,9 +68,9 @@ class Bf16Compute:
     @torch.no_grad()
     def refresh(self) -> None:
         """Round the master's weights (and buffers) into the copy."""
-        torch._foreach_copy_([c for _, c in self._pairs], [m for m, _ in self._pairs])
+        foreach_copy([c for _, c in self._pairs], [m for m, _ in self._pairs])
         if self._buffer_pairs:
-            torch._foreach_copy_([c for _, c in self._buffer_pairs], [m for m, _ in self._buffer_pairs])
+            foreach_copy([c for _, c in self._buffer_pairs], [m for m, _ in self._buffer_pairs])
 
 
 class _GradBuffers(dict):
