@@ -12,10 +12,10 @@ import gzip
 import json
 import logging
 import os
-import re
 import platform
-from contextlib import AbstractContextManager, nullcontext
+import re
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 
 
@@ -261,7 +262,7 @@ class TrainerGroup(Protocol):
     def resume_memory(self) -> None:
         """Ready the device memory for the next training call."""
 
-    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+    def start_profile(self, directory: str, activities: Sequence[str] = ACTIVITIES) -> None:
         """Every rank records its ops (CPU) and/or kernels (GPU) with torch.profiler until stop_profile."""
 
     def stop_profile(self) -> list[str]:

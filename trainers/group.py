@@ -10,6 +10,7 @@ import ray
 import torch
 
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
+from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
@@ -173,7 +174,7 @@ class RayTrainerGroup:
     def resume_memory(self) -> None:
         ray.get([w.resume_memory.remote() for w in self.workers])
 
-    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+    def start_profile(self, directory: str, activities: Sequence[str] = ACTIVITIES) -> None:
         ray.get([w.start_profile.remote(directory, activities) for w in self.workers])
 
     def stop_profile(self) -> list[str]:

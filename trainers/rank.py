@@ -26,7 +26,7 @@ import torch.distributed as dist
 from slime_dsa.algorithms import LossInputs, ValueLossInputs
 from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
-from slime_dsa.trace_recorder import annotate
+from slime_dsa.trace_recorder import ACTIVITIES, annotate
 from slime_dsa.devices import upload
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
@@ -234,7 +234,7 @@ class TrainerRank:
     def resume_memory(self) -> None:
         """Nothing to bring back: the weights and optimizer state stay where the backend keeps them."""
 
-    def start_profile(self, directory: str, activities: Sequence[str] = ("CPU", "GPU")) -> None:
+    def start_profile(self, directory: str, activities: Sequence[str] = ACTIVITIES) -> None:
         """Record this rank's ops and/or kernels with torch.profiler until stop_profile (logging.profile_steps)."""
         from slime_dsa.trace_recorder import TraceRecorder  # noqa: PLC0415
 

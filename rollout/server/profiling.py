@@ -1,10 +1,9 @@
 """POST /start_profile and /stop_profile, as SGLang's: a torch.profiler trace of this engine's process between the
-two, written to the output_dir the start named (slime_dsa/logging/torch_profile.py). Like every route but the
+two, written to the output_dir the start named (slime_dsa/trace_recorder.py). Like every route but the
 health checks, they need the server's API key when it has one."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -51,10 +50,7 @@ def _check_start(body: dict) -> tuple[str, list[str]]:
 
 async def _on_engine_thread(request: web.Request, fn: Callable[[], Any]) -> Any:
     """fn on the engine's own thread between steps (the profiler records the ops of the thread that starts it)."""
-    engine = state_of(request).engine
-    if hasattr(engine, "on_engine_thread"):
-        return await engine.on_engine_thread(fn)
-    return await asyncio.to_thread(fn)
+    return await state_of(request).engine.on_engine_thread(fn)
 
 
 async def start_profile(request: web.Request) -> web.Response:

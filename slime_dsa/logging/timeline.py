@@ -156,6 +156,11 @@ def trace_paths(directory: Path) -> list[Path]:
             if not p.name.startswith(".")]
 
 
+def by_gpu(traces: list[ProcessTrace]) -> dict[str, list[ProcessTrace]]:
+    """The traces with GPU activity, by the physical GPU they used."""
+    return {d: [t for t in traces if t.device == d] for d in sorted({t.device for t in traces if t.gpu})}
+
+
 def report(directory: Path, top_gaps: int = 10) -> str:
     """The step's device timeline as markdown: per GPU and phase, the wall time, the GPU-busy time (union of every
     process's kernels) and each process's share; then the longest idle spans and what each process was doing."""
@@ -172,9 +177,7 @@ def report(directory: Path, top_gaps: int = 10) -> str:
     lines = [f"# Device timeline{f' of step {step}' if step is not None else ''}: {directory}", ""]
     if not gpu_traces:
         lines.append("No GPU activity in these traces (a CPU run): only the phases' wall times.")
-    devices = sorted({t.device for t in gpu_traces})
-    for device in devices:
-        members = [t for t in gpu_traces if t.device == device]
+    for device, members in by_gpu(traces).items():
         merged = union([i for t in members for i in t.gpu])
         own = {t.name: union(t.gpu) for t in members}
         lines += [f"## GPU {device}: {', '.join(own)}", "",
@@ -207,8 +210,7 @@ def busy_share(directory: Path) -> dict[str, float]:
     the whole window; empty without GPU activity or phases."""
     traces = [load_trace(p) for p in trace_paths(directory)]
     _, phases = load_phases(directory)
-    per_device = [union([i for t in traces if t.device == d for i in t.gpu])
-                  for d in sorted({t.device for t in traces if t.gpu})]
+    per_device = [union([i for t in members for i in t.gpu]) for members in by_gpu(traces).values()]
     if not per_device or not phases:
         return {}
     window = Phase("step", phases[0].start, phases[-1].end)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_dsa.logging.timeline import PHASES_FILE, busy_share
+from slime_dsa.trace_recorder import ACTIVITIES
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class StepProfiler:
     """Starts and stops the profilers of a run's engines and trainer ranks around the steps it lists."""
 
     def __init__(self, steps: list[int], run_dir: Path, client: Any, trainers: Any,
-                 activities: Sequence[str] = ("CPU", "GPU")) -> None:
+                 activities: Sequence[str] = ACTIVITIES) -> None:
         self.steps, self.root, self.activities = set(steps), run_dir / "profile", list(activities)
         self.client, self.trainers = client, trainers
 
