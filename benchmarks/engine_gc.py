@@ -1,5 +1,5 @@
 r"""Python's garbage collector in an engine's process over an RL loop's rollouts, with and without the full collection
-the engine runs once paused (rollout/engine/gc_watch.py, AsyncEngine collect_when_paused), side by side on CPU.
+the engine runs once paused (slime_dsa/gc_watch.py, AsyncEngine collect_when_paused), side by side on CPU.
 
 Each side runs in a child process of its own (the collector's state is per process), in the order A B B A over
 --rounds: an embedded engine with the model's forward replaced by zeros (rollout_call_host_time.py's, so the host

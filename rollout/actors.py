@@ -70,6 +70,9 @@ class EngineActor:
             self._server = await EmbeddedServer.start(engine, tokenizer, host=self.host, port=self.port,
                                                       model_path=self.model_dir, **self.server_kwargs)
             port = self._server.port
+            from slime_dsa.gc_watch import freeze_after_startup  # noqa: PLC0415
+
+            freeze_after_startup("engine")  # the actor's process holds this one engine for the run
         else:
             from rollout.sglang.config import SGLangConfig, SpeculativeConfig  # noqa: PLC0415
             from rollout.sglang.launcher import SGLangServer  # noqa: PLC0415

@@ -129,6 +129,9 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
         # the trainers: tokens/s and model FLOPs against logging.peak_tflops (1 TFLOP/s here)
         assert r["perf/train_tok_s"] > 0 and r["perf/train_model_tflops"] > 0
         assert r["perf/train_mfu"] == pytest.approx(r["perf/train_model_tflops"])
+        # rank 0's garbage collections during the train call (slime_dsa/gc_watch.py), apart from the engines'
+        assert r["perf/trainer_gc_s"] >= 0 and r["perf/trainer_gc_full"] >= 0 and r["perf/trainer_gc_paused_s"] == 0
+        assert r["perf/engine_gc_s"] >= 0 and r["perf/engine_gc_paused_s"] >= 0
     summaries = list((run_dir / "wandb").glob("offline-run-*/files/wandb-summary.json"))
     if summaries:  # W&B writes the summary at finish
         assert "perf/engine_tok_s" in json.loads(summaries[0].read_text())
@@ -136,6 +139,7 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
     for i in range(2):
         text = (run_dir / f"engine_{i}.log").read_text()
         assert "INFO rollout.engine.engine: engine:" in text and "weight_version=3" in text
+        assert "objects alive after start-up frozen out of garbage collection" in text
 
 
 def test_a_profiled_step_writes_every_process_trace_and_its_phases(first_run):

@@ -45,6 +45,7 @@ class RayTrainerGroup:
         if seconds is not None:
             logger.info("trainer kernels compiled for samples up to %d tokens in %.1f s (before the first step)",
                         config.warmup_max_len, seconds)
+        ray.get([w.watch_garbage_collector.remote() for w in self.workers])
 
     @property
     def world_size(self) -> int:
@@ -109,10 +110,11 @@ class RayTrainerGroup:
             w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
             for w, shards in zip(self.workers, self._per_rank(per_shard))]))
         steps = results[0][1]
-        # The weight-sync check is the first step's alone: its weights are the engines'.
-        sync = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith("sync_logprob_")}
+        # The weight-sync check is the first step's alone (its weights are the engines'), and rank 0's garbage
+        # collections are the call's, not a step's.
+        once = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith(("sync_logprob_", "trainer_gc_"))}
         metrics = combine_steps(steps)
-        metrics.update(sync)
+        metrics.update(once)
         if not recompute_old_logprobs:
             return None, metrics
         old = torch.zeros(batch.num_tokens)

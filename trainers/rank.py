@@ -28,6 +28,7 @@ from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
 from slime_dsa.trace_recorder import ACTIVITIES, annotate
 from slime_dsa.devices import upload
+from slime_dsa.gc_watch import GcWatch, freeze_after_startup
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
@@ -196,6 +197,7 @@ class TrainerRank:
         self.roles: dict[str, Role] = {}  # built by the backend
         self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
         self._recorder = None  # a TraceRecorder once start_profile ran
+        self._gc_watch: GcWatch | None = None  # once watch_garbage_collector ran (a Ray actor's own process)
 
     @property
     def policy(self) -> Role:
@@ -249,7 +251,19 @@ class TrainerRank:
             raise ProfileError("no profile is being recorded")
         return str(self._recorder.stop())
 
+    def watch_garbage_collector(self) -> int:
+        """For a process that is this rank alone, once warmed up: count Python's collections into each train call's
+        trainer_gc_* metrics and freeze the start-up objects out of them (slime_dsa/gc_watch.py). Returns how many
+        objects are frozen."""
+        frozen = freeze_after_startup(f"trainer rank {self.rank}")  # its own collection is not a step's
+        if self._gc_watch is None:
+            self._gc_watch = GcWatch({}, who=f"trainer rank {self.rank}")
+            self._gc_watch.install()
+        return frozen
+
     def shutdown(self) -> None:
+        if self._gc_watch is not None:
+            self._gc_watch.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -408,6 +422,8 @@ class TrainerRank:
                  for i, (shard, (tokens, samples)) in enumerate(zip(shards, totals))]
         with annotate("train.read_metrics"):
             metrics = self._read_steps(steps)
+        if self._gc_watch is not None and metrics:  # this process's collections since the last call
+            metrics[0].update({f"trainer_{k}": v for k, v in self._gc_watch.take().items()})
         if reuse:
             logps = steps[0].old_logprobs
             old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)

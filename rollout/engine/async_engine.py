@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.engine.engine import Engine
-from rollout.engine.gc_watch import GcWatch
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError
+from slime_dsa.gc_watch import GcWatch
 from slime_dsa.trace_recorder import annotate
 
 if TYPE_CHECKING:

@@ -13,6 +13,7 @@ from aiohttp import web
 from rollout.engine.defaults import DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS
 from rollout.server.app import create_app
 from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT
+from slime_dsa.gc_watch import freeze_after_startup
 
 logger = logging.getLogger(__name__)
 
@@ -186,5 +187,6 @@ def serve(
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name,
                      weight_dirs=[*weight_dirs, *(preload_weights or [])])  # a preloaded directory may be loaded
+    freeze_after_startup("engine")  # this process serves one engine: its start-up objects live as long
     web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=2048, access_log=None,
                 shutdown_timeout=5.0, print=lambda msg: logger.info(msg.strip()))
