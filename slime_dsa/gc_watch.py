@@ -5,9 +5,9 @@ A collection stops every thread of the process, and a full one (generation 2) sc
 not frozen: after start-up that is the model's modules, the tokenizer and the libraries' own objects, hundreds of
 thousands of them, which no step frees. `freeze_after_startup` moves them out of every later collection (as vLLM
 does after capturing its graphs, and SGLang's /freeze_gc), so the full collections Python starts during a rollout
-or a train call scan only what the steps made. (An Engine freezes what exists when it is built; this later freeze
-also takes what its warm-up made: compiled kernels, captured graphs, the server.) `collect_paused` runs a full one at a moment that costs no step:
-an engine paused for a colocated trainer.
+or a train call scan only what the steps made. An Engine freezes what exists when it is built (once per process); a
+service process freezes again after its warm-up, taking what that made: compiled kernels, captured graphs, the
+server. `collect_paused` runs a full one at a moment that costs no step: an engine paused for a colocated trainer.
 """
 
 from __future__ import annotations

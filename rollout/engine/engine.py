@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import itertools
 import logging
 import os
@@ -81,6 +80,7 @@ from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from slime_dsa.devices import foreach_copy
+from slime_dsa.gc_watch import freeze_after_startup
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.ops import invariant
 from slime_dsa.trace_recorder import annotate
@@ -1245,8 +1245,7 @@ def _freeze_heap_once() -> None:
     Collected first, so no garbage is frozen with it."""
     global _heap_frozen
     if not _heap_frozen:
-        gc.collect()
-        gc.freeze()
+        freeze_after_startup("engine")
         _heap_frozen = True
 
 
