@@ -355,17 +355,22 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
     return results
 
 
+def _figures(row: dict) -> tuple[str, ...]:
+    """FIGURES, and over HTTP the client process's wall and CPU time too."""
+    return FIGURES + (("client_wall_ms", "client_cpu_ms") if row["client_cpu_ms"] == row["client_cpu_ms"] else ())
+
+
 def compare(args: argparse.Namespace) -> dict:
     """Alternate the baseline tree and this one in child processes; medians per batch and figure."""
     rounds = baseline_tree.alternate(__file__, args.forward, args.baseline_tree, args.rounds)
     for r, pair in enumerate(rounds):
         for b in pair["this"]:
             logger.info("round %d, batch %s: %s; same responses: %s", r + 1, b, ", ".join(
-                f"{f} {pair['baseline'][b][f]:.0f} -> {pair['this'][b][f]:.0f}" for f in FIGURES),
+                f"{f} {pair['baseline'][b][f]:.0f} -> {pair['this'][b][f]:.0f}" for f in _figures(pair["this"][b])),
                 pair["baseline"][b]["digest"] == pair["this"][b]["digest"])
     summary = {}
     for b in rounds[0]["this"]:
-        summary[b] = {side: {f: statistics.median(r[side][b][f] for r in rounds) for f in FIGURES}
+        summary[b] = {side: {f: statistics.median(r[side][b][f] for r in rounds) for f in _figures(rounds[0]["this"][b])}
                       for side in ("baseline", "this")}
         summary[b]["same_responses"] = all(r["baseline"][b]["digest"] == r["this"][b]["digest"] for r in rounds)
     return {"rounds": rounds, "median": summary}
@@ -429,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "median" in result:
         for b, m in result["median"].items():
             logger.info("batch %s, medians of %d rounds, baseline -> this: %s; same responses in every round: %s", b,
-                        args.rounds, ", ".join(f"{f} {m['baseline'][f]:.0f} -> {m['this'][f]:.0f}" for f in FIGURES),
+                        args.rounds, ", ".join(f"{f} {m['baseline'][f]:.0f} -> {m['this'][f]:.0f}"
+                                               for f in m["this"]),
                         m["same_responses"])
     else:
         for b, r in result["this"].items():

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout.client import (
     EngineClient, EngineError, EngineRequestError, EngineUnavailableError, MalformedResponseError,
@@ -224,6 +226,62 @@ def test_malformed_responses_are_named():
     for body, field in cases:
         with pytest.raises(MalformedResponseError, match=field):
             validate_generate_response(body, "http://e", return_logprob=True)
+
+
+_ENTRY_PART = st.one_of(st.integers(-3, 3), st.floats(allow_nan=False), st.booleans(), st.text(max_size=2), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.lists(_ENTRY_PART, max_size=4), st.tuples(_ENTRY_PART, _ENTRY_PART), _ENTRY_PART),
+                max_size=6))
+def test_logprob_entries_are_judged_as_one_by_one(entries):
+    """The check of output_token_logprobs in one pass names the same first bad entry as checking each in turn."""
+    def bad_entry(e) -> bool:
+        return (not isinstance(e, (list, tuple)) or len(e) < 2 or type(e[1]) is not int
+                or type(e[0]) not in (int, float))
+
+    first_bad = next((i for i, e in enumerate(entries) if bad_entry(e)), None)
+    body = {"meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 1, "completion_tokens": len(entries),
+                          "output_token_logprobs": entries}}
+    if first_bad is None:
+        validate_generate_response(body, "http://e", return_logprob=True)
+    else:
+        with pytest.raises(MalformedResponseError, match=rf"output_token_logprobs\[{first_bad}\]"):
+            validate_generate_response(body, "http://e", return_logprob=True)
+
+
+def test_response_bodies_are_parsed_as_json_or_named():
+    """A loopback server answering raw bodies: orjson's JSON, the standard library's NaN and Infinity literals
+    (orjson refuses them; other servers may write them), an empty body as None, and a body that is not JSON named."""
+    from aiohttp import web  # noqa: PLC0415
+
+    bodies = {"/json": b'{"a": [1, -0.5, null]}', "/nan": b'{"lp": [NaN, -Infinity]}', "/empty": b" ",
+              "/html": b"<html>busy</html>"}
+
+    async def answer(request):
+        return web.Response(body=bodies[request.path], content_type="application/json")
+
+    async def scenario():
+        app = web.Application()
+        for path in bodies:
+            app.router.add_post(path, answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with EngineClient([url], max_retries=0) as client:
+                assert (await client.request("/json", {}))[0] == {"a": [1, -0.5, None]}
+                lp = (await client.request("/nan", {}))[0]["lp"]
+                assert lp[0] != lp[0] and lp[1] == float("-inf")
+                assert (await client.request("/empty", {}))[0] is None
+                with pytest.raises(EngineError, match="/html answered 200 with a body that is not JSON"):
+                    await client.request("/html", {})
+        finally:
+            await runner.cleanup()
+
+    run(scenario())
 
 
 def test_broadcast_reaches_every_engine_and_names_failures(engines):

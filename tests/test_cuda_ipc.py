@@ -61,6 +61,76 @@ def test_cpu_server_refuses_cuda_ipc_clearly(checkpoints):
         assert _get_json(srv.url + "/get_weight_version") == {"weight_version": "0"}
 
 
+def test_engine_keeps_a_senders_buffer_mapped_while_its_handle_stays(checkpoints, monkeypatch):
+    """An engine maps a sender's buffer once and reads every refill through the same views while the handle stays;
+    a new handle's buffer replaces it; stopping unmaps it. FAKE: CUDA IPC needs a GPU, so open_buffer here hands
+    out host buffers by handle (the GPU test below sends three versions through one real handle)."""
+    import asyncio  # noqa: PLC0415
+
+    import slime_dsa  # noqa: PLC0415
+    from rollout.engine import AsyncEngine, Engine  # noqa: PLC0415
+    from slime_dsa.weights import cuda_ipc  # noqa: PLC0415
+
+    model = slime_dsa.load_model(checkpoints[0]).eval()
+    start = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    tensors, nbytes = layout([(name, tuple(t.shape), cuda_ipc.dtype_name(t.dtype)) for name, t in start.items()])
+    buffers: dict[bytes, torch.Tensor] = {}
+    monkeypatch.setattr(cuda_ipc, "open_buffer", lambda buffer, device: buffers[buffer.handle])
+
+    def sender(handle: bytes) -> tuple[torch.Tensor, IpcWeights]:
+        buffers[handle] = flat = torch.zeros(nbytes, dtype=torch.uint8)
+        return flat, IpcWeights(IpcBuffer("GPU-1", handle, nbytes, 0, nbytes, REF, 0, None, False), tensors)
+
+    def refill(flat: torch.Tensor, scale: float) -> None:
+        for name, view in cuda_ipc.views(flat, tensors).items():
+            view.copy_(start[name] * scale)
+
+    def assert_holds(scale: float) -> None:
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, start[name] * scale), name
+
+    async def main() -> None:
+        engine = AsyncEngine(Engine(model, max_cache_tokens=512, block_size=4))
+        await engine.start()
+        flat, ipc = sender(HANDLE)
+        for version, scale in enumerate((2.0, 3.0, 0.5), start=1):
+            refill(flat, scale)
+            await engine.update_weights_from_cuda_ipc(ipc, weight_version=str(version))
+            assert_holds(scale)
+        assert engine.ipc_opens == 1
+        other, moved = sender(b"\x07" * len(HANDLE))  # the sender made a new buffer
+        refill(other, 1.5)
+        await engine.update_weights_from_cuda_ipc(moved, weight_version="4")
+        assert_holds(1.5)
+        assert engine.ipc_opens == 2 and engine._ipc.flat is other
+        await engine.stop()
+        assert engine._ipc is None
+
+    asyncio.run(main())
+
+
+def test_server_parses_a_repeated_cuda_ipc_table_once():
+    """The server keeps the last cuda_ipc entry and its checked table: an equal entry (every update of one sender)
+    is not parsed again; a different one is, with its own errors."""
+    from rollout.server.app import _parse_cuda_ipc  # noqa: PLC0415
+    from rollout.server.state import ServerState  # noqa: PLC0415
+
+    class Engine:  # what _parse_cuda_ipc asks of the engine: that it takes cuda_ipc updates
+        update_weights_from_cuda_ipc = None
+
+    st = ServerState(engine=Engine(), tokenizer=None, api_key=None, max_body_bytes=1, max_weight_body_bytes=1,
+                     max_prompt_tokens=None, model_path=None, served_model_name="m")
+    first = _parse_cuda_ipc(st, ipc_table())
+    assert _parse_cuda_ipc(st, json.loads(json.dumps(ipc_table()))) is first
+    moved = _parse_cuda_ipc(st, ipc_table(ref_counter_offset=4))
+    assert moved is not first and moved.buffer.ref_counter_offset == 4
+    from rollout.engine.types import RequestError  # noqa: PLC0415
+
+    with pytest.raises(RequestError, match="ref_counter_offset must be an integer >= 0"):
+        _parse_cuda_ipc(st, ipc_table(ref_counter_offset=-2))
+    assert st.last_cuda_ipc[1] is moved
+
+
 def _engine_state(srv) -> dict[str, torch.Tensor]:
     from rollout.server.app import STATE  # noqa: PLC0415
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainers.base import RankConfig, TrainBatch, sample_rows
-from trainers.rank import StepSums, TrainerRank, step_if_finite
+from trainers.rank import StepSums, TrainerRank, set_training, step_if_finite
 
 
 def _per_sample_rows(seqlens: list[int], sample_ids: list[int]) -> torch.Tensor:
@@ -45,6 +45,28 @@ def test_select_takes_the_samples_rows_and_all_samples_share_the_tensors():
     assert whole is not batch and whole.input_ids is batch.input_ids and whole.seqlens == seqlens
     whole.old_logprobs = torch.zeros(n)  # the caller's batch keeps its own fields
     assert batch.old_logprobs is None
+
+
+def test_set_training_leaves_every_module_in_the_mode_asked():
+    """set_training skips the walk only when every module is in the mode already: one submodule flipped elsewhere
+    makes it set the whole tree; objects that are not modules get their own train(mode)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    for mode in (False, True, True):
+        set_training(model, mode)
+        assert all(m.training == mode for m in model.modules())
+    model[1][0].eval()
+    set_training(model, True)
+    assert all(m.training for m in model.modules())
+
+    class Wrapped:  # a DeepSpeed EngineModel's shape: train(mode) but not a module
+        mode = None
+
+        def train(self, mode: bool = True) -> None:
+            self.mode = mode
+
+    wrapped = Wrapped()
+    set_training(wrapped, False)
+    assert wrapped.mode is False
 
 
 def test_a_fused_optimizer_skips_a_non_finite_step_on_the_device_as_the_host_check_does():

@@ -343,7 +343,7 @@ class TrainerRank:
     def compute_values(self, batch: TrainBatch, role: str = "critic") -> tuple[torch.Tensor, torch.Tensor]:
         """A value role's V(s_t) of every token of the batch (T,) and V after each sample (N,), float32 on CPU."""
         held = self.roles[role]
-        held.runs.eval()
+        set_training(held.runs, False)
         values, finals = [], []
         for mb in self.micro_batches(batch, held.config):
             v, final = self.value_forward(held, mb)
@@ -356,7 +356,7 @@ class TrainerRank:
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         """log π of every token of the batch under the role's current weights, (T,) float32 on CPU."""
         held = self.roles[role]
-        held.runs.eval()
+        set_training(held.runs, False)
         outs = []
         for mb in self.micro_batches(batch, held.config):
             logp, *_ = self.forward(held, mb)
@@ -394,7 +394,7 @@ class TrainerRank:
                 model_config = held.model.config
                 batches = warmup_batches(max_len, model_config.index_topk, model_config.vocab_size,
                                          self.config.micro_batch_tokens, self.config.seed)
-                held.runs.train()
+                set_training(held.runs, True)
                 self.zero_gradients(held)
                 for mb in batches:
                     loss, _ = self._policy_micro_loss(held, mb, float(mb.loss_mask.sum()), len(mb.seqlens),
@@ -450,7 +450,7 @@ class TrainerRank:
         if not held.config.trains:
             raise ValueError(f"role {role!r} has no optimizer or loss: it does not train")
         dsa = held.config.dsa
-        held.runs.train()
+        set_training(held.runs, True)
         self.zero_gradients(held)
         sums: dict[str, Metric] = {}
         old_logprobs: list[torch.Tensor] | None = [] if fill_old_logprobs else None
@@ -620,3 +620,11 @@ def _padding_batch() -> TrainBatch:
     zero = torch.zeros(1)
     return TrainBatch(input_ids=torch.zeros(1, dtype=torch.long), seqlens=[1], loss_mask=zero, rollout_logprobs=zero,
                       advantages=zero, old_logprobs=zero, returns=zero, old_values=zero)
+
+
+def set_training(runs: Any, mode: bool) -> None:
+    """runs.train(mode), skipped when its module tree is in that mode already: setting it walks every module through
+    nn.Module.__setattr__ (~4 ms a train call at the small preset's ~1,000 modules on a CPU core), reading it ~1 ms."""
+    if isinstance(runs, torch.nn.Module) and all(module.training == mode for module in runs.modules()):
+        return
+    runs.train(mode)

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from slime_dsa.gc_watch import GcWatch
 from slime_dsa.trace_recorder import annotate
 
 if TYPE_CHECKING:
-    from slime_dsa.weights.cuda_ipc import IpcWeights
+    from slime_dsa.weights.cuda_ipc import IpcBuffer, IpcTensor, IpcWeights
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._preloaded: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint dir -> its weights in host memory
+        self._ipc: _OpenIpc | None = None  # the last cuda_ipc buffer, kept mapped while its sender keeps the handle
+        self.ipc_opens = 0  # cuda_ipc buffers mapped so far
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -88,6 +91,7 @@ class AsyncEngine:
         self._commands.put((lambda: None, None))  # wake the thread
         thread, self._thread = self._thread, None
         await asyncio.to_thread(thread.join)
+        self._ipc = None  # unmaps the sender's buffer
         self.gc_watch.uninstall()
 
     @property
@@ -212,20 +216,33 @@ class AsyncEngine:
         return paused_update
 
     def _load_cuda_ipc(self, ipc: IpcWeights, weight_version: str | None, flush_cache: bool) -> None:
-        from slime_dsa.weights.cuda_ipc import IpcFormatError, open_buffer, views  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import IpcFormatError  # noqa: PLC0415
 
         engine = self.engine
         try:
             ipc.check_against({name: tuple(t.shape) for name, t in engine.parameters_by_name().items()})
-            flat = open_buffer(ipc.buffer, engine.device)
+            opened = self._open_ipc(ipc)
         except IpcFormatError as e:
             raise RequestError(str(e)) from None
-        try:
-            engine.update_weights(views(flat, ipc.tensors), weight_version, flush_cache=flush_cache)
-            # The copies read the sender's memory: done before the view is released and the sender refills it.
+        engine.update_weights(opened.views, weight_version, flush_cache=flush_cache)
+        if engine.device.type == "cuda":  # the copies read the sender's memory: done before the sender refills it
             torch.cuda.current_stream(engine.device).synchronize()
-        finally:
-            del flat  # closes the IPC mapping (torch keeps it open only while a storage uses it)
+
+    def _open_ipc(self, ipc: IpcWeights) -> _OpenIpc:
+        """The buffer of `ipc` mapped, with a view per tensor. A sender exports one buffer and refills it for every
+        version (trainers/shared_weights.py), so the mapping and the views of the last update are kept and reused
+        while the buffer's handle is the same; a new handle unmaps the old buffer."""
+        from slime_dsa.weights.cuda_ipc import open_buffer, views  # noqa: PLC0415
+
+        opened = self._ipc
+        if opened is None or opened.buffer != ipc.buffer:
+            self._ipc = opened = None  # torch unmaps a buffer when no storage uses it any more
+            opened = _OpenIpc(ipc.buffer, open_buffer(ipc.buffer, self.engine.device))
+            self._ipc = opened
+            self.ipc_opens += 1
+        if opened.tensors != ipc.tensors:
+            opened.views, opened.tensors = views(opened.flat, ipc.tensors), ipc.tensors
+        return opened
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None,
                                        pause_mode: str | None = None) -> None:
@@ -434,6 +451,16 @@ class AsyncEngine:
         future = asyncio.get_running_loop().create_future()
         self._submit(fn, future)
         return await future
+
+
+@dataclass
+class _OpenIpc:
+    """A sender's cuda_ipc buffer mapped into this process (`flat`), and the views of the last table read from it."""
+
+    buffer: IpcBuffer
+    flat: torch.Tensor
+    tensors: tuple[IpcTensor, ...] = ()
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Finals:

@@ -27,6 +27,8 @@ class ServerState:
     vocab_size: int | None = None
     status: str = "starting"  # starting | ready | stopping
     started_at: float = field(default_factory=time.time)
+    # The last cuda_ipc entry and its parsed table: a trainer sends the same table every update (app._parse_cuda_ipc).
+    last_cuda_ipc: tuple[Any, Any] | None = None
 
     def check_ready(self) -> None:
         if self.status != "ready":

@@ -607,6 +607,7 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
         self.model = GlmMoeDsaModel(config)
         self.gradient_checkpointing = False
         self._inv_freq, self._rope_scaling = rope_inv_freq(config)
+        self._experts: list[Experts] | None = None  # experts_modules
 
     def forward_hidden(
         self,
@@ -693,13 +694,19 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
         layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
         return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
 
+    def experts_modules(self) -> list[Experts]:
+        """Every MoE layer's Experts, found once: walking the modules after each weight update cost ~1 ms."""
+        if self._experts is None:
+            self._experts = [module for module in self.modules() if isinstance(module, Experts)]
+        return self._experts
+
     @torch.no_grad()
     def refresh_inference_caches(self) -> None:
         """Bring the derived weight copies up to date now, in place where they exist (after a weight update): the
         experts' stacked copies of every MoE layer in one foreach copy."""
         destinations, sources = [], []
-        for module in self.modules():
-            if isinstance(module, Experts) and module._stacked is not None:
+        for module in self.experts_modules():
+            if module._stacked is not None:
                 refill = module.stale_refill()
                 if refill is not None:
                     destinations += refill[0]
