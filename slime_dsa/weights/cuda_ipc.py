@@ -2,8 +2,9 @@
 
 The sender (trainer rank 0) packs every tensor into one uint8 buffer on its GPU and exports a CUDA IPC handle for
 it once; a receiver on the same GPU (an embedded engine) opens the handle, copies each slice into its parameters
-and closes it. torch's own format for this is a pickle (torch.multiprocessing); here every rebuild argument is an
-explicit JSON field, checked before torch's rebuild function sees it, so no request can run code.
+and keeps the buffer mapped while the handle stays the same. torch's own format for this is a pickle
+(torch.multiprocessing); here every rebuild argument is an explicit JSON field, checked before torch's rebuild
+function sees it, so no request can run code.
 """
 
 from __future__ import annotations
