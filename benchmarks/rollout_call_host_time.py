@@ -51,6 +51,7 @@ import cProfile
 import gc
 import json
 import logging
+import math
 import random
 import statistics
 import sys
@@ -357,7 +358,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict]:
 
 def _figures(row: dict) -> tuple[str, ...]:
     """FIGURES, and over HTTP the client process's wall and CPU time too."""
-    return FIGURES + (("client_wall_ms", "client_cpu_ms") if row["client_cpu_ms"] == row["client_cpu_ms"] else ())
+    return FIGURES + (() if math.isnan(row["client_cpu_ms"]) else ("client_wall_ms", "client_cpu_ms"))
 
 
 def compare(args: argparse.Namespace) -> dict:

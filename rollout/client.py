@@ -610,7 +610,8 @@ def validate_generate_response(body: Any, url: str, *, return_logprob: bool, whe
             raise bad("meta_info.output_token_logprobs", "token ids equal to output_ids", ids[:8])
 
 
-_INT, _NUMBER = frozenset({int}), frozenset({int, float})  # exact types: a bool is not a number here
+# Exact types: a bool is not a number here.
+_INT, _NUMBER, _ENTRY = frozenset({int}), frozenset({int, float}), frozenset({list, tuple})
 
 
 def _all_of(values: list, types: frozenset) -> bool:
@@ -621,7 +622,7 @@ def _all_of(values: list, types: frozenset) -> bool:
 
 def _logprob_token_ids(entries: list) -> list[int] | None:
     """The token ids of [logprob, token_id, ...] entries, or None when any entry may not be one (an empty list too)."""
-    if not _all_of(entries, frozenset({list, tuple})):
+    if not _all_of(entries, _ENTRY):
         return None
     columns = list(zip(*entries))  # cut to the shortest entry: fewer than two columns when one is too short
     if len(columns) < 2 or not _all_of(columns[1], _INT) or not _all_of(columns[0], _NUMBER):

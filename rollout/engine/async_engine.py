@@ -236,9 +236,8 @@ class AsyncEngine:
 
         opened = self._ipc
         if opened is None or opened.buffer != ipc.buffer:
-            self._ipc = opened = None  # torch unmaps a buffer when no storage uses it any more
-            opened = _OpenIpc(ipc.buffer, open_buffer(ipc.buffer, self.engine.device))
-            self._ipc = opened
+            self._ipc = None  # the old buffer first: torch unmaps it once no storage uses it
+            self._ipc = opened = _OpenIpc(ipc.buffer, open_buffer(ipc.buffer, self.engine.device))
             self.ipc_opens += 1
         if opened.tensors != ipc.tensors:
             opened.views, opened.tensors = views(opened.flat, ipc.tensors), ipc.tensors

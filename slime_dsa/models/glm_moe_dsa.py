@@ -692,7 +692,7 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
     def graph_safe(self) -> bool:
         """Whether an inference forward waits on no host, so that it can be captured in a CUDA graph: every MoE
         layer's experts take the grouped path (on CUDA in bfloat16), not the loop that reads counts on the host."""
-        return all(module.graph_safe() for module in self.modules() if isinstance(module, Experts))
+        return all(module.graph_safe() for module in self.experts_modules())
 
     def experts_modules(self) -> list[Experts]:
         """Every MoE layer's Experts, found once: walking the modules after each weight update cost ~1 ms."""
@@ -717,9 +717,8 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
 
     def drop_inference_caches(self) -> None:
         """Free the derived copies of weights kept for fast inference (the experts' stacked weights)."""
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.drop_stacked()
+        for module in self.experts_modules():
+            module.drop_stacked()
 
     def cast(self, dtype: torch.dtype) -> "GlmMoeDsaPreTrainedModel":
         """Cast to dtype, but for float32_modules, held in float32 with their values as loaded (never rounded)."""
