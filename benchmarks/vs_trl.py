@@ -115,6 +115,12 @@ RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_
 # ---------------------------------------------------------------------------------------------------- shared setup
 
 
+# --ours-loop async: recipes/async_reinforce.yaml's algorithm (GLM-5's asynchronous stage), --ours-max-staleness steps
+# ahead at most: REINFORCE with double-sided IS against the rollout's own log-probs, on group-centred rewards.
+ASYNC_ALGORITHM = {"name": "async_reinforce", "max_staleness": 1, "partial_rollout": "retract", "kl_coef": 0.0,
+                   "loss_aggregation": "token_mean"}
+
+
 def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     """Our recipe for the benchmark: the quickstart's GRPO (CPU) or recipes/gpu_single.yaml's placement and
     precision (cuda), on the benchmark's task and sizes."""
@@ -130,9 +136,10 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         "rollout": {"num_engines": args.ours_engines, "n_samples_per_prompt": args.group_size,
                     "prompts_per_step": args.prompts_per_step, "max_response_length": args.max_new_tokens,
                     "temperature": args.temperature, "top_p": 1.0, "top_k": -1},
-        "algorithm": {"name": "grpo", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0,
-                      "advantage_std_normalize": True, "loss_aggregation": "token_mean",
-                      "use_rollout_logprobs": not args.recompute_old_logprobs},
+        "algorithm": ({"name": "grpo", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0,
+                       "advantage_std_normalize": True, "loss_aggregation": "token_mean",
+                       "use_rollout_logprobs": not args.recompute_old_logprobs}
+                      if args.ours_loop == "sync" else {**ASYNC_ALGORITHM, "max_staleness": args.ours_max_staleness}),
         "trainer": {"num_workers": args.ours_workers, "data_parallel": "replicate", "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": args.micro_batch_tokens,
                     "warmup_steps": 0, "lr_schedule": "constant", "weight_decay": 0.0, "adam_betas": [0.9, 0.999],
                     "max_grad_norm": 1.0, "num_steps_per_rollout": 1, "seed": args.seed},
@@ -145,6 +152,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         del recipe["trainer"]["data_parallel"]  # replicate trains in float32 only: the default, fsdp
         recipe["cluster"] = {"placement": "colocated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5,
                              "engine_kv_cache_in_training": args.ours_kv_cache}
+        if args.ours_loop == "async":  # the engine generates while the trainer steps, both on the one GPU
+            recipe["cluster"] = {"placement": "disaggregated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
     recipe["logging"]["profile_steps"] = args.profile_steps
     recipe["logging"]["profile_activities"] = args.profile_activities
@@ -486,20 +495,27 @@ def mean_length(side: dict[str, Any]) -> str:
 
 def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
     """(the precision, how each side runs) for the report."""
+    loop = ("GRPO in the synchronous loop" if args.ours_loop == "sync" else
+            f"async_reinforce in the asynchronous loop (max_staleness {args.ours_max_staleness}, partial_rollout "
+            "retract: the next steps' rollouts run while the trainer steps; DIS on group-centred rewards, no π_old; "
+            "not TRL's algorithm)")
     if args.device == "cuda":
+        placement = ("colocated on the one GPU (0.5 + 0.5; Ray actors that take turns; "
+                     f"cluster.engine_kv_cache_in_training {args.ours_kv_cache}: what the engine does with its KV "
+                     "cache while the trainer steps; " if args.ours_loop == "sync" else
+                     "on the one GPU at the same time (0.5 + 0.5, placement disaggregated: the engine never pauses "
+                     "for the trainer but for the weight push; ")
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
-                f"ours: `run_training` with its defaults and recipes/gpu_single.yaml's placement, 1 embedded engine "
-                f"(bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) colocated "
-                f"on the one GPU (0.5 + 0.5; Ray actors that take turns; cluster.engine_kv_cache_in_training "
-                f"{args.ours_kv_cache}: what the engine does with its KV cache while the trainer steps; "
-                f"overlap scheduler {args.ours_overlap}), "
+                f"ours: `run_training`, {loop}, with its defaults and recipes/gpu_single.yaml's resources, 1 embedded "
+                f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
+                f"{placement}overlap scheduler {args.ours_overlap}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
                 f"micro-batches of {trl_micro_batch(args)} samples accumulated into one optimizer step, "
                 f"attn_implementation {args.trl_attn}, {args.trl_threads} torch thread(s)")
     return ("float32",
-            f"ours: `run_training` with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
+            f"ours: `run_training`, {loop}, with its defaults, {args.ours_engines} embedded engine(s) + {args.ours_workers} "
             f"trainer rank(s) (data_parallel replicate; Ray actors, 1 CPU / 1 torch thread each, colocated: engines "
             f"and trainers take turns); TRL: GRPOTrainer on CPU in-process, {args.trl_threads} torch thread(s), HF "
             f"`generate`, attn_implementation {args.trl_attn}")
@@ -641,6 +657,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-kv-cache", choices=("auto", "release", "keep"), default="auto",
                         help="ours on cuda: cluster.engine_kv_cache_in_training, what the engine does with its KV "
                              "cache (and decode CUDA graphs) while the trainer steps (default auto: keep a small one)")
+    parser.add_argument("--ours-loop", choices=("sync", "async"), default="sync",
+                        help="ours: sync = GRPO in the synchronous loop, as TRL (default); async = async_reinforce "
+                             "with max_staleness 1: rollout of the next step overlaps training (on cuda the engine "
+                             "and the trainer rank share the GPU without taking turns, placement disaggregated). "
+                             "Not the same algorithm as TRL's: the report names it, and the reward verdict decides")
+    parser.add_argument("--ours-max-staleness", type=int, default=1,
+                        help="ours with --ours-loop async: algorithm.max_staleness, how many steps rollout may run "
+                             "ahead of training (default 1)")
     parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
                              "the previous one's tokens (default on, the recipe's default for embedded engines)")
@@ -673,6 +697,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.ours_engines} --ours-workers {args.ours_workers}")
     if args.device != "cuda" and args.ours_kv_cache != "auto":
         parser.error("--ours-kv-cache applies to --device cuda (on CPU nothing is handed over)")
+    if args.ours_loop == "async" and args.ours_kv_cache != "auto":
+        parser.error("--ours-kv-cache applies to --ours-loop sync (in the asynchronous loop the engine never pauses "
+                     "for the trainer)")
+    if args.ours_max_staleness < 1 or (args.ours_loop == "sync" and args.ours_max_staleness != 1):
+        parser.error("--ours-max-staleness (>= 1) applies to --ours-loop async")
+    if args.ours_loop == "async" and args.recompute_old_logprobs:
+        parser.error("--recompute-old-logprobs applies to --ours-loop sync (async_reinforce computes no π_old)")
     if args.hook_state is None:
         args.hook_state = "last" if args.device == "cuda" else "every"
     if args.max_prompt_length is None:

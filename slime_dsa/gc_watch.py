@@ -8,6 +8,8 @@ does after capturing its graphs, and SGLang's /freeze_gc), so the full collectio
 or a train call scan only what the steps made. An Engine freezes what exists when it is built (once per process); a
 service process freezes again after its warm-up, taking what that made: compiled kernels, captured graphs, the
 server. `collect_paused` runs a full one at a moment that costs no step: an engine paused for a colocated trainer.
+The RL driver (`slime-dsa train`, or a script calling run_training) freezes for the length of a run
+(`frozen_during`), since it may live on after the run returns.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -87,3 +90,18 @@ def freeze_after_startup(who: str) -> int:
     logger.info("%s: %d objects alive after start-up frozen out of garbage collection (%.0f ms)", who, frozen,
                 (time.perf_counter() - start) * 1e3)
     return frozen
+
+
+@contextmanager
+def frozen_during(who: str) -> Iterator[GcWatch]:
+    """Freeze what is alive now and count every collection until the block ends; then unfreeze everything, so
+    what dies after the run (in the caller's process, which may go on) is collected, never held frozen. An
+    in-process Engine's own freeze goes with it: a cost in speed, not memory. Yields the watch (take() per step)."""
+    freeze_after_startup(who)
+    watch = GcWatch({}, who=who)
+    watch.install()
+    try:
+        yield watch
+    finally:
+        watch.uninstall()
+        gc.unfreeze()

@@ -389,7 +389,7 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
     recipe = json.loads(json.dumps(RECIPE))
     recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:stall_group_zero"
     recipe["logging"]["eval_every"] = 0
-    recipe["rollout"].update(max_concurrency=1, max_response_length=12)
+    recipe["rollout"].update(max_concurrency=1, max_response_length=32)  # long enough that a push lands mid-answer
     recipe["algorithm"].update(max_staleness=1, partial_rollout="retract")
     recipe["trainer"]["num_steps"] = 5  # group 0 is released after step 2: two more steps to take it
     STALL.clear()
@@ -410,6 +410,8 @@ def test_async_loop_partial_rollouts_staleness_and_accounting(tmp_path, ray_clus
         assert math.isfinite(r["train/loss"]) and 0 <= r["train/dis_frac_below"] <= 1
     assert any(r["async/partial_rollout_frac"] > 0 for r in records), "no rollout continued across a weight push"
     assert any(r["async/staleness_mean"] > 0 for r in records)
+    # the hook's read-back of the weights (hook_state every) is said apart, as in the synchronous loop
+    assert all(0 < r["perf/weights_readback_s"] < r["perf/sync_time_s"] for r in records)
 
 
 SEEN: dict[int, str] = {}

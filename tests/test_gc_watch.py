@@ -94,3 +94,25 @@ def test_a_paused_engine_collects_once_the_caller_has_its_answer(tmp_path):
         assert engine.gc_watch._callback not in gc.callbacks
 
     asyncio.run(main())
+
+
+def test_the_driver_is_frozen_for_a_run_and_its_collections_counted():
+    # In a process of its own: a pytest process's other objects stay out of it.
+    code = """
+import gc
+from slime_dsa.gc_watch import frozen_during
+cycles = [[i] for i in range(10_000)]
+for c in cycles:
+    c.append(c)
+gc.freeze()  # an in-process Engine's freeze before the run: unfrozen with the run's, so nothing is held after it
+with frozen_during("driver") as watch:
+    assert gc.get_freeze_count() >= 10_000
+    assert watch._callback in gc.callbacks
+    gc.collect()
+    assert watch.take()["gc_full"] == 1 and watch.take()["gc_full"] == 0
+assert gc.get_freeze_count() == 0, "a run left the caller's objects frozen"
+assert watch._callback not in gc.callbacks
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

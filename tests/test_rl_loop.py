@@ -132,6 +132,8 @@ def test_every_step_logs_engine_and_trainer_performance(first_run):
         # rank 0's garbage collections during the train call (slime_dsa/gc_watch.py), apart from the engines'
         assert r["perf/trainer_gc_s"] >= 0 and r["perf/trainer_gc_full"] >= 0 and r["perf/trainer_gc_paused_s"] == 0
         assert r["perf/engine_gc_s"] >= 0 and r["perf/engine_gc_paused_s"] >= 0
+        # the driver's own, its start-up objects frozen for the run (tests/test_gc_watch.py)
+        assert r["perf/driver_gc_s"] >= 0 and r["perf/driver_gc_full"] >= 0
     summaries = list((run_dir / "wandb").glob("offline-run-*/files/wandb-summary.json"))
     if summaries:  # W&B writes the summary at finish
         assert "perf/engine_tok_s" in json.loads(summaries[0].read_text())

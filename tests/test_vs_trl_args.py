@@ -59,3 +59,25 @@ def test_trl_attention_is_sdpa_unless_asked_and_the_setup_line_says_which() -> N
     assert "attn_implementation sdpa" in setup_desc(parse_args([]))[1]
     with pytest.raises(SystemExit):
         parse_args(["--trl-attn", "flash"])
+
+
+def test_ours_loop_async_runs_async_reinforce_beside_the_trainer_on_the_gpu() -> None:
+    args = parse_args(["--device", "cuda", "--task", "countdown", "--ours-loop", "async"])
+    recipe = RecipeConfig.model_validate(recipe_dict(args, Path("m"), Path("run")))
+    assert recipe.algorithm.name == "async_reinforce" and recipe.algorithm.max_staleness == 1
+    assert recipe.cluster.placement == "disaggregated"
+    assert (recipe.cluster.num_gpus_per_engine, recipe.cluster.num_gpus_per_trainer) == (0.5, 0.5)
+    assert "async_reinforce in the asynchronous loop" in setup_desc(args)[1]
+    sync = RecipeConfig.model_validate(recipe_dict(parse_args(["--device", "cuda"]), Path("m"), Path("run")))
+    assert sync.algorithm.name == "grpo" and sync.cluster.placement == "colocated"
+    assert "GRPO in the synchronous loop" in setup_desc(parse_args([]))[1]
+    cpu = RecipeConfig.model_validate(recipe_dict(parse_args(["--ours-loop", "async"]), Path("m"), Path("run")))
+    assert cpu.algorithm.name == "async_reinforce" and cpu.cluster.num_gpus_per_engine == 0
+    two = parse_args(["--device", "cuda", "--ours-loop", "async", "--ours-max-staleness", "2"])
+    assert RecipeConfig.model_validate(recipe_dict(two, Path("m"), Path("run"))).algorithm.max_staleness == 2
+    assert "max_staleness 2" in setup_desc(two)[1]
+    for refused in (["--ours-kv-cache", "keep"], ["--recompute-old-logprobs"], ["--ours-max-staleness", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda", "--ours-loop", "async", *refused])
+    with pytest.raises(SystemExit):
+        parse_args(["--ours-max-staleness", "2"])  # the synchronous loop has none

@@ -741,7 +741,9 @@ class ClusterSection(Section):
                           "or ray://host:port.")
     placement: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="colocated: engines and trainers share devices and take turns; disaggregated: "
-                                 "separate devices, so generation overlaps training.")
+                                 "they do not take turns, so generation overlaps training (the asynchronous loop): "
+                                 "on devices of their own, or sharing one GPU by fractions "
+                                 "(recipes/gpu_single_async.yaml).")
     num_gpus_per_engine: float = Field(
         0.0, ge=0, description="GPUs per engine actor; 0 = CPU; fractions share one GPU.")
     num_gpus_per_trainer: float = Field(

@@ -103,6 +103,8 @@ async def run_async_loop(run: Run) -> None:
                                                               on_weights=run.on_weights,
                                                               want_state=run.hook_wants_state(step + 1))
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
+            # An on_weights hook's read-back is in the sync time; said apart, as in the synchronous loop.
+            metrics["perf/weights_readback_s"] = getattr(run.weights, "last_read_s", 0.0)
             last = step + 1 == recipe.trainer.num_steps
             if alg.max_staleness > 0 and not last:
                 await gate.advance(step + 1)  # the new weights are on the engines: rollout goes on during the tail

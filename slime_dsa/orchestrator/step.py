@@ -74,6 +74,7 @@ class Run:
     engine_stats: Any = None  # slime_dsa.orchestrator.perf.EngineStats (None: no perf/engine_* metrics)
     train_flops: Any = None  # slime_dsa.orchestrator.perf.TrainFlops (None: no perf/train_model_tflops, _mfu)
     memory: Any = None  # slime_dsa.orchestrator.colocation.MemoryHandOver, made at the first colocated step
+    driver_gc: Any = None  # slime_dsa.gc_watch.GcWatch of this process while the loop runs (perf/driver_gc_*)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""
@@ -85,6 +86,9 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
     recipe = run.recipe
     if run.engine_stats is not None:
         metrics.update(await run.engine_stats.metrics())  # since the last step's: this step's rollouts
+    if run.driver_gc is not None:
+        counts = run.driver_gc.take()
+        metrics.update({"perf/driver_gc_s": counts["gc_s"], "perf/driver_gc_full": counts["gc_full"]})
     if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
         metrics.update(await run.manager.evaluate())
         if run.engine_stats is not None:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
+from slime_dsa.gc_watch import frozen_during
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
@@ -146,10 +147,13 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             metrics_log.log(initial, step=0)
             print_step(0, recipe.trainer.num_steps, initial)
         await run.engine_stats.reset()  # perf/engine_* of step 1 count from here
-        if use_async:
-            await run_async_loop(run)
-        else:
-            await _sync_loop(run)
+        # The driver's start-up objects (tokenizer, datasets, Ray's client, a calling script's own) leave its full
+        # collections: each one scans every tracked object, and one stops the event loop mid-step.
+        with frozen_during("driver") as run.driver_gc:
+            if use_async:
+                await run_async_loop(run)
+            else:
+                await _sync_loop(run)
     except Exception as e:
         line = await _failure_line(run, e)
         if line is None:
