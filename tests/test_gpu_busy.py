@@ -105,3 +105,13 @@ def test_a_trl_side_that_failed_is_reported_over_the_steps_it_finished(monkeypat
     assert "grad_norm per logged step: 0.0 nan" in text
     assert "| TRL | 4.00 | 4.00 | - | 9.00 | 13.0 | 20.0 | 0.100 | 0.150 | - |" in text
     assert "NOT reached (not decided: TRL failed) (3.64x" in text
+
+
+def test_ours_alone_prints_its_median_step_and_busy_share():
+    from benchmarks.vs_trl_ours import summary
+
+    line = summary({"step_times": [2.0, 0.5, 0.3, 0.4], "gpu_busy": 55.4, "gpu_busy_steps": [10.0, 50.0, 60.0, 55.0]})
+    assert line == ("ours: 4 steps, median step 0.400 s (steps 2..N), GPU busy 55% (steps 2..N); "
+                    "per step: 10% 50% 60% 55%")
+    assert "GPU busy - (steps 2..N); per step: -" in summary({"step_times": [1.0], "gpu_busy": None,
+                                                              "gpu_busy_steps": []})
