@@ -45,6 +45,11 @@ Ours' weight push reads the weights back for this script's hook only at the last
 step cost ~0.5 s a step for the small preset on an H200, a cost of the measurement, not of ours); on CPU at every
 step, as before (--hook-state every). Either way the read-back (its seconds: perf/weights_readback_s) is taken out of
 ours' step times: TRL's steps do no such work.
+--ours-loop async swaps ours' algorithm and loop for the asynchronous ones: async_reinforce (REINFORCE with
+double-sided IS against the rollout's log-probs, group-centred rewards, no π_old), --ours-max-staleness steps ahead
+(default 1), and on cuda the engine and the trainer rank on the GPU at once (placement disaggregated, 0.5 + 0.5):
+the next steps' rollouts run while the trainer steps. It is not TRL's algorithm; the report says so, and the reward
+verdict is what says whether it learned as well.
 GPU busy (cuda, with pynvml from nvidia-ml-py): a thread in this process reads the device's utilisation through NVML
 every 20 ms while each side trains (device-wide: ours' engine and trainer actors are other processes); the report
 gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). Without pynvml or a GPU: "-".
