@@ -5,7 +5,8 @@
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
 #   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
-#   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
+#   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments) RL_RECIPE (default recipes/gpu_single.yaml; e.g.
+#   recipes/gpu_single_async.yaml, the asynchronous loop with engine and trainer on the GPU at once), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
 # ptrain (benchmarks/profile_train_step.py: one RL train call profiled at 100, 300 and 1000 tokens per sequence; PTRAIN_ARGS
 # adds arguments, PTRAIN_T caps it, default 180 s) writes $OUT/profile_train.md and .json.
@@ -148,7 +149,7 @@ sftlong)
 rl)
   stamp rl
   rm -rf $W/rl
-  timeout -s INT -k 30 ${RL_T:-240} $CLI train recipes/gpu_single.yaml --set model.path=$W/sft/model \
+  timeout -s INT -k 30 ${RL_T:-240} $CLI train ${RL_RECIPE:-recipes/gpu_single.yaml} --set model.path=$W/sft/model \
     --set logging.wandb_mode=disabled --set logging.run_dir=$W/rl --set trainer.num_steps=${RL_STEPS:-6} \
     --set data.tasks.0.train_size=${RL_TRAIN:-20000} ${RL_SET} \
     2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" | tee $OUT/rl.log | tail -40
