@@ -118,9 +118,9 @@ def instrument() -> None:
         setattr(train, attr, _phase(getattr(train, attr), phase))
     one_step = train._one_step
 
-    async def counted_step(run: Any, step: int) -> Any:
+    async def counted_step(run: Any, step: int, *args: Any, **kwargs: Any) -> Any:
         REC.step = step + 1
-        return await one_step(run, step)
+        return await one_step(run, step, *args, **kwargs)
     train._one_step = counted_step
 
 

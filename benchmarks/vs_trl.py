@@ -160,6 +160,7 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         if args.ours_loop == "async":  # the engine generates while the trainer steps, both on the one GPU
             recipe["cluster"] = {"placement": "disaggregated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
+    recipe["rollout"]["prefetch_next_step"] = args.ours_prefetch == "on"
     recipe["logging"]["profile_steps"] = args.profile_steps
     recipe["logging"]["profile_activities"] = args.profile_activities
     return recipe
@@ -513,7 +514,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
                 f"ours: `run_training`, {loop}, with its defaults and recipes/gpu_single.yaml's resources, 1 embedded "
                 f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
-                f"{placement}overlap scheduler {args.ours_overlap}), "
+                f"{placement}overlap scheduler {args.ours_overlap}, prefetch of the next step's calls "
+                f"{args.ours_prefetch}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
@@ -670,6 +672,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-max-staleness", type=int, default=1,
                         help="ours with --ours-loop async: algorithm.max_staleness, how many steps rollout may run "
                              "ahead of training (default 1)")
+    parser.add_argument("--ours-prefetch", choices=("on", "off"), default="off",
+                        help="ours with --ours-loop sync: rollout.prefetch_next_step, the next step's calls sent to "
+                             "the paused engine while the trainer steps (default off, the recipe's default)")
     parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
                              "the previous one's tokens (default on, the recipe's default for embedded engines)")
@@ -707,6 +712,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "for the trainer)")
     if args.ours_max_staleness < 1 or (args.ours_loop == "sync" and args.ours_max_staleness != 1):
         parser.error("--ours-max-staleness (>= 1) applies to --ours-loop async")
+    if args.ours_loop == "async" and args.ours_prefetch == "on":
+        parser.error("--ours-prefetch applies to --ours-loop sync (the asynchronous loop always generates ahead)")
     if args.ours_loop == "async" and args.recompute_old_logprobs:
         parser.error("--recompute-old-logprobs applies to --ours-loop sync (async_reinforce computes no π_old)")
     if args.hook_state is None:

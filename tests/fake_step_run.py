@@ -15,14 +15,17 @@ class FakeManager:
 
 
 class FakeStepRun:
-    """FAKE run: the given client, weight transport, engine stats and memory hand-over; no fleet, hooks or callbacks."""
+    """FAKE run: the given client, weight transport, engine stats and memory hand-over, the default recipe (no
+    prefetch); no fleet, hooks or callbacks."""
 
     fleet = None
     on_weights = None
 
     def __init__(self, client, weights, engine_stats=None, memory=None) -> None:
+        from slime_dsa.config.schema import RecipeConfig
         from slime_dsa.orchestrator import train
 
+        self.recipe = RecipeConfig()
         self.client, self.weights, self.engine_stats, self.memory = client, weights, engine_stats, memory
         self.manager = FakeManager()
         self.progress = train.StepProgress()

@@ -106,3 +106,65 @@ def test_progress_bar_writes_nothing_to_a_pipe_or_file(capfd):
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")
     assert (bar.done, bar.total) == (8, 8)
+
+
+def _step_records(collector, prefetch_at: set[int], steps: int = 3):
+    """Each step's (sample indices, prompt indices, output ids, perf/rollout_prefetched), prefetching the steps in
+    `prefetch_at` during the step before (as the synchronous loop does during its train call)."""
+
+    async def main():
+        records = []
+        for step in range(steps):
+            groups, metrics = await collector.collect()
+            records.append(([s.index for g in groups for s in g], [g[0].prompt_ids for g in groups],
+                            [s.response_ids for g in groups for s in g], metrics["perf/rollout_prefetched"]))
+            if step + 1 in prefetch_at:
+                collector.prefetch()
+                await asyncio.sleep(0)  # the train call: the round's calls go out meanwhile
+        return records
+
+    return asyncio.run(main())
+
+
+def test_a_prefetched_round_is_the_round_the_step_would_have_drawn():
+    plain = _step_records(_collector(n_samples_per_prompt=2, prompts_per_step=4), set())
+    ahead = _step_records(_collector(n_samples_per_prompt=2, prompts_per_step=4), {1, 2})
+    assert [r[:3] for r in ahead] == [r[:3] for r in plain]  # same samples, prompts and answers
+    assert [r[3] for r in ahead] == [0.0, 1.0, 1.0] and [r[3] for r in plain] == [0.0, 0.0, 0.0]
+    dynamic = dict(n_samples_per_prompt=2, prompts_per_step=4, dynamic_sampling=True, oversample_factor=1.5)
+    plain = _step_records(_collector(**dynamic), set(), steps=4)
+    ahead = _step_records(_collector(**dynamic), {2}, steps=4)  # its keep share sizes the round as collect would
+    assert [r[:3] for r in ahead] == [r[:3] for r in plain]
+
+
+def test_a_prefetch_sends_its_calls_before_collect_and_can_be_cancelled():
+    collector = _collector(n_samples_per_prompt=2, prompts_per_step=4)
+    client = collector.groups.client
+
+    async def main():
+        collector.prefetch()
+        try:
+            collector.prefetch()
+        except RuntimeError as e:
+            second = str(e)
+        await asyncio.sleep(0.01)
+        sent = len(client.requests)
+        collector.cancel_prefetch()
+        groups, metrics = await collector.collect()  # a cancelled round is not taken up: a fresh one is drawn
+        return sent, second, groups, metrics
+
+    sent, second, groups, metrics = asyncio.run(main())
+    assert sent == 4 and "already waiting" in second
+    assert metrics["perf/rollout_prefetched"] == 0.0 and [g[0].group_id for g in groups] == [4, 5, 6, 7]
+
+
+def test_no_step_before_an_evaluation_a_checkpoint_or_the_end_prefetches():
+    from slime_dsa.config.schema import RecipeConfig
+    from slime_dsa.orchestrator.train import prefetches
+
+    recipe = RecipeConfig.model_validate({"data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]},
+                                          "rollout": {"prefetch_next_step": True}, "trainer": {"num_steps": 7},
+                                          "logging": {"eval_every": 3}, "checkpoint": {"save_every": 5}})
+    # step s (from 0) is followed by step s + 1's evaluation or checkpoint when s + 1 is a multiple of 3 or 5
+    assert [prefetches(recipe, s) for s in range(7)] == [True, True, False, True, False, False, False]
+    assert not any(prefetches(RecipeConfig(), s) for s in range(3))  # off by default

@@ -59,7 +59,7 @@ def _steps(monkeypatch, combined: bool, steps: int = 2) -> list[str]:
     run = FakeStepRun(client, weights, memory=MemoryHandOver(client, trainers, "keep"))
 
     # The colocated hand-over of step.train_on_samples, without the batch and the training call.
-    async def train_on_samples(run, step, samples, resume_engines=True, clock=None):
+    async def train_on_samples(run, step, samples, resume_engines=True, clock=None, while_training=None):
         await run.memory.to_trainer()
         trainers.version += 1
         calls.append("train")

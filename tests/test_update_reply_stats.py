@@ -150,7 +150,7 @@ def test_the_sync_loop_offers_the_push_replies_to_its_tail(monkeypatch):
         async def push(self, version, pause_mode="abort", want_state=False):
             return None
 
-    async def train_on_samples(run, step, samples, resume_engines=True, clock=None):
+    async def train_on_samples(run, step, samples, resume_engines=True, clock=None, while_training=None):
         return {}
     monkeypatch.setattr(train, "train_on_samples", train_on_samples)
     run = FakeStepRun(type("C", (), {"engines": {"e": 1}})(), Weights(), Stats())

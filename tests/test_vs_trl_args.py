@@ -43,6 +43,11 @@ def test_ours_overlap_reaches_the_recipe() -> None:
     on = RecipeConfig.model_validate(recipe_dict(parse_args([]), Path("m"), Path("run")))
     off = RecipeConfig.model_validate(recipe_dict(parse_args(["--ours-overlap", "off"]), Path("m"), Path("run")))
     assert on.rollout.overlap_schedule and not off.rollout.overlap_schedule
+    ahead = parse_args(["--device", "cuda", "--ours-prefetch", "on"])
+    assert RecipeConfig.model_validate(recipe_dict(ahead, Path("m"), Path("run"))).rollout.prefetch_next_step
+    assert not on.rollout.prefetch_next_step and "calls on)" in setup_desc(ahead)[1]
+    with pytest.raises(SystemExit):
+        parse_args(["--ours-loop", "async", "--ours-prefetch", "on"])
 
 
 def test_trl_trains_a_large_step_in_accumulated_micro_batches() -> None:

@@ -195,7 +195,7 @@ def test_the_colocated_sync_step_leaves_the_continue_to_the_push(monkeypatch):
     weights = CudaIpcTransport(client, trainers, "bfloat16")
     weights.engines_pause = True
 
-    async def train_on_samples(run, step, samples, resume_engines=True, clock=None):
+    async def train_on_samples(run, step, samples, resume_engines=True, clock=None, while_training=None):
         await hand_over.to_trainer()
         calls.append("train")
         await hand_over.to_engines(resume=resume_engines)

@@ -306,6 +306,15 @@ class RolloutSection(Section):
                           "not the rollout's wall time, and on one H200 the rollout took longer with it (450 against "
                           "354 ms for 1,024 samples; benchmarks/RESULTS.md). "
                           "Embedded engines only; SGLang and external engines get one call per group.")
+    prefetch_next_step: bool = Field(
+        False, description="Synchronous loop, embedded engines: send the next step's first sampling round to the "
+                           "engines while the trainer steps (the engines paused: they hold the calls and generate "
+                           "them under the new weights once the push continues them), so that rollout starts "
+                           "without the calls' transfer and admission. Same prompts, seeds and weights as without "
+                           "it; steps that evaluate or save a checkpoint, and the last, do not prefetch "
+                           "(perf/rollout_prefetched says which did). The calls wait through the train call and the "
+                           "push: rollout.request_timeout_s must cover them. Off by default: not yet measured on a "
+                           "GPU.")
     coalesce_max_samples: int = Field(
         64, ge=1, le=4096, description="With coalesce_calls: most samples in one merged body (a group is never "
                                         "split). A body answers when its slowest sample ends, and its answers are "
@@ -1002,6 +1011,13 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        if ro.prefetch_next_step and ro.engine != "embedded":
+            raise RecipeValueError(f"rollout.prefetch_next_step is built for embedded engines, not rollout.engine "
+                                   f"{ro.engine!r}", "rollout.prefetch_next_step", "rollout.engine")
+        if ro.prefetch_next_step and self.uses_async_loop():
+            raise RecipeValueError(f"rollout.prefetch_next_step applies to the synchronous loop; algorithm "
+                                   f"'{alg.name}' runs the asynchronous one, which always generates ahead",
+                                   "rollout.prefetch_next_step", "algorithm.name")
         if ro.coalesce_calls and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.coalesce_calls applies to embedded engines; rollout.engine {ro.engine!r} gets one call per "

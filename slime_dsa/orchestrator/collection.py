@@ -79,6 +79,8 @@ class StepCollector:
         self.show_progress = show_progress
         self.min_group_size = min_group_size  # screen_group's min_samples
         self.keep_share = 1.0
+        # A prefetched first round: (its prompts, the future of its groups, the coalescer's bodies sent before it)
+        self._prefetched: tuple[int, asyncio.Future, int] | None = None
 
     def round_size(self, need: int) -> int:
         """Prompts to draw in a dynamic-sampling round that still needs `need` groups: enough to fill it at the
@@ -87,13 +89,44 @@ class StepCollector:
         wanted = need * cfg.oversample_factor / max(self.keep_share, 1e-6)
         return max(need, min(round(wanted), round(need * cfg.max_oversample_factor)))
 
-    async def collect(self) -> tuple[list[list[Sample]], dict[str, float]]:
-        """The step's trainable groups, in prompt order, and its rollout metrics."""
+    def prefetch(self) -> None:
+        """Send the next step's first sampling round now (the prompts it would draw first, numbered as it would);
+        collect() takes its groups up. The caller holds the engines paused until they have that step's weights."""
+        if self._prefetched is not None:
+            raise RuntimeError("a prefetched round is already waiting to be collected")
         cfg = self.cfg
         self.groups.reset_reward_stats()
         self.groups.clock.start()
-        coalescer = getattr(self.groups.client, "coalescer", None)  # EngineClient with rollout.coalesce_calls
-        sent_before = coalescer.requests_sent() if coalescer is not None else 0
+        sent_before = self._requests_sent()
+        prompts = self._take(cfg.prompts_per_step)
+        fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
+        self._prefetched = (len(prompts), asyncio.gather(*(self.groups.generate_group(g) for g in fresh)), sent_before)
+
+    def cancel_prefetch(self) -> None:
+        """Drop a prefetched round that will not be collected (the run is ending)."""
+        if self._prefetched is not None:
+            self._prefetched[1].cancel()
+            self._prefetched = None
+
+    def _requests_sent(self) -> int:
+        """Bodies the client's coalescer sent so far (rollout.coalesce_calls), 0 without one."""
+        coalescer = getattr(self.groups.client, "coalescer", None)
+        return coalescer.requests_sent() if coalescer is not None else 0
+
+    def _take(self, need: int) -> list:
+        cfg = self.cfg
+        return self.mixture.take(self.round_size(need) if cfg.dynamic_sampling else need)
+
+    async def collect(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """The step's trainable groups, in prompt order, and its rollout metrics. A prefetched first round is taken
+        up (its perf/rollout_dispatch_s and _generate_s count from when it was sent)."""
+        cfg = self.cfg
+        prefetched, self._prefetched = self._prefetched, None
+        was_prefetched = prefetched is not None
+        if prefetched is None:
+            self.groups.reset_reward_stats()
+            self.groups.clock.start()
+        sent_before = prefetched[2] if prefetched is not None else self._requests_sent()
         start = time.perf_counter()
         kept: list[list[Sample]] = []
         counters: Counter[str] = Counter()
@@ -103,10 +136,17 @@ class StepCollector:
             while len(kept) < cfg.prompts_per_step and rounds < max_rounds:
                 rounds += 1
                 need = cfg.prompts_per_step - len(kept)
-                prompts = self.mixture.take(self.round_size(need) if cfg.dynamic_sampling else need)
-                bar.add_total(len(prompts) * cfg.n_samples_per_prompt)
-                fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
-                done = await asyncio.gather(*(self._generate(group, bar) for group in fresh))
+                if prefetched is not None:
+                    num_prompts, round_done, _ = prefetched
+                    prefetched = None
+                    bar.add_total(num_prompts * cfg.n_samples_per_prompt)
+                    done = await round_done
+                    bar.advance(sum(len(group) for group in done))
+                else:
+                    prompts = self._take(need)
+                    bar.add_total(len(prompts) * cfg.n_samples_per_prompt)
+                    fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
+                    done = await asyncio.gather(*(self._generate(group, bar) for group in fresh))
                 usable_groups = 0
                 for group in done:
                     every.extend(group)
@@ -119,9 +159,11 @@ class StepCollector:
         metrics = rollout_metrics(every, kept, counters, end - start,
                                   [t.name for t in self.groups.tasks], self.groups.reward_metrics())
         metrics.update(self.groups.clock.metrics(end))
-        if coalescer is not None:  # perf/rollout_calls counts group calls; these are the bodies that carried them
-            metrics["perf/rollout_requests"] = float(coalescer.requests_sent() - sent_before)
+        if getattr(self.groups.client, "coalescer", None) is not None:
+            # perf/rollout_calls counts group calls; these are the bodies that carried them
+            metrics["perf/rollout_requests"] = float(self._requests_sent() - sent_before)
         metrics["rollout/sampling_rounds"] = rounds
+        metrics["perf/rollout_prefetched"] = float(was_prefetched)
         return kept, metrics
 
     async def _generate(self, group: list[Sample], bar: SampleProgress) -> list[Sample]:

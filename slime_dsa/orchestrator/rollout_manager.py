@@ -49,8 +49,15 @@ class RolloutManager:
                                    limiter=self.groups.limiter, show_progress=show_progress)
 
     async def collect_step(self) -> tuple[list[list[Sample]], dict[str, float]]:
-        """One synchronous step's trainable groups and their rollout metrics."""
+        """One synchronous step's trainable groups and their rollout metrics (with a round prefetched, its groups)."""
         return await self.collector.collect()
+
+    def prefetch_step(self) -> None:
+        """Send the next synchronous step's first round now (StepCollector.prefetch); collect_step takes it up."""
+        self.collector.prefetch()
+
+    def cancel_prefetch(self) -> None:
+        self.collector.cancel_prefetch()
 
     async def produce(self, gate: StalenessGate, requeue_aborted: bool) -> None:
         """The asynchronous loop's producer (GroupProducer.produce); runs until cancelled."""

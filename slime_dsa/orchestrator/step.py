@@ -9,7 +9,7 @@ import math
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -104,12 +104,19 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         run.progress.saved = step + 1
 
 
+def engines_take_turns(recipe) -> bool:
+    """Whether the engines pause for every train call: colocated with the trainers on GPUs (colocation.py)."""
+    return recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
+
+
 async def train_on_samples(run: Run, step: int, samples: list, resume_engines: bool = True,
-                           clock: PhaseClock | None = None) -> dict[str, float]:
+                           clock: PhaseClock | None = None,
+                           while_training: Callable[[], Awaitable[None]] | None = None) -> dict[str, float]:
     """trainer.num_steps_per_rollout optimiser steps of the policy on `samples`, and an algorithm's critic steps;
     returns train/, critic/, advantage/ and perf/ metrics. resume_engines False: colocated engines stay paused after
     training, for a weight push that follows at once and continues them (one continue request less). clock: marks
     the phases batch, to_trainer (colocated on GPUs), train and to_engines (the same) for a profiled step.
+    while_training: awaited once the engines are handed over, just before the train call (a prefetch's send).
 
     With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
     model moves; with teachers (distill.py), the per-token reverse KL to each sample's teacher. The critic trains
@@ -132,7 +139,7 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
     clock.mark("batch")
     # Colocated on GPUs: the engines pause, and hand their KV pool to the trainer while it trains unless they keep it
     # (colocation.py).
-    colocated = recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
+    colocated = engines_take_turns(recipe)
     if colocated:
         start = time.perf_counter()
         if run.memory is None:
@@ -143,6 +150,8 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
         await run.memory.to_trainer()
         hand_over["perf/rollout_sleep_s"] = time.perf_counter() - start
         clock.mark("to_trainer")
+    if while_training is not None:
+        await while_training()
     train_start = time.perf_counter()
     # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
     logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps

@@ -21,8 +21,8 @@ from slime_dsa.gc_watch import frozen_during
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
-    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, ensure_engines, print_step,
-    probe_engines, sync_weights, train_on_samples,
+    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, engines_take_turns, ensure_engines,
+    print_step, probe_engines, sync_weights, train_on_samples,
 )
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
     if use_async and recipe.logging.profile_steps:
         raise UserError("logging.profile_steps needs the synchronous loop, and this run uses the asynchronous one")
+    if use_async and recipe.rollout.prefetch_next_step:
+        raise UserError("rollout.prefetch_next_step applies to the synchronous loop, and this run uses the "
+                        "asynchronous one")
     progress = progress or StepProgress()
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
@@ -276,12 +279,15 @@ def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
 async def _sync_loop(run: Run) -> None:
     logs = run.recipe.logging
     profiler = StepProfiler(logs.profile_steps, run.run_dir, run.client, run.trainers, logs.profile_activities)
-    for step in range(run.start_step, run.recipe.trainer.num_steps):
-        run.progress.current = step + 1
-        async with profiler.window(step + 1) as clock:
-            metrics = await _one_step(run, step, clock)
-            await after_step(run, step, metrics)
-            clock.mark("log")
+    try:
+        for step in range(run.start_step, run.recipe.trainer.num_steps):
+            run.progress.current = step + 1
+            async with profiler.window(step + 1) as clock:
+                metrics = await _one_step(run, step, clock)
+                await after_step(run, step, metrics)
+                clock.mark("log")
+    finally:
+        run.manager.cancel_prefetch()  # a step that failed after its train call sent the next one's round
 
 
 async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dict[str, float]:
@@ -298,10 +304,14 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
         await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
     # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
-    metrics.update(await train_on_samples(run, step, samples, resume_engines=False, clock=clock))
-    run.progress.mark_trained(step + 1, run.manager.state_dict())
-    sync_time = await sync_weights(run.weights, version=step + 1, on_weights=run.on_weights,
-                                   want_state=run.hook_wants_state(step + 1))
+    rollout_state = run.manager.state_dict()  # the data position before a prefetch takes the next step's prompts
+    prefetch = prefetches(run.recipe, step)
+    metrics.update(await train_on_samples(run, step, samples, resume_engines=False, clock=clock,
+                                          while_training=(lambda: _prefetch_next_round(run)) if prefetch else None))
+    run.progress.mark_trained(step + 1, rollout_state)
+    # A prefetched round waits in the engines' queues: the push's pause keeps it (retract) where abort would end it.
+    sync_time = await sync_weights(run.weights, version=step + 1, pause_mode="retract" if prefetch else "abort",
+                                   on_weights=run.on_weights, want_state=run.hook_wants_state(step + 1))
     clock.mark("sync")
     if run.engine_stats is not None:
         # Nothing runs on the engines between the push and after_step's read: the push's replies serve as it.
@@ -311,6 +321,22 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     metrics.update({"perf/sync_time_s": sync_time, "perf/step_time_s": time.perf_counter() - step_start,
                     "perf/weights_readback_s": getattr(run.weights, "last_read_s", 0.0)})
     return metrics
+
+
+def prefetches(recipe: RecipeConfig, step: int) -> bool:
+    """Whether step `step`'s train call sends step + 1's first round (rollout.prefetch_next_step): never before an
+    evaluation, a checkpoint or the end, whose sample numbering and data position must not hold the next step's."""
+    if not recipe.rollout.prefetch_next_step or step + 1 >= recipe.trainer.num_steps:
+        return False
+    eval_every, save_every = recipe.logging.eval_every, recipe.checkpoint.save_every
+    return not (eval_every and (step + 1) % eval_every == 0) and not (save_every and (step + 1) % save_every == 0)
+
+
+async def _prefetch_next_round(run: Run) -> None:
+    """Step N + 1's first round to the engines, held there until the push after this train call continues them."""
+    if not engines_take_turns(run.recipe):  # colocated engines are paused for the trainer already
+        await run.client.broadcast("/pause_generation", {"mode": "retract"})
+    run.manager.prefetch_step()
 
 
 def _shutdown(trainers, engine_actors) -> None:
