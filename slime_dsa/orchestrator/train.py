@@ -314,7 +314,8 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
                                    on_weights=run.on_weights, want_state=run.hook_wants_state(step + 1))
     clock.mark("sync")
     if run.engine_stats is not None:
-        # Nothing runs on the engines between the push and after_step's read: the push's replies serve as it.
+        # The push's replies serve as after_step's read of the engines' stats: they hold this step's alone (nothing
+        # else runs there before the push continues them, and then only a prefetched round of the next step).
         run.engine_stats.offer(getattr(run.weights, "last_replies", None))
     # The read-back of the weights for an on_weights hook (a benchmark's) is in sync_time; said apart, so it can be
     # taken out of what the step costs a run without one.
