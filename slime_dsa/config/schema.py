@@ -778,6 +778,10 @@ class ClusterSection(Section):
                             "auto = keep while the engines keep their KV cache and at least 15% of the GPU's memory is "
                             "free, else release.")
 
+    def engines_take_turns(self) -> bool:
+        """Whether the engines pause for every train call: colocated with the trainers on GPUs (colocation.py)."""
+        return self.placement == "colocated" and self.num_gpus_per_engine > 0
+
 
 class LoggingSection(Section):
     """Where a run writes its logs and metrics, and how often."""
@@ -1006,7 +1010,7 @@ class RecipeConfig(Section):
         if ro.engine == "sglang" and cl.num_gpus_per_engine == 0:
             raise RecipeValueError("rollout.engine 'sglang' needs GPUs: set cluster.num_gpus_per_engine",
                                    "rollout.engine", "cluster.num_gpus_per_engine")
-        if cl.engine_kv_cache_in_training != "auto" and not (cl.placement == "colocated" and cl.num_gpus_per_engine > 0):
+        if cl.engine_kv_cache_in_training != "auto" and not cl.engines_take_turns():
             raise RecipeValueError(
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
@@ -1031,7 +1035,7 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
                 "(SGLang: --disable-overlap-schedule)", "rollout.overlap_schedule", "rollout.engine")
-        if cl.trainer_cache_in_rollout != "auto" and not (cl.placement == "colocated" and cl.num_gpus_per_engine > 0):
+        if cl.trainer_cache_in_rollout != "auto" and not cl.engines_take_turns():
             raise RecipeValueError(
                 f"cluster.trainer_cache_in_rollout ({cl.trainer_cache_in_rollout!r}) applies to trainers colocated "
                 "with engines on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",

@@ -11,7 +11,7 @@ import asyncio
 import math
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rollout.groups import GroupRollout, SampleNumbering
 from rollout.progress import SampleProgress
@@ -69,6 +69,14 @@ def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: C
     return metrics
 
 
+class _PrefetchedRound(NamedTuple):
+    """A step's first round sent ahead (StepCollector.prefetch)."""
+
+    num_prompts: int
+    groups: asyncio.Future  # of the round's generated groups
+    requests_sent_before: int  # the coalescer's bodies sent before it (perf/rollout_requests)
+
+
 class StepCollector:
     """The groups of one synchronous step, drawn from `mixture` and numbered by `numbering`; `keep_share` (the
     share of groups the last round kept) sizes the next round and is part of the resume state."""
@@ -79,8 +87,7 @@ class StepCollector:
         self.show_progress = show_progress
         self.min_group_size = min_group_size  # screen_group's min_samples
         self.keep_share = 1.0
-        # A prefetched first round: (its prompts, the future of its groups, the coalescer's bodies sent before it)
-        self._prefetched: tuple[int, asyncio.Future, int] | None = None
+        self._prefetched: _PrefetchedRound | None = None
 
     def round_size(self, need: int) -> int:
         """Prompts to draw in a dynamic-sampling round that still needs `need` groups: enough to fill it at the
@@ -100,12 +107,13 @@ class StepCollector:
         sent_before = self._requests_sent()
         prompts = self._take(cfg.prompts_per_step)
         fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
-        self._prefetched = (len(prompts), asyncio.gather(*(self.groups.generate_group(g) for g in fresh)), sent_before)
+        groups = asyncio.gather(*(self.groups.generate_group(group) for group in fresh))
+        self._prefetched = _PrefetchedRound(len(prompts), groups, sent_before)
 
     def cancel_prefetch(self) -> None:
         """Drop a prefetched round that will not be collected (the run is ending)."""
         if self._prefetched is not None:
-            self._prefetched[1].cancel()
+            self._prefetched.groups.cancel()
             self._prefetched = None
 
     def _requests_sent(self) -> int:
@@ -126,7 +134,7 @@ class StepCollector:
         if prefetched is None:
             self.groups.reset_reward_stats()
             self.groups.clock.start()
-        sent_before = prefetched[2] if prefetched is not None else self._requests_sent()
+        sent_before = prefetched.requests_sent_before if prefetched is not None else self._requests_sent()
         start = time.perf_counter()
         kept: list[list[Sample]] = []
         counters: Counter[str] = Counter()
@@ -137,10 +145,9 @@ class StepCollector:
                 rounds += 1
                 need = cfg.prompts_per_step - len(kept)
                 if prefetched is not None:
-                    num_prompts, round_done, _ = prefetched
+                    bar.add_total(prefetched.num_prompts * cfg.n_samples_per_prompt)
+                    done = await prefetched.groups
                     prefetched = None
-                    bar.add_total(num_prompts * cfg.n_samples_per_prompt)
-                    done = await round_done
                     bar.advance(sum(len(group) for group in done))
                 else:
                     prompts = self._take(need)

@@ -104,11 +104,6 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
         run.progress.saved = step + 1
 
 
-def engines_take_turns(recipe) -> bool:
-    """Whether the engines pause for every train call: colocated with the trainers on GPUs (colocation.py)."""
-    return recipe.cluster.placement == "colocated" and recipe.cluster.num_gpus_per_engine > 0
-
-
 async def train_on_samples(run: Run, step: int, samples: list, resume_engines: bool = True,
                            clock: PhaseClock | None = None,
                            while_training: Callable[[], Awaitable[None]] | None = None) -> dict[str, float]:
@@ -139,7 +134,7 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
     clock.mark("batch")
     # Colocated on GPUs: the engines pause, and hand their KV pool to the trainer while it trains unless they keep it
     # (colocation.py).
-    colocated = engines_take_turns(recipe)
+    colocated = recipe.cluster.engines_take_turns()
     if colocated:
         start = time.perf_counter()
         if run.memory is None:

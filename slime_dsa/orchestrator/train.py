@@ -21,8 +21,8 @@ from slime_dsa.gc_watch import frozen_during
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
-    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, engines_take_turns, ensure_engines,
-    print_step, probe_engines, sync_weights, train_on_samples,
+    HookState, Run, StepProgress, WeightsHook, after_step, emergency_checkpoint, ensure_engines, print_step,
+    probe_engines, sync_weights, train_on_samples,
 )
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ def prefetches(recipe: RecipeConfig, step: int) -> bool:
 
 async def _prefetch_next_round(run: Run) -> None:
     """Step N + 1's first round to the engines, held there until the push after this train call continues them."""
-    if not engines_take_turns(run.recipe):  # colocated engines are paused for the trainer already
+    if not run.recipe.cluster.engines_take_turns():  # colocated engines are paused for the trainer already
         await run.client.broadcast("/pause_generation", {"mode": "retract"})
     run.manager.prefetch_step()
 
