@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from slime_dsa import __version__
+from slime_dsa import __version__, interrupts
 from slime_dsa.config.errors import UserError
 
 COMMANDS = (
@@ -99,24 +99,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # Python's exit-time flush of stdout would raise again
         return 141
     finally:
+        interrupts.reset()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM's KeyboardInterrupt. A subclass because CPython (3.11, 3.12) marks a plain KeyboardInterrupt that leaves
-    a string `exec`/`eval` as unhandled, and then a `python -m` process dies by SIGINT (exit -2) after `main` returned
-    130, even though `main` caught it; the mark compares the exception's type exactly."""
-
-
 def _raise_on_sigterm():
     """SIGTERM (a scheduler's stop, `kill`) takes Ctrl-C's path: the run says what is lost and stops its engines and
-    ranks, where the default action would end the process at once. Returns the handler it replaced."""
-    def terminate(signum, frame) -> None:
-        raise Terminated
-
+    ranks, where the default action would end the process at once (slime_dsa/interrupts.py). Returns the handler it
+    replaced."""
     try:
-        return signal.signal(signal.SIGTERM, terminate)
+        return signal.signal(signal.SIGTERM, interrupts.terminate)
     except ValueError:  # not the main thread (an embedding program): leave its handlers alone
         return None
 

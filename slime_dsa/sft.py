@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from slime_dsa.config import RecipeConfig
+from slime_dsa.interrupts import raise_if_terminated
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
         with Progress(transient=True) as progress:
             bar = progress.add_task("sft", total=tr.num_steps)
             for step in range(1, tr.num_steps + 1):
+                raise_if_terminated()
                 start = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     loss = sft_loss(model, supervised_examples(mixture.take(sft.batch_size), tokenizer))

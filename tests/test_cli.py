@@ -254,3 +254,29 @@ def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"}
     proc = subprocess.run([sys.executable, "-m", "sigterm_in_exec"], env=env, capture_output=True, timeout=60)
     assert proc.returncode == 130, proc.stderr.decode()[-2000:]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one, on purpose
+def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_next_step():
+    """Python drops an exception raised in a signal handler that runs inside a finalizer; the run loops' per-step
+    check (slime_dsa.interrupts) stops them anyway."""
+    import gc
+    import signal
+
+    from slime_dsa import interrupts
+    from slime_dsa.cli import _raise_on_sigterm
+
+    class Finalized:
+        def __del__(self):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # as if the signal landed here
+
+    previous = _raise_on_sigterm()
+    try:
+        Finalized()  # its exception is printed as ignored, not raised here
+        gc.collect()
+        with pytest.raises(interrupts.Terminated):
+            interrupts.raise_if_terminated()
+    finally:
+        interrupts.reset()
+        signal.signal(signal.SIGTERM, previous)
+    interrupts.raise_if_terminated()  # reset: nothing pending

@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
+from slime_dsa.interrupts import raise_if_terminated
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.collection import screen_group
 from slime_dsa.orchestrator.step import Run, after_step, ensure_engines, sync_weights, train_on_samples
@@ -90,6 +91,7 @@ async def run_async_loop(run: Run) -> None:
     last_batch = time.perf_counter()
     try:
         for step in range(run.start_step, recipe.trainer.num_steps):
+            raise_if_terminated()
             run.progress.current = step + 1
             step_start = time.perf_counter()
             kept, metrics, fates = await _collect(run, gate, producer, version=step, totals=totals,
