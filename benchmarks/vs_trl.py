@@ -144,7 +144,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         "algorithm": ({"name": "grpo", "eps_clip_low": 0.2, "eps_clip_high": 0.28, "kl_coef": 0.0,
                        "advantage_std_normalize": True, "loss_aggregation": "token_mean",
                        "use_rollout_logprobs": not args.recompute_old_logprobs}
-                      if args.ours_loop == "sync" else {**ASYNC_ALGORITHM, "max_staleness": args.ours_max_staleness}),
+                      if args.ours_loop == "sync" else {**ASYNC_ALGORITHM, "max_staleness": args.ours_max_staleness,
+                                            "partial_rollout": args.ours_partial_rollout}),
         "trainer": {"num_workers": args.ours_workers, "data_parallel": "replicate", "learning_rate": args.lr, "num_steps": args.steps, "micro_batch_tokens": args.micro_batch_tokens,
                     "warmup_steps": 0, "lr_schedule": "constant", "weight_decay": 0.0, "adam_betas": [0.9, 0.999],
                     "max_grad_norm": 1.0, "num_steps_per_rollout": 1, "seed": args.seed},
@@ -503,7 +504,7 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
     """(the precision, how each side runs) for the report."""
     loop = ("GRPO in the synchronous loop" if args.ours_loop == "sync" else
             f"async_reinforce in the asynchronous loop (max_staleness {args.ours_max_staleness}, partial_rollout "
-            "retract: the next steps' rollouts run while the trainer steps; DIS on group-centred rewards, no π_old; "
+            f"{args.ours_partial_rollout}: the next steps' rollouts run while the trainer steps; DIS on group-centred rewards, no π_old; "
             "not TRL's algorithm)")
     if args.device == "cuda":
         placement = ("colocated on the one GPU (0.5 + 0.5; Ray actors that take turns; "
@@ -672,9 +673,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-max-staleness", type=int, default=1,
                         help="ours with --ours-loop async: algorithm.max_staleness, how many steps rollout may run "
                              "ahead of training (default 1)")
-    parser.add_argument("--ours-prefetch", choices=("on", "off"), default="off",
+    parser.add_argument("--ours-partial-rollout", choices=("retract", "in_place", "off"), default="retract",
+                        help="ours with --ours-loop async: algorithm.partial_rollout, what answers in flight at a "
+                             "weight push do (default retract: re-prefilled under the new weights; in_place: keep "
+                             "the cache computed under the old ones; off: aborted and regenerated)")
+    parser.add_argument("--ours-prefetch", choices=("on", "off"), default=None,
                         help="ours with --ours-loop sync: rollout.prefetch_next_step, the next step's calls sent to "
-                             "the paused engine while the trainer steps (default off, the recipe's default)")
+                             "the paused engine while the trainer steps (default: on with --device cuda, as "
+                             "recipes/gpu_single.yaml; off on cpu, the recipe default)")
     parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
                              "the previous one's tokens (default on, the recipe's default for embedded engines)")
@@ -712,8 +718,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "for the trainer)")
     if args.ours_max_staleness < 1 or (args.ours_loop == "sync" and args.ours_max_staleness != 1):
         parser.error("--ours-max-staleness (>= 1) applies to --ours-loop async")
+    if args.ours_loop == "sync" and args.ours_partial_rollout != "retract":
+        parser.error("--ours-partial-rollout applies to --ours-loop async (the synchronous loop pushes between steps)")
     if args.ours_loop == "async" and args.ours_prefetch == "on":
         parser.error("--ours-prefetch applies to --ours-loop sync (the asynchronous loop always generates ahead)")
+    if args.ours_prefetch is None:
+        args.ours_prefetch = "on" if args.device == "cuda" and args.ours_loop == "sync" else "off"
     if args.ours_loop == "async" and args.recompute_old_logprobs:
         parser.error("--recompute-old-logprobs applies to --ours-loop sync (async_reinforce computes no π_old)")
     if args.hook_state is None:

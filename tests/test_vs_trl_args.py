@@ -48,6 +48,11 @@ def test_ours_overlap_reaches_the_recipe() -> None:
     assert not on.rollout.prefetch_next_step and "calls on)" in setup_desc(ahead)[1]
     with pytest.raises(SystemExit):
         parse_args(["--ours-loop", "async", "--ours-prefetch", "on"])
+    cuda = RecipeConfig.model_validate(recipe_dict(parse_args(["--device", "cuda"]), Path("m"), Path("run")))
+    assert cuda.rollout.prefetch_next_step  # recipes/gpu_single.yaml's
+    cuda_async = parse_args(["--device", "cuda", "--ours-loop", "async"])
+    assert not RecipeConfig.model_validate(recipe_dict(cuda_async, Path("m"), Path("run"))).rollout.prefetch_next_step
+    assert parse_args(["--device", "cuda", "--ours-prefetch", "off"]).ours_prefetch == "off"
 
 
 def test_trl_trains_a_large_step_in_accumulated_micro_batches() -> None:
@@ -80,9 +85,14 @@ def test_ours_loop_async_runs_async_reinforce_beside_the_trainer_on_the_gpu() ->
     assert cpu.algorithm.name == "async_reinforce" and cpu.cluster.num_gpus_per_engine == 0
     two = parse_args(["--device", "cuda", "--ours-loop", "async", "--ours-max-staleness", "2"])
     assert RecipeConfig.model_validate(recipe_dict(two, Path("m"), Path("run"))).algorithm.max_staleness == 2
-    assert "max_staleness 2" in setup_desc(two)[1]
+    assert "max_staleness 2" in setup_desc(two)[1] and "partial_rollout retract" in setup_desc(two)[1]
+    kept = parse_args(["--device", "cuda", "--ours-loop", "async", "--ours-partial-rollout", "in_place"])
+    assert RecipeConfig.model_validate(recipe_dict(kept, Path("m"), Path("run"))).algorithm.partial_rollout == "in_place"
+    assert "partial_rollout in_place" in setup_desc(kept)[1]
     for refused in (["--ours-kv-cache", "keep"], ["--recompute-old-logprobs"], ["--ours-max-staleness", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["--device", "cuda", "--ours-loop", "async", *refused])
     with pytest.raises(SystemExit):
         parse_args(["--ours-max-staleness", "2"])  # the synchronous loop has none
+    with pytest.raises(SystemExit):
+        parse_args(["--ours-partial-rollout", "in_place"])  # nor partial rollouts
