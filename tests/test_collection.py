@@ -168,3 +168,6 @@ def test_no_step_before_an_evaluation_a_checkpoint_or_the_end_prefetches():
     # step s (from 0) is followed by step s + 1's evaluation or checkpoint when s + 1 is a multiple of 3 or 5
     assert [prefetches(recipe, s) for s in range(7)] == [True, True, False, True, False, False, False]
     assert not any(prefetches(RecipeConfig(), s) for s in range(3))  # off by default
+    # the calls wait through a train call and a push: not when the last ones took over half their timeout
+    timeout = recipe.rollout.request_timeout_s
+    assert prefetches(recipe, 0, hold_s=0.5 * timeout) and not prefetches(recipe, 0, hold_s=0.5 * timeout + 1)

@@ -53,3 +53,32 @@ def test_a_prefetched_step_trains_on_the_samples_it_would_have_drawn(tmp_path, r
                 assert a[key] == p[key], (key, a[key], p[key])
         # generated under the weights of their own step, as without the prefetch: the trainer's log-probs agree
         assert a["train/train_rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_a_step_after_a_train_call_and_push_too_long_for_the_timeout_does_not_prefetch(tmp_path, ray_cluster,
+                                                                                        monkeypatch, caplog):
+    import asyncio
+    import logging
+
+    import slime_dsa.orchestrator.train as train
+
+    real_sync = train.sync_weights
+
+    async def slow_first_push(weights, version, **kwargs):  # a fake slow push: the real one 3.5 s late, once
+        if version != 1:
+            return await real_sync(weights, version, **kwargs)
+        await asyncio.sleep(3.5)
+        return 3.5 + await real_sync(weights, version, **kwargs)
+
+    monkeypatch.setattr(train, "sync_weights", slow_first_push)
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["rollout"].update(prefetch_next_step=True, request_timeout_s=6.0)
+    recipe["trainer"]["num_steps"] = 4
+    recipe["logging"]["eval_every"] = 0
+    with caplog.at_level(logging.WARNING, logger=train.logger.name):
+        rows = _run(tmp_path, "slow", recipe)
+    # step 1's train call and push took over half of the 6 s timeout: step 2's does not prefetch step 3's first round;
+    # step 3's train call sends step 4's again
+    assert [r["perf/rollout_prefetched"] for r in rows] == [0, 1, 0, 1]
+    assert all(r["rollout/failed_samples"] == 0 for r in rows)  # the prefetched calls waited 3.5 s, within 6
+    assert sum("prefetch_next_step held back" in m for m in caplog.messages) == 1

@@ -313,7 +313,8 @@ class RolloutSection(Section):
                            "without the calls' transfer and admission. Same prompts, seeds and weights as without "
                            "it; steps that evaluate or save a checkpoint, and the last, do not prefetch "
                            "(perf/rollout_prefetched says which did). The calls wait through the train call and the "
-                           "push: rollout.request_timeout_s must cover them. Off by default (on two CPU cores it "
+                           "push: a step whose last train call and push took over half of rollout.request_timeout_s "
+                           "does not prefetch (a warning says so once). Off by default (on two CPU cores it "
                            "gained nothing); recipes/gpu_single.yaml turns it on: on one H200 at 64 x 16 it took "
                            "the colocated step from 0.55 to 0.47 s.")
     coalesce_max_samples: int = Field(

@@ -307,7 +307,14 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
         return metrics
     # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
     rollout_state = run.manager.state_dict()  # the data position before a prefetch takes the next step's prompts
-    prefetch = prefetches(run.recipe, step)
+    prefetch = prefetches(run.recipe, step, hold_s=run.last_hold_s)
+    timeout_s = run.recipe.rollout.request_timeout_s
+    if run.recipe.rollout.prefetch_next_step and not prefetch_fits(run.last_hold_s, timeout_s) \
+            and not run.prefetch_held_back:
+        run.prefetch_held_back = True  # said once a run; perf/rollout_prefetched says which steps
+        logger.warning("step %d: rollout.prefetch_next_step held back: the last train call and push took %.0f s, "
+                       "more than half of rollout.request_timeout_s (%.0f s), which the prefetched calls wait "
+                       "through (it resumes when they are shorter again)", step + 1, run.last_hold_s, timeout_s)
     metrics.update(await train_on_samples(run, step, samples, resume_engines=False, clock=clock,
                                           while_training=(lambda: _prefetch_next_round(run)) if prefetch else None))
     run.progress.mark_trained(step + 1, rollout_state)
@@ -315,6 +322,7 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     sync_time = await sync_weights(run.weights, version=step + 1, pause_mode="retract" if prefetch else "abort",
                                    on_weights=run.on_weights, want_state=run.hook_wants_state(step + 1))
     clock.mark("sync")
+    run.last_hold_s = metrics.get("perf/train_time_s", 0.0) + sync_time
     if run.engine_stats is not None:
         # The push's replies serve as after_step's read of the engines' stats: they hold this step's alone (nothing
         # else runs there before the push continues them, and then only a prefetched round of the next step).
@@ -326,13 +334,22 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     return metrics
 
 
-def prefetches(recipe: RecipeConfig, step: int) -> bool:
+def prefetches(recipe: RecipeConfig, step: int, hold_s: float = 0.0) -> bool:
     """Whether step `step`'s train call sends step + 1's first round (rollout.prefetch_next_step): never before an
-    evaluation, a checkpoint or the end, whose sample numbering and data position must not hold the next step's."""
+    evaluation, a checkpoint or the end, whose sample numbering and data position must not hold the next step's, nor
+    when the last train call and push (`hold_s`) took too long for the calls' timeout (`prefetch_fits`)."""
     if not recipe.rollout.prefetch_next_step or step + 1 >= recipe.trainer.num_steps:
+        return False
+    if not prefetch_fits(hold_s, recipe.rollout.request_timeout_s):
         return False
     eval_every, save_every = recipe.logging.eval_every, recipe.checkpoint.save_every
     return not (eval_every and (step + 1) % eval_every == 0) and not (save_every and (step + 1) % save_every == 0)
+
+
+def prefetch_fits(hold_s: float, request_timeout_s: float) -> bool:
+    """Whether prefetched calls, which wait through a train call and a push, would keep half their timeout: judged
+    by the last step's (`hold_s`), so a run whose steps outgrow it stops prefetching instead of losing its calls."""
+    return hold_s <= 0.5 * request_timeout_s
 
 
 async def _prefetch_next_round(run: Run) -> None:
