@@ -20,6 +20,8 @@ class FakeStepRun:
 
     fleet = None
     on_weights = None
+    last_hold_s = 0.0
+    prefetch_held_back = False
 
     def __init__(self, client, weights, engine_stats=None, memory=None) -> None:
         from slime_dsa.config.schema import RecipeConfig
