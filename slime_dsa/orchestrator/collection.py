@@ -105,10 +105,9 @@ class StepCollector:
         self.groups.reset_reward_stats()
         self.groups.clock.start()
         sent_before = self._requests_sent()
-        prompts = self._take(cfg.prompts_per_step)
-        fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
+        fresh = self._draw_round(cfg.prompts_per_step)
         groups = asyncio.gather(*(self.groups.generate_group(group) for group in fresh))
-        self._prefetched = _PrefetchedRound(len(prompts), groups, sent_before)
+        self._prefetched = _PrefetchedRound(len(fresh), groups, sent_before)
 
     def cancel_prefetch(self) -> None:
         """Drop a prefetched round that will not be collected (the run is ending)."""
@@ -121,9 +120,12 @@ class StepCollector:
         coalescer = getattr(self.groups.client, "coalescer", None)
         return coalescer.requests_sent() if coalescer is not None else 0
 
-    def _take(self, need: int) -> list:
+    def _draw_round(self, need: int) -> list[list[Sample]]:
+        """A sampling round's fresh groups, numbered: its prompts drawn for `need` groups (more with dynamic
+        sampling)."""
         cfg = self.cfg
-        return self.mixture.take(self.round_size(need) if cfg.dynamic_sampling else need)
+        prompts = self.mixture.take(self.round_size(need) if cfg.dynamic_sampling else need)
+        return [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
 
     async def collect(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """The step's trainable groups, in prompt order, and its rollout metrics. A prefetched first round is taken
@@ -150,9 +152,8 @@ class StepCollector:
                     prefetched = None
                     bar.advance(sum(len(group) for group in done))
                 else:
-                    prompts = self._take(need)
-                    bar.add_total(len(prompts) * cfg.n_samples_per_prompt)
-                    fresh = [self.numbering.new_group(p, cfg.n_samples_per_prompt) for p in prompts]
+                    fresh = self._draw_round(need)
+                    bar.add_total(len(fresh) * cfg.n_samples_per_prompt)
                     done = await asyncio.gather(*(self._generate(group, bar) for group in fresh))
                 usable_groups = 0
                 for group in done:

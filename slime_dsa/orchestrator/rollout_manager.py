@@ -57,6 +57,7 @@ class RolloutManager:
         self.collector.prefetch()
 
     def cancel_prefetch(self) -> None:
+        """Drop a prefetched round that will not be collected (StepCollector.cancel_prefetch)."""
         self.collector.cancel_prefetch()
 
     async def produce(self, gate: StalenessGate, requeue_aborted: bool) -> None:

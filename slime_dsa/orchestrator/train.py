@@ -308,13 +308,7 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
     rollout_state = run.manager.state_dict()  # the data position before a prefetch takes the next step's prompts
     prefetch = prefetches(run.recipe, step, hold_s=run.last_hold_s)
-    timeout_s = run.recipe.rollout.request_timeout_s
-    if run.recipe.rollout.prefetch_next_step and not prefetch_fits(run.last_hold_s, timeout_s) \
-            and not run.prefetch_held_back:
-        run.prefetch_held_back = True  # said once a run; perf/rollout_prefetched says which steps
-        logger.warning("step %d: rollout.prefetch_next_step held back: the last train call and push took %.0f s, "
-                       "more than half of rollout.request_timeout_s (%.0f s), which the prefetched calls wait "
-                       "through (it resumes when they are shorter again)", step + 1, run.last_hold_s, timeout_s)
+    _warn_once_if_held_back(run, step)
     metrics.update(await train_on_samples(run, step, samples, resume_engines=False, clock=clock,
                                           while_training=(lambda: _prefetch_next_round(run)) if prefetch else None))
     run.progress.mark_trained(step + 1, rollout_state)
@@ -350,6 +344,18 @@ def prefetch_fits(hold_s: float, request_timeout_s: float) -> bool:
     """Whether prefetched calls, which wait through a train call and a push, would keep half their timeout: judged
     by the last step's (`hold_s`), so a run whose steps outgrow it stops prefetching instead of losing its calls."""
     return hold_s <= 0.5 * request_timeout_s
+
+
+def _warn_once_if_held_back(run: Run, step: int) -> None:
+    """Say once a run that a step does not prefetch for its hold (perf/rollout_prefetched says which steps)."""
+    timeout_s = run.recipe.rollout.request_timeout_s
+    if run.prefetch_held_back or not run.recipe.rollout.prefetch_next_step \
+            or prefetch_fits(run.last_hold_s, timeout_s):
+        return
+    run.prefetch_held_back = True
+    logger.warning("step %d: rollout.prefetch_next_step held back: the last train call and push took %.0f s, more "
+                   "than half of rollout.request_timeout_s (%.0f s), which the prefetched calls wait through (it "
+                   "resumes when they are shorter again)", step + 1, run.last_hold_s, timeout_s)
 
 
 async def _prefetch_next_round(run: Run) -> None:
