@@ -204,6 +204,30 @@ def _assert_engine_holds(trainer_state: dict[str, torch.Tensor], conn, path: Pat
         assert torch.equal(engine[name], tensor.to(engine[name].dtype)), name
 
 
+def test_buffer_fill_keeps_the_ranks_live_tensors(checkpoints):
+    """A one-rank FSDP2 model's tensors are whole on the rank: the fill walks the state dict once and keeps them, so
+    every later fill reads the weights the optimizer updated in place (the GPU test sends three versions so)."""
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.shared_weights import SharedWeights  # noqa: PLC0415
+
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), policy_config(str(checkpoints[0]), PPOLoss()))
+    model = worker.policy.model
+    shared = SharedWeights(model, "bfloat16", sender=False)  # the sources alone: no buffer (that needs a GPU)
+    first = shared._sources(model)
+    assert shared._sources(model) is first  # kept
+    assert [name for name, _ in first] == list(model.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.25)
+    now = {name: full for name, full in SharedWeights(model, "bfloat16", sender=False)._sources(model)}
+    for name, kept in shared._sources(model):
+        assert torch.equal(kept, now[name]), name  # the kept tensors are the live ones
+    shared.forget_sources()
+    assert shared._sources(model) is not first
+
+
 @pytest.mark.gpu
 def test_cuda_ipc_updates_an_engine_in_another_process(checkpoints, tmp_path):
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415

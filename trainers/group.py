@@ -4,7 +4,8 @@ answers. The batch is split by rank here (whole groups per rank where their prom
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import ray
 import torch
@@ -14,7 +15,7 @@ from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
-from trainers.rank import TrainerRank, combine_steps, shares_prompts
+from trainers.rank import CALL_STARTED_AT, TrainerRank, combine_steps, shares_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class RayTrainerGroup:
     def _shards(self, batch: TrainBatch, role: str) -> tuple[list[list[int]], list[TrainBatch]]:
         """(sample ids per data-parallel rank, its sub-batch): a group's samples stay on one data-parallel rank when
         its prompt is computed once (shared-prompt packing), so that no two ranks compute the same prompt."""
+        if self.dp_size == 1:
+            return [list(range(len(batch.seqlens)))], [batch]
         shared = (shared_prompt_lengths(batch.input_ids, batch.seqlens, batch.prompt_lens)
                   if batch.seqlens and shares_prompts(batch, self.config, self.config.roles[role]) else None)
         assignment = balance_across_ranks(batch.seqlens, self.dp_size, shared)
@@ -88,12 +91,15 @@ class RayTrainerGroup:
         return values, final
 
     def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
-              detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
+              detailed_metrics: bool = True, role: str = "policy",
+              on_sent: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, dict[str, float]]:
         """An RL step's training in one call per rank: π_old (when asked, before any update) and num_mini_batches
         optimiser steps, each on a contiguous slice of the samples (groups stay together as far as the split
         allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's,
-        skipped_updates summed).
-        detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged."""
+        skipped_updates summed, trainer_dispatch_s: from this call to rank 0 starting it, on the wall clock).
+        detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged.
+        on_sent: called once the call is sent to every rank (its batch with it), before the wait for the answers."""
+        called_at = time.time()
         n = len(batch.seqlens)
         parts = [list(range(i * n // num_mini_batches, (i + 1) * n // num_mini_batches)) for i in range(num_mini_batches)]
         parts = [p for p in parts if p]
@@ -106,15 +112,20 @@ class RayTrainerGroup:
                 per_shard[d].append(shard)
             layouts.append((part, assignment))
             totals.append((float(mb.loss_mask.sum()), len(mb.seqlens)))
-        results = self._per_shard(ray.get([
-            w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
-            for w, shards in zip(self.workers, self._per_rank(per_shard))]))
+        calls = [w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
+                 for w, shards in zip(self.workers, self._per_rank(per_shard))]
+        if on_sent is not None:
+            on_sent()
+        results = self._per_shard(ray.get(calls))
         steps = results[0][1]
         # The weight-sync check is the first step's alone (its weights are the engines'), and rank 0's garbage
-        # collections are the call's, not a step's.
+        # collections and start are the call's, not a step's.
         once = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith(("sync_logprob_", "trainer_gc_"))}
+        started_at = steps[0].pop(CALL_STARTED_AT, None)
         metrics = combine_steps(steps)
         metrics.update(once)
+        if started_at is not None:
+            metrics["trainer_dispatch_s"] = max(started_at - called_at, 0.0)
         if not recompute_old_logprobs:
             return None, metrics
         old = torch.zeros(batch.num_tokens)

@@ -5,6 +5,8 @@ first role's directory)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from slime_dsa.weights.payloads import TensorSpec
@@ -35,8 +37,9 @@ class RoleGroups:
         return self.groups[role]
 
     def train(self, batch: TrainBatch, num_mini_batches: int = 1, recompute_old_logprobs: bool = False,
-              detailed_metrics: bool = True, role: str = "policy") -> tuple[torch.Tensor | None, dict[str, float]]:
-        return self._group(role).train(batch, num_mini_batches, recompute_old_logprobs, detailed_metrics, role)
+              detailed_metrics: bool = True, role: str = "policy",
+              on_sent: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, dict[str, float]]:
+        return self._group(role).train(batch, num_mini_batches, recompute_old_logprobs, detailed_metrics, role, on_sent)
 
     def compute_logprobs(self, batch: TrainBatch, role: str = "policy") -> torch.Tensor:
         return self._group(role).compute_logprobs(batch, role)

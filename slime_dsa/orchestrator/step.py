@@ -113,7 +113,9 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
     returns train/, critic/, advantage/ and perf/ metrics. resume_engines False: colocated engines stay paused after
     training, for a weight push that follows at once and continues them (one continue request less). clock: marks
     the phases batch, to_trainer (colocated on GPUs), train and to_engines (the same) for a profiled step.
-    while_training: awaited once the engines are handed over, just before the train call (a prefetch's send).
+    while_training: awaited once the policy's train call is sent to every rank (a prefetch's send: its calls then
+    go out while the trainer computes, not while the driver sends the batch), or after training when no policy step
+    runs.
 
     With a critic (slime_dsa/orchestrator/critic.py) the advantages are its per-token GAE, computed before either
     model moves; with teachers (distill.py), the per-token reverse KL to each sample's teacher. The critic trains
@@ -123,10 +125,8 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
     import torch  # noqa: PLC0415
 
     from slime_dsa.orchestrator.batching import build_train_batch, sample_advantages  # noqa: PLC0415
-    from slime_dsa.orchestrator.critic import critic_estimates, train_critic  # noqa: PLC0415
 
     recipe, trainers, client, algorithm = run.recipe, run.trainers, run.client, run.algorithm
-    with_critic = "critic" in algorithm.roles
     batch_start = time.perf_counter()
     per_sample = (sample_advantages(samples, algorithm) if algorithm.advantage_level == "sample"
                   else torch.zeros(len(samples)))
@@ -147,29 +147,19 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
         await run.memory.to_trainer()
         hand_over["perf/rollout_sleep_s"] = time.perf_counter() - start
         clock.mark("to_trainer")
-    if while_training is not None:
-        await while_training()
+    sent = asyncio.Event()
+    after_send = asyncio.create_task(_when_set(sent, while_training)) if while_training is not None else None
+    trains_policy = run.algorithm.trains_policy(step)
     train_start = time.perf_counter()
-    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
-    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
-    metrics: dict[str, float] = await critic_estimates(trainers, algorithm, batch, samples) if with_critic else {}
-    if algorithm.advantage_source == "teacher":
-        from slime_dsa.orchestrator.distill import teacher_estimates  # noqa: PLC0415
-
-        metrics.update(teacher_estimates(algorithm, run.teachers, batch, samples))
-    mini_batches = recipe.trainer.num_steps_per_rollout
-    jobs = [train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
-    trains_policy = algorithm.trains_policy(step)
-    if trains_policy:
-        jobs.append(_train_policy(run, step, batch, logged))
-    if with_critic and recipe.critic.placement == "separate":
-        results = await asyncio.gather(*jobs)  # different ranks: the critic trains while the policy does
-    else:
-        results = [await job for job in jobs]  # the same ranks: one call at a time (their collectives must pair)
-    for result in results:
-        metrics.update(result)
-    metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0
-    train_time = time.perf_counter() - train_start
+    try:
+        metrics = await _train_roles(run, step, batch, samples, trains_policy, _threadsafe_setter(sent))
+        train_time = time.perf_counter() - train_start
+        if after_send is not None:
+            sent.set()  # no policy call this step (a critic's warm-up): now
+            await after_send
+    finally:
+        if after_send is not None and not after_send.done():
+            after_send.cancel()
     clock.mark("train")
     if colocated:
         start = time.perf_counter()
@@ -191,7 +181,48 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
 SYNC_KEYS = ("sync_logprob_abs_diff", "sync_logprob_abs_diff_max", "sync_logprob_exact")
 
 
-async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, float]:
+async def _train_roles(run: Run, step: int, batch, samples: list, trains_policy: bool,
+                       on_sent: Callable[[], None]) -> dict[str, float]:
+    """The step's train calls: the critic's estimates and steps (with one), the policy's when it trains; their
+    metrics. on_sent: called once the policy's call is sent to its ranks."""
+    from slime_dsa.orchestrator.critic import critic_estimates, train_critic  # noqa: PLC0415
+
+    recipe, trainers, algorithm = run.recipe, run.trainers, run.algorithm
+    with_critic = "critic" in algorithm.roles
+    # Metrics that cost real compute (the indexer's dense recall) only on the steps after_step logs.
+    logged = (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps
+    metrics: dict[str, float] = await critic_estimates(trainers, algorithm, batch, samples) if with_critic else {}
+    if algorithm.advantage_source == "teacher":
+        from slime_dsa.orchestrator.distill import teacher_estimates  # noqa: PLC0415
+
+        metrics.update(teacher_estimates(algorithm, run.teachers, batch, samples))
+    mini_batches = recipe.trainer.num_steps_per_rollout
+    jobs = [train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
+    if trains_policy:
+        jobs.append(_train_policy(run, step, batch, logged, on_sent))
+    if with_critic and recipe.critic.placement == "separate":
+        results = await asyncio.gather(*jobs)  # different ranks: the critic trains while the policy does
+    else:
+        results = [await job for job in jobs]  # the same ranks: one call at a time (their collectives must pair)
+    for result in results:
+        metrics.update(result)
+    metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0
+    return metrics
+
+
+async def _when_set(event: asyncio.Event, action: Callable[[], Awaitable[None]]) -> None:
+    await event.wait()
+    await action()
+
+
+def _threadsafe_setter(event: asyncio.Event) -> Callable[[], None]:
+    """A callable that sets `event` from any thread (a train call's, which runs off the event loop)."""
+    loop = asyncio.get_running_loop()
+    return lambda: loop.call_soon_threadsafe(event.set)
+
+
+async def _train_policy(run: Run, step: int, batch, logged: bool,
+                        on_sent: Callable[[], None] | None = None) -> dict[str, float]:
     """The policy's optimiser steps of one RL step; train/ metrics.
 
     The algorithm's π_old mode says how the step gets π_old: recompute = a trainer forward (and
@@ -209,10 +240,11 @@ async def _train_policy(run: Run, step: int, batch, logged: bool) -> dict[str, f
     recompute = old_logprobs == "recompute"
     # One call per rank: π_old (recompute) and every optimiser step of this RL step.
     old, train_metrics = await asyncio.to_thread(run.trainers.train, batch, recipe.trainer.num_steps_per_rollout,
-                                                 recompute, logged)
+                                                 recompute, logged, on_sent=on_sent)
     # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
     agreement = {k: train_metrics.pop(k) for k in SYNC_KEYS if k in train_metrics}
-    metrics.update({f"perf/{k}": train_metrics.pop(k) for k in list(train_metrics) if k.startswith("trainer_gc_")})
+    metrics.update({f"perf/{k}": train_metrics.pop(k) for k in list(train_metrics)
+                    if k.startswith(("trainer_gc_", "trainer_dispatch_"))})
     if recompute:
         batch.old_logprobs = old
         agreement = logprob_agreement(batch)

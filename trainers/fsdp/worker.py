@@ -150,6 +150,8 @@ class FSDPWorker(TrainerRank):
         load_rank_checkpoint(self, directory)
         for copy in self.bf16_copies.values():
             copy.refresh()
+        if self._shared is not None:
+            self._shared.forget_sources()
 
 
 def average_gradients(params: list[torch.Tensor], world_size: int) -> None:
