@@ -15,7 +15,7 @@ from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
-from trainers.rank import CALL_STARTED_AT, TrainerRank, combine_steps, shares_prompts
+from trainers.rank import TrainerRank, combine_steps, shares_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -112,20 +112,18 @@ class RayTrainerGroup:
                 per_shard[d].append(shard)
             layouts.append((part, assignment))
             totals.append((float(mb.loss_mask.sum()), len(mb.seqlens)))
-        calls = [w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role)
+        calls = [w.train_batches.remote(shards, totals, recompute_old_logprobs, detailed_metrics, role, called_at)
                  for w, shards in zip(self.workers, self._per_rank(per_shard))]
         if on_sent is not None:
             on_sent()
         results = self._per_shard(ray.get(calls))
         steps = results[0][1]
         # The weight-sync check is the first step's alone (its weights are the engines'), and rank 0's garbage
-        # collections and start are the call's, not a step's.
-        once = {k: steps[0].pop(k) for k in list(steps[0]) if k.startswith(("sync_logprob_", "trainer_gc_"))}
-        started_at = steps[0].pop(CALL_STARTED_AT, None)
+        # collections and the call's dispatch are the call's, not a step's.
+        once = {k: steps[0].pop(k) for k in list(steps[0])
+                if k.startswith(("sync_logprob_", "trainer_gc_", "trainer_dispatch_"))}
         metrics = combine_steps(steps)
         metrics.update(once)
-        if started_at is not None:
-            metrics["trainer_dispatch_s"] = max(started_at - called_at, 0.0)
         if not recompute_old_logprobs:
             return None, metrics
         old = torch.zeros(batch.num_tokens)

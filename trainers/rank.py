@@ -105,9 +105,6 @@ def _sample_index(seqlens: list[int], device: torch.device) -> torch.Tensor:
                                    output_size=sum(seqlens))
 
 
-# The wall-clock time a train call started on a rank (the group's trainer_dispatch_s: how long its batch took to arrive).
-CALL_STARTED_AT = "call_started_at"
-
 Metric = torch.Tensor | float  # a step's metrics stay on the device until the step ends: one host sync per step
 
 
@@ -407,10 +404,12 @@ class TrainerRank:
 
     def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
                       recompute_old_logprobs: bool = False, detailed_metrics: bool = True,
-                      role: str = "policy") -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]:
+                      role: str = "policy", sent_at: float | None = None,
+                      ) -> tuple[list[torch.Tensor] | None, list[dict[str, float]]]:
         """One RL step's training in one call: π_old of every shard first (when asked), then one optimiser step
         per shard. totals[i] = (loss tokens, samples) of mini-batch i over all ranks. Returns (π_old per shard or
-        None, metrics per optimiser step; the first also says when the call started here, CALL_STARTED_AT)."""
+        None, metrics per optimiser step). sent_at: the caller's wall-clock time when it made the call; the first
+        step's metrics then hold trainer_dispatch_s, how long the call and its batch took to start here."""
         started_at = time.time()
         old = None
         # The first step's forward runs on the weights π_old is of (no update before it): its log-probs are π_old.
@@ -428,8 +427,8 @@ class TrainerRank:
             metrics = self._read_steps(steps)
         if self._gc_watch is not None and metrics:  # this process's collections since the last call
             metrics[0].update({f"trainer_{k}": v for k, v in self._gc_watch.take().items()})
-        if metrics:
-            metrics[0][CALL_STARTED_AT] = started_at
+        if sent_at is not None and metrics:
+            metrics[0]["trainer_dispatch_s"] = max(started_at - sent_at, 0.0)
         if reuse:
             logps = steps[0].old_logprobs
             old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)
