@@ -10,7 +10,9 @@ kernel or two (split: dQ alone, dKV alone); each of its launches is run with eve
 length, then with its fastest correct config at the others. A launch whose dq or dkv differs from the fused mode's
 by more than 2e-2 relative L2 is marked wrong and not timed; one that does not compile is a row saying so. A mode's
 time is the sum of its launches' best times, or for the variants of several kernels their time run together as
-the backward runs them (row "whole": split64_par overlaps its two on two streams). Each row gives the compiled
+the backward runs them (row "whole": split64_par overlaps its two on two streams). `--modes split64_stores` adds
+split64 with its dKV atomics replaced by plain stores (wrong dKV, timed unchecked): what the atomics cost, the bound of
+any atomic-free dKV in that kernel. Each row gives the compiled
 kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly between measurements;
 --max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md beside it) hold what ran.
 """
@@ -44,6 +46,7 @@ class Unit:
     do_dkv: bool
     configs: list
     run: Callable  # (cfg, problem, dq, dkv) -> compiled kernel
+    timing_only: bool = False  # its dKV is wrong by design (variants.TIMING_ONLY): timed, not checked
 
 
 @dataclass
@@ -96,8 +99,9 @@ def mode_units(mode: str) -> list[Unit]:
         return lambda cfg, p, dq, dkv: variants.launch_variant(launch, cfg, p.q, p.kv, p.idx, p.dout, p.lse, p.delta,
                                                                dq, dkv, p.scale, V_DIM)
 
-    return [Unit(launch.kind, launch.do_dq, launch.do_dkv, list(launch.configs), variant(launch))
-            for launch in variants.MODES[mode]]
+    launches = variants.MODES.get(mode) or variants.TIMING_ONLY[mode]
+    return [Unit(launch.kind, launch.do_dq, launch.do_dkv, list(launch.configs), variant(launch),
+                 timing_only=launch.red == variants.RED_STORES) for launch in launches]
 
 
 def make_problem(T: int) -> Problem:
@@ -150,7 +154,9 @@ def measure(T: int, mode: str, unit: Unit, cfg, p: Problem, budget_s: float) -> 
     if p.ref:
         res.err_dq = rel_l2(dq, p.ref[0]) if unit.do_dq else None
         res.err_dkv = rel_l2(dkv, p.ref[1]) if unit.do_dkv else None
-    if max(e for e in (res.err_dq, res.err_dkv, 0.0) if e is not None) > MAX_REL_ERR:
+    if unit.timing_only:
+        res.note = "timing only: dKV by plain stores, not summed"
+    if not unit.timing_only and max(e for e in (res.err_dq, res.err_dkv, 0.0) if e is not None) > MAX_REL_ERR:
         res.note = f"wrong: rel L2 above {MAX_REL_ERR}"
     else:
         def once():
@@ -282,12 +288,14 @@ def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float
 
 def main() -> None:
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536])
     # inline PTX modes last: a fault there (a bad address kills the CUDA context) leaves the others measured
+    # split64_stores (not a mode: variants.TIMING_ONLY) times split64 without its dKV atomics, when asked
     parser.add_argument("--modes", nargs="+", default=sorted(mla.BWD_MODES, key=lambda m: "red" in m),
-                        choices=mla.BWD_MODES)
+                        choices=[*mla.BWD_MODES, *variants.TIMING_ONLY])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of repetitions per measurement")
     parser.add_argument("--max-configs", type=int, default=None, help="sweep only the first N configs of a launch")
     parser.add_argument("--time-limit", type=float, default=200.0, help="stop starting measurements after this")

@@ -287,6 +287,36 @@ def check_sparse_mla_bwd_variants() -> None:
         mla.SKIP_EMPTY_SLOTS, mla.USE_KEY_RANGES = saved
 
 
+def check_dkv_stores_timing_launch() -> None:
+    """The timing-only split64_stores (variants.TIMING_ONLY: dKV by plain stores): where every kv row is selected by
+    one query alone, a store is the sum, so its dq and dkv equal split64's; it runs where benchmarks time it."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla_bwd_variants as variants  # noqa: PLC0415
+    from slime_dsa.ops.triton_sparse_mla_launch import KernelConfig  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(6)
+    T, H, v_dim, d_r, K = 5, 12, 40, 8, 48
+    D = v_dim + d_r
+    kv_rows = torch.randperm(T * 8, generator=g)[: T * 6].reshape(T, 6)  # disjoint rows per query
+    idx = torch.full((T, K), -1, dtype=torch.int32)
+    idx[:, 3:9] = kv_rows.to(torch.int32)
+    q, kv = torch.randn(T, H, D, generator=g), torch.randn(T * 8, D, generator=g)
+    out, lse = mla.sparse_mla_fwd(q, kv, idx, D**-0.5, v_dim)
+    dout = torch.randn(out.shape, generator=g)
+    delta = mla.bwd_delta(out, dout, None)
+    cfg = KernelConfig(64, 16, 4, 1)
+    got, want = [], []
+    for launches, grads in ((variants.TIMING_ONLY["split64_stores"], got), (variants.MODES["split64"], want)):
+        dq, dkv = torch.zeros_like(q), torch.zeros(kv.shape, dtype=torch.float32)
+        for launch in launches:
+            variants.launch_variant(launch, cfg, q, kv, idx, dout, lse, delta, dq, dkv, D**-0.5, v_dim)
+        grads += [dq, dkv]
+    assert variants.TIMING_ONLY["split64_stores"][1].red == variants.RED_STORES
+    assert "split64_stores" not in variants.MODES and "split64_stores" not in mla.BWD_MODES  # never a backward
+    assert float(want[1].abs().max()) > 0
+    assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], rtol=0, atol=1e-6), "stores != sums"
+
+
 def check_masked_ranges() -> None:
     """The range backward over a byte map of selected keys (subsets of short packed sequences), and the general
     backward on the same selection, against the reference."""
@@ -316,7 +346,7 @@ def check_masked_ranges() -> None:
 
 CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
           check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
-          check_sparse_mla_bwd_variants, check_masked_ranges]
+          check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_masked_ranges]
 
 
 def main() -> int:

@@ -56,3 +56,11 @@ def test_summary_adds_the_fastest_correct_config_of_each_launch():
     lines = table.splitlines()
     assert lines[2].startswith("| split64_par | 28.00 | 250 |")  # fastest mode first
     assert "failed: OutOfResources" in table and "wrong: rel L2" in table and "- a note" in table
+
+
+def test_the_stores_timing_launch_is_timed_never_run_as_a_backward():
+    """split64_stores (dKV by plain stores: wrong sums) is a benchmark row, not a mode a run or a test can pick."""
+    assert "split64_stores" not in mla.BWD_MODES and "split64_stores" not in variants.MODES
+    units = bench.mode_units("split64_stores")
+    assert [(u.label, u.timing_only) for u in units] == [("bwd_v_dq64", False), ("bwd_v_dkv64_stores", True)]
+    assert bench.mode_units("split64")[1].timing_only is False

@@ -164,10 +164,18 @@ def _red_add(base, cols, vals, row_mask, col_mask):
                               dtype=tl.int32, is_pure=False, pack=2)
 
 
+# RED value of a launch that writes its dKV tiles with plain stores: the sums are wrong (a kv row keeps the last
+# tile written to it), so only TIMING_ONLY launches use it, to time the dKV kernel without its atomics.
+RED_STORES = 3
+
+
 @triton.jit
 def _add_dkv(base, cols, vals, row_mask, col_mask, RED: tl.constexpr):
-    """dkv[base + cols] += vals where both masks hold: RED 0 tl.atomic_add, 1 PTX v2 reds, 2 PTX v4 reds."""
-    if RED == 2:
+    """dkv[base + cols] += vals where both masks hold: RED 0 tl.atomic_add, 1 PTX v2 reds, 2 PTX v4 reds;
+    RED_STORES (timing only) dkv[base + cols] = vals."""
+    if RED == 3:
+        tl.store(base + cols, vals, mask=row_mask & col_mask)
+    elif RED == 2:
         _red_add4(base, cols, vals, row_mask, col_mask)
     elif RED == 1:
         _red_add(base, cols, vals, row_mask, col_mask)
@@ -313,6 +321,14 @@ MODES: dict[str, tuple[Launch, ...]] = {
 }
 
 
+# Not backward modes (their dKV is wrong): split64 with the dKV kernel's atomics replaced by plain stores, for
+# benchmarks/sparse_mla_bwd_variants.py to time what the atomics cost (--modes split64_stores): the time any atomic-free
+# dKV scheme of the same kernel could at best reach.
+TIMING_ONLY: dict[str, tuple[Launch, ...]] = {
+    "split64_stores": (MODES["split64"][0], Launch("bwd_v_dkv64_stores", False, True, True, RED_STORES, False, DKV64)),
+}
+
+
 # Split modes whose dQ kernel runs on a side stream while the dKV kernel runs (CUDA): an SM that the atomic-bound dKV
 # kernel leaves takes dQ programs (tensor-core bound), so the two overlap instead of running one after the other.
 PARALLEL = {"split64_par"}
@@ -344,7 +360,8 @@ def launch_variant(launch: Launch, cfg: KernelConfig, q, kv, indices, dout, lse,
     T, H, D = q.shape
     block_h = min(cfg.block_h, _pow2(H))
     block_dv, block_dr = _pow2(v_dim), _pow2(D - v_dim)
-    red = launch.red if launch.do_dkv and red_fits(launch.red, launch.dkv_t, cfg, block_dv, block_dr) else 0
+    fits = launch.red == RED_STORES or red_fits(launch.red, launch.dkv_t, cfg, block_dv, block_dr)
+    red = launch.red if launch.do_dkv and fits else 0
     return _bwd_variant_kernel[(T, triton.cdiv(H, block_h))](
         q, kv, indices, dout, lse, delta, dq, dkv,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1),
@@ -397,4 +414,4 @@ def force_mode(mode: str | None, key: tuple) -> None:
         _chosen[("bwd_mode", key)] = mode
 
 
-__all__ = ["MODES", "Launch", "launch_variant", "run_mode", "cuda_only", "force_mode"]
+__all__ = ["MODES", "TIMING_ONLY", "RED_STORES", "Launch", "launch_variant", "run_mode", "cuda_only", "force_mode"]
