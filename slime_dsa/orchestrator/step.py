@@ -149,7 +149,7 @@ async def train_on_samples(run: Run, step: int, samples: list, resume_engines: b
         clock.mark("to_trainer")
     sent = asyncio.Event()
     after_send = asyncio.create_task(_when_set(sent, while_training)) if while_training is not None else None
-    trains_policy = run.algorithm.trains_policy(step)
+    trains_policy = algorithm.trains_policy(step)
     train_start = time.perf_counter()
     try:
         metrics = await _train_roles(run, step, batch, samples, trains_policy, _threadsafe_setter(sent))
