@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl abours vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments) RL_RECIPE (default recipes/gpu_single.yaml; e.g.
 #   recipes/gpu_single_async.yaml, the asynchronous loop with engine and trainer on the GPU at once), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
@@ -72,6 +72,12 @@
 # steps (benchmarks/step_overheads.py --device cuda, 16 x 16, 64 tokens, on $W/sft/model, else a random small preset):
 # the synchronous step's phases and, between two rollouts, each engine request and trainer call per step; STEPS_ARGS
 # adds arguments (e.g. "--baseline .stepbase --rounds 2": the same against an older tree), STEPS_T caps it (420 s).
+# abours: ours alone (benchmarks/vs_trl_ours.py) from this tree and from the tree AB_BASE (default .stepbase, e.g.
+# `git archive <rev> --prefix=.stepbase/ | tar -x` with recipes/assets, benchmarks/assets, tests and docs removed so
+# that it travels), runs in the order AB_ORDER (default "new base base new"), each capped at AB_T seconds (110), with
+# AB_ARGS (default 64 x 16 on the sft stage's model, 16 steps, prefetch on, step AB_PROFILED=14 profiled, GPU only);
+# writes $OUT/ab_<side><n>.log, _metrics.jsonl, _result.json, _timeline.md and $OUT/ab.md (benchmarks/ab_ours.py: the
+# runs' medians over their short steps).
 # tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
 # 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
 # arguments, e.g. "--rounds 2", TONP_T caps it, default 420 s) writes $OUT/tonp.md (the table) and $OUT/tonp.log.
@@ -162,6 +168,24 @@ opd)
     --out $W/opd/opd_swap.md ${OPD_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v -e "━" -e "tokenizing" > $W/opd.log
   { cat $W/opd/opd_swap.md 2>/dev/null || echo "no result: see the log's tail"; echo; echo "--- log tail"
     tail -n 80 $W/opd.log; } | tee $OUT/opd.log | tail -40
+  ;;
+abours)  # ours alone from this tree and from $AB_BASE, alternated: a change's before and after on one machine
+  stamp abours
+  BASE=${AB_BASE:-.stepbase}
+  [ -d "$BASE" ] || { echo "no baseline tree $BASE (git archive <rev> --prefix=.stepbase/ | tar -x)"; continue; }
+  MODEL=$W/sft/model; [ -d $MODEL ] || MODEL=recipes/assets/quickstart-sft
+  ARGS=${AB_ARGS:-"--device cuda --task countdown --model $MODEL --prompts-per-step 64 --group-size 16 --max-new-tokens 256 --lr 1e-5 --steps 16 --ours-prefetch on --profile-steps 14 --profile-activities GPU"}
+  n=0; runs=""
+  for side in ${AB_ORDER:-new base base new}; do
+    n=$((n + 1)); name=ab_${side}$n; dir=$PWD; [ $side = base ] && dir=$(cd $BASE && pwd)
+    (cd $dir && PYTHONPATH=$dir:/tmp/site timeout -k 10 ${AB_T:-110} python3 benchmarks/vs_trl_ours.py $ARGS       --workdir $W/$name > $OUT/$name.log 2>&1)
+    tail -1 $OUT/$name.log
+    cp $W/$name/ours/metrics.jsonl $OUT/${name}_metrics.jsonl 2>/dev/null
+    cp $W/$name/ours_result.json $OUT/${name}_result.json 2>/dev/null
+    for d in $W/$name/ours/profile/step_*; do [ -d "$d" ] && python3 -m slime_dsa.logging.timeline $d > $OUT/${name}_timeline.md 2>&1; done
+    rm -rf $W/$name; runs="$runs $OUT/$name"
+  done
+  python3 benchmarks/ab_ours.py $runs --profiled ${AB_PROFILED:-14} | tee $OUT/ab.md
   ;;
 vstrl)
   vstrl_stage vstrl "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
