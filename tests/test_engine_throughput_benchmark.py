@@ -59,9 +59,10 @@ def test_rollout_call_host_time_reports_the_host_work_around_the_steps(monkeypat
         assert r["tokens"] > 0 and r["steps"] >= 64 and set(r["phase_ms"]) == {"schedule", "launch", "resolve",
                                                                                "stop_strings", "finish"}
         # nested thread-CPU readings: a sandboxed clock (CI's) can cross by a tick, so the part may exceed the whole
-        # by a hair; a base64 timed outside build_response would exceed it by far more
+        # by a hair; a base64 timed outside build_response would exceed it by far more. The event loop's whole
+        # (~3 ms here) was once read 0.6 ms below its responses' part on CI's clock: a millisecond of slack there.
         assert 0 < r["replay_base64_cpu_ms"] <= 1.05 * r["responses_cpu_ms"] + 0.05
-        assert r["responses_cpu_ms"] <= r["main_cpu_ms"]
+        assert r["responses_cpu_ms"] <= 1.05 * r["main_cpu_ms"] + 1.0
     assert runs[0]["digest"] == runs[1]["digest"]
     for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
         sys.modules.pop(name, None)
