@@ -57,6 +57,13 @@ def test_a_train_batch_round_trips_as_byte_arrays(out_of_band):
     assert torch.equal(back.advantages, batch.advantages * 2)
 
 
+def _fake_run(trainers=None):
+    """FAKE run: what train_on_samples reads, the default recipe (no colocation, no critic, no FLOP counter)."""
+    recipe = RecipeConfig()
+    return type("Run", (), dict(recipe=recipe, algorithm=build_algorithm(recipe.algorithm), trainers=trainers,
+                                client=None, memory=None, train_flops=None, teachers=None))()
+
+
 def test_the_prefetch_goes_out_after_the_train_call_is_sent():
     """train_on_samples starts `while_training` (a prefetch's send) from the train call's on_sent, so it runs while
     the ranks compute, not while the driver pickles and sends the batch."""
@@ -72,16 +79,11 @@ def test_the_prefetch_goes_out_after_the_train_call_is_sent():
             events.append("answered")
             return None, {"trainer_dispatch_s": 0.01}
 
-    class Run:  # FAKE run: what train_on_samples reads
-        recipe = RecipeConfig()
-        algorithm = build_algorithm(recipe.algorithm)
-        trainers, client, memory, train_flops, teachers = Trainers(), None, None, None, None
-
     async def prefetch() -> None:
         events.append("prefetch")
 
     samples = ragged_samples(random.Random(0), ["none"] * 4)
-    metrics = asyncio.run(step_module.train_on_samples(Run(), 0, samples, while_training=prefetch))
+    metrics = asyncio.run(step_module.train_on_samples(_fake_run(Trainers()), 0, samples, while_training=prefetch))
     assert events == ["sent", "prefetch", "answered"]
     assert metrics["perf/trainer_dispatch_s"] == 0.01
 
@@ -98,12 +100,6 @@ def test_a_step_without_a_policy_call_still_prefetches(monkeypatch):
         events.append("prefetch")
 
     monkeypatch.setattr(step_module, "_train_roles", no_policy)
-
-    class Run:  # FAKE run, as above
-        recipe = RecipeConfig()
-        algorithm = build_algorithm(recipe.algorithm)
-        trainers, client, memory, train_flops, teachers = None, None, None, None, None
-
-    asyncio.run(step_module.train_on_samples(Run(), 0, ragged_samples(random.Random(0), ["none"] * 2),
+    asyncio.run(step_module.train_on_samples(_fake_run(), 0, ragged_samples(random.Random(0), ["none"] * 2),
                                              while_training=prefetch))
     assert events == ["critic", "prefetch"]
