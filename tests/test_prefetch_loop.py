@@ -64,21 +64,23 @@ def test_a_step_after_a_train_call_and_push_too_long_for_the_timeout_does_not_pr
 
     real_sync = train.sync_weights
 
-    async def slow_first_push(weights, version, **kwargs):  # a fake slow push: the real one 3.5 s late, once
+    # a fake slow push: the real one 10.5 s late, once. The 20 s timeout leaves the other steps' train calls and pushes
+    # 10 s, which a loaded two-core CI machine needs (one took over 3 s there)
+    async def slow_first_push(weights, version, **kwargs):
         if version != 1:
             return await real_sync(weights, version, **kwargs)
-        await asyncio.sleep(3.5)
-        return 3.5 + await real_sync(weights, version, **kwargs)
+        await asyncio.sleep(10.5)
+        return 10.5 + await real_sync(weights, version, **kwargs)
 
     monkeypatch.setattr(train, "sync_weights", slow_first_push)
     recipe = json.loads(json.dumps(RECIPE))
-    recipe["rollout"].update(prefetch_next_step=True, request_timeout_s=6.0)
+    recipe["rollout"].update(prefetch_next_step=True, request_timeout_s=20.0)
     recipe["trainer"]["num_steps"] = 4
     recipe["logging"]["eval_every"] = 0
     with caplog.at_level(logging.WARNING, logger=train.logger.name):
         rows = _run(tmp_path, "slow", recipe)
-    # step 1's train call and push took over half of the 6 s timeout: step 2's does not prefetch step 3's first round;
+    # step 1's train call and push took over half of the 20 s timeout: step 2's does not prefetch step 3's first round;
     # step 3's train call sends step 4's again
     assert [r["perf/rollout_prefetched"] for r in rows] == [0, 1, 0, 1]
-    assert all(r["rollout/failed_samples"] == 0 for r in rows)  # the prefetched calls waited 3.5 s, within 6
+    assert all(r["rollout/failed_samples"] == 0 for r in rows)  # the prefetched calls waited 10.5 s, within 20
     assert sum("prefetch_next_step held back" in m for m in caplog.messages) == 1
