@@ -1,6 +1,7 @@
 r"""The engine's host work per cuda_ipc weight update, on CPU: the table parsed and the buffer's views built every
 update (as before), against the server's last table and the engine's mapped buffer kept while the sender's handle
-stays (rollout/server/app.py `_parse_cuda_ipc`, rollout/engine/async_engine.py `_open_ipc`).
+stays (rollout/server/app.py `_parse_cuda_ipc`, rollout/engine/async_engine.py `_open_ipc`); and with the kept
+buffer, the finiteness check over the buffer's runs of one dtype (`float_spans`) against tensor by tensor.
 
 Both sides run the same code in this process, alternating per round: the server's parse of the entry, then
 AsyncEngine._load_cuda_ipc (name and shape checks, the views, Engine.update_weights: its checks, the copies and the
@@ -57,25 +58,32 @@ def main(argv: list[str] | None = None) -> dict:
     server = ServerState(engine=front, tokenizer=None, api_key=None, max_body_bytes=1, max_weight_body_bytes=1,
                          max_prompt_tokens=None, model_path=None, served_model_name="m")
 
-    def update(cached: bool) -> float:
+    def update(cached: bool, spans: bool = True) -> float:
         entry = json.loads(wire)  # each request's body is parsed anew (not timed: the same on both sides)
         if not cached:
             server.last_cuda_ipc, front._ipc = None, None
+        elif front._ipc is not None:  # kept with its table: the spans as the engine built them, or none
+            front._ipc.spans = cuda_ipc.float_spans(front._ipc.flat, front._ipc.tensors) if spans else None
         start = time.perf_counter()
         front._load_cuda_ipc(_parse_cuda_ipc(server, entry), None, flush_cache=True)
         return time.perf_counter() - start
 
     for cached in (False, True):  # warm-up, and the caches filled
         update(cached)
-    times: dict[str, list[float]] = {"each update": [], "kept": []}
+    times: dict[str, list[float]] = {"each update": [], "kept": [], "kept, checked by tensor": []}
     for _ in range(args.rounds):
         times["each update"].append(update(False))
         times["kept"].append(update(True))
+        times["kept, checked by tensor"].append(update(True, spans=False))
     result = {side: statistics.median(t) * 1e3 for side, t in times.items()}
     result["kept/each"] = result["kept"] / result["each update"]
+    result["spans/by tensor"] = result["kept"] / result["kept, checked by tensor"]
     result["tensors"] = len(tensors)
-    print(f"{len(tensors)} tensors, median of {args.rounds} rounds: each update {result['each update']:.2f} ms, "
-          f"kept {result['kept']:.2f} ms, ratio {result['kept/each']:.2f}")
+    result["spans"] = len(cuda_ipc.float_spans(flat, tensors))
+    print(f"{len(tensors)} tensors ({result['spans']} spans), median of {args.rounds} rounds: each update "
+          f"{result['each update']:.2f} ms, kept {result['kept']:.2f} ms (ratio {result['kept/each']:.2f}), kept and "
+          f"checked by tensor {result['kept, checked by tensor']:.2f} ms (spans / by tensor "
+          f"{result['spans/by tensor']:.2f})")
     return result
 
 

@@ -1,8 +1,9 @@
 """Host time of one optimiser step's gradient bookkeeping on the bf16 copy path, apart from the model.
 
-Per step: `Bf16Compute.zero_grad` then one micro-batch's `accumulate_gradients` (the copy's bf16 gradients are
-put in place beforehand, as a backward leaves them), for this tree's copy and, with --baseline-tree, another
-checkout's, alternating in one process on the same model; then fused AdamW's step split into its per-parameter
+Per step: `Bf16Compute.zero_grad`, one micro-batch's `accumulate_gradients` (the copy's bf16 gradients are
+put in place beforehand, as a backward leaves them) and the clip to norm 1 (the copy's `clip_grad_norm` where its tree
+has one, else torch's `clip_grad_norm_`), for this tree's copy and, with --baseline-tree, another checkout's (its
+bf16_compute.py and grad_sums.py), alternating in one process on the same model; then fused AdamW's step split into its per-parameter
 Python (`_init_group`) and the rest. The model is a preset's structure (--narrow: the tiny preset's widths, as in
 train_call_host_time.py), so the parameter tensors are the same ones the trainer walks.
 
@@ -29,10 +30,20 @@ def _copy_class(tree: str | None) -> type:
         from trainers.fsdp.bf16_compute import Bf16Compute  # noqa: PLC0415
 
         return Bf16Compute
-    spec = importlib.util.spec_from_file_location("baseline_bf16_compute", Path(tree) / "trainers/fsdp/bf16_compute.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Bf16Compute
+    modules = {}
+    for name, path in (("grad_sums", "trainers/grad_sums.py"), ("bf16_compute", "trainers/fsdp/bf16_compute.py")):
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", Path(tree) / path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    modules["bf16_compute"].add_gradients = modules["grad_sums"].add_gradients  # the tree's own sums
+    return modules["bf16_compute"].Bf16Compute
+
+
+def _clip(copy, trainable: list[torch.Tensor]) -> None:
+    """The copy's clip where its tree has one (and it takes these parameters), else torch's."""
+    clip = getattr(copy, "clip_grad_norm", None)
+    if clip is None or clip(trainable, 1.0) is None:
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
 
 
 def _median_ms(run, repeats: int) -> float:
@@ -66,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
     copies = {name: _copy_class(tree)(master) for name, tree in trees.items()}
     grads = [torch.randn_like(c) for c in next(iter(copies.values())).module.parameters()]
+    trainable = [p for p in master.parameters() if p.requires_grad]
     logger.info("%d parameter tensors on %s", len(grads), device)
 
     def step(copy) -> None:
@@ -73,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         for c, g in zip(copy.module.parameters(), grads):
             c.grad = g  # what a backward leaves (outside the timing below: subtracted)
         copy.accumulate_gradients()
+        _clip(copy, trainable)
 
     def put_only(copy) -> None:
         for c, g in zip(copy.module.parameters(), grads):
@@ -86,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             spent = _median_ms(lambda: (step(copy), sync()), args.steps)
             figures[name].append(spent - _median_ms(lambda: put_only(copy), args.steps))
     for name, values in figures.items():
-        logger.info("zero_grad + accumulate_gradients, %s: %s ms a step (median %.3f)", name,
+        logger.info("zero_grad + accumulate_gradients + clip, %s: %s ms a step (median %.3f)", name,
                     ", ".join(f"{v:.3f}" for v in values), statistics.median(values))
     if args.baseline_tree:
         ratios = [a / b for a, b in zip(figures["this tree"], figures["baseline"])]

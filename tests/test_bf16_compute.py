@@ -227,3 +227,54 @@ def test_master_gradients_are_allocated_once_and_written_fresh_each_step():
     copy.accumulate_gradients()
     assert all(p.grad is grad for p, grad in zip(master.parameters(), kept))
     assert all(torch.equal(p.grad, draws[3][i].bfloat16().float()) for i, p in enumerate(master.parameters()))
+
+
+def _clip_setup():
+    """A tiny master and its bf16 copy after one backward, with one trainable parameter left unreached and its
+    kept gradient poisoned as a skipped step would leave it."""
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    master = build_model(config, seed=0, dtype=torch.float32)
+    copy = Bf16Compute(master)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    (-copy.module.token_logprobs(ids, PackedBatch.from_seqlens([24, 16]))[0].mean()).backward()
+    copy.accumulate_gradients()
+    trainable = [p for p in master.parameters() if p.requires_grad]
+    unreached = next(p for p in trainable if p.grad is not None)
+    unreached.grad = None
+    copy._grads[unreached].fill_(float("nan"))
+    return copy, trainable, unreached
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and not
+def test_clip_through_the_flat_buffer_is_torchs_clip(max_norm):
+    """The bf16 copy's clip (one norm and one multiply over its flat gradient buffer) gives torch's clip_grad_norm_:
+    the same norm (to float32 rounding of a different summation order) and the same scaled gradients; an unreached
+    parameter's stale buffer neither counts nor gets a gradient."""
+    copy, trainable, unreached = _clip_setup()
+    holders = [torch.empty_like(p) for p in trainable]  # torch's clip reads .grad
+    for holder, p in zip(holders, trainable):
+        holder.grad = None if p.grad is None else p.grad.clone()
+    expected_norm = torch.nn.utils.clip_grad_norm_(holders, max_norm)
+    expected_grads = [holder.grad for holder in holders]
+    norm = copy.clip_grad_norm(trainable, max_norm)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+    assert unreached.grad is None and torch.count_nonzero(copy._grads[unreached]) == 0
+    for p, expected in zip(trainable, expected_grads):
+        assert (p.grad is None) == (expected is None)
+        if expected is not None:
+            torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-12)
+
+
+def test_clip_through_the_flat_buffer_is_a_few_ops_and_declines_other_lists():
+    """Four ops however many parameters (torch's clip walks each gradient: ~4 ops a parameter); a list that is not
+    the master's trainable parameters, or a gradient outside the buffer, is left to torch (None)."""
+    copy, trainable, _ = _clip_setup()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        copy.clip_grad_norm(trainable, 1.0)
+    ops = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    assert len(trainable) > 40 and len(ops) <= 8, [e.name for e in ops]
+    assert copy.clip_grad_norm(trainable[1:], 1.0) is None
+    assert copy.clip_grad_norm(list(reversed(trainable)), 1.0) is None
+    reached = next(p for p in trainable if p.grad is not None)
+    reached.grad = reached.grad.clone()
+    assert copy.clip_grad_norm(trainable, 1.0) is None

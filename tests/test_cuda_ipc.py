@@ -109,6 +109,55 @@ def test_engine_keeps_a_senders_buffer_mapped_while_its_handle_stays(checkpoints
     asyncio.run(main())
 
 
+def test_engine_checks_a_shared_buffer_by_its_runs_and_names_a_bad_tensor(checkpoints, monkeypatch):
+    """The engine checks a cuda_ipc update's finiteness over the buffer's runs of one dtype (float_spans); a NaN in a
+    tensor is still named and changes nothing, a NaN in the padding between slices updates as a clean buffer does.
+    FAKE: open_buffer hands out a host buffer, as in the test above."""
+    import asyncio  # noqa: PLC0415
+
+    import slime_dsa  # noqa: PLC0415
+    from rollout.engine import AsyncEngine, Engine  # noqa: PLC0415
+    from rollout.engine.types import RequestError  # noqa: PLC0415
+    from slime_dsa.weights import checks, cuda_ipc  # noqa: PLC0415
+
+    model = slime_dsa.load_model(checkpoints[0]).eval()
+    start = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    tensors, nbytes = layout([(name, tuple(t.shape), cuda_ipc.dtype_name(t.dtype)) for name, t in start.items()])
+    flat = torch.zeros(nbytes, dtype=torch.uint8)
+    monkeypatch.setattr(cuda_ipc, "open_buffer", lambda buffer, device: flat)
+    ipc = IpcWeights(IpcBuffer("GPU-1", HANDLE, nbytes, 0, nbytes, REF, 0, None, False), tensors)
+    views = cuda_ipc.views(flat, tensors)
+    checked = []
+    real_flags = checks._finite_flags
+    monkeypatch.setattr(checks, "_finite_flags", lambda ts: checked.append(len(ts)) or real_flags(ts))
+    padded = next(t for t in tensors if t.nbytes % cuda_ipc.ALIGN_BYTES)  # a slice followed by padding
+    victim = tensors[len(tensors) // 2]
+
+    async def main() -> None:
+        engine = AsyncEngine(Engine(model, max_cache_tokens=512, block_size=4))
+        await engine.start()
+        for name, view in views.items():
+            view.copy_(start[name] * 2)
+        flat[padded.offset + padded.nbytes:padded.offset + padded.nbytes + 4] = 255  # a float32 NaN's bytes
+        checked.clear()
+        await engine.update_weights_from_cuda_ipc(ipc, weight_version="1")
+        assert checked[0] < len(tensors) and len(checked) == 2  # the runs found the padding; then tensor by tensor
+        views[victim.name].view(-1)[-1] = float("nan")
+        checked.clear()
+        with pytest.raises(RequestError, match=f"tensor {victim.name} holds NaN"):
+            await engine.update_weights_from_cuda_ipc(ipc, weight_version="2")
+        for name, t in model.state_dict().items():  # version 1's weights
+            assert torch.equal(t, start[name] * 2), name
+        views[victim.name].copy_(start[victim.name])
+        flat[padded.offset + padded.nbytes:padded.offset + padded.nbytes + 4] = 0
+        checked.clear()
+        await engine.update_weights_from_cuda_ipc(ipc, weight_version="3")
+        assert checked == [len(cuda_ipc.float_spans(flat, tensors))] and checked[0] < len(tensors) / 4
+        await engine.stop()
+
+    asyncio.run(main())
+
+
 def test_server_parses_a_repeated_cuda_ipc_table_once():
     """The server keeps the last cuda_ipc entry and its checked table: an equal entry (every update of one sender)
     is not parsed again; a different one is, with its own errors."""

@@ -170,6 +170,28 @@ def test_tables_are_checked_against_the_models_tensors():
         ipc.check_against({"a.weight": (3, 5), "b.weight": (8,), "c": ()})
 
 
+def test_float_spans_cover_every_float_slice_in_runs_of_one_dtype():
+    """Neighbouring slices of one dtype are one span (the padding between them inside); a new dtype or an integer
+    slice ends a run; every float slice's values are its span's, at the span's element grid."""
+    from slime_dsa.weights.cuda_ipc import float_spans
+
+    specs = [("a", (3, 5), "bfloat16"), ("b", (7,), "bfloat16"), ("r", (4, 2), "float32"), ("i", (3,), "int64"),
+             ("c", (2,), "float32"), ("d", (0,), "bfloat16"), ("e", (9,), "bfloat16")]
+    tensors, nbytes = layout(specs)
+    flat = torch.zeros(nbytes, dtype=torch.uint8)
+    named = views(flat, tensors)
+    for i, view in enumerate(named.values()):
+        view.fill_(i + 1)
+    spans = float_spans(flat, tensors)
+    assert [(s.dtype, s.numel() * s.element_size()) for s in spans] == [
+        (torch.bfloat16, ALIGN_BYTES + 14), (torch.float32, 32), (torch.float32, 8), (torch.bfloat16, 18)]
+    for t in tensors:
+        if named[t.name].is_floating_point() and named[t.name].numel():
+            span = next(s for s in spans if s.data_ptr() <= flat.data_ptr() + t.offset < s.data_ptr() + s.nbytes)
+            start = (flat.data_ptr() + t.offset - span.data_ptr()) // span.element_size()
+            assert torch.equal(span[start:start + named[t.name].numel()], named[t.name].view(-1)), t.name
+
+
 def test_open_buffer_needs_a_cuda_engine():
     with pytest.raises(IpcFormatError, match="needs an engine on a CUDA device; this one runs on cpu"):
         open_buffer(IpcWeights.from_json(ipc_table()).buffer, torch.device("cpu"))

@@ -44,7 +44,9 @@ class SharedWeights:
         self._whole: tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]] | None = None  # see _sources
         if sender:
             device = device or next(model.parameters()).device
-            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            # Zeros: the padding between slices is never written, and a receiver's finiteness check reads it
+            # (float_spans), where stale bytes could read as NaN
+            self.flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             self._views = views(self.flat, self.tensors)
             self.weights = IpcWeights(export_buffer(self.flat), self.tensors)
 

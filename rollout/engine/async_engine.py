@@ -224,7 +224,7 @@ class AsyncEngine:
             opened = self._open_ipc(ipc)
         except IpcFormatError as e:
             raise RequestError(str(e)) from None
-        engine.update_weights(opened.views, weight_version, flush_cache=flush_cache)
+        engine.update_weights(opened.views, weight_version, flush_cache=flush_cache, finite_spans=opened.spans)
         if engine.device.type == "cuda":  # the copies read the sender's memory: done before the sender refills it
             torch.cuda.current_stream(engine.device).synchronize()
 
@@ -232,7 +232,7 @@ class AsyncEngine:
         """The buffer of `ipc` mapped, with a view per tensor. A sender exports one buffer and refills it for every
         version (trainers/shared_weights.py), so the mapping and the views of the last update are kept and reused
         while the buffer's handle is the same; a new handle unmaps the old buffer."""
-        from slime_dsa.weights.cuda_ipc import open_buffer, views  # noqa: PLC0415
+        from slime_dsa.weights.cuda_ipc import float_spans, open_buffer, views  # noqa: PLC0415
 
         opened = self._ipc
         if opened is None or opened.buffer != ipc.buffer:
@@ -241,6 +241,7 @@ class AsyncEngine:
             self.ipc_opens += 1
         if opened.tensors != ipc.tensors:
             opened.views, opened.tensors = views(opened.flat, ipc.tensors), ipc.tensors
+            opened.spans = float_spans(opened.flat, ipc.tensors)
         return opened
 
     async def update_weights_from_disk(self, path: str | Path, weight_version: str | None = None,
@@ -460,6 +461,7 @@ class _OpenIpc:
     flat: torch.Tensor
     tensors: tuple[IpcTensor, ...] = ()
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+    spans: list[torch.Tensor] = field(default_factory=list)  # float_spans of the table: the finiteness check's
 
 
 class _Finals:

@@ -405,13 +405,14 @@ class Engine:
     # -- weights and cache ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], weight_version: str | None = None, flush_cache: bool = True,
+                       finite_spans: list[torch.Tensor] | None = None) -> None:
         """Copy tensors into the model in place (a partial dict updates only those); the prefix cache is flushed.
 
         All or nothing: names, shapes, dtypes (floating point, cast on copy) and finiteness are checked before
         anything is written (slime_dsa.weights.checks), so a bad dict changes nothing. weight_version, or the next
         version when none is given, is set once all are in. Requests that are running (pause in_place) continue;
-        their later tokens report the new version.
+        their later tokens report the new version. finite_spans: as for checks.check_update.
         """
         from slime_dsa.weights import WeightFormatError  # noqa: PLC0415
         from slime_dsa.weights.checks import check_update  # noqa: PLC0415
@@ -420,7 +421,7 @@ class Engine:
         self._drain()  # the tokens in flight were computed with the old weights
         params = self.parameters_by_name()
         try:
-            check_update(state_dict, params)
+            check_update(state_dict, params, finite_spans)
         except WeightFormatError as e:
             raise RequestError(f"update_weights: {e}") from None
         # Foreach calls, not a launch per tensor from Python (they cast as copy_ does). Tied weights are one

@@ -502,8 +502,10 @@ class Experts(nn.ModuleList):
         return self._refill_views, [*gate_up, *(mlp.down_proj.weight for mlp in self)]
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in self]
-        return torch.stack(gate_up), torch.stack([m.down_proj.weight for m in self])
+        # One stack of gate_0, up_0, gate_1, ... viewed as (E, 2I, D) is each expert's [gate; up]: a cat per expert
+        # before the stack cost a kernel and an autograd node per expert, twice the copying
+        gate_up = torch.stack([proj.weight for mlp in self for proj in (mlp.gate_proj, mlp.up_proj)])
+        return gate_up.view(len(self), -1, gate_up.shape[-1]), torch.stack([m.down_proj.weight for m in self])
 
     def drop_stacked(self) -> None:
         """Free the stacked copy (it is rebuilt on the next grouped forward)."""

@@ -37,7 +37,7 @@ class Bf16Compute:
             c.requires_grad_(m.requires_grad)
         # The master's float32 gradients, kept across steps: a step's first micro-batch copies into them, so nothing
         # needs zeroing and a skipped step's values are overwritten; a set_to_none elsewhere leaves them here.
-        self._grads = _GradBuffers()
+        self._grads = GradBuffers([m for m, _ in self._pairs if m.requires_grad])
 
     def train(self, mode: bool = True) -> None:
         self.master.train(mode)
@@ -66,6 +66,13 @@ class Bf16Compute:
             c.grad = None
 
     @torch.no_grad()
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """torch's clip_grad_norm_(params, max_norm) as one norm and one multiply over the gradients' flat buffer;
+        None where `params` are not the master's trainable parameters with their gradients in it (clip them otherwise).
+        torch's walks the ~800 gradients on the host: per-tensor norms, a stack of them, and the multiply."""
+        return self._grads.clip(params, max_norm)
+
+    @torch.no_grad()
     def refresh(self) -> None:
         """Round the master's weights (and buffers) into the copy."""
         foreach_copy([c for _, c in self._pairs], [m for m, _ in self._pairs])
@@ -73,10 +80,41 @@ class Bf16Compute:
             foreach_copy([c for _, c in self._buffer_pairs], [m for m, _ in self._buffer_pairs])
 
 
-class _GradBuffers(dict):
-    """Each parameter's float32 gradient, allocated when the parameter first gets one and kept (keyed by the
-    parameter, as torch.optim keys its state)."""
+class GradBuffers(dict):
+    """Each parameter's float32 gradient, kept across steps (keyed by the parameter, as torch.optim keys its state):
+    those of `flat_params` as views of one flat buffer, allocated at once, so a clip is one norm and one multiply;
+    any other parameter's allocated when it first gets one."""
+
+    def __init__(self, flat_params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.flat_params = [p for p in flat_params if p.dtype == torch.float32 and p.is_contiguous()]
+        device = self.flat_params[0].device if self.flat_params else None
+        # No padding between the views: every element belongs to one, so a step's copies and zeros cover it all
+        self.flat = torch.zeros(sum(p.numel() for p in self.flat_params), dtype=torch.float32, device=device)
+        offset = 0
+        for param in self.flat_params:
+            self[param] = self.flat[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
 
     def __missing__(self, param: torch.Tensor) -> torch.Tensor:
         self[param] = grad = torch.empty_like(param)
         return grad
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        """Scale the gradients of `params` (exactly flat_params, each .grad None or its view) to a total norm of at
+        most max_norm, as torch.nn.utils.clip_grad_norm_ does; returns the norm before, or None when they are not."""
+        if len(params) != len(self.flat_params):
+            return None
+        unreached = []
+        for param, flat_param in zip(params, self.flat_params):
+            if param is not flat_param:
+                return None
+            if param.grad is None:  # its view holds an earlier step's values: zero adds nothing to the norm
+                unreached.append(self[param])
+            elif param.grad is not self[param]:
+                return None
+        if unreached:
+            torch._foreach_zero_(unreached)
+        total = torch.linalg.vector_norm(self.flat)
+        self.flat.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total

@@ -107,6 +107,13 @@ class FSDPWorker(TrainerRank):
         if (copy := self._bf16_copy(held)) is not None:
             copy.accumulate_gradients()
 
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Through a bf16 copy's flat gradient buffer where `params` are its master's, else torch's."""
+        for copy in self.bf16_copies.values():
+            if (norm := copy.clip_grad_norm(params, max_norm)) is not None:
+                return norm
+        return super().clip_grad_norm(params, max_norm)
+
     def apply_gradients(self, held: Role) -> torch.Tensor:
         grad_norm = super().apply_gradients(held)
         if (copy := self._bf16_copy(held)) is not None:
