@@ -27,7 +27,7 @@ from slime_dsa.algorithms import LossInputs, ValueLossInputs
 from slime_dsa.algorithms.is_correction import logprob_agreement_sums
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, topk_overlap
 from slime_dsa.trace_recorder import ACTIVITIES, annotate
-from slime_dsa.devices import upload
+from slime_dsa.devices import upload, upload_many
 from slime_dsa.gc_watch import GcWatch, freeze_after_startup
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
@@ -145,16 +145,16 @@ def micro_batch_loss(loss: Any, logprobs: torch.Tensor, mb: TrainBatch, entropy:
     sample_index = _sample_index(mb.seqlens, device)
     token_mean = loss.aggregation == "token_mean"
 
-    def on_device(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else upload(t, device)
-
+    with_candidates = candidate_logprobs is not None
+    advantages, loss_mask, old_logprobs, rollout_logprobs, ref_logprobs, candidate_targets, candidate_mask = upload_many(
+        [mb.advantages, mb.loss_mask, mb.old_logprobs, mb.rollout_logprobs, mb.ref_logprobs,
+         mb.candidate_target_logprobs if with_candidates else None, mb.candidate_mask if with_candidates else None],
+        device)
     inputs = LossInputs(
-        logprobs=logprobs, advantages=upload(mb.advantages, device), loss_mask=upload(mb.loss_mask, device).float(),
-        sample_index=sample_index, old_logprobs=on_device(mb.old_logprobs),
-        rollout_logprobs=on_device(mb.rollout_logprobs), ref_logprobs=on_device(mb.ref_logprobs), entropy=entropy,
-        candidate_logprobs=candidate_logprobs,
-        candidate_target_logprobs=None if candidate_logprobs is None else on_device(mb.candidate_target_logprobs),
-        candidate_mask=None if candidate_logprobs is None else on_device(mb.candidate_mask),
+        logprobs=logprobs, advantages=advantages, loss_mask=loss_mask.float(), sample_index=sample_index,
+        old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+        candidate_logprobs=candidate_logprobs, candidate_target_logprobs=candidate_targets,
+        candidate_mask=candidate_mask,
         denominator=max(step_loss_tokens, 1.0) if token_mean else max(step_num_samples, 1),
     )
     out = loss(inputs)

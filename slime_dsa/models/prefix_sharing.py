@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slime_dsa.devices import upload
+from slime_dsa.devices import upload_many
 from slime_dsa.models.glm_moe_dsa import PackedBatch
 
 
@@ -118,10 +118,11 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
                            torch.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
     response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
     response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
-    on_device = lambda x: upload(x, device)  # noqa: E731
-    cu_q = torch.nn.functional.pad(on_device(lens_q).cumsum(0), (1, 0))
-    cu_k = torch.nn.functional.pad(on_device(lens_k).cumsum(0), (1, 0))
     host_cu = ([0, *lens_q.cumsum(0).tolist()], [0, *lens_k.cumsum(0).tolist()])  # host tensors: no sync
-    batch = PackedBatch(positions=on_device(positions), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                        kv_cache=GatheredKeys(on_device(key_rows)), host_cu_seqlens=host_cu)
-    return SharedPrefixPack(on_device(ids[tokens]), batch, on_device(response_index), on_device(response_rows))
+    lens_q, lens_k, positions, key_rows, ids, response_index, response_rows = upload_many(
+        [lens_q, lens_k, positions, key_rows, ids[tokens], response_index, response_rows], device)
+    cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0))
+    cu_k = torch.nn.functional.pad(lens_k.cumsum(0), (1, 0))
+    batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=GatheredKeys(key_rows),
+                        host_cu_seqlens=host_cu)
+    return SharedPrefixPack(ids, batch, response_index, response_rows)
