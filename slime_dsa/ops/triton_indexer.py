@@ -13,11 +13,13 @@ Two passes per chunk of query rows, so no T x T score matrix ever exists:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from slime_dsa.devices import upload
+from slime_dsa.ops.indexer_plan import plan_chunks
 from slime_dsa.ops.reference import _query_positions
 from slime_dsa.ops.triton_topk import topk_select
 
@@ -81,47 +83,15 @@ def _indexer_scores_kernel(
 
 
 def _plan_chunks(cu_q: list[int], cu_k: list[int], topk: int, block_m: int):
-    """Split the packed query rows into chunks of at most CHUNK_ELEMS scores.
-
-    Yields (first row, end row, width, blocks); a block is up to `block_m` consecutive queries of one sequence,
-    given as (first query row, count, row of the sequence's key 0, causal position of the first query).
-    Chunks hold consecutive rows and may span sequences (many short decode requests share one launch).
-    """
-    pieces = []  # (first row, end row, width, seq id)
-    for i in range(len(cu_q) - 1):
-        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        if lq > lk:
-            raise ValueError(f"indexer_topk: sequence {i} has more queries ({lq}) than keys ({lk})")
-        step = max(block_m, (CHUNK_ELEMS // max(lk, topk)) // block_m * block_m)
-        for a in range(0, lq, step):
-            b = min(a + step, lq)
-            pieces.append((cu_q[i] + a, cu_q[i] + b, lk - lq + b, i))
-
-    def emit(chunk: list, width: int):
-        blocks = []
-        for r0, r1, _, i in chunk:
-            first_pos = (cu_k[i + 1] - cu_k[i]) - (cu_q[i + 1] - cu_q[i]) - cu_q[i]  # position = row + this
-            for r in range(r0, r1, block_m):
-                blocks.append((r, min(block_m, r1 - r), cu_k[i], first_pos + r))
-        return chunk[0][0], chunk[-1][1], width, blocks
-
-    chunk, width = [], 0
-    for piece in pieces:
-        new_width = max(width, piece[2], topk)
-        if chunk and (piece[1] - chunk[0][0]) * new_width > CHUNK_ELEMS:
-            yield emit(chunk, width)
-            chunk, new_width = [], max(piece[2], topk)
-        chunk.append(piece)
-        width = new_width
-    if chunk:
-        yield emit(chunk, width)
+    """indexer_plan.plan_chunks at this module's CHUNK_ELEMS."""
+    return plan_chunks(cu_q, cu_k, topk, block_m, CHUNK_ELEMS)
 
 
 def block_queries(Hi: int, cu_q: list[int]) -> int:
     """Queries per scoring program: fill ROWS_PER_PROGRAM (query, head) rows, but no more than the longest
     sequence's queries (1 at decode), since a block never spans sequences; at least 16 rows for tl.dot."""
     block_hi = triton.next_power_of_2(Hi)
-    longest = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    longest = int(np.diff(cu_q).max())
     fill = max(1, ROWS_PER_PROGRAM // block_hi)
     return max(16 // block_hi, 1, min(fill, triton.next_power_of_2(max(1, longest))))
 
@@ -132,10 +102,10 @@ def score_rows(rows: int, width: int, device: torch.device) -> torch.Tensor:
 
 
 def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scale: float, block_m: int) -> None:
-    """Score one chunk: `blocks` from `_plan_chunks` (made with the same block_m) into scores (rows, width)."""
+    """Score one chunk: `blocks` (4, n) from `_plan_chunks` (made with the same block_m) into scores (rows, width)."""
     Hi, Di = q.shape[1], q.shape[2]
-    blocks_dev = upload(torch.tensor(blocks, dtype=torch.int32).T.contiguous(), q.device)  # (4, n_blocks)
-    grid = (len(blocks), triton.cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
+    blocks_dev = upload(torch.from_numpy(blocks), q.device)  # (4, n_blocks)
+    grid = (blocks.shape[1], triton.cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     _indexer_scores_kernel[grid](
         q, k, weights, scores, *blocks_dev.unbind(0), chunk_q0, width, scores.stride(0), scale,
         HI=Hi, DI=Di, BLOCK_HI=triton.next_power_of_2(Hi), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
