@@ -186,6 +186,40 @@ def test_chunked_logprobs_equal_log_softmax(temperature, recompute, monkeypatch)
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_small_vocabulary_takes_more_rows_a_chunk_on_a_gpu(monkeypatch, device):
+    """On a GPU, chunk_size rows a chunk or as many as CHUNK_LOGITS_ELEMENTS logits hold where the vocabulary is
+    small: the same values from fewer chunks (each costs a dozen kernel launches each way). On a CPU chunk_size rows
+    (below). "meta" runs the rule's arithmetic without values."""
+    from slime_dsa.models import logprobs  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    hidden, weight, targets = (t.to(device) for t in (torch.randn(37, 8), torch.randn(50, 8),
+                                                      torch.randint(0, 50, (37,))))
+    chunks = []
+    real_chunk = logprobs._chunk
+    monkeypatch.setattr(logprobs, "_chunk", lambda h, *rest: chunks.append(len(h)) or real_chunk(h, *rest))
+    monkeypatch.setattr(logprobs, "CHUNK_LOGITS_ELEMENTS", 50 * 16)
+    widened = chunked_token_logprobs(hidden, weight, targets, chunk_size=5)[0]
+    assert chunks == [16, 16, 5]
+    chunks.clear()
+    monkeypatch.setattr(logprobs, "CHUNK_LOGITS_ELEMENTS", 0)
+    narrow = chunked_token_logprobs(hidden, weight, targets, chunk_size=5)[0]
+    assert chunks == [5] * 7 + [2]
+    if device != "meta":
+        torch.testing.assert_close(narrow, widened, rtol=0, atol=1e-6)
+
+
+def test_a_cpu_keeps_chunk_size_rows_a_chunk(monkeypatch):
+    from slime_dsa.models import logprobs  # noqa: PLC0415
+
+    chunks = []
+    real_chunk = logprobs._chunk
+    monkeypatch.setattr(logprobs, "_chunk", lambda h, *rest: chunks.append(len(h)) or real_chunk(h, *rest))
+    chunked_token_logprobs(torch.randn(37, 8), torch.randn(50, 8), torch.randint(0, 50, (37,)), chunk_size=5)
+    assert chunks == [5] * 7 + [2]
+
+
 def test_model_token_logprobs_match_full_logits(tmp_path):
     make_hf_checkpoint(tmp_path)
     model = slime_dsa.load_model(tmp_path).eval()
