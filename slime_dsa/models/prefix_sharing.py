@@ -118,11 +118,10 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
                            torch.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
     response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
     response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
-    host_cu = ([0, *lens_q.cumsum(0).tolist()], [0, *lens_k.cumsum(0).tolist()])  # host tensors: no sync
-    lens_q, lens_k, positions, key_rows, ids, response_index, response_rows = upload_many(
-        [lens_q, lens_k, positions, key_rows, ids[tokens], response_index, response_rows], device)
-    cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0))
-    cu_k = torch.nn.functional.pad(lens_k.cumsum(0), (1, 0))
+    cu_q, cu_k = (torch.nn.functional.pad(lens.cumsum(0), (1, 0)) for lens in (lens_q, lens_k))
+    host_cu = (cu_q.tolist(), cu_k.tolist())  # host tensors: no sync
+    cu_q, cu_k, positions, key_rows, ids, response_index, response_rows = upload_many(
+        [cu_q, cu_k, positions, key_rows, ids[tokens], response_index, response_rows], device)
     batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=GatheredKeys(key_rows),
                         host_cu_seqlens=host_cu)
     return SharedPrefixPack(ids, batch, response_index, response_rows)
