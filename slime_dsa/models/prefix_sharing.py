@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from slime_dsa.devices import upload_many
@@ -47,11 +48,16 @@ class SharedPrefixPack:
 
 
 def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The concatenation of arange(start, start + length) over the pairs, (sum(lengths),) long, by tensor ops."""
-    total = int(lengths.sum()) if lengths.numel() else 0
+    """The concatenation of arange(start, start + length) over the pairs, (sum(lengths),) long (host tensors)."""
+    lengths_np = lengths.numpy()
     # Element j of range i is its start plus j minus the elements of the ranges before it.
-    shift = starts - (lengths.cumsum(0) - lengths)
-    return torch.arange(total) + torch.repeat_interleave(shift, lengths, output_size=total)
+    shift = starts.numpy() - (np.cumsum(lengths_np) - lengths_np)
+    return torch.from_numpy(np.arange(int(lengths_np.sum()), dtype=np.int64) + np.repeat(shift, lengths_np))
+
+
+def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """torch.repeat_interleave(values, counts) of host tensors, by numpy's repeat (several times faster on a CPU)."""
+    return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
 
 
 def _check_prompt_lens(seqlens: list[int], prompt_lens: list[int]) -> None:
@@ -70,7 +76,7 @@ def _shares_with_previous(ids: torch.Tensor, lens: torch.Tensor, plens: torch.Te
     candidates = same.nonzero().squeeze(1)
     p = plens[candidates]
     differ = ids[concat_ranges(starts[candidates], p)] != ids[concat_ranges(starts[candidates - 1], p)]
-    owner = torch.repeat_interleave(torch.arange(len(candidates)), p, output_size=len(differ))
+    owner = _repeat(torch.arange(len(candidates)), p)
     same[candidates] = torch.zeros(len(candidates), dtype=torch.long).index_add_(0, owner, differ.long()) == 0
     return same
 
@@ -107,7 +113,7 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     prompt_row, resp_row = slot_row[0::2], slot_row[1::2]  # (S,) each
     prompt_row = prompt_row[first.nonzero().squeeze(1)][first.long().cumsum(0) - 1]  # (S,) the run's prompt rows
     tokens = concat_ranges(torch.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
-    positions = tokens - torch.repeat_interleave(starts.repeat_interleave(2), slot_q, output_size=len(tokens))
+    positions = tokens - _repeat(starts.repeat_interleave(2), slot_q)
     present = slot_q > 0
     lens_q = slot_q[present]
     lens_k = torch.stack([prompt_q, plens + resp], 1).reshape(-1)[present]
