@@ -62,3 +62,18 @@ def alternate(script: str, argv: list[str], baseline_tree: str, rounds: int) -> 
     """`rounds` pairs {"baseline": result, "this": result}, the baseline first in each."""
     return [{"baseline": child_result(script, argv, baseline_tree), "this": child_result(script, argv, THIS_TREE)}
             for _ in range(rounds)]
+
+
+def module_of(tree: str | None, path: str, module: str):
+    """This tree's `module` (imported by name), or `tree`'s file `path` loaded as a module of its own, so that both
+    can be timed in turn in one process (its own imports still resolve to this tree)."""
+    import importlib  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
+
+    if tree is None:
+        return importlib.import_module(module)
+    spec = importlib.util.spec_from_file_location(f"baseline_{module.replace('.', '_')}", Path(tree) / path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded  # dataclasses look their module up there
+    spec.loader.exec_module(loaded)
+    return loaded

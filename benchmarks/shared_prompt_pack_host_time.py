@@ -8,7 +8,6 @@ this tree's slime_dsa/models/prefix_sharing.py against --baseline-tree's, altern
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -17,19 +16,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_call_dispatch import make_batch  # noqa: E402  (beside this script)
+from baseline_tree import module_of  # noqa: E402  (beside this script)
+from train_call_dispatch import make_batch  # noqa: E402
 
 
 def _module(tree: str | None):
-    if tree is None:
-        from slime_dsa.models import prefix_sharing  # noqa: PLC0415
-
-        return prefix_sharing
-    spec = importlib.util.spec_from_file_location("baseline_prefix_sharing", Path(tree) / "slime_dsa/models/prefix_sharing.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return module_of(tree, "slime_dsa/models/prefix_sharing.py", "slime_dsa.models.prefix_sharing")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -117,8 +117,8 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids), seqlens=seqlens,
         loss_mask=torch.from_numpy(loss_mask), rollout_logprobs=torch.from_numpy(rollout_logp),
-        advantages=torch.repeat_interleave(advantages.detach().to("cpu", torch.float32),
-                                           torch.tensor(seqlens, dtype=torch.long)),
+        # numpy's repeat: torch's repeat_interleave on a CPU took ~4 ms over a 64 x 16 batch's 107,000 tokens
+        advantages=torch.from_numpy(np.repeat(advantages.detach().to("cpu", torch.float32).numpy(), seqlens)),
         replay_topk=topk if index_replay else None, rollout_topk=None if index_replay else topk,
         prompt_lens=prompt_lens,
     )
