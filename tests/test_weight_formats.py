@@ -190,6 +190,9 @@ def test_float_spans_cover_every_float_slice_in_runs_of_one_dtype():
             span = next(s for s in spans if s.data_ptr() <= flat.data_ptr() + t.offset < s.data_ptr() + s.nbytes)
             start = (flat.data_ptr() + t.offset - span.data_ptr()) // span.element_size()
             assert torch.equal(span[start:start + named[t.name].numel()], named[t.name].view(-1)), t.name
+    # A table whose slices overlap (a receiver takes any valid one): a slice inside another leaves the run as long
+    overlapping = [IpcTensor("big", (64,), "float32", 0), IpcTensor("inside", (4,), "float32", 16)]
+    assert [s.numel() for s in float_spans(torch.zeros(256, dtype=torch.uint8), overlapping)] == [64]
 
 
 def test_open_buffer_needs_a_cuda_engine():

@@ -202,15 +202,15 @@ def views(flat: torch.Tensor, tensors: Iterable[IpcTensor]) -> dict[str, torch.T
 
 def float_spans(flat: torch.Tensor, tensors: Iterable[IpcTensor]) -> list[torch.Tensor]:
     """1-D views of `flat` that together hold every floating-point tensor of the table: each run of neighbouring
-    slices of one dtype is one view, the alignment padding between them included (slices start 256-byte aligned, so
-    every slice's elements fall on the run's). A finiteness check then takes one tensor per run, not per tensor."""
+    slices of one dtype is one view, the padding between them included (every offset is a multiple of its dtype's
+    size, so every slice's elements fall on the run's). A finiteness check then takes one tensor per run."""
     runs: list[list] = []  # [dtype, start, end]
     for t in sorted(tensors, key=lambda t: t.offset):
         dtype = DTYPES[t.dtype]
         if not dtype.is_floating_point or t.nbytes == 0:
             runs.append([None, 0, 0])  # breaks a run
         elif runs and runs[-1][0] == dtype:
-            runs[-1][2] = t.offset + t.nbytes
+            runs[-1][2] = max(runs[-1][2], t.offset + t.nbytes)  # a table's slices may overlap
         else:
             runs.append([dtype, t.offset, t.offset + t.nbytes])
     return [flat[start:end].view(dtype) for dtype, start, end in runs if dtype is not None]
