@@ -171,6 +171,7 @@ def test_chunked_logprobs_equal_log_softmax(temperature, recompute, monkeypatch)
     from slime_dsa.models import logprobs  # noqa: PLC0415
 
     monkeypatch.setattr(logprobs, "KEEP_LOGITS_ELEMENTS", 0 if recompute else 1 << 20)
+    monkeypatch.setattr(logprobs, "KEEP_CALL_LOGITS_ELEMENTS", 0 if recompute else 1 << 24)
     torch.manual_seed(0)
     hidden = torch.randn(37, 8, requires_grad=True)
     weight = torch.randn(50, 8, requires_grad=True)

@@ -13,7 +13,9 @@ from torch.utils.checkpoint import checkpoint
 
 from slime_dsa.ops import invariant
 
-KEEP_LOGITS_ELEMENTS = 1 << 24  # a call's float32 logits up to 64 MiB in all are kept for backward, not recomputed
+# Logits kept for backward rather than recomputed: a chunk's up to 4 MiB (float32), or all of a call's up to 64 MiB
+KEEP_LOGITS_ELEMENTS = 1 << 20
+KEEP_CALL_LOGITS_ELEMENTS = 1 << 24
 CHUNK_LOGITS_ELEMENTS = 1 << 24  # on a GPU a small vocabulary's chunks take more rows, up to this many logits
 
 
@@ -65,9 +67,10 @@ def chunked_logprobs(
     hidden (N, D), weight (V, D), targets (N,), candidate_ids (N, K). A chunk holds chunk_size rows; on a GPU more
     where the vocabulary is small (up to CHUNK_LOGITS_ELEMENTS logits), since every chunk costs a dozen kernel
     launches each way (~25 chunks a step at a 384-token vocabulary), while on a CPU chunks that fit its caches run
-    faster (one wide chunk took twice as long: benchmarks/logprob_chunks_host_time.py). Under autograd, where the call's logits exceed
-    KEEP_LOGITS_ELEMENTS in all, each chunk is recomputed in backward (activation checkpointing), so memory stays
-    at one chunk of logits. top_k > 0 is for scoring without gradient (its ids are not differentiable).
+    faster (one wide chunk took twice as long: benchmarks/logprob_chunks_host_time.py). Under autograd a chunk over
+    KEEP_LOGITS_ELEMENTS logits, in a call over KEEP_CALL_LOGITS_ELEMENTS, is recomputed in backward (activation
+    checkpointing), so memory stays at one chunk of logits. top_k > 0 is for scoring without gradient (its ids are
+    not differentiable).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -79,11 +82,12 @@ def chunked_logprobs(
     if hidden.device.type != "cpu":
         chunk_size = max(chunk_size, CHUNK_LOGITS_ELEMENTS // max(weight.shape[0], 1))
     # Small logits are kept for backward: recomputing them costs more than the memory saved.
-    small = hidden.shape[0] * weight.shape[0] <= KEEP_LOGITS_ELEMENTS
+    small_call = hidden.shape[0] * weight.shape[0] <= KEEP_CALL_LOGITS_ELEMENTS
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         args = (hidden[rows], weight, targets[rows], temperature, return_entropy,
                 None if candidate_ids is None else candidate_ids[rows], top_k)
+        small = small_call or args[0].shape[0] * weight.shape[0] <= KEEP_LOGITS_ELEMENTS
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and not small:
             parts.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:
