@@ -48,10 +48,12 @@ def forwarded_argv(argv: list[str] | None, args: argparse.Namespace) -> list[str
 
 
 def child_result(script: str, argv: list[str], tree: str) -> dict:
-    """`script --child argv` in a fresh process with `tree` first on the path; its last stdout line as JSON."""
+    """`script --child argv` in a fresh process with `tree` first on the path (this tree off it, other entries such as
+    installed wheels kept); its last stdout line as JSON."""
     tree = str(Path(tree).resolve())
     command = [sys.executable, str(Path(script).resolve()), "--child", *argv]
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != Path(THIS_TREE)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, *rest]), "OMP_NUM_THREADS": "1"}  # wheels kept
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child on {tree} failed:\n{done.stderr[-3000:]}")

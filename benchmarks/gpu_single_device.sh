@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup prof ptrain sft sftlong rl abours vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup prof ptrain sft sftlong rl abours hostbench vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments) RL_RECIPE (default recipes/gpu_single.yaml; e.g.
 #   recipes/gpu_single_async.yaml, the asynchronous loop with engine and trainer on the GPU at once), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
@@ -78,6 +78,10 @@
 # AB_ARGS (default 64 x 16 on the sft stage's model, 16 steps, prefetch on, step AB_PROFILED=14 profiled, GPU only);
 # writes $OUT/ab_<side><n>.log, _metrics.jsonl, _result.json, _timeline.md and $OUT/ab.md (benchmarks/ab_ours.py: the
 # runs' medians over their short steps).
+# hostbench: the host-time benchmarks that run on the GPU, this tree against HB_BASE (default .stepbase):
+# grad_bookkeeping_host_time.py (the bf16 copy's sums and clip), logprob_chunks_host_time.py (log-prob chunk widths)
+# and train_call_host_time.py (a whole train call, preset small); HB_T caps each (default 240 s); writes
+# $OUT/hostbench.log.
 # tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
 # 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
 # arguments, e.g. "--rounds 2", TONP_T caps it, default 420 s) writes $OUT/tonp.md (the table) and $OUT/tonp.log.
@@ -186,6 +190,16 @@ abours)  # ours alone from this tree and from $AB_BASE, alternated: a change's b
     rm -rf $W/$name; runs="$runs $OUT/$name"
   done
   python3 benchmarks/ab_ours.py $runs --profiled ${AB_PROFILED:-14} | tee $OUT/ab.md
+  ;;
+hostbench)
+  stamp hostbench
+  BASE=${HB_BASE:-.stepbase}
+  [ -d "$BASE" ] || { echo "no baseline tree $BASE (git archive <rev> --prefix=.stepbase/ | tar -x)"; continue; }
+  {
+    timeout -k 10 ${HB_T:-240} python3 benchmarks/grad_bookkeeping_host_time.py --preset small --baseline-tree $BASE --rounds 5
+    timeout -k 10 ${HB_T:-240} python3 benchmarks/logprob_chunks_host_time.py --rounds 5
+    timeout -k 10 ${HB_T:-240} python3 benchmarks/train_call_host_time.py --preset small --baseline-tree $BASE --rounds 3 --calls 3
+  } 2>&1 | grep --line-buffered -v "Warning" | tee $OUT/hostbench.log | tail -30
   ;;
 vstrl)
   vstrl_stage vstrl "--model $W/sft/model --steps 10 --prompts-per-step 16 --group-size 16 --max-new-tokens 64 --lr 1e-5 --eval-prompts 128 --out $OUT/vs_trl.md"
