@@ -79,3 +79,61 @@ def module_of(tree: str | None, path: str, module: str):
     sys.modules[spec.name] = loaded  # dataclasses look their module up there
     spec.loader.exec_module(loaded)
     return loaded
+
+
+def time_in_turn(sides: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
+                 clock: Callable[[], float] | None = None, sync: Callable[[], None] = lambda: None,
+                 warm_up: bool = False) -> dict[str, list[float]]:
+    """Each side's mean ms a call over `calls` calls, per round, the sides taken in turn in one process (each call
+    untimed once first with warm_up; `sync` before each reading, for a GPU). clock: default the thread's CPU time."""
+    import time  # noqa: PLC0415
+
+    clock = clock or time.thread_time
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side, run in sides.items():
+            if warm_up:
+                run()
+            sync()
+            start = clock()
+            for _ in range(calls):
+                run()
+            sync()
+            times[side].append((clock() - start) / calls * 1e3)
+    return times
+
+
+def ratio_in_turn(times: dict[str, list[float]], this: str, other: str) -> tuple[float, float, float]:
+    """Median, lowest and highest of the rounds' `this` / `other` ratios (from time_in_turn)."""
+    import statistics  # noqa: PLC0415
+
+    ratios = [a / b for a, b in zip(times[this], times[other])]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def add_in_turn_arguments(parser: argparse.ArgumentParser, calls: int = 10, rounds: int = 9) -> None:
+    """--baseline-tree, --calls and --rounds of a benchmark timing two trees' modules in one process (time_in_turn)."""
+    parser.add_argument("--baseline-tree", default=None, help="another checkout whose module to time in turn")
+    parser.add_argument("--calls", type=int, default=calls, help="timed calls per side per round")
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def modules_in_turn(baseline_tree: str | None, path: str, module: str) -> dict:
+    """{"this tree": this tree's `module`} and, with a baseline tree, {"baseline": its file `path`} (module_of)."""
+    trees = {"this tree": None} | ({"baseline": baseline_tree} if baseline_tree else {})
+    return {name: module_of(tree, path, module) for name, tree in trees.items()}
+
+
+def report_in_turn(times: dict[str, list[float]], what: str, note: str = "") -> dict:
+    """Print and return each side's median ms (time_in_turn's), with "this tree" / "baseline" where both ran."""
+    import statistics  # noqa: PLC0415
+
+    result = {name: statistics.median(v) for name, v in times.items()}
+    rounds = len(next(iter(times.values())))
+    line = (f"{what}, thread CPU ms (median of {rounds}): "
+            + ", ".join(f"{name} {ms:.2f}" for name, ms in result.items()) + note)
+    if "baseline" in times:
+        result["ratio"], low, high = ratio_in_turn(times, "this tree", "baseline")
+        line += f"; this / baseline median {result['ratio']:.2f} ({low:.2f}-{high:.2f})"
+    print(line)
+    return result

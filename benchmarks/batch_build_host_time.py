@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline_tree import module_of  # noqa: E402  (beside this script)
+from baseline_tree import add_in_turn_arguments, modules_in_turn, report_in_turn, time_in_turn  # noqa: E402  (beside this script)
 
 from slime_dsa.data.sample import Sample  # noqa: E402
-
-
-def _module(tree: str | None):
-    return module_of(tree, "slime_dsa/orchestrator/batching.py", "slime_dsa.orchestrator.batching")
 
 
 def countdown_samples(groups: int, group_size: int, seed: int = 0) -> list[Sample]:
@@ -44,34 +38,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=16)
-    parser.add_argument("--baseline-tree", default=None)
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=9)
+    add_in_turn_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     samples = countdown_samples(args.groups, args.group_size)
     advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(0))
-    trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
-    modules = {name: _module(tree) for name, tree in trees.items()}
+    modules = modules_in_turn(args.baseline_tree, "slime_dsa/orchestrator/batching.py", "slime_dsa.orchestrator.batching")
     built = {name: m.build_train_batch(samples, advantages) for name, m in modules.items()}
     same = all(torch.equal(getattr(b, f), getattr(built["this tree"], f)) for b in built.values()
                for f in ("input_ids", "loss_mask", "rollout_logprobs", "advantages"))
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    for _ in range(args.rounds):
-        for name, module in modules.items():
-            start = time.thread_time()
-            for _ in range(args.calls):
-                module.build_train_batch(samples, advantages)
-            times[name].append((time.thread_time() - start) / args.calls * 1e3)
-    result = {name: statistics.median(v) for name, v in times.items()}
-    line = (f"{len(samples)} samples: build_train_batch, thread CPU ms (median of {args.rounds}): "
-            + ", ".join(f"{name} {ms:.2f}" for name, ms in result.items()) + f"; same batch: {same}")
-    if args.baseline_tree:
-        ratios = [a / b for a, b in zip(times["this tree"], times["baseline"])]
-        result["ratio"] = statistics.median(ratios)
-        line += f"; this / baseline median {result['ratio']:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-    print(line)
-    return result
+    times = time_in_turn({name: lambda m=module: m.build_train_batch(samples, advantages)
+                          for name, module in modules.items()}, args.rounds, args.calls)
+    return report_in_turn(times, f"{len(samples)} samples: build_train_batch", f"; same batch: {same}")
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_call_host_time import NARROW  # noqa: E402  (beside this script)
+from baseline_tree import ratio_in_turn, time_in_turn  # noqa: E402  (beside this script)
+from train_call_host_time import NARROW  # noqa: E402
 
 from slime_dsa.checkpoint.hf_format import build_model  # noqa: E402
 from slime_dsa.models.glm_moe_dsa import Experts  # noqa: E402
@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
         out.sum().backward()
         return out
 
-    figures: dict[str, list[float]] = {side: [] for side in sides}
     counts: dict[str, tuple[int, int]] = {}
     outputs = {}
     for side, stack in sides.items():
@@ -80,25 +79,19 @@ def main(argv: list[str] | None = None) -> dict:
         counts[side] = (sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None),
                         _graph_nodes(out))
         outputs[side] = out.detach()
-    for _ in range(args.rounds):
-        for side, stack in sides.items():
-            Experts._stack = stack
-            call()
-            start = time.thread_time()
-            for _ in range(args.calls):
-                call()
-            figures[side].append((time.thread_time() - start) / args.calls * 1e3)
+    times = time_in_turn({side: lambda stack=stack: (setattr(Experts, "_stack", stack), call())
+                          for side, stack in sides.items()}, args.rounds, args.calls, warm_up=True)
     Experts._stack = sides["one stack (this tree)"]
     equal = torch.equal(*outputs.values())
-    result = {side: statistics.median(v) for side, v in figures.items()}
-    ratios = [a / b for a, b in zip(*figures.values())]
+    result = {side: statistics.median(v) for side, v in times.items()}
+    ratio, low, high = ratio_in_turn(times, "one stack (this tree)", "cat per expert + stack (before)")
     print(f"{len(experts)} experts, {args.tokens} tokens, forward + backward, thread CPU ms a call (median of "
           f"{args.rounds} rounds); aten ops in the forward; autograd nodes; outputs equal: {equal}")
     for side in sides:
-        print(f"  {side}: {result[side]:.3f} ms ({', '.join(f'{v:.2f}' for v in figures[side])}); "
+        print(f"  {side}: {result[side]:.3f} ms ({', '.join(f'{v:.2f}' for v in times[side])}); "
               f"{counts[side][0]} ops, {counts[side][1]} nodes")
-    print(f"  this tree / before: median {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
-    return {"ms": result, "counts": counts, "ratio": statistics.median(ratios), "equal": equal}
+    print(f"  this tree / before: median {ratio:.2f} ({low:.2f}-{high:.2f})")
+    return {"ms": result, "counts": counts, "ratio": ratio, "equal": equal}
 
 
 if __name__ == "__main__":

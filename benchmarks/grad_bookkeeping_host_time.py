@@ -13,30 +13,26 @@ train_call_host_time.py), so the parameter tensors are the same ones the trainer
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_tree import module_of  # noqa: E402  (beside this script)
+
 logger = logging.getLogger("grad_bookkeeping_host_time")
 
 
 def _copy_class(tree: str | None) -> type:
-    """Bf16Compute from this tree, or from `tree`'s trainers/fsdp/bf16_compute.py."""
-    if tree is None:
-        from trainers.fsdp.bf16_compute import Bf16Compute  # noqa: PLC0415
-
-        return Bf16Compute
-    modules = {}
-    for name, path in (("grad_sums", "trainers/grad_sums.py"), ("bf16_compute", "trainers/fsdp/bf16_compute.py")):
-        spec = importlib.util.spec_from_file_location(f"baseline_{name}", Path(tree) / path)
-        modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[name])
-    modules["bf16_compute"].add_gradients = modules["grad_sums"].add_gradients  # the tree's own sums
-    return modules["bf16_compute"].Bf16Compute
+    """Bf16Compute from this tree, or from `tree`'s trainers/fsdp/bf16_compute.py with that tree's gradient sums."""
+    copy = module_of(tree, "trainers/fsdp/bf16_compute.py", "trainers.fsdp.bf16_compute")
+    if tree is not None:
+        copy.add_gradients = module_of(tree, "trainers/grad_sums.py", "trainers.grad_sums").add_gradients
+    return copy.Bf16Compute
 
 
 def _clip(copy, trainable: list[torch.Tensor]) -> None:

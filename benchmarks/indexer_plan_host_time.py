@@ -14,12 +14,17 @@ import argparse
 import itertools
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from slime_dsa.ops.indexer_plan import plan_chunks
-from tests.test_indexer_plan import loop_plan
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_tree import ratio_in_turn, time_in_turn  # noqa: E402  (beside this script)
+
+from slime_dsa.ops.indexer_plan import plan_chunks  # noqa: E402
+from tests.test_indexer_plan import loop_plan  # noqa: E402
 
 CHUNK_ELEMS = 1 << 28  # triton_indexer.CHUNK_ELEMS (that module needs Triton)
 BLOCK_M = 8  # triton_indexer.block_queries(16 heads, this batch)
@@ -57,18 +62,13 @@ def main(argv: list[str] | None = None) -> dict:
             torch.from_numpy(blocks)
 
     sides = {"loop (before)": loop, "numpy (this tree)": vectorised}
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for _ in range(args.rounds):
-        for side, run in sides.items():
-            start = time.perf_counter()
-            run()
-            times[side].append((time.perf_counter() - start) * 1e3)
+    times = time_in_turn(sides, args.rounds, clock=time.perf_counter)
     result = {side: statistics.median(v) for side, v in times.items()}
-    ratios = [b / a for a, b in zip(*times.values())]
+    ratio, low, high = ratio_in_turn(times, "numpy (this tree)", "loop (before)")
     print(f"{len(cu_q) - 1} sequences, {cu_q[-1]} query rows; ms per layer's plan, median of {args.rounds}: "
           + ", ".join(f"{side} {ms:.3f}" for side, ms in result.items())
-          + f"; numpy / loop median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
-    return {"ms": result, "ratio": statistics.median(ratios)}
+          + f"; numpy / loop median {ratio:.3f} ({low:.3f}-{high:.3f})")
+    return {"ms": result, "ratio": ratio}
 
 
 if __name__ == "__main__":

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from slime_dsa.models import logprobs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline_tree import ratio_in_turn, time_in_turn  # noqa: E402  (beside this script)
+
+from slime_dsa.models import logprobs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,27 +50,22 @@ def main(argv: list[str] | None = None) -> dict:
         (logp.sum() + entropy.sum()).backward()
         return logp.detach().float().cpu()
 
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    values = {}
-    for _ in range(args.rounds):
-        for side, (elements, rows) in sides.items():
-            logprobs.CHUNK_LOGITS_ELEMENTS = elements
-            values[side] = call(rows)
-            sync()
-            start = clock()
-            for _ in range(args.calls):
-                call(rows)
-            sync()
-            times[side].append((clock() - start) / args.calls * 1e3)
+    def side(elements: int, rows: int) -> torch.Tensor:
+        logprobs.CHUNK_LOGITS_ELEMENTS = elements
+        return call(rows)
+
+    values = {name: side(*widths) for name, widths in sides.items()}
+    times = time_in_turn({name: lambda w=widths: side(*w) for name, widths in sides.items()}, args.rounds,
+                         args.calls, clock=clock, sync=sync, warm_up=True)
     logprobs.CHUNK_LOGITS_ELEMENTS = widest
-    result = {side: statistics.median(v) for side, v in times.items()}
-    ratios = [b / a for a, b in zip(*times.values())]
+    result = {name: statistics.median(v) for name, v in times.items()}
+    ratio, low, high = ratio_in_turn(times, "wide chunks (this tree)", "1,024 rows a chunk (before)")
     close = torch.allclose(*values.values(), atol=1e-5 if dtype == torch.float32 else 1e-2)
     print(f"{args.rows} rows, vocab {args.vocab}, {device.type}: forward + backward, ms a call (median of {args.rounds}): "
-          + ", ".join(f"{side} {ms:.2f}" for side, ms in result.items())
-          + f"; this / before median {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}); "
+          + ", ".join(f"{name} {ms:.2f}" for name, ms in result.items())
+          + f"; this / before median {ratio:.2f} ({low:.2f}-{high:.2f}); "
           f"log-probs close: {close}")
-    return {"ms": result, "ratio": statistics.median(ratios), "close": close}
+    return {"ms": result, "ratio": ratio, "close": close}
 
 
 if __name__ == "__main__":
