@@ -35,6 +35,15 @@ def _copy_class(tree: str | None) -> type:
     return copy.Bf16Compute
 
 
+def _gradient_holders(copy) -> list[torch.Tensor]:
+    """The tensors a backward through the copy accumulates gradients into: its trainable parameters, and the
+    stacked expert leaves where a tree's copy has them (its per-expert parameters then do not train)."""
+    from slime_dsa.models.glm_moe_dsa import Experts  # noqa: PLC0415
+
+    leaves = [leaf for m in copy.module.modules() if isinstance(m, Experts) and m.leaves for leaf in m.leaves]
+    return [p for p in copy.module.parameters() if p.requires_grad] + [leaf for leaf in leaves if leaf.requires_grad]
+
+
 def _clip(copy, trainable: list[torch.Tensor]) -> None:
     """The copy's clip where its tree has one (and it takes these parameters), else torch's."""
     clip = getattr(copy, "clip_grad_norm", None)
@@ -72,19 +81,20 @@ def main(argv: list[str] | None = None) -> None:
     master = build_model(config, seed=0, dtype=torch.float32).to(device)
     trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
     copies = {name: _copy_class(tree)(master) for name, tree in trees.items()}
-    grads = [torch.randn_like(c) for c in next(iter(copies.values())).module.parameters()]
+    holders = {id(copy): _gradient_holders(copy) for copy in copies.values()}
+    grads = {id(copy): [torch.randn_like(h) for h in holders[id(copy)]] for copy in copies.values()}
     trainable = [p for p in master.parameters() if p.requires_grad]
-    logger.info("%d parameter tensors on %s", len(grads), device)
+    logger.info("%d parameter tensors on %s; gradients a backward leaves: %s", len(trainable), device,
+                {name: len(holders[id(copy)]) for name, copy in copies.items()})
 
     def step(copy) -> None:
         copy.zero_grad()
-        for c, g in zip(copy.module.parameters(), grads):
-            c.grad = g  # what a backward leaves (outside the timing below: subtracted)
+        put_only(copy)  # what a backward leaves (outside the timing below: subtracted)
         copy.accumulate_gradients()
         _clip(copy, trainable)
 
     def put_only(copy) -> None:
-        for c, g in zip(copy.module.parameters(), grads):
+        for c, g in zip(holders[id(copy)], grads[id(copy)]):
             c.grad = g
 
     figures = {name: [] for name in copies}

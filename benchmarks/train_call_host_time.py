@@ -21,6 +21,7 @@ child processes alternating with this tree's, and reports the median of the per-
 
     python benchmarks/train_call_host_time.py --preset small --narrow --sync-sites
     python benchmarks/train_call_host_time.py --preset small --narrow --baseline-tree /tmp/base --rounds 5
+    python benchmarks/train_call_host_time.py --preset small --narrow --grouped-experts --samples 64 --baseline-tree /tmp/base
     python benchmarks/train_call_host_time.py --preset small --baseline-tree /tmp/base --rounds 3 --sync-sites  # H200
 """
 
@@ -146,6 +147,10 @@ def measure(args: argparse.Namespace) -> dict:
     from trainers.process_group import free_port  # noqa: PLC0415
 
     torch.set_num_threads(1)
+    if args.grouped_experts:
+        from slime_dsa.models.glm_moe_dsa import Experts  # noqa: PLC0415
+
+        Experts.use_grouped_mm = True
     config = preset_config(args.preset, vocab_size=args.vocab, eos_token_id=1, **(NARROW if args.narrow else {}))
     checkpoint = Path(tempfile.mkdtemp(prefix="train_call_")) / "model"
     save_pretrained(build_model(config, seed=0, dtype=torch.float32), checkpoint)
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="a π_old pass (default: bypass)")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per process (after 2 warm-up calls)")
     parser.add_argument("--sync-sites", action="store_true", help="list the host reads of one call by source line")
+    parser.add_argument("--grouped-experts", action="store_true",
+                        help="the experts' grouped GEMM, as a GPU in bf16 runs them (CPU's bf16 default is the loop)")
     args = baseline_tree.parse(parser, argv)
     if baseline_tree.answered_as_child(args, measure):
         return

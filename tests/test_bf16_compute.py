@@ -13,7 +13,8 @@ import torch.distributed as dist
 from slime_dsa.checkpoint.hf_format import build_model
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.presets import preset_config
-from trainers.fsdp.bf16_compute import Bf16Compute
+from slime_dsa.models.glm_moe_dsa import Experts
+from trainers.fsdp.bf16_compute import Bf16Compute, GradBuffers
 from trainers.process_group import free_port
 
 
@@ -33,11 +34,33 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _bf16_grouped_mm_on_cpu() -> bool:
+    """Whether this torch runs the experts' grouped GEMM in bf16 on CPU (the path a GPU takes in bf16)."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    try:
+        grouped_mm(torch.ones(4, 16, dtype=torch.bfloat16), torch.ones(2, 16, 16, dtype=torch.bfloat16),
+                   offs=torch.tensor([2, 4], dtype=torch.int32))
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.fixture(params=["loop", "grouped"])
+def expert_path(request):
+    """The experts' per-expert loop (CPU's bf16 default) or their grouped GEMM (a GPU's bf16 default)."""
+    if request.param == "grouped" and not _bf16_grouped_mm_on_cpu():
+        pytest.skip("this torch has no bf16 grouped_mm on CPU")
+    Experts.use_grouped_mm = request.param == "grouped"
+    yield request.param
+    Experts.use_grouped_mm = None
+
+
 @pytest.mark.parametrize("micro_batches", [[[20, 28]], [[20, 28], [32, 16]], [[24], [8, 16], [40]]])
-def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group, micro_batches):
+def test_bf16_copy_trains_as_fsdp2_mixed_precision(one_rank_group, micro_batches, expert_path):
     """3 steps of 1, 2 or 3 micro-batches: the same log-probs, gradients and weights as FSDP2's bf16 policy. FSDP2
     sums micro-batches in float32 (its reduce_dtype), so the copy must too: summed in bf16 by autograd in the copy's
-    .grad and cast once, the gradients differed from the second micro-batch on."""
+    .grad and cast once, the gradients differed from the second micro-batch on. The copy's experts compute with
+    stacked leaves, FSDP2's with the per-expert weights."""
     from trainers.fsdp.parallelize import apply_fsdp  # noqa: PLC0415
 
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)
@@ -278,3 +301,77 @@ def test_clip_through_the_flat_buffer_is_a_few_ops_and_declines_other_lists():
     reached = next(p for p in trainable if p.grad is not None)
     reached.grad = reached.grad.clone()
     assert copy.clip_grad_norm(trainable, 1.0) is None
+
+
+def _accumulated(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a backward of `loss` accumulates gradients into (its graph's AccumulateGrad nodes)."""
+    seen, stack, found = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            found.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def test_the_copys_experts_are_two_stacked_leaves_a_layer(expert_path):
+    """Each MoE layer of the copy accumulates two gradients (its stacked gate-up and down leaves), not three per
+    expert; the leaves hold the per-expert weights' storage, so a refresh reaches them; their gradients land in the
+    master's per-expert gradients, views of one span of the flat buffer."""
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    master = build_model(config, seed=0, dtype=torch.float32)
+    copy = Bf16Compute(master)
+    layers = [m for m in copy.module.modules() if isinstance(m, Experts)]
+    assert layers and all(m.leaves is not None for m in layers)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    loss = -copy.module.token_logprobs(ids, PackedBatch.from_seqlens([24, 16]))[0].mean()
+    accumulated = {id(t) for t in _accumulated(loss)}
+    leaves = {id(leaf) for m in layers for leaf in m.leaves}
+    assert leaves <= accumulated
+    per_expert = {id(p) for m in layers for p in m.parameters()}
+    assert not per_expert & accumulated
+    assert accumulated <= {id(p) for p in copy.module.parameters() if p.requires_grad} | leaves
+    loss.backward()
+    copy.accumulate_gradients()
+    for master_layer, copy_layer in zip((m for m in master.modules() if isinstance(m, Experts)), layers):
+        gate_up, down = copy_layer.leaves
+        assert gate_up.grad is None and down.grad is None
+        assert all(w.grad is not None for w in master_layer.parameters())
+        grads = [w.grad for expert in master_layer for w in (expert.gate_proj.weight, expert.up_proj.weight)]
+        span = copy._grads.span([w for expert in master_layer for w in (expert.gate_proj.weight, expert.up_proj.weight)])
+        assert all(g.data_ptr() == span.data_ptr() + i * g.numel() * 4 for i, g in enumerate(grads))
+    with torch.no_grad():
+        for p in master.parameters():
+            p.add_(0.5)
+    copy.refresh()
+    for master_layer, copy_layer in zip((m for m in master.modules() if isinstance(m, Experts)), layers):
+        gate_up, down = copy_layer.leaves
+        assert torch.equal(gate_up[0, : gate_up.shape[1] // 2], master_layer[0].gate_proj.weight.bfloat16())
+        assert torch.equal(down[-1], master_layer[-1].down_proj.weight.bfloat16())
+
+
+def test_experts_partly_frozen_keep_their_own_weights():
+    """A layer whose experts do not all train keeps per-expert weights in the copy (a leaf trains as a whole)."""
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    master = build_model(config, seed=0, dtype=torch.float32)
+    layers = [m for m in master.modules() if isinstance(m, Experts)]
+    layers[0][0].up_proj.weight.requires_grad_(False)
+    copy = Bf16Compute(master)
+    copied = [m for m in copy.module.modules() if isinstance(m, Experts)]
+    assert copied[0].leaves is None and all(m.leaves is not None for m in copied[1:])
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    (-copy.module.token_logprobs(ids, PackedBatch.from_seqlens([24, 16]))[0].mean()).backward()
+    copy.accumulate_gradients()
+    assert layers[0][0].up_proj.weight.grad is None and layers[0][0].gate_proj.weight.grad is not None
+
+
+def test_grad_buffers_lay_out_a_span_in_the_order_given():
+    params = [torch.zeros(2, 3), torch.zeros(4), torch.zeros(3, 1)]
+    buffers = GradBuffers(params, layout=[params[2], params[0]])
+    assert buffers.span([params[2], params[0]]).numel() == 9
+    assert buffers[params[1]].data_ptr() == buffers.flat.data_ptr() + 9 * 4
+    with pytest.raises(ValueError, match="not consecutive"):
+        buffers.span([params[0], params[2]])

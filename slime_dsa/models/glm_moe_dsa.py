@@ -283,9 +283,15 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        gate = invariant.rowwise(self.act, gate) if invariant.is_enabled() else self.act(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act)
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with the weights given, as MLP.forward and Linear compute it."""
+    linear = invariant.linear if invariant.is_enabled() else F.linear
+    h = linear(x, gate, None)
+    h = invariant.rowwise(act, h) if invariant.is_enabled() else act(h)
+    return linear(h * linear(x, up, None), down, None)
 
 
 class Router(nn.Module):
@@ -344,10 +350,12 @@ class Experts(nn.ModuleList):
     few per expert. The grouped path runs on CUDA in bf16 and on CPU in float32, the loop elsewhere. Inference mode
     (the engine) keeps a stacked copy, rebuilt when any expert weight changes (version counters, storage) and
     dropped by `drop_stacked()`; other passes (the trainer) stack per forward, so gradients flow to every expert.
+    A trainer's compute copy can hold the weights as two stacked leaves instead (`stack_as_leaves`).
     """
 
     use_grouped_mm: bool | None = None  # None: on CUDA in bf16 and on CPU in float32; True / False force it
     _grouped_failed = False  # set when the automatic choice failed once on this process' device
+    leaves: tuple[torch.Tensor, torch.Tensor] | None = None  # (w_gate_up, w_down) when the weights are their views
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
@@ -407,13 +415,14 @@ class Experts(nn.ModuleList):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self)).tolist()
         start = 0
+        experts = self._expert_weights()
         for expert, count in enumerate(counts):
             if count == 0 and not torch.is_grad_enabled():
                 continue  # under autograd every expert runs (maybe on 0 rows) so every rank has a grad for it (FSDP)
             slots = order[start : start + count]
             start += count
             tokens, k = slots // top_k, slots % top_k
-            y = self[expert](x[tokens]) * weights[tokens, k, None]
+            y = gated_mlp(x[tokens], *experts[expert], self[0].act) * weights[tokens, k, None]
             out.index_add_(0, tokens, y.float())
         return out.to(x.dtype)
 
@@ -469,6 +478,8 @@ class Experts(nn.ModuleList):
     @torch.no_grad()
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up (E, 2I, D), w_down (E, D, I)): stacked copies of the expert weights, rebuilt when they change."""
+        if self.leaves is not None:
+            return self.leaves
         refill = self.stale_refill()
         if refill is not None:
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
@@ -484,6 +495,8 @@ class Experts(nn.ModuleList):
         In place because captured CUDA graphs hold these very buffers; as one foreach copy (over every MoE layer
         in GlmMoeDsaPreTrainedModel.refresh_inference_caches) instead of a cat per expert and two stacks per layer.
         """
+        if self.leaves is not None:  # the weights are the stacked copy's views
+            return None
         key = self._fingerprint()
         old = self._stacked
         if old is not None and old[0] == key:
@@ -501,7 +514,39 @@ class Experts(nn.ModuleList):
         gate_up = [proj.weight for mlp in self for proj in (mlp.gate_proj, mlp.up_proj)]
         return self._refill_views, [*gate_up, *(mlp.down_proj.weight for mlp in self)]
 
+    def stack_as_leaves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the expert weights as views of two stacked leaf tensors, w_gate_up (E, 2I, D) and w_down (E, D, I),
+        which every forward uses and backward gives the gradients to; the per-expert parameters stop requiring grad.
+
+        For a trainer's compute copy (trainers/fsdp/bf16_compute.py): a backward then ends in two gradient
+        accumulations per layer instead of three per expert, and a forward stacks nothing. The leaves are plain
+        attributes, not registered parameters, so `parameters()` and the state dict are unchanged."""
+        with torch.no_grad():
+            gate_up, down = (stacked.detach().clone() for stacked in self._stack())
+        requires_grad = {p.requires_grad for mlp in self for p in mlp.parameters()}
+        if len(requires_grad) != 1:
+            raise ValueError("stack_as_leaves: the experts of one layer must all train or all be frozen")
+        experts = len(self)
+        gate_ups = gate_up.view(2 * experts, -1, gate_up.shape[-1]).unbind(0)  # gate_0, up_0, gate_1, ...
+        for i, mlp in enumerate(self):
+            for proj, view in ((mlp.gate_proj, gate_ups[2 * i]), (mlp.up_proj, gate_ups[2 * i + 1]), (mlp.down_proj, down[i])):
+                proj.weight.data = view
+                proj.weight.requires_grad_(False)
+        self.leaves = (gate_up.requires_grad_(requires_grad.pop()), down.requires_grad_(gate_up.requires_grad))
+        self.drop_stacked()
+        return self.leaves
+
+    def _expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(gate, up, down) of each expert; views of the leaves where there are leaves (one unbind node each)."""
+        if self.leaves is None:
+            return [(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in self]
+        gate_up, down = self.leaves
+        gate_ups = gate_up.view(2 * len(self), -1, gate_up.shape[-1]).unbind(0)
+        return [(gate_ups[2 * i], gate_ups[2 * i + 1], w_down) for i, w_down in enumerate(down.unbind(0))]
+
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.leaves is not None:
+            return self.leaves
         # One stack of gate_0, up_0, gate_1, ... viewed as (E, 2I, D) is each expert's [gate; up]: a cat per expert
         # before the stack cost a kernel and an autograd node per expert, twice the copying
         gate_up = torch.stack([proj.weight for mlp in self for proj in (mlp.gate_proj, mlp.up_proj)])

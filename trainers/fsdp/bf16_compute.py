@@ -14,7 +14,7 @@ import copy
 import torch
 
 from slime_dsa.devices import foreach_copy
-from slime_dsa.models.glm_moe_dsa import float32_modules
+from slime_dsa.models.glm_moe_dsa import Experts, float32_modules
 from trainers.grad_sums import add_gradients
 
 
@@ -35,9 +35,24 @@ class Bf16Compute:
         self._buffer_pairs = list(zip(master.buffers(), self.module.buffers()))  # walked once: ms at ~800 tensors
         for m, c in self._pairs:
             c.requires_grad_(m.requires_grad)
+        # Each layer's routed experts compute with two stacked leaves (Experts.stack_as_leaves): ~100 gradients a
+        # layer become two, each summed into a span of the flat buffer that holds those experts' master gradients.
+        leaves = []  # (the master's weights in the leaf's order, the leaf)
+        for master_experts, copy_experts in zip(master.modules(), self.module.modules()):
+            if isinstance(copy_experts, Experts) and _trains_alike(master_experts):
+                gate_up, down = copy_experts.stack_as_leaves()
+                leaves.append(([w for e in master_experts for w in (e.gate_proj.weight, e.up_proj.weight)], gate_up))
+                leaves.append(([e.down_proj.weight for e in master_experts], down))
+        in_leaves = {id(w) for weights, _ in leaves for w in weights}
+        self._grad_pairs = [(m, c) for m, c in self._pairs if id(m) not in in_leaves]  # the copy's own gradients
         # The master's float32 gradients, kept across steps: a step's first micro-batch copies into them, so nothing
         # needs zeroing and a skipped step's values are overwritten; a set_to_none elsewhere leaves them here.
-        self._grads = GradBuffers([m for m, _ in self._pairs if m.requires_grad])
+        trained = [(weights, leaf) for weights, leaf in leaves if leaf.requires_grad]
+        self._grads = GradBuffers([m for m, _ in self._pairs if m.requires_grad],
+                                  layout=[w for weights, _ in trained for w in weights])
+        # (master weights, their gradients' views, the leaf, those views' span viewed as the leaf)
+        self._leaves = [(weights, [self._grads[w] for w in weights], leaf, self._grads.span(weights).view_as(leaf))
+                        for weights, leaf in trained]
 
     def train(self, mode: bool = True) -> None:
         self.master.train(mode)
@@ -48,6 +63,8 @@ class Bf16Compute:
         float32 buffers stay allocated for the next step. A parameter no micro-batch reaches keeps .grad None."""
         for m, c in self._pairs:
             m.grad = c.grad = None
+        for _, _, leaf, _ in self._leaves:
+            leaf.grad = None
 
     @torch.no_grad()
     def accumulate_gradients(self) -> None:
@@ -55,13 +72,20 @@ class Bf16Compute:
 
         Call after every backward: FSDP2 casts each backward's gradients to float32 (reduce_dtype) and sums
         micro-batches there; autograd would sum them in bf16 in the copy's .grad."""
-        have = [(m, c) for m, c in self._pairs if c.grad is not None]
+        have = [(m, c) for m, c in self._grad_pairs if c.grad is not None]
         first = [(m, c) for m, c in have if m.grad is None]
-        later = [(m, c) for m, c in have if m.grad is not None]
-        grads = [self._grads[m] for m, _ in first]
-        add_gradients([(g, c.grad) for g, (_, c) in zip(grads, first)], [(m.grad, c.grad) for m, c in later])
-        for (m, _), grad in zip(first, grads):
-            m.grad = grad
+        later = [(m.grad, c.grad) for m, c in have if m.grad is not None]
+        copies = [(self._grads[m], c.grad) for m, c in first]
+        stacked = [entry for entry in self._leaves if entry[2].grad is not None]
+        for weights, _, leaf, span in stacked:  # a layer's expert gradients are set and cleared together
+            (copies if weights[0].grad is None else later).append((span, leaf.grad))
+        add_gradients(copies, later)
+        for m, _ in first:
+            m.grad = self._grads[m]
+        for weights, grads, leaf, _ in stacked:
+            for w, grad in zip(weights, grads):
+                w.grad = grad
+            leaf.grad = None
         for _, c in have:
             c.grad = None
 
@@ -85,16 +109,31 @@ class GradBuffers(dict):
     those of `flat_params` as views of one flat buffer, allocated at once, so a clip is one norm and one multiply;
     any other parameter's allocated when it first gets one."""
 
-    def __init__(self, flat_params: list[torch.Tensor]) -> None:
+    def __init__(self, flat_params: list[torch.Tensor], layout: list[torch.Tensor] = ()) -> None:
+        """layout: parameters (of flat_params) whose views come first, in this order (`span` of consecutive ones)."""
         super().__init__()
         self.flat_params = [p for p in flat_params if p.dtype == torch.float32 and p.is_contiguous()]
         device = self.flat_params[0].device if self.flat_params else None
         # No padding between the views: every element belongs to one, so a step's copies and zeros cover it all
         self.flat = torch.zeros(sum(p.numel() for p in self.flat_params), dtype=torch.float32, device=device)
+        in_flat = {id(p) for p in self.flat_params}
+        first = [p for p in layout if id(p) in in_flat]
+        placed = {id(p) for p in first}
+        self._offsets: dict[int, int] = {}
         offset = 0
-        for param in self.flat_params:
+        for param in first + [p for p in self.flat_params if id(p) not in placed]:
             self[param] = self.flat[offset:offset + param.numel()].view_as(param)
+            self._offsets[id(param)] = offset
             offset += param.numel()
+
+    def span(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The flat buffer's elements of `params`, which must lie next to each other in this order (see layout)."""
+        start = offset = self._offsets[id(params[0])]
+        for param in params:
+            if self._offsets.get(id(param)) != offset:
+                raise ValueError("GradBuffers.span: the parameters are not consecutive in the flat buffer")
+            offset += param.numel()
+        return self.flat[start:offset]
 
     def __missing__(self, param: torch.Tensor) -> torch.Tensor:
         self[param] = grad = torch.empty_like(param)
@@ -118,3 +157,9 @@ class GradBuffers(dict):
         total = torch.linalg.vector_norm(self.flat)
         self.flat.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
+
+
+def _trains_alike(experts: torch.nn.Module) -> bool:
+    """Whether every float32 weight of these experts trains, or none does (one stacked leaf holds them all)."""
+    weights = list(experts.parameters())
+    return len({p.requires_grad for p in weights}) == 1 and all(p.dtype == torch.float32 for p in weights)
