@@ -1,9 +1,10 @@
 """One micro-batch through the one-GPU rank's bf16 compute copy (trainers/fsdp/bf16_compute.py): forward, backward
 and the sums into the master's float32 gradients, this tree's copy against another checkout's, in turn in one process.
 
-The copy is built from one float32 master by each tree's `Bf16Compute` (the model code is this tree's in both); the
+The copy is built from one float32 master by each tree's `Bf16Compute` and gradient sums (grad_bookkeeping_host_time's
+`copy_class`; the model code is this tree's in both); the
 experts take their grouped GEMM (a GPU's bf16 path). Per call, timed on the calling thread's CPU clock
-(time.thread_time): the log-probs of --samples sequences of --length tokens, the backward of their mean, then
+(time.thread_time), or on a GPU (where torch sees one) on the wall clock between synchronised ends: the log-probs of --samples sequences of --length tokens, the backward of their mean, then
 `accumulate_gradients` and `zero_grad`. --narrow keeps the preset's structure (the same parameter tensors and ops)
 at the tiny preset's widths, so the host work of ops and autograd nodes shows rather than the matmuls'. Counted once
 per side: the aten ops dispatched in the forward and in the backward (views among them, which launch no kernel on a
@@ -18,13 +19,15 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline_tree import add_in_turn_arguments, modules_in_turn, report_in_turn, time_in_turn  # noqa: E402
+from baseline_tree import add_in_turn_arguments, report_in_turn, time_in_turn  # noqa: E402
+from grad_bookkeeping_host_time import copy_class  # noqa: E402
 from train_call_host_time import NARROW  # noqa: E402
 
 from slime_dsa.checkpoint.hf_format import build_model  # noqa: E402
@@ -70,11 +73,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     Experts.use_grouped_mm = True
     config = preset_config(args.preset, vocab_size=384, eos_token_id=1, **(NARROW if args.narrow else {}))
-    master = build_model(config, seed=0, dtype=torch.float32)
-    copies = {name: module.Bf16Compute(master) for name, module in
-              modules_in_turn(args.baseline_tree, "trainers/fsdp/bf16_compute.py", "trainers.fsdp.bf16_compute").items()}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    master = build_model(config, seed=0, dtype=torch.float32).to(device)
+    trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
+    copies = {name: copy_class(tree)(master) for name, tree in trees.items()}
     ids = torch.randint(2, config.vocab_size, (args.samples * args.length,), generator=torch.Generator().manual_seed(0))
-    packed = PackedBatch.from_seqlens([args.length] * args.samples)
+    ids = ids.to(device)
+    packed = PackedBatch.from_seqlens([args.length] * args.samples, device)
 
     def call(copy) -> None:
         loss = -copy.module.token_logprobs(ids, packed)[0].mean()
@@ -96,12 +102,13 @@ def main(argv: list[str] | None = None) -> dict:
         counts[name] = {"forward_ops": sum(forward.ops.values()), "backward_ops": sum(backward.ops.values()),
                         "autograd_nodes": nodes, "accumulations": accumulations}
     times = time_in_turn({name: lambda copy=copy: call(copy) for name, copy in copies.items()}, args.rounds,
-                         args.calls, warm_up=True)
+                         args.calls, clock=time.perf_counter if device.type == "cuda" else None, sync=sync,
+                         warm_up=True)
     same = len(grads) == 1 or all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                                   for a, b in zip(*grads.values()))
     tokens = args.samples * args.length
-    result = report_in_turn(times, f"{len(list(master.parameters()))} parameter tensors, {tokens} tokens: forward, "
-                            f"backward and the gradient sums")
+    result = report_in_turn(times, f"{len(list(master.parameters()))} parameter tensors, {tokens} tokens on {device}: "
+                            f"forward, backward and the gradient sums" + (" (wall ms)" if device.type == "cuda" else ""))
     for name, count in counts.items():
         print(f"  {name}: {count}")
     print(f"  master gradients equal between the sides: {same}")

@@ -80,7 +80,8 @@
 # runs' medians over their short steps).
 # hostbench: the host-time benchmarks that run on the GPU, this tree against HB_BASE (default .stepbase):
 # grad_bookkeeping_host_time.py (the bf16 copy's sums and clip), logprob_chunks_host_time.py (log-prob chunk widths)
-# and train_call_host_time.py (a whole train call, preset small); HB_T caps each (default 240 s); writes
+# train_call_host_time.py (a whole train call, preset small) and copy_micro_batch_host_time.py (one micro-batch through
+# the bf16 copy: its stacked expert leaves against the baseline's per-expert weights); HB_T caps each (default 240 s); writes
 # $OUT/hostbench.log.
 # tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
 # 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
@@ -199,6 +200,7 @@ hostbench)
     timeout -k 10 ${HB_T:-240} python3 benchmarks/grad_bookkeeping_host_time.py --preset small --baseline-tree $BASE --rounds 5
     timeout -k 10 ${HB_T:-240} python3 benchmarks/logprob_chunks_host_time.py --rounds 5
     timeout -k 10 ${HB_T:-240} python3 benchmarks/train_call_host_time.py --preset small --baseline-tree $BASE --rounds 3 --calls 3
+    timeout -k 10 ${HB_T:-240} python3 benchmarks/copy_micro_batch_host_time.py --preset small --samples 64 --length 24 --baseline-tree $BASE
   } 2>&1 | grep --line-buffered -v "Warning" | tee $OUT/hostbench.log | tail -30
   ;;
 vstrl)

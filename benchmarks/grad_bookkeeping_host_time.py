@@ -27,7 +27,7 @@ from baseline_tree import module_of  # noqa: E402  (beside this script)
 logger = logging.getLogger("grad_bookkeeping_host_time")
 
 
-def _copy_class(tree: str | None) -> type:
+def copy_class(tree: str | None) -> type:
     """Bf16Compute from this tree, or from `tree`'s trainers/fsdp/bf16_compute.py with that tree's gradient sums."""
     copy = module_of(tree, "trainers/fsdp/bf16_compute.py", "trainers.fsdp.bf16_compute")
     if tree is not None:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     config = preset_config(args.preset, vocab_size=384, eos_token_id=1, **(NARROW if args.narrow else {}))
     master = build_model(config, seed=0, dtype=torch.float32).to(device)
     trees = {"this tree": None} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
-    copies = {name: _copy_class(tree)(master) for name, tree in trees.items()}
+    copies = {name: copy_class(tree)(master) for name, tree in trees.items()}
     holders = {id(copy): _gradient_holders(copy) for copy in copies.values()}
     grads = {id(copy): [torch.randn_like(h) for h in holders[id(copy)]] for copy in copies.values()}
     trainable = [p for p in master.parameters() if p.requires_grad]
