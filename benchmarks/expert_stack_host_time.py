@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline_tree import ratio_in_turn, time_in_turn  # noqa: E402  (beside this script)
+from copy_micro_batch_host_time import graph_counts  # noqa: E402
 from train_call_host_time import NARROW  # noqa: E402
 
 from slime_dsa.checkpoint.hf_format import build_model  # noqa: E402
@@ -32,17 +33,6 @@ def cat_then_stack(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
     """The baseline: each expert's [gate; up] by a cat, then a stack of those."""
     gate_up = [torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts]
     return torch.stack(gate_up), torch.stack([m.down_proj.weight for m in experts])
-
-
-def _graph_nodes(tensor: torch.Tensor) -> int:
-    seen, stack = set(), [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return len(seen)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = experts._forward_grouped(x, weights, expert_ids)
         counts[side] = (sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None),
-                        _graph_nodes(out))
+                        graph_counts(out)[0])
         outputs[side] = out.detach()
     times = time_in_turn({side: lambda stack=stack: (setattr(Experts, "_stack", stack), call())
                           for side, stack in sides.items()}, args.rounds, args.calls, warm_up=True)
