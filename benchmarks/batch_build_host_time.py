@@ -21,14 +21,15 @@ from slime_dsa.data.sample import Sample  # noqa: E402
 
 
 def countdown_samples(groups: int, group_size: int, seed: int = 0) -> list[Sample]:
-    """Prompts of 70-100 tokens shared by a group, answers of 10-30, as a 64 x 16 countdown step's."""
+    """Prompts of 70-100 tokens shared by a group (a copy per sample, as the prompt source hands them out), answers of
+    10-30, as a 64 x 16 countdown step's."""
     rng = random.Random(seed)
     samples = []
     for g in range(groups):
         prompt = [rng.randrange(384) for _ in range(rng.randint(70, 100))]
         for s in range(group_size):
             n = rng.randint(10, 30)
-            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(384) for _ in range(n)],
+            samples.append(Sample(prompt_ids=list(prompt), response_ids=[rng.randrange(384) for _ in range(n)],
                                   loss_mask=[1] * n, rollout_logprobs=[-rng.random() for _ in range(n)],
                                   reward=float(rng.random() < 0.2), group_id=g, index=g * group_size + s))
     return samples

@@ -89,6 +89,23 @@ def test_the_batch_equals_the_per_sample_construction(seed: int, dtype: torch.dt
             assert topk.dtype == torch.long and topk.is_contiguous() and torch.equal(topk, reference_topk(samples))
 
 
+def test_prompts_shared_by_a_group_pack_as_each_samples_own() -> None:
+    """Consecutive samples with equal prompts (copies or one list, as a group's n samples) are converted once;
+    prompts that differ next to them (same length, a prefix, longer) still pack as their own."""
+    rng = random.Random(3)
+    base = [rng.randrange(3, 400) for _ in range(7)]
+    prompts = [base, list(base), base, base[:5], list(base[:5]), [*base[:6], 401], base + [5], list(base)]
+    samples = []
+    for i, prompt in enumerate(prompts):
+        s = Sample(prompt_ids=prompt, index=i, group_id=0, reward=0.0, status=SampleStatus.COMPLETED)
+        n = rng.randint(0, 4)
+        s.append_tokens([rng.randrange(3, 400) for _ in range(n)], [-1.0] * n, [0] * n)
+        samples.append(s)
+    advantages = torch.zeros(len(samples))
+    batch = build_train_batch(samples, advantages)
+    assert torch.equal(batch.input_ids, reference_batch(samples, advantages)["input_ids"])
+
+
 def test_index_replay_rows_of_every_kind_in_one_batch() -> None:
     samples = ragged_samples(random.Random(5), ["prompt", "none", "output", "empty", "prompt"])
     assert torch.equal(engine_topk_rows(samples), reference_topk(samples))

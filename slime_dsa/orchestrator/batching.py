@@ -93,6 +93,18 @@ def _per_response_token(samples: list[Sample], name: str, n_tokens: int) -> np.n
     return np.fromiter(chain.from_iterable(getattr(s, name) for s in samples), dtype=np.float32, count=n_tokens)
 
 
+def _prompt_arrays(samples: list[Sample]) -> list[np.ndarray]:
+    """Each sample's prompt as an int64 array; a prompt equal to the sample before's (a group's n samples) is that
+    array again, so most of a batch's tokens are not converted from Python ints one by one."""
+    arrays, last, last_array = [], None, None
+    for s in samples:
+        prompt = s.prompt_ids
+        if not (prompt is last or (type(prompt) is list and type(last) is list and prompt == last)):
+            last, last_array = prompt, np.asarray(prompt, dtype=np.int64)
+        arrays.append(last_array)
+    return arrays
+
+
 def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_replay: bool = False) -> TrainBatch:
     """Pack prompt+response of every sample; only response tokens the policy generated are trained on.
 
@@ -106,10 +118,12 @@ def build_train_batch(samples: list[Sample], advantages: torch.Tensor, index_rep
     response_lens = [len(s.response_ids) for s in samples]
     seqlens = [p + r for p, r in zip(prompt_lens, response_lens)]
     total = sum(seqlens)
-    # One conversion per field over flat lists: per-sample tensors cost more than the packing itself.
-    input_ids = np.fromiter(chain.from_iterable(chain.from_iterable((s.prompt_ids, s.response_ids) for s in samples)),
-                            dtype=np.int64, count=total)
     response = _response_rows(prompt_lens, response_lens)
+    input_ids = np.empty(total, dtype=np.int64)
+    # One conversion per field over flat lists: per-sample tensors cost more than the packing itself.
+    input_ids[response] = np.fromiter(chain.from_iterable(s.response_ids for s in samples), dtype=np.int64,
+                                      count=sum(response_lens))
+    input_ids[~response] = np.concatenate(_prompt_arrays(samples)) if samples else []
     loss_mask, rollout_logp = np.zeros(total, dtype=np.float32), np.zeros(total, dtype=np.float32)
     loss_mask[response] = _per_response_token(samples, "loss_mask", sum(response_lens))
     rollout_logp[response] = _per_response_token(samples, "rollout_logprobs", sum(response_lens))
