@@ -2,14 +2,14 @@
 and the sums into the master's float32 gradients, this tree's copy against another checkout's, in turn in one process.
 
 The copy is built from one float32 master by each tree's `Bf16Compute` and gradient sums (grad_bookkeeping_host_time's
-`copy_class`; the model code is this tree's in both); the
-experts take their grouped GEMM (a GPU's bf16 path). Per call, timed on the calling thread's CPU clock
-(time.thread_time), or on a GPU (where torch sees one) on the wall clock between synchronised ends: the log-probs of --samples sequences of --length tokens, the backward of their mean, then
-`accumulate_gradients` and `zero_grad`. --narrow keeps the preset's structure (the same parameter tensors and ops)
-at the tiny preset's widths, so the host work of ops and autograd nodes shows rather than the matmuls'. Counted once
-per side: the aten ops dispatched in the forward and in the backward (views among them, which launch no kernel on a
-GPU but cost host time), the autograd nodes of the loss's graph and its gradient accumulations, and whether the
-master's gradients of both sides are equal.
+`copy_class`; the model code is this tree's in both); the experts take their grouped GEMM (a GPU's bf16 path). Per
+call, timed on the calling thread's CPU clock (time.thread_time), or on a GPU (where torch sees one) on the wall clock
+between synchronised ends: the log-probs of --samples sequences of --length tokens, the backward of their mean, then
+`accumulate_gradients` and `zero_grad`. --narrow keeps the preset's structure (the same parameter tensors and ops) at
+the tiny preset's widths, so the host work of ops and autograd nodes shows rather than the matmuls'. Counted once per
+side: the aten ops dispatched in the forward and in the backward (views among them, which launch no kernel on a GPU
+but cost host time), the autograd nodes of the loss's graph and its gradient accumulations, and whether the master's
+gradients of both sides are equal.
 
     PYTHONPATH=$PWD python benchmarks/copy_micro_batch_host_time.py --preset small --narrow --baseline-tree /tmp/base
 """
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     same = len(grads) == 1 or all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                                   for a, b in zip(*grads.values()))
     tokens = args.samples * args.length
-    result = report_in_turn(times, f"{len(list(master.parameters()))} parameter tensors, {tokens} tokens on {device}: "
-                            f"forward, backward and the gradient sums" + (" (wall ms)" if device.type == "cuda" else ""))
+    what = f"{len(list(master.parameters()))} parameter tensors, {tokens} tokens on {device}: forward, backward and the"
+    result = report_in_turn(times, what + " gradient sums" + (" (wall ms)" if device.type == "cuda" else ""))
     for name, count in counts.items():
         print(f"  {name}: {count}")
     print(f"  master gradients equal between the sides: {same}")

@@ -80,9 +80,9 @@
 # runs' medians over their short steps).
 # hostbench: the host-time benchmarks that run on the GPU, this tree against HB_BASE (default .stepbase):
 # grad_bookkeeping_host_time.py (the bf16 copy's sums and clip), logprob_chunks_host_time.py (log-prob chunk widths)
-# train_call_host_time.py (a whole train call, preset small) and copy_micro_batch_host_time.py (one micro-batch through
-# the bf16 copy: its stacked expert leaves against the baseline's per-expert weights); HB_T caps each (default 240 s); writes
-# $OUT/hostbench.log.
+# train_call_host_time.py (a whole train call, preset small) and copy_micro_batch_host_time.py (one micro-batch
+# through the bf16 copy: its stacked expert leaves against the baseline's per-expert weights); HB_T caps each (default
+# 240 s); writes $OUT/hostbench.log.
 # tonp (benchmarks/true_on_policy.py on recipes/gpu_single.yaml from the sft stage's model: TONP_STEPS RL steps, default
 # 20, with model.true_on_policy off then on; issue 23's step-time ratio and exact-match fraction; TONP_ARGS adds
 # arguments, e.g. "--rounds 2", TONP_T caps it, default 420 s) writes $OUT/tonp.md (the table) and $OUT/tonp.log.

@@ -340,9 +340,9 @@ def test_the_copys_experts_are_two_stacked_leaves_a_layer(expert_path):
         gate_up, down = copy_layer.leaves
         assert gate_up.grad is None and down.grad is None
         assert all(w.grad is not None for w in master_layer.parameters())
-        grads = [w.grad for expert in master_layer for w in (expert.gate_proj.weight, expert.up_proj.weight)]
-        span = copy._grads.span([w for expert in master_layer for w in (expert.gate_proj.weight, expert.up_proj.weight)])
-        assert all(g.data_ptr() == span.data_ptr() + i * g.numel() * 4 for i, g in enumerate(grads))
+        gate_ups = [w for expert in master_layer for w in (expert.gate_proj.weight, expert.up_proj.weight)]
+        span = copy._grads.span(gate_ups)
+        assert all(w.grad.data_ptr() == span.data_ptr() + i * w.numel() * 4 for i, w in enumerate(gate_ups))
     with torch.no_grad():
         for p in master.parameters():
             p.add_(0.5)

@@ -529,7 +529,8 @@ class Experts(nn.ModuleList):
         experts = len(self)
         gate_ups = gate_up.view(2 * experts, -1, gate_up.shape[-1]).unbind(0)  # gate_0, up_0, gate_1, ...
         for i, mlp in enumerate(self):
-            for proj, view in ((mlp.gate_proj, gate_ups[2 * i]), (mlp.up_proj, gate_ups[2 * i + 1]), (mlp.down_proj, down[i])):
+            views = ((mlp.gate_proj, gate_ups[2 * i]), (mlp.up_proj, gate_ups[2 * i + 1]), (mlp.down_proj, down[i]))
+            for proj, view in views:
                 proj.weight.data = view
                 proj.weight.requires_grad_(False)
         self.leaves = (gate_up.requires_grad_(requires_grad.pop()), down.requires_grad_(gate_up.requires_grad))
