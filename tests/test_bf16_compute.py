@@ -353,6 +353,16 @@ def test_the_copys_experts_are_two_stacked_leaves_a_layer(expert_path):
         assert torch.equal(down[-1], master_layer[-1].down_proj.weight.bfloat16())
 
 
+def test_a_moved_copy_is_refused_rather_than_computing_with_its_old_leaves():
+    """The leaves are attributes, not parameters: a .to() moves the per-expert weights away from them, and the next
+    forward says so instead of computing with (and training) the leaves' stale values."""
+    config = preset_config("tiny", vocab_size=96, eos_token_id=1)
+    copy = Bf16Compute(build_model(config, seed=0, dtype=torch.float32))
+    copy.module.to(torch.float32)
+    with pytest.raises(RuntimeError, match="no longer views of the stacked leaves"):
+        copy.module.token_logprobs(torch.arange(8), PackedBatch.from_seqlens([8]))
+
+
 def test_experts_partly_frozen_keep_their_own_weights():
     """A layer whose experts do not all train keeps per-expert weights in the copy (a leaf trains as a whole)."""
     config = preset_config("tiny", vocab_size=96, eos_token_id=1)

@@ -479,7 +479,7 @@ class Experts(nn.ModuleList):
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_gate_up (E, 2I, D), w_down (E, D, I)): stacked copies of the expert weights, rebuilt when they change."""
         if self.leaves is not None:
-            return self.leaves
+            return self._held_leaves()
         refill = self.stale_refill()
         if refill is not None:
             with torch.inference_mode(False), torch.no_grad():  # leaving inference mode re-enables grad
@@ -537,17 +537,27 @@ class Experts(nn.ModuleList):
         self.drop_stacked()
         return self.leaves
 
+    def _held_leaves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The leaves, once checked to still hold the expert weights: a module moved (.to) or given new weight
+        tensors since stack_as_leaves would otherwise compute with the old values and train nothing it holds."""
+        gate_up, down = self.leaves
+        if (self[0].gate_proj.weight.data_ptr() != gate_up.data_ptr()
+                or self[-1].down_proj.weight.data_ptr() != down[-1].data_ptr()):
+            raise RuntimeError("Experts: the expert weights are no longer views of the stacked leaves (the module was "
+                               "moved or its weights replaced after stack_as_leaves)")
+        return gate_up, down
+
     def _expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(gate, up, down) of each expert; views of the leaves where there are leaves (one unbind node each)."""
         if self.leaves is None:
             return [(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in self]
-        gate_up, down = self.leaves
+        gate_up, down = self._held_leaves()
         gate_ups = gate_up.view(2 * len(self), -1, gate_up.shape[-1]).unbind(0)
         return [(gate_ups[2 * i], gate_ups[2 * i + 1], w_down) for i, w_down in enumerate(down.unbind(0))]
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.leaves is not None:
-            return self.leaves
+            return self._held_leaves()
         # One stack of gate_0, up_0, gate_1, ... viewed as (E, 2I, D) is each expert's [gate; up]: a cat per expert
         # before the stack cost a kernel and an autograd node per expert, twice the copying
         gate_up = torch.stack([proj.weight for mlp in self for proj in (mlp.gate_proj, mlp.up_proj)])
