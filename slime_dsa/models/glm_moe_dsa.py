@@ -495,8 +495,6 @@ class Experts(nn.ModuleList):
         In place because captured CUDA graphs hold these very buffers; as one foreach copy (over every MoE layer
         in GlmMoeDsaPreTrainedModel.refresh_inference_caches) instead of a cat per expert and two stacks per layer.
         """
-        if self.leaves is not None:  # the weights are the stacked copy's views
-            return None
         key = self._fingerprint()
         old = self._stacked
         if old is not None and old[0] == key:
@@ -526,11 +524,8 @@ class Experts(nn.ModuleList):
         requires_grad = {p.requires_grad for mlp in self for p in mlp.parameters()}
         if len(requires_grad) != 1:
             raise ValueError("stack_as_leaves: the experts of one layer must all train or all be frozen")
-        experts = len(self)
-        gate_ups = gate_up.view(2 * experts, -1, gate_up.shape[-1]).unbind(0)  # gate_0, up_0, gate_1, ...
-        for i, mlp in enumerate(self):
-            views = ((mlp.gate_proj, gate_ups[2 * i]), (mlp.up_proj, gate_ups[2 * i + 1]), (mlp.down_proj, down[i]))
-            for proj, view in views:
+        for mlp, views in zip(self, self._split(gate_up, down)):
+            for proj, view in zip((mlp.gate_proj, mlp.up_proj, mlp.down_proj), views):
                 proj.weight.data = view
                 proj.weight.requires_grad_(False)
         self.leaves = (gate_up.requires_grad_(requires_grad.pop()), down.requires_grad_(gate_up.requires_grad))
@@ -551,8 +546,11 @@ class Experts(nn.ModuleList):
         """(gate, up, down) of each expert; views of the leaves where there are leaves (one unbind node each)."""
         if self.leaves is None:
             return [(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight) for m in self]
-        gate_up, down = self._held_leaves()
-        gate_ups = gate_up.view(2 * len(self), -1, gate_up.shape[-1]).unbind(0)
+        return self._split(*self._held_leaves())
+
+    def _split(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Each expert's (gate, up, down) as views of stacked (E, 2I, D) and (E, D, I) weights."""
+        gate_ups = gate_up.view(2 * len(self), -1, gate_up.shape[-1]).unbind(0)  # gate_0, up_0, gate_1, ...
         return [(gate_ups[2 * i], gate_ups[2 * i + 1], w_down) for i, w_down in enumerate(down.unbind(0))]
 
     def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
