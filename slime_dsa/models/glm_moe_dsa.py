@@ -537,7 +537,7 @@ class Experts(nn.ModuleList):
         tensors since stack_as_leaves would otherwise compute with the old values and train nothing it holds."""
         gate_up, down = self.leaves
         if (self[0].gate_proj.weight.data_ptr() != gate_up.data_ptr()
-                or self[-1].down_proj.weight.data_ptr() != down[-1].data_ptr()):
+                or self[0].down_proj.weight.data_ptr() != down.data_ptr()):
             raise RuntimeError("Experts: the expert weights are no longer views of the stacked leaves (the module was "
                                "moved or its weights replaced after stack_as_leaves)")
         return gate_up, down
