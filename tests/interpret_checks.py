@@ -91,6 +91,108 @@ def check_indexer_topk_paged() -> None:
         triton_indexer_paged.SPLIT_MIN_WIDTH = wide
 
 
+def _fp8_keys(rows: int, Di: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn keys of small integers and power-of-two row scales: both exact, so every score is exact."""
+    values = torch.randint(-3, 4, (rows, Di), generator=g).float()
+    scales = 2.0 ** torch.randint(-2, 3, (rows,), generator=g).float()
+    values[1], scales[1] = 2 * values[0], scales[0] / 2  # an equal key through other values and scale: a tie
+    return values.to(torch.float8_e4m3fn), scales
+
+
+def _scaled_scores(q: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, scale: float,
+                   n_valid: torch.Tensor) -> torch.Tensor:
+    """score[r, n] = scales[r, n] * sum_j w[r, j] scale relu(q[r, j] . keys[r, n]) in float32, -inf from n_valid[r].
+
+    q (R, Hi, Di), keys (R, N, Di) fp8 values, scales (R, N), w (R, Hi)."""
+    dots = torch.einsum("rhd,rnd->rhn", q.float(), keys.float())
+    score = scales * ((w.float() * scale)[:, :, None] * dots.clamp_min(0)).sum(1)
+    return score.masked_fill(torch.arange(keys.shape[1])[None, :] >= n_valid[:, None], float("-inf"))
+
+
+def _select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
+    """The top min(topk, n_valid) positions per row, ties to the lower position, ascending, -1 padded."""
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :topk]  # stable: equal scores keep position order
+    keep = torch.arange(order.shape[1])[None, :] < n_valid.clamp(max=topk)[:, None]
+    picked = torch.where(keep, order, torch.iinfo(torch.long).max).sort(1).values
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.long)
+    out[:, : picked.shape[1]] = torch.where(keep, picked, -1)
+    return out
+
+
+def _ties_at_boundary(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> int:
+    """Rows whose topk-th and next score are equal: there the tie rule decides the selection."""
+    top = scores.sort(1, descending=True).values
+    return int(((top[:, topk - 1] == top[:, topk]) & (n_valid > topk)).sum()) if scores.shape[1] > topk else 0
+
+
+def _raises_value_error(fn) -> bool:
+    try:
+        fn()
+    except ValueError:
+        return True
+    return False
+
+
+def check_indexer_topk_fp8_keys() -> None:
+    """Packed prefill and decode rows with float8_e4m3fn keys and per-row scales against the scaled-score formula."""
+    from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(12)
+    ties = 0
+    for lens_q, lens_k, Hi, Di, topk in (([1, 1, 1], [5, 300, 600], 4, 16, 32), ([3, 7, 1], [50, 400, 100], 4, 32, 64),
+                                         ([1] * 4, [1, 60, 200, 129], 32, 16, 64)):
+        q, w = _ints(sum(lens_q), Hi, Di, g=g), _ints(sum(lens_q), Hi, g=g)
+        k, ks = _fp8_keys(sum(lens_k), Di, g)
+        got = ti.indexer_topk(q, k, w, _cu(lens_q), _cu(lens_k), topk, 0.5, key_scales=ks)
+        width = max(lens_k)
+        rows_q, rows_k, rows_s, n_valid = [], [], [], []
+        for i, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+            k0 = sum(lens_k[:i])
+            for t in range(lq):  # query t of the sequence sees keys 0 .. lk - lq + t
+                rows_q.append(sum(lens_q[:i]) + t)
+                rows_k.append(torch.cat([k[k0 : k0 + lk].float(), torch.zeros(width - lk, Di)]))
+                rows_s.append(torch.cat([ks[k0 : k0 + lk], torch.zeros(width - lk)]))
+                n_valid.append(lk - lq + t + 1)
+        n_valid = torch.tensor(n_valid)
+        scores = _scaled_scores(q[rows_q], torch.stack(rows_k), torch.stack(rows_s), w[rows_q], 0.5, n_valid)
+        assert torch.equal(got, _select(scores, n_valid, topk)), f"indexer_topk fp8 keys, lens_k {lens_k}"
+        ties += _ties_at_boundary(scores, n_valid, topk)
+    assert ties, "no tie at a top-k boundary: the inputs no longer check the tie rule"
+    args = q, k, w, _cu(lens_q), _cu(lens_k), topk, 0.5
+    assert _raises_value_error(lambda: ti.indexer_topk(*args)), "fp8 keys without key_scales"
+    assert _raises_value_error(lambda: ti.indexer_topk(*args, key_scales=ks[:-1])), "key_scales of the wrong shape"
+    assert _raises_value_error(lambda: ti.indexer_topk(q, k.float(), *args[2:], key_scales=ks)), "scales, float keys"
+
+
+def check_indexer_topk_paged_fp8_keys() -> None:
+    """The paged indexer with float8_e4m3fn keys and per-slot scales: scores equal the formula exactly; the top-k by
+    the single-launch and the split select (forced at this small width) equals the formula's, ties included."""
+    from slime_dsa.ops import triton_indexer_paged as tip  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(13)
+    B, Hi, Di, width, pool, topk = 7, 4, 16, 300, 2500, 64
+    q, w = _ints(B, Hi, Di, g=g), _ints(B, Hi, g=g)
+    k_pool, ks = _fp8_keys(pool, Di, g)
+    slots = torch.randperm(pool, generator=g)[: B * width].view(B, width)
+    slots[1, 5], slots[1, 200] = 1, 0  # the equal keys of _fp8_keys: equal scores, the lower position first
+    lens = torch.tensor([1, 300, 37, 0, 257, 5, 33])
+    scores = _scaled_scores(q, k_pool[slots], ks[slots], w, 0.5, lens)
+    assert torch.equal(tip.paged_scores(q, k_pool, w, slots, lens, 0.5, key_scales=ks), scores), "paged_scores fp8"
+    want = _select(scores, lens, topk)
+    assert _ties_at_boundary(scores, lens, topk), "no tie at a top-k boundary: the inputs no longer check the tie rule"
+    assert torch.equal(tip.indexer_topk_paged(q, k_pool, w, slots, lens, topk, 0.5, ks), want), "paged fp8 keys"
+    wide, tip.SPLIT_MIN_WIDTH = tip.SPLIT_MIN_WIDTH, width  # the split select
+    try:
+        assert torch.equal(tip.indexer_topk_paged(q, k_pool, w, slots, lens, topk, 0.5, ks), want), "paged fp8 (split)"
+    finally:
+        tip.SPLIT_MIN_WIDTH = wide
+    args = q, k_pool, w, slots, lens, topk, 0.5
+    assert _raises_value_error(lambda: tip.indexer_topk_paged(*args)), "fp8 keys without key_scales"
+    assert _raises_value_error(lambda: tip.indexer_topk_paged(*args, ks[:, None])), "key_scales of the wrong shape"
+    assert _raises_value_error(lambda: tip.indexer_topk_paged(*args, ks.double())), "float64 key_scales"
+    assert _raises_value_error(lambda: tip.indexer_topk_paged(q, k_pool.float(), *args[2:], ks)), "scales, float keys"
+
+
 def _mostly_empty_indices(T: int, Tk: int, K: int, g: torch.Generator) -> torch.Tensor:
     """Rows with few keys: a short prefix, holes before the last used slot, only the last slot, none at all."""
     idx = torch.full((T, K), -1, dtype=torch.long)
@@ -344,7 +446,8 @@ def check_masked_ranges() -> None:
         mla.USE_MASKED_RANGES = saved
 
 
-CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged, check_sparse_mla,
+CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged,
+          check_indexer_topk_fp8_keys, check_indexer_topk_paged_fp8_keys, check_sparse_mla,
           check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
           check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_masked_ranges]
 

@@ -75,6 +75,19 @@ def test_graph_replay_equals_eager_paged_decode():
     _assert_same(out_graph, _generate(_engine(model, False), _requests(37)))
 
 
+def test_fp8_index_keys_graph_replay_equals_eager_paged_decode():
+    """rollout.index_key_cache_dtype fp8_e4m3: the paged indexer reads 1-byte keys with their scales, in graphs too."""
+    model = _model(0)
+
+    def engine(graphs: bool) -> Engine:
+        return Engine(model, max_cache_tokens=8192, block_size=16, paged_decode=True, cuda_graphs=graphs, seed=0,
+                      index_key_cache_dtype="fp8_e4m3")
+    graphed = engine(True)
+    out_graph = _generate(graphed, _requests(37))
+    assert graphed.cache.index_k.dtype == torch.float8_e4m3fn and graphed.decoder.num_graphs > 0
+    _assert_same(out_graph, _generate(engine(False), _requests(37)))
+
+
 def test_graphs_follow_weight_updates_and_memory_release():
     model, other = _model(0), _model(1)
     expect = _generate(_engine(other, False), _requests(20, seed=3))

@@ -561,6 +561,113 @@ def test_indexer_topk_paged_in_a_cuda_graph():
     assert ((got >= 0).sum(-1) == 7).all()
 
 
+# FP8 index keys: float8_e4m3fn rows and one float32 scale per row, the scale applied after the sum over heads.
+
+
+def _fp8_inputs(rows: int, B: int, Hi: int, Di: int, integer: bool, seed: int):
+    """q (B, Hi, Di) bf16, fp8 key values (rows, Di), scales (rows,) float32, w (B, Hi). Integer inputs (small
+    integers, power-of-two scales) make every score exact; random keys are quantised as the engine does."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if integer:
+        q = torch.randint(-2, 3, (B, Hi, Di), device="cuda", generator=g).bfloat16()
+        values = torch.randint(-3, 4, (rows, Di), device="cuda", generator=g).float().to(torch.float8_e4m3fn)
+        scales = 2.0 ** torch.randint(-2, 3, (rows,), device="cuda", generator=g).float()
+        return q, values, scales, torch.randint(-2, 3, (B, Hi), device="cuda", generator=g).float()
+    q = torch.randn(B, Hi, Di, device="cuda", generator=g).bfloat16()
+    k = torch.randn(rows, Di, device="cuda", generator=g)
+    scales = k.abs().amax(-1).clamp_min(1e-12) / 448
+    values = (k / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, values, scales, torch.randn(B, Hi, device="cuda", generator=g) * Hi**-0.5
+
+
+def _fp8_scores(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor, w: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """score[r, n] = key_scales[.., n] * sum_j w[r, j] scale relu(q[r, j] . keys[.., n]) in float32: q (R, Hi, Di),
+    keys (N, Di) or (R, N, Di) float32 holding the fp8 values, key_scales (N,) or (R, N)."""
+    dots = torch.einsum("rhd,nd->rhn" if keys.dim() == 2 else "rhd,rnd->rhn", q.float(), keys)
+    return key_scales * ((w.float() * scale)[:, :, None] * dots.clamp_min(0)).sum(1)
+
+
+def _assert_scores_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Same -inf entries; the finite ones within rtol 1e-5 / atol 1e-5 (float32 sums in another order)."""
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), "-inf entries differ"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("batch,Hi,width", [(16, 64, 2048), (4, 32, 9000)])  # 9000: the split select
+def test_indexer_topk_paged_fp8_keys(integer, batch, Hi, width):
+    """The paged indexer on fp8 keys: scores match the formula (exactly on integer inputs) and integer inputs, full
+    of ties, give the formula's selection exactly."""
+    from slime_dsa.ops.triton_indexer_paged import paged_scores
+
+    Di, topk, pool = 128, 256, 40_000
+    q, values, key_scales, w = _fp8_inputs(pool, batch, Hi, Di, integer, seed=8)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    key_slots = torch.randperm(pool, device="cuda", generator=g)[: batch * width].view(batch, width)
+    seq_lens = torch.randint(1, width + 1, (batch,), device="cuda", generator=g)
+    seq_lens[:4] = torch.tensor([width, 0, 1, 300], device="cuda")
+    scale = 1.0 if integer else Di**-0.5
+    valid = torch.arange(width, device="cuda")[None, :] < seq_lens[:, None]
+    # fp8 lacks some CUDA indexing kernels: gather the keys as float32
+    want = _fp8_scores(q, values.float()[key_slots], key_scales[key_slots], w, scale).masked_fill(~valid, float("-inf"))
+    got = paged_scores(q, values, w, key_slots, seq_lens, scale, key_scales=key_scales)
+    if integer:
+        assert torch.equal(got, want)
+        sel = _kernels().indexer_topk_paged(q, values, w, key_slots, seq_lens, topk, scale, key_scales=key_scales)
+        assert torch.equal(sel, reference.select_topk(want, valid, topk))
+    else:
+        _assert_scores_close(got, want)
+
+
+def _packed_scores(q, k, w, lens_q: list[int], lens_k: list[int], topk: int, scale: float, key_scales):
+    """The packed kernel's float32 scores (Tq, width) as `indexer_topk` makes them (one chunk at these sizes)."""
+    from slime_dsa.ops import triton_indexer as ti
+
+    cu_q, cu_k = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    block_m = ti.block_queries(q.shape[1], cu_q)
+    (r0, r1, width, blocks), = ti._plan_chunks(cu_q, cu_k, topk, block_m)
+    scores = ti.score_rows(r1 - r0, width, q.device)
+    ti.launch_scores(q, k, w, scores, blocks, r0, width, scale, block_m, key_scales)
+    return scores
+
+
+FP8_PACKED_CASES = {
+    # lens_q, lens_k, Hi
+    "decode": ([1] * 12, [1, 100, 2047, 2048, 700, 5, 1500, 129, 256, 257, 1024, 2000], 64),
+    "prefill": ([300, 700, 1], [300, 1200, 64], 32),
+}
+
+
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("name", list(FP8_PACKED_CASES))
+def test_indexer_topk_fp8_keys(name, integer):
+    """The packed indexer on fp8 keys: scores match the formula (exactly on integer inputs) and integer inputs give
+    the formula's selection exactly."""
+    lens_q, lens_k, Hi = FP8_PACKED_CASES[name]
+    Di, topk = 128, 256
+    q, values, key_scales, w = _fp8_inputs(sum(lens_k), sum(lens_q), Hi, Di, integer, seed=10)
+    scale = 1.0 if integer else Di**-0.5
+    got = _packed_scores(q, values, w, lens_q, lens_k, topk, scale, key_scales)
+    want = torch.full_like(got, float("-inf"))
+    pos = reference._query_positions(_cu(lens_q), _cu(lens_k))[1]
+    q0 = k0 = 0
+    for lq, lk in zip(lens_q, lens_k):
+        rows = slice(q0, q0 + lq)
+        scores = _fp8_scores(q[rows], values[k0 : k0 + lk].float(), key_scales[k0 : k0 + lk], w[rows], scale)
+        causal = torch.arange(lk, device="cuda")[None, :] <= pos[rows, None]
+        want[rows, :lk] = scores.masked_fill(~causal, float("-inf"))
+        q0, k0 = q0 + lq, k0 + lk
+    if integer:
+        assert torch.equal(got, want)
+        sel = _kernels().indexer_topk(q, values, w, _cu(lens_q), _cu(lens_k), topk, scale, key_scales=key_scales)
+        valid = torch.arange(want.shape[1], device="cuda")[None, :] <= pos[:, None]
+        assert torch.equal(sel, reference.select_topk(want, valid, topk))
+    else:
+        _assert_scores_close(got, want)
+
+
 # ----------------------------------------------------------------------------------------------
 # Indexer KL loss
 

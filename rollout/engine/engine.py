@@ -83,11 +83,13 @@ from slime_dsa.devices import foreach_copy
 from slime_dsa.gc_watch import freeze_after_startup
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 from slime_dsa.ops import invariant
+from slime_dsa.ops.fp8_keys import FP8_DTYPE
 from slime_dsa.trace_recorder import annotate
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+INDEX_KEY_CACHE_DTYPES = ("auto", "fp8_e4m3")  # SGLang's names for kv_cache_dtype
 
 
 # Identity semantics: sequences are found in lists by `is` and are dict keys themselves (hashed by identity), never
@@ -181,13 +183,15 @@ class Engine:
         cuda_graphs: bool = True,
         keep_indexer_topk: bool = False,
         overlap: bool = False,
+        index_key_cache_dtype: str = "auto",
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place instead of gathering every sequence's keys
         (on CPU too: 15-20% faster decode with 100-token contexts, benchmarks/RESULTS.md); cuda_graphs: and
         replay them as CUDA graphs (CUDA only); keep_indexer_topk: every cached row's DSA selection is kept, so
         requests may ask for their prompt rows' (exact index replay); overlap: each step is launched before the
         previous step's tokens reach the host, and the host's bookkeeping of that step runs while the device
-        computes (module docstring)."""
+        computes (module docstring); index_key_cache_dtype: "auto" (the model's dtype) or "fp8_e4m3", the indexer
+        keys cached in FP8 with a scale per row (kv_cache.py), as SGLang's DSA cache holds them."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
@@ -205,7 +209,8 @@ class Engine:
         num_blocks = max_cache_tokens // block_size
         self.max_cache_tokens = num_blocks * block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk)
+        self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk,
+                                  index_key_dtype=index_key_dtype(index_key_cache_dtype))
         self.stats: dict[str, float] = {}
         self.decoder = (PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats, max_running_requests)
                         if paged_decode else None)
@@ -1238,6 +1243,18 @@ class Engine:
 
 
 _heap_frozen = False
+
+
+def index_key_dtype(name: str) -> torch.dtype | None:
+    """The cache dtype of an engine's index_key_cache_dtype: None keeps the model's."""
+    if name not in INDEX_KEY_CACHE_DTYPES:
+        raise ValueError(f"index_key_cache_dtype must be one of {INDEX_KEY_CACHE_DTYPES}, got {name!r}")
+    if name == "auto":
+        return None
+    if invariant.is_enabled():
+        raise ValueError("index_key_cache_dtype fp8_e4m3 cannot run with batch-invariant ops (true on-policy): the "
+                         "trainer scores index keys in the model's dtype")
+    return FP8_DTYPE
 
 
 def _freeze_heap_once() -> None:

@@ -38,6 +38,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="the engine's overlap scheduler: each step launches before the previous step's tokens "
                              "reach the host (checked on CPU; not yet measured on a GPU, so off by default)")
+    parser.add_argument("--index-key-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="the DSA indexer keys' cache: auto (the model's dtype) or fp8_e4m3 (a float32 scale a "
+                             "row, as SGLang's DSA cache: half the bytes the decode indexer reads; top-k selections "
+                             "may differ from the trainer's, which index replay covers)")
     parser.add_argument("--preload-weights", nargs="+", default=None, metavar="DIR",
                         help="checkpoint directories held in host memory (pinned on a GPU) from the start: "
                              "/update_weights_from_disk of one of them copies from there (teachers taking turns); "
@@ -67,5 +71,6 @@ def run(args: argparse.Namespace) -> int:
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk,
-          preload_weights=args.preload_weights, overlap=args.overlap)
+          preload_weights=args.preload_weights, overlap=args.overlap,
+          index_key_cache_dtype=args.index_key_cache_dtype)
     return 0

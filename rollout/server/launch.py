@@ -44,6 +44,7 @@ def load_engine(
     overlap: bool = False,
     true_on_policy: bool = False,
     warmup_max_len: int = 0,
+    index_key_cache_dtype: str = "auto",
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -53,7 +54,8 @@ def load_engine(
     then copies from (teachers taking turns on one engine). `overlap`: the engine's overlap scheduler (Engine).
     `true_on_policy`: batch-invariant ops for this process (slime_dsa.ops.invariant), as the recipe's model key.
     `warmup_max_len` (CUDA only; 0: none): compile the kernels and capture the decode graphs for samples of up to
-    that many tokens now, not in the first rollout (rollout/engine/warmup.py).
+    that many tokens now, not in the first rollout (rollout/engine/warmup.py). `index_key_cache_dtype`: auto |
+    fp8_e4m3, the DSA indexer keys' cache (Engine).
     """
     import torch
 
@@ -70,7 +72,7 @@ def load_engine(
     tokenizer = load_tokenizer(model_dir)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
                     tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk,
-                    overlap=overlap)
+                    overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
     if warmup_max_len > 0 and engine.device.type == "cuda":
         from rollout.engine.warmup import warm_up_engine
 
@@ -171,6 +173,7 @@ def serve(
     keep_indexer_topk: bool = False,
     preload_weights: list[str] | None = None,
     overlap: bool = False,
+    index_key_cache_dtype: str = "auto",
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise.
 
@@ -182,7 +185,7 @@ def serve(
     engine, tokenizer = load_checked_engine(model_dir, max_cache_tokens=max_cache_tokens,
                                             max_running_requests=max_running_requests, dtype=dtype, device=device,
                                             keep_indexer_topk=keep_indexer_topk, preload_weights=preload_weights,
-                                            overlap=overlap)
+                                            overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name,

@@ -295,6 +295,14 @@ class RolloutSection(Section):
                           "outputs are the same. null: on for embedded engines (the 16 x 16 RL step on an H200 "
                           "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang "
                           "servers set their own.")
+    index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="How embedded engines cache the DSA indexer's keys: auto (the model's dtype) or fp8_e4m3 "
+                            "(one float32 scale a key row, as DeepSeek's and SGLang's DSA caches hold them: half the "
+                            "bytes the decode indexer reads, the part of a long-context decode step bound by them). "
+                            "The engines' top-k selections may then differ from the trainer's, which scores the "
+                            "model-dtype keys: rollout.return_indexer_topk with algorithm.index_replay trains on "
+                            "the engines' selections. Not with model.true_on_policy; SGLang servers set their own "
+                            "(--kv-cache-dtype).")
     coalesce_calls: bool = Field(
         False, description="Send the group calls that the driver makes at once (before its event loop next waits) "
                           "to one embedded engine in batch /generate bodies of up to coalesce_max_samples samples, "
@@ -1033,6 +1041,14 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"rollout.coalesce_max_samples ({ro.coalesce_max_samples}) applies with coalesce_calls on embedded "
                 "engines", "rollout.coalesce_max_samples", "rollout.coalesce_calls")
+        if ro.index_key_cache_dtype != "auto" and ro.engine != "embedded":
+            raise RecipeValueError(
+                f"rollout.index_key_cache_dtype applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
+                "(SGLang: --kv-cache-dtype)", "rollout.index_key_cache_dtype", "rollout.engine")
+        if ro.index_key_cache_dtype != "auto" and self.model.true_on_policy:
+            raise RecipeValueError(
+                "rollout.index_key_cache_dtype fp8_e4m3 scores FP8 index keys, which model.true_on_policy's "
+                "batch-invariant ops do not: leave it auto", "rollout.index_key_cache_dtype", "model.true_on_policy")
         if ro.overlap_schedule and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "

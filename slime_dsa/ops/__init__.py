@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from slime_dsa.ops import invariant, reference
+from slime_dsa.ops.fp8_keys import Fp8Keys, split_keys
 
 _BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -49,10 +50,14 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
     """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded.
 
     host_cu_seqlens: the two offsets as host lists when the caller has them, so the Triton path waits on no device.
+    k: (Tk, Di) keys, or their FP8 rows (`fp8_keys.Fp8Keys`: an engine's FP8 index-key cache).
     """
+    _check_plain_keys_if_invariant(k)
     kernels = None if invariant.is_enabled() else _kernels(q.device)
     if kernels is not None:
-        return kernels.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, host_cu_seqlens)
+        values, key_scales = split_keys(k)
+        return kernels.indexer_topk(q, values, weights, cu_seqlens_q, cu_seqlens_k, topk, scale, host_cu_seqlens,
+                                    key_scales=key_scales)
     impl = invariant if invariant.is_enabled() else reference
     return impl.indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk, scale)
 
@@ -61,10 +66,22 @@ def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale
     """Decode top-k over a paged key pool (one query per sequence): (B, topk) sequence-local positions.
 
     No path syncs with the host on CUDA (batch-invariant mode's included: its Triton kernel), so an engine can
-    capture it in a CUDA graph; the invariant torch path (CPU) reads key widths on the host.
+    capture it in a CUDA graph; the invariant torch path (CPU) reads key widths on the host. k_pool: (slots, Di)
+    keys, or their FP8 rows (`fp8_keys.Fp8Keys`).
     """
-    impl = invariant if invariant.is_enabled() else _kernels(q.device) or reference
+    _check_plain_keys_if_invariant(k_pool)
+    kernels = None if invariant.is_enabled() else _kernels(q.device)
+    if kernels is not None:
+        values, key_scales = split_keys(k_pool)
+        return kernels.indexer_topk_paged(q, values, weights, key_slots, seq_lens, topk, scale, key_scales=key_scales)
+    impl = invariant if invariant.is_enabled() else reference
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
+
+
+def _check_plain_keys_if_invariant(keys) -> None:
+    if invariant.is_enabled() and isinstance(keys, Fp8Keys):
+        raise ValueError("batch-invariant ops (true on-policy) score index keys in the model's dtype, not FP8: "
+                         "an engine with rollout.index_key_cache_dtype fp8_e4m3 cannot run them")
 
 
 def sparse_mla_attention(

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from slime_dsa.ops.fp8_keys import Fp8Keys, split_keys
+
 QUERY_CHUNK = 256
 
 
@@ -36,15 +38,17 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, k: torch.Tensor | Fp8Keys, weights: torch.Tensor, scale: float) -> torch.Tensor:
     """I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s] * scale), in float32 (float64 for float64 q).
 
-    q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi) -> (Tq, Tk). No mask.
+    q (Tq, Hi, Di), k (Tk, Di) or its FP8 rows, weights (Tq, Hi) -> (Tq, Tk). No mask.
     """
     acc = _acc_dtype(q)
+    k, key_scales = split_keys(k)
     # The op order follows transformers' indexer, so near-ties break the same way.
     logits = torch.matmul(q.to(acc), k.to(acc).T) * scale  # (Tq, Hi, Tk)
-    return torch.matmul(weights.to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (Tq, Tk)
+    scores = torch.matmul(weights.to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (Tq, Tk)
+    return scores if key_scales is None else scores * key_scales.to(acc)  # fp8_keys.py: the scale after the sum
 
 
 def select_topk(scores: torch.Tensor, valid: torch.Tensor, topk: int) -> torch.Tensor:
@@ -68,7 +72,7 @@ BATCH_ELEMENTS = 1 << 24  # most elements of one batched (rows, heads or dim, ke
 @torch.no_grad()
 def indexer_topk(
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | Fp8Keys,
     weights: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
@@ -97,7 +101,7 @@ def indexer_topk(
     for i in seq_id[long_rows].unique().tolist() if bool(long_rows.any()) else []:
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        seq_k = k[k0:k1]
+        seq_k = k[k0:k1] if isinstance(k, torch.Tensor) else Fp8Keys(k.values[k0:k1], k.scales[k0:k1])
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(c0 + QUERY_CHUNK, q1)
             scores = indexer_scores(q[c0:c1], seq_k, weights[c0:c1], scale)  # (C, Lk)
@@ -118,32 +122,40 @@ def _batched_topk(q, k, weights, q_rows, k_starts, n_keys, topk: int, scale: flo
         cols = torch.arange(int(lens.max()), device=q.device)
         valid = cols[None, :] < lens[:, None]  # (C, W)
         key_rows = (starts[:, None] + cols).masked_fill(~valid, 0)
-        keys = k.index_select(0, key_rows.reshape(-1)).view(*key_rows.shape, k.shape[-1]).to(acc)  # (C, W, Di)
+        if isinstance(k, Fp8Keys):
+            keys = k.rows(key_rows)  # (C, W, Di) values, (C, W) scales
+        else:
+            keys = k.index_select(0, key_rows.reshape(-1)).view(*key_rows.shape, k.shape[-1]).to(acc)  # (C, W, Di)
         out[rows] = _score_and_select(q[rows], keys, weights[rows], valid, topk, scale)
 
 
 def _score_and_select(q, keys, weights, valid, topk: int, scale: float) -> torch.Tensor:
-    """One query per row against its own keys: q (C, Hi, Di), keys (C, W, Di), weights (C, Hi) -> (C, topk)."""
+    """One query per row against its own keys: q (C, Hi, Di), keys (C, W, Di) or their FP8 rows, weights (C, Hi)
+    -> (C, topk)."""
     acc = _acc_dtype(q)
+    keys, key_scales = split_keys(keys)
     logits = torch.matmul(q.to(acc), keys.to(acc).transpose(1, 2)) * scale  # (C, Hi, W), op order as indexer_scores
     scores = torch.matmul(weights.to(acc).unsqueeze(-2), logits.relu()).squeeze(-2)  # (C, W)
+    if key_scales is not None:
+        scores = scores * key_scales.to(acc)
     return select_topk(scores, valid, topk)
 
 
 @torch.no_grad()
 def indexer_topk_paged(
-    q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
+    q: torch.Tensor, k_pool: torch.Tensor | Fp8Keys, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
     topk: int, scale: float,
 ) -> torch.Tensor:
     """Decode top-k over keys that stay in a paged pool: one query per sequence, no host sync (CUDA-graph safe).
 
-    q (B, Hi, Di), k_pool (slots, Di), weights (B, Hi); key_slots (B, W) pool slot of each key position (any
+    q (B, Hi, Di), k_pool (slots, Di) or its FP8 rows, weights (B, Hi); key_slots (B, W) pool slot of each key position (any
     slot past seq_lens[b]); seq_lens (B,) keys of each sequence, the query's own included. Returns (B, topk)
     sequence-local positions, ascending, -1 padded: the same selection `indexer_topk` makes on packed keys.
     """
     cols = torch.arange(key_slots.shape[1], device=q.device)
     valid = cols[None, :] < seq_lens[:, None]  # (B, W)
-    return _score_and_select(q, k_pool[key_slots], weights, valid, topk, scale)
+    keys = k_pool.rows(key_slots) if isinstance(k_pool, Fp8Keys) else k_pool[key_slots]
+    return _score_and_select(q, keys, weights, valid, topk, scale)
 
 
 def sparse_mla_attention(

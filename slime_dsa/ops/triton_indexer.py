@@ -1,6 +1,8 @@
-"""Lightning-indexer scoring with a fused, deterministic top-k (Triton), bf16.
+"""Lightning-indexer scoring with a fused, deterministic top-k (Triton), bf16 (keys bf16, or fp8 with row scales).
 
-I[t, s] = sum_j w[t, j] * relu(scale * q[t, j] . k[s]) over the causal keys s of query t's sequence.
+I[t, s] = sum_j w[t, j] * relu(scale * q[t, j] . k[s]) over the causal keys s of query t's sequence. Keys may be
+float8_e4m3fn with one float32 scale per row (k[s] = values[s] * key_scales[s]): the kernel loads the 1-byte keys,
+converts them to q's dtype (exact) for the dot and multiplies each key's score by its scale after the sum over heads.
 
 Two passes per chunk of query rows, so no T x T score matrix ever exists:
 1. A Triton kernel scores a (queries x keys) tile per program: (query, head) rows x keys on the tensor
@@ -21,6 +23,7 @@ import triton.language as tl
 from slime_dsa.devices import upload
 from slime_dsa.ops.indexer_plan import plan_chunks
 from slime_dsa.ops.reference import _query_positions
+from slime_dsa.ops.triton_indexer_paged import key_scales_arg
 from slime_dsa.ops.triton_topk import topk_select
 
 CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
@@ -34,11 +37,11 @@ TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them
 @triton.jit(do_not_specialize=["chunk_q0", "width"],
             do_not_specialize_on_alignment=["blk_q_ptr", "blk_n_ptr", "blk_kstart_ptr", "blk_pos_ptr"])
 def _indexer_scores_kernel(
-    q_ptr, k_ptr, w_ptr, scores_ptr,
+    q_ptr, k_ptr, ks_ptr, w_ptr, scores_ptr,
     blk_q_ptr, blk_n_ptr, blk_kstart_ptr, blk_pos_ptr,
     chunk_q0, width, stride_scores, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
 ):
     """One program: BLOCK_M consecutive queries of one sequence x TILES * BLOCK_N keys -> float32 scores.
 
@@ -71,9 +74,11 @@ def _indexer_scores_kernel(
             k_ok = offs_n <= pos_max
             kt = tl.load(k_ptr + (key_start + offs_n)[:, None] * DI + offs_d[None, :],
                          mask=k_ok[:, None] & (offs_d < DI)[None, :], other=0.0)  # (BN, DI)
-            s = tl.dot(qt, tl.trans(kt))  # (ROWS, BN) fp32
+            s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast is a no-op but for fp8 keys
             s = tl.maximum(s, 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_HI, BLOCK_N)), axis=1)  # (BM, BN): sum over heads
+            if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads
+                sc = sc * tl.load(ks_ptr + key_start + offs_n, mask=k_ok, other=0.0)[None, :]
             sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
             causal = (offs_n[None, :] <= pos_m[:, None]) & (offs_m < n_q)[:, None]
             score = tl.where(causal, sc, score)
@@ -101,15 +106,19 @@ def score_rows(rows: int, width: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows, -(-width // 16) * 16, dtype=torch.float32, device=device)[:, :width]
 
 
-def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scale: float, block_m: int) -> None:
-    """Score one chunk: `blocks` (4, n) from `_plan_chunks` (made with the same block_m) into scores (rows, width)."""
+def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scale: float, block_m: int,
+                  key_scales: torch.Tensor | None = None) -> None:
+    """Score one chunk: `blocks` (4, n) from `_plan_chunks` (made with the same block_m) into scores (rows, width);
+    k in q's dtype, or float8_e4m3fn with key_scales (Tk,) float32 (contiguous, as `indexer_topk` passes them)."""
     Hi, Di = q.shape[1], q.shape[2]
     blocks_dev = upload(torch.from_numpy(blocks), q.device)  # (4, n_blocks)
     grid = (blocks.shape[1], triton.cdiv(width, BLOCK_N * TILES_PER_PROGRAM))
     _indexer_scores_kernel[grid](
-        q, k, weights, scores, *blocks_dev.unbind(0), chunk_q0, width, scores.stride(0), scale,
+        q, k, k if key_scales is None else key_scales, weights, scores, *blocks_dev.unbind(0), chunk_q0, width,
+        scores.stride(0), scale,
         HI=Hi, DI=Di, BLOCK_HI=triton.next_power_of_2(Hi), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, TILES=TILES_PER_PROGRAM, num_warps=8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, TILES=TILES_PER_PROGRAM, HAS_KEY_SCALES=key_scales is not None,
+        num_warps=8, num_stages=2,
     )
 
 
@@ -123,21 +132,25 @@ def indexer_topk(
     topk: int,
     scale: float,
     host_cu_seqlens: tuple[list[int], list[int]] | None = None,
+    key_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal lightning-indexer top-k, same contract as `reference.indexer_topk`.
 
     q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi), packed by cu_seqlens_q / cu_seqlens_k (S+1,).
     Returns (Tq, topk) int64 sequence-local key positions, ascending, -1 padded. host_cu_seqlens: the same offsets
-    as host lists, when the caller has them; with them the call reads nothing back from the device.
+    as host lists, when the caller has them; with them the call reads nothing back from the device. k may be
+    float8_e4m3fn with key_scales (Tk,) float32, one scale per key row (the keys stay fp8 up to the kernel).
     """
     if q.dim() != 3 or k.dim() != 2 or weights.shape != q.shape[:2] or q.shape[2] != k.shape[1]:
         raise ValueError(f"indexer_topk expects q (Tq, Hi, Di), k (Tk, Di), weights (Tq, Hi); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(weights.shape)}")
+    key_scales = key_scales_arg(k, key_scales, "indexer_topk")
     Tq, Hi, Di = q.shape
     out = torch.full((Tq, topk), -1, dtype=torch.long, device=q.device)
     if Tq == 0 or topk == 0:
         return out
-    q, k, weights = q.contiguous(), k.contiguous().to(q.dtype), weights.contiguous()
+    k = k.contiguous() if key_scales is not None else k.contiguous().to(q.dtype)  # fp8 keys: cast in the kernel
+    q, weights = q.contiguous(), weights.contiguous()
     if host_cu_seqlens is None:
         cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     else:
@@ -146,7 +159,7 @@ def indexer_topk(
     n_valid = _query_positions(cu_seqlens_q, cu_seqlens_k, Tq)[1] + 1  # (Tq,) causal keys per query
     for r0, r1, width, blocks in _plan_chunks(cu_q, cu_k, topk, block_m):
         scores = score_rows(r1 - r0, width, q.device)  # every entry written below
-        launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m)
+        launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m, key_scales)
         topk_select(scores, n_valid[r0:r1], topk, out=out[r0:r1])
     return out
 

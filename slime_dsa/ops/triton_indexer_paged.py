@@ -5,6 +5,10 @@ their pool slots, so nothing is first gathered into a packed copy, and writes fl
 sequence's length). `triton_topk.topk_select` then picks the top-k with the tie rule of `reference.py`
 (equal scores prefer the lower position), positions ascending; from SPLIT_MIN_WIDTH key positions on,
 `triton_topk_split.topk_select_split` does, with each row spread over many programs (same result).
+
+The pool holds bf16 keys, or float8_e4m3fn keys with one float32 scale per slot (key = values * scale): the kernel
+loads the 1-byte keys, converts them to q's dtype (exact) for the dot, and scales each key's score after the sum over
+heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . k_n).
 """
 
 from __future__ import annotations
@@ -23,11 +27,23 @@ TILES = 4  # tiles per program, q and w loaded once for them (faster at large ba
 SPLIT_MIN_WIDTH = 8192
 
 
+def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: str) -> torch.Tensor | None:
+    """key_scales, contiguous, once checked: float8_e4m3fn keys, and only they, come with (rows,) float32 scales."""
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    if key_scales is None and not fp8:
+        return None
+    if not fp8 or key_scales is None or key_scales.dtype != torch.float32 or key_scales.shape != keys.shape[:1]:
+        got = "none" if key_scales is None else f"{key_scales.dtype} {tuple(key_scales.shape)}"
+        raise ValueError(f"{where}: float8_e4m3fn keys need key_scales, float32 of shape ({keys.shape[0]},), and other "
+                         f"keys none; got keys {keys.dtype} {tuple(keys.shape)}, key_scales {got}")
+    return key_scales.contiguous()
+
+
 @triton.jit
 def _paged_scores_kernel(
-    q_ptr, w_ptr, k_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
+    q_ptr, w_ptr, k_ptr, ks_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
+    TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HI)
@@ -44,23 +60,27 @@ def _paged_scores_kernel(
         k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         s = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype))), 0.0) * w[:, None]  # (BH, BN) fp32
         score = tl.sum(s, axis=0)  # (BN,)
+        if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads
+            score = score * tl.load(ks_ptr + slot, mask=valid, other=0.0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
         tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
 
 
 def paged_scores(
     q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float,
+    scale: float, key_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Indexer scores (B, W) float32 of every key position, -inf past seq_lens[b]."""
+    """Indexer scores (B, W) float32 of every key position, -inf past seq_lens[b]; fp8 keys with key_scales (slots,)."""
+    key_scales = key_scales_arg(k_pool, key_scales, "paged_scores")
     B, Hi, Di = q.shape
     width = key_slots.shape[1]
     scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
     if B and width:
         _paged_scores_kernel[(B, triton.cdiv(width, BLOCK_N * TILES))](
-            q.contiguous(), weights.contiguous(), k_pool, key_slots.contiguous(), seq_lens.contiguous(), scores,
-            width, float(scale), HI=Hi, DI=Di, BLOCK_HI=max(16, triton.next_power_of_2(Hi)),
-            BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N, TILES=TILES, num_warps=4,
+            q.contiguous(), weights.contiguous(), k_pool, k_pool if key_scales is None else key_scales,
+            key_slots.contiguous(), seq_lens.contiguous(), scores, width, float(scale), HI=Hi, DI=Di,
+            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N,
+            TILES=TILES, HAS_KEY_SCALES=key_scales is not None, num_warps=4,
         )
     return scores
 
@@ -68,10 +88,11 @@ def paged_scores(
 @torch.no_grad()
 def indexer_topk_paged(
     q: torch.Tensor, k_pool: torch.Tensor, weights: torch.Tensor, key_slots: torch.Tensor, seq_lens: torch.Tensor,
-    topk: int, scale: float,
+    topk: int, scale: float, key_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.indexer_topk_paged`: (B, topk) sequence-local positions, ascending, -1 padded."""
-    scores = paged_scores(q, k_pool, weights, key_slots, seq_lens, scale)
+    """Same contract as `reference.indexer_topk_paged` (fp8 keys with key_scales (slots,)): (B, topk) sequence-local
+    positions, ascending, -1 padded."""
+    scores = paged_scores(q, k_pool, weights, key_slots, seq_lens, scale, key_scales)
     select = topk_select_split if scores.shape[1] >= SPLIT_MIN_WIDTH else topk_select
     return select(scores, seq_lens, topk)
 

@@ -129,6 +129,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
         engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk,
                        "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,
+                       "index_key_cache_dtype": ro.index_key_cache_dtype,
                        "warmup_max_len": recipe.data.max_prompt_length + ro.max_response_length},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
     )
