@@ -166,8 +166,10 @@ def test_fp8_keys_change_nothing_while_the_selection_covers_every_key(paged_deco
 @pytest.mark.parametrize("paged_decode", [True, False], ids=["paged", "packed"])
 def test_engine_selections_are_the_teacher_forced_selection_over_the_quantized_keys(model, paged_decode):
     """Every row's top-k that an FP8 engine returns (prompt rows included) equals one prefill of the whole sequence
-    through an FP8 cache; and those rows replayed give the engine's log-probs."""
+    through an FP8 cache; and those rows replayed give the engine's log-probs. The last prompt repeats the second:
+    its rows come from the other's (a fork's copied rows, or the prefix cache), FP8 values and scales alike."""
     ps = prompts((9, 14, 20), seed=2)
+    ps.append(list(ps[1]))
     _, outs = generate(model, ps, index_key_cache_dtype="fp8_e4m3", paged_decode=paged_decode, max_new_tokens=15)
     for p, out in zip(ps, outs):
         ids = torch.tensor(p + out.output_ids)
