@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> str:
                         "cluster.engine_kv_cache_in_training release does (CUDA graphs captured again)")
     parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (each step launched "
                         "before the previous step's tokens reach the host)")
+    parser.add_argument("--index-key-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="the engine's DSA index-key cache (rollout.index_key_cache_dtype)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if unknown := sorted(set(paths) - {"simple", "rollout"}):
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.max_prefill_tokens:
         ENGINE_OPTIONS["max_prefill_tokens"] = args.max_prefill_tokens
     ENGINE_OPTIONS["overlap"] = args.overlap
+    ENGINE_OPTIONS["index_key_cache_dtype"] = args.index_key_cache_dtype
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
@@ -412,7 +415,7 @@ def main(argv: list[str] | None = None) -> str:
         f"- prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
         f"transformers `generate` (greedy, EOS ignored, one left-padded batch, {hf_impl}) at batch "
         f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}, "
-        f"overlap scheduler {'on' if args.overlap else 'off'}",
+        f"overlap scheduler {'on' if args.overlap else 'off'}, index keys cached as {args.index_key_cache_dtype}",
         f"- command: `{command}`",
         "",
     ]
