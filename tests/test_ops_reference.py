@@ -289,3 +289,31 @@ def test_decode_rows_batched_equal_one_by_one():
         scores = reference.indexer_scores(q[i : i + 1], k[cu_k[i] : cu_k[i + 1]], w[i : i + 1], 0.25)
         one = reference.select_topk(scores, torch.ones(1, n, dtype=torch.bool), 8)
         assert torch.equal(batched[i], one[0])
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-offsets", "cpu-offsets"])
+def test_ops_skip_the_indexer_when_every_causal_key_fits(monkeypatch, host):
+    """Sequences no longer than topk (RL samples under index_topk) select every causal key whatever the scores:
+    `ops` returns that selection without scoring, equal to the brute force; one key more and it scores."""
+    lens_q, lens_k, topk = [3, 1, 5, 8], [10, 7, 5, 8], 10
+    torch.manual_seed(4)
+    q, k = torch.randn(sum(lens_q), 3, 8, dtype=F64), torch.randn(sum(lens_k), 8, dtype=F64)
+    w = torch.randn(sum(lens_q), 3, dtype=F64)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    offsets = (cu_q.tolist(), cu_k.tolist()) if host else None
+    expected = naive_topk(q, k, w, lens_q, lens_k, topk, 8**-0.5)
+    scored = []
+    monkeypatch.setattr(reference, "indexer_topk", lambda *a, **kw: scored.append(1))  # must not be called
+    got = ops.indexer_topk(q, k, w, cu_q, cu_k, topk, 8**-0.5, host_cu_seqlens=offsets)
+    assert torch.equal(got, expected) and not scored
+    ops.indexer_topk(q, k, w, cu_q, cu_k, topk - 1, 8**-0.5, host_cu_seqlens=offsets)
+    assert scored  # the 10-key sequence does not fit 9
+    monkeypatch.undo()
+    # Paged (decode): the block table's width bounds every sequence
+    seq_lens = torch.tensor([10, 7, 5, 8])
+    slots = torch.arange(40).view(4, 10)
+    keys = torch.randn(40, 8, dtype=F64)
+    q1, w1 = torch.randn(4, 3, 8, dtype=F64), torch.randn(4, 3, dtype=F64)
+    fitting = ops.indexer_topk_paged(q1, keys, w1, slots, seq_lens, topk, 8**-0.5)
+    assert torch.equal(fitting, reference.indexer_topk_paged(q1, keys, w1, slots, seq_lens, topk, 8**-0.5))
+    assert fitting.dtype == torch.int64 and fitting[1].tolist() == [*range(7), -1, -1, -1]

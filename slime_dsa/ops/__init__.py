@@ -53,6 +53,8 @@ def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: fl
     k: (Tk, Di) keys, or their FP8 rows (`fp8_keys.Fp8Keys`: an engine's FP8 index-key cache).
     """
     _check_plain_keys_if_invariant(k)
+    if _longest_keys(cu_seqlens_k, host_cu_seqlens) <= topk:
+        return _every_causal_key(cu_seqlens_q, cu_seqlens_k, q.shape[0], topk)
     kernels = None if invariant.is_enabled() else _kernels(q.device)
     if kernels is not None:
         values, key_scales = split_keys(k)
@@ -70,12 +72,33 @@ def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale
     keys, or their FP8 rows (`fp8_keys.Fp8Keys`).
     """
     _check_plain_keys_if_invariant(k_pool)
+    if key_slots.shape[1] <= topk:  # the table's width bounds every sequence's keys: static, so graph-safe
+        cols = torch.arange(topk, device=q.device)
+        return torch.where(cols[None, :] < seq_lens[:, None], cols[None, :], -1)
     kernels = None if invariant.is_enabled() else _kernels(q.device)
     if kernels is not None:
         values, key_scales = split_keys(k_pool)
         return kernels.indexer_topk_paged(q, values, weights, key_slots, seq_lens, topk, scale, key_scales=key_scales)
     impl = invariant if invariant.is_enabled() else reference
     return impl.indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk, scale)
+
+
+def _longest_keys(cu_seqlens_k: torch.Tensor, host_cu_seqlens: tuple[list[int], list[int]] | None) -> float:
+    """The longest sequence's key count, where known without waiting on a device (else inf)."""
+    if host_cu_seqlens is not None:
+        cu_k = host_cu_seqlens[1]
+        return max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
+    if cu_seqlens_k.device.type == "cpu":
+        return int(cu_seqlens_k.diff().max()) if len(cu_seqlens_k) > 1 else 0
+    return float("inf")
+
+
+def _every_causal_key(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, topk: int) -> torch.Tensor:
+    """The selection when every query's causal keys fit in topk: all of them, ascending, -1 padded. What scoring and
+    selecting would return, whatever the scores, without computing them (RL samples shorter than index_topk)."""
+    position = reference._query_positions(cu_seqlens_q, cu_seqlens_k, total_q)[1]  # (Tq,)
+    cols = torch.arange(topk, device=cu_seqlens_q.device)
+    return torch.where(cols[None, :] <= position[:, None], cols[None, :], -1)
 
 
 def _check_plain_keys_if_invariant(keys) -> None:
