@@ -121,6 +121,7 @@ def _serve(checkpoint, main, **engine_kwargs):
     async def run():
         engine, _ = load_engine(checkpoint, max_cache_tokens=8192, **engine_kwargs)
         server = await EmbeddedServer.start(engine)
+        server.engine = engine  # for tests that watch its queue
         try:
             return await main(server)
         finally:
@@ -147,7 +148,14 @@ def test_coalesced_groups_get_the_same_samples_in_one_body(checkpoint):
                 numbering = SampleNumbering()
                 groups = _rollout(client, task, rollout)
                 fresh = [numbering.new_group(p, GROUP) for p in prompts]
-                done = await asyncio.gather(*(groups.generate_group(g) for g in fresh))
+                # Held until every sample is queued, so both forms prefill them in one step: samples equal bit for
+                # bit only where their batches are (an idle engine's 3 ms gathering window splits a slow burst)
+                await client.broadcast("/pause_generation", {"mode": "in_place"})
+                calls = [asyncio.create_task(groups.generate_group(g)) for g in fresh]
+                while server.engine.num_queued < len(prompts) * GROUP:
+                    await asyncio.sleep(0.002)
+                await client.broadcast("/continue_generation")
+                done = await asyncio.gather(*calls)
                 out[coalesce] = done, client.stats()[server.url]["completed"], dict(client.coalescer.counts
                                                                                     if coalesce else {})
         return out
