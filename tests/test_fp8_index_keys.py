@@ -159,6 +159,9 @@ def test_fp8_keys_change_nothing_while_the_selection_covers_every_key(paged_deco
     _, auto = generate(wide, ps, index_key_cache_dtype="auto", paged_decode=paged_decode)
     engine, fp8 = generate(wide, ps, index_key_cache_dtype="fp8_e4m3", paged_decode=paged_decode)
     assert engine.cache.index_k.dtype == FP8_DTYPE and bool(engine.cache.index_k_scale.any())
+    from rollout.engine.async_engine import AsyncEngine
+
+    assert AsyncEngine(engine).server_info()["index_key_cache_dtype"] == "float8_e4m3fn"
     for a, b in zip(auto, fp8):
         assert a.output_ids == b.output_ids and a.output_token_logprobs == b.output_token_logprobs
 

@@ -333,6 +333,7 @@ class AsyncEngine:
             "dtype": str(engine.model.dtype).removeprefix("torch."),
             "max_cache_tokens": engine.max_cache_tokens,
             "kv_cache_bytes": engine.cache.pool_nbytes,
+            "index_key_cache_dtype": str(engine.cache.index_key_dtype).removeprefix("torch."),
             "device_memory_bytes": _device_memory(engine.device),
             "max_running_requests": engine.max_running_requests,
             "max_prefill_tokens": engine.max_prefill_tokens,

@@ -33,10 +33,6 @@ class Fp8Keys:
             raise ValueError(f"Fp8Keys: scales {tuple(self.scales.shape)} do not match values "
                              f"{tuple(self.values.shape)} without their last dimension")
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
     def detach(self) -> Fp8Keys:
         """Itself: cached keys carry no autograd graph (the model detaches whatever indexer keys it gets)."""
         return self
