@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rollout.engine import Engine, GenerateRequest, SamplingParams
-from rollout.engine.engine import INDEX_KEY_CACHE_DTYPES, index_key_dtype
+from rollout.engine.defaults import INDEX_KEY_CACHE_DTYPES
+from rollout.engine.engine import index_key_dtype
 from rollout.engine.kv_cache import PagedKVCache
 from slime_dsa import ops
 from slime_dsa.checkpoint import build_model

@@ -19,6 +19,7 @@ import torch
 
 from slime_dsa import ops
 from slime_dsa.ops import reference
+from slime_dsa.ops.fp8_keys import quantize_keys
 
 pytestmark = pytest.mark.gpu
 
@@ -574,9 +575,8 @@ def _fp8_inputs(rows: int, B: int, Hi: int, Di: int, integer: bool, seed: int):
         scales = 2.0 ** torch.randint(-2, 3, (rows,), device="cuda", generator=g).float()
         return q, values, scales, torch.randint(-2, 3, (B, Hi), device="cuda", generator=g).float()
     q = torch.randn(B, Hi, Di, device="cuda", generator=g).bfloat16()
-    k = torch.randn(rows, Di, device="cuda", generator=g)
-    scales = k.abs().amax(-1).clamp_min(1e-12) / 448
-    values = (k / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = quantize_keys(torch.randn(rows, Di, device="cuda", generator=g))
+    values, scales = fp8.values, fp8.scales
     return q, values, scales, torch.randn(B, Hi, device="cuda", generator=g) * Hi**-0.5
 
 

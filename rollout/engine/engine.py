@@ -70,7 +70,7 @@ import torch
 
 from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
-from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
+from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS, INDEX_KEY_CACHE_DTYPES
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.rows import (LENGTH, RUNNING, SEED, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec,
                                  SamplingRows, row_spec, upload)
@@ -89,7 +89,6 @@ from slime_dsa.trace_recorder import annotate
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-INDEX_KEY_CACHE_DTYPES = ("auto", "fp8_e4m3")  # SGLang's names for kv_cache_dtype
 
 
 # Identity semantics: sequences are found in lists by `is` and are dict keys themselves (hashed by identity), never

@@ -8,7 +8,8 @@ import os
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
-    from rollout.engine.defaults import DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS  # noqa: PLC0415
+    from rollout.engine.defaults import (  # noqa: PLC0415
+        DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS, INDEX_KEY_CACHE_DTYPES)
     from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT  # noqa: PLC0415
 
     parser.add_argument("--model", required=True, metavar="DIR",
@@ -38,7 +39,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="the engine's overlap scheduler: each step launches before the previous step's tokens "
                              "reach the host (checked on CPU; not yet measured on a GPU, so off by default)")
-    parser.add_argument("--index-key-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+    parser.add_argument("--index-key-cache-dtype", choices=INDEX_KEY_CACHE_DTYPES, default="auto",
                         help="the DSA indexer keys' cache: auto (the model's dtype) or fp8_e4m3 (a float32 scale a "
                              "row, as SGLang's DSA cache: half the bytes the decode indexer reads; top-k selections "
                              "may differ from the trainer's, which index replay covers)")

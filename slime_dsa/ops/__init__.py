@@ -73,8 +73,7 @@ def indexer_topk_paged(q, k_pool, weights, key_slots, seq_lens, topk: int, scale
     """
     _check_plain_keys_if_invariant(k_pool)
     if key_slots.shape[1] <= topk:  # the table's width bounds every sequence's keys: static, so graph-safe
-        cols = torch.arange(topk, device=q.device)
-        return torch.where(cols[None, :] < seq_lens[:, None], cols[None, :], -1)
+        return _first_keys(seq_lens, topk)
     kernels = None if invariant.is_enabled() else _kernels(q.device)
     if kernels is not None:
         values, key_scales = split_keys(k_pool)
@@ -94,11 +93,16 @@ def _longest_keys(cu_seqlens_k: torch.Tensor, host_cu_seqlens: tuple[list[int], 
 
 
 def _every_causal_key(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, topk: int) -> torch.Tensor:
-    """The selection when every query's causal keys fit in topk: all of them, ascending, -1 padded. What scoring and
-    selecting would return, whatever the scores, without computing them (RL samples shorter than index_topk)."""
+    """The selection when every query's causal keys fit in topk: all of them (packed rows)."""
     position = reference._query_positions(cu_seqlens_q, cu_seqlens_k, total_q)[1]  # (Tq,)
-    cols = torch.arange(topk, device=cu_seqlens_q.device)
-    return torch.where(cols[None, :] <= position[:, None], cols[None, :], -1)
+    return _first_keys(position + 1, topk)
+
+
+def _first_keys(n_keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """(rows, topk) positions 0 .. n_keys[r] - 1, then -1: what scoring and selecting return, whatever the scores,
+    when a row has at most topk keys (RL samples shorter than index_topk), without computing them."""
+    cols = torch.arange(topk, device=n_keys.device)
+    return torch.where(cols[None, :] < n_keys[:, None], cols[None, :], -1)
 
 
 def _check_plain_keys_if_invariant(keys) -> None:

@@ -37,8 +37,8 @@ class Fp8Keys:
         """Itself: cached keys carry no autograd graph (the model detaches whatever indexer keys it gets)."""
         return self
 
-    def rows(self, index: torch.Tensor) -> Fp8Keys:
-        """The rows at `index` (any shape) of a (rows, Di) store."""
+    def rows(self, index: torch.Tensor | slice) -> Fp8Keys:
+        """The rows at `index` (a tensor of any shape, or a slice) of a (rows, Di) store."""
         values = self.values.view(torch.uint8)[index].view(FP8_DTYPE)  # fp8 lacks some indexing kernels: bytes
         return Fp8Keys(values, self.scales[index])
 

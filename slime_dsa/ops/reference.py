@@ -101,7 +101,7 @@ def indexer_topk(
     for i in seq_id[long_rows].unique().tolist() if bool(long_rows.any()) else []:
         q0, q1 = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
         k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        seq_k = k[k0:k1] if isinstance(k, torch.Tensor) else Fp8Keys(k.values[k0:k1], k.scales[k0:k1])
+        seq_k = k[k0:k1] if isinstance(k, torch.Tensor) else k.rows(slice(k0, k1))
         for c0 in range(q0, q1, QUERY_CHUNK):
             c1 = min(c0 + QUERY_CHUNK, q1)
             scores = indexer_scores(q[c0:c1], seq_k, weights[c0:c1], scale)  # (C, Lk)
