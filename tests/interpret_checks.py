@@ -89,6 +89,11 @@ def check_indexer_topk_paged() -> None:
         assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
     finally:
         triton_indexer_paged.SPLIT_MIN_WIDTH = wide
+    first, triton_indexer_paged.KEYS_FIRST_BF16 = triton_indexer_paged.KEYS_FIRST_BF16, True  # keys as the dot's rows
+    try:
+        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged keys first"
+    finally:
+        triton_indexer_paged.KEYS_FIRST_BF16 = first
 
 
 def _fp8_keys(rows: int, Di: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +161,8 @@ def check_indexer_topk_fp8_keys() -> None:
         n_valid = torch.tensor(n_valid)
         scores = _scaled_scores(q[rows_q], torch.stack(rows_k), torch.stack(rows_s), w[rows_q], 0.5, n_valid)
         assert torch.equal(got, _select(scores, n_valid, topk)), f"indexer_topk fp8 keys, lens_k {lens_k}"
+        big = ti.indexer_topk(q * 2.0**20, k, w, _cu(lens_q), _cu(lens_k), topk, 0.5, key_scales=ks)  # past fp16
+        assert torch.equal(big, got), f"indexer_topk fp8 keys, queries past fp16's range, lens_k {lens_k}"
         ties += _ties_at_boundary(scores, n_valid, topk)
     assert ties, "no tie at a top-k boundary: the inputs no longer check the tie rule"
     args = q, k, w, _cu(lens_q), _cu(lens_k), topk, 0.5
@@ -186,6 +193,8 @@ def check_indexer_topk_paged_fp8_keys() -> None:
         assert torch.equal(tip.indexer_topk_paged(q, k_pool, w, slots, lens, topk, 0.5, ks), want), "paged fp8 (split)"
     finally:
         tip.SPLIT_MIN_WIDTH = wide
+    big = 2.0**20  # queries past fp16's range: divided by a power of two before the fp16 dot, scores unchanged
+    assert torch.equal(tip.paged_scores(q * big, k_pool, w, slots, lens, 0.5, key_scales=ks), scores * big), "big q"
     args = q, k_pool, w, slots, lens, topk, 0.5
     assert _raises_value_error(lambda: tip.indexer_topk_paged(*args)), "fp8 keys without key_scales"
     assert _raises_value_error(lambda: tip.indexer_topk_paged(*args, ks[:, None])), "key_scales of the wrong shape"

@@ -2,7 +2,7 @@
 
 I[t, s] = sum_j w[t, j] * relu(scale * q[t, j] . k[s]) over the causal keys s of query t's sequence. Keys may be
 float8_e4m3fn with one float32 scale per row (k[s] = values[s] * key_scales[s]): the kernel loads the 1-byte keys,
-converts them to q's dtype (exact) for the dot and multiplies each key's score by its scale after the sum over heads.
+converts them and q to fp16 (exact, `triton_indexer_paged.fp16_queries`) for the dot and multiplies each key's score by its scale after the sum over heads.
 
 Two passes per chunk of query rows, so no T x T score matrix ever exists:
 1. A Triton kernel scores a (queries x keys) tile per program: (query, head) rows x keys on the tensor
@@ -23,7 +23,7 @@ import triton.language as tl
 from slime_dsa.devices import upload
 from slime_dsa.ops.indexer_plan import plan_chunks
 from slime_dsa.ops.reference import _query_positions
-from slime_dsa.ops.triton_indexer_paged import key_scales_arg
+from slime_dsa.ops.triton_indexer_paged import fp16_queries, key_scales_arg
 from slime_dsa.ops.triton_topk import topk_select
 
 CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
@@ -63,6 +63,8 @@ def _indexer_scores_kernel(
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d < DI)[None, :], other=0.0)  # (ROWS, DI)
     w = tl.load(w_ptr + (q0 + m_of_r) * HI + j_of_r, mask=row_ok, other=0.0).to(tl.float32) * scale  # (ROWS,)
 
+    if HAS_KEY_SCALES:
+        qt, w = fp16_queries(qt, w)
     offs_m = tl.arange(0, BLOCK_M)
     pos_m = pos0 + offs_m  # (BM,) causal position of each query
     pos_max = pos0 + n_q - 1
@@ -74,7 +76,7 @@ def _indexer_scores_kernel(
             k_ok = offs_n <= pos_max
             kt = tl.load(k_ptr + (key_start + offs_n)[:, None] * DI + offs_d[None, :],
                          mask=k_ok[:, None] & (offs_d < DI)[None, :], other=0.0)  # (BN, DI)
-            s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast is a no-op but for fp8 keys
+            s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast is a no-op but for fp8 keys (to fp16)
             s = tl.maximum(s, 0.0) * w[:, None]
             sc = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_HI, BLOCK_N)), axis=1)  # (BM, BN): sum over heads
             if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads

@@ -7,8 +7,8 @@ sequence's length). `triton_topk.topk_select` then picks the top-k with the tie 
 `triton_topk_split.topk_select_split` does, with each row spread over many programs (same result).
 
 The pool holds bf16 keys, or float8_e4m3fn keys with one float32 scale per slot (key = values * scale): the kernel
-loads the 1-byte keys, converts them to q's dtype (exact) for the dot, and scales each key's score after the sum over
-heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . k_n).
+loads the 1-byte keys, converts them and q to fp16 (exact: `fp16_queries`) for the dot, and scales each key's score
+after the sum over heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . k_n).
 """
 
 from __future__ import annotations
@@ -39,11 +39,31 @@ def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: s
     return key_scales.contiguous()
 
 
+# fp8 keys are scored as the rows of the dot (keys x heads: 64 rows, a wgmma on Hopper, the keys converted in registers)
+# against fp16 queries (e4m3 -> fp16 is one exact instruction per pair of keys; e4m3 -> bf16 goes through fp16). Compiled
+# for sm_90a (tools/kernel_resources.py): 320 instructions a tile against 539 for heads x keys with bf16 conversion;
+# bf16 keys take 302 as heads x keys (mma.sync) and 264 as keys x heads. KEYS_FIRST_BF16 puts bf16 keys first too
+# (benchmarks/paged_indexer_variants.py compares; the H200 decides).
+KEYS_FIRST_BF16 = False
+# Queries whose largest entry exceeds this are divided by a power of two first (fp16 ends at 65504; bf16 does not).
+FP16_QUERY_MAX = tl.constexpr(16384.0)
+
+
+@triton.jit
+def fp16_queries(q, w):
+    """q as fp16 for a dot with fp8 keys, and w rescaled so that relu(q . k) w is unchanged (relu(x / s) s = relu(x),
+    s > 0). Exact for q's normal values, s = 1 unless q holds an entry above FP16_QUERY_MAX."""
+    q = q.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(q), axis=1), axis=0)
+    shift = tl.where(amax > FP16_QUERY_MAX, tl.exp2(tl.ceil(tl.log2(amax / FP16_QUERY_MAX))), 1.0)
+    return (q / shift).to(tl.float16), w * shift
+
+
 @triton.jit
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
+    TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr, KEYS_FIRST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HI)
@@ -52,14 +72,20 @@ def _paged_scores_kernel(
     q = tl.load(q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + b * HI + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale  # relu(s x) = relu(x) s, s > 0
     n_keys = tl.load(lens_ptr + b)
+    if HAS_KEY_SCALES:
+        q, w = fp16_queries(q, w)
     for tile in range(TILES):  # q and w are loaded once for several tiles
         offs_n = (tl.program_id(1) * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_row = offs_n < width
         valid = offs_n < n_keys
         slot = tl.load(slots_ptr + b * width + offs_n, mask=in_row, other=0).to(tl.int64)
         k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        s = tl.maximum(tl.dot(q, tl.trans(k.to(q.dtype))), 0.0) * w[:, None]  # (BH, BN) fp32
-        score = tl.sum(s, axis=0)  # (BN,)
+        if KEYS_FIRST:  # keys as the dot's rows: BN = 64 rows make a Hopper wgmma, fp8 keys converted in registers
+            s = tl.maximum(tl.dot(k.to(q.dtype), tl.trans(q)), 0.0) * w[None, :]  # (BN, BH) fp32
+            score = tl.sum(s, axis=1)  # (BN,)
+        else:
+            s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # (BH, BN) fp32
+            score = tl.sum(s, axis=0)  # (BN,)
         if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads
             score = score * tl.load(ks_ptr + slot, mask=valid, other=0.0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
@@ -80,7 +106,8 @@ def paged_scores(
             q.contiguous(), weights.contiguous(), k_pool, k_pool if key_scales is None else key_scales,
             key_slots.contiguous(), seq_lens.contiguous(), scores, width, float(scale), HI=Hi, DI=Di,
             BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N,
-            TILES=TILES, HAS_KEY_SCALES=key_scales is not None, num_warps=4,
+            TILES=TILES, HAS_KEY_SCALES=key_scales is not None, KEYS_FIRST=key_scales is not None or KEYS_FIRST_BF16,
+            num_warps=4,
         )
     return scores
 
