@@ -22,6 +22,9 @@ from slime_dsa.ops.triton_topk_split import topk_select_split
 
 BLOCK_N = 64  # key positions per tile
 TILES = 4  # tiles per program, q and w loaded once for them (faster at large batches: paged_indexer_variants.py)
+# fp8 keys: (BLOCK_N, TILES, num_stages). H200, batch 128 x 64K: 0.370 ms against 0.483 at the bf16 keys' launch
+# (64, 4, 3); bf16 keys' scoring 0.53 ms (benchmarks/RESULTS.md, 2026-12-05).
+FP8_LAUNCH = (128, 8, 5)
 # One program per row leaves most SMs idle on long rows at small batches (H200, 64K keys: batch 1 0.345 -> 0.035 ms,
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
@@ -102,12 +105,13 @@ def paged_scores(
     width = key_slots.shape[1]
     scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
     if B and width:
-        _paged_scores_kernel[(B, triton.cdiv(width, BLOCK_N * TILES))](
+        fp8 = key_scales is not None
+        block_n, tiles, stages = FP8_LAUNCH if fp8 else (BLOCK_N, TILES, 3)
+        _paged_scores_kernel[(B, triton.cdiv(width, block_n * tiles))](
             q.contiguous(), weights.contiguous(), k_pool, k_pool if key_scales is None else key_scales,
             key_slots.contiguous(), seq_lens.contiguous(), scores, width, float(scale), HI=Hi, DI=Di,
-            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=BLOCK_N,
-            TILES=TILES, HAS_KEY_SCALES=key_scales is not None, KEYS_FIRST=key_scales is not None or KEYS_FIRST_BF16,
-            num_warps=4,
+            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=block_n,
+            TILES=tiles, HAS_KEY_SCALES=fp8, KEYS_FIRST=fp8 or KEYS_FIRST_BF16, num_warps=4, num_stages=stages,
         )
     return scores
 
