@@ -89,11 +89,6 @@ def check_indexer_topk_paged() -> None:
         assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
     finally:
         triton_indexer_paged.SPLIT_MIN_WIDTH = wide
-    first, triton_indexer_paged.KEYS_FIRST_BF16 = triton_indexer_paged.KEYS_FIRST_BF16, True  # keys as the dot's rows
-    try:
-        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged keys first"
-    finally:
-        triton_indexer_paged.KEYS_FIRST_BF16 = first
 
 
 def _fp8_keys(rows: int, Di: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

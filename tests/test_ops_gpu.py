@@ -534,14 +534,10 @@ def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int, width: int =
     return q, k_pool, w, key_slots, seq_lens
 
 
-@pytest.mark.parametrize("keys_first", [False, True])  # triton_indexer_paged.KEYS_FIRST_BF16
 @pytest.mark.parametrize("integer", [True, False])
 @pytest.mark.parametrize("batch,width", [(64, 384), (8, 12_000)])  # the wide rows take the split select
-def test_indexer_topk_paged_matches_reference(integer, batch, width, keys_first, monkeypatch):
+def test_indexer_topk_paged_matches_reference(integer, batch, width):
     """Integer inputs: exact scores with many ties, so identical results; random ones: at most 0.1% of slots differ."""
-    from slime_dsa.ops import triton_indexer_paged
-
-    monkeypatch.setattr(triton_indexer_paged, "KEYS_FIRST_BF16", keys_first)
     q, k_pool, w, key_slots, seq_lens = _paged_case(batch, 16, 64, integer, seed=4, width=width)
     scale = 1.0 if integer else 64**-0.5
     got = _kernels().indexer_topk_paged(q, k_pool, w, key_slots, seq_lens, 128, scale)

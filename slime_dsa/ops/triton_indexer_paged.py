@@ -42,12 +42,10 @@ def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: s
     return key_scales.contiguous()
 
 
-# fp8 keys are scored as the rows of the dot (keys x heads: 64 rows, a wgmma on Hopper, the keys converted in registers)
-# against fp16 queries (e4m3 -> fp16 is one exact instruction per pair of keys; e4m3 -> bf16 goes through fp16). Compiled
-# for sm_90a (tools/kernel_resources.py): 320 instructions a tile against 539 for heads x keys with bf16 conversion;
-# bf16 keys take 302 as heads x keys (mma.sync) and 264 as keys x heads. KEYS_FIRST_BF16 puts bf16 keys first too
-# (benchmarks/paged_indexer_variants.py compares; the H200 decides).
-KEYS_FIRST_BF16 = False
+# fp8 keys are scored as the rows of the dot (keys x heads: a wgmma on Hopper, the keys converted in registers) against
+# fp16 queries (e4m3 -> fp16 is one exact instruction per pair of keys; e4m3 -> bf16 goes through fp16). Compiled for
+# sm_90a (tools/kernel_resources.py), 64 keys a tile: 320 instructions against 539 as heads x keys with the bf16
+# conversion. bf16 keys stay heads x keys: as keys x heads they took 0.533-0.540 ms against 0.526-0.557 on the H200.
 # Queries whose largest entry exceeds this are divided by a power of two first (fp16 ends at 65504; bf16 does not).
 FP16_QUERY_MAX = tl.constexpr(16384.0)
 
@@ -66,7 +64,7 @@ def fp16_queries(q, w):
 def _paged_scores_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr, KEYS_FIRST: tl.constexpr,
+    TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HI)
@@ -83,14 +81,12 @@ def _paged_scores_kernel(
         valid = offs_n < n_keys
         slot = tl.load(slots_ptr + b * width + offs_n, mask=in_row, other=0).to(tl.int64)
         k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-        if KEYS_FIRST:  # keys as the dot's rows: BN = 64 rows make a Hopper wgmma, fp8 keys converted in registers
+        if HAS_KEY_SCALES:  # fp8 keys as the dot's rows, scaled once after the sum over heads
             s = tl.maximum(tl.dot(k.to(q.dtype), tl.trans(q)), 0.0) * w[None, :]  # (BN, BH) fp32
-            score = tl.sum(s, axis=1)  # (BN,)
+            score = tl.sum(s, axis=1) * tl.load(ks_ptr + slot, mask=valid, other=0.0)  # (BN,)
         else:
             s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # (BH, BN) fp32
             score = tl.sum(s, axis=0)  # (BN,)
-        if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads
-            score = score * tl.load(ks_ptr + slot, mask=valid, other=0.0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: zeros tie and break by position
         tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=in_row)
 
@@ -111,7 +107,7 @@ def paged_scores(
             q.contiguous(), weights.contiguous(), k_pool, k_pool if key_scales is None else key_scales,
             key_slots.contiguous(), seq_lens.contiguous(), scores, width, float(scale), HI=Hi, DI=Di,
             BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)), BLOCK_N=block_n,
-            TILES=tiles, HAS_KEY_SCALES=fp8, KEYS_FIRST=fp8 or KEYS_FIRST_BF16, num_warps=4, num_stages=stages,
+            TILES=tiles, HAS_KEY_SCALES=fp8, num_warps=4, num_stages=stages,
         )
     return scores
 
