@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/paged_fp8_launch.py                  # H200: batch 128, 64K context
     PYTHONPATH=. python benchmarks/paged_fp8_launch.py --batch 32 --time-limit 60
+    PYTHONPATH=. python benchmarks/paged_fp8_launch.py --block-n 64 128 --tiles 4 8 --warps 4 --stages 3 5
 
 Times `triton_indexer_paged._paged_scores_kernel` (scores only, no select) at each (keys a tile, tiles a program, warps,
 stages) with triton.testing.do_bench, and the key bytes read per second. Every config's scores must equal the first
@@ -29,6 +30,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--time-limit", type=float, default=200.0, help="stop starting configs after this many s")
+    parser.add_argument("--keys", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256], help="keys a tile")
+    parser.add_argument("--tiles", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="tiles a program")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4, 5])
     args = parser.parse_args()
     batch = args.batch
     keys = torch.randn(batch * CTX, DI, device="cuda", dtype=torch.bfloat16)
@@ -40,7 +46,7 @@ def main() -> None:
     out = torch.empty(batch, CTX, device="cuda")
     first: dict[bool, torch.Tensor] = {}
     start = time.time()
-    configs = itertools.product((True, False), (64, 128, 256), (2, 4, 8, 16, 32), (4, 8), (2, 3, 4, 5))
+    configs = itertools.product([k == "fp8" for k in args.keys], args.block_n, args.tiles, args.warps, args.stages)
     print(f"{torch.cuda.get_device_name()}, batch {batch}, context {CTX}, {HI} index heads x {DI}")
     for is_fp8, block_n, tiles, warps, stages in configs:
         if time.time() - start > args.time_limit:
