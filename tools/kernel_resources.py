@@ -25,8 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_PTR_TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-              torch.int32: "*i32"}
+_PTR_TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+              torch.int64: "*i64", torch.int32: "*i32"}
 
 
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:

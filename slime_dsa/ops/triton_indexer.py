@@ -2,7 +2,8 @@
 
 I[t, s] = sum_j w[t, j] * relu(scale * q[t, j] . k[s]) over the causal keys s of query t's sequence. Keys may be
 float8_e4m3fn with one float32 scale per row (k[s] = values[s] * key_scales[s]): the kernel loads the 1-byte keys,
-converts them and q to fp16 (exact, `triton_indexer_paged.fp16_queries`) for the dot and multiplies each key's score by its scale after the sum over heads.
+converts them and q to fp16 (exact, `triton_indexer_paged.fp16_queries`) for the dot and multiplies each key's score
+by its scale after the sum over heads.
 
 Two passes per chunk of query rows, so no T x T score matrix ever exists:
 1. A Triton kernel scores a (queries x keys) tile per program: (query, head) rows x keys on the tensor
