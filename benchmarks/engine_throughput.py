@@ -70,9 +70,12 @@ PRESETS = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_config(preset: str) -> ModelConfig:
-    """The ModelConfig of one of this benchmark's presets (also the shape of tests/test_true_on_policy_300m.py)."""
-    return ModelConfig.from_dict({**_COMMON, **PRESETS[preset][0]})
+def model_config(preset: str, context: int = 0) -> ModelConfig:
+    """The ModelConfig of one of this benchmark's presets (also the shape of tests/test_true_on_policy_300m.py), its
+    context (max_position_embeddings) raised to `context` tokens when that is longer."""
+    config = {**_COMMON, **PRESETS[preset][0]}
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], context)
+    return ModelConfig.from_dict(config)
 
 
 def make_prompts(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> str:
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
     prompt_len, new_tokens = args.prompt_len or prompt_len, args.new_tokens or new_tokens
-    config = model_config(args.preset)
+    config = model_config(args.preset, context=prompt_len + new_tokens)  # --prompt-len past 4,096 gets the room
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     hf_sizes = set(batch_sizes) if args.hf_batch_sizes is None else (
         set() if args.hf_batch_sizes == "none" else {int(b) for b in args.hf_batch_sizes.split(",")})
