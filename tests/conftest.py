@@ -41,6 +41,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def engine_actor_kwargs(monkeypatch) -> dict:
+    """What `rollout.actors.create_engine_actors` would build the Ray engine actors with, recorded instead of built
+    (FAKE: no actors start)."""
+    made: dict = {}
+
+    def create_engine_actors(count, **kwargs):
+        made.update(kwargs)
+        return []
+
+    monkeypatch.setattr("rollout.actors.create_engine_actors", create_engine_actors)
+    return made
+
+
 @pytest.fixture(scope="session")
 def figures():
     """Numbers the fault tests measure, by test; written as JSON to $SLIME_DSA_FAULT_FIGURES at the session's end

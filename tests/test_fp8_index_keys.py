@@ -204,20 +204,14 @@ def test_the_engine_option_names_match_the_recipe_key():
         Engine(build_model(ModelConfig(**CONFIG), seed=0), max_cache_tokens=64, index_key_cache_dtype="fp8")
 
 
-def test_the_recipe_key_reaches_embedded_engines_and_is_refused_where_it_cannot_hold(monkeypatch, tmp_path):
+def test_the_recipe_key_reaches_embedded_engines_and_is_refused_where_it_cannot_hold(tmp_path, engine_actor_kwargs):
     from slime_dsa.config import RecipeConfig
     from slime_dsa.orchestrator import setup
 
     minimal = {"model": {"path": "m"}, "data": {"tasks": [{"kind": "arithmetic"}]}}
     recipe = RecipeConfig.model_validate({**minimal, "rollout": {"index_key_cache_dtype": "fp8_e4m3"}})
-    made = {}
-
-    def create_engine_actors(count, **kwargs):  # FAKE: records what the Ray engine actors would be built with
-        made.update(kwargs)
-        return []
-    monkeypatch.setattr("rollout.actors.create_engine_actors", create_engine_actors)
     setup.create_engines(recipe, tmp_path, use_async=False, access=None, count=1)
-    assert made["engine_kwargs"]["index_key_cache_dtype"] == "fp8_e4m3"
+    assert engine_actor_kwargs["engine_kwargs"]["index_key_cache_dtype"] == "fp8_e4m3"
     with pytest.raises(ValueError, match="rollout.index_key_cache_dtype applies to embedded engines"):
         RecipeConfig.model_validate({**minimal, "rollout": {"index_key_cache_dtype": "fp8_e4m3", "engine": "external",
                                                             "engine_urls": ["http://127.0.0.1:1"]}})

@@ -240,19 +240,13 @@ def test_a_rank_keeps_its_cached_blocks_while_enough_of_the_gpu_is_free():
     rank.release_memory(None)  # always released
 
 
-def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_others(monkeypatch, tmp_path):
+def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_others(tmp_path, engine_actor_kwargs):
     from slime_dsa.config import RecipeConfig
     from slime_dsa.orchestrator import setup
 
     recipe = RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True}})
-    made = {}
-
-    def create_engine_actors(count, **kwargs):  # FAKE: records what the Ray engine actors would be built with
-        made.update(kwargs)
-        return []
-    monkeypatch.setattr("rollout.actors.create_engine_actors", create_engine_actors)
     setup.create_engines(recipe, tmp_path, use_async=False, access=None, count=1)
-    assert made["engine_kwargs"]["overlap"] is True
+    assert engine_actor_kwargs["engine_kwargs"]["overlap"] is True
     with pytest.raises(ValueError, match="rollout.overlap_schedule applies to embedded engines"):
         RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True, "engine": "external",
                                                          "engine_urls": ["http://127.0.0.1:1"]}})

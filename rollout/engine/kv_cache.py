@@ -128,9 +128,9 @@ class PagedKVCache:
         if index_k is None:
             return keys, None
         layer = self.full_index[layer_idx]
-        index_pool = self.index_k[layer]
         if self.fp8_index_keys:
             return keys, self._update_fp8_keys(layer, index_k)
+        index_pool = self.index_k[layer]
         index_pool.index_copy_(0, self._write, index_k.to(index_pool.dtype))
         if self._read_pool:
             return keys, index_pool

@@ -3,8 +3,9 @@
 An engine's index-key cache in FP8 halves the bytes its decode indexer reads, and that scoring is bound by them
 (benchmarks/RESULTS.md, issue 20). A row is stored as values * scale with scale = amax(|row|) / 448 (e4m3's largest
 finite value). Scores apply the scale after the head sum, exactly: relu(a * s) = s * relu(a) for s > 0, so
-score[n] = scale[n] * sum_j w_j relu(q_j . values[n] * softmax_scale). Every e4m3 value is a bf16 value, so kernels
-read one byte a key element and compute as with bf16 keys.
+score[n] = scale[n] * sum_j w_j relu(q_j . values[n] * softmax_scale). Every e4m3 value is an fp16 (and bf16) value,
+so kernels read one byte a key element and convert it exactly (the Triton kernels to fp16, with the queries:
+`triton_indexer_paged.fp16_queries`).
 """
 
 from __future__ import annotations
