@@ -8,12 +8,13 @@ Shapes are `dsa_kernels.py`'s decode rows: 32 index heads x 128, top-k 2048, one
 request at context 65536, bf16 keys, read through key slots laid out as the engine lays them (pages of 16 slots,
 pages in random pool order). Scoring variants (`_scores_variant_kernel`: tile width, warps, several tiles a
 program, k @ q^T, page-start slot loads) are timed with the current select; select variants (`topk_select`'s kernel
-at other widths, `triton_topk_split.topk_select_split` at several slice counts) on the current scores; "best"
-joins the fastest of each. A variant's time counts only if its selection equals the current kernels' exactly on
-small-integer inputs (exact scores, many ties: higher score first, lower position on a tie); `rand diff` is the
-share of slots that differ on the random inputs, where a different summation order may move a near-tie. Times are
-CUDA-graph replays (the engine decodes in graphs), median, L2 flushed before each; the sparse MLA forward at the
-same batch, the goal's yardstick, is timed eagerly as `dsa_kernels.py` does.
+at other widths, `triton_topk_split.topk_select_split` at several slice counts, `triton_topk_sampled`'s select: one
+full read of the scores, then the entries it keeps, logged) on the current scores; "best" joins the fastest of
+each. A variant's time counts only if its selection equals the current kernels' exactly on small-integer inputs
+(exact scores, many ties: higher score first, lower position on a tie); `rand diff` is the share of slots that
+differ on the random inputs, where a different summation order may move a near-tie. Times are CUDA-graph replays
+(the engine decodes in graphs), median, L2 flushed before each; the sparse MLA forward at the same batch, the
+goal's yardstick, is timed eagerly as `dsa_kernels.py` does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from slime_dsa.ops.triton_indexer_paged import paged_scores
 from slime_dsa.ops.triton_topk import _topk_select_kernel, topk_select
+from slime_dsa.ops.triton_topk_sampled import keep_above_floor, topk_select_sampled
 from slime_dsa.ops.triton_topk_split import split_slices, topk_select_split
 
 logger = logging.getLogger("paged_indexer_variants")
@@ -142,6 +144,16 @@ def split_select(block: int, num_warps: int, per_sm: int) -> Callable:
     return select
 
 
+def sampled_select(block: int, num_warps: int, per_sm: int) -> Callable:
+    """`topk_select_sampled` with `per_sm` programs an SM."""
+
+    def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
+        slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
+        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps)
+
+    return select
+
+
 SELECT_VARIANTS: dict[str, Callable] = {
     "radix (current)": topk_select,
     "radix b4096 w16": radix_select(4096, 16),
@@ -151,6 +163,10 @@ SELECT_VARIANTS: dict[str, Callable] = {
     "split b2048 w8 4/SM": split_select(2048, 8, 4),
     "split b512 w4 8/SM": split_select(512, 4, 8),
     "split b1024 w4 64/SM": split_select(1024, 4, 64),  # one step a program: no loop left to wait in
+    "sampled b1024 w4 4/SM": sampled_select(1024, 4, 4),
+    "sampled b512 w4 8/SM": sampled_select(512, 4, 8),
+    "sampled b2048 w8 4/SM": sampled_select(2048, 8, 4),
+    "sampled b1024 w4 2/SM": sampled_select(1024, 4, 2),
 }
 
 
@@ -265,6 +281,7 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
             got = topk_select(paged_scores(*args, 1.0), case.lens, topk)
             assert torch.equal(got, want), "current paged indexer differs from the torch reference"
         key_bytes = case.lens.sum().item() * di * case.k_pool.element_size()
+        log_kept(case, di**-0.5)
         if not smoke:
             mla_ms = sparse_mla_ms(case, reps)
             logger.info("| sparse MLA forward (the goal: indexer <= 2x = %.3f ms) | %d | - | - | %.3f | - | - | - |",
@@ -298,6 +315,18 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
         mla_row = [] if smoke else [{"variant": "sparse MLA forward", "batch": batch, "context": ctx, "exact": True,
                                      "rand_diff": 0.0, "total_ms": mla_ms}]
         yield mla_row + [row for row, *_ in batch_rows]
+
+
+def log_kept(case: Case, scale: float) -> None:
+    """Entries a row that `topk_select_sampled` keeps past its one full read, on the random scores: the rest of its
+    work. A row that kept fewer than its top k falls back to reading everything again."""
+    scores = paged_scores(case.q, case.k_pool, case.w, case.slots, case.lens, scale)
+    block = 1024
+    slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device)
+    total = keep_above_floor(scores, case.lens, case.topk, slices, block, 4).total.float()
+    fell_back = (total < case.lens.clamp(max=case.topk)).sum().item()
+    logger.info("| sampled select: a row keeps %.0f entries (%.0f-%.0f) for top-%d, %d rows fall back | %d | - | - | - "
+                "| - | - | - |", total.mean(), total.min(), total.max(), case.topk, fell_back, scores.shape[0])
 
 
 def log_row(row: dict, key_bytes: int) -> None:

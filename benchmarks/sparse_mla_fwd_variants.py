@@ -34,6 +34,7 @@ H, D, V_DIM, TOPK = 64, 576, 512, 2048  # dsa_kernels.py's GLM-5 sizes
 WRONG_REL_L2 = 2e-2
 GOAL_TFLOPS = 350.0
 CURRENT = "current"
+GLUON = "gluon_"  # gluon_<config>: slime_dsa/ops/gluon_sparse_mla.py's kernel at CONFIGS[<config>]
 
 
 @dataclass
@@ -116,8 +117,14 @@ def candidates(only: list[str] | None = None) -> list[tuple[str, object]]:
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
     from slime_dsa.ops.triton_sparse_mla_fwd_variants import VARIANTS  # noqa: PLC0415
 
-    return [(CURRENT, mla.FWD_CONFIGS[0])] + [(name, cfg) for name, v in VARIANTS.items() for cfg in v.configs
-                                              if only is None or name in only]
+    pairs = [(CURRENT, mla.FWD_CONFIGS[0])] + [(name, cfg) for name, v in VARIANTS.items() for cfg in v.configs
+                                               if only is None or name in only]
+    try:
+        from slime_dsa.ops.gluon_sparse_mla import CONFIGS  # noqa: PLC0415 (Triton 3.5+ with Gluon)
+    except ImportError:
+        return pairs
+    gluon = [(GLUON + name, mla.KernelConfig(64, c.block_n, 8, c.stages)) for name, c in CONFIGS.items()]
+    return pairs + [(name, cfg) for name, cfg in gluon if only is None or name in only]
 
 
 def run_forward(problem: Problem, variant: str, cfg, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +132,14 @@ def run_forward(problem: Problem, variant: str, cfg, v_dim: int) -> tuple[torch.
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
     H_, D_ = problem.q.shape[1:]
+    if variant.startswith(GLUON):
+        from slime_dsa.ops import gluon_sparse_mla  # noqa: PLC0415 (Triton 3.5+ with Gluon)
+
+        if not gluon_sparse_mla.supported(problem.q, problem.kv, problem.indices, v_dim):
+            raise RuntimeError("no fwd kernel config fits: the Gluon forward needs sm_90, bf16, 64k heads, 512 + 64")
+        with torch.no_grad():
+            return gluon_sparse_mla.sparse_mla_fwd(problem.q, problem.kv, problem.indices, D_**-0.5, v_dim,
+                                                   config=variant.removeprefix(GLUON))
     saved = mla.FWD_VARIANT
     mla.FWD_VARIANT = mla.PLAIN_FWD if variant == CURRENT else variant
     key = (H_, D_, v_dim, problem.q.dtype) + (() if variant == CURRENT else (variant,))
@@ -161,6 +176,10 @@ def resources(variant: str) -> tuple[str, str, str]:
     from slime_dsa.ops import triton_sparse_mla_fwd_variants as fv  # noqa: PLC0415
 
     kernel = mla._sparse_mla_fwd_kernel if variant == CURRENT else fv._fwd_variant_kernel
+    if variant.startswith(GLUON):
+        from slime_dsa.ops import gluon_sparse_mla  # noqa: PLC0415
+
+        kernel = gluon_sparse_mla._sparse_mla_fwd_kernel
     regs, spills = _resources(kernel)
     try:
         compiled = list(kernel.device_caches[torch.cuda.current_device()][0].values())[-1]

@@ -59,6 +59,69 @@ def check_topk_select_split() -> None:
         assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select_split width {width} k {k}"
 
 
+def _relu_scores(rows: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """Decode-like scores sum_j w_j relu(q_j . k_n), weights of both signs: distinct values of similar magnitudes."""
+    q, k = torch.randn(rows, 8, 32, generator=g), torch.randn(width, 32, generator=g)
+    w = torch.randn(rows, 8, generator=g)
+    return (w[:, :, None] * torch.einsum("rhd,nd->rhn", q, k).clamp_min(0)).sum(1)
+
+
+def check_topk_select_sampled() -> None:
+    """The sampled-floor select on the rows of check_topk_select_split."""
+    g = torch.Generator().manual_seed(4)
+    for width, k, tied, slices, block in ((300, 64, False, 3, 64), (4100, 2100, True, 5, 512),
+                                          (2500, 100, True, None, 128), (700, 50, True, 1, 1024)):
+        scores = _ints(6, width, g=g) if tied else torch.randn(6, width, generator=g)
+        scores[scores == 0] = -0.0
+        scores[0, 7] = float("-inf")
+        n_valid = torch.tensor([width, min(k, width), 0, 1, width - 1, k + 1])
+        _check_sampled(scores, n_valid, k, slices, block, f"width {width} k {k}")
+
+
+def check_topk_select_sampled_wide_rows() -> None:
+    """Rows wider than the sample: decode-like and ragged, where the floor keeps under 2k entries (one full read);
+    rows of one value, of negatives, of -inf, of signed zeros, of keys alike but for a tied last byte; and rows whose
+    floor is forced too high, which read everything again."""
+    from slime_dsa.ops import triton_topk_sampled as sampled  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(5)
+    width, k = 3 * sampled.SAMPLE + 5, 256
+    scores = _relu_scores(5, width, g)
+    n_valid = torch.tensor([width, width - 1000, sampled.SAMPLE + 1, 2 * k, k - 3])
+    state = sampled.keep_above_floor(scores, n_valid, k, 4, 512, 4)
+    k_eff = n_valid.clamp(max=k).int()
+    assert bool((state.total >= k_eff).all() and (state.total < 2 * k_eff).all()), f"kept {state.total.tolist()}"
+    _check_sampled(scores, n_valid, k, 4, 512, "decode-like rows")
+    scores[0], scores[1] = 1.5, -scores[1].abs()  # one value; negatives only
+    scores[2, : k // 2], scores[2, k // 2 :] = torch.randn(k // 2, generator=g), float("-inf")
+    scores[3] = torch.where(torch.rand(width, generator=g) < 0.5, 0.0, -0.0)  # zeros of both signs tie
+    scores[3, torch.randperm(width, generator=g)[:50]] = 1.0
+    # keys alike but for the last byte, and tied: the slices before a slice hold entries on both sides of the threshold
+    u = torch.rand(width, generator=g)  # last bytes 0-1 mostly, 2 (the threshold's) at 8%, 3-5 at 2%
+    last = torch.where(u < 0.1, 2, torch.randint(0, 2, (width,), generator=g)) + (u < 0.02) * (1 + (u * 150).int())
+    scores[4] = (last + 0x3F800000).int().view(torch.float32)
+    _check_sampled(scores, n_valid, k, 4, 512, "tied, negative, -inf, signed-zero rows")
+    alike = torch.stack([(last + 0x3F8000FD).int().view(torch.float32), scores[4]])  # threshold's last byte 255, 2
+    _check_sampled(alike, torch.tensor([width, width]), 3 * k, 7, 256, "last-byte ties")
+    saved = sampled.MARGIN_SIGMAS
+    sampled.MARGIN_SIGMAS = -1e4  # a floor above every key: no row longer than k keeps its top k
+    try:
+        total = sampled.keep_above_floor(scores, n_valid, k, 4, 512, 4).total
+        assert bool((total < k_eff)[n_valid > k].all()), f"kept {total.tolist()} with the floor too high"
+        _check_sampled(scores, n_valid, k, 4, 512, "floor too high")
+    finally:
+        sampled.MARGIN_SIGMAS = saved
+
+
+def _check_sampled(scores: torch.Tensor, n_valid: torch.Tensor, k: int, slices: int | None, block: int,
+                   what: str) -> None:
+    from slime_dsa.ops.triton_topk_sampled import topk_select_sampled  # noqa: PLC0415
+
+    got = topk_select_sampled(scores, n_valid, k, slices=slices, block=block)
+    valid = torch.arange(scores.shape[1])[None, :] < n_valid[:, None]
+    assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select_sampled, {what}"
+
+
 def check_indexer_topk() -> None:
     """Packed prefill and decode rows (one query per sequence), several heads per tile row."""
     from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
@@ -83,12 +146,16 @@ def check_indexer_topk_paged() -> None:
     want = reference.indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)
     assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged"
     from slime_dsa.ops import triton_indexer_paged  # noqa: PLC0415
+    from slime_dsa.ops.triton_topk_sampled import topk_select_sampled  # noqa: PLC0415
 
     wide, triton_indexer_paged.SPLIT_MIN_WIDTH = triton_indexer_paged.SPLIT_MIN_WIDTH, width  # the split select
+    long_rows = triton_indexer_paged.LONG_ROW_SELECT
     try:
         assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
+        triton_indexer_paged.LONG_ROW_SELECT = topk_select_sampled
+        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (sampled)"
     finally:
-        triton_indexer_paged.SPLIT_MIN_WIDTH = wide
+        triton_indexer_paged.SPLIT_MIN_WIDTH, triton_indexer_paged.LONG_ROW_SELECT = wide, long_rows
 
 
 def _fp8_keys(rows: int, Di: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,9 +517,9 @@ def check_masked_ranges() -> None:
         mla.USE_MASKED_RANGES = saved
 
 
-CHECKS = [check_topk_select, check_topk_select_split, check_indexer_topk, check_indexer_topk_paged,
-          check_indexer_topk_fp8_keys, check_indexer_topk_paged_fp8_keys, check_sparse_mla,
-          check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
+CHECKS = [check_topk_select, check_topk_select_split, check_topk_select_sampled, check_topk_select_sampled_wide_rows,
+          check_indexer_topk, check_indexer_topk_paged, check_indexer_topk_fp8_keys, check_indexer_topk_paged_fp8_keys,
+          check_sparse_mla, check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
           check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_masked_ranges]
 
 

@@ -346,6 +346,27 @@ def mla_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int
     return q, kv, causal_rows(lens_q, lens_k, K), v_dim, D
 
 
+def fwd_case_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """mla_inputs of a case, or "glm5_scattered_empty": glm5 with 80% of slots -1 anywhere and a row without keys."""
+    if name != "glm5_scattered_empty":
+        return mla_inputs(name)
+    q, kv, indices, v_dim, D = mla_inputs("glm5")
+    indices = scatter_empty(indices, keep=0.2)
+    indices[0] = -1
+    return q, kv, indices, v_dim, D
+
+
+def fwd_mismatch(out, lse, ref_out, ref_lse) -> str | None:
+    """Why a forward's (out, lse) fails the tolerances against the reference, or None: rows without keys must give
+    lse -inf and out 0."""
+    has = torch.isfinite(ref_lse)
+    err_out = rel_l2(out, ref_out)
+    err_lse = (lse[has] - ref_lse[has]).abs().max().item() if has.any() else 0.0
+    if torch.equal(torch.isfinite(lse), has) and (out[~has] == 0).all() and err_out <= REL_L2 and err_lse <= 1e-3:
+        return None
+    return f"out rel L2 {err_out:.2e}, lse {err_lse:.2e}"
+
+
 @pytest.mark.parametrize("name", FWD_VARIANT_CASES + ["glm5_scattered_empty"])
 def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
     """Every forward variant, at the first of its configs that compiles and fits, against the torch reference; a
@@ -353,12 +374,8 @@ def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
     from slime_dsa.ops import triton_sparse_mla as mla
     from slime_dsa.ops.triton_sparse_mla_fwd_variants import VARIANTS
 
-    q, kv, indices, v_dim, D = mla_inputs("glm5" if name == "glm5_scattered_empty" else name)
-    if name == "glm5_scattered_empty":
-        indices = scatter_empty(indices, keep=0.2)
-        indices[0] = -1  # a row without keys
+    q, kv, indices, v_dim, D = fwd_case_inputs(name)
     ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv.float(), indices, D**-0.5, v_dim)
-    has = torch.isfinite(ref_lse)
     failed, uncompiled = [], []
     for variant in VARIANTS:
         monkeypatch.setattr(mla, "FWD_VARIANT", variant)
@@ -370,15 +387,33 @@ def test_sparse_mla_fwd_variants_match_reference(name, monkeypatch):
                 raise
             uncompiled.append(variant)
             continue
-        err_out = rel_l2(out, ref_out)
-        err_lse = (lse[has] - ref_lse[has]).abs().max().item() if has.any() else 0.0
-        if not (torch.equal(torch.isfinite(lse), has) and (out[~has] == 0).all() and err_out <= REL_L2
-                and err_lse <= 1e-3):
-            failed.append(f"{variant}: out rel L2 {err_out:.2e}, lse {err_lse:.2e}")
+        if (mismatch := fwd_mismatch(out, lse, ref_out, ref_lse)) is not None:
+            failed.append(f"{variant}: {mismatch}")
     assert not failed, failed
     if uncompiled:
         print(f"{name}: no config of {uncompiled} compiles here")
     assert len(uncompiled) < len(VARIANTS)
+
+
+GLUON_FWD_CASES = ["glm5", "glm5_packed_long", "glm5_decode", "glm5_decode_single", "glm5_mostly_empty_packed",
+                   "glm5_mostly_empty_decode", "glm5_scattered_empty"]
+
+
+@pytest.mark.parametrize("name", GLUON_FWD_CASES)
+def test_gluon_sparse_mla_fwd_matches_reference(name):
+    """The Gluon forward (slime_dsa/ops/gluon_sparse_mla.py) at each of its configs against the torch reference at
+    GLM-5 sizes, rows of mostly -1 slots and rows without keys included."""
+    gluon_mla = pytest.importorskip("slime_dsa.ops.gluon_sparse_mla", exc_type=ImportError)
+    q, kv, indices, v_dim, D = fwd_case_inputs(name)
+    if not gluon_mla.supported(q, kv, indices, v_dim):
+        pytest.skip("the Gluon forward needs sm_90")
+    ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv.float(), indices, D**-0.5, v_dim)
+    failed = []
+    for config in gluon_mla.CONFIGS:  # every config: the benchmark may make any of them the default
+        out, lse = gluon_mla.sparse_mla_fwd(q, kv, indices, D**-0.5, v_dim, config=config)
+        if (mismatch := fwd_mismatch(out, lse, ref_out, ref_lse)) is not None:
+            failed.append(f"{config}: {mismatch}")
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("name", ["glm5_packed_long", "glm5_decode"])

@@ -50,7 +50,12 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
             signature[name] = "fp32"
         else:
             raise ValueError(f"argument {name}: expected a torch dtype, an int or a float, got {value!r}")
-    source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    source_type = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415 (Triton 3.5+)
+
+        source_type = GluonASTSource
+    source = source_type(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = compiled.asm["ptx"]
@@ -65,11 +70,14 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
                               check=True).stdout
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
+    if os.environ.get("KERNEL_SASS"):
+        with open(os.environ["KERNEL_SASS"], "w") as f:
+            f.write(sass)
     return dict(shared=compiled.metadata.shared, regs=int(regs.group(1)) if regs else None,
                 spilled=int(spills.group(1)) if spills else None,
                 mma="wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-"),
                 atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))),
-                loop=largest_loop(sass))
+                loop=largest_loop(sass), serialized=re.findall(r"wgmma[^\n]*serialized[^\n]*", report))
 
 
 def largest_loop(sass: str) -> int:

@@ -13,6 +13,8 @@ after the sum over heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,9 @@ FP8_LAUNCH = (128, 8, 5)
 # One program per row leaves most SMs idle on long rows at small batches (H200, 64K keys: batch 1 0.345 -> 0.035 ms,
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
+# The select for those rows. `triton_topk_sampled.topk_select_sampled` gives the same result from one full read of the
+# scores instead of six; it stays off until benchmarks/paged_indexer_variants.py has timed it on a GPU.
+LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = topk_select_split
 
 
 def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: str) -> torch.Tensor | None:
@@ -120,7 +125,7 @@ def indexer_topk_paged(
     """Same contract as `reference.indexer_topk_paged` (fp8 keys with key_scales (slots,)): (B, topk) sequence-local
     positions, ascending, -1 padded."""
     scores = paged_scores(q, k_pool, weights, key_slots, seq_lens, scale, key_scales)
-    select = topk_select_split if scores.shape[1] >= SPLIT_MIN_WIDTH else topk_select
+    select = LONG_ROW_SELECT if scores.shape[1] >= SPLIT_MIN_WIDTH else topk_select
     return select(scores, seq_lens, topk)
 
 
