@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slime_dsa.ops.triton_topk_split import BLOCK, MAX_SLICES, NUM_WARPS, _threshold, split_slices
+from slime_dsa.ops.triton_topk_split import BLOCK, MAX_SLICES, NUM_WARPS, _threshold, select_operands, split_slices
 
 SAMPLE = 4096  # sampled entries a row: rows up to this long are read whole
 CHUNK = 4  # adjacent positions a sample takes together: fewer memory sectors, little correlation
@@ -253,13 +253,10 @@ def topk_select_sampled(
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """`topk_select_split`'s result from one full read of each row (sampled floor, then kept entries): (R, topk)."""
+    scores, n_valid, out = select_operands(scores, n_valid, topk)
     R, W = scores.shape
-    out = torch.empty(R, topk, dtype=torch.int64, device=scores.device)
     if R == 0 or topk == 0:
         return out
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    n_valid = n_valid.contiguous()
     st = keep_above_floor(scores, n_valid, topk, min(slices or split_slices(R, W, block, scores.device), MAX_SLICES),
                           block, num_warps)
     grid = (R, st.counts.shape[1])

@@ -125,18 +125,21 @@ def split_slices(rows: int, width: int, block: int, device: torch.device, per_sm
     return max(1, min(triton.cdiv(per_sm * sms, max(rows, 1)), triton.cdiv(width, block), MAX_SLICES))
 
 
+def select_operands(scores: torch.Tensor, n_valid: torch.Tensor, topk: int):
+    """(scores with unit column stride, contiguous n_valid, the (R, topk) int64 output) of a select call."""
+    out = torch.empty(scores.shape[0], topk, dtype=torch.int64, device=scores.device)
+    return (scores if scores.stride(1) == 1 else scores.contiguous()), n_valid.contiguous(), out
+
+
 def topk_select_split(
     scores: torch.Tensor, n_valid: torch.Tensor, topk: int, slices: int | None = None, block: int = BLOCK,
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """`triton_topk.topk_select` with each row cut into `slices` slices (default: `split_slices`): (R, topk) int64."""
+    scores, n_valid, out = select_operands(scores, n_valid, topk)
     R, W = scores.shape
-    out = torch.empty(R, topk, dtype=torch.int64, device=scores.device)
     if R == 0 or topk == 0:
         return out
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    n_valid = n_valid.contiguous()
     slices = min(slices or split_slices(R, W, block, scores.device), MAX_SLICES)
     slice_len = triton.cdiv(triton.cdiv(W, slices), block) * block
     slices = triton.cdiv(W, slice_len) if W else 1
@@ -153,4 +156,4 @@ def topk_select_split(
     return out
 
 
-__all__ = ["topk_select_split", "split_slices"]
+__all__ = ["select_operands", "split_slices", "topk_select_split"]
