@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup kern20 prof ptrain sft sftlong rl abours hostbench vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup kern20 kern20b prof ptrain sft sftlong rl abours hostbench vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments) RL_RECIPE (default recipes/gpu_single.yaml; e.g.
 #   recipes/gpu_single_async.yaml, the asynchronous loop with engine and trainer on the GPU at once), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
@@ -66,9 +66,10 @@
 # rollout path timed again after a KV-cache release (--release-kv: what a colocated RL step's hand-over costs);
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
-# kern20: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward, the sampled top-k
-# select): their GPU tests, then benchmarks/sparse_mla_fwd_variants.py (idx_reg and every Gluon config) and
-# benchmarks/paged_indexer_variants.py; writes $OUT/kern20_pytest.log, kern20_fwd.json and kern20_select.json.
+# kern20, kern20b: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward and dKV
+# kernels, the sampled top-k select). kern20: their GPU tests, then benchmarks/sparse_mla_fwd_variants.py (idx_reg and
+# every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
+# benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv: kern20_select.json, kern20_bwd.json.
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
 # 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
@@ -282,16 +283,22 @@ engthr)
     --no-eager --release-kv ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
   ;;
 kern20)
-  # issue 20's kernels not yet run on a GPU: the GPU tests of the Gluon forward and the sampled select, then their
-  # benchmarks beside the current kernels (KERN20_FWD_T, KERN20_SEL_T cap the two benchmarks, default 250 / 150 s)
+  # issue 20's kernels not yet run on a GPU: the GPU tests of the Gluon kernels and the sampled select, then the
+  # forward's benchmark (KERN20_TEST_T, KERN20_FWD_T cap them, default 170 / 250 s)
   stamp kern20
   timeout -k 10 ${KERN20_TEST_T:-170} python3 -m pytest -q -m gpu tests/test_ops_gpu.py tests/test_topk_sampled_gpu.py \
     -k "gluon or fwd_variants or topk_select or paged or sampled" -p no:cacheprovider 2>&1 | tee $OUT/kern20_pytest.log | tail -15
   timeout -k 10 ${KERN20_FWD_T:-250} python3 benchmarks/sparse_mla_fwd_variants.py --variants idx_reg gluon_n64_s2 \
     gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 gluon_overlap_n32_s4 --top 0 --budget 0.3 \
     --time-limit $(( ${KERN20_FWD_T:-250} - 30 )) --out $OUT/kern20_fwd.json 2>&1 | grep -v Warning | tail -40
+  ;;
+kern20b)
+  # the sampled select against the split one, then split64's backward with the Gluon dKV kernel against split64
+  stamp kern20b
   timeout -k 10 ${KERN20_SEL_T:-150} python3 benchmarks/paged_indexer_variants.py --out $OUT/kern20_select.json 2>&1 \
     | grep -v Warning | tail -40
+  timeout -k 10 ${KERN20_BWD_T:-300} python3 benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv \
+    --max-configs 1 --time-limit $(( ${KERN20_BWD_T:-300} - 60 )) --out $OUT/kern20_bwd.json 2>&1 | grep -v Warning | tail -30
   ;;
 invk)
   stamp invk

@@ -416,6 +416,24 @@ def test_gluon_sparse_mla_fwd_matches_reference(name):
     assert not failed, failed
 
 
+@pytest.mark.parametrize("name", ["glm5", "glm5_mostly_empty_packed", "glm5_scattered_empty"])
+def test_gluon_sparse_mla_dkv_matches_reference(name):
+    """The Gluon dKV kernel (slime_dsa/ops/gluon_sparse_mla_dkv.py) against the torch reference's kv gradient, with
+    the lse and delta of the reference forward (rows of mostly -1 slots and a row without keys included)."""
+    gluon_dkv = pytest.importorskip("slime_dsa.ops.gluon_sparse_mla_dkv", exc_type=ImportError)
+    q, kv, indices, v_dim, D = fwd_case_inputs(name)
+    dout = torch.randn(q.shape[0], q.shape[1], v_dim, device="cuda", dtype=torch.bfloat16)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+    if not gluon_dkv.supported(q, kv, indices, dout, dkv, v_dim):
+        pytest.skip("the Gluon dKV kernel needs sm_90")
+    kv32 = kv.float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv32, indices, D**-0.5, v_dim)
+    (ref_dkv,) = torch.autograd.grad((ref_out * dout.float()).sum(), (kv32,))
+    delta = (ref_out.detach() * dout.float()).sum(-1)
+    gluon_dkv.sparse_mla_dkv(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dkv)
+    assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+
+
 @pytest.mark.parametrize("name", ["glm5_packed_long", "glm5_decode"])
 def test_sparse_mla_default_forward_choice(name, monkeypatch):
     """The default forward runs PREFILL_FWD_VARIANT at GLM-5 prefill and the plain kernel at decode; either way its

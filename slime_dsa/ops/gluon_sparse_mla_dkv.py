@@ -1,0 +1,168 @@
+"""The sparse MLA backward's dKV half for Hopper in Gluon (issue 20 item 1), the counterpart of split64's dKV kernel
+(`triton_sparse_mla_bwd_variants`, 126 TFLOP/s of its own work on the H200 at 64K) with the gather and its pipeline
+written out as in `gluon_sparse_mla`. Not yet run on a GPU and not called by the backward:
+benchmarks/sparse_mla_bwd_variants.py times it (`--modes split64_gluon_dkv`) and tests/test_ops_gpu.py checks it
+against the reference.
+
+One program is one query row and 64 heads, 8 warps; each step takes 32 kv rows, gathered with cp.async one step ahead
+into one of two buffers (q, dO, two kv buffers and P, dS fill 216 KB of shared memory). Per step:
+- S = q k^T and dP = dO v^T (each warp group on 16 of the keys), P = exp(S scale - lse), dS = P (dP - delta) scale;
+- P and dS go to shared memory as bf16; dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so
+  wgmma reads dO and q from the same shared copies as the score products (64 accumulator registers a thread);
+- the tile is added to dkv (float32) at the step's rows with relaxed float32 reductions (the rows are shared between
+  queries).
+-1 slots read kv row 0 and add nothing (their P and dS are 0 and their reductions are masked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from slime_dsa.ops.gluon_sparse_mla import (
+    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _cta_barrier, _gather, _row_end,
+)
+from slime_dsa.ops.gluon_sparse_mla import supported as forward_supported
+
+BLOCK_N = 32  # kv rows a step: dKV^T's tile is 576 x BLOCK_N
+STAGES = 2
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, dkv: torch.Tensor,
+              v_dim: int) -> bool:
+    """`gluon_sparse_mla.supported`'s shapes, with dout (T, H, 512) bf16 and dkv float32 like kv."""
+    return (forward_supported(q, kv, indices, v_dim) and dout.dtype == torch.bfloat16 and dout.stride(-1) == 1
+            and dout.stride(0) % 8 == 0 and dout.stride(1) % 8 == 0 and dout.data_ptr() % 16 == 0
+            and dkv.dtype == torch.float32 and dkv.shape == kv.shape and dkv.stride(-1) == 1)
+
+
+@gluon.jit
+def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr):
+    """dkv[rows[k], col0 + d] += tile[d, k] for the valid keys k (relaxed float32 reductions)."""
+    layout: gl.constexpr = tile.type.layout
+    cols = col0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
+    if ROW64:
+        base = rows.to(gl.int64) * stride_dkvt
+    else:
+        base = rows * stride_dkvt
+    ptrs = dkv_ptr + base[None, :] + cols[:, None]
+    gl.atomic_add(ptrs, tile, mask=valid[None, :] & (cols[:, None] >= 0), sem="relaxed")
+
+
+@gluon.jit
+def _sparse_mla_dkv_kernel(
+    q_ptr, kv_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr, dkv_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt, stride_dkvt,
+    K, scale, scale_log2,
+    D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
+    STAGES: gl.constexpr, ROW64: gl.constexpr, num_warps: gl.constexpr,
+):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    WG: gl.constexpr = num_warps // 4
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                       instr_shape=[16, BLOCK_N // WG, 16])
+    # dKV^T's latent tile (512 x BLOCK_N): every warp along its 512 rows; the rope tile (64 x BLOCK_N) as S
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    heads_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    scan_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+    hv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_V], gl.bfloat16)
+    hr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+
+    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], hv_sl)
+    qp_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_R], hr_sl)
+    do_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], hv_sl)
+    kn_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_V], v_sl)
+    kp_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], r_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+
+    heads = h0 + gl.arange(0, BLOCK_H, rows_layout)
+    cols_v = gl.arange(0, D_V, gl.SliceLayout(0, copy_layout))
+    q_rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh
+    cp.async_copy_global_to_shared(qn_smem, q_rows + cols_v[None, :])
+    cp.async_copy_global_to_shared(qp_smem, q_rows + D_V + gl.arange(0, D_R, gl.SliceLayout(0, copy_layout))[None, :])
+    cp.async_copy_global_to_shared(do_smem, dout_ptr + t * stride_dot + heads.to(gl.int64)[:, None] * stride_doh
+                                   + cols_v[None, :])
+    # Rows without keys have lse = -inf: +inf makes every P of theirs 0.
+    lse = gl.load(lse_ptr + t * stride_lt + h0 + gl.arange(0, BLOCK_H, heads_layout))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # log2 domain
+    delta = gl.load(delta_ptr + t * stride_lt + h0 + gl.arange(0, BLOCK_H, heads_layout))
+
+    idx_row = idx_ptr + t * stride_it
+    k_end = _row_end(idx_row, K, SCAN, scan_layout)
+    for b in gl.static_range(STAGES - 1):
+        _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
+                rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
+        cp.commit_group()
+    idx_next = _block_idx(idx_row, (STAGES - 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    t_zero = gl.zeros([D_V, BLOCK_N], gl.float32, t_layout)
+    r_zero = gl.zeros([D_R, BLOCK_N], gl.float32, s_layout)
+    n_steps = gl.cdiv(k_end, BLOCK_N)
+    for j in range(n_steps):
+        buf = j % STAGES
+        idx_s = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, s_layout))
+        idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
+        cp.wait_group(STAGES - 2)  # step j's rows (and, at j = 0, q and dO) are in shared memory
+        fence_async_shared()
+        _cta_barrier()  # every thread's copies landed; every warp group is past step j - 1's products
+        ahead = j + STAGES - 1
+        if ahead < n_steps:
+            _gather(kn_smem.index(ahead % STAGES), kp_smem.index(ahead % STAGES), kv_ptr, idx_next, stride_kvt,
+                    D_V, D_R, copy_layout, ROW64)
+        cp.commit_group()
+        idx_next = _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+
+        kn = kn_smem.index(buf)
+        s = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qp_smem, kp_smem.index(buf).permute((1, 0)), s, is_async=True)
+        dp = warpgroup_mma(do_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        p = gl.where((idx_s >= 0)[None, :], gl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None]) * scale
+        p_smem.store(p.to(gl.bfloat16))
+        ds_smem.store(ds.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # P and dS are whole
+
+        dkv_t = warpgroup_mma(do_smem.permute((1, 0)), p_smem, t_zero, use_acc=False, is_async=True)
+        dkv_t = warpgroup_mma(qn_smem.permute((1, 0)), ds_smem, dkv_t, is_async=True)
+        dkr_t = warpgroup_mma(qp_smem.permute((1, 0)), ds_smem, r_zero, use_acc=False, is_async=True)
+        dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
+        _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64)
+        _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64)
+    cp.wait_group(0)
+
+
+def sparse_mla_dkv(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, scale: float, dkv: torch.Tensor,
+) -> torch.Tensor:
+    """Adds the attention's kv gradient into dkv (Tk, 576) float32 and returns it: q (T, H, 576), dout (T, H, 512),
+    lse and delta = rowsum(dout * out) (T, H) float32 (`supported` holds)."""
+    T, H, _ = q.shape
+    K = indices.shape[1]
+    if T == 0:
+        return dkv
+    lse, delta = lse.contiguous(), delta.contiguous()
+    _sparse_mla_dkv_kernel[(T, H // BLOCK_H)](
+        q, kv, indices, dout, lse, delta, dkv,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1), lse.stride(0),
+        dkv.stride(0), K, scale, scale * LOG2E,
+        D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SCAN=min(triton.next_power_of_2(K), 1024),
+        STAGES=STAGES, ROW64=max(kv.numel(), dkv.numel()) >= 2**31, num_warps=NUM_WARPS,
+    )
+    return dkv
