@@ -69,7 +69,8 @@
 # kern20, kern20b: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward and dKV
 # kernels, the sampled top-k select). kern20: their GPU tests, then benchmarks/sparse_mla_fwd_variants.py (idx_reg and
 # every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
-# benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv: kern20_select.json, kern20_bwd.json.
+# benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv gluon_split gluon_fused: kern20_select.json,
+# kern20_bwd.json.
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
 # 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
@@ -293,12 +294,13 @@ kern20)
     --time-limit $(( ${KERN20_FWD_T:-250} - 30 )) --out $OUT/kern20_fwd.json 2>&1 | grep -v Warning | tail -40
   ;;
 kern20b)
-  # the sampled select against the split one, then split64's backward with the Gluon dKV kernel against split64
+  # the sampled select against the split one, then the Gluon backward (dKV half, both halves, fused) against split64
   stamp kern20b
   timeout -k 10 ${KERN20_SEL_T:-150} python3 benchmarks/paged_indexer_variants.py --out $OUT/kern20_select.json 2>&1 \
     | grep -v Warning | tail -40
-  timeout -k 10 ${KERN20_BWD_T:-300} python3 benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv \
-    --max-configs 1 --time-limit $(( ${KERN20_BWD_T:-300} - 60 )) --out $OUT/kern20_bwd.json 2>&1 | grep -v Warning | tail -30
+  timeout -k 10 ${KERN20_BWD_T:-300} python3 benchmarks/sparse_mla_bwd_variants.py \
+    --modes split64 split64_gluon_dkv gluon_split gluon_fused --max-configs 1 \
+    --time-limit $(( ${KERN20_BWD_T:-300} - 60 )) --out $OUT/kern20_bwd.json 2>&1 | grep -v Warning | tail -30
   ;;
 invk)
   stamp invk

@@ -12,10 +12,11 @@ by more than 2e-2 relative L2 is marked wrong and not timed; one that does not c
 time is the sum of its launches' best times, or for the variants of several kernels their time run together as
 the backward runs them (row "whole": split64_par overlaps its two on two streams). `--modes split64_stores` adds
 split64 with its dKV atomics replaced by plain stores (wrong dKV, timed unchecked): what the atomics cost, the bound of
-any atomic-free dKV in that kernel; `--modes split64_gluon_dkv`, split64's dQ kernel with the Gluon dKV kernel. Each
-row gives the compiled kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly
-between measurements; --max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md
-beside it) hold what ran.
+any atomic-free dKV in that kernel; `--modes split64_gluon_dkv gluon_split gluon_fused` the Gluon kernel
+(slime_dsa/ops/gluon_sparse_mla_bwd.py) as split64's dKV half, as both halves, and fused. Each row gives the compiled
+kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly between measurements;
+--max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md beside it) hold what
+ran.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from benchmarks.dsa_kernels import D, H, V_DIM, _indices, sparse_flops, timed
 log = logging.getLogger("sparse_mla_bwd_variants")
 MAX_REL_ERR = 2e-2
 WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its kernels' fastest configs)
-# split64's dQ kernel with gluon_sparse_mla_dkv.py's dKV kernel (not a backward mode: not yet run on a GPU)
+# gluon_sparse_mla_bwd.py's kernel (not a backward mode: not yet run on a GPU): its dKV half after split64's dQ kernel,
+# its two halves apart, or both in one kernel
 GLUON_DKV = "split64_gluon_dkv"
+GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused")
 
 
 @dataclass
@@ -94,20 +97,23 @@ def mode_units(mode: str) -> list[Unit]:
 
     if mode == "fused":
         return [Unit("fused", True, True, mla.BWD_FUSED_CONFIGS, original(True, True))]
-    if mode == GLUON_DKV:
-        from slime_dsa.ops import gluon_sparse_mla_dkv as gluon_dkv  # noqa: PLC0415 (Triton 3.5+ with Gluon)
+    if mode in GLUON_MODES:
+        from slime_dsa.ops import gluon_sparse_mla_bwd as gluon_bwd  # noqa: PLC0415 (Triton 3.5+ with Gluon)
 
-        def run_gluon(cfg, p, dq, dkv):
-            if not gluon_dkv.supported(p.q, p.kv, p.idx, p.dout, dkv, V_DIM):
-                raise RuntimeError("the Gluon dKV kernel needs sm_90, bf16, 64k heads, 512 + 64")
-            gluon_dkv.sparse_mla_dkv(p.q, p.kv, p.idx, p.dout, p.lse, p.delta, p.scale, dkv)
+        def gluon(do_dq: bool, do_dkv: bool) -> Callable:
+            def run_gluon(cfg, p, dq, dkv):
+                if not gluon_bwd.supported(p.q, p.kv, p.idx, p.dout, V_DIM):
+                    raise RuntimeError("the Gluon backward needs sm_90, bf16, 64k heads, 512 + 64")
+                gluon_bwd.sparse_mla_bwd(p.q, p.kv, p.idx, p.dout, p.lse, p.delta, p.scale, dq if do_dq else None,
+                                         dkv if do_dkv else None)
 
-        dq_unit = mode_units("split64")[0]
-        return [dq_unit, Unit("gluon_dkv", False, True, [mla.KernelConfig(64, gluon_dkv.BLOCK_N, 8, gluon_dkv.STAGES)],
-                              run_gluon)]
-    if mode == "split":
-        return [Unit("dq", True, False, mla.BWD_DQ_CONFIGS, original(True, False)),
-                Unit("dkv", False, True, mla.BWD_DKV_CONFIGS, original(False, True))]
+            return run_gluon
+
+        config = [mla.KernelConfig(64, gluon_bwd.BLOCK_N, 8, gluon_bwd.STAGES)]
+        gluon_dq = Unit("gluon_dq", True, False, config, gluon(True, False))
+        gluon_dkv = Unit("gluon_dkv", False, True, config, gluon(False, True))
+        return {GLUON_DKV: [mode_units("split64")[0], gluon_dkv], "gluon_split": [gluon_dq, gluon_dkv],
+                "gluon_fused": [Unit("gluon_fused", True, True, config, gluon(True, True))]}[mode]
 
     def variant(launch):
         return lambda cfg, p, dq, dkv: variants.launch_variant(launch, cfg, p.q, p.kv, p.idx, p.dout, p.lse, p.delta,
@@ -309,7 +315,7 @@ def main() -> None:
     # inline PTX modes last: a fault there (a bad address kills the CUDA context) leaves the others measured
     # split64_stores (not a mode: variants.TIMING_ONLY) times split64 without its dKV atomics, when asked
     parser.add_argument("--modes", nargs="+", default=sorted(mla.BWD_MODES, key=lambda m: "red" in m),
-                        choices=[*mla.BWD_MODES, *variants.TIMING_ONLY, GLUON_DKV])
+                        choices=[*mla.BWD_MODES, *variants.TIMING_ONLY, *GLUON_MODES])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of repetitions per measurement")
     parser.add_argument("--max-configs", type=int, default=None, help="sweep only the first N configs of a launch")
     parser.add_argument("--time-limit", type=float, default=200.0, help="stop starting measurements after this")

@@ -417,21 +417,28 @@ def test_gluon_sparse_mla_fwd_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", ["glm5", "glm5_mostly_empty_packed", "glm5_scattered_empty"])
-def test_gluon_sparse_mla_dkv_matches_reference(name):
-    """The Gluon dKV kernel (slime_dsa/ops/gluon_sparse_mla_dkv.py) against the torch reference's kv gradient, with
-    the lse and delta of the reference forward (rows of mostly -1 slots and a row without keys included)."""
-    gluon_dkv = pytest.importorskip("slime_dsa.ops.gluon_sparse_mla_dkv", exc_type=ImportError)
+def test_gluon_sparse_mla_bwd_matches_reference(name):
+    """The Gluon backward (slime_dsa/ops/gluon_sparse_mla_bwd.py), dQ and dKV apart and in one kernel, against the
+    torch reference's gradients, with the lse and delta of the reference forward (rows of mostly -1 slots and a row
+    without keys included)."""
+    gluon_bwd = pytest.importorskip("slime_dsa.ops.gluon_sparse_mla_bwd", exc_type=ImportError)
     q, kv, indices, v_dim, D = fwd_case_inputs(name)
     dout = torch.randn(q.shape[0], q.shape[1], v_dim, device="cuda", dtype=torch.bfloat16)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-    if not gluon_dkv.supported(q, kv, indices, dout, dkv, v_dim):
-        pytest.skip("the Gluon dKV kernel needs sm_90")
-    kv32 = kv.float().requires_grad_(True)
-    ref_out, ref_lse = reference.sparse_mla_attention(q.float(), kv32, indices, D**-0.5, v_dim)
-    (ref_dkv,) = torch.autograd.grad((ref_out * dout.float()).sum(), (kv32,))
+    if not gluon_bwd.supported(q, kv, indices, dout, v_dim):
+        pytest.skip("the Gluon backward needs sm_90")
+    q32, kv32 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+    ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, D**-0.5, v_dim)
+    ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum(), (q32, kv32))
     delta = (ref_out.detach() * dout.float()).sum(-1)
-    gluon_dkv.sparse_mla_dkv(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dkv)
-    assert rel_l2(dkv, ref_dkv) <= REL_L2, f"dkv rel L2 {rel_l2(dkv, ref_dkv):.2e}"
+    failed = []
+    for do_dq, do_dkv in ((True, False), (False, True), (True, True)):
+        dq = torch.zeros_like(q) if do_dq else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda") if do_dkv else None
+        gluon_bwd.sparse_mla_bwd(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dq, dkv)
+        for name_, got, want in (("dq", dq, ref_dq), ("dkv", dkv, ref_dkv)):
+            if got is not None and rel_l2(got, want) > REL_L2:
+                failed.append(f"dq {do_dq} dkv {do_dkv}: {name_} rel L2 {rel_l2(got, want):.2e}")
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("name", ["glm5_packed_long", "glm5_decode"])

@@ -118,20 +118,25 @@ def _online_softmax(s, valid, m_i, l_i, l_acc, scale_log2, ROW_SUM_AT_END: gl.co
 
 
 @gluon.jit
+def _store_rows(row_ptr, h0, stride_h, col0, tile):
+    """row_ptr[h0 + h, col0 + c] = tile[h, c] in the pointer's dtype."""
+    layout: gl.constexpr = tile.type.layout
+    heads = h0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
+    gl.store(row_ptr + heads.to(gl.int64)[:, None] * stride_h + cols[None, :], tile.to(row_ptr.dtype.element_ty))
+
+
+@gluon.jit
 def _store_out(acc, m_i, l_i, l_acc, out_row_ptr, lse_row_ptr, h0, stride_oh, ROW_SUM_AT_END: gl.constexpr):
     """out = acc / l in bf16 and lse (natural log; -inf and 0 for rows without keys) of one row's head block."""
     if ROW_SUM_AT_END:
         l_i = gl.sum(l_acc, axis=1)
     BLOCK_H: gl.constexpr = acc.shape[0]
-    D_V: gl.constexpr = acc.shape[1]
     o_layout: gl.constexpr = acc.type.layout
     has_keys = l_i > 0.0
     lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), gl.SliceLayout(1, o_layout))
-    out = (acc * inv_l[:, None]).to(gl.bfloat16)
-    offs_h = h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, o_layout))
-    offs_v = gl.arange(0, D_V, gl.SliceLayout(0, o_layout))
-    gl.store(out_row_ptr + offs_h.to(gl.int64)[:, None] * stride_oh + offs_v[None, :], out)
+    _store_rows(out_row_ptr, h0, stride_oh, 0, acc * inv_l[:, None])
     gl.store(lse_row_ptr + h0 + gl.arange(0, BLOCK_H, m_i.type.layout), lse)
 
 

@@ -1,16 +1,18 @@
-"""The sparse MLA backward's dKV half for Hopper in Gluon (issue 20 item 1), the counterpart of split64's dKV kernel
-(`triton_sparse_mla_bwd_variants`, 126 TFLOP/s of its own work on the H200 at 64K) with the gather and its pipeline
-written out as in `gluon_sparse_mla`. Not yet run on a GPU and not called by the backward:
-benchmarks/sparse_mla_bwd_variants.py times it (`--modes split64_gluon_dkv`) and tests/test_ops_gpu.py checks it
-against the reference.
+"""The sparse MLA backward for Hopper in Gluon (issue 20 item 1): dQ, dKV or both in one kernel, with the gather and
+its pipeline written out as in `gluon_sparse_mla`. Not yet run on a GPU and not called by the backward:
+benchmarks/sparse_mla_bwd_variants.py times it (`--modes split64_gluon_dkv gluon_split gluon_fused`) and
+tests/test_ops_gpu.py checks it against the reference.
 
 One program is one query row and 64 heads, 8 warps; each step takes 32 kv rows, gathered with cp.async one step ahead
 into one of two buffers (q, dO, two kv buffers and P, dS fill 216 KB of shared memory). Per step:
-- S = q k^T and dP = dO v^T (each warp group on 16 of the keys), P = exp(S scale - lse), dS = P (dP - delta) scale;
-- P and dS go to shared memory as bf16; dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so
-  wgmma reads dO and q from the same shared copies as the score products (64 accumulator registers a thread);
-- the tile is added to dkv (float32) at the step's rows with relaxed float32 reductions (the rows are shared between
-  queries).
+- S = q k^T and dP = dO v^T (each warp group on 16 of the keys), P = exp(S scale - lse), dS = P (dP - delta) scale,
+  both to shared memory as bf16;
+- dQ += dS k (64 heads x 576, each warp group on half the columns, as the forward's O);
+- dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so wgmma reads dO and q from the same
+  shared copies as the score products (64 accumulator registers a thread), added to dkv (float32) at the step's rows
+  with relaxed float32 reductions (the rows are shared between queries).
+Both halves in one kernel compute S, P and dS once (split64 computes them twice, 1.4x the counted work). Compiled for
+sm_90a by Triton 3.6 at 255 registers: dKV alone spills nothing, dQ alone 108 bytes, both 132.
 -1 slots read kv row 0 and add nothing (their P and dS are 0 and their reductions are masked).
 """
 
@@ -24,20 +26,18 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from slime_dsa.ops.gluon_sparse_mla import (
-    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _cta_barrier, _gather, _row_end,
+    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _cta_barrier, _gather, _row_end, _store_rows,
 )
 from slime_dsa.ops.gluon_sparse_mla import supported as forward_supported
 
-BLOCK_N = 32  # kv rows a step: dKV^T's tile is 576 x BLOCK_N
+BLOCK_N = 32  # kv rows a step: dKV^T's tile is 576 x BLOCK_N, and 64 does not fit beside q and dO
 STAGES = 2
 
 
-def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, dkv: torch.Tensor,
-              v_dim: int) -> bool:
-    """`gluon_sparse_mla.supported`'s shapes, with dout (T, H, 512) bf16 and dkv float32 like kv."""
+def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:
+    """`gluon_sparse_mla.supported`'s shapes, with dout (T, H, 512) bf16 (dq is then like q, dkv float32 like kv)."""
     return (forward_supported(q, kv, indices, v_dim) and dout.dtype == torch.bfloat16 and dout.stride(-1) == 1
-            and dout.stride(0) % 8 == 0 and dout.stride(1) % 8 == 0 and dout.data_ptr() % 16 == 0
-            and dkv.dtype == torch.float32 and dkv.shape == kv.shape and dkv.stride(-1) == 1)
+            and dout.stride(0) % 8 == 0 and dout.stride(1) % 8 == 0 and dout.data_ptr() % 16 == 0)
 
 
 @gluon.jit
@@ -54,12 +54,12 @@ def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr
 
 
 @gluon.jit
-def _sparse_mla_dkv_kernel(
-    q_ptr, kv_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr, dkv_ptr,
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt, stride_dkvt,
-    K, scale, scale_log2,
+def _sparse_mla_bwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
+    stride_dkvt, K, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
-    STAGES: gl.constexpr, ROW64: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, DO_DQ: gl.constexpr, DO_DKV: gl.constexpr, ROW64: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -67,6 +67,11 @@ def _sparse_mla_dkv_kernel(
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                        instr_shape=[16, BLOCK_N // WG, 16])
+    # dQ's tiles (64 heads x 512 and x 64): each warp group on half the columns, as the forward's O
+    qn_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                        instr_shape=[16, D_V // WG, 16])
+    qr_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                        instr_shape=[16, D_R // WG, 16])
     # dKV^T's latent tile (512 x BLOCK_N): every warp along its 512 rows; the rope tile (64 x BLOCK_N) as S
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -111,11 +116,12 @@ def _sparse_mla_dkv_kernel(
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
     t_zero = gl.zeros([D_V, BLOCK_N], gl.float32, t_layout)
     r_zero = gl.zeros([D_R, BLOCK_N], gl.float32, s_layout)
+    dq_n = gl.zeros([BLOCK_H, D_V], gl.float32, qn_layout)
+    dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, qr_layout)
     n_steps = gl.cdiv(k_end, BLOCK_N)
     for j in range(n_steps):
         buf = j % STAGES
         idx_s = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, s_layout))
-        idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
         cp.wait_group(STAGES - 2)  # step j's rows (and, at j = 0, q and dO) are in shared memory
         fence_async_shared()
         _cta_barrier()  # every thread's copies landed; every warp group is past step j - 1's products
@@ -133,36 +139,52 @@ def _sparse_mla_dkv_kernel(
         s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
         p = gl.where((idx_s >= 0)[None, :], gl.exp2(s * scale_log2 - lse[:, None]), 0.0)
         ds = p * (dp - delta[:, None]) * scale
-        p_smem.store(p.to(gl.bfloat16))
+        if DO_DKV:
+            p_smem.store(p.to(gl.bfloat16))
         ds_smem.store(ds.to(gl.bfloat16))
         fence_async_shared()
         _cta_barrier()  # P and dS are whole
 
-        dkv_t = warpgroup_mma(do_smem.permute((1, 0)), p_smem, t_zero, use_acc=False, is_async=True)
-        dkv_t = warpgroup_mma(qn_smem.permute((1, 0)), ds_smem, dkv_t, is_async=True)
-        dkr_t = warpgroup_mma(qp_smem.permute((1, 0)), ds_smem, r_zero, use_acc=False, is_async=True)
-        dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
-        _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64)
-        _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64)
+        if DO_DQ:
+            dq_n = warpgroup_mma(ds_smem, kn, dq_n, is_async=True)
+            dq_r = warpgroup_mma(ds_smem, kp_smem.index(buf), dq_r, is_async=True)
+        if DO_DKV:
+            dkv_t = warpgroup_mma(do_smem.permute((1, 0)), p_smem, t_zero, use_acc=False, is_async=True)
+            dkv_t = warpgroup_mma(qn_smem.permute((1, 0)), ds_smem, dkv_t, is_async=True)
+            dkr_t = warpgroup_mma(qp_smem.permute((1, 0)), ds_smem, r_zero, use_acc=False, is_async=True)
+            dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
+            idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
+            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64)
+            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64)
+        if DO_DQ:
+            dq_n, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq_n, dq_r))
     cp.wait_group(0)
 
+    if DO_DQ:
+        dq_rows = dq_ptr + t * stride_dqt
+        _store_rows(dq_rows, h0, stride_dqh, 0, dq_n)
+        _store_rows(dq_rows, h0, stride_dqh, D_V, dq_r)
 
-def sparse_mla_dkv(
+
+def sparse_mla_bwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, scale: float, dkv: torch.Tensor,
-) -> torch.Tensor:
-    """Adds the attention's kv gradient into dkv (Tk, 576) float32 and returns it: q (T, H, 576), dout (T, H, 512),
-    lse and delta = rowsum(dout * out) (T, H) float32 (`supported` holds)."""
+    delta: torch.Tensor, scale: float, dq: torch.Tensor | None, dkv: torch.Tensor | None,
+) -> None:
+    """Writes the attention's q gradient into dq (T, H, 576) and/or adds its kv gradient into dkv (Tk, 576) float32
+    (None skips that half): q (T, H, 576), dout (T, H, 512), lse and delta = rowsum(dout * out) (T, H) float32
+    (`supported` holds). Both halves at once share S, P and dS; apart, each recomputes them (split64's way)."""
     T, H, _ = q.shape
     K = indices.shape[1]
-    if T == 0:
-        return dkv
+    if T == 0 or (dq is None and dkv is None):
+        return
     lse, delta = lse.contiguous(), delta.contiguous()
-    _sparse_mla_dkv_kernel[(T, H // BLOCK_H)](
-        q, kv, indices, dout, lse, delta, dkv,
+    dq_arg = q if dq is None else dq  # an unused pointer argument when DO_DQ is off
+    dkv_arg = kv if dkv is None else dkv
+    _sparse_mla_bwd_kernel[(T, H // BLOCK_H)](
+        q, kv, indices, dout, lse, delta, dq_arg, dkv_arg,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), dout.stride(0), dout.stride(1), lse.stride(0),
-        dkv.stride(0), K, scale, scale * LOG2E,
+        dq_arg.stride(0), dq_arg.stride(1), dkv_arg.stride(0), K, scale, scale * LOG2E,
         D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SCAN=min(triton.next_power_of_2(K), 1024),
-        STAGES=STAGES, ROW64=max(kv.numel(), dkv.numel()) >= 2**31, num_warps=NUM_WARPS,
+        STAGES=STAGES, DO_DQ=dq is not None, DO_DKV=dkv is not None,
+        ROW64=max(kv.numel(), dkv_arg.numel()) >= 2**31, num_warps=NUM_WARPS,
     )
-    return dkv
