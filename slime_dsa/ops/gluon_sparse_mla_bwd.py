@@ -177,6 +177,9 @@ def sparse_mla_bwd(
     K = indices.shape[1]
     if T == 0 or (dq is None and dkv is None):
         return
+    if (dq is not None and (dq.shape != q.shape or dq.stride(-1) != 1)) or (
+            dkv is not None and (dkv.dtype != torch.float32 or dkv.shape != kv.shape or dkv.stride(-1) != 1)):
+        raise ValueError("gluon sparse_mla_bwd: dq must be like q and dkv float32 like kv, each with unit last stride")
     lse, delta = lse.contiguous(), delta.contiguous()
     dq_arg = q if dq is None else dq  # an unused pointer argument when DO_DQ is off
     dkv_arg = kv if dkv is None else dkv
