@@ -30,3 +30,42 @@ def test_gluon_backward_refuses_gradient_buffers_it_cannot_write():
     for name, (dq, dkv) in bad.items():
         with pytest.raises(ValueError, match="dq must be like q and dkv float32"):
             gluon_bwd.sparse_mla_bwd(q, kv, indices, dout, lse, delta, 0.1, dq, dkv)
+
+
+class _FakeGluon:
+    """FAKE Gluon module (its kernels run only on sm_90): records the calls the dispatcher routes to it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def supported(self, *args) -> bool:
+        return True
+
+    def sparse_mla_fwd(self, q, kv, indices, scale, v_dim):
+        self.calls.append("fwd")
+        return torch.full((*q.shape[:2], v_dim), 2.0, dtype=q.dtype), torch.zeros(q.shape[:2])
+
+    def sparse_mla_bwd(self, q, kv, indices, dout, lse, delta, scale, dq, dkv):
+        self.calls.append(("bwd", dq is not None, dkv is not None))
+        dq.fill_(3.0)
+        dkv.fill_(4.0)
+
+
+def test_gluon_switches_route_prefill_forward_and_general_backward(monkeypatch):
+    pytest.importorskip("triton")
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    fake = _FakeGluon()
+    monkeypatch.setattr(mla, "_gluon_module", lambda name: fake)
+    monkeypatch.setattr(mla, "USE_KEY_RANGES", False)
+    q, kv, _, dout, _, _ = _inputs(T=300, Tk=300, K=64)
+    indices = torch.randint(0, 300, (300, 64))
+    assert mla._forward_variant(False, 300, 64, 64, q.dtype, 576, 512, q.device) is not None  # a prefill-shaped call
+    monkeypatch.setattr(mla, "GLUON_FWD", True)
+    monkeypatch.setattr(mla, "GLUON_BWD", True)
+    out, lse = mla.sparse_mla_fwd(q, kv, indices, 0.1, 512)
+    dq, dkv = mla.sparse_mla_bwd(q, kv, indices, out, lse, dout, None, 0.1, 512)
+    assert fake.calls == ["fwd", ("bwd", True, True)]
+    assert bool((out == 2).all() and (dq == 3).all() and (dkv == 4).all()) and dkv.dtype == kv.dtype
+    # the invariant forward never leaves its own kernel
+    assert mla._forward_variant(True, 300, 64, 64, q.dtype, 576, 512, q.device) is None

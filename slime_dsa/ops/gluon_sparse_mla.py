@@ -1,7 +1,7 @@
 """Sparse MLA forward for Hopper in Gluon (Triton's explicit-layout dialect, 3.5+): the gather, the pipeline and the
-wgmma split written out rather than left to Triton's pipeliner (issue 20 item 2). Not yet run on a GPU and not called
-by the model: benchmarks/sparse_mla_fwd_variants.py times its CONFIGS against the Triton kernels (`gluon_<config>`) and
-tests/test_ops_gpu.py checks each against the torch reference.
+wgmma split written out rather than left to Triton's pipeliner (issue 20 item 2). Not yet run on a GPU; the model
+calls it only with `triton_sparse_mla.GLUON_FWD` set. benchmarks/sparse_mla_fwd_variants.py times its CONFIGS against
+the Triton kernels (`gluon_<config>`) and tests/test_ops_gpu.py checks each against the torch reference.
 
 Same contract as `triton_sparse_mla.sparse_mla_fwd` without the decode key split: q (T, H, 576) and kv (Tk, 576) in
 bf16, indices (T, K) with -1 for unused slots -> out (T, H, 512), lse (T, H) float32 (-inf and 0 for rows without

@@ -46,6 +46,8 @@ of the layers that share one (IndexShare), run one after another, reuse its cove
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -120,6 +122,11 @@ PLAIN_FWD = "plain"
 PREFILL_FWD_VARIANT = "idx_reg"
 PREFILL_FWD_MIN_HEADS = 64
 _unfit_variants: set[tuple] = set()  # (variant, problem key) with no config that compiles and fits here
+# The Gluon kernels for Hopper (gluon_sparse_mla.py, gluon_sparse_mla_bwd.py), not yet measured on a GPU and so off:
+# True sends the forward of rows that need no key split (prefill, training) / the general backward (both halves in one
+# kernel) to them where their `supported` holds, the Triton kernels otherwise. benchmarks/dsa_kernels.py --gluon.
+GLUON_FWD = False
+GLUON_BWD = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,6 +235,9 @@ def sparse_mla_fwd(
     d_r = D - v_dim
     block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
     variant = _forward_variant(invariant, T, H, K, q.dtype, D, v_dim, q.device)
+    if GLUON_FWD and variant is not None and (gluon := _gluon_module("gluon_sparse_mla")) is not None:
+        if gluon.supported(q, kv, indices, v_dim):
+            return gluon.sparse_mla_fwd(q, kv, indices, scale, v_dim)
 
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
@@ -277,6 +287,16 @@ def sparse_mla_fwd(
             variant = None
             _launch("fwd", key, FWD_CONFIGS, launch)
     return out, lse
+
+
+@functools.cache
+def _gluon_module(name: str):
+    """slime_dsa.ops.<name>, or None where this Triton has no Gluon (before 3.5)."""
+    try:
+        return importlib.import_module(f"slime_dsa.ops.{name}")
+    except ImportError as err:
+        logger.warning("sparse MLA: the Gluon kernels need Triton 3.5+ (%s); the Triton kernels run", err)
+        return None
 
 
 def _forward_variant(invariant: bool, T: int, H: int, K: int, dtype: torch.dtype, D: int, v_dim: int,
@@ -691,6 +711,10 @@ def sparse_mla_bwd(
 
         return launch
 
+    if GLUON_BWD and (gluon := _gluon_module("gluon_sparse_mla_bwd")) is not None:
+        if gluon.supported(q, kv, indices, dout, v_dim):
+            gluon.sparse_mla_bwd(q, kv, indices, dout, lse, delta, scale, dq, dkv)
+            return dq, dkv.to(kv.dtype)
     key = (H, D, v_dim, q.dtype)
     if ("bwd_mode", key) in _chosen:
         modes = [_chosen[("bwd_mode", key)]]
