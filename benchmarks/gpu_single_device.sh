@@ -287,7 +287,7 @@ kern20)
   # issue 20's kernels not yet run on a GPU: the GPU tests of the Gluon kernels and the sampled select, then the
   # forward's benchmark (KERN20_TEST_T, KERN20_FWD_T cap them, default 170 / 250 s)
   stamp kern20
-  timeout -k 10 ${KERN20_TEST_T:-170} python3 -m pytest -q -m gpu tests/test_ops_gpu.py tests/test_topk_sampled_gpu.py \
+  timeout -k 10 ${KERN20_TEST_T:-170} python3 -m pytest -q -m gpu tests/test_ops_gpu.py \
     -k "gluon or sampled" -p no:cacheprovider 2>&1 | tee $OUT/kern20_pytest.log | tail -15
   timeout -k 10 ${KERN20_FWD_T:-250} python3 benchmarks/sparse_mla_fwd_variants.py --variants idx_reg gluon_n64_s2 \
     gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 gluon_overlap_n32_s4 --top 0 --budget 0.3 \

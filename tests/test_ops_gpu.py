@@ -568,17 +568,56 @@ def test_topk_select_split_matches_reference_in_a_cuda_graph(tied):
     R, W, k = 8, 96 * 1024, 2048
     scores = (torch.randint(-3, 4, (R, W), device="cuda", generator=g).float() if tied
               else torch.randn(R, W, device="cuda", generator=g))
-    n_valid = torch.tensor([W, 1, 0, k, k + 1, 5000, W - 1, 70000], device="cuda")
+    assert_long_row_select_exact(topk_select_split, scores, k)
+
+
+def select_lengths(W: int, k: int) -> torch.Tensor:
+    """Ragged row lengths for the long-row selects: full, 1, 0, k, k + 1, 5000, W - 1, 70000."""
+    return torch.tensor([W, 1, 0, k, k + 1, 5000, W - 1, 70000], device="cuda")
+
+
+def assert_long_row_select_exact(select, scores: torch.Tensor, k: int) -> None:
+    """A long-row select (`select(scores, n_valid, k, slices=...)`) equals the reference on rows of ragged lengths at
+    several slice counts, and in a CUDA graph replayed on new scores in the same buffers."""
+    W = scores.shape[1]
+    n_valid = select_lengths(W, k)
     valid = torch.arange(W, device="cuda")[None, :] < n_valid[:, None]
     want = reference.select_topk(scores, valid, k)
     for slices in (None, 1, 7, 96):
-        assert torch.equal(topk_select_split(scores, n_valid, k, slices=slices), want), f"slices {slices}"
+        assert torch.equal(select(scores, n_valid, k, slices=slices), want), f"slices {slices}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = topk_select_split(scores, n_valid, k)
+        got = select(scores, n_valid, k)
     scores.neg_()  # new inputs in the same buffers
     graph.replay()
     assert torch.equal(got, reference.select_topk(scores, valid, k))
+
+
+def _select_scores(kind: str, rows: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """Random, small-integer (many ties) or decode-like (sum_j w_j relu(q_j . k_n), weights of both signs)."""
+    if kind == "tied":
+        return torch.randint(-3, 4, (rows, width), device="cuda", generator=g).float()
+    if kind == "random":
+        return torch.randn(rows, width, device="cuda", generator=g)
+    q, k = torch.randn(rows, 32, 128, device="cuda", generator=g), torch.randn(width, 128, device="cuda", generator=g)
+    w = torch.randn(rows, 32, device="cuda", generator=g) * 32**-0.5
+    return (w[:, :, None] * torch.einsum("rhd,nd->rhn", q, k).clamp_min(0)).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["random", "tied", "decode"])
+def test_topk_select_sampled_matches_reference_in_a_cuda_graph(kind):
+    """`triton_topk_sampled.topk_select_sampled` (one full read of the scores) as the split select above, and on
+    decode-like scores its rows keep their top k and not twice as much."""
+    from slime_dsa.ops.triton_topk_sampled import keep_above_floor, topk_select_sampled
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    R, W, k = 8, 96 * 1024, 2048
+    scores = _select_scores(kind, R, W, g)
+    if kind == "decode":
+        n_valid = select_lengths(W, k)
+        total, k_eff = keep_above_floor(scores, n_valid, k, 12, 1024, 4).total, n_valid.clamp(max=k)
+        assert bool((total >= k_eff).all() and (total <= 2 * k_eff).all()), total.tolist()
+    assert_long_row_select_exact(topk_select_sampled, scores, k)
 
 
 def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int, width: int = 384):

@@ -179,10 +179,10 @@ def _key_loop_overlapped(qn_smem, qp_smem, kn_smem, kp_smem, p_smem, kv_ptr, idx
         s_next = _scores(qn_smem, qp_smem, kn_smem.index(nxt), kp_smem.index(nxt), s_zero)
         p, alpha, m_i, l_i, l_acc = _online_softmax(s, valid, m_i, l_i, l_acc, scale_log2, ROW_SUM_AT_END)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_smem.index(0).store(p.to(gl.bfloat16))
+        p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         _cta_barrier()  # both halves of P are written
-        acc_token = warpgroup_mma(p_smem.index(0), kn_smem.index(j % STAGES), acc, is_async=True)
+        acc_token = warpgroup_mma(p_smem, kn_smem.index(j % STAGES), acc, is_async=True)
         valid = _block_idx(idx_row, (j + 1) * BLOCK_N, k_end, BLOCK_N, keys_layout) >= 0
         idx_next = _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc_token))
@@ -218,7 +218,7 @@ def _sparse_mla_fwd_kernel(
     qp_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_R], r_sl)
     kn_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_V], v_sl)
     kp_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], r_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, BLOCK_N], p_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
 
     q_rows = q_ptr + t * stride_qt + (h0 + gl.arange(0, BLOCK_H, rows_layout)).to(gl.int64)[:, None] * stride_qh
     cp.async_copy_global_to_shared(qn_smem, q_rows + gl.arange(0, D_V, gl.SliceLayout(0, copy_layout))[None, :])
@@ -262,10 +262,10 @@ def _sparse_mla_fwd_kernel(
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             p, alpha, m_i, l_i, l_acc = _online_softmax(s, valid, m_i, l_i, l_acc, scale_log2, ROW_SUM_AT_END)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            p_smem.index(0).store(p.to(gl.bfloat16))
+            p_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
             _cta_barrier()  # both halves of P are written
-            acc = warpgroup_mma(p_smem.index(0), kn, acc, is_async=True)
+            acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             valid = valid_next
     cp.wait_group(0)
