@@ -157,3 +157,42 @@ def test_emulator_shows_an_operand_overwritten_under_a_wgmma():
     assert torch.allclose(results[0], a.float() @ a.float().T) and (results[1] == 0).all()
     with pytest.raises(TypeError):
         EmulatedKernel(_mma_then_overwrite, Timing())[(1,)](a, torch.zeros(64, 64), USE_BEFORE_WAIT=True)
+
+
+def test_the_model_path_through_the_gluon_switches(monkeypatch):
+    """triton_sparse_mla's autograd path with GLUON_FWD / GLUON_BWD on, routed to the Gluon modules whose kernels run
+    emulated (their `supported` forced, as on sm_90): out, lse and the gradients of a loss of both (so dlse enters
+    delta) against the reference's."""
+    pytest.importorskip("slime_dsa.ops.gluon_sparse_mla", exc_type=ImportError)
+    from slime_dsa.ops import gluon_sparse_mla, gluon_sparse_mla_bwd
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    q, kv, indices = _inputs(T=6, H=64, K=64, seed=3)
+    assert mla._forward_variant(False, 6, 64, 64, q.dtype, 576, D_V, q.device) is not None  # a prefill-shaped call
+    kernels = []
+    for module, name in ((gluon_sparse_mla, "_sparse_mla_fwd_kernel"), (gluon_sparse_mla_bwd, "_sparse_mla_bwd_kernel")):
+        kernels.append(EmulatedKernel(getattr(module, name)))
+        monkeypatch.setattr(module, name, kernels[-1])
+        monkeypatch.setattr(module, "supported", lambda *args: True)
+    monkeypatch.setattr(mla, "GLUON_FWD", True)
+    monkeypatch.setattr(mla, "GLUON_BWD", True)
+    monkeypatch.setattr(mla, "USE_KEY_RANGES", False)
+    scale = (D_V + D_R) ** -0.5
+    g = torch.Generator().manual_seed(4)
+    dout, dlse = torch.randn(6, 64, D_V, generator=g), torch.randn(6, 64, generator=g)
+
+    def loss_and_grads(fn, q_, kv_):
+        q_, kv_ = q_.detach().requires_grad_(True), kv_.detach().requires_grad_(True)
+        out, lse = fn(q_, kv_, indices, scale, D_V)
+        has = torch.isfinite(lse)
+        loss = (out.float() * dout).sum() + (torch.where(has, lse, 0.0) * dlse).sum()
+        return (out, lse, *torch.autograd.grad(loss, (q_, kv_)))
+
+    got = loss_and_grads(mla.sparse_mla_attention, q, kv)
+    assert [k.launches for k in kernels] == [1, 1]
+    want = loss_and_grads(reference.sparse_mla_attention, q.float(), kv.float())
+    assert got[2].dtype == q.dtype and got[3].dtype == kv.dtype
+    has = torch.isfinite(want[1])
+    assert torch.equal(torch.isfinite(got[1]), has) and (got[1][has] - want[1][has]).abs().max() <= 1e-3
+    for name, a, b in zip(("out", "dq", "dkv"), (got[0], got[2], got[3]), (want[0], want[2], want[3])):
+        assert _rel_l2(a, b) <= REL_L2, (name, _rel_l2(a, b))
