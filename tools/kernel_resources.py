@@ -31,7 +31,8 @@ _PTR_TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16", torch.fl
 
 def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """Compile `kernel` for sm_90a: args maps each runtime argument to a torch dtype (a pointer), an int or a float;
-    returns shared bytes, registers, spilled bytes (stores), the MMA kind and the atomic instructions."""
+    returns shared bytes, registers, spilled bytes (stores), the MMA kind and the atomic instructions. KERNEL_PTX /
+    KERNEL_SASS name files to write the PTX / SASS to."""
     signature, attrs, consts = {}, {}, dict(constexprs)
     for i, name in enumerate(kernel.arg_names):
         value = args.get(name)
@@ -70,6 +71,9 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
                               check=True).stdout
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
+    if os.environ.get("KERNEL_PTX"):
+        with open(os.environ["KERNEL_PTX"], "w") as f:
+            f.write(ptx)
     if os.environ.get("KERNEL_SASS"):
         with open(os.environ["KERNEL_SASS"], "w") as f:
             f.write(sass)
