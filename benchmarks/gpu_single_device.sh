@@ -66,9 +66,9 @@
 # rollout path timed again after a KV-cache release (--release-kv: what a colocated RL step's hand-over costs);
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
-# kern20, kern20b: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward and dKV
-# kernels, the sampled top-k select). kern20: their GPU tests, then benchmarks/sparse_mla_fwd_variants.py (idx_reg and
-# every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
+# kern20, kern20b: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward, plain and
+# warp-specialised, and backward kernels, the sampled top-k select). kern20: their GPU tests, then
+# benchmarks/sparse_mla_fwd_variants.py (idx_reg and every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
 # benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv gluon_split gluon_fused: kern20_select.json,
 # kern20_bwd.json.
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
@@ -285,13 +285,14 @@ engthr)
   ;;
 kern20)
   # issue 20's kernels not yet run on a GPU: the GPU tests of the Gluon kernels and the sampled select, then the
-  # forward's benchmark (KERN20_TEST_T, KERN20_FWD_T cap them, default 170 / 250 s)
+  # forward's benchmark (KERN20_TEST_T, KERN20_FWD_T cap them, default 170 / 300 s)
   stamp kern20
   timeout -k 10 ${KERN20_TEST_T:-170} python3 -m pytest -q -m gpu tests/test_ops_gpu.py \
     -k "gluon or sampled" -p no:cacheprovider 2>&1 | tee $OUT/kern20_pytest.log | tail -15
-  timeout -k 10 ${KERN20_FWD_T:-250} python3 benchmarks/sparse_mla_fwd_variants.py --variants idx_reg gluon_n64_s2 \
-    gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 gluon_overlap_n32_s4 --top 0 --budget 0.3 \
-    --time-limit $(( ${KERN20_FWD_T:-250} - 30 )) --out $OUT/kern20_fwd.json 2>&1 | grep -v Warning | tail -40
+  timeout -k 10 ${KERN20_FWD_T:-300} python3 benchmarks/sparse_mla_fwd_variants.py --variants idx_reg gluon_n64_s2 \
+    gluon_ws_n64_s2 gluon_ws_n32_s4 gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 \
+    gluon_overlap_n32_s4 --top 0 --budget 0.3 \
+    --time-limit $(( ${KERN20_FWD_T:-300} - 30 )) --out $OUT/kern20_fwd.json 2>&1 | grep -v Warning | tail -40
   ;;
 kern20b)
   # the sampled select against the split one, then the Gluon backward (dKV half, both halves, fused) against split64

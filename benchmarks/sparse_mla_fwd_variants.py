@@ -179,7 +179,8 @@ def resources(variant: str) -> tuple[str, str, str]:
     if variant.startswith(GLUON):
         from slime_dsa.ops import gluon_sparse_mla  # noqa: PLC0415
 
-        kernel = gluon_sparse_mla._sparse_mla_fwd_kernel
+        warp_specialized = gluon_sparse_mla.CONFIGS[variant[len(GLUON):]].warp_specialized
+        kernel = gluon_sparse_mla._sparse_mla_fwd_ws_kernel if warp_specialized else gluon_sparse_mla._sparse_mla_fwd_kernel
     regs, spills = _resources(kernel)
     try:
         compiled = list(kernel.device_caches[torch.cuda.current_device()][0].values())[-1]

@@ -9,9 +9,12 @@ What it models:
 - cp.async copies land either when issued or only when `wait_group` retires their group, and async wgmmas read their
   shared operands either when issued or only at `warpgroup_mma_wait` (`Timing`): a kernel must give the same result
   under every timing, as it must on the GPU, where each can happen anywhere in between;
-- an async wgmma's result cannot be used before the wait that returns it (it is not a tensor until then).
+- an async wgmma's result cannot be used before the wait that returns it (it is not a tensor until then);
+- `gl.warp_specialize` partitions as threads running side by side, each with its own copy groups and wgmmas, and
+  mbarriers (init, arrive, wait on a phase parity, cp.async.mbarrier.arrive): a wait that never completes is reported
+  as a deadlock after DEADLOCK_S seconds; copies a barrier tracks land when its phase completes, at the latest.
 
-What it does not model: layouts, warps, barriers between warps, register or shared-memory limits, and the GPU's
+What it does not model: layouts, warps, barriers between the warps of one partition, register or shared-memory limits, and the GPU's
 rounding inside an MMA (here float32 products of the bf16 operands). A kernel that passes here can still fail on the
 GPU for those; tools/kernel_resources.py compiles it for sm_90a, and tests/test_ops_gpu.py is the real check.
 """
@@ -19,6 +22,7 @@ GPU for those; tools/kernel_resources.py compiles it for sm_90a, and tests/test_
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 _GLUON_LANGUAGE = "triton.experimental.gluon.language"
+DEADLOCK_S = 20.0  # an mbarrier wait this long is a deadlock
 
 
 @dataclass(frozen=True)
@@ -138,20 +143,64 @@ class _Pending:
         return self.value
 
 
-class _Program:
-    """The state of the program being run: its ids, timing, copy groups and wgmmas in flight."""
+class _Copy:
+    """One cp.async: its values read from global memory, landing in shared memory once."""
 
-    def __init__(self, pid: tuple[int, ...], timing: Timing):
-        self.pid, self.timing = pid, timing
-        self.open_copies: list[Callable[[], None]] = []
-        self.groups: list[list[Callable[[], None]]] = []
+    def __init__(self, smem: "Smem", values: torch.Tensor):
+        self.smem, self.values, self.landed = smem, values, False
+
+    def land(self) -> None:
+        if not self.landed:
+            self.smem.data.copy_(self.values.to(self.smem.data.dtype))
+            self.landed = True
+
+
+class _Partition:
+    """The asynchronous state one partition (the program's warps, or one warp_specialize partition) owns."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.open_copies: list[_Copy] = []
+        self.groups: list[list[_Copy]] = []
         self.mmas: list[_Pending] = []
 
-    def finish(self) -> None:
-        if self.open_copies or self.groups:
-            raise RuntimeError(f"program {self.pid} ended with cp.async copies not waited for")
+    def check_drained(self, pid: tuple[int, ...]) -> None:
+        if any(not c.landed for c in self.open_copies + [c for g in self.groups for c in g]):
+            raise RuntimeError(f"program {pid} ended with cp.async copies not waited for")
         if any(m.value is None for m in self.mmas):
-            raise RuntimeError(f"program {self.pid} ended with a wgmma not waited for")
+            raise RuntimeError(f"program {pid} ended with a wgmma not waited for")
+
+
+class _MBarrier:
+    """An mbarrier: arrivals pending in its current phase, the phase bit, and the cp.async copies it tracks."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phase = count, count, 0
+        self.tracked: list[_Copy] = []
+
+
+class _Program:
+    """The state of the program being run: its ids, timing, partitions and mbarriers."""
+
+    def __init__(self, pid: tuple[int, ...], timing: Timing, threads: int):
+        self.pid, self.timing = pid, timing
+        self.partitions = {threading.get_ident(): _Partition(threads)}
+        self.barriers: dict[int, _MBarrier] = {}
+        self.changed = threading.Condition()
+        self.failed = False
+
+    def partition(self) -> _Partition:
+        return self.partitions[threading.get_ident()]
+
+    def barrier(self, smem: "Smem") -> _MBarrier:
+        key = smem.data.data_ptr()
+        if key not in self.barriers:
+            raise RuntimeError(f"program {self.pid}: an mbarrier used before mbarrier.init")
+        return self.barriers[key]
+
+    def finish(self) -> None:
+        for partition in self.partitions.values():
+            partition.check_drained(self.pid)
 
 
 _program: _Program | None = None
@@ -270,27 +319,119 @@ gl = _Language(
 # ---- cp.async and wgmma ------------------------------------------------------------------------------------------
 
 def _async_copy_global_to_shared(smem: Smem, pointer: Ptr, mask=None, **kwargs) -> None:
-    values = _raw(_load(pointer, mask))  # global memory does not change under the kernel: read now, land later
-    land = lambda: smem.data.copy_(values.to(smem.data.dtype))  # noqa: E731
+    copy = _Copy(smem, _raw(_load(pointer, mask)))  # global memory does not change under the kernel: read it now
     if _program.timing.copies_land == "issue":
-        land()
+        copy.land()
     else:
-        _program.open_copies.append(land)
+        _program.partition().open_copies.append(copy)
 
 
 def _commit_group() -> None:
-    _program.groups.append(_program.open_copies)
-    _program.open_copies = []
+    partition = _program.partition()
+    partition.groups.append(partition.open_copies)
+    partition.open_copies = []
 
 
 def _wait_group(num_outstanding=0) -> None:
-    while len(_program.groups) > int(num_outstanding):
-        for land in _program.groups.pop(0):
-            land()
+    partition = _program.partition()
+    while len(partition.groups) > int(num_outstanding):
+        for copy in partition.groups.pop(0):
+            copy.land()
+
+
+def _arrive(bar: _MBarrier, count: int) -> None:
+    with _program.changed:
+        bar.pending -= count
+        if bar.pending < 0:
+            raise RuntimeError(f"program {_program.pid}: more arrivals on an mbarrier than its count")
+        if bar.pending == 0:
+            for copy in bar.tracked:
+                copy.land()
+            bar.tracked, bar.pending, bar.phase = [], bar.count, bar.phase ^ 1
+            _program.changed.notify_all()
+
+
+def _copies_mbarrier_arrive(mbarrier: Smem, increment_count=True) -> None:
+    """cp.async.mbarrier.arrive by each thread of the partition: the barrier tracks the partition's copies so far
+    (they land when its phase completes, at the latest); without increment_count each thread's arrival counts."""
+    bar, partition = _program.barrier(mbarrier), _program.partition()
+    with _program.changed:
+        bar.tracked += [c for c in partition.open_copies + [c for g in partition.groups for c in g] if not c.landed]
+    if not increment_count:
+        _arrive(bar, partition.threads)
 
 
 cp = types.SimpleNamespace(async_copy_global_to_shared=_async_copy_global_to_shared, commit_group=_commit_group,
-                           wait_group=_wait_group)
+                           wait_group=_wait_group, mbarrier_arrive=_copies_mbarrier_arrive)
+
+
+def _mbarrier_init(mbarrier: Smem, count) -> None:
+    _program.barriers[mbarrier.data.data_ptr()] = _MBarrier(int(count))
+
+
+def _mbarrier_arrive(mbarrier: Smem, *, count=1, pred=True) -> None:
+    """One arrival of `count` for the partition (Gluon lowers it to a single elected thread)."""
+    if bool(pred):
+        _arrive(_program.barrier(mbarrier), int(count))
+
+
+def _mbarrier_wait(mbarrier: Smem, phase, pred=True, deps=()) -> None:
+    """Blocks until the barrier's phase of parity `phase` has completed (its phase bit differs from `phase`)."""
+    if not bool(pred):
+        return
+    bar, parity = _program.barrier(mbarrier), int(phase)
+    with _program.changed:
+        if not _program.changed.wait_for(lambda: bar.phase != parity or _program.failed, timeout=DEADLOCK_S):
+            _program.failed = True
+            _program.changed.notify_all()
+            raise RuntimeError(f"program {_program.pid}: deadlock, an mbarrier wait on parity {parity} never "
+                               f"completed ({bar.pending} of {bar.count} arrivals missing)")
+        if _program.failed:
+            raise RuntimeError(f"program {_program.pid}: another partition failed")
+
+
+def _mbarrier_invalidate(mbarrier: Smem) -> None:
+    _program.barriers.pop(mbarrier.data.data_ptr(), None)
+
+
+mbarrier = types.SimpleNamespace(init=_mbarrier_init, arrive=_mbarrier_arrive, wait=_mbarrier_wait,
+                                 invalidate=_mbarrier_invalidate, MBarrierLayout=_Layout)
+
+
+def _warp_specialize(functions_and_args, worker_num_warps, worker_num_regs=None, **kwargs):
+    """Runs each worker partition in a thread of its own beside the default one (this thread), as the GPU runs them
+    side by side; returns the default partition's result."""
+    program, errors = _program, []
+
+    def run_worker(fn, args, warps: int) -> None:
+        program.partitions[threading.get_ident()] = _Partition(warps * 32)
+        try:
+            with torch.no_grad():
+                fn(*args)
+        except BaseException as err:  # noqa: BLE001 (re-raised in the launching thread)
+            errors.append(err)
+            with program.changed:
+                program.failed = True
+                program.changed.notify_all()
+
+    workers = [threading.Thread(target=run_worker, args=(fn, args, int(warps)), daemon=True)
+               for (fn, args), warps in zip(functions_and_args[1:], worker_num_warps)]
+    for worker in workers:
+        worker.start()
+    default_fn, default_args = functions_and_args[0]
+    try:
+        result = default_fn(*default_args)
+    except BaseException:
+        with program.changed:
+            program.failed = True
+            program.changed.notify_all()
+        raise
+    finally:
+        for worker in workers:
+            worker.join(DEADLOCK_S)
+    if errors:
+        raise errors[0]
+    return result
 
 
 def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **kwargs):
@@ -303,21 +444,23 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **kwargs):
     if not is_async:
         return _val(compute())
     pending = _Pending(compute, now=_program.timing.mma_reads == "issue")
-    _program.mmas.append(pending)
+    _program.partition().mmas.append(pending)
     return pending
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
     if int(num_outstanding) != 0:
         raise NotImplementedError("the emulator waits for every wgmma (num_outstanding=0)")
-    for pending in _program.mmas:  # in issue order, as the hardware retires them
+    for pending in _program.partition().mmas:  # the warp group's own, in issue order, as the hardware retires them
         pending.resolve()
     out = tuple(_val(d.value) if isinstance(d, _Pending) else d for d in deps)
     return out[0] if len(out) == 1 else out
 
 
+gl.warp_specialize = _warp_specialize
 _FUNCTIONS = {"warpgroup_mma": _warpgroup_mma, "warpgroup_mma_wait": _warpgroup_mma_wait,
-              "fence_async_shared": _no_op, "thread_barrier": _no_op, "barrier": _no_op}
+              "fence_async_shared": _no_op, "thread_barrier": _no_op, "barrier": _no_op,
+              "warp_specialize": _warp_specialize}
 
 
 # ---- running a kernel --------------------------------------------------------------------------------------------
@@ -335,6 +478,8 @@ def _substitute(value: Any) -> Any:
             return gl
         if value.__name__.endswith("async_copy"):
             return cp
+        if value.__name__.endswith("mbarrier"):
+            return mbarrier
         return value
     module = getattr(value, "__module__", None) or ""
     if module.startswith(_GLUON_LANGUAGE) and callable(value):
@@ -375,7 +520,7 @@ class EmulatedKernel:
             torch.set_num_threads(1)  # many tiny ops: extra threads only contend with the machine's other work
             try:
                 for pid in itertools.product(*(range(int(g)) for g in grid)):
-                    _program = _Program(pid + (0,) * (3 - len(pid)), self.timing)
+                    _program = _Program(pid + (0,) * (3 - len(pid)), self.timing, 32 * constexprs.get("num_warps", 4))
                     with torch.no_grad():
                         self.fn(*args, **constexprs)
                     _program.finish()

@@ -11,9 +11,13 @@ keys). One program is one query row and 64 heads, 8 warps (two warp groups):
 - S = q k^T: each warp group takes half of the step's keys over all 576 dims (wgmma, q and k from shared memory);
 - P goes through shared memory; O += P v: each warp group owns 256 of the 512 value columns (128 accumulator
   registers a thread).
+The `ws_` configs split the program by warp specialisation (`_sparse_mla_fwd_ws_kernel`): a producer partition of
+PRODUCER_WARPS warps gathers q and the kv rows, and mbarriers hand each buffer to the 8 computing warps and back, so
+that the gathers' address work and issue leave the computing warps' loop (their registers go up with setmaxnreg).
 -1 slots read kv row 0 (their scores are set to -inf, so p = 0 and kv must be finite) and the key loop ends after a
 row's last used slot. Requires sm_90 (`supported`). Compiled for sm_90a by Triton 3.6 (the H200's) no config spills;
-Triton 3.8 spills 116-148 bytes at 64 keys a step (tools/kernel_resources.py).
+Triton 3.8 spills 116-148 bytes at 64 keys a step (tools/kernel_resources.py). tests/test_gluon_emulated.py runs every
+config's code on CPU through a FAKE Gluon (tools/gluon_emulator.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, warpgroup_mma, warpgroup_mma_wait,
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 
 # A barrier of the program's threads: thread_barrier in Triton 3.5-3.6 (the H200's), barrier from 3.7
@@ -34,6 +38,8 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 LOG2E = 1.4426950408889634
 BLOCK_H = 64
 NUM_WARPS = 8
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 56  # registers a producer thread keeps; the computing warps get the rest (setmaxnreg)
 D_V, D_R = 512, 64
 
 
@@ -49,6 +55,9 @@ class GluonFwdConfig:
     # The next step's QK wgmma runs while this step's softmax computes (flash attention 3's intra-warp-group
     # pipelining); needs stages >= 3.
     overlap: bool = False
+    # A producer partition of PRODUCER_WARPS warps gathers the kv rows (mbarriers hand each buffer over) while the
+    # 8 warps of the default partition only compute: Hopper's warp specialisation.
+    warp_specialized: bool = False
 
 
 CONFIGS = {
@@ -57,6 +66,8 @@ CONFIGS = {
     "n32_s4": GluonFwdConfig(32, 4),
     "overlap_n32_s3": GluonFwdConfig(32, 3, overlap=True),
     "overlap_n32_s4": GluonFwdConfig(32, 4, overlap=True),
+    "ws_n64_s2": GluonFwdConfig(64, 2, warp_specialized=True),
+    "ws_n32_s4": GluonFwdConfig(32, 4, warp_specialized=True),
 }
 DEFAULT_CONFIG = "n64_s2"
 
@@ -100,6 +111,31 @@ def _gather(kn_buf, kp_buf, kv_ptr, idx, stride_kvt, D_V: gl.constexpr, D_R: gl.
     cols_r = gl.arange(0, D_R, gl.SliceLayout(0, layout))
     cp.async_copy_global_to_shared(kn_buf, rows + cols_v[None, :])
     cp.async_copy_global_to_shared(kp_buf, rows + D_V + cols_r[None, :])
+
+
+@gluon.jit
+def _allocate_buffers(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_V: gl.constexpr,
+                      D_R: gl.constexpr):
+    """Shared memory of the forward: q (latent, rope), `STAGES` kv buffers (latent, rope) and P."""
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
+    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    return (gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], v_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_R], r_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_V], v_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], r_sl),
+            gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl))
+
+
+@gluon.jit
+def _copy_q(qn_smem, qp_smem, q_row_ptr, h0, stride_qh, layout: gl.constexpr):
+    """cp.async of one query row's head block (latent and rope) into shared memory."""
+    BLOCK_H: gl.constexpr = qn_smem.shape[0]
+    D_V: gl.constexpr = qn_smem.shape[1]
+    D_R: gl.constexpr = qp_smem.shape[1]
+    q_rows = q_row_ptr + (h0 + gl.arange(0, BLOCK_H, gl.SliceLayout(1, layout))).to(gl.int64)[:, None] * stride_qh
+    cp.async_copy_global_to_shared(qn_smem, q_rows + gl.arange(0, D_V, gl.SliceLayout(0, layout))[None, :])
+    cp.async_copy_global_to_shared(qp_smem, q_rows + D_V + gl.arange(0, D_R, gl.SliceLayout(0, layout))[None, :])
 
 
 @gluon.jit
@@ -210,19 +246,8 @@ def _sparse_mla_fwd_kernel(
     rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
     keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     scan_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
-    r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-
-    qn_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], v_sl)
-    qp_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_R], r_sl)
-    kn_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_V], v_sl)
-    kp_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], r_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
-
-    q_rows = q_ptr + t * stride_qt + (h0 + gl.arange(0, BLOCK_H, rows_layout)).to(gl.int64)[:, None] * stride_qh
-    cp.async_copy_global_to_shared(qn_smem, q_rows + gl.arange(0, D_V, gl.SliceLayout(0, copy_layout))[None, :])
-    cp.async_copy_global_to_shared(qp_smem, q_rows + D_V + gl.arange(0, D_R, gl.SliceLayout(0, copy_layout))[None, :])
+    qn_smem, qp_smem, kn_smem, kp_smem, p_smem = _allocate_buffers(BLOCK_H, BLOCK_N, STAGES, D_V, D_R)
+    _copy_q(qn_smem, qp_smem, q_ptr + t * stride_qt, h0, stride_qh, copy_layout)
 
     idx_row = idx_ptr + t * stride_it
     k_end = _row_end(idx_row, K, SCAN, scan_layout)
@@ -274,6 +299,116 @@ def _sparse_mla_fwd_kernel(
                ROW_SUM_AT_END)
 
 
+@gluon.jit
+def _ws_producer(q_ptr, kv_ptr, idx_row, qn_smem, qp_smem, kn_smem, kp_smem, q_ready, kv_ready, kv_free, k_end,
+                 n_steps, q_row_offset, stride_qh, stride_kvt, h0, ROW64: gl.constexpr, WARPS: gl.constexpr):
+    """The warp-specialised forward's producer: q, then every buffer's first step, then for each step j: hand step
+    j + 1 over (kv_ready) once its rows have landed, wait for the computing warps to free step j's buffer and gather
+    step j + STAGES into it. So a gather is issued a whole step before its rows are needed, and the issuing is never
+    what the computing warps wait on."""
+    STAGES: gl.constexpr = kn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kn_smem.shape[1]
+    D_V: gl.constexpr = kn_smem.shape[2]
+    D_R: gl.constexpr = kp_smem.shape[2]
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    _copy_q(qn_smem, qp_smem, q_ptr + q_row_offset, h0, stride_qh, copy_layout)
+    cp.commit_group()
+    for b in gl.static_range(STAGES):
+        if b < n_steps:
+            _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
+                    rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
+        cp.commit_group()  # an empty group past the last step keeps the counts below fixed
+    cp.wait_group(STAGES - 1)  # q and step 0
+    fence_async_shared()  # the copies are visible to wgmma's reads
+    mbarrier.arrive(q_ready)
+    if n_steps > 0:
+        mbarrier.arrive(kv_ready.index(0))
+    for j in range(n_steps):
+        if j + 1 < n_steps:
+            cp.wait_group(STAGES - 2)  # step j + 1 (gathered at step j + 1 - STAGES or in the prologue)
+            fence_async_shared()
+            mbarrier.arrive(kv_ready.index((j + 1) % STAGES))
+        buf = j % STAGES
+        mbarrier.wait(kv_free.index(buf), (j // STAGES) & 1)  # the computing warps are done with step j
+        if j + STAGES < n_steps:
+            _gather(kn_smem.index(buf), kp_smem.index(buf), kv_ptr, _block_idx(idx_row, (j + STAGES) * BLOCK_N,
+                    k_end, BLOCK_N, rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
+        cp.commit_group()
+    cp.wait_group(0)
+
+
+@gluon.jit
+def _ws_compute(qn_smem, qp_smem, kn_smem, kp_smem, p_smem, q_ready, kv_ready, kv_free, idx_row, k_end, n_steps,
+                scale_log2, out_row_ptr, lse_row_ptr, h0, stride_oh, ROW_SUM_AT_END: gl.constexpr,
+                num_warps: gl.constexpr):
+    """The warp-specialised forward's computing warps: the key loop of `_sparse_mla_fwd_kernel` without its copies,
+    each buffer taken when the producer hands it over and given back after its PV."""
+    STAGES: gl.constexpr = kn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kn_smem.shape[1]
+    D_V: gl.constexpr = kn_smem.shape[2]
+    BLOCK_H: gl.constexpr = qn_smem.shape[0]
+    WG: gl.constexpr = num_warps // 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                       instr_shape=[16, BLOCK_N // WG, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                       instr_shape=[16, D_V // WG, 16])
+    keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_layout)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_steps):
+        buf = j % STAGES
+        valid = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, keys_layout) >= 0
+        mbarrier.wait(kv_ready.index(buf), (j // STAGES) & 1)
+        fence_async_shared()
+        kn = kn_smem.index(buf)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qn_smem, qp_smem, kn, kp_smem.index(buf), s_zero),))
+        p, alpha, m_i, l_i, l_acc = _online_softmax(s, valid, m_i, l_i, l_acc, scale_log2, ROW_SUM_AT_END)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # both halves of P are written
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(p_smem, kn, acc, is_async=True),))
+        mbarrier.arrive(kv_free.index(buf))
+    _store_out(acc, m_i, l_i, l_acc, out_row_ptr, lse_row_ptr, h0, stride_oh, ROW_SUM_AT_END)
+
+
+@gluon.jit
+def _sparse_mla_fwd_ws_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+    K, scale_log2,
+    D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
+    STAGES: gl.constexpr, ROW_SUM_AT_END: gl.constexpr, ROW64: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    t = gl.program_id(0).to(gl.int64)
+    h0 = gl.program_id(1) * BLOCK_H
+    qn_smem, qp_smem, kn_smem, kp_smem, p_smem = _allocate_buffers(BLOCK_H, BLOCK_N, STAGES, D_V, D_R)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for b in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(b), count=1)
+        mbarrier.init(kv_free.index(b), count=1)
+
+    idx_row = idx_ptr + t * stride_it
+    k_end = _row_end(idx_row, K, SCAN, gl.BlockedLayout([4], [32], [num_warps], [0]))
+    n_steps = gl.cdiv(k_end, BLOCK_N)
+    gl.warp_specialize([
+        (_ws_compute, (qn_smem, qp_smem, kn_smem, kp_smem, p_smem, q_ready, kv_ready, kv_free, idx_row, k_end,
+                       n_steps, scale_log2, out_ptr + t * stride_ot, lse_ptr + t * stride_lt, h0, stride_oh,
+                       ROW_SUM_AT_END, num_warps)),
+        (_ws_producer, (q_ptr, kv_ptr, idx_row, qn_smem, qp_smem, kn_smem, kp_smem, q_ready, kv_ready, kv_free, k_end,
+                        n_steps, t * stride_qt, stride_qh, stride_kvt, h0, ROW64, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
 def sparse_mla_fwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int, config: str = DEFAULT_CONFIG
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,12 +420,14 @@ def sparse_mla_fwd(
     if T == 0:
         return out, lse
     cfg = CONFIGS[config]
-    _sparse_mla_fwd_kernel[(T, H // BLOCK_H)](
-        q, kv, indices, out, lse,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        K, scale * LOG2E,
-        D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, SCAN=min(triton.next_power_of_2(K), 1024),
-        STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end, OVERLAP=cfg.overlap, ROW64=kv.numel() >= 2**31,
-        num_warps=NUM_WARPS,
-    )
+    args = (q, kv, indices, out, lse, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0),
+            out.stride(1), lse.stride(0), K, scale * LOG2E)
+    constexprs = dict(D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, SCAN=min(triton.next_power_of_2(K), 1024),
+                      STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end, ROW64=kv.numel() >= 2**31,
+                      num_warps=NUM_WARPS)
+    if cfg.warp_specialized:
+        _sparse_mla_fwd_ws_kernel[(T, H // BLOCK_H)](*args, **constexprs, PRODUCER_WARPS=PRODUCER_WARPS,
+                                                      PRODUCER_REGS=PRODUCER_REGS)
+    else:
+        _sparse_mla_fwd_kernel[(T, H // BLOCK_H)](*args, **constexprs, OVERLAP=cfg.overlap)
     return out, lse
