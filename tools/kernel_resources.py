@@ -3,6 +3,7 @@ without a GPU.
 
     PYTHONPATH=. python tools/kernel_resources.py --modes fused fused64 split64 --heads 64 --dims 512 64
     PYTHONPATH=. python tools/kernel_resources.py --forward    the forward's configs, skipping empty slots or not
+    PYTHONPATH=. python tools/kernel_resources.py --gluon      the Gluon forward's configs and backward kernels
 
 Triton compiles ahead of time for a target it does not have (sm_90, Hopper) and the ptxas shipped in the triton wheel
 reports registers and bytes spilled per thread. Arguments are specialised as a launch specialises them (pointers and
@@ -81,7 +82,7 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
                 spilled=int(spills.group(1)) if spills else None,
                 mma="wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-"),
                 atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))),
-                loop=largest_loop(sass), serialized=re.findall(r"wgmma[^\n]*serialized[^\n]*", report))
+                loop=largest_loop(sass), mma_loop=mma_loop(sass), serialized=re.findall(r"wgmma[^\n]*serialized[^\n]*", report))
 
 
 def largest_loop(sass: str) -> int:
@@ -90,6 +91,17 @@ def largest_loop(sass: str) -> int:
     spans = [int(at, 16) - int(target, 16)
              for at, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)]
     return max([span // 16 + 1 for span in spans if span > 0], default=0)
+
+
+def mma_loop(sass: str) -> int:
+    """Machine instructions in the shortest loop that holds a tensor-core instruction: a warp-specialised kernel's
+    computing loop, where the longest backward branch spans its partitions' code."""
+    at = {int(a, 16): ins for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)}
+    loops = [(int(target, 16), int(a, 16))
+             for a, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)]
+    spans = [hi - lo for lo, hi in loops if lo < hi
+             and any(("HGMMA" in ins or "HMMA" in ins) for a, ins in at.items() if lo <= a <= hi)]
+    return min(spans, default=-16) // 16 + 1
 
 
 def bwd_launches(modes: list[str], H: int, d_v: int, d_r: int):
@@ -152,6 +164,33 @@ def fwd_args(H: int, d_v: int, d_r: int, K: int = 2048) -> dict:
                 scale_log2=D**-0.5 * 1.4426950408889634)
 
 
+def gluon_launches(K: int = 2048):
+    """(mode, label, config, kernel, runtime args, constexprs) of the Gluon kernels at GLM-5's shapes (64 heads a
+    program, 512 + 64): every forward config and the backward's dQ, dKV and fused kernels (Triton 3.5+)."""
+    from slime_dsa.ops import gluon_sparse_mla as fwd  # noqa: PLC0415
+    from slime_dsa.ops import gluon_sparse_mla_bwd as bwd  # noqa: PLC0415
+
+    H, D = fwd.BLOCK_H, fwd.D_V + fwd.D_R
+    bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+    fwd_runtime = dict(q_ptr=bf16, kv_ptr=bf16, idx_ptr=i64, out_ptr=bf16, lse_ptr=f32, stride_qt=H * D, stride_qh=D,
+                       stride_kvt=D, stride_it=K, stride_ot=H * fwd.D_V, stride_oh=fwd.D_V, stride_lt=H, K=K,
+                       scale_log2=D**-0.5 * 1.4426950408889634)
+    dims = dict(D_V=fwd.D_V, D_R=fwd.D_R, BLOCK_H=H, SCAN=1024, ROW64=False, num_warps=fwd.NUM_WARPS)
+    for name, cfg in fwd.CONFIGS.items():
+        constexprs = dict(dims, BLOCK_N=cfg.block_n, STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end)
+        if cfg.warp_specialized:
+            kernel = fwd._sparse_mla_fwd_ws_kernel
+            constexprs.update(PRODUCER_WARPS=fwd.PRODUCER_WARPS, PRODUCER_REGS=fwd.PRODUCER_REGS)
+        else:
+            kernel, constexprs["OVERLAP"] = fwd._sparse_mla_fwd_kernel, cfg.overlap
+        yield "gluon fwd", name, f"{H}, {cfg.block_n}, {fwd.NUM_WARPS}, {cfg.stages}", kernel, fwd_runtime, constexprs
+    bwd_runtime = {k: v for k, v in bwd_args(H, fwd.D_V, fwd.D_R, K).items() if k != "H"}
+    for label, do_dq, do_dkv in (("dQ", True, False), ("dKV", False, True), ("fused", True, True)):
+        constexprs = dict(dims, BLOCK_N=bwd.BLOCK_N, STAGES=bwd.STAGES, DO_DQ=do_dq, DO_DKV=do_dkv)
+        yield ("gluon bwd", label, f"{H}, {bwd.BLOCK_N}, {fwd.NUM_WARPS}, {bwd.STAGES}", bwd._sparse_mla_bwd_kernel,
+               bwd_runtime, constexprs)
+
+
 def main() -> None:
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
@@ -160,22 +199,31 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--dims", type=int, nargs=2, default=[512, 64], metavar=("LATENT", "ROPE"))
     parser.add_argument("--forward", action="store_true", help="the forward's configs instead of backward modes")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon kernels (slime_dsa/ops/gluon_sparse_mla*.py)")
     args = parser.parse_args()
     H, (d_v, d_r) = args.heads, args.dims
-    launches = fwd_launches(H, d_v, d_r) if args.forward else bwd_launches(args.modes, H, d_v, d_r)
-    kernel_args = fwd_args(H, d_v, d_r) if args.forward else bwd_args(H, d_v, d_r)
+    if args.gluon:
+        launches = [(mode, label, config, kernel, runtime, constexprs, constexprs["num_warps"], 1)
+                    for mode, label, config, kernel, runtime, constexprs in gluon_launches()]
+        H, d_v, d_r = 64, 512, 64
+    else:
+        kernel_args = fwd_args(H, d_v, d_r) if args.forward else bwd_args(H, d_v, d_r)
+        launches = [(mode, label, f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}", kernel,
+                     kernel_args, constexprs, cfg.num_warps, cfg.num_stages)
+                    for mode, label, cfg, kernel, constexprs in
+                    (fwd_launches(H, d_v, d_r) if args.forward else bwd_launches(args.modes, H, d_v, d_r))]
     print(f"triton {triton.__version__}, sm_90a, {H} heads, {d_v} + {d_r}, bf16")
     print("| mode | launch | heads, keys, warps, stages | shared KB | registers | spilled B | mma | atomics | "
-          "key loop instrs |\n|---|---|---|---|---|---|---|---|---|")
-    for mode, label, cfg, kernel, constexprs in launches:
-        config = f"{cfg.block_h}, {cfg.block_n}, {cfg.num_warps}, {cfg.num_stages}"
+          f"{'shortest loop with an MMA' if args.gluon else 'key loop'} instrs |\n|---|---|---|---|---|---|---|---|---|")
+    for mode, label, config, kernel, kernel_args, constexprs, num_warps, num_stages in launches:
         try:
-            r = compile_sm90(kernel, kernel_args, constexprs, cfg.num_warps, cfg.num_stages)
+            r = compile_sm90(kernel, kernel_args, constexprs, num_warps, num_stages)
         except Exception as exc:  # noqa: BLE001 (a config that does not compile is a row)
             print(f"| {mode} | {label} | {config} | failed: {type(exc).__name__} | | | | | |", flush=True)
             continue
+        loop = r["mma_loop"] if args.gluon else r["loop"]
         print(f"| {mode} | {label} | {config} | {r['shared'] / 1024:.0f} | {r['regs']} | {r['spilled']} | "
-              f"{r['mma']} | {', '.join(r['atomics'])} | {r['loop']} |", flush=True)
+              f"{r['mma']} | {', '.join(r['atomics'])} | {loop} |", flush=True)
 
 
 if __name__ == "__main__":
