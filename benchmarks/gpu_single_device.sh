@@ -290,7 +290,7 @@ kern20)
   timeout -k 10 ${KERN20_TEST_T:-200} python3 -m pytest -q -m gpu tests/test_ops_gpu.py \
     -k "gluon or sampled" -p no:cacheprovider 2>&1 | tee $OUT/kern20_pytest.log | tail -15
   timeout -k 10 ${KERN20_FWD_T:-270} python3 benchmarks/sparse_mla_fwd_variants.py --variants idx_reg gluon_n64_s2 \
-    gluon_ws_n64_s2 gluon_ws_n32_s4 gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 \
+    gluon_ws_n64_s2 gluon_ws_n32_s4 gluon_ws_overlap_n32_s4 gluon_n64_s2_rowsum_each_step gluon_n32_s4 gluon_overlap_n32_s3 \
     gluon_overlap_n32_s4 --top 0 --budget 0.3 \
     --time-limit $(( ${KERN20_FWD_T:-270} - 30 )) --out $OUT/kern20_fwd.json 2>&1 | grep -v Warning | tail -40
   ;;

@@ -177,12 +177,11 @@ def gluon_launches(K: int = 2048):
                        scale_log2=D**-0.5 * 1.4426950408889634)
     dims = dict(D_V=fwd.D_V, D_R=fwd.D_R, BLOCK_H=H, SCAN=1024, ROW64=False, num_warps=fwd.NUM_WARPS)
     for name, cfg in fwd.CONFIGS.items():
-        constexprs = dict(dims, BLOCK_N=cfg.block_n, STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end)
+        constexprs = dict(dims, BLOCK_N=cfg.block_n, STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end,
+                          OVERLAP=cfg.overlap)
+        kernel = fwd._sparse_mla_fwd_ws_kernel if cfg.warp_specialized else fwd._sparse_mla_fwd_kernel
         if cfg.warp_specialized:
-            kernel = fwd._sparse_mla_fwd_ws_kernel
             constexprs.update(PRODUCER_WARPS=fwd.PRODUCER_WARPS, PRODUCER_REGS=fwd.PRODUCER_REGS)
-        else:
-            kernel, constexprs["OVERLAP"] = fwd._sparse_mla_fwd_kernel, cfg.overlap
         yield "gluon fwd", name, f"{H}, {cfg.block_n}, {fwd.NUM_WARPS}, {cfg.stages}", kernel, fwd_runtime, constexprs
     bwd_runtime = {k: v for k, v in bwd_args(H, fwd.D_V, fwd.D_R, K).items() if k != "H"}
     for label, do_dq, do_dkv in (("dQ", True, False), ("dKV", False, True), ("fused", True, True)):
@@ -222,8 +221,9 @@ def main() -> None:
             print(f"| {mode} | {label} | {config} | failed: {type(exc).__name__} | | | | | |", flush=True)
             continue
         loop = r["mma_loop"] if args.gluon else r["loop"]
+        mma = r["mma"] + (" (serialised by ptxas)" if r["serialized"] else "")
         print(f"| {mode} | {label} | {config} | {r['shared'] / 1024:.0f} | {r['regs']} | {r['spilled']} | "
-              f"{r['mma']} | {', '.join(r['atomics'])} | {loop} |", flush=True)
+              f"{mma} | {', '.join(r['atomics'])} | {loop} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class GluonFwdConfig:
     # instead of a cross-warp-group sum (shared memory and a barrier) every step.
     row_sum_at_end: bool = True
     # The next step's QK wgmma runs while this step's softmax computes (flash attention 3's intra-warp-group
-    # pipelining); needs stages >= 3.
+    # pipelining); needs stages >= 3 (with warp_specialized, 3 or more keep the producer a step ahead).
     overlap: bool = False
     # A producer partition of PRODUCER_WARPS warps gathers the kv rows (mbarriers hand each buffer over) while the
     # 8 warps of the default partition only compute: Hopper's warp specialisation.
@@ -68,6 +68,7 @@ CONFIGS = {
     "overlap_n32_s4": GluonFwdConfig(32, 4, overlap=True),
     "ws_n64_s2": GluonFwdConfig(64, 2, warp_specialized=True),
     "ws_n32_s4": GluonFwdConfig(32, 4, warp_specialized=True),
+    "ws_overlap_n32_s4": GluonFwdConfig(32, 4, overlap=True, warp_specialized=True),
 }
 DEFAULT_CONFIG = "n64_s2"
 
@@ -341,9 +342,10 @@ def _ws_producer(q_ptr, kv_ptr, idx_row, qn_smem, qp_smem, kn_smem, kp_smem, q_r
 @gluon.jit
 def _ws_compute(qn_smem, qp_smem, kn_smem, kp_smem, p_smem, q_ready, kv_ready, kv_free, idx_row, k_end, n_steps,
                 scale_log2, out_row_ptr, lse_row_ptr, h0, stride_oh, ROW_SUM_AT_END: gl.constexpr,
-                num_warps: gl.constexpr):
+                OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     """The warp-specialised forward's computing warps: the key loop of `_sparse_mla_fwd_kernel` without its copies,
-    each buffer taken when the producer hands it over and given back after its PV."""
+    each buffer taken when the producer hands it over and given back after its PV. With OVERLAP, step j + 1's QK
+    runs while step j's softmax computes, as in `_key_loop_overlapped`."""
     STAGES: gl.constexpr = kn_smem.shape[0]
     BLOCK_N: gl.constexpr = kn_smem.shape[1]
     D_V: gl.constexpr = kn_smem.shape[2]
@@ -360,19 +362,38 @@ def _ws_compute(qn_smem, qp_smem, kn_smem, kp_smem, p_smem, q_ready, kv_ready, k
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_layout)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_ready, 0)
+    if OVERLAP:  # step 0's scores before the loop (a row without keys computes them from an unfilled buffer, unused)
+        if n_steps > 0:
+            mbarrier.wait(kv_ready.index(0), 0)
+        fence_async_shared()
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qn_smem, qp_smem, kn_smem.index(0),
+                                                                kp_smem.index(0), s_zero),))
     for j in range(n_steps):
         buf = j % STAGES
         valid = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, keys_layout) >= 0
-        mbarrier.wait(kv_ready.index(buf), (j // STAGES) & 1)
-        fence_async_shared()
         kn = kn_smem.index(buf)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qn_smem, qp_smem, kn, kp_smem.index(buf), s_zero),))
+        if OVERLAP:
+            nxt = (j + 1) % STAGES
+            if j + 1 < n_steps:
+                mbarrier.wait(kv_ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+            # past the last step the buffer holds an earlier step's rows, which the producer no longer writes: the
+            # scores are computed and not used
+            s_next = _scores(qn_smem, qp_smem, kn_smem.index(nxt), kp_smem.index(nxt), s_zero)
+        else:
+            mbarrier.wait(kv_ready.index(buf), (j // STAGES) & 1)
+            fence_async_shared()
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qn_smem, qp_smem, kn, kp_smem.index(buf),
+                                                                    s_zero),))
         p, alpha, m_i, l_i, l_acc = _online_softmax(s, valid, m_i, l_i, l_acc, scale_log2, ROW_SUM_AT_END)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         _cta_barrier()  # both halves of P are written
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(p_smem, kn, acc, is_async=True),))
+        if OVERLAP:
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, warpgroup_mma(p_smem, kn, acc, is_async=True)))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(warpgroup_mma(p_smem, kn, acc, is_async=True),))
         mbarrier.arrive(kv_free.index(buf))
     _store_out(acc, m_i, l_i, l_acc, out_row_ptr, lse_row_ptr, h0, stride_oh, ROW_SUM_AT_END)
 
@@ -383,8 +404,8 @@ def _sparse_mla_fwd_ws_kernel(
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
     K, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
-    STAGES: gl.constexpr, ROW_SUM_AT_END: gl.constexpr, ROW64: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, ROW_SUM_AT_END: gl.constexpr, OVERLAP: gl.constexpr, ROW64: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -403,7 +424,7 @@ def _sparse_mla_fwd_ws_kernel(
     gl.warp_specialize([
         (_ws_compute, (qn_smem, qp_smem, kn_smem, kp_smem, p_smem, q_ready, kv_ready, kv_free, idx_row, k_end,
                        n_steps, scale_log2, out_ptr + t * stride_ot, lse_ptr + t * stride_lt, h0, stride_oh,
-                       ROW_SUM_AT_END, num_warps)),
+                       ROW_SUM_AT_END, OVERLAP, num_warps)),
         (_ws_producer, (q_ptr, kv_ptr, idx_row, qn_smem, qp_smem, kn_smem, kp_smem, q_ready, kv_ready, kv_free, k_end,
                         n_steps, t * stride_qt, stride_qh, stride_kvt, h0, ROW64, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -425,9 +446,7 @@ def sparse_mla_fwd(
     constexprs = dict(D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, SCAN=min(triton.next_power_of_2(K), 1024),
                       STAGES=cfg.stages, ROW_SUM_AT_END=cfg.row_sum_at_end, ROW64=kv.numel() >= 2**31,
                       num_warps=NUM_WARPS)
-    if cfg.warp_specialized:
-        _sparse_mla_fwd_ws_kernel[(T, H // BLOCK_H)](*args, **constexprs, PRODUCER_WARPS=PRODUCER_WARPS,
-                                                      PRODUCER_REGS=PRODUCER_REGS)
-    else:
-        _sparse_mla_fwd_kernel[(T, H // BLOCK_H)](*args, **constexprs, OVERLAP=cfg.overlap)
+    kernel = _sparse_mla_fwd_ws_kernel if cfg.warp_specialized else _sparse_mla_fwd_kernel
+    producer = dict(PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS) if cfg.warp_specialized else {}
+    kernel[(T, H // BLOCK_H)](*args, **constexprs, OVERLAP=cfg.overlap, **producer)
     return out, lse
