@@ -280,3 +280,49 @@ def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_next_st
         interrupts.reset()
         signal.signal(signal.SIGTERM, previous)
     interrupts.raise_if_terminated()  # reset: nothing pending
+
+
+def test_ray_init_keeps_the_clis_sigterm_handler(monkeypatch):
+    """ray.init replaces the driver's SIGTERM handler (and Ray's core worker then aborts the driver with a C stack
+    dump, exit 134); init_ray puts the CLI's back, so that `train` stops on SIGTERM the way Ctrl-C stops it."""
+    import signal
+    import types
+
+    from slime_dsa import interrupts
+    from slime_dsa.cli import _raise_on_sigterm
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.setup import init_ray
+
+    def fake_init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does
+
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: False, init=fake_init)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    previous = _raise_on_sigterm()
+    try:
+        init_ray(load_recipe(BASE, []))
+        assert signal.getsignal(signal.SIGTERM) is interrupts.terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
+    """`train` starts Ray, whose init took SIGTERM over: one line and exit 130, as for sft, not Ray's abort."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml", "--set", f"logging.run_dir={run_dir}",
+         "--set", "logging.wandb_mode=disabled", "--set", "logging.eval_every=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
+    assert (run_dir / ".lock").read_text() == ""
