@@ -326,3 +326,17 @@ def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
     assert proc.returncode == 130, err.decode()[-2000:]
     assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
     assert (run_dir / ".lock").read_text() == ""
+
+
+@pytest.mark.parametrize("reward_fn", ["math_verfy", "no_such_module:reward"])
+def test_a_reward_fn_that_does_not_resolve_is_one_line_before_ray_starts(tmp_path, capsys, monkeypatch, reward_fn):
+    """A misspelt reward_fn was a RewardLoadError traceback once Ray, the engines and the trainers had started."""
+    from slime_dsa.orchestrator import setup
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started before the reward function was resolved")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    err = one_line_error(capsys, "train", BASE, "--set", f"data.tasks.0.reward_fn={reward_fn}",
+                         "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
+    assert err.startswith("slime-dsa: error: data.tasks.0.reward_fn: ") and reward_fn in err, err
