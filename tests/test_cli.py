@@ -340,3 +340,28 @@ def test_a_reward_fn_that_does_not_resolve_is_one_line_before_ray_starts(tmp_pat
     err = one_line_error(capsys, "train", BASE, "--set", f"data.tasks.0.reward_fn={reward_fn}",
                          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
     assert err.startswith("slime-dsa: error: data.tasks.0.reward_fn: ") and reward_fn in err, err
+
+
+def test_generate_from_a_directory_that_is_no_model_is_one_line(capsys, tmp_path):
+    """`generate --model DIR` without config.json (or not there) was a FileNotFoundError traceback; serve's line."""
+    for model in (tmp_path, tmp_path / "missing"):
+        err = one_line_error(capsys, "generate", "--model", str(model), "--prompt", "hi")
+        assert err == f"slime-dsa: error: --model {model} has no config.json: not an HF-format model directory"
+
+
+def test_generate_from_a_url_nothing_answers_at_is_one_line(capsys, monkeypatch):
+    """`generate --url` of a server that is not up was an EngineUnavailableError traceback after the retries."""
+    from rollout.client import EngineClient
+    from trainers.process_group import free_port
+
+    monkeypatch.setattr(EngineClient, "__init__", _fast_client_init(EngineClient.__init__))
+    err = one_line_error(capsys, "generate", "--url", f"http://127.0.0.1:{free_port()}", "--prompt", "hi")
+    assert err.startswith("slime-dsa: error: no engine answered: /generate failed"), err
+
+
+def _fast_client_init(init):
+    def fast(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.max_retries = 0  # one attempt: the test needs no back-off
+
+    return fast

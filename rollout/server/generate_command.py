@@ -89,9 +89,13 @@ def run(args: argparse.Namespace) -> int:
     """Generate and write JSONL."""
     import asyncio  # noqa: PLC0415
 
-    from rollout.client import EngineClient, EngineRequestError  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from rollout.client import EngineClient, EngineRequestError, EngineUnavailableError  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
+    if args.model and not (Path(args.model) / "config.json").is_file():  # as `serve` says it
+        raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     items = _read_prompts(args)
 
     async def main() -> None:
@@ -109,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                 await _generate_all(client, items, args, out)
         except EngineRequestError as e:
             raise UserError(f"the engine refused a request: {e.message}") from None
+        except EngineUnavailableError as e:  # --url that nothing answers at, or an engine that went away
+            raise UserError(f"no engine answered: {e}") from None
         finally:
             if out is not sys.stdout:
                 out.close()
