@@ -1094,6 +1094,12 @@ class RecipeConfig(Section):
         if ro.sglang.weight_sync == "tensor":
             raise RecipeValueError("rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
                                    "or disk", "rollout.sglang.weight_sync")
+        sglang_set = [k for k in SGLangSection.model_fields if getattr(ro.sglang, k) != getattr(SGLangSection(), k)]
+        if sglang_set and ro.engine != "sglang" and not any(t.serving == "sglang" for t in self.teachers):
+            raise RecipeValueError(
+                f"rollout.sglang.{sglang_set[0]} is read only by SGLang servers (rollout.engine 'sglang', or a teacher "
+                f"serving 'sglang'), but rollout.engine is '{ro.engine}'", f"rollout.sglang.{sglang_set[0]}",
+                "rollout.engine")
         if ro.engine == "sglang" and ro.weight_sync != "auto":
             raise RecipeValueError(
                 f"rollout.weight_sync '{ro.weight_sync}' is for embedded and external engines; SGLang servers take "
