@@ -171,6 +171,8 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"max_response_length": 8192}}, r"trainer\.micro_batch_tokens \(4096\) must hold"),
     ({"rollout": {"engine": "sglang"}}, r"needs GPUs: set cluster\.num_gpus_per_engine"),
     ({"rollout": {"sglang": {"weight_sync": "tensor"}}}, r"rollout\.sglang\.weight_sync 'tensor' is not available yet"),
+    ({"data": {"tasks": [{"kind": "arithmetic", "split": "test"}]}},  # accepted and ignored by built-in tasks before
+     r"data\.tasks\.0: split \('test'\) is only read by kind 'dataset', but kind is 'arithmetic'"),
     ({"rollout": {"sglang": {"tp": 2}}},  # accepted and ignored by the embedded engines before
      r"rollout\.sglang\.tp is read only by SGLang servers .*, but rollout\.engine is 'embedded'"),
     ({"rollout": {"engine": "sglang", "weight_sync": "shm"}, "cluster": {"num_gpus_per_engine": 1}},

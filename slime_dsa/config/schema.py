@@ -180,6 +180,12 @@ class TaskConfig(Section):
         if self.kind != "dataset" and self.path is not None:
             raise RecipeValueError(
                 f"path ('{self.path}') is only read by kind 'dataset', but kind is '{self.kind}'", "path", "kind")
+        dataset_keys = [k for k in ("split", "prompt_column", "answer_column")
+                        if getattr(self, k) != type(self).model_fields[k].default]
+        if self.kind != "dataset" and dataset_keys:
+            key = dataset_keys[0]
+            raise RecipeValueError(
+                f"{key} ('{getattr(self, key)}') is only read by kind 'dataset', but kind is '{self.kind}'", key, "kind")
         if self.reward_fn is not None and not (_IMPORT_PATH.match(self.reward_fn) or _REWARD_NAME.match(self.reward_fn)):
             raise RecipeValueError(
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
