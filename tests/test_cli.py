@@ -365,3 +365,37 @@ def _fast_client_init(init):
         self.max_retries = 0  # one attempt: the test needs no back-off
 
     return fast
+
+
+def test_a_fresh_run_where_an_earlier_run_left_checkpoints_is_refused(tmp_path, capsys, monkeypatch):
+    """`train` without --resume in a run directory holding checkpoints mixed the runs: its own saves were pruned as
+    older than the earlier run's (keep_last), a later --resume continued the earlier run, metrics.jsonl held both."""
+    import slime_dsa.orchestrator.train as train
+
+    def no_run(recipe, resume=False):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(train, "run_training", no_run)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000004").mkdir(parents=True)
+    err = one_line_error(capsys, "train", BASE, "--set", f"logging.run_dir={run_dir}")
+    assert err == (f"slime-dsa: error: {run_dir / 'checkpoints'} holds an earlier run's checkpoints (newest "
+                   "step_000004): continue that run with --resume, or give this one another logging.run_dir")
+    with pytest.raises(AssertionError, match="the run started"):  # --resume goes on
+        main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}"])
+
+
+def test_resume_without_a_checkpoint_says_so_on_the_console(tmp_path, caplog):
+    """--resume that finds no checkpoint starts fresh; that was an INFO line in train.log only, so the console showed
+    a run starting from step 0 without a word."""
+    import logging
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import _checkpoints
+    from slime_dsa.run_dir import open_run_dir
+
+    recipe = load_recipe(BASE, [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"])
+    with caplog.at_level(logging.WARNING), open_run_dir(recipe, "train.log") as run_dir:
+        _, resume_from = _checkpoints(recipe, run_dir, resume=True)
+    assert resume_from is None
+    assert any(r.levelno == logging.WARNING and "no checkpoint" in r.getMessage() for r in caplog.records)

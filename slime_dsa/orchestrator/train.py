@@ -251,7 +251,7 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
         ckpts.remove_orphans(lock)
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
-        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
+        logger.warning("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
     return ckpts, resume_from
