@@ -120,3 +120,18 @@ def test_a_torn_last_line_is_skipped_by_resume_and_report(tmp_path, caplog):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="holds no records yet"):  # it printed nothing and exited 0
         render_report(tmp_path / "empty")
+
+
+def test_wandb_online_without_a_key_is_one_user_error(tmp_path, monkeypatch):
+    """logging.wandb_mode online with no WANDB_API_KEY and no `wandb login` was wandb's UsageError traceback (after
+    Ray, the engines and the trainers had started)."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    with pytest.raises(UserError, match="logging.wandb_mode online: W&B did not start: .*logging.wandb_mode offline"):
+        MetricsLogger(tmp_path / "run", "p", None, "online")

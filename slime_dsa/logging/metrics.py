@@ -47,8 +47,14 @@ class MetricsLogger:
         id_file = self.run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
-                         config=config, resume="allow", reinit="finish_previous")
+        try:
+            run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
+                             config=config, resume="allow", reinit="finish_previous")
+        except wandb.errors.UsageError as e:  # online without an API key or a `wandb login`
+            from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+            raise UserError(f"logging.wandb_mode {mode}: W&B did not start: {e} (set WANDB_API_KEY, run `wandb "
+                            "login`, or use logging.wandb_mode offline)") from None
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
