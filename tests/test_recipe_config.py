@@ -398,6 +398,8 @@ def test_set_later_wins_and_overrides_files(tmp_path):
     ("data.tasks.0.task_args.worked_steps=1", "command line (--set data.tasks.0.task_args.worked_steps=1): "
                                               "data.tasks.0: arithmetic: unknown task parameter 'worked_steps'"),
     ("defaults=x.yaml", "command line (--set defaults=x.yaml): defaults can only be given in a recipe file"),
+    ("trainer.adam_betas=[0.9]",  # it said "required key is missing"
+     "command line (--set trainer.adam_betas=[0.9]): trainer.adam_betas: too few items: item 1 is missing"),
 ])
 def test_set_errors_say_they_came_from_the_command_line(item, expected):
     assert recipe_error(None, [item]).startswith(expected)
