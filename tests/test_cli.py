@@ -399,3 +399,11 @@ def test_resume_without_a_checkpoint_says_so_on_the_console(tmp_path, caplog):
         _, resume_from = _checkpoints(recipe, run_dir, resume=True)
     assert resume_from is None
     assert any(r.levelno == logging.WARNING and "no checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_generate_to_an_output_it_cannot_open_is_one_line(capsys, tmp_path):
+    """`generate --output DIR/that/is/not/there/out.jsonl` was a FileNotFoundError traceback after the model loaded."""
+    out = tmp_path / "missing" / "out.jsonl"
+    err = one_line_error(capsys, "generate", "--model", str(ROOT / "recipes" / "assets" / "quickstart-sft"),
+                         "--prompt", "hi", "--max-new-tokens", "1", "--output", str(out))
+    assert err == f"slime-dsa: error: --output {out}: No such file or directory"
