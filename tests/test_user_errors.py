@@ -166,3 +166,18 @@ def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, 
     err = one_line_error(capsys, "train", BASE, "--set", f"model.path={model_dir}", "--set",
                          f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
     assert err.startswith(expected.format(d=model_dir)), err
+
+
+def test_sft_refuses_an_output_dir_that_is_a_file_before_training(capsys, tmp_path, monkeypatch):
+    """sft.output_dir naming a file was a NotADirectoryError traceback at the save, after the whole training."""
+    import slime_dsa.sft  # noqa: PLC0415
+
+    def no_training(recipe):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(slime_dsa.sft, "run_sft", no_training)
+    (tmp_path / "notes.txt").write_text("mine")
+    for output_dir in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "model"):
+        err = one_line_error(capsys, "sft", BASE, "--set", f"sft.output_dir={output_dir}",
+                             "--set", f"logging.run_dir={tmp_path / 'run'}")
+        assert err == f"sft.output_dir: {tmp_path / 'notes.txt'} is a file; the model is written into a directory there"
