@@ -180,4 +180,13 @@ def test_sft_refuses_an_output_dir_that_is_a_file_before_training(capsys, tmp_pa
     for output_dir in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "model"):
         err = one_line_error(capsys, "sft", BASE, "--set", f"sft.output_dir={output_dir}",
                              "--set", f"logging.run_dir={tmp_path / 'run'}")
-        assert err == f"sft.output_dir: {tmp_path / 'notes.txt'} is a file; the model is written into a directory there"
+        assert err == f"sft.output_dir: {tmp_path / 'notes.txt'} is a file; sft.output_dir names a directory to write into"
+
+
+@pytest.mark.parametrize("key", ["logging.run_dir", "checkpoint.dir"])
+def test_a_run_or_checkpoint_dir_that_is_a_file_is_one_line(capsys, tmp_path, key):
+    """logging.run_dir or checkpoint.dir naming a file was a FileExistsError traceback from train and sft."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for command in ("recipe check", "train"):
+        err = one_line_error(capsys, *command.split(), BASE, "--set", f"{key}={tmp_path / 'notes.txt'}")
+        assert err == f"{key}: {tmp_path / 'notes.txt'} is a file; {key} names a directory to write into"

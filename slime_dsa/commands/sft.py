@@ -19,23 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_recipe_paths(recipe)
-    _check_output_dir(recipe.sft.output_dir)
     from slime_dsa.sft import run_sft  # noqa: PLC0415
 
     print(f"model written: {run_sft(recipe)}")
     return 0
-
-
-def _check_output_dir(output_dir: str | None) -> None:
-    """UserError for an sft.output_dir that is a file (or under one): the save at the end would fail after training."""
-    from pathlib import Path  # noqa: PLC0415
-
-    from slime_dsa.config.errors import UserError  # noqa: PLC0415
-
-    if output_dir is None:
-        return
-    path = Path(output_dir)
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise UserError(f"sft.output_dir: {blocker} is a file; the model is written into a directory there")
-
