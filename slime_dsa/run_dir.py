@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
+from slime_dsa.config.errors import UserError
 from slime_dsa.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,20 @@ def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     return target
 
 
+def _check_model_dir(path: Path) -> None:
+    """UserError (one line) for a model.path that the engines and trainer ranks would fail to load after Ray and they
+    had started: no or unreadable weights, or a config.json of another architecture."""
+    from slime_dsa.checkpoint.validate import model_dir_problem  # noqa: PLC0415
+    from slime_dsa.models.config import ModelConfig  # noqa: PLC0415
+
+    if problem := model_dir_problem(path):
+        raise UserError(f"model.path: {problem}")
+    try:
+        ModelConfig.from_pretrained(path)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"model.path: {path / 'config.json'}: {e}") from None
+
+
 def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
@@ -105,6 +120,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         path = Path(recipe.model.path)
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {path} is not a directory")
+        _check_model_dir(path)
         return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     if (target / "config.json").exists():
@@ -127,4 +143,6 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no tokenizer at {source} (set model.tokenizer_path): {e}") from None
+        logger.debug("AutoTokenizer.from_pretrained(%r) failed: %s", source, e)
+        raise UserError(f"no tokenizer at {source}: transformers' AutoTokenizer cannot load one "
+                        f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None

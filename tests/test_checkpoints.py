@@ -108,6 +108,40 @@ def test_export_writes_float32_routers_and_indexer_heads_as_saved(tmp_path):
             assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), (source, name)
 
 
+def test_export_is_readable_by_other_users_as_the_umask_allows(tmp_path):
+    """mkdtemp made the export directory 0700 and safetensors its weights 0600: another user (a serving engine's)
+    could not read an export. The directory and files now get the modes a plain mkdir and open would."""
+    import os
+    import stat
+
+    from slime_dsa.checkpoint.training import export_checkpoint
+
+    source = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
+    umask = os.umask(0o022)
+    try:
+        out = export_checkpoint(source, tmp_path / "export")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.suffix != ".jinja"} == {
+        name: 0o644 for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")}
+
+
+@pytest.mark.parametrize("under_a_file", [False, True])
+def test_export_to_a_file_is_one_user_error(tmp_path, under_a_file):
+    """`export CKPT --out FILE` (or a path under a file) was a NotADirectoryError traceback."""
+    from slime_dsa.checkpoint.training import export_checkpoint
+    from slime_dsa.config.errors import UserError
+
+    source = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
+    (tmp_path / "notes.txt").write_text("mine")
+    out = tmp_path / "notes.txt" / "model" if under_a_file else tmp_path / "notes.txt"
+    with pytest.raises(UserError, match="notes.txt"):
+        export_checkpoint(source, out)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # no temporary directory left behind
+
+
 def _fsdp_worker(checkpoint: Path, frozen: tuple[str, ...] = ()):
     """An FSDP2 rank of one over gloo training the tiny preset. Its indexer trains, but without the indexer loss
     (indexer_loss_coef 0) it never gets a gradient, so AdamW holds no state for it."""

@@ -280,3 +280,130 @@ def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_next_st
         interrupts.reset()
         signal.signal(signal.SIGTERM, previous)
     interrupts.raise_if_terminated()  # reset: nothing pending
+
+
+def test_ray_init_keeps_the_clis_sigterm_handler(monkeypatch):
+    """ray.init replaces the driver's SIGTERM handler (and Ray's core worker then aborts the driver with a C stack
+    dump, exit 134); init_ray puts the CLI's back, so that `train` stops on SIGTERM the way Ctrl-C stops it."""
+    import signal
+    import types
+
+    from slime_dsa import interrupts
+    from slime_dsa.cli import _raise_on_sigterm
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.setup import init_ray
+
+    def fake_init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does
+
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: False, init=fake_init)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    previous = _raise_on_sigterm()
+    try:
+        init_ray(load_recipe(BASE, []))
+        assert signal.getsignal(signal.SIGTERM) is interrupts.terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
+    """`train` starts Ray, whose init took SIGTERM over: one line and exit 130, as for sft, not Ray's abort."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml", "--set", f"logging.run_dir={run_dir}",
+         "--set", "logging.wandb_mode=disabled", "--set", "logging.eval_every=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
+    assert (run_dir / ".lock").read_text() == ""
+
+
+@pytest.mark.parametrize("reward_fn", ["math_verfy", "no_such_module:reward"])
+def test_a_reward_fn_that_does_not_resolve_is_one_line_before_ray_starts(tmp_path, capsys, monkeypatch, reward_fn):
+    """A misspelt reward_fn was a RewardLoadError traceback once Ray, the engines and the trainers had started."""
+    from slime_dsa.orchestrator import setup
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started before the reward function was resolved")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    err = one_line_error(capsys, "train", BASE, "--set", f"data.tasks.0.reward_fn={reward_fn}",
+                         "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
+    assert err.startswith("slime-dsa: error: data.tasks.0.reward_fn: ") and reward_fn in err, err
+
+
+def test_generate_from_a_directory_that_is_no_model_is_one_line(capsys, tmp_path):
+    """`generate --model DIR` without config.json (or not there) was a FileNotFoundError traceback; serve's line."""
+    for model in (tmp_path, tmp_path / "missing"):
+        err = one_line_error(capsys, "generate", "--model", str(model), "--prompt", "hi")
+        assert err == f"slime-dsa: error: --model {model} has no config.json: not an HF-format model directory"
+
+
+def test_generate_from_a_url_nothing_answers_at_is_one_line(capsys, monkeypatch):
+    """`generate --url` of a server that is not up was an EngineUnavailableError traceback after the retries."""
+    from rollout.client import EngineClient
+    from trainers.process_group import free_port
+
+    monkeypatch.setattr(EngineClient, "__init__", _fast_client_init(EngineClient.__init__))
+    err = one_line_error(capsys, "generate", "--url", f"http://127.0.0.1:{free_port()}", "--prompt", "hi")
+    assert err.startswith("slime-dsa: error: no engine answered: /generate failed"), err
+
+
+def _fast_client_init(init):
+    def fast(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.max_retries = 0  # one attempt: the test needs no back-off
+
+    return fast
+
+
+def test_a_fresh_run_where_an_earlier_run_left_checkpoints_is_refused(tmp_path, capsys, monkeypatch):
+    """`train` without --resume in a run directory holding checkpoints mixed the runs: its own saves were pruned as
+    older than the earlier run's (keep_last), a later --resume continued the earlier run, metrics.jsonl held both."""
+    import slime_dsa.orchestrator.train as train
+
+    def no_run(recipe, resume=False):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(train, "run_training", no_run)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000004").mkdir(parents=True)
+    err = one_line_error(capsys, "train", BASE, "--set", f"logging.run_dir={run_dir}")
+    assert err == (f"slime-dsa: error: {run_dir / 'checkpoints'} holds an earlier run's checkpoints (newest "
+                   "step_000004): continue that run with --resume, or give this one another logging.run_dir")
+    with pytest.raises(AssertionError, match="the run started"):  # --resume goes on
+        main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}"])
+
+
+def test_resume_without_a_checkpoint_says_so_on_the_console(tmp_path, caplog):
+    """--resume that finds no checkpoint starts fresh; that was an INFO line in train.log only, so the console showed
+    a run starting from step 0 without a word."""
+    import logging
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import _checkpoints
+    from slime_dsa.run_dir import open_run_dir
+
+    recipe = load_recipe(BASE, [f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"])
+    with caplog.at_level(logging.WARNING), open_run_dir(recipe, "train.log") as run_dir:
+        _, resume_from = _checkpoints(recipe, run_dir, resume=True)
+    assert resume_from is None
+    assert any(r.levelno == logging.WARNING and "no checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_generate_to_an_output_it_cannot_open_is_one_line(capsys, tmp_path):
+    """`generate --output DIR/that/is/not/there/out.jsonl` was a FileNotFoundError traceback after the model loaded."""
+    out = tmp_path / "missing" / "out.jsonl"
+    err = one_line_error(capsys, "generate", "--model", str(ROOT / "recipes" / "assets" / "quickstart-sft"),
+                         "--prompt", "hi", "--max-new-tokens", "1", "--output", str(out))
+    assert err == f"slime-dsa: error: --output {out}: No such file or directory"

@@ -94,3 +94,44 @@ def test_per_domain_panels_draw_one_line_per_matching_key():
     assert sorted(series) == ["opd/arithmetic/reverse_kl", "opd/sort/reverse_kl"]
     assert series["opd/sort/reverse_kl"] == [(1, 2.0), (2, 1.0), (3, 2.0 / 3)]
     assert "pass_at_1_by_task.png" in {p.filename for p in plan_panels(records)}
+
+
+def test_a_torn_last_line_is_skipped_by_resume_and_report(tmp_path, caplog):
+    """A run killed while writing a record (or stopped by a full disk) leaves a torn last line in metrics.jsonl; a
+    --resume then died with a JSONDecodeError traceback, and so did `slime-dsa report`. Both skip it with a warning."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    log = MetricsLogger(tmp_path, "p", None, "disabled")
+    for step, record in enumerate(_records(3), 1):
+        log.log(record, step=step)
+    log.close()
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text()[:-40])  # step 3's record torn
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert "line 3 is not a JSON record" in caplog.text
+    assert render_report(tmp_path)  # draws steps 1 and 2
+    resumed = MetricsLogger(tmp_path, "p", None, "disabled", resume_step=2)
+    resumed.log({"rollout/reward_mean": 0.7}, step=3)
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="holds no records yet"):  # it printed nothing and exited 0
+        render_report(tmp_path / "empty")
+
+
+def test_wandb_online_without_a_key_is_one_user_error(tmp_path, monkeypatch):
+    """logging.wandb_mode online with no WANDB_API_KEY and no `wandb login` was wandb's UsageError traceback (after
+    Ray, the engines and the trainers had started)."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    with pytest.raises(UserError, match="logging.wandb_mode online: W&B did not start: .*logging.wandb_mode offline"):
+        MetricsLogger(tmp_path / "run", "p", None, "online")

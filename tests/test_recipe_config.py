@@ -171,6 +171,10 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"max_response_length": 8192}}, r"trainer\.micro_batch_tokens \(4096\) must hold"),
     ({"rollout": {"engine": "sglang"}}, r"needs GPUs: set cluster\.num_gpus_per_engine"),
     ({"rollout": {"sglang": {"weight_sync": "tensor"}}}, r"rollout\.sglang\.weight_sync 'tensor' is not available yet"),
+    ({"data": {"tasks": [{"kind": "arithmetic", "split": "test"}]}},  # accepted and ignored by built-in tasks before
+     r"data\.tasks\.0: split \('test'\) is only read by kind 'dataset', but kind is 'arithmetic'"),
+    ({"rollout": {"sglang": {"tp": 2}}},  # accepted and ignored by the embedded engines before
+     r"rollout\.sglang\.tp is read only by SGLang servers .*, but rollout\.engine is 'embedded'"),
     ({"rollout": {"engine": "sglang", "weight_sync": "shm"}, "cluster": {"num_gpus_per_engine": 1}},
      r"rollout\.weight_sync 'shm' is for embedded and external engines; SGLang servers take rollout\.sglang\.weight_sync"),
     ({"logging": {"eval_every": 5}}, r"logging\.eval_every \(5\) needs held-out prompts"),
@@ -350,6 +354,8 @@ def test_set_overrides_scalars_lists_and_sections(tmp_path):
         "rollout.temperature=0.7",
         "rollout.stop=['</answer>']",
         "rollout.sglang.tp=2",
+        "rollout.engine=sglang",  # rollout.sglang is read only by SGLang servers
+        "cluster.num_gpus_per_engine=1",
         "model.path=null",
         "data.tasks=[{kind: countdown}, {kind: arithmetic, weight: 2}]",
         "data.tasks.0.weight=3",
@@ -392,6 +398,8 @@ def test_set_later_wins_and_overrides_files(tmp_path):
     ("data.tasks.0.task_args.worked_steps=1", "command line (--set data.tasks.0.task_args.worked_steps=1): "
                                               "data.tasks.0: arithmetic: unknown task parameter 'worked_steps'"),
     ("defaults=x.yaml", "command line (--set defaults=x.yaml): defaults can only be given in a recipe file"),
+    ("trainer.adam_betas=[0.9]",  # it said "required key is missing"
+     "command line (--set trainer.adam_betas=[0.9]): trainer.adam_betas: too few items: item 1 is missing"),
 ])
 def test_set_errors_say_they_came_from_the_command_line(item, expected):
     assert recipe_error(None, [item]).startswith(expected)

@@ -129,3 +129,64 @@ def test_report_of_a_missing_directory_is_one_line(capsys, tmp_path):
     assert one_line_error(capsys, "report", str(tmp_path / "nope")) == f"run directory {tmp_path / 'nope'} does not exist"
     assert one_line_error(capsys, "report", str(tmp_path)) == \
         f"{tmp_path} holds no metrics.jsonl: is it a run directory?"
+
+
+# ---- model.path that loads nowhere -----------------------------------------------------------------------------
+
+def _model_dir_without(tmp_path, *left_out: str, model_type: str | None = None) -> Path:
+    model_dir = tmp_path / "model"
+    shutil.copytree(ROOT / "recipes" / "assets" / "quickstart-sft", model_dir)
+    for name in left_out:
+        (model_dir / name).unlink()
+    if model_type is not None:
+        import json  # noqa: PLC0415
+
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return model_dir
+
+
+@pytest.mark.parametrize(("left_out", "model_type", "expected"), [
+    (("tokenizer.json", "tokenizer_config.json"), None, "no tokenizer at {d}: transformers' AutoTokenizer cannot load"),
+    (("model.safetensors",), None, "model.path: {d} holds no .safetensors weights"),
+    ((), "llama", "model.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+])
+def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, tmp_path, monkeypatch, left_out,
+                                                                        model_type, expected):
+    """A model directory without a tokenizer, without weights, or of another architecture passes `recipe check`
+    (config.json is there); `train` then died with a traceback: FileNotFoundError for the tokenizer, and for the other
+    two a trainer rank's traceback after Ray, the engines and the ranks had started."""
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    model_dir = _model_dir_without(tmp_path, *left_out, model_type=model_type)
+    err = one_line_error(capsys, "train", BASE, "--set", f"model.path={model_dir}", "--set",
+                         f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
+    assert err.startswith(expected.format(d=model_dir)), err
+
+
+def test_sft_refuses_an_output_dir_that_is_a_file_before_training(capsys, tmp_path, monkeypatch):
+    """sft.output_dir naming a file was a NotADirectoryError traceback at the save, after the whole training."""
+    import slime_dsa.sft  # noqa: PLC0415
+
+    def no_training(recipe):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(slime_dsa.sft, "run_sft", no_training)
+    (tmp_path / "notes.txt").write_text("mine")
+    for output_dir in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "model"):
+        err = one_line_error(capsys, "sft", BASE, "--set", f"sft.output_dir={output_dir}",
+                             "--set", f"logging.run_dir={tmp_path / 'run'}")
+        assert err == f"sft.output_dir: {tmp_path / 'notes.txt'} is a file; sft.output_dir names a directory to write into"
+
+
+@pytest.mark.parametrize("key", ["logging.run_dir", "checkpoint.dir"])
+def test_a_run_or_checkpoint_dir_that_is_a_file_is_one_line(capsys, tmp_path, key):
+    """logging.run_dir or checkpoint.dir naming a file was a FileExistsError traceback from train and sft."""
+    (tmp_path / "notes.txt").write_text("mine")
+    for command in ("recipe check", "train"):
+        err = one_line_error(capsys, *command.split(), BASE, "--set", f"{key}={tmp_path / 'notes.txt'}")
+        assert err == f"{key}: {tmp_path / 'notes.txt'} is a file; {key} names a directory to write into"

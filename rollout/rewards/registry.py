@@ -30,10 +30,11 @@ from rollout.rewards.countdown import countdown_reward
 from rollout.rewards.math_verifier import math_verify_reward
 from rollout.rewards.sort import sort_reward
 from rollout.rewards.tool_answer import tool_answer_reward
+from slime_dsa.config.errors import UserError
 
 
-class RewardLoadError(ValueError):
-    """A reward function spec could not be resolved; the message names the spec and what failed."""
+class RewardLoadError(UserError, ValueError):
+    """A reward function spec could not be resolved; the message names the spec and what failed (one line)."""
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -89,10 +89,18 @@ def run(args: argparse.Namespace) -> int:
     """Generate and write JSONL."""
     import asyncio  # noqa: PLC0415
 
-    from rollout.client import EngineClient, EngineRequestError  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from rollout.client import EngineClient, EngineRequestError, EngineUnavailableError  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
+    if args.model and not (Path(args.model) / "config.json").is_file():  # as `serve` says it
+        raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     items = _read_prompts(args)
+    try:  # before a model loads or a request goes out
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:
+        raise UserError(f"--output {args.output}: {e.strerror}") from None
 
     async def main() -> None:
         server = None
@@ -103,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
             engine, tokenizer = load_engine(args.model, device=args.device)
             server = await EmbeddedServer.start(engine, tokenizer, model_path=args.model)
             urls = [server.url]
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
         try:
             async with EngineClient(urls, api_key=args.api_key, max_inflight_per_engine=args.concurrency) as client:
                 await _generate_all(client, items, args, out)
         except EngineRequestError as e:
             raise UserError(f"the engine refused a request: {e.message}") from None
+        except EngineUnavailableError as e:  # --url that nothing answers at, or an engine that went away
+            raise UserError(f"no engine answered: {e}") from None
         finally:
             if out is not sys.stdout:
                 out.close()

@@ -79,6 +79,7 @@ def save_pretrained(
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        _apply_umask(tmp)
         if directory.exists():
             # Keep any files we did not write (tokenizer, README) and replace ours.
             for stale in list(directory.glob("*.safetensors")) + [directory / INDEX_NAME]:
@@ -92,6 +93,16 @@ def save_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def _apply_umask(directory: Path) -> None:
+    """Give `directory` and its files the modes a plain mkdir and open would: mkdtemp makes the directory 0700 and
+    safetensors writes its files 0600, which left an export unreadable to any other user (a serving engine's)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for item in directory.iterdir():
+        item.chmod(0o666 & ~umask)
 
 
 def split_by_bytes(named_tensors, max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

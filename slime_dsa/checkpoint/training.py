@@ -107,6 +107,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
     checkpoint = Path(checkpoint)
     _check_exportable(checkpoint)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise UserError(f"--out {out_dir} is a file; give a directory to write the HF model into")
     try:
         model = load_model(checkpoint, dtype=dtype)
     except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named
@@ -114,7 +116,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
-    out = save_pretrained(model, out_dir)
+    try:
+        out = save_pretrained(model, out_dir)
+    except OSError as e:  # --out under a file or unwritable, a full disk
+        raise UserError(f"--out {out_dir}: cannot write the HF directory: {e.strerror or e}") from None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
         if (checkpoint / name).exists():
             shutil.copy2(checkpoint / name, out / name)

@@ -310,6 +310,9 @@ def _describe(err: Mapping[str, Any], path: KeyPath) -> str:
         field = field_at(path)
         return f"must be {range_text(field) if field else err['msg'].removeprefix('Input should be ')}, got {got}"
     if kind == "missing":
+        past = err["loc"][len(path):]  # an index past the key: an item of a fixed-length list (adam_betas)
+        if past and isinstance(past[-1], int):
+            return f"too few items: item {past[-1]} is missing"
         return "required key is missing"
     return f"{err['msg'][:1].lower()}{err['msg'][1:]}, got {got}"
 

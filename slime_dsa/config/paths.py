@@ -52,6 +52,11 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     for i, teacher in enumerate(config.teachers):
         if problem := _model_dir_problem(teacher.path):
             problems.append((f"teachers.{i}.path", problem))
+    for key, value in (("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir),
+                       ("sft.output_dir", config.sft.output_dir)):  # directories a run writes into
+        path = Path(value).expanduser() if value else None
+        if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
+            problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
     if config.trainer.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append(("trainer.backend", "'deepspeed' needs DeepSpeed, which is not installed here "
                                             "(pip install -e '.[deepspeed]')"))

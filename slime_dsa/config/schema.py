@@ -180,6 +180,12 @@ class TaskConfig(Section):
         if self.kind != "dataset" and self.path is not None:
             raise RecipeValueError(
                 f"path ('{self.path}') is only read by kind 'dataset', but kind is '{self.kind}'", "path", "kind")
+        dataset_keys = [k for k in ("split", "prompt_column", "answer_column")
+                        if getattr(self, k) != type(self).model_fields[k].default]
+        if self.kind != "dataset" and dataset_keys:
+            key = dataset_keys[0]
+            raise RecipeValueError(
+                f"{key} ('{getattr(self, key)}') is only read by kind 'dataset', but kind is '{self.kind}'", key, "kind")
         if self.reward_fn is not None and not (_IMPORT_PATH.match(self.reward_fn) or _REWARD_NAME.match(self.reward_fn)):
             raise RecipeValueError(
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
@@ -1094,6 +1100,12 @@ class RecipeConfig(Section):
         if ro.sglang.weight_sync == "tensor":
             raise RecipeValueError("rollout.sglang.weight_sync 'tensor' is not available yet; use auto, distributed "
                                    "or disk", "rollout.sglang.weight_sync")
+        sglang_set = [k for k in SGLangSection.model_fields if getattr(ro.sglang, k) != getattr(SGLangSection(), k)]
+        if sglang_set and ro.engine != "sglang" and not any(t.serving == "sglang" for t in self.teachers):
+            raise RecipeValueError(
+                f"rollout.sglang.{sglang_set[0]} is read only by SGLang servers (rollout.engine 'sglang', or a teacher "
+                f"serving 'sglang'), but rollout.engine is '{ro.engine}'", f"rollout.sglang.{sglang_set[0]}",
+                "rollout.engine")
         if ro.engine == "sglang" and ro.weight_sync != "auto":
             raise RecipeValueError(
                 f"rollout.weight_sync '{ro.weight_sync}' is for embedded and external engines; SGLang servers take "

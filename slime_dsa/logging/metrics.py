@@ -47,8 +47,14 @@ class MetricsLogger:
         id_file = self.run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
-        run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
-                         config=config, resume="allow", reinit="finish_previous")
+        try:
+            run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
+                             config=config, resume="allow", reinit="finish_previous")
+        except wandb.errors.UsageError as e:  # online without an API key or a `wandb login`
+            from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+            raise UserError(f"logging.wandb_mode {mode}: W&B did not start: {e} (set WANDB_API_KEY, run `wandb "
+                            "login`, or use logging.wandb_mode offline)") from None
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
@@ -56,8 +62,7 @@ class MetricsLogger:
         """Drop the records past `step`; returns the elapsed_s of the last one kept (0 without)."""
         if not self.path.exists():
             return 0.0
-        lines = [(line, json.loads(line)) for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [(line, r) for line, r in lines if r.get("step", 0) <= step]
+        kept = [(line, r) for line, r in _records(self.path) if r.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line, _ in kept))
         return max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))), default=0.0)
 
@@ -90,4 +95,22 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _records(path)]
+
+
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) for each line of a metrics.jsonl. A line that is not a JSON record, such as the torn last line
+    of a run killed while writing it or stopped by a full disk, is skipped with a warning."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append((line, record))
+        else:
+            logger.warning("%s line %d is not a JSON record (a run stopped while writing it?): skipped", path, number)
+    return records

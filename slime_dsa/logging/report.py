@@ -83,7 +83,8 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     """Write one PNG per panel that has data; returns the files written."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist")
+        raise UserError(f"{run_dir} is a file, not a run directory" if run_dir.exists()
+                        else f"run directory {run_dir} does not exist")
     if not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"{run_dir} holds no metrics.jsonl: is it a run directory?")
     import matplotlib  # noqa: PLC0415
@@ -92,6 +93,8 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     records = read_metrics(run_dir)
+    if not records:
+        raise UserError(f"{run_dir / 'metrics.jsonl'} holds no records yet: nothing to plot")
     out = Path(out_dir or run_dir / "report")
     out.mkdir(parents=True, exist_ok=True)
     written = []

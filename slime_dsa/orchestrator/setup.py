@@ -6,10 +6,13 @@ import logging
 import math
 import os
 import secrets
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slime_dsa import interrupts
 from slime_dsa.config import RecipeConfig
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,12 @@ def init_ray(recipe: RecipeConfig) -> None:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
             logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports, open on every interface, take "
                            "commands from any host that reaches this machine")
+    previous = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, **kwargs)
+    if previous is interrupts.terminate and threading.current_thread() is threading.main_thread():
+        # ray.init replaces the CLI's SIGTERM handler (and its core worker then aborts the driver with a C stack
+        # dump): put it back, so that a scheduler's stop takes Ctrl-C's path (slime_dsa/interrupts.py).
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _actors_needed(recipe: RecipeConfig) -> int:

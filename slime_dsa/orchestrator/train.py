@@ -62,6 +62,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                on_weights: WeightsHook | None = None, hook_state: HookState = "every",
                progress: StepProgress | None = None) -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
+    from rollout.rewards.registry import RewardLoadError, load_reward_fn  # noqa: PLC0415
     from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
@@ -90,6 +91,12 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
 
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
+    for i, task in enumerate(recipe.data.tasks):  # a reward_fn that does not resolve: before the prompts, Ray
+        try:
+            if task.reward_fn is not None:
+                load_reward_fn(task.reward_fn)
+        except RewardLoadError as e:
+            raise UserError(f"data.tasks.{i}.reward_fn: {e}") from None
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
@@ -244,7 +251,7 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
         ckpts.remove_orphans(lock)
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
-        logger.info("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
+        logger.warning("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
     return ckpts, resume_from
