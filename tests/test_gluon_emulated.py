@@ -174,7 +174,8 @@ def test_the_model_path_through_the_gluon_switches(monkeypatch):
     q, kv, indices = _inputs(T=6, H=64, K=64, seed=3)
     assert mla._forward_variant(False, 6, 64, 64, q.dtype, 576, D_V, q.device) is not None  # a prefill-shaped call
     kernels = []
-    for module, name in ((gluon_sparse_mla, "_sparse_mla_fwd_kernel"), (gluon_sparse_mla_bwd, "_sparse_mla_bwd_kernel")):
+    kernels_by_module = ((gluon_sparse_mla, "_sparse_mla_fwd_kernel"), (gluon_sparse_mla_bwd, "_sparse_mla_bwd_kernel"))
+    for module, name in kernels_by_module:
         kernels.append(EmulatedKernel(getattr(module, name)))
         monkeypatch.setattr(module, name, kernels[-1])
         monkeypatch.setattr(module, "supported", lambda *args: True)

@@ -14,9 +14,10 @@ What it models:
   mbarriers (init, arrive, wait on a phase parity, cp.async.mbarrier.arrive): a wait that never completes is reported
   as a deadlock after DEADLOCK_S seconds; copies a barrier tracks land when its phase completes, at the latest.
 
-What it does not model: layouts, warps, barriers between the warps of one partition, register or shared-memory limits, and the GPU's
-rounding inside an MMA (here float32 products of the bf16 operands). A kernel that passes here can still fail on the
-GPU for those; tools/kernel_resources.py compiles it for sm_90a, and tests/test_ops_gpu.py is the real check.
+What it does not model: layouts, warps (a partition's warps run as one Python thread, so a barrier missing between
+them goes unseen), register or shared-memory limits, and the GPU's rounding inside an MMA (here float32 products of
+the bf16 operands). A kernel that passes here can still fail on the GPU for those; tools/kernel_resources.py compiles
+it for sm_90a, and tests/test_ops_gpu.py is the real check.
 """
 
 from __future__ import annotations

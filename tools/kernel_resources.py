@@ -82,7 +82,8 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, num_stage
                 spilled=int(spills.group(1)) if spills else None,
                 mma="wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-"),
                 atomics=sorted(set(re.findall(r"\b(?:red|atom)\.global\.[a-z0-9.]+", ptx))),
-                loop=largest_loop(sass), mma_loop=mma_loop(sass), serialized=re.findall(r"wgmma[^\n]*serialized[^\n]*", report))
+                loop=largest_loop(sass), mma_loop=mma_loop(sass),
+                serialized=re.findall(r"wgmma[^\n]*serialized[^\n]*", report))
 
 
 def largest_loop(sass: str) -> int:
@@ -212,8 +213,9 @@ def main() -> None:
                     for mode, label, cfg, kernel, constexprs in
                     (fwd_launches(H, d_v, d_r) if args.forward else bwd_launches(args.modes, H, d_v, d_r))]
     print(f"triton {triton.__version__}, sm_90a, {H} heads, {d_v} + {d_r}, bf16")
+    loop_column = "shortest loop with an MMA" if args.gluon else "key loop"
     print("| mode | launch | heads, keys, warps, stages | shared KB | registers | spilled B | mma | atomics | "
-          f"{'shortest loop with an MMA' if args.gluon else 'key loop'} instrs |\n|---|---|---|---|---|---|---|---|---|")
+          f"{loop_column} instrs |\n|---|---|---|---|---|---|---|---|---|")
     for mode, label, config, kernel, kernel_args, constexprs, num_warps, num_stages in launches:
         try:
             r = compile_sm90(kernel, kernel_args, constexprs, num_warps, num_stages)
