@@ -394,7 +394,10 @@ def test_set_later_wins_and_overrides_files(tmp_path):
     ("rollout..x=1", "command line (--set rollout..x=1): 'rollout..x' has an empty part; keys look like "
                      "rollout.sglang.tp"),
     ("rollout.stop=[a", "command line (--set rollout.stop=[a): rollout.stop: the value is not valid YAML"),
-    ("data.tasks.5.weight=1", "command line (--set data.tasks.5.weight=1): data.tasks is a list of 1 item(s)"),
+    ("data.tasks.5.weight=1", "command line (--set data.tasks.5.weight=1): data.tasks is a list of 1 item(s) and '5' "
+                              "is past its end; index it with 0 to 1"),
+    ("data.tasks.x.weight=2", "command line (--set data.tasks.x.weight=2): data.tasks is a list of 1 item(s) and 'x' "
+                              "is not an index; index it with 0 to 1"),
     ("data.tasks.0.task_args.worked_steps=1", "command line (--set data.tasks.0.task_args.worked_steps=1): "
                                               "data.tasks.0: arithmetic: unknown task parameter 'worked_steps'"),
     ("defaults=x.yaml", "command line (--set defaults=x.yaml): defaults can only be given in a recipe file"),

@@ -209,8 +209,9 @@ def _set_path(data: dict, parts: list[str], value: Any, where: str) -> KeyPath:
         last = i == len(parts) - 1
         if isinstance(node, list):
             if not part.isdigit() or int(part) > len(node):
-                raise RecipeError(f"{where}: {_dotted(path)} is a list of {len(node)} item(s); index it with 0 to "
-                                  f"{len(node)} ({len(node)} appends)")
+                given = "is not an index" if not part.isdigit() else "is past its end"
+                raise RecipeError(f"{where}: {_dotted(path)} is a list of {len(node)} item(s) and '{part}' {given}; "
+                                  f"index it with 0 to {len(node)} ({len(node)} appends)")
             key: str | int = int(part)
             if key == len(node):
                 node.append(None)
