@@ -190,3 +190,15 @@ def test_a_run_or_checkpoint_dir_that_is_a_file_is_one_line(capsys, tmp_path, ke
     for command in ("recipe check", "train"):
         err = one_line_error(capsys, *command.split(), BASE, "--set", f"{key}={tmp_path / 'notes.txt'}")
         assert err == f"{key}: {tmp_path / 'notes.txt'} is a file; {key} names a directory to write into"
+
+
+def test_recipe_check_names_a_critic_path_that_is_no_model_directory(capsys, tmp_path):
+    """critic.path of a directory that does not exist passed `recipe check` and failed in the trainer's Ray worker
+    with a FileNotFoundError traceback."""
+    sao = str(ROOT / "recipes" / "sao_agentic.yaml")
+    missing = tmp_path / "nope"
+    assert one_line_error(capsys, "recipe", "check", sao, "--set", f"critic.path={missing}") == \
+        f"critic.path: {missing} does not exist"
+    assert one_line_error(capsys, "recipe", "check", sao, "--set", f"critic.path={tmp_path}") == \
+        f"critic.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
+    assert main(["recipe", "check", sao, "--set", f"critic.path={ROOT / 'recipes' / 'assets' / 'quickstart-sft'}"]) == 0

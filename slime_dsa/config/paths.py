@@ -1,7 +1,7 @@
 """The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
 check`, the start of train and sft).
 
-The rule: model.path (and each teachers.N.path) is a local directory holding config.json (train and sft load no
+The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and sft load no
 hub ids). The other paths
 (model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
 that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more than one '/', or ends in a data
@@ -49,6 +49,8 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
+    if config.critic.path is not None and (problem := _model_dir_problem(config.critic.path)):
+        problems.append(("critic.path", problem))
     for i, teacher in enumerate(config.teachers):
         if problem := _model_dir_problem(teacher.path):
             problems.append((f"teachers.{i}.path", problem))
