@@ -202,3 +202,14 @@ def test_recipe_check_names_a_critic_path_that_is_no_model_directory(capsys, tmp
     assert one_line_error(capsys, "recipe", "check", sao, "--set", f"critic.path={tmp_path}") == \
         f"critic.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
     assert main(["recipe", "check", sao, "--set", f"critic.path={ROOT / 'recipes' / 'assets' / 'quickstart-sft'}"]) == 0
+
+
+def test_recipe_check_names_an_opd_topk_above_the_vocabulary(capsys):
+    """algorithm.opd_topk 1000 on a 384-token model passed `recipe check`; train failed after Ray started with the
+    teacher engine's 400 about top_logprobs_num, a key the recipe does not have."""
+    model = ROOT / "recipes" / "assets" / "quickstart-sft"
+    opd = [str(ROOT / "recipes" / "opd_merge.yaml"), "--set", f"model.path={model}",
+           *[a for i in range(3) for a in ("--set", f"teachers.{i}.path={model}")]]
+    assert one_line_error(capsys, "recipe", "check", *opd, "--set", "algorithm.opd_topk=1000") == \
+        "algorithm.opd_topk (1000) exceeds the vocabulary of model.path (384 tokens)"
+    assert main(["recipe", "check", *opd, "--set", "algorithm.opd_topk=384"]) == 0

@@ -44,6 +44,8 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
         problems.append(("model.path", problem))
     elif config.model.path is not None and (problem := _parallel_problem(config)):
         problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
+    if config.model.path is not None and not problems and (problem := _opd_topk_problem(config)):
+        problems.append(("algorithm.opd_topk", problem))
     if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     for i, task in enumerate(config.data.tasks):
@@ -89,6 +91,23 @@ def _parallel_problem(config: RecipeConfig) -> str | None:
                              ParallelSizes(**config.trainer.megatron.model_dump()), config.trainer.num_workers)
     except ValueError as err:
         return str(err)
+    return None
+
+
+def _opd_topk_problem(config: RecipeConfig) -> str | None:
+    """Whether algorithm.opd_topk exceeds the vocabulary of the model at model.path (the teachers' engines refuse the
+    top-k request at the first step, naming top_logprobs_num)."""
+    if config.algorithm.name != "opd" or not config.algorithm.opd_topk:
+        return None
+    import json  # noqa: PLC0415
+
+    try:
+        vocab = json.loads((Path(config.model.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the model's own checks name an unreadable config.json
+    if isinstance(vocab, int) and config.algorithm.opd_topk > vocab:
+        return (f"algorithm.opd_topk ({config.algorithm.opd_topk}) exceeds the vocabulary of model.path "
+                f"({vocab} tokens)")
     return None
 
 
