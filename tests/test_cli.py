@@ -421,3 +421,11 @@ def test_serve_flags_out_of_range_are_one_line(capsys, flags, message):
     (ValueError from the engine after the model loaded) was a traceback."""
     model = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
     assert message in one_line_error(capsys, "serve", "--model", str(model), "--device", "cpu", *flags)
+
+
+@pytest.mark.parametrize("target", ["--url", "--model"])
+def test_generate_concurrency_below_one_is_one_line(capsys, target):
+    """`generate --concurrency 0` was a ValueError traceback from the client (max_inflight_per_engine)."""
+    where = "http://127.0.0.1:9" if target == "--url" else str(Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft")
+    assert one_line_error(capsys, "generate", target, where, "--prompt", "1+2=", "--concurrency", "0").endswith(
+        "--concurrency must be >= 1, got 0")
