@@ -213,3 +213,13 @@ def test_recipe_check_names_an_opd_topk_above_the_vocabulary(capsys):
     assert one_line_error(capsys, "recipe", "check", *opd, "--set", "algorithm.opd_topk=1000") == \
         "algorithm.opd_topk (1000) exceeds the vocabulary of model.path (384 tokens)"
     assert main(["recipe", "check", *opd, "--set", "algorithm.opd_topk=384"]) == 0
+
+
+def test_sft_stop_at_pass_without_held_out_prompts_is_refused(capsys):
+    """sft.stop_at_pass with no task holding an eval split was accepted: every eval's pass@1 was nan and the stop
+    never came (the run went on to trainer.num_steps)."""
+    sft = str(ROOT / "recipes" / "quickstart_sft.yaml")
+    err = one_line_error(capsys, "recipe", "check", sft, "--set", "data.tasks.0.eval_size=0")
+    assert err.endswith("sft.stop_at_pass (0.25) needs held-out prompts: set eval_size or eval_fraction on a task in "
+                        "data.tasks")
+    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null"]) == 0
