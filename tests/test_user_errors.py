@@ -223,3 +223,19 @@ def test_sft_stop_at_pass_without_held_out_prompts_is_refused(capsys):
     assert err.endswith("sft.stop_at_pass (0.25) needs held-out prompts: set eval_size or eval_fraction on a task in "
                         "data.tasks")
     assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null"]) == 0
+
+
+def test_indexer_warmup_checks_its_paths_before_it_trains(capsys, tmp_path):
+    """indexer-warmup never ran the recipe's path checks: an output_dir under a file failed with a FileExistsError
+    traceback after the whole warm-up, and a missing corpus file came from the dataset loader."""
+    recipe = str(ROOT / "recipes" / "indexer_warmup.yaml")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"]
+    start = time.perf_counter()
+    assert one_line_error(capsys, "indexer-warmup", recipe, "--set", f"indexer_warmup.output_dir={blocker / 'out'}",
+                          *run) == f"indexer_warmup.output_dir: {blocker} is a file; indexer_warmup.output_dir names a directory to write into"
+    assert one_line_error(capsys, "indexer-warmup", recipe, "--set", "indexer_warmup.corpus=dataset", "--set",
+                          f"indexer_warmup.dataset_path={tmp_path / 'gone.jsonl'}", *run) == \
+        f"indexer_warmup.dataset_path: {tmp_path / 'gone.jsonl'} does not exist"
+    assert time.perf_counter() - start < 30

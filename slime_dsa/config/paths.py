@@ -1,5 +1,5 @@
 """The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
-check`, the start of train and sft).
+check`, the start of train, sft and indexer-warmup).
 
 The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and sft load no
 hub ids). The other paths
@@ -56,8 +56,12 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     for i, teacher in enumerate(config.teachers):
         if problem := _model_dir_problem(teacher.path):
             problems.append((f"teachers.{i}.path", problem))
+    iw = config.indexer_warmup
+    if iw.corpus == "dataset" and iw.dataset_path and (problem := _local_problem(iw.dataset_path)):
+        problems.append(("indexer_warmup.dataset_path", problem))
     for key, value in (("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir),
-                       ("sft.output_dir", config.sft.output_dir)):  # directories a run writes into
+                       ("sft.output_dir", config.sft.output_dir),
+                       ("indexer_warmup.output_dir", iw.output_dir)):  # directories a run writes into
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
