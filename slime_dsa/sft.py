@@ -37,6 +37,7 @@ class SupervisedExample:
 def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[SupervisedExample]:
     """One example per prompt from the task's `solution` column: a response string (+ EOS), or a multi-turn trajectory
     (a list of assistant/tool turns, laid out as the agent loop lays them out: slime_dsa.data.tool_calls)."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.tool_calls import ChatFormat, solution_ids  # noqa: PLC0415
 
     eos = tokenizer.eos_token_id
@@ -45,13 +46,18 @@ def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[SupervisedEx
     for p in prompts:
         solution = p.metadata.get("solution")
         if solution is None:
-            raise ValueError(f"task {p.task!r} row {p.index} has no 'solution' column to fine-tune on")
+            raise UserError(f"task {p.task!r} row {p.index}: sft learns each row's 'solution' column (the reference "
+                            "response: a string, or a list of assistant/tool turns), and this row has none")
         if isinstance(solution, str):
             ids = tokenizer.encode(solution, add_special_tokens=False) + [eos]
             mask = [1] * len(ids)
         else:
             chat_format = chat_format or ChatFormat.from_tokenizer(tokenizer)
-            ids, mask = solution_ids(solution, chat_format)
+            try:
+                ids, mask = solution_ids(solution, chat_format)
+            except (ValueError, TypeError, AttributeError, KeyError) as e:
+                raise UserError(f"task {p.task!r} row {p.index}, column 'solution': expected a string or a list of "
+                                f"{{role, content}} turns ({e})") from None
         out.append(SupervisedExample(list(p.prompt_ids), ids, mask))
     return out
 

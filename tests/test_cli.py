@@ -407,3 +407,25 @@ def test_generate_to_an_output_it_cannot_open_is_one_line(capsys, tmp_path):
     err = one_line_error(capsys, "generate", "--model", str(ROOT / "recipes" / "assets" / "quickstart-sft"),
                          "--prompt", "hi", "--max-new-tokens", "1", "--output", str(out))
     assert err == f"slime-dsa: error: --output {out}: No such file or directory"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "--port must be in 0..65535, got 99999"),
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+    (["--max-cache-tokens", "-5"], "--max-cache-tokens must be >= 16, got -5"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1, got 0"),
+    (["--dtype", "float8"], "--dtype must be one of"),
+])
+def test_serve_flags_out_of_range_are_one_line(capsys, flags, message):
+    """`serve` with --port 99999 (OverflowError), --max-running-requests 0, --max-cache-tokens -5 or --dtype float8
+    (ValueError from the engine after the model loaded) was a traceback."""
+    model = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
+    assert message in one_line_error(capsys, "serve", "--model", str(model), "--device", "cpu", *flags)
+
+
+@pytest.mark.parametrize("target", ["--url", "--model"])
+def test_generate_concurrency_below_one_is_one_line(capsys, target):
+    """`generate --concurrency 0` was a ValueError traceback from the client (max_inflight_per_engine)."""
+    where = "http://127.0.0.1:9" if target == "--url" else str(Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft")
+    assert one_line_error(capsys, "generate", target, where, "--prompt", "1+2=", "--concurrency", "0").endswith(
+        "--concurrency must be >= 1, got 0")

@@ -922,3 +922,20 @@ def test_async_engine_gathers_a_burst_of_calls_into_one_prefill(model):
     asyncio.run(main())
     with pytest.raises(ValueError, match="gather_ms"):
         AsyncEngine(Engine(model, max_cache_tokens=64, block_size=4), gather_ms=-1)
+
+
+def test_a_request_while_memory_is_released_is_refused_or_waits(model):
+    """After release_memory without pause, a request crashed the engine's step (IndexError on the freed KV pool) and
+    came back as an abort naming it; unpaused it is now refused, paused (a colocated loop's prefetch) it waits."""
+    engine = Engine(model, max_cache_tokens=256, block_size=4)
+    ps = prompts([5], seed=9)
+    engine.release_memory(["kv_cache"])
+    with pytest.raises(RequestError, match="kv_cache.*resume_memory_occupation"):
+        engine.add_request(GenerateRequest(input_ids=ps[0], sampling=greedy(3), rid="a"))
+    engine.pause("in_place")
+    engine.add_request(GenerateRequest(input_ids=ps[0], sampling=greedy(3), rid="b"))
+    engine.resume()  # continue before the memory is back: the request waits, no step runs on the freed pool
+    assert not engine.has_work and engine.step() == []
+    engine.resume_memory(["kv_cache"])
+    finals = run(engine)
+    assert finals["b"].finish_reason == {"type": "length", "length": 3}

@@ -61,3 +61,27 @@ def test_indexer_warmup_writes_a_dsa_model_whose_indexers_alone_learned(tmp_path
     changed = {name for name in source if not torch.equal(warmed[name], source[name])}
     assert changed and all(".indexer." in name for name in changed), sorted(changed)[:5]
     assert any(name.endswith("indexer.wq_b.weight") for name in changed)
+
+
+def test_dataset_corpus_column_errors_and_null_rows(tmp_path):
+    """indexer-warmup on a dataset without text_column was a ValueError traceback; a null cell trained on the text
+    "None"; a column of nulls only looped forever yielding nothing."""
+    import pytest
+
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.data.tokenizer import build_tokenizer
+    from slime_dsa.indexer.warmup import dataset_corpus
+
+    tokenizer = build_tokenizer()
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "12"}\n{"text": null}\n{"text": "34"}\n')
+    with pytest.raises(UserError, match=r"text_column 'body' is not a column"):
+        next(dataset_corpus(str(path), "train", "body", tokenizer))
+    docs = dataset_corpus(str(path), "train", "text", tokenizer)
+    eos = tokenizer.eos_token_id
+    got = [next(docs) for _ in range(3)]
+    assert got == [tokenizer.encode(t, add_special_tokens=False) + [eos] for t in ("12", "34", "12")]
+    nulls = tmp_path / "n.jsonl"
+    nulls.write_text('{"text": null, "x": 1}\n{"text": null, "x": 2}\n')
+    with pytest.raises(UserError, match="holds no text"):
+        next(dataset_corpus(str(nulls), "train", "text", tokenizer))

@@ -119,3 +119,20 @@ def test_malformed_bodies_get_400_not_500(server, raw, message):
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
     assert_still_serving(server)
+
+
+def test_a_client_that_disconnects_mid_body_is_no_server_error(server, caplog):
+    # a half-sent body and a closed socket: aiohttp logged "Error handling request" with a traceback (an ERROR, as if
+    # the server had failed) because the read's ConnectionResetError escaped the handler
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level("INFO"):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"input_ids\": [1, ")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any("closed the connection" in r.getMessage() or
+                                                      r.levelname == "ERROR" for r in caplog.records):
+            time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    assert any("closed the connection before its request body arrived" in r.getMessage() for r in caplog.records)
+    assert_still_serving(server)

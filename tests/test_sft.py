@@ -53,3 +53,27 @@ def test_sft_on_multi_turn_tool_solutions(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["train/loss"] < records[0]["train/loss"]
     assert "eval/calc_chain/pass@1" in records[-1] and "eval/fact_lookup/pass@1" in records[-1]
+
+
+def test_sft_rows_without_a_usable_solution_are_one_line_errors():
+    """A `kind: dataset` task whose rows have no `solution` column (the docs name only prompt and answer columns) made
+    `sft` fail with a ValueError traceback; a solution of the wrong type failed inside the turn layout."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.data.tokenizer import build_tokenizer
+    from slime_dsa.sft import supervised_examples
+
+    tokenizer = build_tokenizer()
+
+    def row(**metadata):
+        return SimpleNamespace(task="mine", index=3, prompt_ids=[1, 2], metadata=metadata)
+
+    with pytest.raises(UserError, match=r"task 'mine' row 3: sft learns each row's 'solution' column"):
+        supervised_examples([row(answer="4")], tokenizer)
+    for bad in (5, ["just a string"], [{"role": "user", "content": "x"}]):
+        with pytest.raises(UserError, match=r"task 'mine' row 3, column 'solution'"):
+            supervised_examples([row(solution=bad)], tokenizer)
+    assert supervised_examples([row(solution="4")], tokenizer)[0].response_ids[-1] == tokenizer.eos_token_id

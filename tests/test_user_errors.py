@@ -190,3 +190,52 @@ def test_a_run_or_checkpoint_dir_that_is_a_file_is_one_line(capsys, tmp_path, ke
     for command in ("recipe check", "train"):
         err = one_line_error(capsys, *command.split(), BASE, "--set", f"{key}={tmp_path / 'notes.txt'}")
         assert err == f"{key}: {tmp_path / 'notes.txt'} is a file; {key} names a directory to write into"
+
+
+def test_recipe_check_names_a_critic_path_that_is_no_model_directory(capsys, tmp_path):
+    """critic.path of a directory that does not exist passed `recipe check` and failed in the trainer's Ray worker
+    with a FileNotFoundError traceback."""
+    sao = str(ROOT / "recipes" / "sao_agentic.yaml")
+    missing = tmp_path / "nope"
+    assert one_line_error(capsys, "recipe", "check", sao, "--set", f"critic.path={missing}") == \
+        f"critic.path: {missing} does not exist"
+    assert one_line_error(capsys, "recipe", "check", sao, "--set", f"critic.path={tmp_path}") == \
+        f"critic.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
+    assert main(["recipe", "check", sao, "--set", f"critic.path={ROOT / 'recipes' / 'assets' / 'quickstart-sft'}"]) == 0
+
+
+def test_recipe_check_names_an_opd_topk_above_the_vocabulary(capsys):
+    """algorithm.opd_topk 1000 on a 384-token model passed `recipe check`; train failed after Ray started with the
+    teacher engine's 400 about top_logprobs_num, a key the recipe does not have."""
+    model = ROOT / "recipes" / "assets" / "quickstart-sft"
+    opd = [str(ROOT / "recipes" / "opd_merge.yaml"), "--set", f"model.path={model}",
+           *[a for i in range(3) for a in ("--set", f"teachers.{i}.path={model}")]]
+    assert one_line_error(capsys, "recipe", "check", *opd, "--set", "algorithm.opd_topk=1000") == \
+        "algorithm.opd_topk (1000) exceeds the vocabulary of model.path (384 tokens)"
+    assert main(["recipe", "check", *opd, "--set", "algorithm.opd_topk=384"]) == 0
+
+
+def test_sft_stop_at_pass_without_held_out_prompts_is_refused(capsys):
+    """sft.stop_at_pass with no task holding an eval split was accepted: every eval's pass@1 was nan and the stop
+    never came (the run went on to trainer.num_steps)."""
+    sft = str(ROOT / "recipes" / "quickstart_sft.yaml")
+    err = one_line_error(capsys, "recipe", "check", sft, "--set", "data.tasks.0.eval_size=0")
+    assert err.endswith("sft.stop_at_pass (0.25) needs held-out prompts: set eval_size or eval_fraction on a task in "
+                        "data.tasks")
+    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null"]) == 0
+
+
+def test_indexer_warmup_checks_its_paths_before_it_trains(capsys, tmp_path):
+    """indexer-warmup never ran the recipe's path checks: an output_dir under a file failed with a FileExistsError
+    traceback after the whole warm-up, and a missing corpus file came from the dataset loader."""
+    recipe = str(ROOT / "recipes" / "indexer_warmup.yaml")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"]
+    start = time.perf_counter()
+    assert one_line_error(capsys, "indexer-warmup", recipe, "--set", f"indexer_warmup.output_dir={blocker / 'out'}",
+                          *run) == f"indexer_warmup.output_dir: {blocker} is a file; indexer_warmup.output_dir names a directory to write into"
+    assert one_line_error(capsys, "indexer-warmup", recipe, "--set", "indexer_warmup.corpus=dataset", "--set",
+                          f"indexer_warmup.dataset_path={tmp_path / 'gone.jsonl'}", *run) == \
+        f"indexer_warmup.dataset_path: {tmp_path / 'gone.jsonl'} does not exist"
+    assert time.perf_counter() - start < 30

@@ -286,7 +286,7 @@ class Engine:
     def has_work(self) -> bool:
         """Whether `step()` would make progress now."""
         return bool(self._ready) or self._pending is not None or (
-            self._paused is None and bool(self._running or self._queue or self._scoring))
+            self._paused is None and not self._released and bool(self._running or self._queue or self._scoring))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -311,6 +311,9 @@ class Engine:
 
     def _add(self, req: GenerateRequest, like: _Sequence | None) -> _Sequence | None:
         """Queue `req`; `like`: an added sequence whose request differs from it only in rid and seed."""
+        if self._released and self._paused is None:  # paused, it waits for the resume (a colocated loop's prefetch)
+            raise RequestError(f"the engine's memory ({', '.join(sorted(self._released))}) is released for a colocated "
+                               "trainer: POST /resume_memory_occupation first")
         if req.scores_input:
             if req.rid in self._active:
                 raise RequestError(f"rid {req.rid!r} is already in use")
@@ -517,7 +520,7 @@ class Engine:
         next call: this call returns the previous step's outputs, after launching its own."""
         start = time.perf_counter()
         outputs, self._ready = self._ready, []
-        if self._paused is not None:
+        if self._paused is not None or self._released:  # released memory: requests wait for the resume
             return outputs
         if self._scoring:
             outputs += self._scoring.step(self._weight_version, self.stats)

@@ -19,6 +19,11 @@ class BodyTooLargeError(RequestError):
     status = 413
 
 
+class ClientGoneError(RequestError):
+    """The client closed the connection before its body arrived: logged as a request error, not a server fault (the
+    reply cannot reach it)."""
+
+
 class BodyTimeoutError(RequestError):
     """The body did not arrive before the deadline: a client that sends part of it and stalls (HTTP 408)."""
 
@@ -34,6 +39,8 @@ async def read_json(request: web.Request, limit: int, timeout_s: float | None = 
         raw = await asyncio.wait_for(_read(request, limit), timeout_s)
     except asyncio.TimeoutError:
         raise BodyTimeoutError(f"request body not received within {timeout_s:g} s (body_timeout_s)") from None
+    except ConnectionResetError:
+        raise ClientGoneError("the client closed the connection before its request body arrived") from None
     if not raw.strip():
         return {}
     return parse_json(raw)

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not (Path(args.model) / "config.json").exists():
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
+    _check_numbers(args, UserError)
     from rollout.server.launch import serve  # noqa: PLC0415
 
     serve(args.model, args.host, args.port, api_key=args.api_key, weight_dirs=args.weight_dir,
@@ -75,3 +76,22 @@ def run(args: argparse.Namespace) -> int:
           preload_weights=args.preload_weights, overlap=args.overlap,
           index_key_cache_dtype=args.index_key_cache_dtype)
     return 0
+
+
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # checkpoint.hf_format._parse_dtype's
+
+
+def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:
+    """One line for a flag out of range, before the model loads (else a ValueError traceback from the engine)."""
+    from rollout.engine.defaults import DEFAULT_BLOCK_SIZE  # noqa: PLC0415
+
+    if not 0 <= args.port <= 65535:
+        raise error(f"--port must be in 0..65535, got {args.port}")
+    for flag, value, least in (("--max-running-requests", args.max_running_requests, 1),
+                               ("--max-cache-tokens", args.max_cache_tokens, DEFAULT_BLOCK_SIZE),
+                               ("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--max-prompt-tokens", args.max_prompt_tokens, 1)):
+        if value < least:
+            raise error(f"{flag} must be >= {least}, got {value}")
+    if args.dtype is not None and args.dtype not in DTYPE_NAMES:
+        raise error(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {args.dtype!r}")

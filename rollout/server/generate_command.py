@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model and not (Path(args.model) / "config.json").is_file():  # as `serve` says it
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
+    if args.concurrency < 1:  # else a ValueError traceback from the client (or a semaphore that never opens)
+        raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
     items = _read_prompts(args)
     try:  # before a model loads or a request goes out
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout

@@ -1,7 +1,7 @@
 """The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
-check`, the start of train and sft).
+check`, the start of train, sft and indexer-warmup).
 
-The rule: model.path (and each teachers.N.path) is a local directory holding config.json (train and sft load no
+The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and sft load no
 hub ids). The other paths
 (model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
 that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more than one '/', or ends in a data
@@ -44,16 +44,24 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
         problems.append(("model.path", problem))
     elif config.model.path is not None and (problem := _parallel_problem(config)):
         problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
+    if config.model.path is not None and not problems and (problem := _opd_topk_problem(config)):
+        problems.append(("algorithm.opd_topk", problem))
     if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
+    if config.critic.path is not None and (problem := _model_dir_problem(config.critic.path)):
+        problems.append(("critic.path", problem))
     for i, teacher in enumerate(config.teachers):
         if problem := _model_dir_problem(teacher.path):
             problems.append((f"teachers.{i}.path", problem))
+    iw = config.indexer_warmup
+    if iw.corpus == "dataset" and iw.dataset_path and (problem := _local_problem(iw.dataset_path)):
+        problems.append(("indexer_warmup.dataset_path", problem))
     for key, value in (("logging.run_dir", config.logging.run_dir), ("checkpoint.dir", config.checkpoint.dir),
-                       ("sft.output_dir", config.sft.output_dir)):  # directories a run writes into
+                       ("sft.output_dir", config.sft.output_dir),
+                       ("indexer_warmup.output_dir", iw.output_dir)):  # directories a run writes into
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
@@ -87,6 +95,23 @@ def _parallel_problem(config: RecipeConfig) -> str | None:
                              ParallelSizes(**config.trainer.megatron.model_dump()), config.trainer.num_workers)
     except ValueError as err:
         return str(err)
+    return None
+
+
+def _opd_topk_problem(config: RecipeConfig) -> str | None:
+    """Whether algorithm.opd_topk exceeds the vocabulary of the model at model.path (the teachers' engines refuse the
+    top-k request at the first step, naming top_logprobs_num)."""
+    if config.algorithm.name != "opd" or not config.algorithm.opd_topk:
+        return None
+    import json  # noqa: PLC0415
+
+    try:
+        vocab = json.loads((Path(config.model.path).expanduser() / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the model's own checks name an unreadable config.json
+    if isinstance(vocab, int) and config.algorithm.opd_topk > vocab:
+        return (f"algorithm.opd_topk ({config.algorithm.opd_topk}) exceeds the vocabulary of model.path "
+                f"({vocab} tokens)")
     return None
 
 

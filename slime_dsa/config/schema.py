@@ -1114,6 +1114,10 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"logging.eval_every ({self.logging.eval_every}) needs held-out prompts: set eval_size or "
                 "eval_fraction on a task in data.tasks", "logging.eval_every")
+        if self.sft.stop_at_pass is not None and not any(t.has_eval_split for t in self.data.tasks):
+            raise RecipeValueError(  # else eval pass@1 is nan at every eval and the stop never comes
+                f"sft.stop_at_pass ({self.sft.stop_at_pass}) needs held-out prompts: set eval_size or eval_fraction "
+                "on a task in data.tasks", "sft.stop_at_pass")
         if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "

@@ -74,13 +74,21 @@ def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterat
     """Endless token documents from a text column of an HF dataset or a local jsonl/json/parquet file."""
     from slime_dsa.data.prompts import load_prompt_dataset  # noqa: PLC0415
 
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
     ds = load_prompt_dataset(path, split=split)
     if column not in ds.column_names:
-        raise ValueError(f"indexer_warmup.text_column {column!r} is not a column of {path} ({ds.column_names})")
+        raise UserError(f"indexer_warmup.text_column {column!r} is not a column of {path} ({ds.column_names})")
     eos = tokenizer.eos_token_id
     while True:
+        used = 0
         for row in ds:
+            if row[column] is None:  # a null cell is no text (str() made it the word "None")
+                continue
+            used += 1
             yield tokenizer.encode(str(row[column]), add_special_tokens=False) + [eos]
+        if not used:  # else an endless loop that yields nothing
+            raise UserError(f"{path}: column {column!r} holds no text (every row is null or the split is empty)")
 
 
 def windows(documents: Iterator[list[int]], seq_len: int) -> Iterator[torch.Tensor]:
