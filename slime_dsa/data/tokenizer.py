@@ -37,7 +37,7 @@ NOT_SPECIAL = (*TAG_TOKENS, *TOOL_TAG_TOKENS)  # single ids that decode(skip_spe
 
 NUM_BYTES = 256
 NUM_MERGES = 117
-VOCAB_SIZE = NUM_BYTES + NUM_MERGES + len(SPECIAL_TOKENS)  # 384: ids the tokenizer can produce
+VOCAB_SIZE = NUM_BYTES + NUM_MERGES + len(SPECIAL_TOKENS)  # 390: ids the tokenizer can produce
 MODEL_VOCAB_SIZE = -(-VOCAB_SIZE // 64) * 64  # embedding rows for a model config: VOCAB_SIZE rounded up to 64
 
 # No whitespace control ("{%-"): the template is one line, and newlines are written only where they belong.
