@@ -561,8 +561,8 @@ def main() -> None:
     parser.add_argument("--no-packed", action="store_true", help="skip the packed short-sequence rows")
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 32, 128])
     parser.add_argument("--kl-max-len", type=int, default=65536, help="time the KL loss up to this length")
-    parser.add_argument("--gluon", action="store_true", help="the sparse MLA prefill forward and general backward on "
-                        "the Gluon kernels (triton_sparse_mla.GLUON_FWD / GLUON_BWD)")
+    parser.add_argument("--no-gluon", action="store_true", help="the sparse MLA prefill forward and general backward "
+                        "on the Triton kernels, not the Gluon ones (triton_sparse_mla.GLUON_FWD / GLUON_BWD off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("dsa_kernels.py needs a CUDA GPU")
@@ -579,11 +579,12 @@ def main() -> None:
         f"triton {triton.__version__}",
         "Command: `PYTHONPATH=. python " + " ".join(sys.argv) + "`",
     ]
-    if args.gluon:
-        from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
-        mla.GLUON_FWD = mla.GLUON_BWD = True
-        header.append("Sparse MLA: the Gluon forward (rows without a key split) and backward where they apply.")
+    if args.no_gluon:
+        mla.GLUON_FWD = mla.GLUON_BWD = False
+    header.append("Sparse MLA: the Gluon forward (rows without a key split) and backward where they apply."
+                  if mla.GLUON_FWD else "Sparse MLA: the Triton kernels only (--no-gluon).")
     sweep = sweep_configs(8192, log) if args.sweep else []
     dense_backend = dense_backend_choice(log)
     header.append(f"Dense baseline: torch SDPA backend {dense_backend.name}.")

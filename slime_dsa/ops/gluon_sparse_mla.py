@@ -1,6 +1,6 @@
 """Sparse MLA forward for Hopper in Gluon (Triton's explicit-layout dialect, 3.5+): the gather, the pipeline and the
-wgmma split written out rather than left to Triton's pipeliner (issue 20 item 2). Not yet run on a GPU; the model
-calls it only with `triton_sparse_mla.GLUON_FWD` set. benchmarks/sparse_mla_fwd_variants.py times its CONFIGS against
+wgmma split written out rather than left to Triton's pipeliner (issue 20 item 2). The model's prefill and training
+forward call it where `supported` holds (`triton_sparse_mla.GLUON_FWD`, on). benchmarks/sparse_mla_fwd_variants.py times its CONFIGS against
 the Triton kernels (`gluon_<config>`) and tests/test_ops_gpu.py checks each against the torch reference.
 
 Same contract as `triton_sparse_mla.sparse_mla_fwd` without the decode key split: q (T, H, 576) and kv (Tk, 576) in

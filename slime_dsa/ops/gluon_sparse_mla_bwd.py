@@ -1,6 +1,6 @@
 """The sparse MLA backward for Hopper in Gluon (issue 20 item 1): dQ, dKV or both in one kernel, with the gather and
-its pipeline written out as in `gluon_sparse_mla`. Not yet run on a GPU; the backward calls it (both halves in one
-kernel) only with `triton_sparse_mla.GLUON_BWD` set:
+its pipeline written out as in `gluon_sparse_mla`. The general backward calls it (both halves in one kernel) where
+`supported` holds (`triton_sparse_mla.GLUON_BWD`, on):
 benchmarks/sparse_mla_bwd_variants.py times it (`--modes split64_gluon_dkv gluon_split gluon_fused`) and
 tests/test_ops_gpu.py checks it against the reference.
 

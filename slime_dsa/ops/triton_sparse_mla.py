@@ -122,11 +122,13 @@ PLAIN_FWD = "plain"
 PREFILL_FWD_VARIANT = "idx_reg"
 PREFILL_FWD_MIN_HEADS = 64
 _unfit_variants: set[tuple] = set()  # (variant, problem key) with no config that compiles and fits here
-# The Gluon kernels for Hopper (gluon_sparse_mla.py, gluon_sparse_mla_bwd.py), not yet measured on a GPU and so off:
-# True sends the forward of rows that need no key split (prefill, training) / the general backward (both halves in one
-# kernel) to them where their `supported` holds, the Triton kernels otherwise. benchmarks/dsa_kernels.py --gluon.
-GLUON_FWD = False
-GLUON_BWD = False
+# The Gluon kernels for Hopper (gluon_sparse_mla.py, gluon_sparse_mla_bwd.py) take the forward of rows that need no key
+# split (prefill, training) / the general backward (both halves in one kernel) where their `supported` holds (sm_90,
+# bf16, 64k heads, 512 + 64), the Triton kernels otherwise: on an H100 the forward 1.35-1.45x idx_reg (368-402 TFLOP/s
+# at 32K-64K) and the backward 1.45x split64 at 64K (benchmarks/RESULTS.md, 2026-12-05). benchmarks/dsa_kernels.py
+# --no-gluon times the Triton kernels alone.
+GLUON_FWD = True
+GLUON_BWD = True
 
 
 # ----------------------------------------------------------------------------------------------
