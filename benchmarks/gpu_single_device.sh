@@ -66,7 +66,7 @@
 # rollout path timed again after a KV-cache release (--release-kv: what a colocated RL step's hand-over costs);
 # ENGTHR_ARGS adds arguments, ENGTHR_T caps it (default 150 s). Writes $OUT/engthr.log only (NO_RAYLOGS=1 skips the
 # closing Ray-log archive too).
-# kern20, kern20b: issue 20's kernels built on CPU and not yet run on a GPU (the Gluon sparse MLA forward, plain and
+# kern20, kern20b: issue 20's newer kernels (first run on an H100 on 2026-12-05; the Gluon sparse MLA forward, plain and
 # warp-specialised, and backward kernels, the sampled top-k select). kern20: their GPU tests, then
 # benchmarks/sparse_mla_fwd_variants.py (idx_reg and every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
 # benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv gluon_split gluon_fused: kern20_select.json,
@@ -284,7 +284,7 @@ engthr)
     --no-eager --release-kv ${ENGTHR_ARGS} 2>&1 | tr "\r" "\n" | grep --line-buffered -v "Loading weights" | tee $OUT/engthr.log | tail -40
   ;;
 kern20)
-  # issue 20's kernels not yet run on a GPU: the GPU tests of the Gluon kernels and the sampled select, then the
+  # issue 20's newer kernels: the GPU tests of the Gluon kernels and the sampled select, then the
   # forward's benchmark (KERN20_TEST_T, KERN20_FWD_T cap them, default 200 / 270 s)
   stamp kern20
   timeout -k 10 ${KERN20_TEST_T:-200} python3 -m pytest -q -m gpu tests/test_ops_gpu.py \

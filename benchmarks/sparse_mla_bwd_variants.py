@@ -37,8 +37,8 @@ from benchmarks.dsa_kernels import D, H, V_DIM, _indices, sparse_flops, timed
 log = logging.getLogger("sparse_mla_bwd_variants")
 MAX_REL_ERR = 2e-2
 WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its kernels' fastest configs)
-# gluon_sparse_mla_bwd.py's kernel (not a backward mode: not yet run on a GPU): its dKV half after split64's dQ kernel,
-# its two halves apart, or both in one kernel
+# gluon_sparse_mla_bwd.py's kernel (not a backward mode: the general backward calls it fused, GLUON_BWD): its dKV half
+# after split64's dQ kernel, its two halves apart, or both in one kernel
 GLUON_DKV = "split64_gluon_dkv"
 GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused")
 

@@ -228,6 +228,10 @@ def sparse_mla_fwd(
     invariant: no key split and a config that depends on no row count, so each row's bits do not depend on the batch."""
     T, H, D = q.shape
     K = indices.shape[1]
+    variant = _forward_variant(invariant, T, H, K, q.dtype, D, v_dim, q.device) if T and K else None
+    if GLUON_FWD and variant is not None and (gluon := _gluon_module("gluon_sparse_mla")) is not None:
+        if gluon.supported(q, kv, indices, v_dim):
+            return gluon.sparse_mla_fwd(q, kv, indices, scale, v_dim)  # it allocates its own out and lse
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
@@ -236,10 +240,6 @@ def sparse_mla_fwd(
         return out.zero_(), lse.fill_(float("-inf"))
     d_r = D - v_dim
     block_dv, block_dr = _pow2(v_dim), _pow2(d_r)
-    variant = _forward_variant(invariant, T, H, K, q.dtype, D, v_dim, q.device)
-    if GLUON_FWD and variant is not None and (gluon := _gluon_module("gluon_sparse_mla")) is not None:
-        if gluon.supported(q, kv, indices, v_dim):
-            return gluon.sparse_mla_fwd(q, kv, indices, scale, v_dim)
 
     def launch(cfg: KernelConfig) -> None:
         block_h = min(cfg.block_h, _pow2(H))
