@@ -40,7 +40,9 @@ WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its
 # gluon_sparse_mla_bwd.py's kernel (not a backward mode: the general backward calls it fused, GLUON_BWD): its dKV half
 # after split64's dQ kernel, its two halves apart, or both in one kernel
 GLUON_DKV = "split64_gluon_dkv"
-GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused")
+# gluon_fused_late_dq: its dQ products issued after dKV^T's, over the step's reductions (LATE_DQ);
+# gluon_fused_stores: plain stores instead of the dkv reductions (timing only: what they cost)
+GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused", "gluon_fused_late_dq", "gluon_fused_stores")
 
 
 @dataclass
@@ -100,12 +102,12 @@ def mode_units(mode: str) -> list[Unit]:
     if mode in GLUON_MODES:
         from slime_dsa.ops import gluon_sparse_mla_bwd as gluon_bwd  # noqa: PLC0415 (Triton 3.5+ with Gluon)
 
-        def gluon(do_dq: bool, do_dkv: bool) -> Callable:
+        def gluon(do_dq: bool, do_dkv: bool, **options) -> Callable:
             def run_gluon(cfg, p, dq, dkv):
                 if not gluon_bwd.supported(p.q, p.kv, p.idx, p.dout, V_DIM):
                     raise RuntimeError("the Gluon backward needs sm_90, bf16, 64k heads, 512 + 64")
                 gluon_bwd.sparse_mla_bwd(p.q, p.kv, p.idx, p.dout, p.lse, p.delta, p.scale, dq if do_dq else None,
-                                         dkv if do_dkv else None)
+                                         dkv if do_dkv else None, **options)
 
             return run_gluon
 
@@ -113,7 +115,12 @@ def mode_units(mode: str) -> list[Unit]:
         gluon_dq = Unit("gluon_dq", True, False, config, gluon(True, False))
         gluon_dkv = Unit("gluon_dkv", False, True, config, gluon(False, True))
         return {GLUON_DKV: [mode_units("split64")[0], gluon_dkv], "gluon_split": [gluon_dq, gluon_dkv],
-                "gluon_fused": [Unit("gluon_fused", True, True, config, gluon(True, True))]}[mode]
+                "gluon_fused": [Unit("gluon_fused", True, True, config, gluon(True, True, late_dq=False))],
+                "gluon_fused_late_dq": [Unit("gluon_fused_late_dq", True, True, config,
+                                             gluon(True, True, late_dq=True))],
+                "gluon_fused_stores": [Unit("gluon_fused_stores", True, True, config,
+                                            gluon(True, True, late_dq=False, timing_only_stores=True),
+                                            timing_only=True)]}[mode]
 
     def variant(launch):
         return lambda cfg, p, dq, dkv: variants.launch_variant(launch, cfg, p.q, p.kv, p.idx, p.dout, p.lse, p.delta,

@@ -71,10 +71,10 @@ def test_gluon_forward_matches_reference_under_every_timing(timing, monkeypatch)
             assert (lse[has] - ref_lse[has]).abs().max() <= 1e-3, what
 
 
-def _backward(module, timing: Timing, monkeypatch, *args) -> None:
+def _backward(module, timing: Timing, monkeypatch, *args, **options) -> None:
     kernel = EmulatedKernel(module._sparse_mla_bwd_kernel, timing)
     monkeypatch.setattr(module, "_sparse_mla_bwd_kernel", kernel)
-    module.sparse_mla_bwd(*args)
+    module.sparse_mla_bwd(*args, **options)
     monkeypatch.undo()
     assert kernel.launches == 1
 
@@ -89,10 +89,12 @@ def test_gluon_backward_matches_reference_under_every_timing(timing, monkeypatch
     ref_out, ref_lse = reference.sparse_mla_attention(q32, kv32, indices, scale, D_V)
     ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum(), (q32, kv32))
     delta = (ref_out.detach() * dout.float()).sum(-1)
-    for do_dq, do_dkv in ((True, False), (False, True), (True, True)):
+    for do_dq, do_dkv, late_dq in ((True, False, False), (False, True, False), (True, True, False),
+                                   (True, True, True)):
         dq = torch.full(q.shape, float("nan"), dtype=q.dtype) if do_dq else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32) if do_dkv else None
-        _backward(gluon_bwd, timing, monkeypatch, q, kv, indices, dout, ref_lse.detach(), delta, scale, dq, dkv)
+        _backward(gluon_bwd, timing, monkeypatch, q, kv, indices, dout, ref_lse.detach(), delta, scale, dq, dkv,
+                  late_dq=late_dq)
         if dq is not None:
             assert _rel_l2(dq, ref_dq) <= REL_L2, (do_dq, do_dkv, _rel_l2(dq, ref_dq))
             assert (dq[1] == 0).all()  # a row without keys: every slot -1

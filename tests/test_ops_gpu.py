@@ -431,13 +431,14 @@ def test_gluon_sparse_mla_bwd_matches_reference(name):
     ref_dq, ref_dkv = torch.autograd.grad((ref_out * dout.float()).sum(), (q32, kv32))
     delta = (ref_out.detach() * dout.float()).sum(-1)
     failed = []
-    for do_dq, do_dkv in ((True, False), (False, True), (True, True)):
+    for do_dq, do_dkv, late_dq in ((True, False, False), (False, True, False), (True, True, False),
+                                   (True, True, True)):
         dq = torch.zeros_like(q) if do_dq else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda") if do_dkv else None
-        gluon_bwd.sparse_mla_bwd(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dq, dkv)
+        gluon_bwd.sparse_mla_bwd(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dq, dkv, late_dq=late_dq)
         for name_, got, want in (("dq", dq, ref_dq), ("dkv", dkv, ref_dkv)):
             if got is not None and rel_l2(got, want) > REL_L2:
-                failed.append(f"dq {do_dq} dkv {do_dkv}: {name_} rel L2 {rel_l2(got, want):.2e}")
+                failed.append(f"dq {do_dq} dkv {do_dkv} late dq {late_dq}: {name_} rel L2 {rel_l2(got, want):.2e}")
     assert not failed, failed
 
 

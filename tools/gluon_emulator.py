@@ -450,16 +450,24 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **kwargs):
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
-    if int(num_outstanding) != 0:
-        raise NotImplementedError("the emulator waits for every wgmma (num_outstanding=0)")
-    for pending in _program.partition().mmas:  # the warp group's own, in issue order, as the hardware retires them
+    # Each async warpgroup_mma is one commit group; the hardware retires a warp group's groups in issue order, so
+    # all but the newest num_outstanding complete here.
+    partition = _program.partition()
+    keep = int(num_outstanding)
+    retiring = partition.mmas[:max(0, len(partition.mmas) - keep)]
+    for pending in retiring:
         pending.resolve()
+    partition.mmas = partition.mmas[len(retiring):]
+    for d in deps:
+        if isinstance(d, _Pending) and d.value is None:
+            raise RuntimeError("warpgroup_mma_wait: a dependency is still outstanding after the wait")
     out = tuple(_val(d.value) if isinstance(d, _Pending) else d for d in deps)
     return out[0] if len(out) == 1 else out
 
 
 gl.warp_specialize = _warp_specialize
 _FUNCTIONS = {"warpgroup_mma": _warpgroup_mma, "warpgroup_mma_wait": _warpgroup_mma_wait,
+              "warpgroup_mma_init": lambda value: value,
               "fence_async_shared": _no_op, "thread_barrier": _no_op, "barrier": _no_op,
               "warp_specialize": _warp_specialize}
 

@@ -33,6 +33,10 @@ from slime_dsa.ops.gluon_sparse_mla import supported as forward_supported
 
 BLOCK_N = 32  # kv rows a step: dKV^T's tile is 576 x BLOCK_N, and 64 does not fit beside q and dO
 STAGES = 2
+# A fused step issues its dQ products after dKV^T's and waits for them after the step's dkv reductions, so that the
+# tensor cores work while the reductions go out. Off until timed on a GPU (sparse_mla_bwd_variants.py
+# --modes gluon_fused gluon_fused_late_dq).
+LATE_DQ = False
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:
@@ -42,8 +46,9 @@ def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: to
 
 
 @gluon.jit
-def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr):
-    """dkv[rows[k], col0 + d] += tile[d, k] for the valid keys k (relaxed float32 reductions)."""
+def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr, STORES: gl.constexpr):
+    """dkv[rows[k], col0 + d] += tile[d, k] for the valid keys k (relaxed float32 reductions; STORES: plain stores
+    instead, a wrong dkv that times the kernel without its reductions)."""
     layout: gl.constexpr = tile.type.layout
     cols = col0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
     if ROW64:
@@ -51,7 +56,11 @@ def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr
     else:
         base = rows * stride_dkvt
     ptrs = dkv_ptr + base[None, :] + cols[:, None]
-    gl.atomic_add(ptrs, tile, mask=valid[None, :] & (cols[:, None] >= 0), sem="relaxed")
+    mask = valid[None, :] & (cols[:, None] >= 0)
+    if STORES:
+        gl.store(ptrs, tile, mask=mask)
+    else:
+        gl.atomic_add(ptrs, tile, mask=mask, sem="relaxed")
 
 
 @gluon.jit
@@ -60,7 +69,8 @@ def _sparse_mla_bwd_kernel(
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
     stride_dkvt, K, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
-    STAGES: gl.constexpr, DO_DQ: gl.constexpr, DO_DKV: gl.constexpr, ROW64: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, DO_DQ: gl.constexpr, DO_DKV: gl.constexpr, ROW64: gl.constexpr, LATE_DQ: gl.constexpr,
+    RED_STORES: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -146,17 +156,22 @@ def _sparse_mla_bwd_kernel(
         fence_async_shared()
         _cta_barrier()  # P and dS are whole
 
-        if DO_DQ:
+        if DO_DQ and not LATE_DQ:
             dq_n = warpgroup_mma(ds_smem, kn, dq_n, is_async=True)
             dq_r = warpgroup_mma(ds_smem, kp_smem.index(buf), dq_r, is_async=True)
         if DO_DKV:
             dkv_t = warpgroup_mma(do_smem.permute((1, 0)), p_smem, t_zero, use_acc=False, is_async=True)
             dkv_t = warpgroup_mma(qn_smem.permute((1, 0)), ds_smem, dkv_t, is_async=True)
             dkr_t = warpgroup_mma(qp_smem.permute((1, 0)), ds_smem, r_zero, use_acc=False, is_async=True)
-            dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
+            if LATE_DQ:  # issued after dKV^T's, so that they run on the tensor cores while the step's reductions go out
+                dq_n = warpgroup_mma(ds_smem, kn, dq_n, is_async=True)
+                dq_r = warpgroup_mma(ds_smem, kp_smem.index(buf), dq_r, is_async=True)
+                dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=2, deps=(dkv_t, dkr_t))
+            else:
+                dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
             idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
-            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64)
-            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64)
+            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64, RED_STORES)
+            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64, RED_STORES)
         if DO_DQ:
             dq_n, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq_n, dq_r))
     cp.wait_group(0)
@@ -169,11 +184,14 @@ def _sparse_mla_bwd_kernel(
 
 def sparse_mla_bwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, scale: float, dq: torch.Tensor | None, dkv: torch.Tensor | None,
+    delta: torch.Tensor, scale: float, dq: torch.Tensor | None, dkv: torch.Tensor | None, *,
+    late_dq: bool | None = None, timing_only_stores: bool = False,
 ) -> None:
     """Writes the attention's q gradient into dq (T, H, 576) and/or adds its kv gradient into dkv (Tk, 576) float32
     (None skips that half): q (T, H, 576), dout (T, H, 512), lse and delta = rowsum(dout * out) (T, H) float32
-    (`supported` holds). Both halves at once share S, P and dS; apart, each recomputes them (split64's way)."""
+    (`supported` holds). Both halves at once share S, P and dS; apart, each recomputes them (split64's way).
+    late_dq (default LATE_DQ) overlaps a fused step's dQ products with its dKV reductions; timing_only_stores writes
+    a wrong dkv with plain stores (the benchmark's measure of what the reductions cost)."""
     T, H, _ = q.shape
     K = indices.shape[1]
     if T == 0 or (dq is None and dkv is None):
@@ -190,5 +208,7 @@ def sparse_mla_bwd(
         dq_arg.stride(0), dq_arg.stride(1), dkv_arg.stride(0), K, scale, scale * LOG2E,
         D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SCAN=min(triton.next_power_of_2(K), 1024),
         STAGES=STAGES, DO_DQ=dq is not None, DO_DKV=dkv is not None,
+        LATE_DQ=dq is not None and dkv is not None and (LATE_DQ if late_dq is None else late_dq),
+        RED_STORES=timing_only_stores,
         ROW64=max(kv.numel(), dkv_arg.numel()) >= 2**31, num_warps=NUM_WARPS,
     )
