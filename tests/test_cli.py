@@ -385,6 +385,26 @@ def test_a_fresh_run_where_an_earlier_run_left_checkpoints_is_refused(tmp_path, 
         main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}"])
 
 
+def test_sft_into_a_run_dir_holding_an_earlier_runs_metrics_is_refused(tmp_path, capsys, monkeypatch):
+    """A second `sft` into a run directory appended its steps to the earlier run's metrics.jsonl (two step 1s in one
+    file, one W&B run). sft has no --resume, so it is refused as `train` refuses an earlier run's checkpoints."""
+    import slime_dsa.sft
+
+    def no_training(recipe):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(slime_dsa.sft, "run_sft", no_training)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n')
+    err = one_line_error(capsys, "sft", BASE, "--set", f"logging.run_dir={run_dir}")
+    assert err == (f"slime-dsa: error: {run_dir / 'metrics.jsonl'} holds an earlier run's metrics: sft cannot continue "
+                   "a run; give this one another logging.run_dir, or remove that run directory to start over")
+    (run_dir / "metrics.jsonl").write_text("")  # a run stopped before its first record: nothing to mix
+    with pytest.raises(AssertionError, match="training started"):
+        main(["sft", BASE, "--set", f"logging.run_dir={run_dir}"])
+
+
 def test_resume_without_a_checkpoint_says_so_on_the_console(tmp_path, caplog):
     """--resume that finds no checkpoint starts fresh; that was an INFO line in train.log only, so the console showed
     a run starting from step 0 without a word."""
@@ -429,3 +449,48 @@ def test_generate_concurrency_below_one_is_one_line(capsys, target):
     where = "http://127.0.0.1:9" if target == "--url" else str(Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft")
     assert one_line_error(capsys, "generate", target, where, "--prompt", "1+2=", "--concurrency", "0").endswith(
         "--concurrency must be >= 1, got 0")
+
+
+@pytest.mark.parametrize("flags, env, source", [
+    (["--api-key", ""], None, "--api-key"),
+    (["--api-key", " "], "k", "--api-key"),
+    ([], "", "$SLIME_DSA_API_KEY"),
+])
+def test_serve_refuses_an_empty_api_key(capsys, monkeypatch, flags, env, source):
+    """`serve --api-key ""` (`--api-key "$KEY"` with KEY unset), or SLIME_DSA_API_KEY set empty, served everyone: the
+    server takes an empty key for none."""
+    import rollout.server.launch as launch
+
+    def no_serving(*args, **kwargs):
+        raise AssertionError("serving started")
+
+    monkeypatch.setattr(launch, "serve", no_serving)
+    if env is None:
+        monkeypatch.delenv("SLIME_DSA_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("SLIME_DSA_API_KEY", env)
+    model = str(ROOT / "recipes" / "assets" / "quickstart-sft")
+    err = one_line_error(capsys, "serve", "--model", model, *flags)
+    assert err == f"slime-dsa: error: {source} is empty: give the key clients must send, or unset it to serve without one"
+    monkeypatch.setenv("SLIME_DSA_API_KEY", "from-env")
+    served = {}
+    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: served.update(kwargs))
+    assert main(["serve", "--model", model]) == 0 and served["api_key"] == "from-env"
+    assert main(["serve", "--model", model, "--api-key", "flag"]) == 0 and served["api_key"] == "flag"
+
+
+def test_generate_sends_the_key_from_the_environment(capsys, monkeypatch):
+    """`generate --url` without --api-key sent no key, though `serve` reads SLIME_DSA_API_KEY: a server started with
+    the key in the environment refused (401) a generate run from the same shell."""
+    from tests.test_server import serving
+
+    with serving(ROOT / "recipes" / "assets" / "quickstart-sft", api_key="the-key") as srv:
+        argv = ["generate", "--url", srv.url, "--prompt", "1+2=", "--max-new-tokens", "1"]
+        monkeypatch.delenv("SLIME_DSA_API_KEY", raising=False)
+        assert "missing or wrong API key" in one_line_error(capsys, *argv)
+        monkeypatch.setenv("SLIME_DSA_API_KEY", "the-key")
+        assert main(argv) == 0
+        assert len(capsys.readouterr().out.splitlines()) == 1
+        assert "missing or wrong API key" in one_line_error(capsys, *argv, "--api-key", "wrong")  # the flag comes first
+    main(["generate", "--help"])
+    assert "SLIME_DSA_API_KEY" in capsys.readouterr().out

@@ -10,14 +10,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
     from rollout.engine.defaults import (  # noqa: PLC0415
         DEFAULT_MAX_CACHE_TOKENS, DEFAULT_MAX_RUNNING_REQUESTS, INDEX_KEY_CACHE_DTYPES)
-    from rollout.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT  # noqa: PLC0415
+    from rollout.server.defaults import (  # noqa: PLC0415
+        API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PORT)
 
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="HF-format model directory (config.json + safetensors)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s, SGLang's)")
-    parser.add_argument("--api-key", default=os.environ.get("SLIME_DSA_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $SLIME_DSA_API_KEY, else none)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none; an empty key "
+                             "is refused)")
     parser.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
                         help="a directory /update_weights_from_disk may load from (repeat for more; default: none, "
                              "so that endpoint loads nothing)")
@@ -66,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").exists():
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     _check_numbers(args, UserError)
+    api_key = _api_key(args, UserError)
     from rollout.server.launch import serve  # noqa: PLC0415
 
-    serve(args.model, args.host, args.port, api_key=args.api_key, weight_dirs=args.weight_dir,
+    serve(args.model, args.host, args.port, api_key=api_key, weight_dirs=args.weight_dir,
           max_body_bytes=args.max_body_bytes,
           max_prompt_tokens=args.max_prompt_tokens, max_cache_tokens=args.max_cache_tokens,
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
@@ -76,6 +79,19 @@ def run(args: argparse.Namespace) -> int:
           preload_weights=args.preload_weights, overlap=args.overlap,
           index_key_cache_dtype=args.index_key_cache_dtype)
     return 0
+
+
+def _api_key(args: argparse.Namespace, error: type[Exception]) -> str | None:
+    """--api-key, else $SLIME_DSA_API_KEY, else None (no key). An empty one is an error: the server would take it as
+    no key and serve everyone (`--api-key "$KEY"` with KEY unset)."""
+    from rollout.server.defaults import API_KEY_ENV  # noqa: PLC0415
+
+    source, key = "--api-key", args.api_key
+    if key is None:
+        source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise error(f"{source} is empty: give the key clients must send, or unset it to serve without one")
+    return key
 
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # checkpoint.hf_format._parse_dtype's

@@ -4,6 +4,7 @@ The engine's own sizes (cache, running requests) are in rollout/engine/defaults.
 """
 
 DEFAULT_PORT = 30000  # SGLang's
+API_KEY_ENV = "SLIME_DSA_API_KEY"  # the key `serve` requires and `generate` sends when --api-key is not given
 DEFAULT_MAX_BODY_BYTES = 16 * 1024**2
 DEFAULT_MAX_WEIGHT_BODY_BYTES = 4 * 1024**3
 DEFAULT_MAX_PROMPT_TOKENS = 32768

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from rollout.server.defaults import API_KEY_ENV
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,7 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--seed", type=int, default=None, help="sampling_seed")
-    parser.add_argument("--api-key", default=None, help="Bearer key of the server (--url)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"Bearer key of the server (--url; default: ${API_KEY_ENV}, as `serve` reads it)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--device", default=None, help="with --model: cpu | cuda")
     parser.set_defaults(run=run)
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             server = await EmbeddedServer.start(engine, tokenizer, model_path=args.model)
             urls = [server.url]
         try:
-            async with EngineClient(urls, api_key=args.api_key, max_inflight_per_engine=args.concurrency) as client:
+            api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+            async with EngineClient(urls, api_key=api_key, max_inflight_per_engine=args.concurrency) as client:
                 await _generate_all(client, items, args, out)
         except EngineRequestError as e:
             raise UserError(f"the engine refused a request: {e.message}") from None
