@@ -3,7 +3,7 @@ the entries at or above it (Triton).
 
 Same result as `triton_topk_split.topk_select_split` (the tie rule of `reference.py`, positions ascending, then -1),
 which reads the whole row six times. Here one program per row samples 4,096 of the row's scores and sets a floor: the
-16-bit key prefix of a sample rank safely past k's share of the sample. One pass over the row (a program per row
+24-bit key prefix of a sample rank safely past k's share of the sample. One pass over the row (a program per row
 slice) then keeps the entries (position, key) at or above the floor, in position order, in the slice's own region.
 Four histogram passes and the write, as in the split select, run on the kept entries alone: a few thousand a row
 for decode scores instead of 64K. The last histogram pass also counts per slice what the write needs of the slices
@@ -89,7 +89,9 @@ def _floor_kernel(
     d0, rest = _digit_at_rank(tl.histogram((key >> 24).to(tl.int32), 256, mask=sampled), want)
     top = sampled & ((key >> 24) == d0.to(tl.uint32))
     d1, rest = _digit_at_rank(tl.histogram(((key >> 16) & 255).to(tl.int32), 256, mask=top), rest)
-    floor = (d0.to(tl.int64) << 24) | (d1.to(tl.int64) << 16)
+    top = top & (((key >> 16) & 255) == d1.to(tl.uint32))
+    d2, rest = _digit_at_rank(tl.histogram(((key >> 8) & 255).to(tl.int32), 256, mask=top), rest)
+    floor = (d0.to(tl.int64) << 24) | (d1.to(tl.int64) << 16) | (d2.to(tl.int64) << 8)
     tl.store(floor_ptr + row, tl.where(want >= m, 0, floor))  # rows of k or fewer: want > m
 
 
