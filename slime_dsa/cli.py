@@ -21,7 +21,7 @@ from slime_dsa import __version__, interrupts
 from slime_dsa.config.errors import UserError
 
 COMMANDS = (
-    "slime_dsa.config.command",  # recipe explain | check
+    "slime_dsa.commands.recipe",  # recipe explain | check
     "rollout.server.command",  # serve
     "rollout.server.generate_command",  # generate
     "slime_dsa.commands.sft",  # sft

@@ -278,6 +278,15 @@ def hang(sample, response, answer, **metadata):
 def whoami(sample, response, answer):
     return float(os.getpid())
 
+def exits(sample, response, answer):
+    raise SystemExit(3)
+
+def interrupted(sample, response, answer):
+    raise KeyboardInterrupt
+
+async def exits_async(sample, response, answer):
+    raise SystemExit(4)
+
 NOT_CALLABLE = 3
 '''
 
@@ -339,6 +348,31 @@ def test_failing_rewards_cost_one_sample(custom_rewards: str, caplog) -> None:
     assert own_timeout.failed and own_timeout.error == "TimeoutError: upstream judge timed out"
     assert (stats.calls, stats.failures, stats.timeouts) == (6, 5, 1)
     assert "verifier crashed" in caplog.text
+
+
+def test_a_reward_that_exits_or_interrupts_costs_one_sample(custom_rewards: str) -> None:
+    """SystemExit and KeyboardInterrupt are no Exception: raised by a reward function (in a worker process, a thread,
+    inline or as a coroutine) they used to end the driver's event loop, and the run with it."""
+    from rollout.rewards.registry import RewardFunction
+
+    def exits_in_thread(sample, response, answer):
+        raise SystemExit(5)
+
+    stats = RewardStats()
+    fns = [f"{custom_rewards}:exits", f"{custom_rewards}:interrupted", f"{custom_rewards}:exits_async",
+           RewardFunction.wrap(exits_in_thread, isolation="thread"),
+           RewardFunction.wrap(exits_in_thread, isolation="inline")]
+
+    async def main():
+        failed = await asyncio.gather(*(compute_reward(fn, _sample("42"), timeout_s=20, stats=stats) for fn in fns))
+        return failed, await compute_reward(f"{custom_rewards}:exact", _sample("42"), stats=stats)
+
+    failed, fine = asyncio.run(main())
+    assert [r.error for r in failed] == [
+        "RuntimeError: raised SystemExit(3)", "RuntimeError: raised KeyboardInterrupt()",
+        "RuntimeError: raised SystemExit(4)", "RuntimeError: raised SystemExit(5)", "SystemExit: 5"]
+    assert all(r.failed and r.reward == 0.0 for r in failed) and fine.reward == 1.0
+    assert (stats.calls, stats.failures) == (6, 5)
 
 
 def test_hung_rewards_are_killed_and_replaced(custom_rewards: str, tmp_path) -> None:
@@ -505,6 +539,41 @@ def test_missing_files_and_splits(tmp_path, tokenizer) -> None:
     with pytest.raises(PromptDataError, match="no chat_template"):
         encode_prompts(datasets.Dataset.from_list([{"prompt": "x", "answer": "1"}]), object(), source="s",
                        apply_chat_template=True)
+
+
+@pytest.mark.parametrize("name,content", [
+    ("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.json", "[]"), ("empty.parquet", None), ("disk", None),
+])
+def test_an_empty_dataset_is_one_line(tmp_path, tokenizer, name, content) -> None:
+    """An empty file failed with datasets' own words ("StopIteration: ", "Instruction \"train\" corresponds to no
+    data!", "An error occurred while generating the dataset"), an empty saved dataset with "no training prompts left
+    (0 longer than max_prompt_length)"."""
+    path = tmp_path / name
+    if name == "disk":
+        datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "x", "answer": "1"}]).select([])}) \
+            .save_to_disk(str(path))
+    elif content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
+    else:
+        path.write_text(content)
+    with pytest.raises(PromptDataError) as info:
+        load_task("t", tokenizer, path=str(path), cache_dir=str(tmp_path / "cache"))
+    assert str(info.value) in (f"{path}: no rows", f"{path}: no rows in split 'train'")
+
+
+def test_a_split_a_file_does_not_have_is_refused(tmp_path, tokenizer) -> None:
+    """A single file is one split, 'train': `split: test` was silently ignored and trained on the whole file."""
+    rows = [{"prompt": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]
+    for kind in ("jsonl", "parquet"):
+        path = _write(kind, tmp_path, rows)
+        with pytest.raises(PromptDataError) as info:
+            load_task("t", tokenizer, path=str(path), split="test", cache_dir=str(tmp_path / "cache"))
+        assert str(info.value).startswith(f"{path}: no split 'test' (a single file holds one split, 'train')")
+        task = load_task("t", tokenizer, path=str(path), split="train[:3]", cache_dir=str(tmp_path / "cache"))
+        assert [p.answer for p in task.train] == ["1", "2", "3"]
 
 
 # ---------------------------------------------------------------------------------------------------- mixture

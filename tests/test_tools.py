@@ -87,6 +87,25 @@ def test_call_tool_turns_failures_into_output():
     assert len(long.output) == 60 and "more characters cut" in long.output
 
 
+def test_a_tool_that_exits_costs_its_call():
+    """SystemExit is no Exception: a tool that raised it (sys.exit in a plugin) ended the driver's event loop."""
+    from tests.plugins.tools import Broken
+
+    class Exits(Broken):
+        async def call(self, **arguments):
+            raise SystemExit(3)
+
+    tools = {"calculator": Calculator(), "exits": Exits(name="exits")}
+
+    async def main():
+        return await asyncio.gather(*(call_tool(tools, ToolCall(name, args), timeout_s=5, max_output_chars=200)
+                                      for name, args in (("exits", {}), ("calculator", {"expression": "6 * 7"}))))
+
+    exited, fine = run(main())
+    assert (exited.output, exited.status) == ("error: exits failed: RuntimeError: raised SystemExit(3)", "error")
+    assert fine.output == "42"
+
+
 def test_truncate_keeps_short_text():
     assert truncate("abc", 10) == "abc"
     cut = truncate("x" * 100, 40)
@@ -202,3 +221,29 @@ def _sandbox_processes() -> list[str]:
         except OSError:
             pass
     return found
+
+
+def test_the_python_tools_limits_are_the_recipes_agent_keys():
+    """The python tool ran under fixed limits whatever the recipe said: 512 MiB, 5 CPU seconds, 8 processes, a 10 s
+    wall (so a tool_timeout_s above 10 was cut at 10) and 8,192 bytes of output (so a max_tool_output_chars above it
+    showed an error instead of the output)."""
+    from rollout.agents.runtime import AgentRuntime
+    from slime_dsa.config.schema import AgentConfig
+    from slime_dsa.data.tokenizer import build_tokenizer
+
+    agent = AgentConfig(tools=["python"], tool_timeout_s=20.0, tool_cpu_s=3, tool_memory_mb=96,
+                        tool_max_processes=5, max_tool_output_chars=20_000)
+    tools = AgentRuntime.build(agent, build_tokenizer(), 512).tools
+    assert tools["python"].limits == SandboxLimits(cpu_s=3, wall_s=20.0, memory_mb=96, max_processes=5,
+                                                   max_output_bytes=80_000)
+
+    def call(code):
+        return run(call_tool(tools, ToolCall("python", {"code": code}), timeout_s=agent.tool_timeout_s,
+                             max_output_chars=agent.max_tool_output_chars))
+
+    printed = call("print('x' * 15_000)")
+    assert printed.status == "ok" and printed.output == "x" * 15_000 + "\n"
+    allocated = call("blob = bytearray(200 * 2**20)\nprint('allocated')")  # the default 512 MiB would allow it
+    assert allocated.status == "error" and "MemoryError" in allocated.output and "allocated" not in allocated.output
+    assert AgentRuntime.build(AgentConfig(tools=["python"]), build_tokenizer(), 512).tools["python"].limits == \
+        SandboxLimits()

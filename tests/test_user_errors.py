@@ -65,6 +65,62 @@ def test_train_and_sft_fail_at_once_on_a_missing_dataset_file(capsys, tmp_path, 
     assert time.perf_counter() - start < 5 and not (tmp_path / "run").exists()
 
 
+# ---- plugins by import path -------------------------------------------------------------------------------------
+
+PLUGINS = """
+def two_args(response, answer):
+    return 1.0
+
+class NotATool:
+    pass
+
+class NoRun:
+    pass
+"""
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch) -> str:
+    (tmp_path / "audit_plugins_mod.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "audit_plugins_mod"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("data.tasks.0.reward_fn=audit_plugins_mod:misspelt",
+     "data.tasks.0.reward_fn: reward function 'audit_plugins_mod:misspelt': 'audit_plugins_mod' has no attribute "
+     "'misspelt'"),
+    ("data.tasks.0.reward_fn=no_such_reward_mod_xyz:fn", "data.tasks.0.reward_fn: reward function "
+     "'no_such_reward_mod_xyz:fn': cannot import module 'no_such_reward_mod_xyz' (ModuleNotFoundError"),
+    ("data.tasks.0.reward_fn=audit_plugins_mod:two_args", "data.tasks.0.reward_fn: reward function "
+     "'audit_plugins_mod:two_args' takes 2 positional parameter(s)"),
+    ("data.tasks.0.reward_fn=aritmetic", "data.tasks.0.reward_fn: unknown reward function 'aritmetic'"),
+    ("data.tasks.0.agent={tools: [calculator, 'audit_plugins_mod:NotATool']}",
+     "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:NotATool' is a NotATool, not a tool"),
+    ("data.tasks.0.agent={tools: [calculator], loop: 'audit_plugins_mod:NoRun'}",
+     "data.tasks.0.agent.loop: agent loop 'audit_plugins_mod:NoRun' is a NoRun without an async run"),
+])
+def test_a_plugin_that_does_not_resolve_is_one_line_at_check_train_and_sft(capsys, tmp_path, monkeypatch, plugins,
+                                                                          override, expected):
+    """A misspelt or misshapen reward function, tool or agent loop passed `recipe check` ("ok"); train found the
+    reward function before Ray but the tools and loop only after Ray and the engines had started (without naming
+    the key), and sft only at its first evaluation, after training steps."""
+    import slime_dsa.sft  # noqa: PLC0415
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray or training started")
+
+    monkeypatch.setattr(setup, "init_ray", started)
+    monkeypatch.setattr(slime_dsa.sft, "run_sft", started)
+    sao = str(ROOT / "recipes" / "sao_agentic.yaml")
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"]
+    for command in ("recipe check", "train", "sft"):
+        err = one_line_error(capsys, *command.split(), sao, "--set", override, *run)
+        assert err.startswith(expected), (command, err)
+    assert main(["recipe", "check", sao]) == 0
+
+
 # ---- dataset rows ----------------------------------------------------------------------------------------------
 
 def test_a_non_utf8_row_names_the_file_and_row(tmp_path):

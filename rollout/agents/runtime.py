@@ -16,6 +16,7 @@ from rollout.agents.base import AgentEnv, AgentLimits, AgentLoop
 from rollout.agents.glm import GLMToolAgent
 from rollout.tools.base import Tool
 from rollout.tools.registry import load_tools
+from rollout.tools.sandbox import SandboxLimits
 from slime_dsa.config.errors import UserError
 from slime_dsa.config.plugins import PluginError, import_object
 from slime_dsa.data.sample import Sample, SampleStatus
@@ -67,7 +68,7 @@ class AgentRuntime:
             chat_format = ChatFormat.from_tokenizer(tokenizer)
         except ValueError as e:
             raise AgentLoadError(f"agent: {e}") from e
-        return cls(load_agent_loop(agent.loop), load_tools(agent.tools),
+        return cls(load_agent_loop(agent.loop), load_tools(agent.tools, SandboxLimits.from_config(agent)),
                    AgentLimits.from_config(agent, max_response_length), chat_format, tokenizer)
 
     async def run(self, sample: Sample, client: Any, sampling_params: dict[str, Any], *, seed: int,
@@ -80,7 +81,7 @@ class AgentRuntime:
             return await self.loop.run(sample, env)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - a broken trajectory costs that trajectory only
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken trajectory costs that trajectory only
             logger.warning("sample %s: agent loop failed: %s: %s", sample.index, type(e).__name__, e, exc_info=True)
             sample.status = SampleStatus.FAILED
             sample.metadata["error"] = f"{type(e).__name__}: {e}"

@@ -136,7 +136,7 @@ async def compute_reward(
     exc: BaseException | None = None
     try:
         reward, metrics = _normalise(await _call(reward_fn, sample, timeout_s))
-    except Exception as e:  # noqa: BLE001 - any failure of user code costs this sample only
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure of user code costs this sample only
         error, exc = (str(e) if isinstance(e, CallTimeout) else f"{type(e).__name__}: {e}"), e
     result = (RewardResult(reward, metrics=metrics) if error is None
               else RewardResult(0.0, failed=True, error=error, timed_out=isinstance(exc, CallTimeout)))
@@ -151,7 +151,8 @@ async def compute_reward(
 async def _call(reward_fn: RewardFunction, sample: Sample, timeout_s: float | None) -> Any:
     kwargs = reward_fn.metadata_kwargs(sample.metadata)
     if reward_fn.is_async:
-        value = await _with_deadline(reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs), timeout_s)
+        value = await _with_deadline(_contained(reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs)),
+                                     timeout_s)
     elif reward_fn.isolation == "inline":
         value = reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs)
     elif reward_fn.isolation == "process":
@@ -165,8 +166,17 @@ async def _call(reward_fn: RewardFunction, sample: Sample, timeout_s: float | No
             reward_pools().abandon(future)
             raise
     if inspect.isawaitable(value):  # a sync callable that returned a coroutine (e.g. a lambda around an async fn)
-        value = await _with_deadline(value, timeout_s)
+        value = await _with_deadline(_contained(value), timeout_s)
     return value
+
+
+async def _contained(awaitable: Awaitable[Any]) -> Any:
+    """`awaitable`'s result, with a SystemExit it raises turned into a RuntimeError here, inside the task that
+    `_with_deadline` makes: a task re-raises a SystemExit out of the event loop, which would end the run."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise RuntimeError(f"raised SystemExit({e})") from None
 
 
 async def _with_deadline(awaitable: Awaitable[Any], timeout_s: float | None) -> Any:

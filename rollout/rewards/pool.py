@@ -46,7 +46,16 @@ def _call_by_spec(spec: str, args: tuple, kwargs: dict[str, Any], driver_path: l
         # The driver may have made the module importable after this worker started (sys.path edits).
         sys.path.extend(entry for entry in driver_path if entry not in sys.path)
         fn = _resolved[spec] = load_reward_fn(spec).fn
-    return fn(*args, **kwargs)
+    return call_contained(fn, *args, **kwargs)
+
+
+def call_contained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, with a SystemExit or KeyboardInterrupt it raises turned into a RuntimeError: the
+    function's own exit ends its call, never the driver that awaits the call's future."""
+    try:
+        return fn(*args, **kwargs)
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise RuntimeError(f"raised {type(e).__name__}({e})") from None
 
 
 class RewardPools:
@@ -75,7 +84,7 @@ class RewardPools:
         with self._lock:
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(max_workers=self.max_threads, thread_name_prefix="reward")
-            return self._threads.submit(fn, *args, **kwargs)
+            return self._threads.submit(call_contained, fn, *args, **kwargs)
 
     def abandon(self, future: Future) -> None:
         """A thread call passed its deadline: count its thread as stuck; replace the pool once half are stuck."""

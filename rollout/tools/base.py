@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -76,7 +76,7 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall, *, timeout_s: flo
     if problem:
         return ToolResult(f"error: {problem}", "error")
     try:
-        out = await asyncio.wait_for(tool.call(**call.arguments), timeout_s)
+        out = await asyncio.wait_for(_contained(tool.call(**call.arguments)), timeout_s)
     except asyncio.TimeoutError:
         result = ToolResult(f"error: {call.name} timed out after {timeout_s:g}s", "timeout")
     except Exception as e:  # noqa: BLE001 - a failing tool costs its call only
@@ -85,3 +85,12 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall, *, timeout_s: flo
     else:
         result = out if isinstance(out, ToolResult) else ToolResult(str(out))
     return ToolResult(truncate(result.output, max_output_chars), result.status)
+
+
+async def _contained(awaitable: Awaitable[Any]) -> Any:
+    """`awaitable`'s result, with a SystemExit the tool raises turned into a RuntimeError inside the task that
+    wait_for makes: a task re-raises a SystemExit out of the event loop, which would end the run."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise RuntimeError(f"raised SystemExit({e})") from None

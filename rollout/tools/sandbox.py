@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,14 @@ class SandboxLimits:
     max_processes: int = 8
     max_output_bytes: int = 8192
     max_file_mb: int = 16
+
+    @classmethod
+    def from_config(cls, agent: Any) -> SandboxLimits:
+        """From a recipe's AgentConfig (data.tasks.<i>.agent): its tool_* limits; the wall limit is tool_timeout_s,
+        and the output limit leaves room for max_tool_output_chars characters of UTF-8."""
+        return cls(cpu_s=agent.tool_cpu_s, wall_s=agent.tool_timeout_s, memory_mb=agent.tool_memory_mb,
+                   max_processes=agent.tool_max_processes,
+                   max_output_bytes=max(cls.max_output_bytes, 4 * agent.max_tool_output_chars))
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from slime_dsa.commands.recipe import check_recipe_plugins  # noqa: PLC0415
     from slime_dsa.config import load_recipe  # noqa: PLC0415
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     overrides = list(args.overrides) + (["checkpoint.resume=true"] if args.resume else [])
     recipe = load_recipe(args.recipe, overrides)
     check_recipe_paths(recipe)  # before Ray, engines and trainers start
+    check_recipe_plugins(recipe)  # reward functions, agent loops and tools by import path
     if not recipe.checkpoint.resume:
         _refuse_an_earlier_runs_checkpoints(recipe)
     from slime_dsa.orchestrator.train import run_training  # noqa: PLC0415 (torch, ray: only now)

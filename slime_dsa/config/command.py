@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from slime_dsa.config.errors import UserError
 
@@ -16,8 +18,9 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
              "(VALUE is YAML; repeatable, later wins)")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `recipe` and its actions."""
+def add_parser(subparsers: argparse._SubParsersAction, check_plugins: Callable[[Any], None] | None = None) -> None:
+    """Register `recipe` and its actions; `check` also runs `check_plugins(config)` (slime_dsa/commands/recipe.py
+    passes the one that resolves the recipe's reward functions, agent loops and tools, a floor above this one)."""
     parser = subparsers.add_parser("recipe", help="explain the recipe schema, check recipe files",
                                    description="Explain the recipe schema and check recipe files.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -35,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_recipe_arguments(check)
     check.add_argument("--print", dest="print_recipe", action="store_true",
                        help="also print the resolved recipe (defaults, inheritance and overrides applied) as YAML")
-    check.set_defaults(run=run_check)
+    check.set_defaults(run=run_check, check_plugins=check_plugins)
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -49,12 +52,14 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Validate a recipe and the files it points at; print 'ok: FILE' and what it trains."""
+    """Validate a recipe, the files it points at and the plugins it names; print 'ok: FILE' and what it trains."""
     from slime_dsa.config import dump_recipe, load_recipe  # noqa: PLC0415
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     config = load_recipe(args.recipe, args.overrides)
     check_recipe_paths(config)
+    if getattr(args, "check_plugins", None) is not None:
+        args.check_plugins(config)
     print(f"ok: {args.recipe}")
     print(f"train: {config.summary()}")  # the same recipe serves sft and indexer-warmup, which read other sections
     print(config.concurrency_line())

@@ -94,11 +94,22 @@ class AgentConfig(Section):
         300.0, gt=0, description="Seconds one trajectory may take, generation and tools together; past it the "
                                  "trajectory ends truncated at its last finished turn (truncated_by: wall_time).")
     tool_timeout_s: float = Field(
-        10.0, gt=0, description="Seconds one tool call may run; past it the call's output says it timed out.")
+        10.0, gt=0, description="Seconds one tool call may run; past it the call's output says it timed out (the "
+                                "python tool's sandbox is killed then).")
+    tool_cpu_s: int = Field(
+        5, ge=1, description="python tool: CPU seconds one call's sandboxed process may use (RLIMIT_CPU); past it "
+                             "the process is killed and the call's output says so.")
+    tool_memory_mb: int = Field(
+        512, ge=64, description="python tool: MiB of address space one call's sandboxed process may map "
+                                "(RLIMIT_AS); an allocation past it raises MemoryError in the script.")
+    tool_max_processes: int = Field(
+        8, ge=1, description="python tool: processes one call's sandbox may run at once (RLIMIT_NPROC); a fork "
+                             "past it fails in the script.")
     max_tool_calls_per_turn: int = Field(
         4, ge=1, description="Tool calls run per turn; further calls in the same turn get an error as output.")
     max_tool_output_chars: int = Field(
-        1000, ge=32, description="Characters of one tool output the model sees; the rest is cut, with a note.")
+        1000, ge=32, description="Characters of one tool output the model sees; the rest is cut, with a note (a "
+                                 "python tool script that prints more than max(8192, 4 × this) bytes is killed).")
 
     @model_validator(mode="after")
     def _check(self) -> AgentConfig:

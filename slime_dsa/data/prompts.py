@@ -29,6 +29,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from slime_dsa.config.errors import UserError
 from slime_dsa.data import tasks as builtin_tasks
@@ -63,7 +64,10 @@ def load_prompt_dataset(path: str | Path, *, split: str = "train", cache_dir: st
             builder = _FILE_BUILDERS.get(p.suffix.lower())
             if builder is None:
                 raise PromptDataError(f"{path}: unsupported file type {p.suffix!r}; expected .jsonl, .json or .parquet")
-            return datasets.load_dataset(builder, data_files=str(p), split="train", cache_dir=cache_dir)
+            if split.partition("[")[0] != "train":  # a file is one split; a slice of it ("train[:100]") is fine
+                raise PromptDataError(f"{path}: no split {split!r} (a single file holds one split, 'train'); set split "
+                                      "to train, or path to a folder with one file per split")
+            return datasets.load_dataset(builder, data_files=str(p), split=split, cache_dir=cache_dir)
         if p.is_dir():
             return datasets.load_dataset(str(p), split=split, cache_dir=cache_dir)
         # Not a local path: a Hub id, read from the local cache when HF_HUB_OFFLINE=1.
@@ -71,7 +75,7 @@ def load_prompt_dataset(path: str | Path, *, split: str = "train", cache_dir: st
     except PromptDataError:
         raise
     except Exception as exc:
-        if where := _bad_json_row(p):  # datasets says only "An error occurred while generating the dataset"
+        if where := _bad_json_row(p) or _no_rows(p, split):  # datasets' own message names no row
             raise PromptDataError(f"{path}: {where}") from exc
         raise PromptDataError(f"{path}: cannot load prompts ({type(exc).__name__}: {exc})") from exc
 
@@ -91,6 +95,27 @@ def _bad_json_row(path: Path) -> str | None:
             if not isinstance(value, dict):
                 return f"row {row}: expected a JSON object, got {type(value).__name__}"
     return None
+
+
+def _no_rows(path: Path, split: str) -> str | None:
+    """'no rows' for a data file or a `save_to_disk` folder that holds none (datasets fails on those with
+    StopIteration, "no data", "An error occurred while generating the dataset" or an IndexError)."""
+    for state in (path / "state.json", path / split / "state.json"):
+        try:
+            if state.is_file() and json.loads(state.read_text()).get("_data_files") == []:
+                return "no rows" if state.parent == path else f"no rows in split {split!r}"
+        except (OSError, ValueError, AttributeError):
+            return None
+    if not path.is_file():
+        return None
+    if path.suffix.lower() == ".parquet":
+        try:
+            return "no rows" if pq.read_metadata(path).num_rows == 0 else None
+        except (OSError, pa.ArrowException):
+            return None
+    with path.open("rb") as f:
+        head = f.read(1 << 16).strip()
+    return "no rows" if head in (b"", b"[]") and path.stat().st_size < (1 << 16) else None
 
 
 def _check_utf8(ds: datasets.Dataset, source: str) -> None:
@@ -307,6 +332,8 @@ def load_task(
             raise PromptDataError(f"task {name!r}: task_args ({sorted(task_args)}) only apply to built-in tasks")
         source = str(path)
         raw = load_prompt_dataset(path, split=split, cache_dir=cache_dir)
+        if len(raw) == 0:
+            raise PromptDataError(f"{source}: no rows in split {split!r}")
         encoded = encode_prompts(raw, tokenizer, source=source, **encode_kwargs)
         n_eval = _eval_count(len(encoded), eval_size, eval_fraction)
         if n_eval >= len(encoded) > 0:
