@@ -69,3 +69,25 @@ def test_gluon_switches_route_prefill_forward_and_general_backward(monkeypatch):
     assert bool((out == 2).all() and (dq == 3).all() and (dkv == 4).all()) and dkv.dtype == kv.dtype
     # the invariant forward never leaves its own kernel
     assert mla._forward_variant(True, 300, 64, 64, q.dtype, 576, 512, q.device) is None
+
+
+def test_decode_rows_that_fill_a_wave_take_the_gluon_forward(monkeypatch):
+    """Decode rows (the Triton forward would split their keys) go to the unsplit Gluon forward once they fill about
+    one wave of programs; fewer rows, the invariant forward and a forced Triton variant stay on the Triton kernels."""
+    pytest.importorskip("triton")
+    from slime_dsa.ops import triton_sparse_mla as mla
+
+    fake = _FakeGluon()
+    monkeypatch.setattr(mla, "_gluon_module", lambda name: fake)
+    monkeypatch.setattr(mla, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(mla, "GLUON_FWD", True)
+    q, kv, _, _, _, _ = _inputs(T=128, Tk=4096, K=2048)
+    indices = torch.randint(0, 4096, (128, 2048))
+    assert mla._forward_variant(False, 128, 64, 2048, q.dtype, 576, 512, q.device) is None  # split by keys in Triton
+    out, _ = mla.sparse_mla_fwd(q, kv, indices, 0.1, 512)
+    assert fake.calls == ["fwd"] and bool((out == 2).all())
+    assert mla._fills_a_wave_unsplit(False, 128, 64, q.device)
+    assert not mla._fills_a_wave_unsplit(False, 64, 64, q.device)  # half the SMs: the split kernel
+    assert not mla._fills_a_wave_unsplit(True, 128, 64, q.device)  # batch-invariant: never by row count
+    monkeypatch.setattr(mla, "FWD_VARIANT", mla.PLAIN_FWD)
+    assert not mla._fills_a_wave_unsplit(False, 128, 64, q.device)

@@ -129,6 +129,10 @@ _unfit_variants: set[tuple] = set()  # (variant, problem key) with no config tha
 # --no-gluon times the Triton kernels alone.
 GLUON_FWD = True
 GLUON_BWD = True
+# Rows that the Triton forward would split by keys (decode) but that fill about one wave of 64-head programs on their
+# own take the Gluon forward unsplit: at batch 128 x 64K context on an H100 0.176 ms against the split Triton kernel's
+# 0.478 (benchmarks/RESULTS.md, 2026-12-05). Fewer rows keep the split kernel (the Gluon one has no key split).
+GLUON_DECODE_MIN_WAVE = 0.9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,7 +233,8 @@ def sparse_mla_fwd(
     T, H, D = q.shape
     K = indices.shape[1]
     variant = _forward_variant(invariant, T, H, K, q.dtype, D, v_dim, q.device) if T and K else None
-    if GLUON_FWD and variant is not None and (gluon := _gluon_module("gluon_sparse_mla")) is not None:
+    gluon_rows = variant is not None or (T and K and _fills_a_wave_unsplit(invariant, T, H, q.device))
+    if GLUON_FWD and gluon_rows and (gluon := _gluon_module("gluon_sparse_mla")) is not None:
         if gluon.supported(q, kv, indices, v_dim):
             return gluon.sparse_mla_fwd(q, kv, indices, scale, v_dim)  # it allocates its own out and lse
     out = torch.empty(T, H, v_dim, dtype=q.dtype, device=q.device)
@@ -299,6 +304,14 @@ def _gluon_module(name: str):
     except ImportError as err:
         logger.warning("sparse MLA: the Gluon kernels need Triton 3.5+ (%s); the Triton kernels run", err)
         return None
+
+
+def _fills_a_wave_unsplit(invariant: bool, T: int, H: int, device: torch.device) -> bool:
+    """Whether rows the Triton forward would split by keys are enough for the unsplit Gluon forward
+    (GLUON_DECODE_MIN_WAVE of the SMs, one 64-head program each)."""
+    if invariant or FWD_VARIANT is not None:
+        return False
+    return T * triton.cdiv(H, 64) >= GLUON_DECODE_MIN_WAVE * _num_sms(device)
 
 
 def _forward_variant(invariant: bool, T: int, H: int, K: int, dtype: torch.dtype, D: int, v_dim: int,
