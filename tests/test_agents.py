@@ -193,8 +193,11 @@ def test_limits_truncate_at_a_model_token(memorised, tokenizer):
     assert turns.response_ids == calc.example.response_ids[: len(turns.response_ids)]
 
 
-@pytest.mark.parametrize("mode", ["raise", "hang", "crash"])
-def test_a_failing_tool_costs_only_its_call(memorised, tokenizer, mode):
+@pytest.mark.parametrize("mode", ["raise", "hang", "crash", "block"])
+def test_a_failing_tool_costs_only_its_call(memorised, tokenizer, mode, monkeypatch):
+    """"block": a tool by import path whose async call blocks its event loop (time.sleep) runs on the plugin loop, so
+    the engines (served on this test's loop) and the trajectory go on; each such call times out."""
+    monkeypatch.setattr("rollout.plugin_loop.PROBE_S", 0.2)  # a blocked loop is told from a slow call sooner
     m = memorised["calc0"]
     agent = AgentRuntime.build(AgentConfig(tools=[f"tests.plugins.tools:broken_calculator_{mode}"], tool_timeout_s=1.0,
                                            max_turns=3), tokenizer, 200)

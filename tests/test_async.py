@@ -369,8 +369,8 @@ def test_max_staleness_0_is_the_synchronous_loop(tmp_path, ray_cluster):
     assert end["buffered"] == end["in_flight"] == []  # the gate let nothing start beyond the last step
 
 
-# Async reward functions run on the driver's event loop (sync ones given by import path run in worker processes),
-# so these two share state with the test in memory and wait without holding a reward worker.
+# Async reward functions run in the driver's process, on its plugin loop (sync ones given by import path run in
+# worker processes), so these two share state with the test in memory and wait without holding a reward worker.
 STALL = threading.Event()
 
 

@@ -287,6 +287,10 @@ def interrupted(sample, response, answer):
 async def exits_async(sample, response, answer):
     raise SystemExit(4)
 
+async def blocks(sample, response, answer, **metadata):
+    time.sleep(metadata["block_s"])  # blocks its event loop: what an async reward must not do
+    return 1.0
+
 NOT_CALLABLE = 3
 '''
 
@@ -373,6 +377,49 @@ def test_a_reward_that_exits_or_interrupts_costs_one_sample(custom_rewards: str)
         "RuntimeError: raised SystemExit(4)", "RuntimeError: raised SystemExit(5)", "SystemExit: 5"]
     assert all(r.failed and r.reward == 0.0 for r in failed) and fine.reward == 1.0
     assert (stats.calls, stats.failures) == (6, 5)
+
+
+def test_an_async_reward_that_blocks_its_event_loop_costs_one_sample(custom_rewards: str, caplog) -> None:
+    """An async reward that blocks (time.sleep past its deadline) used to block the rollout's event loop, deadline
+    and all, so a longer block hung the run: it runs on the plugin loop now and costs its own sample (0, a timeout,
+    logged); the rewards submitted while that loop is stuck start on a fresh one, and later ones are scored as usual."""
+    from rollout import plugin_loop
+
+    stats = RewardStats()
+    block_s = 4.0
+    abandoned = plugin_loop.abandoned_threads()
+
+    async def main():
+        ticks = 0
+
+        async def tick():  # the rollout's loop keeps running while the reward blocks
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        start = time.perf_counter()
+        blocked = asyncio.create_task(compute_reward(f"{custom_rewards}:blocks", _sample("42", block_s=block_s),
+                                                     timeout_s=0.3, stats=stats))
+        await asyncio.sleep(0.1)
+        beside = await asyncio.gather(*(compute_reward(f"{custom_rewards}:slow_match", _sample(r), timeout_s=5,
+                                                       stats=stats) for r in ("42", "41", "42")))
+        blocked = await blocked
+        after = await compute_reward(f"{custom_rewards}:slow_match", _sample("42"), timeout_s=5, stats=stats)
+        ticker.cancel()
+        return blocked, beside, after, time.perf_counter() - start, ticks
+
+    with caplog.at_level("WARNING"):
+        blocked, beside, after, wall_s, ticks = asyncio.run(main())
+    assert blocked.failed and blocked.timed_out and blocked.reward == 0.0 and blocked.error == "timed out after 0.3s"
+    assert [r.reward for r in beside] == [1.0, 0.0, 1.0] and after.reward == 1.0 and not after.failed
+    assert wall_s < block_s - 1 and ticks >= 10
+    assert (stats.calls, stats.failures, stats.timeouts) == (5, 1, 1)
+    assert plugin_loop.abandoned_threads() == abandoned + 1
+    assert f"reward function {custom_rewards}:blocks failed on sample" in caplog.text
+    assert f"plugin loop stuck: reward function {custom_rewards}:blocks passed its 0.3s deadline" in caplog.text
+    assert load_reward_fn(f"{custom_rewards}:blocks").isolation == "loop"
 
 
 def test_hung_rewards_are_killed_and_replaced(custom_rewards: str, tmp_path) -> None:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rollout.tools.base import call_tool, truncate
+from rollout.tools.base import PluginTool, call_tool, truncate
 from rollout.tools.calculator import Calculator, CalculatorError, evaluate, format_number
 from rollout.tools.registry import ToolLoadError, load_tool, load_tools
 from rollout.tools.sandbox import SandboxLimits, run_python, sandbox_mode
@@ -106,6 +106,50 @@ def test_a_tool_that_exits_costs_its_call():
     assert fine.output == "42"
 
 
+def test_a_plugin_tool_that_blocks_its_event_loop_costs_its_call(caplog):
+    """A tool given by import path whose async call blocks (time.sleep, past its deadline) used to block the rollout's
+    event loop, deadline and all: it runs on the plugin loop now, times out alone, and the stuck loop is replaced."""
+    from rollout import plugin_loop
+    from tests.plugins.tools import BLOCK_S
+
+    blocking = load_tool("tests.plugins.tools:blocking_tool")
+    tools = {"blocking": blocking, "calculator": Calculator(),
+             "plugin_calculator": load_tool("rollout.tools.calculator:Calculator")}
+    assert blocking.mode == "block"  # a PluginTool reads as the tool it wraps
+    abandoned = plugin_loop.abandoned_threads()
+
+    async def main():
+        ticks = 0
+
+        async def tick():  # this loop (the rollout's) keeps running while the tool blocks
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        start = time.perf_counter()
+        blocked = asyncio.create_task(call_tool(tools, ToolCall("blocking", {}), timeout_s=0.3, max_output_chars=200))
+        await asyncio.sleep(0.1)
+        beside = await asyncio.gather(call_tool(tools, ToolCall("calculator", {"expression": "6 * 7"}), timeout_s=5,
+                                                max_output_chars=200),
+                                      call_tool(tools, ToolCall("plugin_calculator", {"expression": "6 * 7"}),
+                                                timeout_s=5, max_output_chars=200))  # waits for the fresh plugin loop
+        blocked = await blocked
+        after = await call_tool(tools, ToolCall("plugin_calculator", {"expression": "2 + 2"}), timeout_s=5,
+                                max_output_chars=200)
+        ticker.cancel()
+        return blocked, beside, after, time.perf_counter() - start, ticks
+
+    with caplog.at_level("WARNING", logger="rollout.plugin_loop"):
+        blocked, beside, after, wall_s, ticks = run(main())
+    assert (blocked.output, blocked.status) == ("error: blocking timed out after 0.3s", "timeout")
+    assert [r.output for r in beside] == ["42", "42"] and after.output == "4"
+    assert wall_s < BLOCK_S - 1 and ticks >= 10
+    assert plugin_loop.abandoned_threads() == abandoned + 1
+    assert "plugin loop stuck: tool blocking passed its 0.3s deadline" in caplog.text
+
+
 def test_truncate_keeps_short_text():
     assert truncate("abc", 10) == "abc"
     cut = truncate("x" * 100, 40)
@@ -115,6 +159,8 @@ def test_truncate_keeps_short_text():
 def test_registry():
     assert sorted(load_tools(["calculator", "search"])) == ["calculator", "search"]
     assert load_tool("tests.plugins.tools:FlakyCalculator").name == "calculator"
+    assert isinstance(load_tool("tests.plugins.tools:FlakyCalculator"), PluginTool)
+    assert not isinstance(load_tool("calculator"), PluginTool)  # the built-in tools run on the rollout's loop
     with pytest.raises(ToolLoadError, match="unknown tool 'calc'; built-in tools: calculator, python, search"):
         load_tool("calc")
     with pytest.raises(ToolLoadError, match="two tools are named 'calculator'"):

@@ -1,10 +1,11 @@
 """`compute_reward`: score one sample without ever raising — a failing reward costs that sample, not the run.
 
 Every call has a deadline (`timeout_s`, the recipe's rollout.reward_timeout_s). Where a call runs is the reward
-function's `isolation` (registry.py): worker processes killed and replaced at the deadline (pool.py), threads, the
-event loop. A raise, a timeout or a malformed return value gives reward 0.0 with `failed=True` and the error,
-counted in `RewardStats` and logged with the task and sample index (rate-limited); `reward_step_metrics` turns a
-step's counts into metrics and warns when more than the recipe's share of the step's calls timed out.
+function's `isolation` (registry.py): worker processes killed and replaced at the deadline (pool.py), threads, inline,
+or, for async functions, the plugin loop in a helper thread, abandoned for a fresh one when a coroutine blocks it
+(rollout/plugin_loop.py). A raise, a timeout or a malformed return value gives reward 0.0 with `failed=True` and the
+error, counted in `RewardStats` and logged with the task and sample index (rate-limited); `reward_step_metrics` turns
+a step's counts into metrics and warns when more than the recipe's share of the step's calls timed out.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import math
 import numbers
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.plugin_loop import PluginTimeout, run_on_plugin_loop
 from rollout.rewards.pool import CallTimeout, close_reward_pools, reward_pools
 from rollout.rewards.registry import RewardFunction, load_reward_fn
 from slime_dsa.data.sample import Sample
@@ -151,8 +153,8 @@ async def compute_reward(
 async def _call(reward_fn: RewardFunction, sample: Sample, timeout_s: float | None) -> Any:
     kwargs = reward_fn.metadata_kwargs(sample.metadata)
     if reward_fn.is_async:
-        value = await _with_deadline(_contained(reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs)),
-                                     timeout_s)
+        value = await _on_plugin_loop(reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs), reward_fn,
+                                      timeout_s)
     elif reward_fn.isolation == "inline":
         value = reward_fn.fn(sample, sample.response_text, sample.answer, **kwargs)
     elif reward_fn.isolation == "process":
@@ -165,9 +167,20 @@ async def _call(reward_fn: RewardFunction, sample: Sample, timeout_s: float | No
         except CallTimeout:
             reward_pools().abandon(future)
             raise
-    if inspect.isawaitable(value):  # a sync callable that returned a coroutine (e.g. a lambda around an async fn)
+    if asyncio.iscoroutine(value):  # a sync callable that returned a coroutine (e.g. a lambda around an async fn)
+        value = await _on_plugin_loop(value, reward_fn, timeout_s)
+    elif inspect.isawaitable(value):  # a future of this loop, say: it can only be awaited here
         value = await _with_deadline(_contained(value), timeout_s)
     return value
+
+
+async def _on_plugin_loop(coro: Coroutine[Any, Any, Any], reward_fn: RewardFunction, timeout_s: float | None) -> Any:
+    """`coro` run on the plugin loop (rollout/plugin_loop.py), so that one that blocks its loop stalls that loop, not
+    the rollout's; CallTimeout past the deadline."""
+    try:
+        return await run_on_plugin_loop(coro, timeout_s, what=f"reward function {reward_fn.name}")
+    except PluginTimeout:
+        raise CallTimeout(f"timed out after {timeout_s:g}s") from None
 
 
 async def _contained(awaitable: Awaitable[Any]) -> Any:

@@ -10,7 +10,10 @@ The contract (sync or async):
   as keyword arguments. A function without `**kwargs` receives only the metadata keys it names.
 - Returns the reward, or a dict with a "reward" key plus extra numeric metrics (logged per task).
 
-Where a call runs (`RewardFunction.isolation`): async functions are awaited on the event loop; a sync function
+Where a call runs (`RewardFunction.isolation`): async functions run on the plugin loop, an event loop in a helper
+thread (rollout/plugin_loop.py). They must not block it (time.sleep, a busy loop, blocking I/O): one that does
+stalls the async rewards running beside it until their deadlines, each scoring 0 as a timeout, and then its thread
+is abandoned for a fresh loop; the rollout itself goes on. A sync function
 given as "package.module:function" runs in a worker process that is killed and replaced if it passes its deadline
 (it gets a copy of the sample, without `indexer_topk`; changes to it are not seen); the built-in pure-python
 verifiers (arithmetic, countdown, sort: bounded work, microseconds) run inline; other callables run in threads.
@@ -39,7 +42,7 @@ class RewardLoadError(UserError, ValueError):
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
-Isolation = Literal["inline", "thread", "process"]
+Isolation = Literal["inline", "thread", "process"]  # where a sync function runs; "loop" marks an async one
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class RewardFunction:
     is_async: bool
     accepts_any_metadata: bool  # has **kwargs
     metadata_names: frozenset[str]  # keyword parameters it names, past the three positional ones
-    isolation: Isolation = "thread"  # where a sync call runs (module doc); async functions run on the event loop
+    isolation: Isolation | Literal["loop"] = "thread"  # where a call runs (module doc); "loop": async, the plugin loop
     spec: str | None = None  # the "package.module:function" path a worker process imports (isolation process)
 
     @classmethod
@@ -87,7 +90,7 @@ class RewardFunction:
             name=name,
             fn=fn,
             is_async=is_async,
-            isolation="inline" if is_async else isolation,
+            isolation="loop" if is_async else isolation,
             spec=spec if isolation == "process" and not is_async else None,
             accepts_any_metadata=any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params),
             metadata_names=frozenset(p.name for p in params[3:] if p.kind is not inspect.Parameter.VAR_KEYWORD

@@ -3,7 +3,11 @@
 A tool is an object with `name`, `description`, `parameters` (a JSON schema of its arguments, as in OpenAI's tool
 definitions) and `async call(**arguments) -> str | ToolResult`. It may raise: an error, a timeout or a crash of the
 call becomes the call's output ("error: ..."), which the model reads like any other result. A tool must not block
-the event loop: CPU-bound or untrusted work goes to a thread or a subprocess (the python tool uses the sandbox).
+its event loop: CPU-bound or untrusted work goes to a thread or a subprocess (the python tool uses the sandbox). The
+built-in tools run on the rollout's loop; a tool given by import path comes wrapped in a PluginTool, whose calls run
+on the plugin loop in a helper thread (rollout/plugin_loop.py): one that blocks there anyway stalls the plugin tool
+calls running beside it until their deadlines ("timed out"), then that loop's thread is abandoned for a fresh one,
+and the rollout goes on.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from rollout.plugin_loop import run_on_plugin_loop
 from slime_dsa.data.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,31 @@ class Tool(Protocol):
     parameters: dict[str, Any]
 
     async def call(self, **arguments: Any) -> str | ToolResult: ...
+
+
+class PluginTool:
+    """A tool given by import path: the same tool (its attributes are the tool's), with its calls run on the plugin
+    loop (module docstring)."""
+
+    def __init__(self, tool: Tool) -> None:
+        self.tool = tool
+        self.name, self.description, self.parameters = tool.name, tool.description, tool.parameters
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute == "tool":  # not set yet (a copy being made)
+            raise AttributeError(attribute)
+        return getattr(self.tool, attribute)
+
+    async def call(self, **arguments: Any) -> str | ToolResult:
+        return await self.call_within(None, **arguments)
+
+    async def call_within(self, timeout_s: float | None, **arguments: Any) -> str | ToolResult:
+        """The call's output; PluginTimeout (a TimeoutError) past `timeout_s`."""
+        return await run_on_plugin_loop(_called(self.tool, arguments), timeout_s, what=f"tool {self.name}")
+
+
+async def _called(tool: Tool, arguments: dict[str, Any]) -> str | ToolResult:
+    return await tool.call(**arguments)  # `call` itself is called here too: on the plugin loop
 
 
 def tool_definition(tool: Tool) -> dict[str, Any]:
@@ -76,7 +106,10 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall, *, timeout_s: flo
     if problem:
         return ToolResult(f"error: {problem}", "error")
     try:
-        out = await asyncio.wait_for(_contained(tool.call(**call.arguments)), timeout_s)
+        if isinstance(tool, PluginTool):
+            out = await tool.call_within(timeout_s, **call.arguments)
+        else:
+            out = await asyncio.wait_for(_contained(tool.call(**call.arguments)), timeout_s)
     except asyncio.TimeoutError:
         result = ToolResult(f"error: {call.name} timed out after {timeout_s:g}s", "timeout")
     except Exception as e:  # noqa: BLE001 - a failing tool costs its call only

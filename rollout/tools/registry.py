@@ -1,12 +1,12 @@
 """Tools by name: the built-in ones, or any given as "package.module:attribute" (a tool, or a class or function
-that makes one with no arguments). The built-in python tool runs under the given sandbox limits (a recipe's
-data.tasks.<i>.agent tool_* keys)."""
+that makes one with no arguments; its calls run on the plugin loop: base.PluginTool). The built-in python tool runs
+under the given sandbox limits (a recipe's data.tasks.<i>.agent tool_* keys)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rollout.tools.base import Tool
+from rollout.tools.base import PluginTool, Tool
 from rollout.tools.sandbox import SandboxLimits
 from slime_dsa.config.errors import UserError
 from slime_dsa.config.plugins import PluginError, import_object
@@ -39,7 +39,7 @@ class ToolLoadError(UserError, ValueError):
 
 
 def load_tool(spec: str, sandbox: SandboxLimits | None = None) -> Tool:
-    """The tool named `spec` (built-in, the python tool under `sandbox`) or at the import path `spec`."""
+    """The tool named `spec` (built-in, the python tool under `sandbox`) or at the import path `spec` (a PluginTool)."""
     if ":" not in spec:
         if spec not in BUILTIN_TOOLS:
             raise ToolLoadError(f"unknown tool {spec!r}; built-in tools: {', '.join(sorted(BUILTIN_TOOLS))}, or give "
@@ -57,7 +57,7 @@ def load_tool(spec: str, sandbox: SandboxLimits | None = None) -> Tool:
     if not isinstance(obj, Tool):
         raise ToolLoadError(f"tool {spec!r} is a {type(obj).__name__}, not a tool (name, description, parameters and "
                             "async call(**arguments))")
-    return obj
+    return PluginTool(obj)
 
 
 def load_tools(specs: Sequence[str], sandbox: SandboxLimits | None = None) -> dict[str, Tool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Any
 
 from rollout.tools.calculator import Calculator
@@ -20,7 +21,8 @@ SANDBOXED = {
 
 
 class Broken:
-    """Fails in the way its `mode` says: raise, hang (past any deadline), or run SANDBOXED[mode] in the sandbox."""
+    """Fails in the way its `mode` says: raise, hang (past any deadline), block (its event loop, for BLOCK_S) or run
+    SANDBOXED[mode] in the sandbox."""
 
     description = "A tool that always goes wrong."
     parameters: dict[str, Any] = {"type": "object", "properties": {"expression": {"type": "string"}}}
@@ -32,11 +34,17 @@ class Broken:
         return await misbehave(self.mode)
 
 
+BLOCK_S = 4.0
+
+
 async def misbehave(mode: str) -> Any:
     if mode == "raise":
         raise RuntimeError("the tool broke")
     if mode == "hang":
         await asyncio.sleep(3600)
+    if mode == "block":  # the faulty plugin the docs warn about: it blocks its event loop instead of awaiting
+        time.sleep(BLOCK_S)
+        return "slept"
     from rollout.tools.python_tool import PythonTool
 
     return await PythonTool(SandboxLimits(wall_s=5)).call(SANDBOXED[mode])
@@ -91,3 +99,11 @@ def broken_calculator_hang() -> Broken:
 
 def broken_calculator_crash() -> Broken:
     return Broken("crash", name="calculator")
+
+
+def broken_calculator_block() -> Broken:
+    return Broken("block", name="calculator")
+
+
+def blocking_tool() -> Broken:
+    return Broken("block", name="blocking")
