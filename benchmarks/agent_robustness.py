@@ -63,7 +63,9 @@ async def play(args: argparse.Namespace, urls: list[str]) -> dict:
     agent = AgentRuntime.build(AgentConfig(tools=["tests.plugins.tools:FlakyCalculator",
                                                   "tests.plugins.tools:FlakySearch"], max_turns=6,
                                            max_turn_tokens=96, tool_timeout_s=args.tool_timeout_s,
-                                           max_wall_time_s=args.wall_time_s), tokenizer, 400)
+                                           max_wall_time_s=args.wall_time_s,
+                                           # inline: Faults' settings and counts are class attributes of this process
+                                           tool_isolation="inline"), tokenizer, 400)
     prompts = memorised_prompts(tokenizer)
     async with EngineClient(urls, max_inflight_per_engine=1024, timeout_s=600) as client:
         await client.wait_healthy(timeout_s=300)

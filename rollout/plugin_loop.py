@@ -1,6 +1,6 @@
 """The plugin loop: an event loop in a helper thread where async plugin code runs (async reward functions, the `call`
-of tools given by import path), so that a coroutine that blocks its loop (time.sleep, a busy loop, blocking I/O)
-stalls that loop, never the rollout's.
+of tools given by import path under tool_isolation inline), so that a coroutine that blocks its loop (time.sleep, a
+busy loop, blocking I/O) stalls that loop, never the rollout's.
 
 `run_on_plugin_loop(coro, timeout_s)` starts `coro` there (asyncio.run_coroutine_threadsafe) and awaits it from the
 caller's loop under the deadline; at the deadline the call is cancelled and PluginTimeout raised. Plugins must still

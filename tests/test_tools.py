@@ -112,9 +112,10 @@ def test_a_plugin_tool_that_blocks_its_event_loop_costs_its_call(caplog):
     from rollout import plugin_loop
     from tests.plugins.tools import BLOCK_S
 
-    blocking = load_tool("tests.plugins.tools:blocking_tool")
+    # inline: this test is about the plugin loop (the default, tool_isolation process, runs them in workers)
+    blocking = load_tool("tests.plugins.tools:blocking_tool", isolation="inline")
     tools = {"blocking": blocking, "calculator": Calculator(),
-             "plugin_calculator": load_tool("rollout.tools.calculator:Calculator")}
+             "plugin_calculator": load_tool("rollout.tools.calculator:Calculator", isolation="inline")}
     assert blocking.mode == "block"  # a PluginTool reads as the tool it wraps
     abandoned = plugin_loop.abandoned_threads()
 

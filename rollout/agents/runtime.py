@@ -68,8 +68,9 @@ class AgentRuntime:
             chat_format = ChatFormat.from_tokenizer(tokenizer)
         except ValueError as e:
             raise AgentLoadError(f"agent: {e}") from e
-        return cls(load_agent_loop(agent.loop), load_tools(agent.tools, SandboxLimits.from_config(agent)),
-                   AgentLimits.from_config(agent, max_response_length), chat_format, tokenizer)
+        tools = load_tools(agent.tools, SandboxLimits.from_config(agent), agent.tool_isolation, agent.tool_workers)
+        return cls(load_agent_loop(agent.loop), tools, AgentLimits.from_config(agent, max_response_length), chat_format,
+                   tokenizer)
 
     async def run(self, sample: Sample, client: Any, sampling_params: dict[str, Any], *, seed: int,
                   session_id: str | None = None, indexer_topk: bool = False,

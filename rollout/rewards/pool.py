@@ -1,17 +1,16 @@
 """Where sync reward calls run: worker processes killed and replaced at a call's deadline, or threads.
 
-Processes (pebble's ProcessPool, spawn start method) run the functions given as "package.module:function": a
-worker imports the function by that path, and a call that passes its deadline has its worker killed and a fresh
-one started, so a hung function costs one sample and never a worker. Threads run the callables no worker could
-import; a thread cannot be killed, so once half the threads are stuck past their deadlines a fresh thread pool
-takes over (the stuck threads end when their functions return).
+Processes (rollout/worker_pool.py: pebble's ProcessPool, spawn start method) run the functions given as
+"package.module:function": a worker imports the function by that path, and a call that passes its deadline has its
+worker killed and a fresh one started, so a hung function costs one sample and never a worker. Threads run the
+callables no worker could import; a thread cannot be killed, so once half the threads are stuck past their deadlines
+a fresh thread pool takes over (the stuck threads end when their functions return).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
 import os
 import sys
 import threading
@@ -19,19 +18,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pebble import ProcessExpired, ProcessPool
+from pebble import ProcessPool
+
+from rollout.worker_pool import CallTimeout, WorkerDied, call_contained, run_in_pool, spawn_pool
+
+__all__ = ["CallTimeout", "WorkerDied", "RewardPools", "call_contained", "close_reward_pools", "reward_pools"]
 
 logger = logging.getLogger(__name__)
 
 MAX_WORKERS = min(32, os.cpu_count() or 1)
-
-
-class CallTimeout(Exception):
-    """A reward call passed its deadline (its worker process was killed, or its thread abandoned)."""
-
-
-class WorkerDied(Exception):
-    """The worker process running a reward call died (a crash, os._exit, the OOM killer)."""
 
 
 _resolved: dict[str, Callable[..., Any]] = {}  # in a worker: spec -> function
@@ -49,15 +44,6 @@ def _call_by_spec(spec: str, args: tuple, kwargs: dict[str, Any], driver_path: l
     return call_contained(fn, *args, **kwargs)
 
 
-def call_contained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)`, with a SystemExit or KeyboardInterrupt it raises turned into a RuntimeError: the
-    function's own exit ends its call, never the driver that awaits the call's future."""
-    try:
-        return fn(*args, **kwargs)
-    except (SystemExit, KeyboardInterrupt) as e:
-        raise RuntimeError(f"raised {type(e).__name__}({e})") from None
-
-
 class RewardPools:
     """A process pool and a thread pool, both started on first use."""
 
@@ -73,12 +59,8 @@ class RewardPools:
         """Schedule `spec(*args, **kwargs)` in a worker; the future raises CallTimeout or WorkerDied on those."""
         with self._lock:
             if self._processes is None:
-                self._processes = ProcessPool(max_workers=self.max_workers, context=multiprocessing.get_context("spawn"))
-            inner = self._processes.schedule(_call_by_spec, args=(spec, args, kwargs, list(sys.path)), timeout=timeout_s)
-        outer: Future = Future()
-        inner.add_done_callback(lambda f: _translate(f, outer, timeout_s))
-        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)  # a cancelled call frees its worker
-        return outer
+                self._processes = spawn_pool(self.max_workers)
+            return run_in_pool(self._processes, _call_by_spec, (spec, args, kwargs, list(sys.path)), timeout_s)
 
     def run_in_thread(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Future:
         with self._lock:
@@ -111,25 +93,6 @@ class RewardPools:
             processes.join(timeout=10)
         if threads is not None:
             threads.shutdown(wait=False, cancel_futures=True)
-
-
-def _translate(inner: Future, outer: Future, timeout_s: float | None) -> None:
-    """pebble's outcome as ours: its own TimeoutError is the deadline; the function's errors pass through (pebble
-    gives those the worker's traceback as __cause__, so a TimeoutError the function raised is told apart)."""
-    if outer.done():
-        return
-    if inner.cancelled():
-        outer.cancel()
-        return
-    exc = inner.exception()
-    if exc is None:
-        outer.set_result(inner.result())
-    elif isinstance(exc, TimeoutError) and exc.__cause__ is None:
-        outer.set_exception(CallTimeout(f"timed out after {timeout_s:g}s"))
-    elif isinstance(exc, ProcessExpired):
-        outer.set_exception(WorkerDied(f"its worker process died (exit code {exc.exitcode})"))
-    else:
-        outer.set_exception(exc)
 
 
 _pools: RewardPools | None = None

@@ -1,18 +1,25 @@
 """The tool seam: what a tool is, and `call_tool`, which turns any call into output for the model and never raises.
 
 A tool is an object with `name`, `description`, `parameters` (a JSON schema of its arguments, as in OpenAI's tool
-definitions) and `async call(**arguments) -> str | ToolResult`. It may raise: an error, a timeout or a crash of the
-call becomes the call's output ("error: ..."), which the model reads like any other result. A tool must not block
-its event loop: CPU-bound or untrusted work goes to a thread or a subprocess (the python tool uses the sandbox). The
-built-in tools run on the rollout's loop; a tool given by import path comes wrapped in a PluginTool, whose calls run
-on the plugin loop in a helper thread (rollout/plugin_loop.py): one that blocks there anyway stalls the plugin tool
-calls running beside it until their deadlines ("timed out"), then that loop's thread is abandoned for a fresh one,
-and the rollout goes on.
+definitions) and `call(**arguments) -> str | ToolResult`, async (the built-in tools' way) or, for a tool given by
+import path, sync. It may raise: an error, a timeout or a crash of the call becomes the call's output ("error:
+..."), which the model reads like any other result. The built-in tools run on the rollout's loop and must not block
+it (the python tool runs its scripts in the sandbox). Where a tool given by import path runs is its agent's
+`tool_isolation`:
+- `process` (the default): in worker processes under the agent's time, CPU and memory limits
+  (rollout/tools/process_tool.py and worker.py): a crash, a hang, a memory blow-up or a flood of printing costs that
+  call and its worker, which is replaced. A sync `call` runs in the worker's thread, an async one on the worker's
+  own loop; a worker runs one call at a time, and the tool is made once per worker, so its state is per worker.
+- `inline`: in this process, wrapped in a PluginTool whose calls run on the plugin loop in a helper thread
+  (rollout/plugin_loop.py): one that blocks there (a sync `call` does, for its length) stalls the plugin calls
+  running beside it until their deadlines ("timed out"), then that loop's thread is abandoned for a fresh one, and
+  the rollout goes on. A crash or a memory blow-up takes the run with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ class Tool(Protocol):
 
 class PluginTool:
     """A tool given by import path: the same tool (its attributes are the tool's), with its calls run on the plugin
-    loop (module docstring)."""
+    loop (module docstring: tool_isolation inline; process_tool.ProcessTool runs them in worker processes)."""
 
     def __init__(self, tool: Tool) -> None:
         self.tool = tool
@@ -67,7 +74,8 @@ class PluginTool:
 
 
 async def _called(tool: Tool, arguments: dict[str, Any]) -> str | ToolResult:
-    return await tool.call(**arguments)  # `call` itself is called here too: on the plugin loop
+    out = tool.call(**arguments)  # `call` itself is called here too: on the plugin loop
+    return await out if inspect.isawaitable(out) else out
 
 
 def tool_definition(tool: Tool) -> dict[str, Any]:

@@ -1,15 +1,21 @@
 """Tools by name: the built-in ones, or any given as "package.module:attribute" (a tool, or a class or function
-that makes one with no arguments; its calls run on the plugin loop: base.PluginTool). The built-in python tool runs
-under the given sandbox limits (a recipe's data.tasks.<i>.agent tool_* keys)."""
+that makes one with no arguments). The built-in python tool runs under the given sandbox limits (a recipe's
+data.tasks.<i>.agent tool_* keys). Where a tool by import path runs is the agent's tool_isolation: `process` (the
+default) runs its calls in worker processes under those limits (process_tool.ProcessTool, worker.py), `inline` on
+the plugin loop of this process (base.PluginTool). Either way the tool is also made here once, for its name,
+description and parameters (and at `recipe check`, to see that it loads): keep its constructor light.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from rollout.tools.base import PluginTool, Tool
+from rollout.tools.plugin import ToolLoadError, make_tool
 from rollout.tools.sandbox import SandboxLimits
-from slime_dsa.config.errors import UserError
-from slime_dsa.config.plugins import PluginError, import_object
+
+__all__ = ["BUILTIN_TOOLS", "ToolIsolation", "ToolLoadError", "load_tool", "load_tools", "make_tool"]
 
 
 def _calculator(sandbox: SandboxLimits | None = None) -> Tool:
@@ -34,37 +40,33 @@ BUILTIN_TOOLS: dict[str, Callable[[SandboxLimits | None], Tool]] = {"calculator"
                                                                    "python": _python}
 
 
-class ToolLoadError(UserError, ValueError):
-    """A tool spec that does not give a tool; the one-line message names the spec."""
+ToolIsolation = Literal["process", "inline"]  # where the calls of a tool by import path run (module docstring)
 
 
-def load_tool(spec: str, sandbox: SandboxLimits | None = None) -> Tool:
-    """The tool named `spec` (built-in, the python tool under `sandbox`) or at the import path `spec` (a PluginTool)."""
+def load_tool(spec: str, sandbox: SandboxLimits | None = None, isolation: ToolIsolation = "process",
+              workers: int | None = None) -> Tool:
+    """The tool named `spec` (built-in, the python tool under `sandbox`) or at the import path `spec`: a ProcessTool
+    (its calls in `workers` worker processes under `sandbox`'s memory and CPU limits; None: TOOL_WORKERS) or, with
+    isolation inline, a PluginTool."""
     if ":" not in spec:
         if spec not in BUILTIN_TOOLS:
             raise ToolLoadError(f"unknown tool {spec!r}; built-in tools: {', '.join(sorted(BUILTIN_TOOLS))}, or give "
                                 "'package.module:attribute'")
         return BUILTIN_TOOLS[spec](sandbox)
-    try:
-        obj = import_object(spec, "tool")
-    except PluginError as e:
-        raise ToolLoadError(str(e)) from e
-    if isinstance(obj, type) or (not isinstance(obj, Tool) and callable(obj)):
-        try:
-            obj = obj()
-        except Exception as e:
-            raise ToolLoadError(f"tool {spec!r}: making it failed ({type(e).__name__}: {e})") from e
-    if not isinstance(obj, Tool):
-        raise ToolLoadError(f"tool {spec!r} is a {type(obj).__name__}, not a tool (name, description, parameters and "
-                            "async call(**arguments))")
-    return PluginTool(obj)
+    tool = make_tool(spec)
+    if isolation == "inline":
+        return PluginTool(tool)
+    from rollout.tools.process_tool import ProcessTool  # noqa: PLC0415
+
+    return ProcessTool(tool, spec, sandbox or SandboxLimits(), workers)
 
 
-def load_tools(specs: Sequence[str], sandbox: SandboxLimits | None = None) -> dict[str, Tool]:
-    """{tool name: tool} for `specs`; two tools of one name are an error."""
+def load_tools(specs: Sequence[str], sandbox: SandboxLimits | None = None, isolation: ToolIsolation = "process",
+               workers: int | None = None) -> dict[str, Tool]:
+    """{tool name: tool} for `specs` (load_tool); two tools of one name are an error."""
     tools: dict[str, Tool] = {}
     for spec in specs:
-        tool = load_tool(spec, sandbox)
+        tool = load_tool(spec, sandbox, isolation, workers)
         if tool.name in tools:
             raise ToolLoadError(f"two tools are named {tool.name!r} ({spec!r} and an earlier one)")
         tools[tool.name] = tool

@@ -94,17 +94,36 @@ class AgentConfig(Section):
         300.0, gt=0, description="Seconds one trajectory may take, generation and tools together; past it the "
                                  "trajectory ends truncated at its last finished turn (truncated_by: wall_time).")
     tool_timeout_s: float = Field(
-        10.0, gt=0, description="Seconds one tool call may run; past it the call's output says it timed out (the "
-                                "python tool's sandbox is killed then).")
+        10.0, gt=0, description="Seconds one tool call may run, waiting for a tool worker included; past it the "
+                                "call's output says it timed out (the python tool's sandbox, or the worker running a "
+                                "tool by import path, is killed then).")
+    tool_isolation: Literal["process", "inline"] = Field(
+        "process", description="Where the calls of tools given by import path run: process = in worker processes "
+                               "(tool_workers per tool) under tool_timeout_s, tool_cpu_s and tool_memory_mb, where "
+                               "a crash, a hang, a memory blow-up or megabytes of printing cost that call and the "
+                               "worker is replaced; the tool is made once per worker by its import path, so its "
+                               "state lives per worker; a sync call runs there too. inline = in the driver, on the "
+                               "plugin loop (faster; for light async tools that serve many calls at once or keep "
+                               "one state for the run; a sync call blocks that loop while it runs, and a crash or a "
+                               "memory blow-up takes the run with it). "
+                               "The built-in tools ignore it (python always runs sandboxed).")
+    tool_workers: int | None = Field(
+        None, ge=1, description="tool_isolation process: worker processes per tool by import path, each running one "
+                                "call at a time (the others wait, within their tool_timeout_s); null = the machine's "
+                                "cores, at most 4.")
     tool_cpu_s: int = Field(
-        5, ge=1, description="python tool: CPU seconds one call's sandboxed process may use (RLIMIT_CPU); past it "
-                             "the process is killed and the call's output says so.")
+        5, ge=1, description="CPU seconds one call of the python tool's sandboxed process (RLIMIT_CPU), or of a tool "
+                             "by import path in its worker (tool_isolation process), may use; past it the process is "
+                             "killed and the call's output says so.")
     tool_memory_mb: int = Field(
         512, ge=64, description="python tool: MiB of address space one call's sandboxed process may map "
-                                "(RLIMIT_AS); an allocation past it raises MemoryError in the script.")
+                                "(RLIMIT_AS); an allocation past it raises MemoryError in the script. A tool by import "
+                                "path (tool_isolation process): MiB its worker may map beyond what making the tool "
+                                "took; a MemoryError past it costs the call and the worker.")
     tool_max_processes: int = Field(
         8, ge=1, description="python tool: processes one call's sandbox may run at once (RLIMIT_NPROC); a fork "
-                             "past it fails in the script.")
+                             "past it fails in the script. Not applied to tools by import path (RLIMIT_NPROC counts "
+                             "every process of the user, and their workers run as the driver's user).")
     max_tool_calls_per_turn: int = Field(
         4, ge=1, description="Tool calls run per turn; further calls in the same turn get an error as output.")
     max_tool_output_chars: int = Field(

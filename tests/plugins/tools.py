@@ -107,3 +107,48 @@ def broken_calculator_block() -> Broken:
 
 def blocking_tool() -> Broken:
     return Broken("block", name="blocking")
+
+
+class Misbehaving:
+    """A sync tool that, in whatever process runs it, does what `how` says: exit (os._exit), allocate (8 GiB, past
+    any tool_memory_mb), sleep (past any deadline), print (4 MB), spin (CPU, past any tool_cpu_s), or pid (returns
+    its process's id)."""
+
+    name = "misbehaving"
+    description = "A tool that goes wrong on request."
+    parameters: dict[str, Any] = {"type": "object", "required": ["how"], "properties": {"how": {"type": "string"}}}
+
+    def call(self, how: str) -> str:
+        import os
+
+        if how == "exit":
+            os._exit(3)
+        if how == "allocate":
+            return str(len(bytearray(8 << 30)))
+        if how == "sleep":
+            time.sleep(3600)
+        if how == "print":
+            for _ in range(4096):
+                print("x" * 1023)
+        if how == "spin":
+            while True:
+                pass
+        return str(os.getpid())
+
+
+class Counting:
+    """An async tool with state: how many times this instance was called, and in which process."""
+
+    name = "counting"
+    description = "Counts its calls."
+    parameters: dict[str, Any] = {"type": "object", "properties": {}}
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def call(self) -> str:
+        import os
+
+        await asyncio.sleep(0)
+        self.calls += 1
+        return f"{os.getpid()} {self.calls}"

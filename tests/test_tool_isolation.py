@@ -1,0 +1,100 @@
+"""Tools given by import path run in worker processes by default (data.tasks.<i>.agent.tool_isolation: process):
+real spawned workers, no mocks. A tool that exits, allocates past tool_memory_mb, sleeps past the deadline, prints
+megabytes or spins past tool_cpu_s costs its call (an error output with a status, logged), its worker is replaced
+and the next call works; a tool's state lives per worker; `inline` runs it in this process as before."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from rollout.tools.base import PluginTool, call_tool
+from rollout.tools.process_tool import ProcessTool, close_tool_pools
+from rollout.tools.registry import load_tool, load_tools
+from rollout.tools.sandbox import SandboxLimits
+from slime_dsa.config.schema import AgentConfig
+from slime_dsa.data.tool_calls import ToolCall
+from tests.test_cli import one_line_error
+
+LIMITS = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=128)
+
+
+@pytest.fixture(autouse=True)
+def _stop_workers():
+    yield
+    close_tool_pools()
+
+
+def call(tools, name, timeout_s=2.0, **arguments):
+    coro = call_tool(tools, ToolCall(name, arguments), timeout_s=timeout_s, max_output_chars=300)
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_tool_by_import_path_runs_in_a_worker_unless_inline():
+    assert AgentConfig().tool_isolation == "process"
+    isolated = load_tools(["calculator", "tests.plugins.tools:Misbehaving"], LIMITS)
+    assert isinstance(isolated["misbehaving"], ProcessTool) and not isinstance(isolated["calculator"], PluginTool)
+    worker_pid = int(call(isolated, "misbehaving", how="pid").output)
+    assert worker_pid != os.getpid()
+
+    inline = load_tools(["tests.plugins.tools:Misbehaving", "tests.plugins.tools:Counting"], LIMITS, "inline")
+    assert not isinstance(inline["misbehaving"], ProcessTool) and isinstance(inline["misbehaving"], PluginTool)
+    assert int(call(inline, "misbehaving", how="pid").output) == os.getpid()  # a sync call, on the plugin loop
+    assert call(inline, "counting").output == f"{os.getpid()} 1"
+    assert inline["counting"].tool.calls == 1  # the driver's own object: state in this process, as before
+
+
+@pytest.mark.parametrize(("how", "status", "says"), [
+    ("exit", "crashed", "error: misbehaving ended its worker process (exit status 3); its worker process was replaced"),
+    ("allocate", "crashed", "error: misbehaving ran out of memory (MemoryError past tool_memory_mb, 128 MiB)"),
+    ("sleep", "timeout", "error: misbehaving timed out after 2s"),
+    ("print", "crashed", "error: misbehaving printed more than 1048576 bytes; its worker process was replaced"),
+    ("spin", "crashed", "error: misbehaving used more than tool_cpu_s (1 s of CPU)"),
+])
+def test_a_misbehaving_tool_costs_its_call_and_its_worker(how, status, says, caplog):
+    tools = {"misbehaving": load_tool("tests.plugins.tools:Misbehaving", LIMITS, workers=1)}
+    before = call(tools, "misbehaving", how="pid").output
+    start = time.perf_counter()
+    with caplog.at_level("WARNING", logger="rollout.tools.process_tool"):
+        failed = call(tools, "misbehaving", how=how)
+    assert time.perf_counter() - start < 5
+    assert failed.status == status and failed.output.startswith(says), failed
+    assert "tool misbehaving" in caplog.text  # logged
+    after = call(tools, "misbehaving", how="pid")
+    assert after.status == "ok" and after.output != before  # a fresh worker took the next call
+
+
+def test_an_error_reads_the_same_in_a_worker_as_inline():
+    outputs = [call(load_tools(["tests.plugins.tools:broken_calculator_raise"], LIMITS, isolation), "calculator",
+                    expression="1").output for isolation in ("process", "inline")]
+    assert outputs == ["error: calculator failed: RuntimeError: the tool broke"] * 2
+
+
+def test_a_tools_state_lives_per_worker():
+    tools = {"counting": load_tool("tests.plugins.tools:Counting", LIMITS, workers=2)}
+
+    async def burst():
+        return await asyncio.gather(*(call_tool(tools, ToolCall("counting", {}), timeout_s=10, max_output_chars=100)
+                                      for _ in range(3)))
+
+    seen: dict[str, list[int]] = {}
+    for _ in range(3):
+        for result in asyncio.run(burst()):
+            pid, count = result.output.split()
+            seen.setdefault(pid, []).append(int(count))
+    assert os.getpid() not in map(int, seen) and sum(map(len, seen.values())) == 9
+    for counts in seen.values():  # each worker's own tool object counts its own calls
+        assert sorted(counts) == list(range(1, len(counts) + 1))
+    close_tool_pools()  # fresh workers make the tool again
+    assert call(tools, "counting").output.endswith(" 1")
+
+
+def test_recipe_check_refuses_an_unknown_tool_isolation(capsys, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  tasks:\n"
+                      "    - {kind: calc_chain, agent: {tools: [calculator], tool_isolation: thread}}\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert "data.tasks.0.agent.tool_isolation: expected one of 'process' or 'inline', got 'thread'" in err
