@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from slime_dsa.config.errors import RecipeError, UserError
+from slime_dsa.config.errors import UserError, raise_first_problem
 from slime_dsa.config.schema import RecipeConfig
 
 
@@ -45,8 +45,4 @@ def _problem(key: str, load: Callable[[str], object], spec: str) -> list[tuple[s
 
 def check_recipe_plugins(config: RecipeConfig) -> None:
     """Raise RecipeError naming the first key whose plugin does not resolve (and how many more do not)."""
-    problems = plugin_problems(config)
-    if problems:
-        (key, message), rest = problems[0], problems[1:]
-        more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
-        raise RecipeError(f"{key}: {message}{more}")
+    raise_first_problem(plugin_problems(config))

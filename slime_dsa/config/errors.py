@@ -14,6 +14,16 @@ class RecipeError(UserError):
     """A recipe that cannot be loaded or validated."""
 
 
+def raise_first_problem(problems: list[tuple[str, str]]) -> None:
+    """Raise RecipeError for the first (key, message) problem, counting and naming the others; none: return."""
+    if not problems:
+        return
+    (key, message), rest = problems[0], problems[1:]
+    more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
+    # a message that already begins with its key (the parallel sizes' do) is not prefixed twice
+    raise RecipeError(f"{message if message.startswith(key) else f'{key}: {message}'}{more}")
+
+
 class RecipeValueError(ValueError):
     """A ValueError raised by a schema validator that names the keys it is about (dotted, relative to the
     validating section), so the loader can say in which file or flag each was set."""

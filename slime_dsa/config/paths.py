@@ -15,7 +15,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from slime_dsa.config.errors import RecipeError
+from slime_dsa.config.errors import raise_first_problem
 from slime_dsa.config.schema import RecipeConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -29,12 +29,7 @@ def looks_like_hub_id(value: str) -> bool:
 
 def check_recipe_paths(config: RecipeConfig) -> None:
     """Raise RecipeError naming the first key whose path is unusable (and how many more are)."""
-    problems = path_problems(config)
-    if problems:
-        (key, message), rest = problems[0], problems[1:]
-        more = f" (and {len(rest)} more: {', '.join(k for k, _ in rest)})" if rest else ""
-        # a message that already begins with its key (the parallel sizes' do) is not prefixed twice
-        raise RecipeError(f"{message if message.startswith(key) else f'{key}: {message}'}{more}")
+    raise_first_problem(path_problems(config))
 
 
 def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
