@@ -41,6 +41,17 @@ def test_recipe_check_names_a_model_path_that_is_no_model_directory(capsys, tmp_
     assert main(["recipe", "check", BASE, "--set", f"model.path={tmp_path}"]) == 0
 
 
+def test_recipe_check_names_the_recipe_that_makes_a_missing_model(capsys, monkeypatch):
+    """A shipped recipe that trains from another stage's model (gpu_single.yaml from gpu_single_sft.yaml's) says
+    which recipe writes it."""
+    monkeypatch.chdir(ROOT)
+    if (ROOT / "runs/gpu-single-sft/model").exists():
+        pytest.skip("this checkout has run gpu_single_sft.yaml")
+    assert one_line_error(capsys, "recipe", "check", "recipes/gpu_single.yaml") == (
+        "model.path: runs/gpu-single-sft/model does not exist (`slime-dsa sft recipes/gpu_single_sft.yaml` writes it: "
+        "run that first)")
+
+
 def test_recipe_check_names_missing_dataset_files(capsys, tmp_path):
     task = "data.tasks=[{name: a, kind: dataset, path: %s}, {name: b, kind: dataset, path: %s}]"
     err = one_line_error(capsys, "recipe", "check", BASE, "--set",

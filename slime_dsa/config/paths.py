@@ -75,7 +75,23 @@ def _model_dir_problem(value: str) -> str | None:
     if looks_like_hub_id(value):
         return (f"'{value}' is not a local directory; train and sft load a local model directory: download it first "
                 f"(huggingface-cli download {value} --local-dir DIR) and set model.path to DIR")
-    return f"{value} does not exist"
+    maker = _recipe_writing(path)
+    return f"{value} does not exist" + (f" (`slime-dsa sft {maker}` writes it: run that first)" if maker else "")
+
+
+def _recipe_writing(model_dir: Path) -> str | None:
+    """The shipped recipe (recipes/*.yaml under the working directory) whose sft.output_dir is model_dir, if any: a
+    recipe that trains from another stage's model names it in its error."""
+    import yaml  # noqa: PLC0415
+
+    for recipe in sorted(Path("recipes").glob("*.yaml")):
+        try:
+            output_dir = ((yaml.safe_load(recipe.read_text()) or {}).get("sft") or {}).get("output_dir")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue
+        if output_dir and Path(output_dir).expanduser().resolve() == model_dir.resolve():
+            return str(recipe)
+    return None
 
 
 def _parallel_problem(config: RecipeConfig) -> str | None:
