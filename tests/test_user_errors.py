@@ -87,12 +87,21 @@ class NotATool:
 
 class NoRun:
     pass
+
+class ExitingTool:
+    def __init__(self):
+        raise SystemExit(3)
+
+class ExitingLoop:
+    def __init__(self):
+        raise SystemExit(3)
 """
 
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch) -> str:
     (tmp_path / "audit_plugins_mod.py").write_text(PLUGINS)
+    (tmp_path / "audit_exit_mod.py").write_text("import sys\nsys.exit(2)  # a script's argparse, say\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "audit_plugins_mod"
 
@@ -110,6 +119,15 @@ def plugins(tmp_path, monkeypatch) -> str:
      "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:NotATool' is a NotATool, not a tool"),
     ("data.tasks.0.agent={tools: [calculator], loop: 'audit_plugins_mod:NoRun'}",
      "data.tasks.0.agent.loop: agent loop 'audit_plugins_mod:NoRun' is a NoRun without an async run"),
+    # a module that exits as it is imported, or a constructor that exits: SystemExit ended the command instead
+    ("data.tasks.0.reward_fn=audit_exit_mod:fn", "data.tasks.0.reward_fn: reward function 'audit_exit_mod:fn': "
+     "cannot import module 'audit_exit_mod' (SystemExit: 2)"),
+    ("data.tasks.0.agent={tools: [calculator, 'audit_exit_mod:Tool']}",
+     "data.tasks.0.agent.tools.1: tool 'audit_exit_mod:Tool': cannot import module 'audit_exit_mod' (SystemExit: 2)"),
+    ("data.tasks.0.agent={tools: [calculator, 'audit_plugins_mod:ExitingTool']}",
+     "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:ExitingTool': making it failed (SystemExit: 3)"),
+    ("data.tasks.0.agent={tools: [calculator], loop: 'audit_plugins_mod:ExitingLoop'}",
+     "data.tasks.0.agent.loop: agent loop 'audit_plugins_mod:ExitingLoop': making it failed (SystemExit: 3)"),
 ])
 def test_a_plugin_that_does_not_resolve_is_one_line_at_check_train_and_sft(capsys, tmp_path, monkeypatch, plugins,
                                                                           override, expected):

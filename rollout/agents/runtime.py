@@ -44,7 +44,7 @@ def load_agent_loop(spec: str) -> AgentLoop:
             obj = obj()
     except PluginError as e:
         raise AgentLoadError(str(e)) from e
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise AgentLoadError(f"agent loop {spec!r}: making it failed ({type(e).__name__}: {e})") from e
     if not callable(getattr(obj, "run", None)):
         raise AgentLoadError(f"agent loop {spec!r} is a {type(obj).__name__} without an async run(sample, env)")

@@ -146,7 +146,7 @@ def load_reward_fn(spec: str) -> RewardFunction:
         raise RewardLoadError(f"reward function {spec!r} must look like 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or any error raised while the module runs
+    except (Exception, SystemExit) as exc:  # ImportError, any error the module raises, a script's sys.exit
         raise RewardLoadError(f"reward function {spec!r}: cannot import module {module_name!r} "
                               f"({type(exc).__name__}: {exc})") from exc
     for part in attr_path.split("."):

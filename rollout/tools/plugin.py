@@ -23,7 +23,7 @@ def make_tool(spec: str) -> Any:
     if isinstance(obj, type) or (not isinstance(obj, Tool) and callable(obj)):
         try:
             obj = obj()
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise ToolLoadError(f"tool {spec!r}: making it failed ({type(e).__name__}: {e})") from e
     if not isinstance(obj, Tool):
         raise ToolLoadError(f"tool {spec!r} is a {type(obj).__name__}, not a tool (name, description, parameters and "

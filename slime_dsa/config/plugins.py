@@ -17,7 +17,7 @@ def import_object(path: str, what: str = "plugin") -> Any:
         raise PluginError(f"{what} {path!r} must look like 'package.module:attribute'")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or any error raised while the module runs
+    except (Exception, SystemExit) as exc:  # ImportError, any error the module raises, a script's sys.exit
         raise PluginError(f"{what} {path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from exc
     for part in attr_path.split("."):
         if not hasattr(obj, part):
