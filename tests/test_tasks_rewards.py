@@ -455,6 +455,31 @@ def test_sync_custom_rewards_run_in_worker_processes_builtins_inline(custom_rewa
     assert load_reward_fn("arithmetic").isolation == load_reward_fn("countdown").isolation == "inline"
 
 
+def test_a_forked_child_starts_its_own_reward_workers(custom_rewards: str) -> None:
+    """The reward pool a parent started is dead in a child it forks (pebble's threads do not survive a fork): every
+    reward there failed with 'Unexpected error within the Pool' instead of starting the child's own workers."""
+    def score() -> float:
+        return asyncio.run(compute_reward(f"{custom_rewards}:exact", _sample("42"), timeout_s=10)).reward
+
+    assert score() == 1.0  # the parent's workers are up
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one reward, its result down the pipe, and out
+        try:
+            os.write(write, repr(score()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            pytest.fail("the forked child's reward call hung")
+        time.sleep(0.05)
+    with os.fdopen(read) as f:
+        assert f.read() == "1.0"
+
+
 def test_a_step_with_many_reward_timeouts_warns(caplog) -> None:
     stats = {"math": RewardStats(calls=40, failures=3, timeouts=2), "arithmetic": RewardStats(calls=40)}
     with caplog.at_level("WARNING", logger="rollout.rewards.compute"):

@@ -58,7 +58,7 @@ class RewardPools:
     def run_in_process(self, spec: str, args: tuple, kwargs: dict[str, Any], timeout_s: float | None) -> Future:
         """Schedule `spec(*args, **kwargs)` in a worker; the future raises CallTimeout or WorkerDied on those."""
         with self._lock:
-            if self._processes is None:
+            if self._processes is None or not self._processes.active:  # inactive: in a child forked since it started
                 self._processes = spawn_pool(self.max_workers)
             return run_in_pool(self._processes, _call_by_spec, (spec, args, kwargs, list(sys.path)), timeout_s)
 
