@@ -6,17 +6,23 @@ SIGTERM, then SIGKILL) and a fresh worker started; a worker that dies mid-call (
 that call with WorkerDied and is replaced. Used by the sync reward functions given by import path
 (rollout/rewards/pool.py) and by tools given by import path (rollout/tools/process_tool.py).
 
-pebble does not report a worker that exits with status 0 mid-call: that call ends at its deadline.
+pebble does not report a worker that exits with status 0 mid-call: that call ends at its deadline. A worker ends
+with its driver, even in a call that hangs (within PARENT_POLL_S of the driver's death).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
+
+PARENT_POLL_S = 0.5  # how often a worker looks whether its driver still lives
 
 
 class CallTimeout(Exception):
@@ -43,7 +49,19 @@ def call_contained(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 def spawn_pool(max_workers: int) -> ProcessPool:
     """A pool of `max_workers` spawned workers (pebble starts them all on the first call)."""
-    return ProcessPool(max_workers=max_workers, context=multiprocessing.get_context("spawn"))
+    return ProcessPool(max_workers=max_workers, context=multiprocessing.get_context("spawn"),
+                       initializer=_exit_with_parent, initargs=(os.getpid(),))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a worker: end it once `parent` has died. An idle worker ends anyway (its pipe closes); this one may be in
+    a call that hangs. Not PR_SET_PDEATHSIG: that fires when the thread that started the worker ends."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def run_in_pool(pool: ProcessPool, fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> Future:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,3 +101,51 @@ def test_recipe_check_refuses_an_unknown_tool_isolation(capsys, tmp_path):
                       "    - {kind: calc_chain, agent: {tools: [calculator], tool_isolation: thread}}\n")
     err = one_line_error(capsys, "recipe", "check", str(recipe))
     assert "data.tasks.0.agent.tool_isolation: expected one of 'process' or 'inline', got 'thread'" in err
+
+
+DRIVER = """
+import asyncio
+from rollout.tools.base import call_tool
+from rollout.tools.registry import load_tool
+from rollout.tools.sandbox import SandboxLimits
+from slime_dsa.data.tool_calls import ToolCall
+
+async def main():
+    tools = {"misbehaving": load_tool("tests.plugins.tools:Misbehaving", SandboxLimits(), workers=1)}
+    pid = await call_tool(tools, ToolCall("misbehaving", {"how": "pid"}), timeout_s=30, max_output_chars=100)
+    print(pid.output, flush=True)
+    await call_tool(tools, ToolCall("misbehaving", {"how": "sleep"}), timeout_s=3600, max_output_chars=100)
+
+asyncio.run(main())
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_in_a_hung_call_ends_with_its_driver():
+    """A driver killed (SIGKILL, the OOM killer) while a tool call hangs: the idle workers saw their pipe close and
+    ended, but the one in the call lived on, orphaned, for as long as the call hung."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, env=env)
+    worker = 0
+    try:
+        worker = int(driver.stdout.readline())
+        time.sleep(1.0)  # the worker is in the hung call
+        assert _alive(worker)
+    finally:
+        driver.kill()
+        driver.wait()
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its driver"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
