@@ -149,3 +149,21 @@ def test_a_worker_in_a_hung_call_ends_with_its_driver():
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_worker_killed_for_its_cpu_leaves_no_core_file(tmp_path, monkeypatch):
+    """SIGXCPU (past tool_cpu_s) dumps core: where core files are on (ulimit -c), each such call left a core file of
+    its worker, its whole address space, in the run's working directory (and writing it could outlast the call's
+    deadline, so a CPU overrun read as a timeout)."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (min(64 << 20, hard) if hard != resource.RLIM_INFINITY else 64 << 20,
+                                              hard))
+    monkeypatch.chdir(tmp_path)  # the workers start here
+    try:
+        tools = {"misbehaving": load_tool("tests.plugins.tools:Misbehaving", LIMITS, workers=1)}
+        assert call(tools, "misbehaving", how="spin", timeout_s=10).status == "crashed"
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]

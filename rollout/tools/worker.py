@@ -19,6 +19,7 @@ Limits, set before each call, in the worker itself:
   neither print nor C code writes to the run's terminal or log.
 - output: what the call returns is cut to `max_output_chars` in the worker, before it is sent back.
 - wall time: the driver's (the call's deadline; the worker is killed then).
+- core files: none (RLIMIT_CORE 0), so a worker ended by SIGXCPU or a crash leaves nothing behind.
 An exception the tool raises is its call's output, as when it runs inline; SystemExit and KeyboardInterrupt too.
 """
 
@@ -82,6 +83,7 @@ def _make(spec: str, limits: WorkerLimits, driver_path: list[str]) -> Any:
     """This worker's tool; then its output silenced and its memory limited."""
     sys.path.extend(entry for entry in driver_path if entry not in sys.path)  # the driver's sys.path edits
     _silence_file_descriptors()
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU and crashes would dump core in the run's directory
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 2)
     tool = make_tool(spec)
