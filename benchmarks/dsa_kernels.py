@@ -583,7 +583,8 @@ def main() -> None:
 
     if args.no_gluon:
         mla.GLUON_FWD = mla.GLUON_BWD = False
-    header.append("Sparse MLA: the Gluon forward (rows without a key split, and decode batches that fill the SMs) and backward where they apply."
+    header.append("Sparse MLA: the Gluon forward (rows without a key split, and decode batches that fill the SMs) "
+                  "and backward where they apply."
                   if mla.GLUON_FWD else "Sparse MLA: the Triton kernels only (--no-gluon).")
     sweep = sweep_configs(8192, log) if args.sweep else []
     dense_backend = dense_backend_choice(log)
