@@ -62,7 +62,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                on_weights: WeightsHook | None = None, hook_state: HookState = "every",
                progress: StepProgress | None = None) -> Path:
     from rollout.client import EngineClient  # noqa: PLC0415
-    from rollout.rewards.registry import RewardLoadError, load_reward_fn  # noqa: PLC0415
+    from rollout.recipe_plugins import check_recipe_plugins  # noqa: PLC0415
     from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
@@ -91,12 +91,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
 
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
-    for i, task in enumerate(recipe.data.tasks):  # a reward_fn that does not resolve: before the prompts, Ray
-        try:
-            if task.reward_fn is not None:
-                load_reward_fn(task.reward_fn)
-        except RewardLoadError as e:
-            raise UserError(f"data.tasks.{i}.reward_fn: {e}") from None
+    check_recipe_plugins(recipe)  # a plugin that does not resolve: before the prompts, Ray
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
