@@ -41,8 +41,10 @@ WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its
 # after split64's dQ kernel, its two halves apart, or both in one kernel
 GLUON_DKV = "split64_gluon_dkv"
 # gluon_fused_late_dq: its dQ products issued after dKV^T's, over the step's reductions (LATE_DQ);
-# gluon_fused_stores: plain stores instead of the dkv reductions (timing only: what they cost)
-GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused", "gluon_fused_late_dq", "gluon_fused_stores")
+# gluon_fused_stores: plain stores instead of the dkv reductions (timing only: what they cost);
+# gluon_fused_v2, gluon_fused_v4: each dkv reduction adds 2 or 4 floats (REDUCTION_WIDTH)
+GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused", "gluon_fused_late_dq", "gluon_fused_stores", "gluon_fused_v2",
+               "gluon_fused_v4")
 
 
 @dataclass
@@ -115,7 +117,12 @@ def mode_units(mode: str) -> list[Unit]:
         gluon_dq = Unit("gluon_dq", True, False, config, gluon(True, False))
         gluon_dkv = Unit("gluon_dkv", False, True, config, gluon(False, True))
         return {GLUON_DKV: [mode_units("split64")[0], gluon_dkv], "gluon_split": [gluon_dq, gluon_dkv],
-                "gluon_fused": [Unit("gluon_fused", True, True, config, gluon(True, True, late_dq=False))],
+                "gluon_fused": [Unit("gluon_fused", True, True, config,
+                                     gluon(True, True, late_dq=False, reduction_width=1))],
+                "gluon_fused_v2": [Unit("gluon_fused_v2", True, True, config,
+                                        gluon(True, True, late_dq=False, reduction_width=2))],
+                "gluon_fused_v4": [Unit("gluon_fused_v4", True, True, config,
+                                        gluon(True, True, late_dq=False, reduction_width=4))],
                 "gluon_fused_late_dq": [Unit("gluon_fused_late_dq", True, True, config,
                                              gluon(True, True, late_dq=True))],
                 "gluon_fused_stores": [Unit("gluon_fused_stores", True, True, config,

@@ -296,6 +296,11 @@ class _Constexpr:
         self.value = value
 
 
+def _static_assert(condition, message: str = "") -> None:
+    if not condition:
+        raise AssertionError(f"gl.static_assert failed: {message}")
+
+
 class _Language(types.SimpleNamespace):
     """The emulated `gl` module: every `...Layout` class is the ignored layout."""
 
@@ -314,6 +319,7 @@ gl = _Language(
     exp=_unary(torch.exp), exp2=_unary(torch.exp2), log=_unary(torch.log), log2=_unary(torch.log2),
     convert_layout=lambda x, layout, **kwargs: x, static_range=range, cdiv=_cdiv, program_id=_program_id,
     allocate_shared_memory=_allocate_shared_memory, thread_barrier=_no_op, barrier=_no_op,
+    static_assert=_static_assert,
 )
 
 

@@ -37,6 +37,9 @@ STAGES = 2
 # tensor cores work while the reductions go out. Off until timed on a GPU (sparse_mla_bwd_variants.py
 # --modes gluon_fused gluon_fused_late_dq).
 LATE_DQ = False
+# Floats a dkv reduction adds (1, 2 or 4: the tile moved within each warp to runs along d first). 1 until timed on a
+# GPU (sparse_mla_bwd_variants.py --modes gluon_fused gluon_fused_v2 gluon_fused_v4).
+REDUCTION_WIDTH = 1
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:
@@ -46,9 +49,19 @@ def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: to
 
 
 @gluon.jit
-def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr, STORES: gl.constexpr):
+def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr, STORES: gl.constexpr,
+              half_layout: gl.constexpr, vec_layout: gl.constexpr):
     """dkv[rows[k], col0 + d] += tile[d, k] for the valid keys k (relaxed float32 reductions; STORES: plain stores
-    instead, a wrong dkv that times the kernel without its reductions)."""
+    instead, a wrong dkv that times the kernel without its reductions). half_layout, then vec_layout (each or None):
+    the tile moves to them first, within each warp, so that each reduction adds a run of 2 or 4 floats along d."""
+    if half_layout is not None:
+        tile = gl.convert_layout(tile, half_layout)
+        rows = gl.convert_layout(rows, gl.SliceLayout(0, half_layout))
+        valid = gl.convert_layout(valid, gl.SliceLayout(0, half_layout))
+    if vec_layout is not None:
+        tile = gl.convert_layout(tile, vec_layout)
+        rows = gl.convert_layout(rows, gl.SliceLayout(0, vec_layout))
+        valid = gl.convert_layout(valid, gl.SliceLayout(0, vec_layout))
     layout: gl.constexpr = tile.type.layout
     cols = col0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
     if ROW64:
@@ -70,7 +83,7 @@ def _sparse_mla_bwd_kernel(
     stride_dkvt, K, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
     STAGES: gl.constexpr, DO_DQ: gl.constexpr, DO_DKV: gl.constexpr, ROW64: gl.constexpr, LATE_DQ: gl.constexpr,
-    RED_STORES: gl.constexpr, num_warps: gl.constexpr,
+    RED_STORES: gl.constexpr, RED_VEC: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -86,6 +99,24 @@ def _sparse_mla_bwd_kernel(
     # dKV^T's latent tile (512 x BLOCK_N): every warp along its 512 rows; the rope tile (64 x BLOCK_N) as S
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    # With RED_VEC > 1, t_layout and s_layout (the rope tile's) with one lane bit swapped for a register bit (runs of
+    # 2 along d), then (RED_VEC 4) a second: one at a time, as Triton moves a tile within the warp by shuffles for one
+    # swap and through shared memory for two. Each warp still owns the same rows and columns.
+    gl.static_assert(RED_VEC == 1 or (BLOCK_N == 32 and num_warps == 8 and D_V == 512 and D_R == 64))
+    t_half: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [0, 8], [0, 16], [128, 0], [256, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 1], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
+        block_bases=[], shape=[D_V, BLOCK_N]) if RED_VEC > 1 else None
+    t_vec: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [0, 8], [0, 16], [128, 0], [256, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 1], [8, 0], [4, 0]], warp_bases=[[16, 0], [32, 0], [64, 0]],
+        block_bases=[], shape=[D_V, BLOCK_N]) if RED_VEC > 2 else None
+    r_half: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 1], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 16]], block_bases=[], shape=[D_R, BLOCK_N]) if RED_VEC > 1 else None
+    r_vec: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 1], [8, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 16]], block_bases=[], shape=[D_R, BLOCK_N]) if RED_VEC > 2 else None
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
     heads_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -170,8 +201,8 @@ def _sparse_mla_bwd_kernel(
             else:
                 dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
             idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
-            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64, RED_STORES)
-            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64, RED_STORES)
+            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64, RED_STORES, t_half, t_vec)
+            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64, RED_STORES, r_half, r_vec)
         if DO_DQ:
             dq_n, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq_n, dq_r))
     cp.wait_group(0)
@@ -185,7 +216,7 @@ def _sparse_mla_bwd_kernel(
 def sparse_mla_bwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, scale: float, dq: torch.Tensor | None, dkv: torch.Tensor | None, *,
-    late_dq: bool | None = None, timing_only_stores: bool = False,
+    late_dq: bool | None = None, timing_only_stores: bool = False, reduction_width: int | None = None,
 ) -> None:
     """Writes the attention's q gradient into dq (T, H, 576) and/or adds its kv gradient into dkv (Tk, 576) float32
     (None skips that half): q (T, H, 576), dout (T, H, 512), lse and delta = rowsum(dout * out) (T, H) float32
@@ -209,6 +240,6 @@ def sparse_mla_bwd(
         D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SCAN=min(triton.next_power_of_2(K), 1024),
         STAGES=STAGES, DO_DQ=dq is not None, DO_DKV=dkv is not None,
         LATE_DQ=dq is not None and dkv is not None and (LATE_DQ if late_dq is None else late_dq),
-        RED_STORES=timing_only_stores,
+        RED_STORES=timing_only_stores, RED_VEC=REDUCTION_WIDTH if reduction_width is None else reduction_width,
         ROW64=max(kv.numel(), dkv_arg.numel()) >= 2**31, num_warps=NUM_WARPS,
     )
