@@ -431,6 +431,10 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"engine_urls ({len(self.engine_urls)} given) are only used by engine 'external', but engine is "
                 f"'{self.engine}'", "engine_urls", "engine")
+        if self.engine == "external" and self.num_engines != 1:
+            raise RecipeValueError(
+                f"num_engines ({self.num_engines}) counts the engines the run starts (embedded, sglang); engine "
+                f"'external' uses one per URL of engine_urls ({len(self.engine_urls)} given)", "num_engines", "engine")
         if self.max_cache_tokens is not None and self.engine != "embedded":
             raise RecipeValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) sizes the embedded engine's KV cache, but engine is "
