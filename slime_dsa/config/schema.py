@@ -380,16 +380,17 @@ class RolloutSection(Section):
         False, description="DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts "
                            "until the step is full.")
     oversample_factor: float = Field(
-        1.0, ge=1, description="With dynamic_sampling: draw this many times prompts_per_step prompts per "
-                               "sampling round.")
+        1.0, ge=1, description="With dynamic_sampling, synchronous loop: draw this many times prompts_per_step "
+                               "prompts per sampling round.")
     max_oversample_factor: float = Field(
-        4.0, ge=1, description="With dynamic_sampling: rounds grow as groups get dropped, to the groups still needed "
-                               "x oversample_factor / the share of groups the last round kept, at most this many "
-                               "times the groups still needed (so one round usually fills the step); equal to "
-                               "oversample_factor = fixed rounds.")
+        4.0, ge=1, description="With dynamic_sampling, synchronous loop: rounds grow as groups get dropped, to the "
+                               "groups still needed x oversample_factor / the share of groups the last round kept, at "
+                               "most this many times the groups still needed (so one round usually fills the step); "
+                               "equal to oversample_factor = fixed rounds.")
     max_sampling_tries: int = Field(
-        4, ge=1, description="With dynamic_sampling: most sampling rounds per step before training on the "
-                             "groups collected so far.")
+        4, ge=1, description="With dynamic_sampling, synchronous loop: most sampling rounds per step before "
+                             "training on the groups collected so far (the asynchronous loop replaces each dropped "
+                             "group as it goes).")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     reward_timeout_s: float = Field(
@@ -1065,6 +1066,13 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        rounds = [k for k in ("oversample_factor", "max_oversample_factor", "max_sampling_tries")
+                  if getattr(ro, k) != RolloutSection.model_fields[k].default]
+        if rounds and self.uses_async_loop():
+            raise RecipeValueError(
+                f"rollout.{rounds[0]} ({getattr(ro, rounds[0])}) sizes the synchronous loop's sampling rounds; "
+                f"algorithm '{alg.name}' runs the asynchronous one, which replaces each dropped group as it goes",
+                f"rollout.{rounds[0]}", "algorithm.name")
         if ro.prefetch_next_step and ro.engine != "embedded":
             raise RecipeValueError(f"rollout.prefetch_next_step is built for embedded engines, not rollout.engine "
                                    f"{ro.engine!r}", "rollout.prefetch_next_step", "rollout.engine")
