@@ -37,3 +37,22 @@ def test_sampling_round_keys_under_the_asynchronous_loop_are_refused(key, value)
     assert "algorithm 'async_reinforce' runs the asynchronous one" in message
     assert validate_recipe({**data, "algorithm": {"name": "grpo"}}).rollout.dynamic_sampling  # the synchronous loop
     validate_recipe({**data, "rollout": {"dynamic_sampling": True}})  # dynamic sampling itself: both loops
+
+
+@pytest.mark.parametrize("key, value", [("dataset_path", "corpus.jsonl"), ("dataset_split", "test"),
+                                        ("text_column", "body")])
+def test_indexer_warmup_dataset_keys_with_the_tasks_corpus_are_refused(key, value):
+    """corpus tasks trains on data.tasks' prompts and solutions: a dataset_path (or its split, its column) was
+    accepted and the warm-up ran on the tasks instead."""
+    message = refusal({"indexer_warmup": {key: value}})
+    assert message.startswith(f"indexer_warmup: {key} ('{value}') is only read by corpus 'dataset', but corpus is "
+                              "'tasks'")
+    validate_recipe({"indexer_warmup": {"corpus": "dataset", "dataset_path": "c.jsonl", key: value}})
+
+
+@pytest.mark.parametrize("engine", [{"engine": "sglang"}, EXTERNAL])
+def test_overlap_schedule_false_for_servers_is_refused(engine):
+    """overlap_schedule false on SGLang or external servers was accepted and changed nothing (true was refused)."""
+    data = {"rollout": {**engine, "overlap_schedule": False}, "cluster": {"num_gpus_per_engine": 1}}
+    assert "rollout.overlap_schedule applies to embedded engines" in refusal(data)
+    assert validate_recipe({**data, "rollout": {"overlap_schedule": False}}).rollout.overlap_schedule is False

@@ -329,8 +329,8 @@ class RolloutSection(Section):
         None, description="Embedded engines launch each decode step before they read the previous step's tokens, "
                           "so the host's bookkeeping runs while the GPU computes (SGLang's overlap scheduler); the "
                           "outputs are the same. null: on for embedded engines (the 16 x 16 RL step on an H200 "
-                          "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang "
-                          "servers set their own.")
+                          "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang and "
+                          "external servers set their own (leave it null for them).")
     index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="How embedded engines cache the DSA indexer's keys: auto (the model's dtype) or fp8_e4m3 "
                             "(one float32 scale a key row, as DeepSeek's and SGLang's DSA caches hold them: half the "
@@ -944,6 +944,12 @@ class IndexerWarmupSection(Section):
     def _check(self) -> IndexerWarmupSection:
         if self.corpus == "dataset" and not self.dataset_path:
             raise RecipeValueError("corpus 'dataset' needs dataset_path", "dataset_path", "corpus")
+        dataset_keys = [k for k in ("dataset_path", "dataset_split", "text_column")
+                        if getattr(self, k) != type(self).model_fields[k].default]
+        if self.corpus != "dataset" and dataset_keys:
+            key = dataset_keys[0]
+            raise RecipeValueError(f"{key} ('{getattr(self, key)}') is only read by corpus 'dataset', but corpus is "
+                                   f"'{self.corpus}'", key, "corpus")
         if self.index_topk is not None and self.index_topk >= self.seq_len:
             raise RecipeValueError(
                 f"index_topk ({self.index_topk}) must be below seq_len ({self.seq_len}): at or above it every key is "
@@ -1097,7 +1103,7 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "rollout.index_key_cache_dtype fp8_e4m3 scores FP8 index keys, which model.true_on_policy's "
                 "batch-invariant ops do not: leave it auto", "rollout.index_key_cache_dtype", "model.true_on_policy")
-        if ro.overlap_schedule and ro.engine != "embedded":
+        if ro.overlap_schedule is not None and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
                 "(SGLang: --disable-overlap-schedule)", "rollout.overlap_schedule", "rollout.engine")
