@@ -56,3 +56,16 @@ def test_overlap_schedule_false_for_servers_is_refused(engine):
     data = {"rollout": {**engine, "overlap_schedule": False}, "cluster": {"num_gpus_per_engine": 1}}
     assert "rollout.overlap_schedule applies to embedded engines" in refusal(data)
     assert validate_recipe({**data, "rollout": {"overlap_schedule": False}}).rollout.overlap_schedule is False
+
+
+def test_sglang_kv_cache_dtype_outside_the_launchers_choices_is_refused():
+    """Any string was accepted; the launcher refused it only when starting the servers, a ValueError that named
+    no recipe key. The schema's choices are the launcher's."""
+    from typing import get_args
+
+    from rollout.sglang.config import KV_CACHE_DTYPES
+    from slime_dsa.config.schema import SGLangSection
+
+    data = {"rollout": {"engine": "sglang", "sglang": {"kv_cache_dtype": "fp16"}}, "cluster": {"num_gpus_per_engine": 1}}
+    assert refusal(data).startswith("rollout.sglang.kv_cache_dtype: expected one of 'auto', 'bf16'")
+    assert get_args(SGLangSection.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES

@@ -276,8 +276,8 @@ class SGLangSection(Section):
     mem_fraction_static: float = Field(
         0.8, gt=0, lt=1, description="Fraction of GPU memory SGLang takes for weights and KV cache "
                                      "(--mem-fraction-static).")
-    kv_cache_dtype: str = Field(
-        "auto", description="KV cache dtype (--kv-cache-dtype), e.g. auto, fp8_e4m3, bf16.")
+    kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = Field(  # rollout/sglang/config.py's
+        "auto", description="KV cache dtype of the SGLang servers (--kv-cache-dtype); auto = the model's dtype.")
     attention_backend: str = Field(
         "nsa", description="SGLang attention backend (--attention-backend); nsa is its DeepSeek-Sparse-Attention "
                            "backend.")
