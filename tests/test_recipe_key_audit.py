@@ -69,3 +69,27 @@ def test_sglang_kv_cache_dtype_outside_the_launchers_choices_is_refused():
     data = {"rollout": {"engine": "sglang", "sglang": {"kv_cache_dtype": "fp16"}}, "cluster": {"num_gpus_per_engine": 1}}
     assert refusal(data).startswith("rollout.sglang.kv_cache_dtype: expected one of 'auto', 'bf16'")
     assert get_args(SGLangSection.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
+
+
+def _agent_task(**agent) -> dict:
+    return {"data": {"tasks": [{"kind": "calc_chain", "agent": agent}], "apply_chat_template": True}}
+
+
+@pytest.mark.parametrize("agent", [
+    {"tools": ["calculator", "my_pkg.tools:Lookup"], "tool_isolation": "inline", "tool_workers": 4},
+    {"tools": ["calculator", "python"], "tool_workers": 4},  # no tool by import path: the built-in ones have no workers
+])
+def test_tool_workers_without_worker_processes_is_refused(agent):
+    """tool_workers sizes the worker processes of tools by import path (tool_isolation process); with inline, or
+    with only built-in tools, it was accepted and no worker ran."""
+    message = refusal(_agent_task(**agent))
+    assert message.startswith("data.tasks.0.agent: tool_workers (4) applies to tools by import path run with "
+                              "tool_isolation 'process'")
+    validate_recipe(_agent_task(tools=["calculator", "my_pkg.tools:Lookup"], tool_workers=4))
+
+
+def test_tool_max_processes_without_the_python_tool_is_refused():
+    """tool_max_processes limits the python tool's sandbox only; without that tool it was accepted and ignored."""
+    message = refusal(_agent_task(tools=["calculator", "my_pkg.tools:Lookup"], tool_max_processes=2))
+    assert message.startswith("data.tasks.0.agent: tool_max_processes (2) applies to the python tool")
+    validate_recipe(_agent_task(tools=["calculator", "python"], tool_max_processes=2))

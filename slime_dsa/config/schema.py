@@ -140,6 +140,16 @@ class AgentConfig(Section):
                                        "'package.module:attribute'", "tools")
         if len(set(self.tools)) != len(self.tools):
             raise RecipeValueError(f"tools lists a tool twice: {self.tools}", "tools")
+        plugin_tools = [t for t in self.tools if _IMPORT_PATH.match(t)]
+        if self.tool_workers is not None and (self.tool_isolation != "process" or not plugin_tools):
+            why = (f"tool_isolation is '{self.tool_isolation}'" if plugin_tools else
+                   "tools lists none (the built-in tools run no workers)")
+            raise RecipeValueError(f"tool_workers ({self.tool_workers}) applies to tools by import path run with "
+                                   f"tool_isolation 'process', but {why}", "tool_workers", "tool_isolation")
+        default_processes = type(self).model_fields["tool_max_processes"].default
+        if self.tool_max_processes != default_processes and "python" not in self.tools:
+            raise RecipeValueError(f"tool_max_processes ({self.tool_max_processes}) applies to the python tool's "
+                                   "sandbox, which tools does not list", "tool_max_processes", "tools")
         if self.tool_timeout_s > self.max_wall_time_s:
             raise RecipeValueError(f"tool_timeout_s ({self.tool_timeout_s:g}) exceeds max_wall_time_s "
                                    f"({self.max_wall_time_s:g}), the whole trajectory's time", "tool_timeout_s",
