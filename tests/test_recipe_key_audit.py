@@ -66,7 +66,8 @@ def test_sglang_kv_cache_dtype_outside_the_launchers_choices_is_refused():
     from rollout.sglang.config import KV_CACHE_DTYPES
     from slime_dsa.config.schema import SGLangSection
 
-    data = {"rollout": {"engine": "sglang", "sglang": {"kv_cache_dtype": "fp16"}}, "cluster": {"num_gpus_per_engine": 1}}
+    data = {"rollout": {"engine": "sglang", "sglang": {"kv_cache_dtype": "fp16"}},
+            "cluster": {"num_gpus_per_engine": 1}}
     assert refusal(data).startswith("rollout.sglang.kv_cache_dtype: expected one of 'auto', 'bf16'")
     assert get_args(SGLangSection.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
 
@@ -93,3 +94,19 @@ def test_tool_max_processes_without_the_python_tool_is_refused():
     message = refusal(_agent_task(tools=["calculator", "my_pkg.tools:Lookup"], tool_max_processes=2))
     assert message.startswith("data.tasks.0.agent: tool_max_processes (2) applies to the python tool")
     validate_recipe(_agent_task(tools=["calculator", "python"], tool_max_processes=2))
+
+
+@pytest.mark.parametrize("data, why", [
+    ({"rollout": {**EXTERNAL, "weight_sync": "cuda_ipc"},
+      "cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}},
+     "needs embedded engines, not rollout.engine 'external'"),
+    ({"rollout": {"weight_sync": "cuda_ipc"}}, "needs the engines and trainer rank 0 on one GPU: cluster."),
+    ({"rollout": {"weight_sync": "cuda_ipc"}, "cluster": {"num_gpus_per_engine": 1}}, "on one GPU"),
+])
+def test_cuda_ipc_weight_sync_where_it_cannot_run_is_refused(data, why):
+    """rollout.weight_sync cuda_ipc for external engines or CPU actors passed recipe check and failed after Ray and
+    the engines had started."""
+    message = refusal(data)
+    assert message.startswith("rollout.weight_sync 'cuda_ipc' ") and why in message
+    validate_recipe({"rollout": {"weight_sync": "cuda_ipc"},
+                     "cluster": {"num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}})

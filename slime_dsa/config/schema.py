@@ -1150,6 +1150,14 @@ class RecipeConfig(Section):
         if self.trainer.backend == "megatron" and ro.weight_sync == "cuda_ipc":
             raise RecipeValueError("rollout.weight_sync 'cuda_ipc' is not built for trainer.backend 'megatron'; use "
                                    "auto, shm or http", "rollout.weight_sync", "trainer.backend")
+        if ro.weight_sync == "cuda_ipc" and ro.engine != "embedded":
+            raise RecipeValueError(f"rollout.weight_sync 'cuda_ipc' needs embedded engines, not rollout.engine "
+                                   f"{ro.engine!r}; use auto, shm or http", "rollout.weight_sync", "rollout.engine")
+        if ro.weight_sync == "cuda_ipc" and (cl.num_gpus_per_engine == 0 or cl.num_gpus_per_trainer == 0):
+            raise RecipeValueError(
+                "rollout.weight_sync 'cuda_ipc' needs the engines and trainer rank 0 on one GPU: cluster."
+                f"num_gpus_per_engine ({cl.num_gpus_per_engine:g}) and num_gpus_per_trainer "
+                f"({cl.num_gpus_per_trainer:g}) above 0", "rollout.weight_sync", "cluster.num_gpus_per_engine")
         if (self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0
                 and self.algorithm.indexer_learning_rate is not None):
             raise RecipeValueError(
