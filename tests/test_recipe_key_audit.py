@@ -110,3 +110,11 @@ def test_cuda_ipc_weight_sync_where_it_cannot_run_is_refused(data, why):
     assert message.startswith("rollout.weight_sync 'cuda_ipc' ") and why in message
     validate_recipe({"rollout": {"weight_sync": "cuda_ipc"},
                      "cluster": {"num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}})
+
+
+def test_a_task_args_value_of_no_accepted_type_names_its_key_and_the_types():
+    """It was 'data.tasks.0.task_args: expected an integer, got [1]': the parameter unnamed and only the union's
+    first type."""
+    message = refusal({"data": {"tasks": [{"kind": "arithmetic", "task_args": {"max_digits": [1]}}]}})
+    assert message == ("data.tasks.0.task_args.max_digits: expected an integer, a number, true or false or a string, "
+                       "got [1]")
