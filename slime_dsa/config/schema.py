@@ -425,9 +425,10 @@ class RolloutSection(Section):
                             "rank 0's node and /dev/shm has room, else http.")
     restart_dead_engines: bool = Field(
         True, description="Replace an engine the run started (embedded, sglang) whose process died: the run goes on "
-                          "with the others meanwhile, and the new engine joins at the next weight update. Off, the "
-                          "run goes on with fewer engines. Either way, when none is left the run writes an "
-                          "emergency checkpoint and stops.")
+                          "with the others meanwhile, and the new engine joins at the next weight update (not with "
+                          "rollout.sglang.weight_sync distributed, auto's choice when disaggregated: its NCCL group "
+                          "cannot take a new member). Off, the run goes on with fewer engines. Either way, when none "
+                          "is left the run writes an emergency checkpoint and stops.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
