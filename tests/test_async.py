@@ -209,10 +209,12 @@ def test_engine_capacity_counts_the_rollouts_the_loop_can_have_in_flight():
     wide = _recipe({"rollout": {"prompts_per_step": 40}})
     assert engine_capacity(wide, use_async=True) == (3 * 40 * 4 * 80, 480)  # more requests than the default cap
     assert engine_capacity(wide, use_async=False) == (160 * 80, 256)
-    dynamic = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5}})
+    sync = {"name": "grpo"}  # the sampling rounds' keys are the synchronous loop's (refused with async_reinforce)
+    dynamic = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5},
+                       "algorithm": sync})
     assert engine_capacity(dynamic, use_async=False) == (160 * 4 * 80, 640)  # rounds of up to 4x (max_oversample_factor)
     fixed = _recipe({"rollout": {"prompts_per_step": 40, "dynamic_sampling": True, "oversample_factor": 1.5,
-                                 "max_oversample_factor": 1.5}})
+                                 "max_oversample_factor": 1.5}, "algorithm": sync})
     assert engine_capacity(fixed, use_async=False) == (60 * 4 * 80, 256)
     two = _recipe({"rollout": {"prompts_per_step": 40, "num_engines": 2}})  # a group stays on one engine
     assert engine_capacity(two, use_async=True) == (60 * 4 * 80, 256)

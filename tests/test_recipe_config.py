@@ -196,7 +196,7 @@ def test_validators_name_the_values(data, pattern):
 def test_valid_combinations_pass():
     config = validate_recipe({
         "rollout": {"engine": "external", "engine_urls": ["http://127.0.0.1:30000"], "dynamic_sampling": True,
-                    "oversample_factor": 1.5, "return_indexer_topk": True},
+                    "return_indexer_topk": True},  # oversample_factor: the synchronous loop's (refused here)
         "algorithm": {"name": "async_reinforce", "index_replay": True, "dis_eps_high": 3.0, "max_staleness": 1},
         "data": {"tasks": [{"kind": "dataset", "path": "openai/gsm8k", "eval_size": 64, "weight": 2},
                            {"kind": "countdown", "reward_fn": "my_pkg.rewards:score"}]},

@@ -39,6 +39,8 @@ def walk(path: Sequence[str | int]) -> tuple[FieldInfo | None, Any]:
             annotation = field.annotation
         elif item is not None and isinstance(part, int):
             field, annotation = None, item
+        elif get_origin(annotation) is dict and isinstance(part, str):  # a key of a mapping (data.tasks.<i>.task_args)
+            field, annotation = None, get_args(annotation)[1]
         else:
             return None, None
     return field, annotation

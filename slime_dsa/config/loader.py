@@ -252,11 +252,16 @@ def _value_origins(value: Any, path: KeyPath, where: str) -> Iterator[tuple[KeyP
 def _recipe_error(exc: ValidationError, origins: Origins) -> RecipeError:
     """All problems of a ValidationError as one line: the first in full, the others by key."""
     problems: list[tuple[str, str]] = []  # (key, line)
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         path = key_path(err["loc"])
         key = _dotted(path)
         if any(k == key for k, _ in problems):  # a union reports each of its members
             continue
+        members = [e["type"] for e in errors if key_path(e["loc"]) == path]
+        if len(members) > 1 and all(m in _EXPECTED for m in members):  # no member of a union of types took it
+            expected = list(dict.fromkeys(_EXPECTED[m] for m in members))
+            err = {**err, "msg": f"expected {', '.join(expected[:-1])} or {expected[-1]}", "type": "union"}
         problems.append((key, _problem_line(err, path, origins)))
     message = problems[0][1]
     if len(problems) > 1:
@@ -303,6 +308,8 @@ def _describe(err: Mapping[str, Any], path: KeyPath) -> str:
         return "unknown key" + _suggest(path)
     if kind == "value_error" and "error" in ctx:
         return str(ctx["error"])
+    if kind == "union":
+        return f"{err['msg']}, got {got}"
     if kind == "literal_error":
         return f"expected one of {ctx['expected']}, got {got}"
     if kind in _EXPECTED:

@@ -140,6 +140,16 @@ class AgentConfig(Section):
                                        "'package.module:attribute'", "tools")
         if len(set(self.tools)) != len(self.tools):
             raise RecipeValueError(f"tools lists a tool twice: {self.tools}", "tools")
+        plugin_tools = [t for t in self.tools if _IMPORT_PATH.match(t)]
+        if self.tool_workers is not None and (self.tool_isolation != "process" or not plugin_tools):
+            why = (f"tool_isolation is '{self.tool_isolation}'" if plugin_tools else
+                   "tools lists none (the built-in tools run no workers)")
+            raise RecipeValueError(f"tool_workers ({self.tool_workers}) applies to tools by import path run with "
+                                   f"tool_isolation 'process', but {why}", "tool_workers", "tool_isolation")
+        default_processes = type(self).model_fields["tool_max_processes"].default
+        if self.tool_max_processes != default_processes and "python" not in self.tools:
+            raise RecipeValueError(f"tool_max_processes ({self.tool_max_processes}) applies to the python tool's "
+                                   "sandbox, which tools does not list", "tool_max_processes", "tools")
         if self.tool_timeout_s > self.max_wall_time_s:
             raise RecipeValueError(f"tool_timeout_s ({self.tool_timeout_s:g}) exceeds max_wall_time_s "
                                    f"({self.max_wall_time_s:g}), the whole trajectory's time", "tool_timeout_s",
@@ -276,8 +286,8 @@ class SGLangSection(Section):
     mem_fraction_static: float = Field(
         0.8, gt=0, lt=1, description="Fraction of GPU memory SGLang takes for weights and KV cache "
                                      "(--mem-fraction-static).")
-    kv_cache_dtype: str = Field(
-        "auto", description="KV cache dtype (--kv-cache-dtype), e.g. auto, fp8_e4m3, bf16.")
+    kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = Field(  # rollout/sglang/config.py's
+        "auto", description="KV cache dtype of the SGLang servers (--kv-cache-dtype); auto = the model's dtype.")
     attention_backend: str = Field(
         "nsa", description="SGLang attention backend (--attention-backend); nsa is its DeepSeek-Sparse-Attention "
                            "backend.")
@@ -329,8 +339,8 @@ class RolloutSection(Section):
         None, description="Embedded engines launch each decode step before they read the previous step's tokens, "
                           "so the host's bookkeeping runs while the GPU computes (SGLang's overlap scheduler); the "
                           "outputs are the same. null: on for embedded engines (the 16 x 16 RL step on an H200 "
-                          "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang "
-                          "servers set their own.")
+                          "took 0.36 s with it, 0.43 s without: benchmarks/RESULTS.md); false turns it off. SGLang and "
+                          "external servers set their own (leave it null for them).")
     index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="How embedded engines cache the DSA indexer's keys: auto (the model's dtype) or fp8_e4m3 "
                             "(one float32 scale a key row, as DeepSeek's and SGLang's DSA caches hold them: half the "
@@ -380,16 +390,17 @@ class RolloutSection(Section):
         False, description="DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts "
                            "until the step is full.")
     oversample_factor: float = Field(
-        1.0, ge=1, description="With dynamic_sampling: draw this many times prompts_per_step prompts per "
-                               "sampling round.")
+        1.0, ge=1, description="With dynamic_sampling, synchronous loop: draw this many times prompts_per_step "
+                               "prompts per sampling round.")
     max_oversample_factor: float = Field(
-        4.0, ge=1, description="With dynamic_sampling: rounds grow as groups get dropped, to the groups still needed "
-                               "x oversample_factor / the share of groups the last round kept, at most this many "
-                               "times the groups still needed (so one round usually fills the step); equal to "
-                               "oversample_factor = fixed rounds.")
+        4.0, ge=1, description="With dynamic_sampling, synchronous loop: rounds grow as groups get dropped, to the "
+                               "groups still needed x oversample_factor / the share of groups the last round kept, at "
+                               "most this many times the groups still needed (so one round usually fills the step); "
+                               "equal to oversample_factor = fixed rounds.")
     max_sampling_tries: int = Field(
-        4, ge=1, description="With dynamic_sampling: most sampling rounds per step before training on the "
-                             "groups collected so far.")
+        4, ge=1, description="With dynamic_sampling, synchronous loop: most sampling rounds per step before "
+                             "training on the groups collected so far (the asynchronous loop replaces each dropped "
+                             "group as it goes).")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     reward_timeout_s: float = Field(
@@ -414,9 +425,10 @@ class RolloutSection(Section):
                             "rank 0's node and /dev/shm has room, else http.")
     restart_dead_engines: bool = Field(
         True, description="Replace an engine the run started (embedded, sglang) whose process died: the run goes on "
-                          "with the others meanwhile, and the new engine joins at the next weight update. Off, the "
-                          "run goes on with fewer engines. Either way, when none is left the run writes an "
-                          "emergency checkpoint and stops.")
+                          "with the others meanwhile, and the new engine joins at the next weight update (not with "
+                          "rollout.sglang.weight_sync distributed, auto's choice when disaggregated: its NCCL group "
+                          "cannot take a new member). Off, the run goes on with fewer engines. Either way, when none "
+                          "is left the run writes an emergency checkpoint and stops.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 
@@ -431,6 +443,10 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"engine_urls ({len(self.engine_urls)} given) are only used by engine 'external', but engine is "
                 f"'{self.engine}'", "engine_urls", "engine")
+        if self.engine == "external" and self.num_engines != 1:
+            raise RecipeValueError(
+                f"num_engines ({self.num_engines}) counts the engines the run starts (embedded, sglang); engine "
+                f"'external' uses one per URL of engine_urls ({len(self.engine_urls)} given)", "num_engines", "engine")
         if self.max_cache_tokens is not None and self.engine != "embedded":
             raise RecipeValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) sizes the embedded engine's KV cache, but engine is "
@@ -939,6 +955,12 @@ class IndexerWarmupSection(Section):
     def _check(self) -> IndexerWarmupSection:
         if self.corpus == "dataset" and not self.dataset_path:
             raise RecipeValueError("corpus 'dataset' needs dataset_path", "dataset_path", "corpus")
+        dataset_keys = [k for k in ("dataset_path", "dataset_split", "text_column")
+                        if getattr(self, k) != type(self).model_fields[k].default]
+        if self.corpus != "dataset" and dataset_keys:
+            key = dataset_keys[0]
+            raise RecipeValueError(f"{key} ('{getattr(self, key)}') is only read by corpus 'dataset', but corpus is "
+                                   f"'{self.corpus}'", key, "corpus")
         if self.index_topk is not None and self.index_topk >= self.seq_len:
             raise RecipeValueError(
                 f"index_topk ({self.index_topk}) must be below seq_len ({self.seq_len}): at or above it every key is "
@@ -1061,6 +1083,13 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
+        rounds = [k for k in ("oversample_factor", "max_oversample_factor", "max_sampling_tries")
+                  if getattr(ro, k) != RolloutSection.model_fields[k].default]
+        if rounds and self.uses_async_loop():
+            raise RecipeValueError(
+                f"rollout.{rounds[0]} ({getattr(ro, rounds[0])}) sizes the synchronous loop's sampling rounds; "
+                f"algorithm '{alg.name}' runs the asynchronous one, which replaces each dropped group as it goes",
+                f"rollout.{rounds[0]}", "algorithm.name")
         if ro.prefetch_next_step and ro.engine != "embedded":
             raise RecipeValueError(f"rollout.prefetch_next_step is built for embedded engines, not rollout.engine "
                                    f"{ro.engine!r}", "rollout.prefetch_next_step", "rollout.engine")
@@ -1085,7 +1114,7 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "rollout.index_key_cache_dtype fp8_e4m3 scores FP8 index keys, which model.true_on_policy's "
                 "batch-invariant ops do not: leave it auto", "rollout.index_key_cache_dtype", "model.true_on_policy")
-        if ro.overlap_schedule and ro.engine != "embedded":
+        if ro.overlap_schedule is not None and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.overlap_schedule applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
                 "(SGLang: --disable-overlap-schedule)", "rollout.overlap_schedule", "rollout.engine")
@@ -1122,6 +1151,14 @@ class RecipeConfig(Section):
         if self.trainer.backend == "megatron" and ro.weight_sync == "cuda_ipc":
             raise RecipeValueError("rollout.weight_sync 'cuda_ipc' is not built for trainer.backend 'megatron'; use "
                                    "auto, shm or http", "rollout.weight_sync", "trainer.backend")
+        if ro.weight_sync == "cuda_ipc" and ro.engine != "embedded":
+            raise RecipeValueError(f"rollout.weight_sync 'cuda_ipc' needs embedded engines, not rollout.engine "
+                                   f"{ro.engine!r}; use auto, shm or http", "rollout.weight_sync", "rollout.engine")
+        if ro.weight_sync == "cuda_ipc" and (cl.num_gpus_per_engine == 0 or cl.num_gpus_per_trainer == 0):
+            raise RecipeValueError(
+                "rollout.weight_sync 'cuda_ipc' needs the engines and trainer rank 0 on one GPU: cluster."
+                f"num_gpus_per_engine ({cl.num_gpus_per_engine:g}) and num_gpus_per_trainer "
+                f"({cl.num_gpus_per_trainer:g}) above 0", "rollout.weight_sync", "cluster.num_gpus_per_engine")
         if (self.trainer.backend == "megatron" and cl.num_gpus_per_trainer > 0
                 and self.algorithm.indexer_learning_rate is not None):
             raise RecipeValueError(

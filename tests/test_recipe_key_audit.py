@@ -1,0 +1,120 @@
+"""Recipe keys that were accepted and then ignored (or refused only after Ray started) in some combination of
+loop, engine and section: `recipe check` refuses each in one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_dsa.config import RecipeError, validate_recipe
+
+EXTERNAL = {"engine": "external", "engine_urls": ["http://127.0.0.1:30000"]}
+
+
+def refusal(data: dict) -> str:
+    """The one-line RecipeError that validate_recipe raises for `data`."""
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_num_engines_with_external_engines_is_refused():
+    """engine external uses one engine per URL: rollout.num_engines 4 was accepted and ignored."""
+    message = refusal({"rollout": {**EXTERNAL, "num_engines": 4}})
+    assert "rollout: num_engines (4) counts the engines the run starts" in message and "engine_urls" in message
+    assert validate_recipe({"rollout": {**EXTERNAL}}).rollout.num_engines == 1
+
+
+@pytest.mark.parametrize("key, value", [("oversample_factor", 1.5), ("max_oversample_factor", 2.0),
+                                        ("max_sampling_tries", 8)])
+def test_sampling_round_keys_under_the_asynchronous_loop_are_refused(key, value):
+    """The asynchronous loop replaces each dropped group as it goes, in no rounds: these keys of the synchronous
+    loop's dynamic-sampling rounds were accepted and ignored by async_reinforce."""
+    data = {"rollout": {"dynamic_sampling": True, key: value}, "algorithm": {"name": "async_reinforce"}}
+    message = refusal(data)
+    assert f"rollout.{key} ({value}) sizes the synchronous loop's sampling rounds" in message
+    assert "algorithm 'async_reinforce' runs the asynchronous one" in message
+    assert validate_recipe({**data, "algorithm": {"name": "grpo"}}).rollout.dynamic_sampling  # the synchronous loop
+    validate_recipe({**data, "rollout": {"dynamic_sampling": True}})  # dynamic sampling itself: both loops
+
+
+@pytest.mark.parametrize("key, value", [("dataset_path", "corpus.jsonl"), ("dataset_split", "test"),
+                                        ("text_column", "body")])
+def test_indexer_warmup_dataset_keys_with_the_tasks_corpus_are_refused(key, value):
+    """corpus tasks trains on data.tasks' prompts and solutions: a dataset_path (or its split, its column) was
+    accepted and the warm-up ran on the tasks instead."""
+    message = refusal({"indexer_warmup": {key: value}})
+    assert message.startswith(f"indexer_warmup: {key} ('{value}') is only read by corpus 'dataset', but corpus is "
+                              "'tasks'")
+    validate_recipe({"indexer_warmup": {"corpus": "dataset", "dataset_path": "c.jsonl", key: value}})
+
+
+@pytest.mark.parametrize("engine", [{"engine": "sglang"}, EXTERNAL])
+def test_overlap_schedule_false_for_servers_is_refused(engine):
+    """overlap_schedule false on SGLang or external servers was accepted and changed nothing (true was refused)."""
+    data = {"rollout": {**engine, "overlap_schedule": False}, "cluster": {"num_gpus_per_engine": 1}}
+    assert "rollout.overlap_schedule applies to embedded engines" in refusal(data)
+    assert validate_recipe({**data, "rollout": {"overlap_schedule": False}}).rollout.overlap_schedule is False
+
+
+def test_sglang_kv_cache_dtype_outside_the_launchers_choices_is_refused():
+    """Any string was accepted; the launcher refused it only when starting the servers, a ValueError that named
+    no recipe key. The schema's choices are the launcher's."""
+    from typing import get_args
+
+    from rollout.sglang.config import KV_CACHE_DTYPES
+    from slime_dsa.config.schema import SGLangSection
+
+    data = {"rollout": {"engine": "sglang", "sglang": {"kv_cache_dtype": "fp16"}},
+            "cluster": {"num_gpus_per_engine": 1}}
+    assert refusal(data).startswith("rollout.sglang.kv_cache_dtype: expected one of 'auto', 'bf16'")
+    assert get_args(SGLangSection.model_fields["kv_cache_dtype"].annotation) == KV_CACHE_DTYPES
+
+
+def _agent_task(**agent) -> dict:
+    return {"data": {"tasks": [{"kind": "calc_chain", "agent": agent}], "apply_chat_template": True}}
+
+
+@pytest.mark.parametrize("agent", [
+    {"tools": ["calculator", "my_pkg.tools:Lookup"], "tool_isolation": "inline", "tool_workers": 4},
+    {"tools": ["calculator", "python"], "tool_workers": 4},  # no tool by import path: the built-in ones have no workers
+])
+def test_tool_workers_without_worker_processes_is_refused(agent):
+    """tool_workers sizes the worker processes of tools by import path (tool_isolation process); with inline, or
+    with only built-in tools, it was accepted and no worker ran."""
+    message = refusal(_agent_task(**agent))
+    assert message.startswith("data.tasks.0.agent: tool_workers (4) applies to tools by import path run with "
+                              "tool_isolation 'process'")
+    validate_recipe(_agent_task(tools=["calculator", "my_pkg.tools:Lookup"], tool_workers=4))
+
+
+def test_tool_max_processes_without_the_python_tool_is_refused():
+    """tool_max_processes limits the python tool's sandbox only; without that tool it was accepted and ignored."""
+    message = refusal(_agent_task(tools=["calculator", "my_pkg.tools:Lookup"], tool_max_processes=2))
+    assert message.startswith("data.tasks.0.agent: tool_max_processes (2) applies to the python tool")
+    validate_recipe(_agent_task(tools=["calculator", "python"], tool_max_processes=2))
+
+
+@pytest.mark.parametrize("data, why", [
+    ({"rollout": {**EXTERNAL, "weight_sync": "cuda_ipc"},
+      "cluster": {"num_gpus_per_engine": 1, "num_gpus_per_trainer": 1}},
+     "needs embedded engines, not rollout.engine 'external'"),
+    ({"rollout": {"weight_sync": "cuda_ipc"}}, "needs the engines and trainer rank 0 on one GPU: cluster."),
+    ({"rollout": {"weight_sync": "cuda_ipc"}, "cluster": {"num_gpus_per_engine": 1}}, "on one GPU"),
+])
+def test_cuda_ipc_weight_sync_where_it_cannot_run_is_refused(data, why):
+    """rollout.weight_sync cuda_ipc for external engines or CPU actors passed recipe check and failed after Ray and
+    the engines had started."""
+    message = refusal(data)
+    assert message.startswith("rollout.weight_sync 'cuda_ipc' ") and why in message
+    validate_recipe({"rollout": {"weight_sync": "cuda_ipc"},
+                     "cluster": {"num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}})
+
+
+def test_a_task_args_value_of_no_accepted_type_names_its_key_and_the_types():
+    """It was 'data.tasks.0.task_args: expected an integer, got [1]': the parameter unnamed and only the union's
+    first type."""
+    message = refusal({"data": {"tasks": [{"kind": "arithmetic", "task_args": {"max_digits": [1]}}]}})
+    assert message == ("data.tasks.0.task_args.max_digits: expected an integer, a number, true or false or a string, "
+                       "got [1]")
