@@ -109,6 +109,15 @@ def test_ctrl_c_says_which_steps_since_the_last_checkpoint_are_lost(tmp_path):
     assert StepProgress(current=50, saved=50).lost_line(ckpts).startswith("no step lost")
 
 
+def test_ctrl_c_during_a_checkpoint_save_counts_the_checkpoint_it_finished(tmp_path):
+    # the save runs in a thread that finishes after the signal stopped the loop: the line reads the directory
+    _finished_checkpoint(tmp_path, 3)
+    assert StepProgress(current=3, saved=0).lost_line(tmp_path / "checkpoints") == (
+        "no step lost (the last checkpoint is step 3)")
+    line = StepProgress(current=5, saved=0).lost_line(tmp_path / "checkpoints")
+    assert "steps 4-5 since the checkpoint of step 3" in line and line.endswith("--resume continues from step 3")
+
+
 def test_the_command_line_prints_the_interruption_in_one_line(capsys, monkeypatch):
     from slime_dsa.commands import train
 

@@ -42,7 +42,12 @@ class StepProgress:
         self.trained, self.trained_state = step, rollout_state
 
     def lost_line(self, checkpoint_dir: Path) -> str:
-        """One line: the steps since the last checkpoint that an interruption now loses."""
+        """One line: the steps since the last checkpoint that an interruption now loses. A save the interruption
+        caught in its thread may have finished all the same: the newest intact checkpoint in `checkpoint_dir` counts."""
+        from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
+
+        newest = CheckpointManager(checkpoint_dir).latest()
+        self.saved = max(self.saved, read_orchestrator_state(newest)["step"] if newest else 0)
         if self.current <= self.saved:
             return f"no step lost (the last checkpoint is step {self.saved})"
         lost = f"step {self.current}" if self.current == self.saved + 1 else f"steps {self.saved + 1}-{self.current}"
