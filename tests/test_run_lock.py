@@ -100,6 +100,17 @@ def test_resume_of_a_finished_run_says_how_to_go_further(tmp_path, capsys):
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
 
 
+def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
+    # /proc takes no new directories, for root too (as a read-only filesystem or a directory without write permission)
+    unwritable = "/proc/slime-dsa-no-such-dir/run"
+    for key, more in (("logging.run_dir", []), ("checkpoint.dir", ["--set", f"logging.run_dir={tmp_path / 'run'}"])):
+        assert main(["train", BASE, "--set", f"{key}={unwritable}", *more]) == 2
+        _, stderr = capsys.readouterr()
+        assert "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1] == (
+            f"slime-dsa: error: {key}: cannot write {unwritable}: No such file or directory")
+
+
 def test_ctrl_c_says_which_steps_since_the_last_checkpoint_are_lost(tmp_path):
     ckpts = tmp_path / "checkpoints"
     assert StepProgress(current=57, saved=50).lost_line(ckpts) == (

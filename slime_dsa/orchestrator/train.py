@@ -275,7 +275,7 @@ def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
     if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
         yield lock
         return
-    with RunLock(ckpt_dir) as own:
+    with RunLock(ckpt_dir, key="checkpoint.dir") as own:
         yield own
 
 
