@@ -49,7 +49,7 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
                                     progress))
         except KeyboardInterrupt:
             line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
-            logger.warning("interrupted%s", f": {line}" if line else "")
+            logger.info("interrupted%s", f": {line}" if line else "")  # the console gets the command's one line
             raise KeyboardInterrupt(line) from None
 
 
