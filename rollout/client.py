@@ -236,7 +236,8 @@ class EngineClient:
     def pick(self, session_id: str | None = None, exclude: set[str] = frozenset()) -> EngineState:
         """The engine for the next attempt: the session's engine if healthy, else the least outstanding."""
         if not self.engines:
-            raise EngineUnavailableError("no engine URLs are configured")
+            raise EngineUnavailableError(f"no engine left ({self._lost_summary()})" if self.lost
+                                         else "no engine URLs are configured")
         if session_id is not None:
             url = self._sessions.get(session_id)
             engine = self.engines.get(url) if url else None

@@ -25,8 +25,9 @@ LOCK_NAME = ".lock"
 class RunLock:
     """The exclusive lock of one run directory, taken by `acquire` and dropped by `release`."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, key: str = "logging.run_dir") -> None:
         self.run_dir = Path(run_dir)
+        self.key = key  # the recipe key that names the directory (its errors say it)
         self.path = self.run_dir / LOCK_NAME
         self._fd: int | None = None
         self.taken_over = ""  # '<pid> <host>' of a killed run whose lock this one took over ('' if none)
@@ -36,9 +37,13 @@ class RunLock:
         return self._fd is not None
 
     def acquire(self) -> None:
-        """Take the lock; UserError naming the directory and the holder's pid when another run holds it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """Take the lock; UserError naming the directory and the holder's pid when another run holds it, or the key
+        and the system's reason when the directory cannot be written (a read-only filesystem, no permission)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise UserError(f"{self.key}: cannot write {self.run_dir}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -46,7 +51,7 @@ class RunLock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise UserError(f"run directory {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
-                            " wait for it to end or set logging.run_dir to another directory") from None
+                            f" wait for it to end or set {self.key} to another directory") from None
         self.taken_over = _read_fd(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)

@@ -325,6 +325,8 @@ def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()[-2000:]
     assert err.decode().strip().splitlines()[-1].startswith("slime-dsa: interrupted")
+    assert sum("interrupted" in line for line in err.decode().splitlines()) == 1  # said once; train.log keeps it too
+    assert "interrupted during step" in (run_dir / "train.log").read_text()
     assert (run_dir / ".lock").read_text() == ""
 
 

@@ -103,3 +103,37 @@ def test_fixed_rounds_draw_only_what_is_missing(checkpoint):
         assert len(batch) == PROMPTS_PER_STEP - kept
         kept = min(PROMPTS_PER_STEP, kept + sum(p.answer == "mixed" for p in batch))
     assert len(groups) == kept
+
+
+def test_no_round_is_drawn_after_the_last_engine_is_lost(caplog):
+    """Every engine gone (a replacement starts; the next step waits for it): the step's first round fails, and no
+    further round burns prompts on a client with no engine. The samples' error names the lost engine."""
+    from rollout.client import EngineClient
+    from rollout.groups import GroupRollout, SampleNumbering
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task, TaskMixture
+    from slime_dsa.orchestrator.collection import StepCollector
+
+    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=[3, 4, 5], prompt_text="", answer="mixed")
+               for i in range(100)]
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:mixed_or_zero",
+                train=prompts, eval=None)
+    rollout = RolloutSection(n_samples_per_prompt=GROUP, prompts_per_step=PROMPTS_PER_STEP, max_response_length=2,
+                             dynamic_sampling=True, max_sampling_tries=4)
+
+    async def main():
+        client = EngineClient(["http://127.0.0.1:9"])
+        client.drop_engine("http://127.0.0.1:9", "its process died (ActorDiedError)")
+        collector = StepCollector(GroupRollout(client, [task], None, rollout), TaskMixture([task]), SampleNumbering(),
+                                  rollout, show_progress=False)
+        try:
+            return await collector.collect()
+        finally:
+            await client.close()
+
+    groups, metrics = asyncio.run(main())
+    assert groups == [] and metrics["rollout/sampling_rounds"] == 1
+    assert metrics["rollout/failed_samples"] == metrics["rollout/num_samples"] == PROMPTS_PER_STEP * GROUP
+    failures = [r.getMessage() for r in caplog.records if "generation failed" in r.getMessage()]
+    assert len(failures) == PROMPTS_PER_STEP
+    assert all("no engine left (1 dropped, the last http://127.0.0.1:9 (its process died" in m for m in failures)

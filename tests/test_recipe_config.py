@@ -103,6 +103,17 @@ def test_exponent_floats_parse_as_numbers(tmp_path):
     assert load_recipe(None, ["trainer.learning_rate=3e-7"]).trainer.learning_rate == 3e-7
 
 
+def test_a_bare_off_or_on_is_the_word_not_a_boolean(tmp_path):
+    # YAML 1.1 reads a bare off/on as false/true; partial_rollout and pin_cpus name those values as words
+    path = write(tmp_path, "r.yaml", "algorithm:\n  name: async_reinforce\n  partial_rollout: off\n"
+                                     "cluster:\n  pin_cpus: on\n")
+    recipe = load_recipe(path)
+    assert (recipe.algorithm.partial_rollout, recipe.cluster.pin_cpus) == ("off", "on")
+    over = load_recipe(path, ["algorithm.partial_rollout=off", "cluster.pin_cpus=off"])
+    assert (over.algorithm.partial_rollout, over.cluster.pin_cpus) == ("off", "off")
+    assert "got true" in recipe_error(path, ["algorithm.partial_rollout=true"])  # still no other boolean
+
+
 def test_null_section_means_empty(tmp_path):
     path = write(tmp_path, "r.yaml", "rollout:\n  # temperature: 0.7\nalgorithm:\n")
     assert load_recipe(path) == RecipeConfig()

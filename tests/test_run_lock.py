@@ -100,6 +100,17 @@ def test_resume_of_a_finished_run_says_how_to_go_further(tmp_path, capsys):
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
 
 
+def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
+    # /proc takes no new directories, for root too (as a read-only filesystem or a directory without write permission)
+    unwritable = "/proc/slime-dsa-no-such-dir/run"
+    for key, more in (("logging.run_dir", []), ("checkpoint.dir", ["--set", f"logging.run_dir={tmp_path / 'run'}"])):
+        assert main(["train", BASE, "--set", f"{key}={unwritable}", *more]) == 2
+        _, stderr = capsys.readouterr()
+        assert "Traceback" not in stderr
+        assert stderr.strip().splitlines()[-1] == (
+            f"slime-dsa: error: {key}: cannot write {unwritable}: No such file or directory")
+
+
 def test_ctrl_c_says_which_steps_since_the_last_checkpoint_are_lost(tmp_path):
     ckpts = tmp_path / "checkpoints"
     assert StepProgress(current=57, saved=50).lost_line(ckpts) == (
@@ -107,6 +118,15 @@ def test_ctrl_c_says_which_steps_since_the_last_checkpoint_are_lost(tmp_path):
         "--resume continues from step 50")
     assert "step 1 since the start (no checkpoint yet)" in StepProgress(current=1).lost_line(ckpts)
     assert StepProgress(current=50, saved=50).lost_line(ckpts).startswith("no step lost")
+
+
+def test_ctrl_c_during_a_checkpoint_save_counts_the_checkpoint_it_finished(tmp_path):
+    # the save runs in a thread that finishes after the signal stopped the loop: the line reads the directory
+    _finished_checkpoint(tmp_path, 3)
+    assert StepProgress(current=3, saved=0).lost_line(tmp_path / "checkpoints") == (
+        "no step lost (the last checkpoint is step 3)")
+    line = StepProgress(current=5, saved=0).lost_line(tmp_path / "checkpoints")
+    assert "steps 4-5 since the checkpoint of step 3" in line and line.endswith("--resume continues from step 3")
 
 
 def test_the_command_line_prints_the_interruption_in_one_line(capsys, monkeypatch):

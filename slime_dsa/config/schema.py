@@ -598,6 +598,12 @@ class AlgorithmSection(Section):
         "group", description="Target of the indexer loss: group = mean attention of every layer that reuses the "
                              "indexer's top-k (IndexShare group), own = the indexer's own layer only.")
 
+    @field_validator("partial_rollout", mode="before")
+    @classmethod
+    def _off_is_a_word(cls, value: object) -> object:
+        """YAML 1.1 reads a bare `off` as false: take it as the word."""
+        return "off" if value is False else value
+
     @field_validator("name")
     @classmethod
     def _known_algorithm(cls, name: str) -> str:
@@ -839,6 +845,12 @@ class ClusterSection(Section):
                             "next call allocates it again); keep = hold it (the engines have that much less memory); "
                             "auto = keep while the engines keep their KV cache and at least 15% of the GPU's memory is "
                             "free, else release.")
+
+    @field_validator("pin_cpus", mode="before")
+    @classmethod
+    def _on_off_are_words(cls, value: object) -> object:
+        """YAML 1.1 reads a bare `on` / `off` as true / false: take them as the words."""
+        return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
 
     def engines_take_turns(self) -> bool:
         """Whether the engines pause for every train call: colocated with the trainers on GPUs (colocation.py)."""

@@ -103,7 +103,8 @@ async def run_async_loop(run: Run) -> None:
             run.progress.mark_trained(step + 1, manager.state_dict())
             metrics["perf/sync_time_s"] = await sync_weights(run.weights, version=step + 1, pause_mode=pause_mode,
                                                               on_weights=run.on_weights,
-                                                              want_state=run.hook_wants_state(step + 1))
+                                                              want_state=run.hook_wants_state(step + 1),
+                                                              fleet=run.fleet)
             metrics["perf/step_time_s"] = time.perf_counter() - step_start
             # An on_weights hook's read-back is in the sync time; said apart, as in the synchronous loop.
             metrics["perf/weights_readback_s"] = getattr(run.weights, "last_read_s", 0.0)

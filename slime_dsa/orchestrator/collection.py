@@ -144,6 +144,8 @@ class StepCollector:
         rounds, max_rounds = 0, cfg.max_sampling_tries if cfg.dynamic_sampling else 1
         with SampleProgress("rollout", show=self.show_progress) as bar:
             while len(kept) < cfg.prompts_per_step and rounds < max_rounds:
+                if rounds and not getattr(self.groups.client, "engines", True):
+                    break  # every engine is lost: a round would only burn its prompts (the next step waits for some)
                 rounds += 1
                 need = cfg.prompts_per_step - len(kept)
                 if prefetched is not None:

@@ -4,7 +4,8 @@ An engine is lost when its Ray actor's process dies (noticed at once: each actor
 which Ray fails when the process goes) or when a weight update cannot reach it (rollout.client drops it; external
 engines are noticed only so). The run goes on with the others; its samples in flight there are retried on the
 others or counted as failed. With rollout.restart_dead_engines, a new actor is started in the background and
-staged: it joins at the next weight update, with that update's weights. When none is left, the loops stop with
+staged: it joins at the next weight update, with that update's weights (when none is left meanwhile, the push and
+the next step wait for it). When none is left and none is being started, the loops stop with
 rollout.client.NoEnginesLeftError (the driver writes an emergency checkpoint).
 """
 

@@ -42,7 +42,12 @@ class StepProgress:
         self.trained, self.trained_state = step, rollout_state
 
     def lost_line(self, checkpoint_dir: Path) -> str:
-        """One line: the steps since the last checkpoint that an interruption now loses."""
+        """One line: the steps since the last checkpoint that an interruption now loses. A save the interruption
+        caught in its thread may have finished all the same: the newest intact checkpoint in `checkpoint_dir` counts."""
+        from slime_dsa.checkpoint.training import CheckpointManager, read_orchestrator_state  # noqa: PLC0415
+
+        newest = CheckpointManager(checkpoint_dir).latest()
+        self.saved = max(self.saved, read_orchestrator_state(newest)["step"] if newest else 0)
         if self.current <= self.saved:
             return f"no step lost (the last checkpoint is step {self.saved})"
         lost = f"step {self.current}" if self.current == self.saved + 1 else f"steps {self.saved + 1}-{self.current}"
@@ -267,12 +272,21 @@ async def _train_policy(run: Run, step: int, batch, logged: bool,
 
 
 async def sync_weights(weights, version: int, pause_mode: str = "abort",
-                       on_weights: WeightsHook | None = None, want_state: bool | None = None) -> float:
+                       on_weights: WeightsHook | None = None, want_state: bool | None = None,
+                       fleet: Any = None) -> float:
     """The trainers' weights to every engine as `version` (a WeightTransport); returns the seconds it took.
-    on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None."""
+    on_weights gets the state dict when `want_state` (default: whenever there is a hook), else None. fleet: the run's
+    EngineFleet; when every engine is gone while it starts replacements, the push waits for them and goes to them."""
+    from rollout.client import NoEnginesLeftError  # noqa: PLC0415
+
     start = time.perf_counter()
     want = on_weights is not None and want_state is not False
-    state = await weights.push(version, pause_mode=pause_mode, want_state=want)
+    try:
+        state = await weights.push(version, pause_mode=pause_mode, want_state=want)
+    except NoEnginesLeftError:
+        if fleet is None or not await fleet.wait_for_restarts():
+            raise
+        state = await weights.push(version, pause_mode=pause_mode, want_state=want)
     elapsed = time.perf_counter() - start
     if on_weights is not None:
         on_weights(version, state)
@@ -294,8 +308,15 @@ async def ensure_engines(run: Run, version: int) -> None:
 
 
 async def probe_engines(run: Run) -> None:
-    """GET /health on every engine, dropping those that cannot be reached (a step that got no sample at all)."""
-    await run.client.broadcast("/health", method="GET", check=False, drop_unreachable=True, timeout_s=30)
+    """GET /health on every engine, dropping those that cannot be reached (a step that got no sample at all).
+    NoEnginesLeftError when none is left and no replacement is being started (the next step waits for those)."""
+    from rollout.client import NoEnginesLeftError  # noqa: PLC0415
+
+    try:
+        await run.client.broadcast("/health", method="GET", check=False, drop_unreachable=True, timeout_s=30)
+    except NoEnginesLeftError:
+        if run.fleet is None or not run.fleet.restarting:
+            raise
 
 
 async def emergency_checkpoint(run: Run) -> Path | None:

@@ -49,7 +49,7 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
                                     progress))
         except KeyboardInterrupt:
             line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
-            logger.warning("interrupted%s", f": {line}" if line else "")
+            logger.info("interrupted%s", f": {line}" if line else "")  # the console gets the command's one line
             raise KeyboardInterrupt(line) from None
 
 
@@ -275,7 +275,7 @@ def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
     if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
         yield lock
         return
-    with RunLock(ckpt_dir) as own:
+    with RunLock(ckpt_dir, key="checkpoint.dir") as own:
         yield own
 
 
@@ -316,7 +316,8 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     run.progress.mark_trained(step + 1, rollout_state)
     # A prefetched round waits in the engines' queues: the push's pause keeps it (retract) where abort would end it.
     sync_time = await sync_weights(run.weights, version=step + 1, pause_mode="retract" if prefetch else "abort",
-                                   on_weights=run.on_weights, want_state=run.hook_wants_state(step + 1))
+                                   on_weights=run.on_weights, want_state=run.hook_wants_state(step + 1),
+                                   fleet=run.fleet)
     clock.mark("sync")
     run.last_hold_s = metrics.get("perf/train_time_s", 0.0) + sync_time
     if run.engine_stats is not None:

@@ -117,3 +117,23 @@ def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path,
     assert newest is not None and str(newest) in message
     assert read_orchestrator_state(newest)["step"] >= 2  # the steps trained before the loss are kept
     figures["every_engine_lost"] = {"line": message, "emergency_checkpoint_step": read_orchestrator_state(newest)["step"]}
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "async_reinforce"])
+def test_the_only_engine_lost_is_replaced_and_the_run_finishes(algorithm, tmp_path, ray_cluster):
+    """One engine (recipes/async_reinforce.yaml's setting) killed mid-run: with rollout.restart_dead_engines the run
+    waits for its replacement (at the weight push, or the next step) instead of stopping as if none were coming."""
+    from slime_dsa.orchestrator.train import run_training
+
+    steps = 5 if algorithm == "grpo" else 100  # the asynchronous loop's tiny steps take ~50 ms: the kill lands mid-run
+    recipe = recipe_dict(steps, engines=1, checkpoint__save_every=100, algorithm__name=algorithm)
+    path = write_recipe(tmp_path / "recipe.yaml", recipe)
+    run_dir = tmp_path / "run"
+    killed: dict = {}
+    killer = _kill_an_engine_after(run_dir, 2, killed)
+    run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
+    killer.join(5)
+    assert killed, "no engine was killed"
+    assert [r["step"] for r in records(run_dir)] == list(range(1, steps + 1))
+    log = (run_dir / "train.log").read_text()
+    assert f"engine {killed['url']} replaced by" in log and "joined" in log
