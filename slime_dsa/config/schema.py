@@ -723,7 +723,9 @@ class TrainerSection(Section):
         1.0, ge=0, description="Clip the global gradient norm to this value; 0 = no clipping.")
     micro_batch_tokens: int = Field(
         4096, ge=1, description="Token budget of one packed micro-batch (one forward/backward); sequences are "
-                                "packed without padding up to it.")
+                                "packed whole, without padding, up to it (a longer one is a micro-batch alone), and "
+                                "an optimizer step accumulates the gradients of its micro-batches. slime-dsa sft "
+                                "splits each step's sft.batch_size examples the same way.")
     num_steps_per_rollout: int = Field(
         1, ge=1, description="Optimizer steps per RL step: the step's samples are split into this many "
                              "mini-batches.")
