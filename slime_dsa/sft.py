@@ -131,8 +131,10 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
 def run_sft(recipe: RecipeConfig) -> Path:
     """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from slime_dsa.config.sft import check_sft_keys  # noqa: PLC0415
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
+    check_sft_keys(recipe)  # `slime-dsa sft` has refused them already; a caller of this function gets the same
     with open_run_dir(recipe, "sft.log") as run_dir:
         return _fine_tune(recipe, run_dir)
 

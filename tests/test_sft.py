@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -174,3 +175,65 @@ def test_sft_runs_the_recipes_micro_batches_and_model_keys(tmp_path, monkeypatch
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["train/micro_batches"] >= 2 and r["train/loss"] > 0 for r in records)
 
+
+QUICKSTART_SFT = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart_sft.yaml")
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("trainer.backend", "megatron", "trainer.backend 'megatron': slime-dsa sft trains in one process with the built-in "
+                                    "trainer; use fsdp or run train"),
+    ("trainer.num_workers", "4", "trainer.num_workers 4: slime-dsa sft trains in one process"),
+    ("trainer.data_parallel", "replicate", "trainer.data_parallel 'replicate': slime-dsa sft trains in one process"),
+    ("trainer.num_steps_per_rollout", "2", "trainer.num_steps_per_rollout 2: slime-dsa sft takes one optimizer step "
+                                           "per trainer.num_steps"),
+    ("model.true_on_policy", "true", "model.true_on_policy true: slime-dsa sft samples nothing"),
+    ("trainer.logprob_diff_warn_threshold", "0.1", "trainer.logprob_diff_warn_threshold 0.1: slime-dsa sft samples"),
+    ("cluster.address", "auto", "cluster.address 'auto': slime-dsa sft trains in one process with the built-in "
+                                "trainer, without Ray"),
+    ("cluster.num_gpus_per_trainer", "1", "cluster.num_gpus_per_trainer 1.0: slime-dsa sft trains in one process"),
+    ("cluster.placement", "disaggregated", "cluster.placement 'disaggregated': slime-dsa sft trains in one process"),
+    ("checkpoint.save_every", "10", "checkpoint.save_every 10: slime-dsa sft writes no training checkpoints"),
+    ("checkpoint.resume", "true", "checkpoint.resume true: slime-dsa sft writes no training checkpoints and cannot "
+                                  "resume"),
+    ("logging.eval_every", "5", "logging.eval_every 5: slime-dsa sft evaluates every sft.eval_every steps"),
+    ("logging.profile_steps", "[1]", "logging.profile_steps [1]: slime-dsa sft records no profile"),
+])
+def test_sft_refuses_the_keys_it_does_not_read(key, value, says, capsys, monkeypatch):
+    """`slime-dsa sft` read the recipe `train` reads and ignored the keys of train's trainer workers (backend, workers,
+    data parallelism), cluster and checkpoints: a recipe asking for Megatron on 4 workers trained in one plain process
+    without a word. Now a value other than the default is refused in one line before anything loads, and by
+    `recipe check --for sft`; `recipe check` for train still takes it."""
+    import slime_dsa.sft
+
+    def no_training(recipe):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(slime_dsa.sft, "run_sft", no_training)
+    overrides = ["--set", f"{key}={value}", "--set", "logging.run_dir=runs/never-written"]
+    if key == "checkpoint.resume":
+        overrides += ["--set", "checkpoint.dir=runs/never-written"]
+    for argv in (["sft", QUICKSTART_SFT, *overrides], ["recipe", "check", "--for", "sft", QUICKSTART_SFT, *overrides]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith(f"slime-dsa: error: {says}"), err
+    assert main(["recipe", "check", QUICKSTART_SFT, *overrides]) == 0  # train reads them
+
+
+def test_shipped_sft_recipes_pass_sfts_key_check(capsys):
+    """Every recipe that `slime-dsa sft` runs (their headers say so) sets only keys sft reads; `recipe check --for
+    sft` says what sft will do with one."""
+    from slime_dsa.config import load_recipe
+    from slime_dsa.config.sft import check_sft_keys, sft_problems
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    shipped = sorted(p for p in recipes.glob("*.yaml") if "slime-dsa sft recipes/" + p.name in p.read_text())
+    assert {p.name for p in shipped} >= {"quickstart_sft.yaml", "gpu_single_sft.yaml", "agentic_sft.yaml",
+                                         "opd_student.yaml", "opd_expert_sft.yaml"}
+    for path in shipped:
+        check_sft_keys(load_recipe(path))
+    assert sft_problems(load_recipe(path, ["trainer.num_workers=2"])) != []
+    assert main(["recipe", "check", "--for", "sft", QUICKSTART_SFT]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "sft: a random quickstart model | tasks: arithmetic×1, two_digit×3 | 64 examples/step in micro-batches of at "
+        "most 8192 tokens | 3000 steps")
