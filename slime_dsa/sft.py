@@ -62,8 +62,9 @@ def supervised_examples(prompts: list[Any], tokenizer: Any) -> list[SupervisedEx
     return out
 
 
-def sft_loss(model, examples: list[SupervisedExample]) -> torch.Tensor:
-    """Mean negative log-likelihood of the response tokens whose loss_mask is 1, over one packed batch."""
+def sft_loss(model, examples: list[SupervisedExample], loss_tokens: float | None = None) -> torch.Tensor:
+    """Negative log-likelihood of the response tokens whose loss_mask is 1, over one packed batch, divided by
+    loss_tokens (None: those tokens' count, the batch's mean; a micro-batch passes its step's count)."""
     from slime_dsa.models import PackedBatch  # noqa: PLC0415
 
     ids = torch.tensor([t for e in examples for t in e.prompt_ids + e.response_ids], device=model.device)
@@ -71,7 +72,30 @@ def sft_loss(model, examples: list[SupervisedExample]) -> torch.Tensor:
                         device=model.device)
     batch = PackedBatch.from_seqlens([len(e.prompt_ids) + len(e.response_ids) for e in examples], model.device)
     logp, _ = model.token_logprobs(ids, batch)
-    return -(logp * mask).sum() / mask.sum()
+    return -(logp * mask).sum() / (mask.sum() if loss_tokens is None else loss_tokens)
+
+
+def sft_step(model, optimizer, examples: list[SupervisedExample], micro_batch_tokens: int, max_grad_norm: float,
+             autocast: bool = False) -> dict[str, float]:
+    """One optimizer step over `examples`, in micro-batches of at most micro_batch_tokens tokens (whole examples in
+    order; one longer than that is a micro-batch alone: trainers.base.split_by_tokens, the trainers' packing) whose
+    gradients accumulate. Each micro-batch's loss is divided by the step's loss tokens, so the step's loss and
+    gradients are the unsplit batch's mean. Returns train/loss, train/grad_norm (before clipping; max_grad_norm 0 =
+    none) and train/micro_batches."""
+    from trainers.base import split_by_tokens  # noqa: PLC0415
+
+    groups = split_by_tokens([len(e.prompt_ids) + len(e.response_ids) for e in examples], micro_batch_tokens)
+    loss_tokens = float(sum(sum(e.loss_mask) for e in examples))
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=model.device)
+    for group in groups:
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = sft_loss(model, [examples[i] for i in group], loss_tokens)
+        loss.backward()
+        total += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    optimizer.step()
+    return {"train/loss": total.item(), "train/grad_norm": float(grad_norm), "train/micro_batches": len(groups)}
 
 
 def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int,
@@ -107,8 +131,10 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
 def run_sft(recipe: RecipeConfig) -> Path:
     """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from slime_dsa.config.sft import check_sft_keys  # noqa: PLC0415
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
+    check_sft_keys(recipe)  # `slime-dsa sft` has refused them already; a caller of this function gets the same
     with open_run_dir(recipe, "sft.log") as run_dir:
         return _fine_tune(recipe, run_dir)
 
@@ -117,6 +143,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The fine-tuning itself, inside its run directory."""
     from rich.progress import Progress  # noqa: PLC0415
 
+    from slime_dsa import ops  # noqa: PLC0415
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
@@ -125,10 +152,12 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
 
     tr, sft = recipe.trainer, recipe.sft
     torch.manual_seed(tr.seed)
+    ops.set_backend(recipe.model.ops_backend)  # as the trainer workers do; the evaluation's engine runs them too
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, dtype=torch.float32, device=device)  # float32 master weights
+    model.gradient_checkpointing = recipe.model.gradient_checkpointing
     # bf16 compute on a GPU when the recipe asks for bf16 (model.dtype) or mixed precision.
     autocast = device.type == "cuda" and (recipe.model.dtype != "float32" or tr.mixed_precision)
     tasks = build_tasks(recipe.data, tokenizer)
@@ -146,16 +175,11 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
             for step in range(1, tr.num_steps + 1):
                 raise_if_terminated()
                 start = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    loss = sft_loss(model, supervised_examples(mixture.take(sft.batch_size), tokenizer))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or math.inf)
-                optimizer.step()
+                examples = supervised_examples(mixture.take(sft.batch_size), tokenizer)
+                metrics = sft_step(model, optimizer, examples, tr.micro_batch_tokens, tr.max_grad_norm, autocast)
                 scheduler.step()
                 progress.advance(bar)
-                metrics = {"train/loss": loss.item(), "train/grad_norm": float(grad_norm),
-                           "train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start}
+                metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start})
                 evaluated = (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps
                 if evaluated:
                     metrics.update(greedy_eval(model, *eval_args))

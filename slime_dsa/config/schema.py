@@ -64,7 +64,8 @@ class ModelSection(Section):
                            "(train/train_rollout_logprob_exact_frac 1), whatever the batches, so π_roll = π_old "
                            "and IcePop/TIS correct nothing. Slower steps. Built for embedded engines and the fsdp "
                            "trainer, on CPU and on CUDA (Triton kernels), engines and trainer in one dtype (float32, "
-                           "or bfloat16 with trainer.mixed_precision); sampling unfiltered (rollout.top_p 1, top_k -1).")
+                           "or bfloat16 with trainer.mixed_precision); sampling unfiltered (rollout.top_p 1, top_k -1). "
+                           "Not read by slime-dsa sft (refused set).")
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -707,15 +708,17 @@ class TrainerSection(Section):
     backend: str = Field(
         "fsdp", description="Training backend: fsdp (torch FSDP2; gloo on CPU, NCCL on GPU), megatron (megatron-core "
                             "with tensor and expert parallelism: trainer.megatron) or deepspeed (DeepSpeed ZeRO 1/2/3 "
-                            "with optional host offload: trainer.deepspeed).")
+                            "with optional host offload: trainer.deepspeed). slime-dsa sft trains in one process with the built-in "
+                            "trainer and refuses any but fsdp.")
     num_workers: int = Field(
         1, ge=1, description="Trainer worker processes (Ray actors), one per device; each trains on its share of "
-                             "the batch.")
+                             "the batch. slime-dsa sft (one process) refuses any but 1.")
     data_parallel: Literal["fsdp", "replicate"] = Field(
         "fsdp", description="How workers split the model: fsdp shards parameters, gradients and optimizer state "
                             "with FSDP2 (memory / num_workers); replicate keeps the whole float32 model on every "
                             "worker and averages gradients with one all-reduce per optimizer step (faster for a "
-                            "model that fits one device, e.g. the CPU quickstart; no bf16 mixed precision).")
+                            "model that fits one device, e.g. the CPU quickstart; no bf16 mixed precision). slime-dsa sft (one "
+                            "process) refuses replicate.")
     learning_rate: float = Field(1e-6, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     adam_betas: tuple[float, float] = Field(
@@ -729,13 +732,16 @@ class TrainerSection(Section):
         1.0, ge=0, description="Clip the global gradient norm to this value; 0 = no clipping.")
     micro_batch_tokens: int = Field(
         4096, ge=1, description="Token budget of one packed micro-batch (one forward/backward); sequences are "
-                                "packed without padding up to it.")
+                                "packed whole, without padding, up to it (a longer one is a micro-batch alone), and "
+                                "an optimizer step accumulates the gradients of its micro-batches. slime-dsa sft "
+                                "splits each step's sft.batch_size examples the same way.")
     num_steps_per_rollout: int = Field(
         1, ge=1, description="Optimizer steps per RL step: the step's samples are split into this many "
-                             "mini-batches.")
+                             "mini-batches. slime-dsa sft refuses any but 1.")
     mixed_precision: bool = Field(
         False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state (fsdp: "
-                            "on any device; megatron and deepspeed: GPU trainers only).")
+                            "on any device; megatron and deepspeed: GPU trainers only; slime-dsa sft: bf16 autocast "
+                            "on a GPU, float32 on a CPU).")
     share_prompt_prefix: bool = Field(
         True, description="Run each prompt once for the samples of its group (their responses attend to the "
                           "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
@@ -743,14 +749,14 @@ class TrainerSection(Section):
                           "whole.")
     num_steps: int = Field(
         100, ge=1, description="RL steps to run; each generates a batch, then takes num_steps_per_rollout "
-                               "optimizer steps.")
+                               "optimizer steps. slime-dsa sft: its optimizer steps.")
     seed: int = Field(42, description="Seed for random initialisation and trainer-side randomness.")
     megatron: MegatronSection = Field(
         default_factory=MegatronSection, description="Parallel sizes for trainer.backend megatron.")
     logprob_diff_warn_threshold: float = Field(
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
-                                "error.")
+                                "error. Not read by slime-dsa sft, which refuses it set.")
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings (backend deepspeed).")
 
@@ -811,7 +817,7 @@ class TrainerSection(Section):
 
 
 class ClusterSection(Section):
-    """Where actors run: the Ray cluster, placement and resources per actor."""
+    """Where actors run: the Ray cluster, placement and resources per actor (train; slime-dsa sft refuses them set)."""
 
     address: str | None = Field(
         None, description="Ray cluster: null starts a local one (ray.init()), auto joins the running cluster, "
@@ -870,28 +876,31 @@ class LoggingSection(Section):
     log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps; metrics that cost real "
                                                 "compute (the DSA indexer's dense recall) are computed only then.")
     eval_every: int = Field(
-        0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never.")
+        0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never. slime-dsa "
+                             "sft evaluates every sft.eval_every steps instead and refuses this key set.")
     eval_at_start: bool = Field(
         True, description="With eval_every: also evaluate the starting policy before the first step (logged as "
-                          "step 0; not repeated on resume), so curves start where training did.")
+                          "step 0; not repeated on resume), so curves start where training did. Not read by slime-dsa sft "
+                          "(refused set).")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak dense TFLOP/s of one trainer device at the training precision, the denominator "
                                 "of perf/train_mfu; null = looked up from the GPU's name (H100, H200, A100, L40S: "
                                 "bf16 with trainer.mixed_precision, else fp32), and no perf/train_mfu on a CPU or "
-                                "another GPU (perf/train_model_tflops is logged either way).")
+                                "another GPU (perf/train_model_tflops is logged either way). Not read by slime-dsa sft "
+                                "(refused set).")
     profile_steps: list[int] = Field(
         default_factory=list,
         description="RL steps (1-based) to record with torch.profiler in every engine and trainer rank: each writes "
                     "<run_dir>/profile/step_<N>/ with one trace per process (CPU ops and GPU kernels, for Perfetto or "
                     "chrome://tracing) and the orchestrator's phase times, and logs the step's GPU-busy share; "
                     "`python -m slime_dsa.logging.timeline <dir>` lists where the GPU sat idle. A profiled step runs "
-                    "slower. Synchronous loop only; [] = none.")
+                    "slower. Synchronous loop only (not slime-dsa sft, which refuses it set); [] = none.")
     profile_activities: list[Literal["CPU", "GPU"]] = Field(
         default_factory=lambda: ["CPU", "GPU"],
         description="What logging.profile_steps records: CPU = each engine thread's and trainer rank's ops and named "
                     "ranges (engine.step, train.forward, ...), which slow a host-bound step several times over; GPU = "
                     "every kernel and copy, whose timeline stays close to an unprofiled step's (SGLang's activities "
-                    "names).")
+                    "names). Not read by slime-dsa sft (refused set).")
 
     @field_validator("profile_steps")
     @classmethod
@@ -911,7 +920,7 @@ class LoggingSection(Section):
 
 
 class CheckpointSection(Section):
-    """Training checkpoints: how often, how many, and resuming."""
+    """Training checkpoints: how often, how many, and resuming (train; slime-dsa sft writes none, refuses them set)."""
 
     save_every: int = Field(
         0, ge=0, description="Save a training checkpoint every this many RL steps; 0 = only at the end.")
@@ -922,7 +931,13 @@ class CheckpointSection(Section):
 
 
 class SFTSection(Section):
-    """Supervised fine-tuning (`slime-dsa sft`): teaches a model the tasks' reference solutions before RL."""
+    """Supervised fine-tuning (`slime-dsa sft`): teaches a model the tasks' reference solutions before RL, in one process.
+
+    sft also reads model, data, rollout.max_response_length and stop (its evaluation), logging's run_dir, project,
+    run_name, wandb_mode and log_every, and trainer's optimiser keys, micro_batch_tokens, mixed_precision, num_steps
+    and seed; the keys of train's workers, cluster and checkpoints that it does not read are refused when set
+    (slime_dsa/config/sft.py; `slime-dsa recipe check --for sft`).
+    """
 
     output_dir: str | None = Field(
         None, description="Where the fine-tuned HF model directory is written; null = <run_dir>/sft_model.")
