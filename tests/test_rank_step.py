@@ -145,7 +145,10 @@ def _check_first_forward_is_pi_old(checkpoint, batch: TrainBatch, parts: list[li
         if not exact_backward:
             for i, (m, m_ref) in enumerate(zip(metrics, metrics_ref)):
                 norm, norm_ref = m.pop("grad_norm"), m_ref.pop("grad_norm")
-                assert norm == pytest.approx(norm_ref, rel=1e-3), f"mini-batch {i}: grad norm {norm} vs {norm_ref}"
+                # after the first mini-batch's update the weights carry that noise too (AdamW's first step moves a
+                # weight by about lr times its gradient's sign): 0.39% apart seen on an H200, 2.5e-4 on an H100
+                rel = 1e-3 if i == 0 else 2e-2
+                assert norm == pytest.approx(norm_ref, rel=rel), f"mini-batch {i}: grad norm {norm} vs {norm_ref}"
         keep = len(metrics) if exact_backward else 1  # later mini-batches start from noisy weights
         assert metrics[:keep] == metrics_ref[:keep]
     if exact_backward:

@@ -11,7 +11,7 @@ into one of two buffers (q, dO, two kv buffers and P, dS fill 216 KB of shared m
 - dQ += dS k (64 heads x 576, each warp group on half the columns, as the forward's O);
 - dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so wgmma reads dO and q from the same
   shared copies as the score products (64 accumulator registers a thread), added to dkv (float32) at the step's rows
-  with relaxed float32 reductions (the rows are shared between queries).
+  with relaxed reductions of REDUCTION_WIDTH floats each (the rows are shared between queries).
 Both halves in one kernel compute S, P and dS once (split64 computes them twice, 1.4x the counted work). Compiled for
 sm_90a by Triton 3.6 at 255 registers: dKV alone spills nothing, dQ alone 108 bytes, both 132.
 -1 slots read kv row 0 and add nothing (their P and dS are 0 and their reductions are masked).
@@ -37,9 +37,9 @@ STAGES = 2
 # tensor cores work while the reductions go out. Off until timed on a GPU (sparse_mla_bwd_variants.py
 # --modes gluon_fused gluon_fused_late_dq).
 LATE_DQ = False
-# Floats a dkv reduction adds (1, 2 or 4: the tile moved within each warp to runs along d first). 1 until timed on a
-# GPU (sparse_mla_bwd_variants.py --modes gluon_fused gluon_fused_v2 gluon_fused_v4).
-REDUCTION_WIDTH = 1
+# Floats a dkv reduction adds (1, 2 or 4: the tile moved within each warp to runs along d first). 2: H100, 64K, fused
+# 252 ms against 302 at 1 and 337 at 4 (whose second swap costs more than it saves; benchmarks/RESULTS.md, 2026-12-05).
+REDUCTION_WIDTH = 2
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:

@@ -4,7 +4,7 @@ One program scores TILES x BLOCK_N key positions of one sequence with all index 
 their pool slots, so nothing is first gathered into a packed copy, and writes float32 scores (-inf past the
 sequence's length). `triton_topk.topk_select` then picks the top-k with the tie rule of `reference.py`
 (equal scores prefer the lower position), positions ascending; from SPLIT_MIN_WIDTH key positions on,
-`triton_topk_split.topk_select_split` does, with each row spread over many programs (same result).
+`triton_topk_sampled.topk_select_sampled` does, with each row spread over many programs (same result).
 
 The pool holds bf16 keys, or float8_e4m3fn keys with one float32 scale per slot (key = values * scale): the kernel
 loads the 1-byte keys, converts them and q to fp16 (exact: `fp16_queries`) for the dot, and scales each key's score
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from slime_dsa.ops.triton_topk import topk_select
+from slime_dsa.ops.triton_topk_sampled import topk_select_sampled
 from slime_dsa.ops.triton_topk_split import topk_select_split
 
 BLOCK_N = 64  # key positions per tile
@@ -30,9 +31,9 @@ FP8_LAUNCH = (128, 8, 5)
 # One program per row leaves most SMs idle on long rows at small batches (H200, 64K keys: batch 1 0.345 -> 0.035 ms,
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
-# The select for those rows. `triton_topk_sampled.topk_select_sampled` gives the same result from one full read of the
-# scores instead of six; it stays off until benchmarks/paged_indexer_variants.py has timed it on a GPU.
-LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = topk_select_split
+# The select for those rows: `triton_topk_sampled.topk_select_sampled` gives the split select's result from one full
+# read of the scores instead of six (H100, batch 128 x 64K: 0.092 ms against 0.258; benchmarks/RESULTS.md, 2026-12-05).
+LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = topk_select_sampled
 
 
 def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: str) -> torch.Tensor | None:
