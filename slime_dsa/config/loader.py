@@ -174,7 +174,7 @@ def _defaults_list(parents: Any, where: str) -> list[str]:
         return [parents]
     if isinstance(parents, list) and all(isinstance(p, str) for p in parents):
         return parents
-    raise RecipeError(f"{where}: defaults: expected a file path or a list of file paths, got {_show(parents)}")
+    raise RecipeError(f"{where}: defaults: expected a file path or a list of file paths, got {show_value(parents)}")
 
 
 def _merge(dst: dict, dst_origins: Origins, src: dict, src_origins: Origins, prefix: KeyPath = ()) -> None:
@@ -218,7 +218,7 @@ def _set_path(data: dict, parts: list[str], value: Any, where: str) -> KeyPath:
         elif isinstance(node, dict):
             key = part
         else:
-            raise RecipeError(f"{where}: {_dotted(path)} is {_show(node)}, not a section with a key '{part}'")
+            raise RecipeError(f"{where}: {_dotted(path)} is {show_value(node)}, not a section with a key '{part}'")
         path.append(key)
         if last:
             node[key] = value
@@ -303,7 +303,7 @@ _BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 
 def _describe(err: Mapping[str, Any], path: KeyPath) -> str:
     """What was wrong with the value, in the recipe's words rather than pydantic's."""
-    kind, ctx, got = err["type"], err.get("ctx", {}), _show(err.get("input"))
+    kind, ctx, got = err["type"], err.get("ctx", {}), show_value(err.get("input"))
     if kind == "extra_forbidden":
         return "unknown key" + _suggest(path)
     if kind == "value_error" and "error" in ctx:
@@ -366,7 +366,7 @@ def _empty_sections(data: Any, model: type[BaseModel]) -> Any:
 # ---------------------------------------------------------------------------------------------- rendering
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value as the user wrote it in YAML: null, true, 'text', [1, 2]."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]

@@ -12,12 +12,12 @@ critic.*, teachers) belong to the RL run that the same recipe may also serve.
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from operator import attrgetter
 
 from pydantic import BaseModel
 
 from slime_dsa.config.errors import raise_first_problem
+from slime_dsa.config.loader import show_value
 from slime_dsa.config.schema import RecipeConfig
 
 ONE_PROCESS = "slime-dsa sft trains in one process with the built-in trainer"
@@ -48,9 +48,9 @@ def sft_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     problems = []
     for name, advice in NOT_READ_BY_SFT.items():
         for key in _keys(defaults, name):
-            value = _get(config, key)
-            if value != _get(defaults, key):
-                problems.append((key, f"{key} {_show(value)}: {advice}"))
+            value = attrgetter(key)(config)
+            if value != attrgetter(key)(defaults):
+                problems.append((key, f"{key} {show_value(value)}: {advice}"))
     return problems
 
 
@@ -69,19 +69,5 @@ def sft_summary(config: RecipeConfig) -> str:
 
 def _keys(config: RecipeConfig, name: str) -> list[str]:
     """The dotted key `name`, or each key of the section `name`."""
-    value = _get(config, name)
+    value = attrgetter(name)(config)
     return [f"{name}.{k}" for k in type(value).model_fields] if isinstance(value, BaseModel) else [name]
-
-
-def _show(value: Any) -> str:
-    """A value as the recipe spells it: 'megatron', 4, true, null, [1]."""
-    if isinstance(value, str):
-        return repr(value)
-    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
-
-
-def _get(config: RecipeConfig, key: str) -> Any:
-    value: Any = config
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
