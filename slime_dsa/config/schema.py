@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from slime_dsa.algorithms.specs import ALGORITHMS, algorithm_class
 from slime_dsa.config.errors import RecipeValueError
@@ -23,6 +23,12 @@ TRAINER_BACKENDS: dict[str, str] = {"fsdp": "trainers.fsdp.group:FSDPTrainerGrou
 PLANNED_TRAINER_BACKENDS: dict[str, str] = {}
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def changed_keys(section: BaseModel, *names: str) -> list[str]:
+    """Those of `names` whose value in `section` is not the field's default."""
+    fields = type(section).model_fields
+    return [name for name in names if getattr(section, name) != fields[name].default]
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
@@ -147,8 +153,7 @@ class AgentConfig(Section):
                    "tools lists none (the built-in tools run no workers)")
             raise RecipeValueError(f"tool_workers ({self.tool_workers}) applies to tools by import path run with "
                                    f"tool_isolation 'process', but {why}", "tool_workers", "tool_isolation")
-        default_processes = type(self).model_fields["tool_max_processes"].default
-        if self.tool_max_processes != default_processes and "python" not in self.tools:
+        if changed_keys(self, "tool_max_processes") and "python" not in self.tools:
             raise RecipeValueError(f"tool_max_processes ({self.tool_max_processes}) applies to the python tool's "
                                    "sandbox, which tools does not list", "tool_max_processes", "tools")
         if self.tool_timeout_s > self.max_wall_time_s:
@@ -221,8 +226,7 @@ class TaskConfig(Section):
         if self.kind != "dataset" and self.path is not None:
             raise RecipeValueError(
                 f"path ('{self.path}') is only read by kind 'dataset', but kind is '{self.kind}'", "path", "kind")
-        dataset_keys = [k for k in ("split", "prompt_column", "answer_column")
-                        if getattr(self, k) != type(self).model_fields[k].default]
+        dataset_keys = changed_keys(self, "split", "prompt_column", "answer_column")
         if self.kind != "dataset" and dataset_keys:
             key = dataset_keys[0]
             raise RecipeValueError(
@@ -626,7 +630,7 @@ class AlgorithmSection(Section):
         if self.kl_coef > 0:
             raise RecipeValueError(
                 f"kl_coef ({self.kl_coef}) is not available yet: no reference model is kept; set it to 0", "kl_coef")
-        if self.kl_estimator != type(self).model_fields["kl_estimator"].default:
+        if changed_keys(self, "kl_estimator"):
             raise RecipeValueError("kl_estimator only applies with kl_coef > 0, which is not available yet",
                                    "kl_estimator")
         if self.icepop_alpha >= self.icepop_beta:
@@ -694,11 +698,10 @@ class DeepSpeedSection(Section):
         if self.cpu_adam and self.offload_optimizer == "none":
             raise RecipeValueError("cpu_adam runs the optimizer step on the host: it needs offload_optimizer 'cpu'",
                                    "cpu_adam", "offload_optimizer")
-        if self.zero_stage != 3:
-            for key in ("param_persistence_threshold", "prefetch_bucket_size"):
-                if getattr(self, key) != type(self).model_fields[key].default:
-                    raise RecipeValueError(f"{key} applies to zero_stage 3, which partitions parameters; got "
-                                           f"zero_stage {self.zero_stage}", key, "zero_stage")
+        stage3_keys = changed_keys(self, "param_persistence_threshold", "prefetch_bucket_size")
+        if self.zero_stage != 3 and stage3_keys:
+            raise RecipeValueError(f"{stage3_keys[0]} applies to zero_stage 3, which partitions parameters; got "
+                                   f"zero_stage {self.zero_stage}", stage3_keys[0], "zero_stage")
         return self
 
 
@@ -784,8 +787,7 @@ class TrainerSection(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSection:
-        changed = [k for k in DeepSpeedSection.model_fields
-                   if getattr(self.deepspeed, k) != DeepSpeedSection.model_fields[k].default]
+        changed = changed_keys(self.deepspeed, *DeepSpeedSection.model_fields)
         if changed and self.backend != "deepspeed":
             raise RecipeValueError(f"deepspeed.{changed[0]} applies to backend 'deepspeed', but backend is "
                                    f"'{self.backend}'", f"deepspeed.{changed[0]}", "backend")
@@ -982,8 +984,7 @@ class IndexerWarmupSection(Section):
     def _check(self) -> IndexerWarmupSection:
         if self.corpus == "dataset" and not self.dataset_path:
             raise RecipeValueError("corpus 'dataset' needs dataset_path", "dataset_path", "corpus")
-        dataset_keys = [k for k in ("dataset_path", "dataset_split", "text_column")
-                        if getattr(self, k) != type(self).model_fields[k].default]
+        dataset_keys = changed_keys(self, "dataset_path", "dataset_split", "text_column")
         if self.corpus != "dataset" and dataset_keys:
             key = dataset_keys[0]
             raise RecipeValueError(f"{key} ('{getattr(self, key)}') is only read by corpus 'dataset', but corpus is "
@@ -1110,8 +1111,7 @@ class RecipeConfig(Section):
                 f"cluster.engine_kv_cache_in_training ({cl.engine_kv_cache_in_training!r}) applies to engines colocated "
                 "on GPUs (placement colocated, num_gpus_per_engine > 0); leave it auto",
                 "cluster.engine_kv_cache_in_training", "cluster.placement")
-        rounds = [k for k in ("oversample_factor", "max_oversample_factor", "max_sampling_tries")
-                  if getattr(ro, k) != RolloutSection.model_fields[k].default]
+        rounds = changed_keys(ro, "oversample_factor", "max_oversample_factor", "max_sampling_tries")
         if rounds and self.uses_async_loop():
             raise RecipeValueError(
                 f"rollout.{rounds[0]} ({getattr(ro, rounds[0])}) sizes the synchronous loop's sampling rounds; "
@@ -1128,8 +1128,7 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"rollout.coalesce_calls applies to embedded engines; rollout.engine {ro.engine!r} gets one call per "
                 "group", "rollout.coalesce_calls", "rollout.engine")
-        if ro.coalesce_max_samples != RolloutSection.model_fields["coalesce_max_samples"].default \
-                and not ro.coalesces_calls():
+        if changed_keys(ro, "coalesce_max_samples") and not ro.coalesces_calls():
             raise RecipeValueError(
                 f"rollout.coalesce_max_samples ({ro.coalesce_max_samples}) applies with coalesce_calls on embedded "
                 "engines", "rollout.coalesce_max_samples", "rollout.coalesce_calls")
