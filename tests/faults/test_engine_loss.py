@@ -41,21 +41,26 @@ def _kill_an_engine_after(run_dir, after_records: int, out: dict) -> threading.T
     return thread
 
 
-@pytest.fixture(scope="module")
-def faulty_run(tmp_path_factory, ray_cluster):
+def _run_killing_an_engine(root, recipe: dict, after_step: int) -> tuple:
+    """run_training on `recipe` in root/run while an engine is killed after `after_step`: (run_dir, the kill)."""
     from slime_dsa.orchestrator.train import run_training
 
+    path = write_recipe(root / "recipe.yaml", recipe)
+    run_dir = root / "run"
+    killed: dict = {}
+    killer = _kill_an_engine_after(run_dir, after_step, killed)
+    run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
+    killer.join(5)
+    return run_dir, killed
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, ray_cluster):
     root = tmp_path_factory.mktemp("engine_loss")
     recipe = recipe_dict(STEPS, engines=2, rollout__reward_timeout_s=2.0,
                          data__tasks=[{"kind": "arithmetic", "eval_size": 8,
                                        "reward_fn": "tests.plugins.rewards:hangs_or_raises"}])
-    path = write_recipe(root / "recipe.yaml", recipe)
-    run_dir = root / "run"
-    killed: dict = {}
-    killer = _kill_an_engine_after(run_dir, 1, killed)
-    run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
-    killer.join(5)
-    return run_dir, killed
+    return _run_killing_an_engine(root, recipe, after_step=1)
 
 
 def test_a_killed_engine_is_dropped_replaced_and_the_run_finishes(faulty_run):
@@ -123,16 +128,9 @@ def test_every_engine_lost_writes_an_emergency_checkpoint_and_one_line(tmp_path,
 def test_the_only_engine_lost_is_replaced_and_the_run_finishes(algorithm, tmp_path, ray_cluster):
     """One engine (recipes/async_reinforce.yaml's setting) killed mid-run: with rollout.restart_dead_engines the run
     waits for its replacement (at the weight push, or the next step) instead of stopping as if none were coming."""
-    from slime_dsa.orchestrator.train import run_training
-
     steps = 5 if algorithm == "grpo" else 100  # the asynchronous loop's tiny steps take ~50 ms: the kill lands mid-run
     recipe = recipe_dict(steps, engines=1, checkpoint__save_every=100, algorithm__name=algorithm)
-    path = write_recipe(tmp_path / "recipe.yaml", recipe)
-    run_dir = tmp_path / "run"
-    killed: dict = {}
-    killer = _kill_an_engine_after(run_dir, 2, killed)
-    run_training(load_recipe(path, [f"logging.run_dir={run_dir}"]))
-    killer.join(5)
+    run_dir, killed = _run_killing_an_engine(tmp_path, recipe, after_step=2)
     assert killed, "no engine was killed"
     assert [r["step"] for r in records(run_dir)] == list(range(1, steps + 1))
     log = (run_dir / "train.log").read_text()
