@@ -562,7 +562,8 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="*", default=[1, 32, 128])
     parser.add_argument("--kl-max-len", type=int, default=65536, help="time the KL loss up to this length")
     parser.add_argument("--no-gluon", action="store_true", help="the sparse MLA prefill forward and general backward "
-                        "on the Triton kernels, not the Gluon ones (triton_sparse_mla.GLUON_FWD / GLUON_BWD off)")
+                        "and the KL loss's target on the Triton kernels, not the Gluon ones "
+                        "(triton_sparse_mla.GLUON_FWD / GLUON_BWD, triton_indexer_loss.GLUON_PROBS off)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("dsa_kernels.py needs a CUDA GPU")
@@ -579,12 +580,13 @@ def main() -> None:
         f"triton {triton.__version__}",
         "Command: `PYTHONPATH=. python " + " ".join(sys.argv) + "`",
     ]
+    from slime_dsa.ops import triton_indexer_loss as kl_loss  # noqa: PLC0415
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
     if args.no_gluon:
-        mla.GLUON_FWD = mla.GLUON_BWD = False
+        mla.GLUON_FWD = mla.GLUON_BWD = kl_loss.GLUON_PROBS = False
     header.append("Sparse MLA: the Gluon forward (rows without a key split, and decode batches that fill the SMs) "
-                  "and backward where they apply."
+                  "and backward, and the KL loss's Gluon target, where they apply."
                   if mla.GLUON_FWD else "Sparse MLA: the Triton kernels only (--no-gluon).")
     sweep = sweep_configs(8192, log) if args.sweep else []
     dense_backend = dense_backend_choice(log)

@@ -490,6 +490,21 @@ def check_dkv_stores_timing_launch() -> None:
     assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], rtol=0, atol=1e-6), "stores != sums"
 
 
+def check_bwd_delta() -> None:
+    """The backward's delta kernel against torch's float32 rowsum, with and without dlse, rows not a multiple of
+    its block and values wider than one block."""
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(7)
+    for T, H, V, with_dlse in ((5, 3, 40, False), (7, 5, 1100, True)):
+        out, dout = (torch.randn(T, H, V, generator=g).to(torch.bfloat16) for _ in range(2))
+        dlse = torch.randn(T, H, generator=g) if with_dlse else None
+        want = (dout.float() * out.float()).sum(-1) - (dlse if with_dlse else 0)
+        got = mla.bwd_delta_triton(out, dout, dlse)
+        assert got.dtype == torch.float32 and got.shape == (T, H)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), f"delta off by {(got - want).abs().max():.3g}"
+
+
 def check_masked_ranges() -> None:
     """The range backward over a byte map of selected keys (subsets of short packed sequences), and the general
     backward on the same selection, against the reference."""
@@ -520,7 +535,7 @@ def check_masked_ranges() -> None:
 CHECKS = [check_topk_select, check_topk_select_split, check_topk_select_sampled, check_topk_select_sampled_wide_rows,
           check_indexer_topk, check_indexer_topk_paged, check_indexer_topk_fp8_keys, check_indexer_topk_paged_fp8_keys,
           check_sparse_mla, check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
-          check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_masked_ranges]
+          check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_bwd_delta, check_masked_ranges]
 
 
 def main() -> int:

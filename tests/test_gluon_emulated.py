@@ -204,3 +204,54 @@ def test_the_model_path_through_the_gluon_switches(monkeypatch):
     assert torch.equal(torch.isfinite(got[1]), has) and (got[1][has] - want[1][has]).abs().max() <= 1e-3
     for name, a, b in zip(("out", "dq", "dkv"), (got[0], got[2], got[3]), (want[0], want[2], want[3])):
         assert _rel_l2(a, b) <= REL_L2, (name, _rel_l2(a, b))
+
+
+def _head_summed_probs(q, kv, indices, lse, scale) -> torch.Tensor:
+    """(T, K) float32: each slot's softmax probability summed over heads (0 on -1 slots), torch in float32."""
+    valid = indices >= 0
+    s = torch.einsum("thd,tkd->thk", q.float(), kv.float()[indices.clamp(min=0)]) * scale
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0) * valid[:, None, :]
+    return p.sum(1)
+
+
+@pytest.mark.parametrize("timing", ALL_TIMINGS, ids=lambda t: f"copies@{t.copies_land}-mma@{t.mma_reads}")
+def test_gluon_attn_probs_matches_reference_under_every_timing(timing, monkeypatch):
+    gluon_probs = pytest.importorskip("slime_dsa.ops.gluon_attn_probs", exc_type=ImportError)
+    q, kv, indices = _inputs(T=6, H=64, Tk=300, K=200, seed=5)  # 4-7 steps a row at 32 or 64 keys a step
+    scale = (D_V + D_R) ** -0.5
+    _, lse = reference.sparse_mla_attention(q.float(), kv.float(), indices, scale, D_V)
+    want = _head_summed_probs(q, kv, indices, lse, scale)
+    for config in gluon_probs.CONFIGS:
+        for c0, c1 in ((0, 6), (2, 5)):  # a chunk of rows writes rows 0.. of probs
+            probs = torch.zeros(c1 - c0, indices.shape[1])
+            kernel = EmulatedKernel(gluon_probs._attn_probs_kernel, timing)
+            monkeypatch.setattr(gluon_probs, "_attn_probs_kernel", kernel)
+            gluon_probs.attn_probs(q, kv, lse, indices, c0, c1, scale, probs, config=config)
+            monkeypatch.undo()
+            assert kernel.launches == 1
+            assert torch.allclose(probs, want[c0:c1], rtol=2e-3, atol=1e-5), (config, c0, c1)
+            assert (probs[indices[c0:c1] < 0] == 0).all()
+
+
+def test_indexer_loss_target_through_gluon_matches_reference(monkeypatch):
+    """The KL loss's target p_bar (`_target`) with the Gluon probabilities, two layers, against the reference's."""
+    gluon_probs = pytest.importorskip("slime_dsa.ops.gluon_attn_probs", exc_type=ImportError)
+    from slime_dsa.ops import triton_indexer_loss as loss  # noqa: PLC0415
+
+    kernel = EmulatedKernel(gluon_probs._attn_probs_kernel)
+    monkeypatch.setattr(gluon_probs, "_attn_probs_kernel", kernel)
+    monkeypatch.setattr(loss, "_gluon_probs", lambda q, kv, rows, lse: gluon_probs)
+    scale = (D_V + D_R) ** -0.5
+    layers = [_inputs(T=6, H=64, Tk=120, K=90, seed=s) for s in (6, 7)]
+    indices = layers[0][2]
+    lses = [reference.sparse_mla_attention(q.float(), kv.float(), indices, scale, D_V)[1] for q, kv, _ in layers]
+    cu = torch.tensor([0, 6])
+    plan = loss._Plan(cu, torch.tensor([0, 120]), indices, 6, "cpu")
+    got = loss._target(plan, 0, 6, indices.shape[1], [q for q, _, _ in layers], [kv for _, kv, _ in layers], lses,
+                       scale)
+    assert kernel.launches == 2
+    want = torch.zeros_like(got)
+    for (q, kv, _), lse in zip(layers, lses):
+        p = _head_summed_probs(q, kv, indices, lse, scale)
+        want += p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 2
+    assert torch.allclose(got, want, rtol=2e-3, atol=1e-6)

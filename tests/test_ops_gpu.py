@@ -330,6 +330,18 @@ def test_sparse_mla_rows_without_keys():
     assert torch.isfinite(lse[[0, 2]]).all()
 
 
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_sparse_mla_bwd_delta_matches_torch(with_dlse):
+    from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    out, dout = (torch.randn(37, 64, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dlse = torch.randn(37, 64, device="cuda") if with_dlse else None
+    want = (dout.float() * out.float()).sum(-1) - (dlse if with_dlse else 0)
+    got = mla.bwd_delta(out, dout, dlse)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 # The forward variants of slime_dsa/ops/triton_sparse_mla_fwd_variants.py: dims off the powers of two (masked path),
 # GLM-5 prefill, packed, decode (key split) and mostly -1 slots
 FWD_VARIANT_CASES = ["odd_dims_tq_lt_tk", "heads128", "glm5", "glm5_packed_long", "glm5_decode", "glm5_decode_single",
@@ -793,6 +805,7 @@ KL_CASES = {
     "sparse_small_no_lse": ([5, 60], [90, 200], 4, 40, 3, 3, 20, 32, False),
     "dense_packed": ([200, 700], [200, 700], 16, 96, 2, 8, 64, 0, False),
     "glm5_sparse": ([2048], [2048], 64, 576, 2, 32, 128, 2048, True),
+    "glm5_sparse_packed": ([300, 700, 1100], [300, 700, 1100], 64, 576, 2, 32, 128, 2048, True),  # mostly -1 slots
 }
 
 
@@ -825,6 +838,28 @@ def test_indexer_kl_matches_reference(name):
     ref_grads = torch.autograd.grad((want * g).sum(), (iq32, ik32, iw32))
     for label, x, ref in zip(("d index_q", "d index_k", "d index_weights"), grads, ref_grads):
         assert rel_l2(x, ref) <= REL_L2, f"{label} rel L2 {rel_l2(x, ref):.2e}"
+
+
+@pytest.mark.parametrize("lens", [[3000], [300, 700, 1100]])
+def test_indexer_kl_target_gluon_equals_triton(lens, monkeypatch):
+    """The sparse stage's target p_bar through gluon_attn_probs and through the Triton kernel, GLM-5's MLA."""
+    from slime_dsa.ops import triton_indexer_loss as loss  # noqa: PLC0415
+
+    torch.manual_seed(6)
+    T = sum(lens)
+    q = torch.randn(T, 64, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(T, 576, device="cuda", dtype=torch.bfloat16)
+    rows = causal_rows(lens, lens, 2048, seed=7)
+    with torch.no_grad():
+        lse = _kernels().sparse_mla_attention(q, kv, rows, 576**-0.5, 512)[1]
+    plan = loss._Plan(_cu(lens), _cu(lens), rows, T, q.device)
+    assert loss._gluon_probs(q, kv, rows, lse) is not None
+    targets = []
+    for gluon in (True, False):
+        monkeypatch.setattr(loss, "GLUON_PROBS", gluon)
+        targets.append(loss._target(plan, 0, T, rows.shape[1], [q], [kv], [lse], 576**-0.5))
+    torch.testing.assert_close(targets[0], targets[1], atol=1e-6, rtol=1e-4)
+    assert (targets[0][rows < 0] == 0).all()
 
 
 @pytest.mark.parametrize("index_topk", [64, 512])  # 512 > every length: dense selection, key-range backward

@@ -167,7 +167,8 @@ def fwd_args(H: int, d_v: int, d_r: int, K: int = 2048) -> dict:
 
 def gluon_launches(K: int = 2048):
     """(mode, label, config, kernel, runtime args, constexprs) of the Gluon kernels at GLM-5's shapes (64 heads a
-    program, 512 + 64): every forward config and the backward's dQ, dKV and fused kernels (Triton 3.5+)."""
+    program, 512 + 64): every forward config, the backward's dQ, dKV and fused kernels and the KL loss's head-summed
+    probabilities (Triton 3.5+)."""
     from slime_dsa.ops import gluon_sparse_mla as fwd  # noqa: PLC0415
     from slime_dsa.ops import gluon_sparse_mla_bwd as bwd  # noqa: PLC0415
 
@@ -193,6 +194,14 @@ def gluon_launches(K: int = 2048):
                           RED_STORES=False, RED_VEC=vec)
         yield ("gluon bwd", label, f"{H}, {bwd.BLOCK_N}, {fwd.NUM_WARPS}, {bwd.STAGES}", bwd._sparse_mla_bwd_kernel,
                bwd_runtime, constexprs)
+    from slime_dsa.ops import gluon_attn_probs as probs  # noqa: PLC0415
+
+    probs_runtime = dict(q_ptr=bf16, kv_ptr=bf16, lse_ptr=f32, idx_ptr=i64, probs_ptr=f32, c0=0, stride_qt=H * D,
+                         stride_qh=D, stride_kvt=D, stride_lt=H, stride_it=K, stride_pt=K, K=K,
+                         scale_log2=D**-0.5 * 1.4426950408889634)
+    for name, (block_n, stages) in probs.CONFIGS.items():
+        yield ("gluon KL probs", name, f"{H}, {block_n}, {fwd.NUM_WARPS}, {stages}", probs._attn_probs_kernel,
+               probs_runtime, dict(dims, BLOCK_N=block_n, STAGES=stages))
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ Contract and notation: `reference.indexer_kl_loss` (docs/algorithms.md section 6
 query rows, and per chunk only (rows x keys) float32 matrices exist, never (heads x T x T):
 1. `_attn_probs_kernel`, once per layer of the group: one program per query recomputes that layer's
    softmax probabilities from q, kv and lse (lse is recomputed in-kernel when not given) and writes their
-   sum over heads; torch L1-normalises each layer and averages them into the target p_bar.
+   sum over heads; torch L1-normalises each layer and averages them into the target p_bar. On Hopper at
+   GLM-5's MLA shapes with the layer's lse, slime_dsa/ops/gluon_attn_probs.py computes the same sums.
 2. `_index_scores_kernel`: the index scores I on the same key set.
 3. torch: KL per row from (p_bar, I); the gradient w.r.t. I is softmax(I) * sum(p_bar) - p_bar.
 4. backward, `_index_scores_bwd_kernel`: dI -> d index_q, d index_weights (per query, in registers) and
@@ -24,6 +25,8 @@ from slime_dsa.ops.reference import _query_positions
 
 CHUNK_ELEMS = 1 << 26  # query rows x keys per chunk (256 MiB per float32 matrix)
 SAVE_TARGET_ELEMS = 1 << 28  # keep p_bar for backward up to this many entries (1 GiB)
+# The sparse stage's target on Hopper at GLM-5's MLA shapes through slime_dsa/ops/gluon_attn_probs.py
+GLUON_PROBS = True
 LOG2E = 1.4426950408889634
 
 
@@ -197,16 +200,32 @@ def _target(plan: _Plan, c0: int, c1: int, W: int, attn_q, attn_kv, attn_lse, at
         d_main = triton.next_power_of_2(D) // 2 if D & (D - 1) else D  # D = d_main + rest, 576 = 512 + 64
         rows, stride_rt = plan.rows_arg(plan.pos)
         probs.zero_()
-        _attn_probs_kernel[(c1 - c0,)](
-            q, kv, lse.float().contiguous() if lse is not None else q, rows, plan.key_start, plan.pos, probs,
-            c0, W, H, attn_scale * LOG2E,
-            q.stride(0), q.stride(1), kv.stride(0), lse.stride(0) if lse is not None else 0, stride_rt, probs.stride(0),
-            D_V=d_main, D_R=D - d_main, BLOCK_DV=_pow2(d_main), BLOCK_DR=_pow2(D - d_main),
-            BLOCK_H=min(64, _pow2(H)), BLOCK_N=64 if H >= 64 else 32, HAS_LSE=lse is not None, DENSE=plan.dense,
-            num_warps=8 if H >= 64 else 4, num_stages=2 if H >= 64 else 1,
-        )
+        if (gluon := _gluon_probs(q, kv, plan.rows, lse)) is not None:
+            gluon.attn_probs(q, kv, lse, plan.rows, c0, c1, attn_scale, probs)
+        else:
+            _attn_probs_kernel[(c1 - c0,)](
+                q, kv, lse.float().contiguous() if lse is not None else q, rows, plan.key_start, plan.pos, probs,
+                c0, W, H, attn_scale * LOG2E,
+                q.stride(0), q.stride(1), kv.stride(0), lse.stride(0) if lse is not None else 0, stride_rt,
+                probs.stride(0),
+                D_V=d_main, D_R=D - d_main, BLOCK_DV=_pow2(d_main), BLOCK_DR=_pow2(D - d_main),
+                BLOCK_H=min(64, _pow2(H)), BLOCK_N=64 if H >= 64 else 32, HAS_LSE=lse is not None, DENSE=plan.dense,
+                num_warps=8 if H >= 64 else 4, num_stages=2 if H >= 64 else 1,
+            )
         target += probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return target.div_(len(attn_q))
+
+
+def _gluon_probs(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, lse: torch.Tensor | None):
+    """slime_dsa.ops.gluon_attn_probs where it takes this layer (GLUON_PROBS on, a selection, Hopper, GLM-5's
+    MLA, the layer's lse), else None."""
+    if not GLUON_PROBS or rows is None or lse is None or not q.is_cuda:
+        return None
+    try:
+        from slime_dsa.ops import gluon_attn_probs  # noqa: PLC0415 (Triton 3.5+ only)
+    except ImportError:
+        return None
+    return gluon_attn_probs if gluon_attn_probs.supported(q, kv, rows, lse) else None
 
 
 def _index_args(index_q: torch.Tensor, dense: bool) -> dict:
