@@ -2,6 +2,7 @@
 variants: issue 20 item 4 (indexer top-k <= 2x sparse MLA at batch 128, 64K context).
 
     PYTHONPATH=. python benchmarks/paged_indexer_variants.py --out $OUT/paged_variants.json
+    PYTHONPATH=. python benchmarks/paged_indexer_variants.py --batches 128 32 --fp8-only --reps 10  # fp8 keys only
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/paged_indexer_variants.py --smoke   # CPU, tiny shapes
 
 Shapes are `dsa_kernels.py`'s decode rows: 32 index heads x 128, top-k 2048, one query per request, every
@@ -12,7 +13,11 @@ at other widths, `triton_topk_split.topk_select_split` at several slice counts, 
 full read of the scores, then the entries it keeps, logged) on the current scores; "best" joins the fastest of
 each. A variant's time counts only if its selection equals the current kernels' exactly on small-integer inputs
 (exact scores, many ties: higher score first, lower position on a tie); `rand diff` is the share of slots that
-differ on the random inputs, where a different summation order may move a near-tie. Times are CUDA-graph replays
+are not selected by the current kernels on the random inputs, where a different summation order may move a
+near-tie. The fp8-key rows (`_fp8_scores_variant_kernel`, keys in e4m3 with a scale per slot, keys read counted at a
+byte each) are held to the current fp8 launch (`FP8_LAUNCH`) the same way; its e4m3-query variants quantise q, so their
+`rand diff` is the selection that quantising moves, and "torch reference" their difference from the same math in
+float32 torch (`e4m3_query_topk_reference`; Hopper's e4m3 wgmma adds in fewer bits). Times are CUDA-graph replays
 (the engine decodes in graphs), median, L2 flushed before each; the sparse MLA forward at the same batch, the
 goal's yardstick, is timed eagerly as `dsa_kernels.py` does.
 """
@@ -32,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from slime_dsa.ops.triton_indexer_paged import paged_scores
+from slime_dsa.ops import reference
+from slime_dsa.ops.fp8_keys import Fp8Keys, quantize_keys
+from slime_dsa.ops.triton_indexer_paged import FP8_LAUNCH, fp16_queries, paged_scores
 from slime_dsa.ops.triton_topk import _topk_select_kernel, topk_select
 from slime_dsa.ops.triton_topk_sampled import keep_above_floor, topk_select_sampled
 from slime_dsa.ops.triton_topk_split import split_slices, topk_select_split
@@ -122,6 +129,125 @@ SCORE_VARIANTS: list[Callable] = [
 ]
 
 
+@triton.jit
+def e4m3_queries(q, w):
+    """q (heads, dims) in e4m3 with a power-of-two scale s per head, |q| / s in [128, 256), folded into the head
+    weights (relu(s x) w = relu(x) s w, s > 0): the lightning indexer's e4m3 x e4m3 dot. Power-of-two scales divide
+    exactly, so `e4m3_queries_torch` gives the same values."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    exp = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 8)  # amax's biased exponent; 0 for a zero head
+    s = ((exp - 7) << 23).to(tl.float32, bitcast=True)  # 2^(E - 7)
+    inv = ((261 - exp) << 23).to(tl.float32, bitcast=True)  # 1 / s
+    return (q.to(tl.float32) * inv[:, None]).to(tl.float8e4nv), w * s
+
+
+def e4m3_queries_torch(q: torch.Tensor) -> torch.Tensor:
+    """The queries (B, Hi, Di) that `e4m3_queries` scores with, dequantised to float32."""
+    q = q.float()
+    exp = ((q.abs().amax(-1).view(torch.int32) >> 23) & 0xFF).clamp_min(8)
+    s = ((exp - 7) << 23).view(torch.float32)[..., None]  # (B, Hi, 1)
+    return (q / s).to(torch.float8_e4m3fn).float() * s
+
+
+def e4m3_query_topk_reference(q, keys: Fp8Keys, weights, key_slots, seq_lens, topk: int, scale: float) -> torch.Tensor:
+    """Top-k of the e4m3-query variants in float32 torch, 16 rows at a time."""
+    return torch.cat([reference.indexer_topk_paged(e4m3_queries_torch(q[i:i + 16]), keys, weights[i:i + 16],
+                                                   key_slots[i:i + 16], seq_lens[i:i + 16], topk, scale)
+                      for i in range(0, q.shape[0], 16)])
+
+
+@triton.jit
+def _key_tile(k_ptr, slots_ptr, b, width, n_keys, n0, end, offs_d, DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys (BLOCK_N, BLOCK_DI) at positions n0.. of row b and their slots, none read at or past `end`."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + b * width + offs_n, mask=offs_n < tl.minimum(width, end), other=0).to(tl.int64)
+    valid = offs_n < tl.minimum(n_keys, end)
+    k = tl.load(k_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & (offs_d < DI)[None, :], other=0.0)
+    return k, slot
+
+
+@triton.jit
+def _fp8_scores_variant_kernel(
+    q_ptr, w_ptr, k_ptr, ks_ptr, slots_ptr, lens_ptr, scores_ptr, width, scale,
+    HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr, E4M3_QUERY: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """`_paged_scores_kernel` on fp8 keys (keys x heads), with e4m3 queries (E4M3_QUERY: the wgmma takes both operands
+    in e4m3 from shared memory, no conversion) or fp16 ones as now; PREFETCH loads the next tile's keys to registers
+    before this tile's dot (for num_stages 1: keys are converted once in 16-byte rows, not read back 2 bytes at a
+    time from shared memory)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_HI)
+    offs_d = tl.arange(0, BLOCK_DI)
+    h_ok, d_ok = offs_h < HI, offs_d < DI
+    q = tl.load(q_ptr + b * HI * DI + offs_h[:, None] * DI + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + b * HI + offs_h, mask=h_ok, other=0.0).to(tl.float32) * scale
+    n_keys = tl.load(lens_ptr + b)
+    q, w = e4m3_queries(q, w) if E4M3_QUERY else fp16_queries(q, w)
+    n0 = tl.program_id(1) * TILES * BLOCK_N
+    end = n0 + TILES * BLOCK_N
+    if PREFETCH:
+        k, slot = _key_tile(k_ptr, slots_ptr, b, width, n_keys, n0, end, offs_d, DI, BLOCK_N)
+        k = k.to(q.dtype)
+    for tile in range(TILES):
+        if PREFETCH:
+            k_next, slot_next = _key_tile(k_ptr, slots_ptr, b, width, n_keys, n0 + (tile + 1) * BLOCK_N, end, offs_d,
+                                          DI, BLOCK_N)
+        else:
+            k, slot = _key_tile(k_ptr, slots_ptr, b, width, n_keys, n0 + tile * BLOCK_N, end, offs_d, DI, BLOCK_N)
+        offs_n = n0 + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = offs_n < n_keys
+        s = tl.maximum(tl.dot(k.to(q.dtype), tl.trans(q)), 0.0) * w[None, :]  # (BN, BH) fp32
+        score = tl.sum(s, axis=1) * tl.load(ks_ptr + slot, mask=valid, other=0.0)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0
+        tl.store(scores_ptr + b * width + offs_n, tl.where(valid, score, float("-inf")), mask=offs_n < width)
+        if PREFETCH:
+            k, slot = k_next.to(q.dtype), slot_next
+
+
+@dataclass(frozen=True)
+class Fp8ScoreVariant:
+    """Launch parameters of `_fp8_scores_variant_kernel`."""
+
+    name: str
+    block_n: int = 128
+    tiles: int = 8
+    num_warps: int = 4
+    num_stages: int = 5
+    e4m3_query: bool = False
+    prefetch: bool = False
+
+    def __call__(self, q, k_pool, weights, key_slots, seq_lens, scale: float, key_scales) -> torch.Tensor:
+        B, Hi, Di = q.shape
+        width = key_slots.shape[1]
+        scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
+        _fp8_scores_variant_kernel[(B, triton.cdiv(width, self.block_n * self.tiles))](
+            q, weights, k_pool, key_scales, key_slots, seq_lens, scores, width, float(scale), HI=Hi, DI=Di,
+            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
+            BLOCK_N=self.block_n, TILES=self.tiles, E4M3_QUERY=self.e4m3_query, PREFETCH=self.prefetch,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        return scores
+
+
+# Key-loop instructions a thread, sm_90a, Triton 3.6 (tools/kernel_resources.py), 128 keys a warpgroup: the current fp8
+# kernel 501, 132 registers (64 LDS.U16 reading keys back 2 bytes at a time, 64 e4m3 -> fp16 conversions, 16 8-byte
+# key copies); e4m3 queries 280, 63 registers (8 16-byte copies, 8 e4m3 wgmmas, no conversion); prefetch 394, 120
+# registers (8 16-byte loads, 64 conversions, 71 moves of the carried tile).
+FP8_SCORE_VARIANTS: list[Callable] = [
+    paged_scores,  # the current fp8 launch, FP8_LAUNCH
+    Fp8ScoreVariant("fp8 n128 x32 tiles"),  # the current kernel's fastest launch on the H200 (0.348 ms)
+    Fp8ScoreVariant("fp8 n128 x8 prefetch, 1 stage", num_stages=1, prefetch=True),
+    Fp8ScoreVariant("fp8 n128 x16 prefetch, 1 stage", tiles=16, num_stages=1, prefetch=True),
+    Fp8ScoreVariant("e4m3 q n128 x8, 3 stages", e4m3_query=True, num_stages=3),
+    Fp8ScoreVariant("e4m3 q n128 x8, 5 stages", e4m3_query=True),
+    Fp8ScoreVariant("e4m3 q n128 x16, 4 stages", tiles=16, e4m3_query=True, num_stages=4),
+    Fp8ScoreVariant("e4m3 q n128 x32, 4 stages", tiles=32, e4m3_query=True, num_stages=4),
+    Fp8ScoreVariant("e4m3 q n64 x16, 4 stages", block_n=64, tiles=16, e4m3_query=True, num_stages=4),
+    Fp8ScoreVariant("e4m3 q n256 x8 w8, 3 stages", block_n=256, num_warps=8, e4m3_query=True, num_stages=3),
+]
+
+
 def radix_select(block: int, num_warps: int) -> Callable:
     """`topk_select`'s one-program-a-row kernel at another step width and warp count."""
 
@@ -170,8 +296,10 @@ SELECT_VARIANTS: dict[str, Callable] = {
 }
 
 
-def variant_name(fn: Callable) -> str:
-    return "current (n64 w4 x4 tiles)" if fn is paged_scores else fn.name
+def variant_name(fn: Callable, fp8: bool = False) -> str:
+    if fn is paged_scores:
+        return "fp8 current (n{} x{} tiles, {} stages)".format(*FP8_LAUNCH) if fp8 else "current (n64 w4 x4 tiles)"
+    return fn.name
 
 
 @dataclass
@@ -187,6 +315,8 @@ class Case:
     slots: torch.Tensor
     lens: torch.Tensor
     topk: int
+    k8: Fp8Keys  # k_pool and k_int in e4m3, a scale per slot
+    k8_int: Fp8Keys
 
 
 def make_case(batch: int, ctx: int, hi: int, di: int, topk: int, device: str, dtype: torch.dtype, ragged: bool) -> Case:
@@ -197,10 +327,19 @@ def make_case(batch: int, ctx: int, hi: int, di: int, topk: int, device: str, dt
     lens = (torch.randint(1, ctx + 1, (batch,), device=device, generator=g) if ragged
             else torch.full((batch,), ctx, device=device))
     ints = lambda *s: torch.randint(-2, 3, s, device=device, generator=g).to(dtype)  # noqa: E731
-    return Case(torch.randn(batch, hi, di, device=device, generator=g).to(dtype),
-                torch.randn(batch * ctx, di, device=device, generator=g).to(dtype),
+    k_pool, k_int = torch.randn(batch * ctx, di, device=device, generator=g).to(dtype), ints(batch * ctx, di)
+    return Case(torch.randn(batch, hi, di, device=device, generator=g).to(dtype), k_pool,
                 torch.randn(batch, hi, device=device, generator=g) * hi**-0.5,
-                ints(batch, hi, di), ints(batch * ctx, di), ints(batch, hi).float(), slots, lens, topk)
+                ints(batch, hi, di), k_int, ints(batch, hi).float(), slots, lens, topk, quantize_keys(k_pool),
+                quantize_keys(k_int))
+
+
+def slot_diff(got: torch.Tensor, want: torch.Tensor, width: int) -> float:
+    """Share of the slots selected in `want` (B, topk), -1 padded, that `got` does not select."""
+    picked = torch.zeros(got.shape[0], width + 1, dtype=torch.bool, device=got.device)
+    picked.scatter_(1, torch.where(got >= 0, got, width), True)  # -1 -> a spare column
+    missed = ~picked.gather(1, want.clamp_min(0)) & (want >= 0)
+    return (missed.sum() / (want >= 0).sum().clamp_min(1)).item()
 
 
 def time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor | None) -> float:
@@ -254,7 +393,7 @@ def measure(case: Case, score_fn: Callable, select_fn: Callable, reps: int, flus
     cur_scores = paged_scores(c.q, c.k_pool, c.w, c.slots, c.lens, scale)
     want = topk_select(cur_scores, c.lens, c.topk)
     got = select_fn(score_fn(c.q, c.k_pool, c.w, c.slots, c.lens, scale), c.lens, c.topk)
-    row = {"exact": bool(torch.equal(got_int, want_int)), "rand_diff": (got != want).float().mean().item()}
+    row = {"exact": bool(torch.equal(got_int, want_int)), "rand_diff": slot_diff(got, want, c.slots.shape[1])}
     if select_fn is not topk_select:  # the select alone is exact on any scores
         row["exact"] &= bool(torch.equal(select_fn(cur_scores, c.lens, c.topk), want))
     if not row["exact"]:
@@ -267,27 +406,50 @@ def measure(case: Case, score_fn: Callable, select_fn: Callable, reps: int, flus
     return row
 
 
+def measure_fp8(case: Case, score_fn: Callable, reps: int, flush, scale: float) -> dict:
+    """An fp8-key scoring variant against the current fp8 launch (`paged_scores` with key scales), current select:
+    exactness on the small integers, the random inputs' slot difference, and for e4m3 queries the difference from
+    their torch reference (`ref_diff`)."""
+    c = case
+
+    def top(fn, q, keys, w, s):
+        return topk_select(fn(q, keys.values, w, c.slots, c.lens, s, keys.scales), c.lens, c.topk)
+
+    got = top(score_fn, c.q, c.k8, c.w, scale)
+    row = {"keys": "fp8", "exact": bool(torch.equal(top(score_fn, c.q_int, c.k8_int, c.w_int, 1.0),
+                                                    top(paged_scores, c.q_int, c.k8_int, c.w_int, 1.0))),
+           "rand_diff": slot_diff(got, top(paged_scores, c.q, c.k8, c.w, scale), c.slots.shape[1])}
+    if getattr(score_fn, "e4m3_query", False):
+        want = e4m3_query_topk_reference(c.q, c.k8, c.w, c.slots, c.lens, c.topk, scale)
+        row["ref_diff"] = slot_diff(got, want, c.slots.shape[1])
+    if not row["exact"]:
+        return row
+    scores = score_fn(c.q, c.k8.values, c.w, c.slots, c.lens, scale, c.k8.scales)
+    row["score_ms"] = time_ms(lambda: score_fn(c.q, c.k8.values, c.w, c.slots, c.lens, scale, c.k8.scales), reps,
+                              flush)
+    row["select_ms"] = time_ms(lambda: topk_select(scores, c.lens, c.topk), reps, flush)
+    row["total_ms"] = time_ms(lambda: top(score_fn, c.q, c.k8, c.w, scale), reps, flush)
+    return row
+
+
 def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, dtype: torch.dtype, reps: int,
-        smoke: bool) -> Iterator[list[dict]]:
-    """Every scoring and select variant at each batch, then the fastest exact pair: one list of rows per batch."""
+        smoke: bool, fp8_only: bool = False) -> Iterator[list[dict]]:
+    """Every scoring and select variant at each batch, then the fastest exact pair, then the fp8-key scoring variants:
+    one list of rows per batch."""
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if device == "cuda" else None
     for batch in batches:
         case = make_case(batch, ctx, hi, di, topk, device, dtype, ragged=smoke)
-        if smoke:  # the current kernels against the torch reference too
-            from slime_dsa.ops import reference  # noqa: PLC0415
-
-            args = (case.q_int, case.k_int, case.w_int, case.slots, case.lens)
-            want = reference.indexer_topk_paged(*args, topk, 1.0)
-            got = topk_select(paged_scores(*args, 1.0), case.lens, topk)
-            assert torch.equal(got, want), "current paged indexer differs from the torch reference"
+        if smoke:
+            check_against_reference(case)
         key_bytes = case.lens.sum().item() * di * case.k_pool.element_size()
         log_kept(case, di**-0.5)
         if not smoke:
             mla_ms = sparse_mla_ms(case, reps)
             logger.info("| sparse MLA forward (the goal: indexer <= 2x = %.3f ms) | %d | - | - | %.3f | - | - | - |",
                         2 * mla_ms, batch, mla_ms)
-        combos = [(variant_name(f), f, topk_select) for f in SCORE_VARIANTS]
-        combos += [(name, paged_scores, f) for name, f in SELECT_VARIANTS.items() if f is not topk_select]
+        combos = [] if fp8_only else [(variant_name(f), f, topk_select) for f in SCORE_VARIANTS]
+        combos += [] if fp8_only else [(name, paged_scores, f) for name, f in SELECT_VARIANTS.items()
+                                       if f is not topk_select]
         batch_rows = []
         for name, score_fn, select_fn in combos:
             row = {"variant": name, "batch": batch, "context": ctx,
@@ -303,18 +465,48 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
                    "batch": batch, "context": ctx, **measure(case, best_score, best_select, reps, flush, di**-0.5)}
             batch_rows.append((row, best_score, best_select))
             log_row(row, key_bytes)
+        if ok and not smoke:
+            log_goal("bf16 keys", batch_rows[0][0], [r[0] for r in ok], mla_ms, batch)
+        fp8_rows = []
+        for f in FP8_SCORE_VARIANTS:
+            row = {"variant": variant_name(f, fp8=True), "batch": batch, "context": ctx,
+                   **measure_fp8(case, f, reps, flush, di**-0.5)}
+            fp8_rows.append(row)
+            log_row(row, key_bytes // case.k_pool.element_size())
         if not smoke:
-            current, fastest = batch_rows[0][0], min((r[0] for r in ok), key=lambda r: r["total_ms"])
-            logger.info("| goal: indexer / sparse MLA <= 2x: %.2fx now, %.2fx with %s | %d | - | - | - | - | - | - |",
-                        current["total_ms"] / mla_ms, fastest["total_ms"] / mla_ms, fastest["variant"], batch)
+            log_goal("fp8 keys", fp8_rows[0], [r for r in fp8_rows if r["exact"]], mla_ms, batch)
         for row, *_ in batch_rows:
             row["key_gbps"] = key_bytes / (row["score_ms"] * 1e-3) / 1e9 if row.get("score_ms") else None
+        for row in fp8_rows:
+            row["key_gbps"] = key_bytes / case.k_pool.element_size() / (row["score_ms"] * 1e-3) / 1e9 \
+                if row.get("score_ms") else None
         del case
         if device == "cuda":
             torch.cuda.empty_cache()
         mla_row = [] if smoke else [{"variant": "sparse MLA forward", "batch": batch, "context": ctx, "exact": True,
                                      "rand_diff": 0.0, "total_ms": mla_ms}]
-        yield mla_row + [row for row, *_ in batch_rows]
+        yield mla_row + [row for row, *_ in batch_rows] + fp8_rows
+
+
+def check_against_reference(case: Case) -> None:
+    """The current kernels (bf16 and fp8 keys) and the e4m3-query variant against their torch references on the
+    small integers, where nothing rounds (the interpreter's float32 -> e4m3 rounds wrongly: Triton 3.6)."""
+    c = case
+    args = (c.q_int, c.k_int, c.w_int, c.slots, c.lens)
+    want = reference.indexer_topk_paged(*args, c.topk, 1.0)
+    assert torch.equal(topk_select(paged_scores(*args, 1.0), c.lens, c.topk), want), "current kernel vs reference"
+    args = (c.q_int, c.k8_int.values, c.w_int, c.slots, c.lens, 1.0, c.k8_int.scales)
+    want = reference.indexer_topk_paged(c.q_int, c.k8_int, c.w_int, c.slots, c.lens, c.topk, 1.0)
+    assert torch.equal(topk_select(paged_scores(*args), c.lens, c.topk), want), "current fp8 kernel vs reference"
+    e4m3 = next(f for f in FP8_SCORE_VARIANTS if getattr(f, "e4m3_query", False))
+    want = e4m3_query_topk_reference(c.q_int, c.k8_int, c.w_int, c.slots, c.lens, c.topk, 1.0)
+    assert torch.equal(topk_select(e4m3(*args), c.lens, c.topk), want), "e4m3-query variant vs its reference"
+
+
+def log_goal(keys: str, current: dict, exact: list[dict], mla_ms: float, batch: int) -> None:
+    fastest = min(exact, key=lambda r: r["total_ms"])
+    logger.info("| goal, %s: indexer / sparse MLA <= 2x: %.2fx now, %.2fx with %s | %d | - | - | - | - | - | - |",
+                keys, current["total_ms"] / mla_ms, fastest["total_ms"] / mla_ms, fastest["variant"], batch)
 
 
 def log_kept(case: Case, scale: float) -> None:
@@ -332,8 +524,9 @@ def log_kept(case: Case, scale: float) -> None:
 def log_row(row: dict, key_bytes: int) -> None:
     cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else "-" for k in ("score_ms", "select_ms", "total_ms")]
     gbps = key_bytes / (row["score_ms"] * 1e-3) / 1e9 if row.get("score_ms") else math.nan
-    logger.info("| %s | %d | %s | %.0f | %s | %.1e |", row["variant"], row["batch"], " | ".join(cells), gbps,
-                "yes" if row["exact"] else "NO", row["rand_diff"])
+    ref = f" (torch reference {row['ref_diff']:.1e})" if "ref_diff" in row else ""
+    logger.info("| %s | %d | %s | %.0f | %s | %.1e%s |", row["variant"], row["batch"], " | ".join(cells), gbps,
+                "yes" if row["exact"] else "NO", row["rand_diff"], ref)
 
 
 def main() -> None:
@@ -342,6 +535,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--fp8-only", action="store_true", help="only the fp8-key scoring rows (and sparse MLA)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.smoke:  # float32 small integers: the interpreter's bf16 dot is not faithful
@@ -356,7 +550,7 @@ def main() -> None:
     logger.info("\n| variant | batch | score ms | select ms | total ms | key GB/s | exact | rand diff |\n"
                 "|---|---|---|---|---|---|---|---|")
     rows = []
-    for batch_rows in run(**shape, reps=args.reps, smoke=args.smoke):
+    for batch_rows in run(**shape, reps=args.reps, smoke=args.smoke, fp8_only=args.fp8_only):
         rows += batch_rows
         if args.out:  # after every batch, so that a run cut short keeps what it measured
             with open(args.out, "w") as f:
