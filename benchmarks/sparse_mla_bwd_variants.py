@@ -42,9 +42,10 @@ WHOLE = "whole"  # the launch label of a multi-kernel mode timed as a whole (its
 GLUON_DKV = "split64_gluon_dkv"
 # gluon_fused_late_dq: its dQ products issued after dKV^T's, over the step's reductions (LATE_DQ);
 # gluon_fused_stores: plain stores instead of the dkv reductions (timing only: what they cost);
-# gluon_fused_v2, gluon_fused_v4: each dkv reduction adds 2 or 4 floats (REDUCTION_WIDTH)
+# gluon_fused_v2, gluon_fused_v4: each dkv reduction adds 2 or 4 floats (REDUCTION_WIDTH);
+# gluon_fused_staged: 4 floats, the tile moved through shared memory instead of shuffles (STAGED_REDUCTIONS)
 GLUON_MODES = (GLUON_DKV, "gluon_split", "gluon_fused", "gluon_fused_late_dq", "gluon_fused_stores", "gluon_fused_v2",
-               "gluon_fused_v4")
+               "gluon_fused_v4", "gluon_fused_staged")
 
 
 @dataclass
@@ -123,6 +124,8 @@ def mode_units(mode: str) -> list[Unit]:
                                         gluon(True, True, late_dq=False, reduction_width=2))],
                 "gluon_fused_v4": [Unit("gluon_fused_v4", True, True, config,
                                         gluon(True, True, late_dq=False, reduction_width=4))],
+                "gluon_fused_staged": [Unit("gluon_fused_staged", True, True, config,
+                                            gluon(True, True, late_dq=False, staged_reductions=True))],
                 "gluon_fused_late_dq": [Unit("gluon_fused_late_dq", True, True, config,
                                              gluon(True, True, late_dq=True))],
                 "gluon_fused_stores": [Unit("gluon_fused_stores", True, True, config,

@@ -91,11 +91,13 @@ def test_gluon_backward_matches_reference_under_every_timing(timing, monkeypatch
     delta = (ref_out.detach() * dout.float()).sum(-1)
     for do_dq, do_dkv, late_dq, width in ((True, False, False, 1), (False, True, False, 1), (True, True, False, 1),
                                           (True, True, True, 1), (True, True, False, 2), (False, True, False, 4),
-                                          (True, True, False, 4)):
+                                          (True, True, False, 4), (False, True, False, "staged"),
+                                          (True, True, False, "staged")):
         dq = torch.full(q.shape, float("nan"), dtype=q.dtype) if do_dq else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32) if do_dkv else None
         _backward(gluon_bwd, timing, monkeypatch, q, kv, indices, dout, ref_lse.detach(), delta, scale, dq, dkv,
-                  late_dq=late_dq, reduction_width=width)
+                  late_dq=late_dq, reduction_width=None if width == "staged" else width,
+                  staged_reductions=width == "staged")
         if dq is not None:
             assert _rel_l2(dq, ref_dq) <= REL_L2, (do_dq, do_dkv, _rel_l2(dq, ref_dq))
             assert (dq[1] == 0).all()  # a row without keys: every slot -1

@@ -444,18 +444,20 @@ def test_gluon_sparse_mla_bwd_matches_reference(name):
     delta = (ref_out.detach() * dout.float()).sum(-1)
     failed, dkv_by_width = [], {}
     for do_dq, do_dkv, late_dq, width in ((True, False, False, 1), (False, True, False, 1), (True, True, False, 1),
-                                          (True, True, True, 1), (True, True, False, 2), (True, True, False, 4)):
+                                          (True, True, True, 1), (True, True, False, 2), (True, True, False, 4),
+                                          (False, True, False, "staged"), (True, True, False, "staged")):
         dq = torch.zeros_like(q) if do_dq else None
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda") if do_dkv else None
         gluon_bwd.sparse_mla_bwd(q, kv, indices, dout, ref_lse.detach(), delta, D**-0.5, dq, dkv, late_dq=late_dq,
-                                 reduction_width=width)
+                                 reduction_width=None if width == "staged" else width,
+                                 staged_reductions=width == "staged")
         what = f"dq {do_dq} dkv {do_dkv} late dq {late_dq} reduction width {width}"
         for name_, got, want in (("dq", dq, ref_dq), ("dkv", dkv, ref_dkv)):
             if got is not None and rel_l2(got, want) > REL_L2:
                 failed.append(f"{what}: {name_} rel L2 {rel_l2(got, want):.2e}")
         if do_dq and do_dkv and not late_dq:
             dkv_by_width[width] = dkv
-    for width in (2, 4):  # the same sums as width 1 but for the order of the atomics
+    for width in (2, 4, "staged"):  # the same sums as width 1 but for the order of the atomics
         if (err := rel_l2(dkv_by_width[width], dkv_by_width[1])) > 1e-5:
             failed.append(f"reduction width {width}: dkv differs from width 1's by rel L2 {err:.2e}")
     assert not failed, failed

@@ -123,6 +123,10 @@ class Smem:
     def permute(self, dims) -> "Smem":
         return Smem(self.data.permute(*dims))
 
+    def _reinterpret(self, dtype, shape, layout=None) -> "Smem":
+        """The same bytes as another dtype and shape (row-major: the emulator has no swizzles)."""
+        return Smem(self.data.view(-1).view(dtype).view(list(shape)))
+
     def store(self, value: Any) -> None:
         self.data.copy_(_raw(value).to(self.data.dtype))
 
@@ -287,6 +291,10 @@ def _unary(op):
     return lambda x, **kwargs: _val(op(_raw(x)))
 
 
+def _split(x) -> tuple[Val, Val]:
+    return _val(_raw(x)[..., 0]), _val(_raw(x)[..., 1])
+
+
 def _no_op(*args, **kwargs) -> None:
     return None
 
@@ -319,7 +327,9 @@ gl = _Language(
     exp=_unary(torch.exp), exp2=_unary(torch.exp2), log=_unary(torch.log), log2=_unary(torch.log2),
     convert_layout=lambda x, layout, **kwargs: x, static_range=range, cdiv=_cdiv, program_id=_program_id,
     allocate_shared_memory=_allocate_shared_memory, thread_barrier=_no_op, barrier=_no_op,
-    static_assert=_static_assert,
+    static_assert=_static_assert, split=_split,
+    reshape=lambda x, shape, **kwargs: _val(_raw(x).reshape(list(shape))),
+    permute=lambda x, dims: _val(_raw(x).permute(*dims)),
 )
 
 

@@ -186,12 +186,14 @@ def gluon_launches(K: int = 2048):
             constexprs.update(PRODUCER_WARPS=fwd.PRODUCER_WARPS, PRODUCER_REGS=fwd.PRODUCER_REGS)
         yield "gluon fwd", name, f"{H}, {cfg.block_n}, {fwd.NUM_WARPS}, {cfg.stages}", kernel, fwd_runtime, constexprs
     bwd_runtime = {k: v for k, v in bwd_args(H, fwd.D_V, fwd.D_R, K).items() if k != "H"}
-    for label, do_dq, do_dkv, late_dq, vec in (("dQ", True, False, False, 1), ("dKV", False, True, False, 1),
-                                               ("fused", True, True, False, 1), ("fused late dQ", True, True, True, 1),
-                                               ("fused v2", True, True, False, 2), ("dKV v4", False, True, False, 4),
-                                               ("fused v4", True, True, False, 4)):
+    for label, do_dq, do_dkv, late_dq, vec, staged in (
+            ("dQ", True, False, False, 1, False), ("dKV", False, True, False, 1, False),
+            ("fused", True, True, False, 1, False), ("fused late dQ", True, True, True, 1, False),
+            ("fused v2", True, True, False, 2, False), ("dKV v4", False, True, False, 4, False),
+            ("fused v4", True, True, False, 4, False), ("dKV staged v4", False, True, False, 1, True),
+            ("fused staged v4", True, True, False, 1, True)):
         constexprs = dict(dims, BLOCK_N=bwd.BLOCK_N, STAGES=bwd.STAGES, DO_DQ=do_dq, DO_DKV=do_dkv, LATE_DQ=late_dq,
-                          RED_STORES=False, RED_VEC=vec)
+                          RED_STORES=False, RED_VEC=vec, RED_SMEM=staged)
         yield ("gluon bwd", label, f"{H}, {bwd.BLOCK_N}, {fwd.NUM_WARPS}, {bwd.STAGES}", bwd._sparse_mla_bwd_kernel,
                bwd_runtime, constexprs)
     from slime_dsa.ops import gluon_attn_probs as probs  # noqa: PLC0415

@@ -11,7 +11,8 @@ into one of two buffers (q, dO, two kv buffers and P, dS fill 216 KB of shared m
 - dQ += dS k (64 heads x 576, each warp group on half the columns, as the forward's O);
 - dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so wgmma reads dO and q from the same
   shared copies as the score products (64 accumulator registers a thread), added to dkv (float32) at the step's rows
-  with relaxed reductions of REDUCTION_WIDTH floats each (the rows are shared between queries).
+  with relaxed reductions of REDUCTION_WIDTH floats each (the rows are shared between queries), or with
+  STAGED_REDUCTIONS of 4 floats, the tiles moved through shared memory (the step's kn buffer) instead of shuffles.
 Both halves in one kernel compute S, P and dS once (split64 computes them twice, 1.4x the counted work). Compiled for
 sm_90a by Triton 3.6 at 255 registers: dKV alone spills nothing, dQ alone 108 bytes, both 132.
 -1 slots read kv row 0 and add nothing (their P and dS are 0 and their reductions are masked).
@@ -40,6 +41,11 @@ LATE_DQ = False
 # Floats a dkv reduction adds (1, 2 or 4: the tile moved within each warp to runs along d first). 2: H100, 64K, fused
 # 252 ms against 302 at 1 and 337 at 4 (whose second swap costs more than it saves; benchmarks/RESULTS.md, 2026-12-05).
 REDUCTION_WIDTH = 2
+# Reductions of 4 floats with the tile moved through shared memory (kn's buffer of the step, free once its products
+# are done) instead of shuffles: each warp adds 512 contiguous bytes of one key's row an instruction, at the cost of
+# four more barriers a step. Off until timed on a GPU (sparse_mla_bwd_variants.py --modes gluon_fused_v2
+# gluon_fused_staged).
+STAGED_REDUCTIONS = False
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:
@@ -77,13 +83,19 @@ def _add_rows(dkv_ptr, rows, col0, tile, valid, stride_dkvt, ROW64: gl.constexpr
 
 
 @gluon.jit
+def _halves(tile):
+    """tile (2n, k) as its two blocks of n rows (register renaming only where row n is a register bit)."""
+    return gl.split(gl.permute(gl.reshape(tile, [2, tile.shape[0] // 2, tile.shape[1]]), (1, 2, 0)))
+
+
+@gluon.jit
 def _sparse_mla_bwd_kernel(
     q_ptr, kv_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
     stride_dkvt, K, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SCAN: gl.constexpr,
     STAGES: gl.constexpr, DO_DQ: gl.constexpr, DO_DKV: gl.constexpr, ROW64: gl.constexpr, LATE_DQ: gl.constexpr,
-    RED_STORES: gl.constexpr, RED_VEC: gl.constexpr, num_warps: gl.constexpr,
+    RED_STORES: gl.constexpr, RED_VEC: gl.constexpr, RED_SMEM: gl.constexpr, num_warps: gl.constexpr,
 ):
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -134,6 +146,18 @@ def _sparse_mla_bwd_kernel(
     kp_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], r_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    if RED_SMEM:
+        # dKV^T reaches runs of 4 along d through shared memory: half its rows at a time in the step's kn buffer
+        # (free once the step's products are done: the next gather into it follows the next step's first barrier),
+        # the rope tile in 8 KB of its own (224 KB in all).
+        gl.static_assert(not LATE_DQ and RED_VEC == 1 and D_V == 512 and BLOCK_N == 32)
+        # d contiguous, its 4-float chunks swizzled by the key: a wgmma-layout store (8 d x 4 keys) hits 32 banks
+        stage_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[0, 1])
+        stage = kn_smem._reinterpret(gl.float32, [STAGES, D_V // 2, BLOCK_N], stage_sl)
+        rstage = gl.allocate_shared_memory(gl.float32, [D_R, BLOCK_N], stage_sl)
+        # a warp's reduction adds 128 contiguous floats of one key's row (64 and two keys for the rope tile)
+        red_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+        rred_layout: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, num_warps], [0, 1])
 
     heads = h0 + gl.arange(0, BLOCK_H, rows_layout)
     cols_v = gl.arange(0, D_V, gl.SliceLayout(0, copy_layout))
@@ -200,9 +224,27 @@ def _sparse_mla_bwd_kernel(
                 dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=2, deps=(dkv_t, dkr_t))
             else:
                 dkv_t, dkr_t = warpgroup_mma_wait(num_outstanding=0, deps=(dkv_t, dkr_t))
-            idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
-            _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64, RED_STORES, t_half, t_vec)
-            _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64, RED_STORES, r_half, r_vec)
+            if RED_SMEM:
+                _cta_barrier()  # both warp groups' products are done with kn's buffer: it stages the tiles
+                idx_c = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, red_layout))
+                idx_r = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, rred_layout))
+                lo, hi = _halves(dkv_t)
+                stage.index(buf).store(lo)
+                rstage.store(dkr_t)
+                _cta_barrier()
+                _add_rows(dkv_ptr, idx_c, 0, stage.index(buf).load(red_layout), idx_c >= 0, stride_dkvt, ROW64,
+                          RED_STORES, None, None)
+                _add_rows(dkv_ptr, idx_r, D_V, rstage.load(rred_layout), idx_r >= 0, stride_dkvt, ROW64,
+                          RED_STORES, None, None)
+                _cta_barrier()  # every warp has read the low half
+                stage.index(buf).store(hi)
+                _cta_barrier()
+                _add_rows(dkv_ptr, idx_c, D_V // 2, stage.index(buf).load(red_layout), idx_c >= 0, stride_dkvt,
+                          ROW64, RED_STORES, None, None)
+            else:
+                idx_t = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, t_layout))
+                _add_rows(dkv_ptr, idx_t, 0, dkv_t, idx_t >= 0, stride_dkvt, ROW64, RED_STORES, t_half, t_vec)
+                _add_rows(dkv_ptr, idx_s, D_V, dkr_t, idx_s >= 0, stride_dkvt, ROW64, RED_STORES, r_half, r_vec)
         if DO_DQ:
             dq_n, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq_n, dq_r))
     cp.wait_group(0)
@@ -217,12 +259,14 @@ def sparse_mla_bwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, scale: float, dq: torch.Tensor | None, dkv: torch.Tensor | None, *,
     late_dq: bool | None = None, timing_only_stores: bool = False, reduction_width: int | None = None,
+    staged_reductions: bool | None = None,
 ) -> None:
     """Writes the attention's q gradient into dq (T, H, 576) and/or adds its kv gradient into dkv (Tk, 576) float32
     (None skips that half): q (T, H, 576), dout (T, H, 512), lse and delta = rowsum(dout * out) (T, H) float32
     (`supported` holds). Both halves at once share S, P and dS; apart, each recomputes them (split64's way).
     late_dq (default LATE_DQ) overlaps a fused step's dQ products with its dKV reductions; timing_only_stores writes
-    a wrong dkv with plain stores (the benchmark's measure of what the reductions cost)."""
+    a wrong dkv with plain stores (the benchmark's measure of what the reductions cost); staged_reductions (default
+    STAGED_REDUCTIONS) adds runs of 4 moved through shared memory, instead of reduction_width's shuffles."""
     T, H, _ = q.shape
     K = indices.shape[1]
     if T == 0 or (dq is None and dkv is None):
@@ -230,6 +274,11 @@ def sparse_mla_bwd(
     if (dq is not None and (dq.shape != q.shape or dq.stride(-1) != 1)) or (
             dkv is not None and (dkv.dtype != torch.float32 or dkv.shape != kv.shape or dkv.stride(-1) != 1)):
         raise ValueError("gluon sparse_mla_bwd: dq must be like q and dkv float32 like kv, each with unit last stride")
+    late_dq = dq is not None and dkv is not None and (LATE_DQ if late_dq is None else late_dq)
+    staged = STAGED_REDUCTIONS if staged_reductions is None else staged_reductions
+    if staged and (late_dq or reduction_width not in (None, 4)):
+        raise ValueError(f"gluon sparse_mla_bwd: staged reductions add 4 floats and need kn's buffer free (got "
+                         f"late_dq={late_dq}, reduction_width={reduction_width})")
     lse, delta = lse.contiguous(), delta.contiguous()
     dq_arg = q if dq is None else dq  # an unused pointer argument when DO_DQ is off
     dkv_arg = kv if dkv is None else dkv
@@ -239,7 +288,7 @@ def sparse_mla_bwd(
         dq_arg.stride(0), dq_arg.stride(1), dkv_arg.stride(0), K, scale, scale * LOG2E,
         D_V=D_V, D_R=D_R, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SCAN=min(triton.next_power_of_2(K), 1024),
         STAGES=STAGES, DO_DQ=dq is not None, DO_DKV=dkv is not None,
-        LATE_DQ=dq is not None and dkv is not None and (LATE_DQ if late_dq is None else late_dq),
-        RED_STORES=timing_only_stores, RED_VEC=REDUCTION_WIDTH if reduction_width is None else reduction_width,
+        LATE_DQ=late_dq, RED_STORES=timing_only_stores, RED_SMEM=staged,
+        RED_VEC=1 if staged else REDUCTION_WIDTH if reduction_width is None else reduction_width,
         ROW64=max(kv.numel(), dkv_arg.numel()) >= 2**31, num_warps=NUM_WARPS,
     )
