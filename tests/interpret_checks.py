@@ -135,6 +135,19 @@ def check_indexer_topk() -> None:
         assert torch.equal(got, want), f"indexer_topk lens_k {lens_k}"
 
 
+def check_indexer_scores_keys_by_heads() -> None:
+    """The scoring variant with one (keys x heads) product a query gives check_indexer_topk's and
+    check_indexer_topk_fp8_keys' selections (bf16-exact integer inputs, ties included)."""
+    from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
+
+    ti.SCORES_KEYS_BY_HEADS = True
+    try:
+        check_indexer_topk()
+        check_indexer_topk_fp8_keys()
+    finally:
+        ti.SCORES_KEYS_BY_HEADS = False
+
+
 def check_indexer_topk_paged() -> None:
     from slime_dsa.ops.triton_indexer_paged import indexer_topk_paged  # noqa: PLC0415
 
@@ -533,9 +546,10 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_topk_select_sampled, check_topk_select_sampled_wide_rows,
-          check_indexer_topk, check_indexer_topk_paged, check_indexer_topk_fp8_keys, check_indexer_topk_paged_fp8_keys,
-          check_sparse_mla, check_sparse_mla_fwd_variants, check_prefill_forward_choice, check_idx_reg_slices,
-          check_sparse_mla_bwd_variants, check_dkv_stores_timing_launch, check_bwd_delta, check_masked_ranges]
+          check_indexer_topk, check_indexer_scores_keys_by_heads, check_indexer_topk_paged, check_indexer_topk_fp8_keys,
+          check_indexer_topk_paged_fp8_keys, check_sparse_mla, check_sparse_mla_fwd_variants,
+          check_prefill_forward_choice, check_idx_reg_slices, check_sparse_mla_bwd_variants,
+          check_dkv_stores_timing_launch, check_bwd_delta, check_masked_ranges]
 
 
 def main() -> int:

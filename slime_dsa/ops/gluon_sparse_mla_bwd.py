@@ -11,8 +11,8 @@ into one of two buffers (q, dO, two kv buffers and P, dS fill 216 KB of shared m
 - dQ += dS k (64 heads x 576, each warp group on half the columns, as the forward's O);
 - dKV^T (576 x 32) = [dO^T P + q_nope^T dS ; q_rope^T dS]: 512 rows a tile, so wgmma reads dO and q from the same
   shared copies as the score products (64 accumulator registers a thread), added to dkv (float32) at the step's rows
-  with relaxed reductions of REDUCTION_WIDTH floats each (the rows are shared between queries), or with
-  STAGED_REDUCTIONS of 4 floats, the tiles moved through shared memory (the step's kn buffer) instead of shuffles.
+  with relaxed reductions (the rows are shared between queries) of 4 floats, the tiles moved through shared memory
+  (the step's kn buffer; STAGED_REDUCTIONS, the default), or of REDUCTION_WIDTH floats moved by shuffles.
 Both halves in one kernel compute S, P and dS once (split64 computes them twice, 1.4x the counted work). Compiled for
 sm_90a by Triton 3.6 at 255 registers: dKV alone spills nothing, dQ alone 108 bytes, both 132.
 -1 slots read kv row 0 and add nothing (their P and dS are 0 and their reductions are masked).
@@ -43,9 +43,8 @@ LATE_DQ = False
 REDUCTION_WIDTH = 2
 # Reductions of 4 floats with the tile moved through shared memory (kn's buffer of the step, free once its products
 # are done) instead of shuffles: each warp adds 512 contiguous bytes of one key's row an instruction, at the cost of
-# four more barriers a step. Off until timed on a GPU (sparse_mla_bwd_variants.py --modes gluon_fused_v2
-# gluon_fused_staged).
-STAGED_REDUCTIONS = False
+# four more barriers a step. H100, 64K, fused: 233 ms against width 2's 252 (benchmarks/RESULTS.md, 2026-12-05).
+STAGED_REDUCTIONS = True
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, dout: torch.Tensor, v_dim: int) -> bool:
@@ -275,7 +274,10 @@ def sparse_mla_bwd(
             dkv is not None and (dkv.dtype != torch.float32 or dkv.shape != kv.shape or dkv.stride(-1) != 1)):
         raise ValueError("gluon sparse_mla_bwd: dq must be like q and dkv float32 like kv, each with unit last stride")
     late_dq = dq is not None and dkv is not None and (LATE_DQ if late_dq is None else late_dq)
-    staged = STAGED_REDUCTIONS if staged_reductions is None else staged_reductions
+    if staged_reductions is None:  # the default: staged unless the call asks for shuffles or late dQ
+        staged = STAGED_REDUCTIONS and reduction_width is None and not late_dq
+    else:
+        staged = staged_reductions
     if staged and (late_dq or reduction_width not in (None, 4)):
         raise ValueError(f"gluon sparse_mla_bwd: staged reductions add 4 floats and need kn's buffer free (got "
                          f"late_dq={late_dq}, reduction_width={reduction_width})")

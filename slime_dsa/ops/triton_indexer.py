@@ -31,6 +31,24 @@ CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
 ROWS_PER_PROGRAM = 128  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
 BLOCK_N = 128  # keys per tile
 TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them)
+# A variant under measurement (benchmarks/indexer_scores_variants.py): each query's heads as the columns of its own
+# (keys x heads) product, so that the sum over heads needs no exchange between warps.
+SCORES_KEYS_BY_HEADS = True
+
+
+@triton.jit
+def _query_heads(q_ptr, w_ptr, row, ok, scale, HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr,
+                 BLOCK_DI: tl.constexpr, HAS_KEY_SCALES: tl.constexpr):
+    """One query row's heads (BLOCK_HI, BLOCK_DI) and scaled head weights (BLOCK_HI,), zero when not ok."""
+    offs_j = tl.arange(0, BLOCK_HI)
+    offs_d = tl.arange(0, BLOCK_DI)
+    mask_j = (offs_j < HI) & ok
+    q = tl.load(q_ptr + row * (HI * DI) + offs_j[:, None] * DI + offs_d[None, :],
+                mask=mask_j[:, None] & (offs_d < DI)[None, :], other=0.0)
+    w = tl.load(w_ptr + row * HI + offs_j, mask=mask_j, other=0.0).to(tl.float32) * scale
+    if HAS_KEY_SCALES:
+        q, w = fp16_queries(q, w)
+    return q, w
 
 
 # Lengths vary from call to call; specialising on them (an int's divisibility by 16, a block row's alignment) would
@@ -43,6 +61,7 @@ def _indexer_scores_kernel(
     chunk_q0, width, stride_scores, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
+    KEYS_BY_HEADS: tl.constexpr = False,
 ):
     """One program: BLOCK_M consecutive queries of one sequence x TILES * BLOCK_N keys -> float32 scores.
 
@@ -77,9 +96,18 @@ def _indexer_scores_kernel(
             k_ok = offs_n <= pos_max
             kt = tl.load(k_ptr + (key_start + offs_n)[:, None] * DI + offs_d[None, :],
                          mask=k_ok[:, None] & (offs_d < DI)[None, :], other=0.0)  # (BN, DI)
-            s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast is a no-op but for fp8 keys (to fp16)
-            s = tl.maximum(s, 0.0) * w[:, None]
-            sc = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_HI, BLOCK_N)), axis=1)  # (BM, BN): sum over heads
+            if KEYS_BY_HEADS:  # one (keys x heads) product a query: its sum over heads stays within each thread's quad
+                kk = kt.to(qt.dtype)  # a no-op but for fp8 keys (to fp16)
+                sc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for m in tl.static_range(BLOCK_M):
+                    qm, wm = _query_heads(q_ptr, w_ptr, q0 + m, m < n_q, scale, HI, DI, BLOCK_HI, BLOCK_DI,
+                                          HAS_KEY_SCALES)
+                    sm = tl.sum(tl.maximum(tl.dot(kk, tl.trans(qm)), 0.0) * wm[None, :], axis=1)  # (BN,)
+                    sc = tl.where((offs_m == m)[:, None], sm[None, :], sc)
+            else:
+                s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast: see kk above
+                s = tl.maximum(s, 0.0) * w[:, None]
+                sc = tl.sum(tl.reshape(s, (BLOCK_M, BLOCK_HI, BLOCK_N)), axis=1)  # (BM, BN): sum over heads
             if HAS_KEY_SCALES:  # fp8 keys: one scale per key, applied once after the sum over heads
                 sc = sc * tl.load(ks_ptr + key_start + offs_n, mask=k_ok, other=0.0)[None, :]
             sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
@@ -121,7 +149,7 @@ def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scal
         scores.stride(0), scale,
         HI=Hi, DI=Di, BLOCK_HI=triton.next_power_of_2(Hi), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, TILES=TILES_PER_PROGRAM, HAS_KEY_SCALES=key_scales is not None,
-        num_warps=8, num_stages=2,
+        KEYS_BY_HEADS=SCORES_KEYS_BY_HEADS, num_warps=8, num_stages=2,
     )
 
 
