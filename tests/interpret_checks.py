@@ -148,6 +148,20 @@ def check_indexer_scores_keys_by_heads() -> None:
         ti.SCORES_KEYS_BY_HEADS = False
 
 
+def check_indexer_prefill_sampled_select() -> None:
+    """indexer_topk with its chunks' rows through the sampled select gives check_indexer_topk's and
+    check_indexer_topk_fp8_keys' selections."""
+    from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
+
+    saved = ti.PREFILL_SELECT_SAMPLED, ti.SAMPLED_SELECT_MIN_WIDTH
+    ti.PREFILL_SELECT_SAMPLED, ti.SAMPLED_SELECT_MIN_WIDTH = True, 0
+    try:
+        check_indexer_topk()
+        check_indexer_topk_fp8_keys()
+    finally:
+        ti.PREFILL_SELECT_SAMPLED, ti.SAMPLED_SELECT_MIN_WIDTH = saved
+
+
 def check_indexer_topk_paged() -> None:
     from slime_dsa.ops.triton_indexer_paged import indexer_topk_paged  # noqa: PLC0415
 
@@ -546,7 +560,8 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_topk_select_sampled, check_topk_select_sampled_wide_rows,
-          check_indexer_topk, check_indexer_scores_keys_by_heads, check_indexer_topk_paged, check_indexer_topk_fp8_keys,
+          check_indexer_topk, check_indexer_scores_keys_by_heads, check_indexer_prefill_sampled_select,
+          check_indexer_topk_paged, check_indexer_topk_fp8_keys,
           check_indexer_topk_paged_fp8_keys, check_sparse_mla, check_sparse_mla_fwd_variants,
           check_prefill_forward_choice, check_idx_reg_slices, check_sparse_mla_bwd_variants,
           check_dkv_stores_timing_launch, check_bwd_delta, check_masked_ranges]

@@ -26,6 +26,7 @@ from slime_dsa.ops.indexer_plan import plan_chunks
 from slime_dsa.ops.reference import _query_positions
 from slime_dsa.ops.triton_indexer_paged import fp16_queries, key_scales_arg
 from slime_dsa.ops.triton_topk import topk_select
+from slime_dsa.ops.triton_topk_sampled import topk_select_sampled
 
 CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
 ROWS_PER_PROGRAM = 128  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
@@ -34,6 +35,10 @@ TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them
 # A variant under measurement (benchmarks/indexer_scores_variants.py): each query's heads as the columns of its own
 # (keys x heads) product, so that the sum over heads needs no exchange between warps.
 SCORES_KEYS_BY_HEADS = True
+# Chunks of rows wider than this take `triton_topk_sampled.topk_select_sampled` (one full read of each row, then a
+# radix select on the entries above a sampled floor; same positions) instead of `topk_select`'s program a row.
+PREFILL_SELECT_SAMPLED = True
+SAMPLED_SELECT_MIN_WIDTH = 8192
 
 
 @triton.jit
@@ -191,7 +196,10 @@ def indexer_topk(
     for r0, r1, width, blocks in _plan_chunks(cu_q, cu_k, topk, block_m):
         scores = score_rows(r1 - r0, width, q.device)  # every entry written below
         launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m, key_scales)
-        topk_select(scores, n_valid[r0:r1], topk, out=out[r0:r1])
+        if PREFILL_SELECT_SAMPLED and width > SAMPLED_SELECT_MIN_WIDTH:
+            out[r0:r1] = topk_select_sampled(scores, n_valid[r0:r1], topk)
+        else:
+            topk_select(scores, n_valid[r0:r1], topk, out=out[r0:r1])
     return out
 
 
