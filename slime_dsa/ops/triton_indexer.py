@@ -6,12 +6,15 @@ converts them and q to fp16 (exact, `triton_indexer_paged.fp16_queries`) for the
 by its scale after the sum over heads.
 
 Two passes per chunk of query rows, so no T x T score matrix ever exists:
-1. A Triton kernel scores a (queries x keys) tile per program: (query, head) rows x keys on the tensor
-   cores, relu, weighted sum over heads; non-causal entries are -inf. The chunk's float32 scores (at most
-   CHUNK_ELEMS of them) are the only large buffer. A program takes up to BLOCK_M queries of one sequence;
-   at decode (one query per sequence) BLOCK_M is 1, so no tile rows are spent on absent queries.
-2. `triton_topk.topk_select` (radix select) picks each row's top-k exactly with the tie rule of
-   `reference.py` (equal scores prefer the lower position) and writes the positions ascending, -1 padded.
+1. A Triton kernel scores a (queries x keys) tile per program: for each query a (keys x heads) product on the
+   tensor cores (SCORES_KEYS_BY_HEADS; or one (query, head) rows x keys product), relu, weighted sum over heads;
+   non-causal entries are -inf. The chunk's float32 scores (at most CHUNK_ELEMS of them) are the largest buffer.
+   A program takes up to BLOCK_M queries of one sequence; at decode (one query per sequence) BLOCK_M is 1, so no
+   tile rows are spent on absent queries.
+2. A select picks each row's top-k exactly with the tie rule of `reference.py` (equal scores prefer the lower
+   position) and writes the positions ascending, -1 padded: `triton_topk_sampled.topk_select_sampled` for chunks
+   wider than SAMPLED_SELECT_MIN_WIDTH (PREFILL_SELECT_SAMPLED; its kept entries take up to 2 GiB more for a full
+   chunk), else `triton_topk.topk_select` (a radix select, a program a row).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
 ROWS_PER_PROGRAM = 128  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
 BLOCK_N = 128  # keys per tile
 TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them)
-# A variant under measurement (benchmarks/indexer_scores_variants.py): each query's heads as the columns of its own
-# (keys x heads) product, so that the sum over heads needs no exchange between warps.
+# Each query's heads as the columns of its own (keys x heads) product, so that the sum over heads needs no exchange
+# between warps: H100, 64K tokens, 98 -> 65 ms (benchmarks/indexer_scores_variants.py, RESULTS.md 2026-12-05).
 SCORES_KEYS_BY_HEADS = True
 # Chunks of rows wider than this take `triton_topk_sampled.topk_select_sampled` (one full read of each row, then a
-# radix select on the entries above a sampled floor; same positions) instead of `topk_select`'s program a row.
+# radix select on the entries above a sampled floor; same positions) instead of `topk_select`'s program a row: H100,
+# 64K tokens, 53 -> 20 ms (benchmarks/RESULTS.md, 2026-12-05).
 PREFILL_SELECT_SAMPLED = True
 SAMPLED_SELECT_MIN_WIDTH = 8192
 
