@@ -17,10 +17,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 from slime_dsa.ops.gluon_sparse_mla import (
-    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _copy_q, _cta_barrier, _gather, _row_end, _scores,
+    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _copy_q, _gather_ahead, _gather_first_steps, _row_end, _scores,
 )
 
 # (kv rows a step, kv buffers): each fills the shared memory next to q (64 x 576 bf16)
@@ -51,7 +51,6 @@ def _attn_probs_kernel(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                        instr_shape=[16, BLOCK_N // WG, 16])
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 16-byte cp.async
-    rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
     keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     scan_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], gl.bfloat16)
@@ -64,11 +63,7 @@ def _attn_probs_kernel(
 
     idx_row = idx_ptr + t * stride_it
     k_end = _row_end(idx_row, K, SCAN, scan_layout)
-    for b in gl.static_range(STAGES - 1):  # steps 0 .. STAGES - 2 in flight before the loop
-        _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
-                rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
-        cp.commit_group()
-    idx_next = _block_idx(idx_row, (STAGES - 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+    idx_next = _gather_first_steps(kn_smem, kp_smem, kv_ptr, idx_row, k_end, stride_kvt, copy_layout, ROW64)
     heads = gl.arange(0, BLOCK_H, gl.SliceLayout(1, s_layout))
     lse_log2 = gl.load(lse_ptr + t * stride_lt + heads) * 1.4426950408889634
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
@@ -76,15 +71,9 @@ def _attn_probs_kernel(
     n_steps = gl.cdiv(k_end, BLOCK_N)
     for j in range(n_steps):
         buf = j % STAGES
-        cp.wait_group(STAGES - 2)  # step j's rows (and, at j = 0, q) are in shared memory
-        fence_async_shared()
-        _cta_barrier()  # every thread's copies landed; every warp group is past step j - 1's QK
-        ahead = j + STAGES - 1
-        if ahead < n_steps:  # that step's rows go into the buffer step j - 1 read
-            _gather(kn_smem.index(ahead % STAGES), kp_smem.index(ahead % STAGES), kv_ptr, idx_next, stride_kvt,
-                    D_V, D_R, copy_layout, ROW64)
-        cp.commit_group()
-        idx_next = _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+        # step j's rows (and, at j = 0, q) in shared memory; every warp group past step j - 1's QK
+        idx_next = _gather_ahead(kn_smem, kp_smem, kv_ptr, idx_row, idx_next, j, n_steps, k_end, stride_kvt,
+                                 copy_layout, ROW64)
         slots = j * BLOCK_N + gl.arange(0, BLOCK_N, keys_layout)
         valid = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, keys_layout) >= 0
         s = _scores(qn_smem, qp_smem, kn_smem.index(buf), kp_smem.index(buf), s_zero)

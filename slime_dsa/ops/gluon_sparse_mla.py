@@ -115,6 +115,38 @@ def _gather(kn_buf, kp_buf, kv_ptr, idx, stride_kvt, D_V: gl.constexpr, D_R: gl.
 
 
 @gluon.jit
+def _gather_first_steps(kn_smem, kp_smem, kv_ptr, idx_row, k_end, stride_kvt, layout: gl.constexpr,
+                        ROW64: gl.constexpr):
+    """cp.async of steps 0 .. STAGES - 2's kv rows, a commit group each; returns step STAGES - 1's rows."""
+    STAGES: gl.constexpr = kn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kn_smem.shape[1]
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    for b in gl.static_range(STAGES - 1):
+        _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
+                rows_layout), stride_kvt, kn_smem.shape[2], kp_smem.shape[2], layout, ROW64)
+        cp.commit_group()
+    return _block_idx(idx_row, (STAGES - 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+
+
+@gluon.jit
+def _gather_ahead(kn_smem, kp_smem, kv_ptr, idx_row, idx_next, j, n_steps, k_end, stride_kvt, layout: gl.constexpr,
+                  ROW64: gl.constexpr):
+    """Step j's start: wait for its rows (and the copies before them), then gather step j + STAGES - 1's rows
+    (idx_next) into the buffer step j - 1 read, a commit group; returns the rows of the step after that."""
+    STAGES: gl.constexpr = kn_smem.shape[0]
+    BLOCK_N: gl.constexpr = kn_smem.shape[1]
+    cp.wait_group(STAGES - 2)
+    fence_async_shared()
+    _cta_barrier()  # every thread's copies landed; every warp group is done with step j - 1's buffer
+    ahead = j + STAGES - 1
+    if ahead < n_steps:
+        _gather(kn_smem.index(ahead % STAGES), kp_smem.index(ahead % STAGES), kv_ptr, idx_next, stride_kvt,
+                kn_smem.shape[2], kp_smem.shape[2], layout, ROW64)
+    cp.commit_group()
+    return _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(1, layout))
+
+
+@gluon.jit
 def _allocate_buffers(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D_V: gl.constexpr,
                       D_R: gl.constexpr):
     """Shared memory of the forward: q (latent, rope), `STAGES` kv buffers (latent, rope) and P."""
@@ -244,7 +276,6 @@ def _sparse_mla_fwd_kernel(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                        instr_shape=[16, D_V // WG, 16])
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 16-byte cp.async
-    rows_layout: gl.constexpr = gl.SliceLayout(1, copy_layout)
     keys_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     scan_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     qn_smem, qp_smem, kn_smem, kp_smem, p_smem = _allocate_buffers(BLOCK_H, BLOCK_N, STAGES, D_V, D_R)
@@ -252,11 +283,7 @@ def _sparse_mla_fwd_kernel(
 
     idx_row = idx_ptr + t * stride_it
     k_end = _row_end(idx_row, K, SCAN, scan_layout)
-    for b in gl.static_range(STAGES - 1):  # steps 0 .. STAGES - 2 in flight before the loop
-        _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
-                rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
-        cp.commit_group()
-    idx_next = _block_idx(idx_row, (STAGES - 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+    idx_next = _gather_first_steps(kn_smem, kp_smem, kv_ptr, idx_row, k_end, stride_kvt, copy_layout, ROW64)
     valid = _block_idx(idx_row, 0, k_end, BLOCK_N, keys_layout) >= 0
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -272,16 +299,10 @@ def _sparse_mla_fwd_kernel(
     else:
         for j in range(n_steps):
             buf = j % STAGES
-            cp.wait_group(STAGES - 2)  # step j's rows (and, at j = 0, q) are in shared memory
-            fence_async_shared()
-            _cta_barrier()  # every thread's copies landed; every warp group is past step j - 1's PV
-            ahead = j + STAGES - 1
-            if ahead < n_steps:  # that step's rows go into the buffer step j - 1 read
-                _gather(kn_smem.index(ahead % STAGES), kp_smem.index(ahead % STAGES), kv_ptr, idx_next, stride_kvt,
-                        D_V, D_R, copy_layout, ROW64)
-            cp.commit_group()
+            # step j's rows (and, at j = 0, q) in shared memory; every warp group past step j - 1's PV
+            idx_next = _gather_ahead(kn_smem, kp_smem, kv_ptr, idx_row, idx_next, j, n_steps, k_end, stride_kvt,
+                                     copy_layout, ROW64)
             valid_next = _block_idx(idx_row, (j + 1) * BLOCK_N, k_end, BLOCK_N, keys_layout) >= 0
-            idx_next = _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
 
             kn = kn_smem.index(buf)
             s = _scores(qn_smem, qp_smem, kn, kp_smem.index(buf), s_zero)

@@ -28,7 +28,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from slime_dsa.ops.gluon_sparse_mla import (
-    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _cta_barrier, _gather, _row_end, _store_rows,
+    BLOCK_H, D_R, D_V, LOG2E, NUM_WARPS, _block_idx, _cta_barrier, _gather_ahead, _gather_first_steps, _row_end,
+    _store_rows,
 )
 from slime_dsa.ops.gluon_sparse_mla import supported as forward_supported
 
@@ -172,11 +173,7 @@ def _sparse_mla_bwd_kernel(
 
     idx_row = idx_ptr + t * stride_it
     k_end = _row_end(idx_row, K, SCAN, scan_layout)
-    for b in gl.static_range(STAGES - 1):
-        _gather(kn_smem.index(b), kp_smem.index(b), kv_ptr, _block_idx(idx_row, b * BLOCK_N, k_end, BLOCK_N,
-                rows_layout), stride_kvt, D_V, D_R, copy_layout, ROW64)
-        cp.commit_group()
-    idx_next = _block_idx(idx_row, (STAGES - 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+    idx_next = _gather_first_steps(kn_smem, kp_smem, kv_ptr, idx_row, k_end, stride_kvt, copy_layout, ROW64)
 
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
     t_zero = gl.zeros([D_V, BLOCK_N], gl.float32, t_layout)
@@ -187,15 +184,9 @@ def _sparse_mla_bwd_kernel(
     for j in range(n_steps):
         buf = j % STAGES
         idx_s = _block_idx(idx_row, j * BLOCK_N, k_end, BLOCK_N, gl.SliceLayout(0, s_layout))
-        cp.wait_group(STAGES - 2)  # step j's rows (and, at j = 0, q and dO) are in shared memory
-        fence_async_shared()
-        _cta_barrier()  # every thread's copies landed; every warp group is past step j - 1's products
-        ahead = j + STAGES - 1
-        if ahead < n_steps:
-            _gather(kn_smem.index(ahead % STAGES), kp_smem.index(ahead % STAGES), kv_ptr, idx_next, stride_kvt,
-                    D_V, D_R, copy_layout, ROW64)
-        cp.commit_group()
-        idx_next = _block_idx(idx_row, (ahead + 1) * BLOCK_N, k_end, BLOCK_N, rows_layout)
+        # step j's rows (and, at j = 0, q and dO) in shared memory; every warp group past step j - 1's products
+        idx_next = _gather_ahead(kn_smem, kp_smem, kv_ptr, idx_row, idx_next, j, n_steps, k_end, stride_kvt,
+                                 copy_layout, ROW64)
 
         kn = kn_smem.index(buf)
         s = warpgroup_mma(qn_smem, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
