@@ -4,7 +4,7 @@
 # (default .whl, git-ignored, carried to the device: cp312 manylinux wheels + ray as a .tar.xz, built here by
 # benchmarks/device_wheels.sh; see
 # benchmarks/RESULTS.md, "One-GPU recipes on an H200").
-#   STAGES="setup kern20 kern20b prof ptrain sft sftlong rl abours hostbench vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
+#   STAGES="setup kern20 kern20b table20 prof ptrain sft sftlong rl abours hostbench vstrl vstrlrel vstrllong rollhttp rollspy rlspy trlnan opd test ds engthr mgbench invk tonp steps" (any subset, run in the order given), SFT_STEPS SFT_EVAL SFT_TRAIN SFT_T,
 #   RL_STEPS RL_TRAIN RL_T RL_SET (extra --set arguments) RL_RECIPE (default recipes/gpu_single.yaml; e.g.
 #   recipes/gpu_single_async.yaml, the asynchronous loop with engine and trainer on the GPU at once), TEST_FILES TEST_T, PROF_T, VSTRL_ARGS VSTRL_NAME VSTRL_T;
 #   *_T are wall-clock caps in seconds; NO_RAYLOGS=1 skips the closing Ray-log archive.
@@ -71,6 +71,8 @@
 # benchmarks/sparse_mla_fwd_variants.py (idx_reg and every Gluon config): $OUT/kern20_pytest.log, kern20_fwd.json. kern20b: benchmarks/paged_indexer_variants.py, then
 # benchmarks/sparse_mla_bwd_variants.py --modes split64 split64_gluon_dkv gluon_split gluon_fused: kern20_select.json,
 # kern20_bwd.json.
+# table20: issue 20's acceptance run (its kernels' GPU tests, then benchmarks/dsa_kernels.py at 32K-128K with the KL
+# loss and decode rows, then the same with --no-gluon: the Triton kernels alone); see the stage for its caps.
 # invk (benchmarks/invariant_kernels.py: the batch-invariant Triton kernels of issue 23 against cuBLAS / torch at the
 # 300m preset's shapes, decode and training M; INVK_ARGS adds arguments, INVK_T caps it, default 420 s) writes
 # $OUT/invk.md (the tables) and $OUT/invk.log.
@@ -302,6 +304,20 @@ kern20b)
   timeout -k 10 ${KERN20_BWD_T:-300} python3 benchmarks/sparse_mla_bwd_variants.py \
     --modes split64 split64_gluon_dkv gluon_split gluon_fused --max-configs 1 \
     --time-limit $(( ${KERN20_BWD_T:-300} - 60 )) --out $OUT/kern20_bwd.json 2>&1 | grep -v Warning | tail -30
+  ;;
+table20)
+  # issue 20's table as its acceptance asks (32K-128K, the KL loss at every length, decode batches 32 and 128), then
+  # the Triton-only baseline in the same call; the kernels' GPU tests first (TABLE20_TEST_T, TABLE20_T cap them,
+  # default 200 / 300 s). Writes $OUT/table20_pytest.log, table20.md, table20_triton.md.
+  stamp table20
+  timeout -k 10 ${TABLE20_TEST_T:-200} python3 -m pytest -q -m gpu tests/test_ops_gpu.py -p no:cacheprovider \
+    -k "gluon or sampled or indexer or kl or bwd_delta or model_forward_backward" 2>&1 | tee $OUT/table20_pytest.log | tail -5
+  timeout -k 10 ${TABLE20_T:-300} python3 benchmarks/dsa_kernels.py --lengths 32768 65536 131072 --no-packed \
+    --decode-batches 32 128 --kl-max-len 131072 --no-before --time-limit $(( ${TABLE20_T:-300} - 60 )) \
+    --out $OUT/table20.md 2>&1 | grep "^\[" | tail -20
+  timeout -k 10 ${TABLE20_T:-300} python3 benchmarks/dsa_kernels.py --lengths 32768 65536 131072 --no-packed \
+    --decode-batches --kl-max-len 131072 --no-before --no-gluon --time-limit $(( ${TABLE20_T:-300} - 60 )) \
+    --out $OUT/table20_triton.md 2>&1 | grep "^\[" | tail -12
   ;;
 invk)
   stamp invk
