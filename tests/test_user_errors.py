@@ -253,6 +253,44 @@ def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, 
     assert err.startswith(expected.format(d=model_dir)), err
 
 
+def _as_value_model(model_dir: Path) -> Path:
+    import json  # noqa: PLC0415
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GlmMoeDsaForValue"]}))
+    return model_dir
+
+
+@pytest.mark.parametrize(("recipe", "key", "make", "expected"), [
+    ("sao_agentic.yaml", "critic.path", lambda d: _model_dir_without(d, model_type="llama"),
+     "critic.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, model_type="llama"),
+     "teachers.1.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, "model.safetensors"),
+     "teachers.1.path: {d} holds no .safetensors weights"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _as_value_model(_model_dir_without(d)),
+     "teachers.1.path: {d} is a value model (GlmMoeDsaForValue, no language-model head)"),
+])
+def test_train_names_a_critic_or_teacher_path_that_would_not_load_before_ray_starts(capsys, tmp_path, monkeypatch,
+                                                                                    recipe, key, make, expected):
+    """A critic or teacher directory of another architecture, without weights, or (a teacher) a value model passed
+    `recipe check` and the start of train; the critic's trainer rank or the teacher's engine then died in Ray with a
+    traceback (a value model as teacher: 'checkpoint is missing tensor lm_head.weight')."""
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    policy = ROOT / "recipes" / "assets" / "agentic-sft"
+    bad = make(tmp_path)
+    teachers = [a for i in range(3) for a in ("--set", f"teachers.{i}.path={bad if i == 1 else policy}")]
+    extra = teachers + ["--set", f"model.path={policy}"] if recipe.startswith("opd") else ["--set", f"{key}={bad}"]
+    err = one_line_error(capsys, "train", str(ROOT / "recipes" / recipe), *extra, "--set",
+                         f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
+    assert err.startswith(expected.format(d=bad)), err
+
+
 def test_sft_refuses_an_output_dir_that_is_a_file_before_training(capsys, tmp_path, monkeypatch):
     """sft.output_dir naming a file was a NotADirectoryError traceback at the save, after the whole training."""
     import slime_dsa.sft  # noqa: PLC0415

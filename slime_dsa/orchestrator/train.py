@@ -86,6 +86,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     progress = progress or StepProgress()
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
+    _check_critic_and_teacher_dirs(recipe)
     tokenizer = load_tokenizer(recipe, model_dir)
     if recipe.teachers:
         from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
@@ -386,3 +387,16 @@ def _shutdown(trainers, engine_actors) -> None:
         ray.kill(actor)
 
 
+
+
+def _check_critic_and_teacher_dirs(recipe: RecipeConfig) -> None:
+    """critic.path and the teachers our engines load (serving embedded, swap): one line naming the key for a
+    directory of another architecture, without weights, or (a teacher) a value model; before Ray starts, where a
+    trainer rank or a teacher's engine failed with a traceback."""
+    from slime_dsa.run_dir import check_model_dir  # noqa: PLC0415
+
+    if recipe.critic.path is not None:  # set only where the algorithm has a critic (the schema refuses it elsewhere)
+        check_model_dir(Path(recipe.critic.path), "critic.path", policy=False)
+    for i, teacher in enumerate(recipe.teachers):
+        if teacher.serving in ("embedded", "swap"):  # SGLang and external servers load their own architectures
+            check_model_dir(Path(teacher.path), f"teachers.{i}.path")
