@@ -95,6 +95,14 @@ class ExitingTool:
 class ExitingLoop:
     def __init__(self):
         raise SystemExit(3)
+
+class MyCalculator:
+    name = "calculator"
+    description = "a calculator of my own"
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}}
+
+    async def call(self, expression):
+        return expression
 """
 
 
@@ -128,6 +136,10 @@ def plugins(tmp_path, monkeypatch) -> str:
      "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:ExitingTool': making it failed (SystemExit: 3)"),
     ("data.tasks.0.agent={tools: [calculator], loop: 'audit_plugins_mod:ExitingLoop'}",
      "data.tasks.0.agent.loop: agent loop 'audit_plugins_mod:ExitingLoop': making it failed (SystemExit: 3)"),
+    # two tools of one name: train refused it only after Ray had started, without the key; recipe check said ok
+    ("data.tasks.0.agent={tools: [calculator, 'audit_plugins_mod:MyCalculator']}",
+     "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:MyCalculator' is named 'calculator', as is "
+     "data.tasks.0.agent.tools.0; the model calls tools by name"),
 ])
 def test_a_plugin_that_does_not_resolve_is_one_line_at_check_train_and_sft(capsys, tmp_path, monkeypatch, plugins,
                                                                           override, expected):
