@@ -205,6 +205,20 @@ def test_export_of_a_run_directory_points_at_its_checkpoints(capsys, tmp_path, m
     assert err == f"{tmp_path / 'nothing'} does not exist"
 
 
+def test_export_of_a_critic_directory_says_it_is_a_value_model(capsys, tmp_path):
+    """`export checkpoints/step_N/critic` (SAO's value model, which value_pretrain.yaml calls a value-model directory)
+    said "checkpoint is missing tensor lm_head.weight (model expects shape (384, 128))"."""
+    import json  # noqa: PLC0415
+
+    critic = tmp_path / "step_000002" / "critic"
+    shutil.copytree(ROOT / "recipes" / "assets" / "quickstart-sft", critic)
+    config = json.loads((critic / "config.json").read_text())
+    (critic / "config.json").write_text(json.dumps({**config, "architectures": ["GlmMoeDsaForValue"]}))
+    err = one_line_error(capsys, "export", str(critic), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"{critic} is a value model (GlmMoeDsaForValue, a checkpoint's critic/), not a policy"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_nan_weights_and_unreadable_files(capsys, tmp_path, model_dir):
     assert main(["export", str(model_dir), "--out", str(tmp_path / "good")]) == 0
     assert (tmp_path / "good" / "config.json").is_file() and (tmp_path / "good" / "model.safetensors").is_file()
