@@ -287,9 +287,20 @@ def _as_value_model(model_dir: Path) -> Path:
     return model_dir
 
 
+def _with_vocab(model_dir: Path, vocab_size: int) -> Path:
+    import json  # noqa: PLC0415
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    return model_dir
+
+
 @pytest.mark.parametrize(("recipe", "key", "make", "expected"), [
     ("sao_agentic.yaml", "critic.path", lambda d: _model_dir_without(d, model_type="llama"),
      "critic.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    # a critic of fewer embeddings than the tokenizer's tokens: IndexError in the critic's rank after Ray started
+    ("sao_agentic.yaml", "critic.path", lambda d: _with_vocab(_model_dir_without(d), 300),
+     "critic.path: {d} has 300 token embeddings, fewer than the tokenizer's 384 tokens"),
     ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, model_type="llama"),
      "teachers.1.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
     ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, "model.safetensors"),
@@ -299,9 +310,10 @@ def _as_value_model(model_dir: Path) -> Path:
 ])
 def test_train_names_a_critic_or_teacher_path_that_would_not_load_before_ray_starts(capsys, tmp_path, monkeypatch,
                                                                                     recipe, key, make, expected):
-    """A critic or teacher directory of another architecture, without weights, or (a teacher) a value model passed
-    `recipe check` and the start of train; the critic's trainer rank or the teacher's engine then died in Ray with a
-    traceback (a value model as teacher: 'checkpoint is missing tensor lm_head.weight')."""
+    """A critic or teacher directory of another architecture, without weights, a critic with fewer embeddings than
+    the tokenizer has tokens, or (a teacher) a value model passed `recipe check` and the start of train; the critic's
+    trainer rank or the teacher's engine then died in Ray with a traceback (a value model as teacher: 'checkpoint is
+    missing tensor lm_head.weight'; the small critic: IndexError: index out of range in self)."""
     from slime_dsa.orchestrator import setup  # noqa: PLC0415
 
     def no_ray(recipe):
