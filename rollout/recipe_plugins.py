@@ -27,11 +27,22 @@ def plugin_problems(config: RecipeConfig) -> list[tuple[str, str]]:
             from rollout.agents.runtime import load_agent_loop  # noqa: PLC0415
 
             problems += _problem(f"data.tasks.{i}.agent.loop", load_agent_loop, task.agent.loop)
+        named: dict[str, int] = {}  # tool name -> index in agent.tools: the model calls tools by name
         for j, tool in enumerate(task.agent.tools):
+            key, name = f"data.tasks.{i}.agent.tools.{j}", tool  # a built-in tool is named as it is spelt
             if ":" in tool:  # built-in tools always load
                 from rollout.tools.registry import load_tool  # noqa: PLC0415
 
-                problems += _problem(f"data.tasks.{i}.agent.tools.{j}", load_tool, tool)
+                try:
+                    name = load_tool(tool).name
+                except UserError as e:  # ToolLoadError: one line naming the spec
+                    problems.append((key, str(e)))
+                    continue
+            if name in named:
+                problems.append((key, f"tool {tool!r} is named {name!r}, as is data.tasks.{i}.agent.tools."
+                                      f"{named[name]}; the model calls tools by name"))
+            else:
+                named[name] = j
     return problems
 
 

@@ -95,18 +95,23 @@ def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     return target
 
 
-def _check_model_dir(path: Path) -> None:
-    """UserError (one line) for a model.path that the engines and trainer ranks would fail to load after Ray and they
-    had started: no or unreadable weights, or a config.json of another architecture."""
+def check_model_dir(path: Path, key: str = "model.path", policy: bool = True) -> None:
+    """UserError (one line naming `key`) for a model directory that the engines and trainer ranks would fail to load
+    after Ray and they had started: no or unreadable weights, a config.json of another architecture, or (`policy`)
+    a value model, which has no language-model head (model.path, a teacher's path; critic.path takes either)."""
     from slime_dsa.checkpoint.validate import model_dir_problem  # noqa: PLC0415
     from slime_dsa.models.config import ModelConfig  # noqa: PLC0415
+    from slime_dsa.models.value_model import VALUE_ARCHITECTURE  # noqa: PLC0415
 
     if problem := model_dir_problem(path):
-        raise UserError(f"model.path: {problem}")
+        raise UserError(f"{key}: {problem}")
     try:
         ModelConfig.from_pretrained(path)
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"model.path: {path / 'config.json'}: {e}") from None
+        raise UserError(f"{key}: {path / 'config.json'}: {e}") from None
+    if policy and VALUE_ARCHITECTURE in (json.loads((path / "config.json").read_text()).get("architectures") or []):
+        raise UserError(f"{key}: {path} is a value model ({VALUE_ARCHITECTURE}, no language-model head); {key} "
+                        "takes a policy (a checkpoint's own directory or an export, not its critic/)")
 
 
 def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
@@ -120,7 +125,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         path = Path(recipe.model.path)
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {path} is not a directory")
-        _check_model_dir(path)
+        check_model_dir(path)
         return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     if (target / "config.json").exists():

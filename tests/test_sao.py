@@ -181,3 +181,27 @@ def test_recipe_explain_sao_gives_every_key_its_default_and_source():
             shown = heads[key].split(" = ", 1)[1].split("  ")[0]
             assert yaml.safe_load(shown) == default, key  # the default, on the key's line
             assert "Default " in " ".join(block.split()), key  # and where it comes from, in its description
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 0.0, 0.5], [0.0, 0.0, 0.0]])
+def test_explained_variance_is_left_out_of_a_step_whose_targets_all_agree(rewards):
+    """A step whose trajectories all scored 0 (frequent with few prompts a step) logged critic/explained_variance
+    -2.96e6 (1 - Var(R - V) / 1e-8), which flattened every other step on `report`'s curve."""
+    import asyncio  # noqa: PLC0415
+
+    from slime_dsa.orchestrator.critic import critic_estimates  # noqa: PLC0415
+
+    samples = [_trajectory(i, 3, [("model", 4)], reward=r) for i, r in enumerate(rewards)]
+    batch = build_train_batch(samples, torch.zeros(len(samples)))
+
+    class Critic:  # FAKE trainer group: the critic's values of every token, and of the state after each sample
+        def compute_values(self, batch):
+            g = torch.Generator().manual_seed(0)
+            return torch.rand(batch.input_ids.shape, generator=g), torch.zeros(len(batch.seqlens))
+
+    metrics = asyncio.run(critic_estimates(Critic(), _spec(gae_gamma=1.0), batch, samples))
+    if len(set(rewards)) > 1:
+        assert -10 < metrics["critic/explained_variance"] < 1
+    else:
+        assert "critic/explained_variance" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())

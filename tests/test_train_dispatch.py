@@ -103,3 +103,29 @@ def test_a_step_without_a_policy_call_still_prefetches(monkeypatch):
     asyncio.run(step_module.train_on_samples(_fake_run(), 0, ragged_samples(random.Random(0), ["none"] * 2),
                                              while_training=prefetch))
     assert events == ["critic", "prefetch"]
+
+
+def test_an_interrupt_during_the_critics_call_leaves_no_policy_call_unawaited(monkeypatch):
+    """Ctrl-C during a colocated critic's train call printed "RuntimeWarning: coroutine '_train_policy' was never
+    awaited" (and a tracemalloc hint) under the one line that names the checkpoint to resume from."""
+    import gc  # noqa: PLC0415
+
+    from slime_dsa.orchestrator import critic  # noqa: PLC0415
+
+    async def estimates(trainers, spec, batch, samples):
+        return {}
+
+    async def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(critic, "critic_estimates", estimates)
+    monkeypatch.setattr(critic, "train_critic", interrupted)
+    recipe = RecipeConfig.model_validate({"algorithm": {"name": "sao"}, "rollout": {"n_samples_per_prompt": 1}})
+    run = type("Run", (), dict(recipe=recipe, algorithm=build_algorithm(recipe.algorithm), trainers=None,
+                               teachers=None))()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(step_module._train_roles(run, 0, _batch(), [], True, lambda: None))
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]

@@ -95,6 +95,14 @@ class ExitingTool:
 class ExitingLoop:
     def __init__(self):
         raise SystemExit(3)
+
+class MyCalculator:
+    name = "calculator"
+    description = "a calculator of my own"
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}}}
+
+    async def call(self, expression):
+        return expression
 """
 
 
@@ -128,6 +136,10 @@ def plugins(tmp_path, monkeypatch) -> str:
      "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:ExitingTool': making it failed (SystemExit: 3)"),
     ("data.tasks.0.agent={tools: [calculator], loop: 'audit_plugins_mod:ExitingLoop'}",
      "data.tasks.0.agent.loop: agent loop 'audit_plugins_mod:ExitingLoop': making it failed (SystemExit: 3)"),
+    # two tools of one name: train refused it only after Ray had started, without the key; recipe check said ok
+    ("data.tasks.0.agent={tools: [calculator, 'audit_plugins_mod:MyCalculator']}",
+     "data.tasks.0.agent.tools.1: tool 'audit_plugins_mod:MyCalculator' is named 'calculator', as is "
+     "data.tasks.0.agent.tools.0; the model calls tools by name"),
 ])
 def test_a_plugin_that_does_not_resolve_is_one_line_at_check_train_and_sft(capsys, tmp_path, monkeypatch, plugins,
                                                                           override, expected):
@@ -193,6 +205,20 @@ def test_export_of_a_run_directory_points_at_its_checkpoints(capsys, tmp_path, m
     assert err == f"{tmp_path / 'nothing'} does not exist"
 
 
+def test_export_of_a_critic_directory_says_it_is_a_value_model(capsys, tmp_path):
+    """`export checkpoints/step_N/critic` (SAO's value model, which value_pretrain.yaml calls a value-model directory)
+    said "checkpoint is missing tensor lm_head.weight (model expects shape (384, 128))"."""
+    import json  # noqa: PLC0415
+
+    critic = tmp_path / "step_000002" / "critic"
+    shutil.copytree(ROOT / "recipes" / "assets" / "quickstart-sft", critic)
+    config = json.loads((critic / "config.json").read_text())
+    (critic / "config.json").write_text(json.dumps({**config, "architectures": ["GlmMoeDsaForValue"]}))
+    err = one_line_error(capsys, "export", str(critic), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"{critic} is a value model (GlmMoeDsaForValue, a checkpoint's critic/), not a policy"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_nan_weights_and_unreadable_files(capsys, tmp_path, model_dir):
     assert main(["export", str(model_dir), "--out", str(tmp_path / "good")]) == 0
     assert (tmp_path / "good" / "config.json").is_file() and (tmp_path / "good" / "model.safetensors").is_file()
@@ -251,6 +277,56 @@ def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, 
     err = one_line_error(capsys, "train", BASE, "--set", f"model.path={model_dir}", "--set",
                          f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
     assert err.startswith(expected.format(d=model_dir)), err
+
+
+def _as_value_model(model_dir: Path) -> Path:
+    import json  # noqa: PLC0415
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GlmMoeDsaForValue"]}))
+    return model_dir
+
+
+def _with_vocab(model_dir: Path, vocab_size: int) -> Path:
+    import json  # noqa: PLC0415
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    return model_dir
+
+
+@pytest.mark.parametrize(("recipe", "key", "make", "expected"), [
+    ("sao_agentic.yaml", "critic.path", lambda d: _model_dir_without(d, model_type="llama"),
+     "critic.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    # a critic of fewer embeddings than the tokenizer's tokens: IndexError in the critic's rank after Ray started
+    ("sao_agentic.yaml", "critic.path", lambda d: _with_vocab(_model_dir_without(d), 300),
+     "critic.path: {d} has 300 token embeddings, fewer than the tokenizer's 384 tokens"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, model_type="llama"),
+     "teachers.1.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _model_dir_without(d, "model.safetensors"),
+     "teachers.1.path: {d} holds no .safetensors weights"),
+    ("opd_merge.yaml", "teachers.1.path", lambda d: _as_value_model(_model_dir_without(d)),
+     "teachers.1.path: {d} is a value model (GlmMoeDsaForValue, no language-model head)"),
+])
+def test_train_names_a_critic_or_teacher_path_that_would_not_load_before_ray_starts(capsys, tmp_path, monkeypatch,
+                                                                                    recipe, key, make, expected):
+    """A critic or teacher directory of another architecture, without weights, a critic with fewer embeddings than
+    the tokenizer has tokens, or (a teacher) a value model passed `recipe check` and the start of train; the critic's
+    trainer rank or the teacher's engine then died in Ray with a traceback (a value model as teacher: 'checkpoint is
+    missing tensor lm_head.weight'; the small critic: IndexError: index out of range in self)."""
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(setup, "init_ray", no_ray)
+    policy = ROOT / "recipes" / "assets" / "agentic-sft"
+    bad = make(tmp_path)
+    teachers = [a for i in range(3) for a in ("--set", f"teachers.{i}.path={bad if i == 1 else policy}")]
+    extra = teachers + ["--set", f"model.path={policy}"] if recipe.startswith("opd") else ["--set", f"{key}={bad}"]
+    err = one_line_error(capsys, "train", str(ROOT / "recipes" / recipe), *extra, "--set",
+                         f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
+    assert err.startswith(expected.format(d=bad)), err
 
 
 def test_sft_refuses_an_output_dir_that_is_a_file_before_training(capsys, tmp_path, monkeypatch):

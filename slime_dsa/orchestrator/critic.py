@@ -38,8 +38,11 @@ async def critic_estimates(trainers: TrainerGroup, spec: Algorithm, batch: Train
     stats = advantage_metrics(batch.advantages, mask)
     metrics = {"advantage/mean": float(masked_mean(batch.advantages, mask)),
                "advantage/std": float(stats["advantage_std"]), "advantage/abs_mean": float(stats["advantage_abs_mean"]),
-               "critic/explained_variance": float(explained_variance(values, batch.returns, mask)),
                "critic/old_value_mean": float(masked_mean(values, mask))}
+    returns_mean = masked_mean(batch.returns, mask)
+    if float(masked_mean((batch.returns - returns_mean) ** 2, mask)) > 1e-8:  # else no variance to explain (every
+        # target equal: a step whose rewards all agree), and 1 - Var(R - V) / 1e-8 came out as -3e6 on the curve
+        metrics["critic/explained_variance"] = float(explained_variance(values, batch.returns, mask))
     metrics.update({f"advantage/{k}": v for k, v in spec.advantage_metrics(inputs).items()})
     return metrics
 

@@ -202,13 +202,14 @@ async def _train_roles(run: Run, step: int, batch, samples: list, trains_policy:
 
         metrics.update(teacher_estimates(algorithm, run.teachers, batch, samples))
     mini_batches = recipe.trainer.num_steps_per_rollout
-    jobs = [train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
+    # Calls made only when run: a later one is never created when an earlier one raises (Ctrl-C during the critic's)
+    jobs = [lambda: train_critic(trainers, algorithm, batch, mini_batches, logged)] if with_critic else []
     if trains_policy:
-        jobs.append(_train_policy(run, step, batch, logged, on_sent))
+        jobs.append(lambda: _train_policy(run, step, batch, logged, on_sent))
     if with_critic and recipe.critic.placement == "separate":
-        results = await asyncio.gather(*jobs)  # different ranks: the critic trains while the policy does
+        results = await asyncio.gather(*(job() for job in jobs))  # different ranks: critic and policy at once
     else:
-        results = [await job for job in jobs]  # the same ranks: one call at a time (their collectives must pair)
+        results = [await job() for job in jobs]  # the same ranks: one call at a time (their collectives must pair)
     for result in results:
         metrics.update(result)
     metrics["train/policy_steps"] = min(mini_batches, len(samples)) if trains_policy else 0

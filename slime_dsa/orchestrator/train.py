@@ -87,6 +87,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
+    _check_critic_and_teacher_dirs(recipe, len(tokenizer))
     if recipe.teachers:
         from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
 
@@ -386,3 +387,23 @@ def _shutdown(trainers, engine_actors) -> None:
         ray.kill(actor)
 
 
+
+
+def _check_critic_and_teacher_dirs(recipe: RecipeConfig, num_tokens: int) -> None:
+    """critic.path and the teachers our engines load (serving embedded, swap): one line naming the key for a
+    directory of another architecture, without weights, a critic with fewer embeddings than the tokenizer's
+    `num_tokens`, or a teacher that is a value model; before Ray starts, where a trainer rank or a teacher's engine
+    failed with a traceback."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.orchestrator.teachers import model_logits  # noqa: PLC0415
+    from slime_dsa.run_dir import check_model_dir  # noqa: PLC0415
+
+    if recipe.critic.path is not None:  # set only where the algorithm has a critic (the schema refuses it elsewhere)
+        check_model_dir(Path(recipe.critic.path), "critic.path", policy=False)
+        vocab = model_logits(Path(recipe.critic.path))
+        if vocab is not None and vocab < num_tokens:
+            raise UserError(f"critic.path: {recipe.critic.path} has {vocab} token embeddings, fewer than the "
+                            f"tokenizer's {num_tokens} tokens: the value model reads the policy's token ids")
+    for i, teacher in enumerate(recipe.teachers):
+        if teacher.serving in ("embedded", "swap"):  # SGLang and external servers load their own architectures
+            check_model_dir(Path(teacher.path), f"teachers.{i}.path")
