@@ -100,16 +100,23 @@ class ScoreVariant:
     kq: bool = False
 
     def __call__(self, q, k_pool, weights, key_slots, seq_lens, scale: float) -> torch.Tensor:
-        B, Hi, Di = q.shape
-        width = key_slots.shape[1]
-        scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
-        _scores_variant_kernel[(B, triton.cdiv(width, self.block_n * self.tiles))](
-            q, weights, k_pool, key_slots, seq_lens, scores, width, float(scale), HI=Hi, DI=Di,
-            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
-            BLOCK_N=self.block_n, TILES=self.tiles, PAGE=self.page, KQ=self.kq, num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
-        return scores
+        return _variant_scores(_scores_variant_kernel, self, (q, weights, k_pool), key_slots, seq_lens, scale,
+                               PAGE=self.page, KQ=self.kq)
+
+
+def _variant_scores(kernel, variant, leading: tuple, key_slots, seq_lens, scale: float, **flags) -> torch.Tensor:
+    """A scoring variant's kernel over (request, tiles) programs: new float32 scores (B, width). leading: the
+    kernel's arguments before key_slots (q first)."""
+    B, Hi, Di = leading[0].shape
+    width = key_slots.shape[1]
+    scores = torch.empty(B, width, dtype=torch.float32, device=key_slots.device)
+    kernel[(B, triton.cdiv(width, variant.block_n * variant.tiles))](
+        *leading, key_slots, seq_lens, scores, width, float(scale), HI=Hi, DI=Di,
+        BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
+        BLOCK_N=variant.block_n, TILES=variant.tiles, num_warps=variant.num_warps, num_stages=variant.num_stages,
+        **flags,
+    )
+    return scores
 
 
 SCORE_VARIANTS: list[Callable] = [
@@ -218,16 +225,8 @@ class Fp8ScoreVariant:
     prefetch: bool = False
 
     def __call__(self, q, k_pool, weights, key_slots, seq_lens, scale: float, key_scales) -> torch.Tensor:
-        B, Hi, Di = q.shape
-        width = key_slots.shape[1]
-        scores = torch.empty(B, width, dtype=torch.float32, device=q.device)
-        _fp8_scores_variant_kernel[(B, triton.cdiv(width, self.block_n * self.tiles))](
-            q, weights, k_pool, key_scales, key_slots, seq_lens, scores, width, float(scale), HI=Hi, DI=Di,
-            BLOCK_HI=max(16, triton.next_power_of_2(Hi)), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
-            BLOCK_N=self.block_n, TILES=self.tiles, E4M3_QUERY=self.e4m3_query, PREFETCH=self.prefetch,
-            num_warps=self.num_warps, num_stages=self.num_stages,
-        )
-        return scores
+        return _variant_scores(_fp8_scores_variant_kernel, self, (q, weights, k_pool, key_scales), key_slots,
+                               seq_lens, scale, E4M3_QUERY=self.e4m3_query, PREFETCH=self.prefetch)
 
 
 # Key-loop instructions a thread, sm_90a, Triton 3.6 (tools/kernel_resources.py), 128 keys a warpgroup: the current fp8
