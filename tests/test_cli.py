@@ -106,6 +106,19 @@ def test_the_deepspeed_backend_without_deepspeed_is_refused_in_one_line(tmp_path
                         "(pip install -e '.[deepspeed]')")
 
 
+def test_the_megatron_backend_without_megatron_core_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util  # noqa: PLC0415
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("megatron") else find_spec(name, *a))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  backend: megatron\n")
+    err = one_line_error(capsys, "recipe", "check", str(recipe))
+    assert err.endswith("trainer.backend: 'megatron' needs megatron-core, which is not installed here "
+                        "(pip install -e '.[megatron]', on Python 3.12 or later: its only wheels)")
+
+
 def test_errors_in_a_subprocess_are_one_line_without_traceback(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("trainer:\n  num_steps: many\n")

@@ -209,6 +209,7 @@ def test_sft_refuses_the_keys_it_does_not_read(key, value, says, capsys, monkeyp
         raise AssertionError("training started")
 
     monkeypatch.setattr(slime_dsa.sft, "run_sft", no_training)
+    monkeypatch.setattr("slime_dsa.config.paths._installed", lambda module: True)  # train's check: megatron-core or not
     overrides = ["--set", f"{key}={value}", "--set", "logging.run_dir=runs/never-written"]
     if key == "checkpoint.resume":
         overrides += ["--set", "checkpoint.dir=runs/never-written"]

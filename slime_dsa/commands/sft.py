@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from slime_dsa.config.sft import check_sft_keys  # noqa: PLC0415
 
     recipe = load_recipe(args.recipe, args.overrides)
-    check_recipe_paths(recipe)
+    check_recipe_paths(recipe, trainer_workers=False)
     check_recipe_plugins(recipe)  # reward functions, agent loops and tools by import path
     check_sft_keys(recipe)  # train's keys that one process does not honour: refused, not ignored
     _refuse_an_earlier_runs_metrics(recipe)

@@ -60,7 +60,7 @@ def run_check(args: argparse.Namespace) -> int:
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     config = load_recipe(args.recipe, args.overrides)
-    check_recipe_paths(config)
+    check_recipe_paths(config, trainer_workers=args.command != "sft")
     if getattr(args, "check_plugins", None) is not None:
         args.check_plugins(config)
     if args.command == "sft":  # in the order `slime-dsa sft` checks

@@ -27,12 +27,13 @@ def looks_like_hub_id(value: str) -> bool:
     return bool(_HUB_ID.match(value)) and not value.lower().endswith(DATA_SUFFIXES)
 
 
-def check_recipe_paths(config: RecipeConfig) -> None:
-    """Raise RecipeError naming the first key whose path is unusable (and how many more are)."""
-    raise_first_problem(path_problems(config))
+def check_recipe_paths(config: RecipeConfig, trainer_workers: bool = True) -> None:
+    """Raise RecipeError naming the first key whose path is unusable (and how many more are); trainer_workers: also
+    the library of trainer.backend (train's workers; sft trains in one process and refuses other backends)."""
+    raise_first_problem(path_problems(config, trainer_workers))
 
 
-def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
+def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tuple[str, str]]:
     """(key, what is wrong) for every path of the recipe that cannot be used."""
     problems = []
     if config.model.path is not None and (problem := _model_dir_problem(config.model.path)):
@@ -60,10 +61,24 @@ def path_problems(config: RecipeConfig) -> list[tuple[str, str]]:
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
-    if config.trainer.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        problems.append(("trainer.backend", "'deepspeed' needs DeepSpeed, which is not installed here "
-                                            "(pip install -e '.[deepspeed]')"))
+    if trainer_workers and config.trainer.backend in _BACKEND_LIBRARIES and not _installed(_BACKEND_LIBRARIES[config.trainer.backend][0]):
+        module, library, extra = _BACKEND_LIBRARIES[config.trainer.backend]
+        problems.append(("trainer.backend", f"'{config.trainer.backend}' needs {library}, which is not installed here "
+                                            f"({extra})"))
     return problems
+
+
+# A backend's library: (the module it imports, its name, how to install it).
+_BACKEND_LIBRARIES = {"deepspeed": ("deepspeed", "DeepSpeed", "pip install -e '.[deepspeed]'"),
+                      "megatron": ("megatron.core", "megatron-core",
+                                   "pip install -e '.[megatron]', on Python 3.12 or later: its only wheels")}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is absent
+        return False
 
 
 def _model_dir_problem(value: str) -> str | None:
