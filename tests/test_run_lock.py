@@ -138,3 +138,31 @@ def test_the_command_line_prints_the_interruption_in_one_line(capsys, monkeypatc
     monkeypatch.setattr(train, "run", interrupted)
     assert main(["train", BASE]) == 130
     assert capsys.readouterr().err == "slime-dsa: interrupted: interrupted during step 3: steps 3 since ...\n"
+
+
+@pytest.mark.parametrize(("megatron_ranks", "overrides", "says"), [
+    (2, ["trainer.backend=fsdp"], "was written by trainer.backend megatron, and this run's trainer.backend is 'fsdp'"),
+    (None, ["trainer.backend=megatron"], "was written by trainer.backend fsdp or deepspeed, and this run's "
+                                         "trainer.backend is 'megatron'"),
+    (2, ["trainer.backend=megatron", "trainer.num_workers=1"], "was written by 2 ranks with trainer.megatron"),
+    (2, ["trainer.backend=megatron", "trainer.num_workers=2", "trainer.megatron.expert_parallel=2"],
+     "'expert_parallel': 1"),
+])
+def test_resume_with_another_backend_or_ranks_is_one_line_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                          megatron_ranks, overrides, says):
+    """A Megatron checkpoint resumed by fsdp (or the reverse, or by other ranks) started Ray, engines and trainers,
+    then died with a trainer rank's FileNotFoundError (optimizer.safetensors, megatron/rank0.json) or ValueError."""
+    monkeypatch.setattr("slime_dsa.config.paths._installed", lambda module: True)  # megatron-core or not
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    if megatron_ranks:
+        (ckpt / "megatron").mkdir()
+        layout = {"optimizer": "torch", "world_size": megatron_ranks,
+                  "sizes": {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "context_parallel": 1}}
+        (ckpt / "megatron" / "rank0.json").write_text(json.dumps(layout))
+    sets = [arg for o in [f"logging.run_dir={run_dir}", "trainer.num_steps=5", *overrides] for arg in ("--set", o)]
+    assert main(["train", BASE, "--resume", *sets]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert says in line and str(ckpt) in line, stderr
+    assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work

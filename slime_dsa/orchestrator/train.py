@@ -8,6 +8,7 @@ distillation) → trainers → data → loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -250,6 +251,7 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
         logger.warning("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
+        check_checkpoint_layout(recipe, resume_from)
     return ckpts, resume_from
 
 
@@ -263,6 +265,26 @@ def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
         raise UserError(f"the run is already at step {step} of trainer.num_steps {total} ({checkpoint}): nothing to "
                         f"resume; to train further, raise trainer.num_steps (e.g. --resume --set "
                         f"trainer.num_steps={max(2 * total, step + 1)})")
+
+
+def check_checkpoint_layout(recipe: RecipeConfig, checkpoint: Path) -> None:
+    """UserError (one line) when the trainer ranks could not read `checkpoint`: Megatron's per-rank shards
+    (megatron/rank{r}.json, for the same ranks and sizes) against fsdp's and deepspeed's full tensors."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    backend, rank0 = recipe.trainer.backend, checkpoint / "megatron" / "rank0.json"
+    if rank0.is_file() != (backend == "megatron"):
+        wrote = "megatron" if rank0.is_file() else "fsdp or deepspeed"
+        raise UserError(f"{checkpoint} was written by trainer.backend {wrote}, and this run's trainer.backend is "
+                        f"'{backend}': resume with the backend that wrote it, or start a new run from its weights "
+                        f"(model.path {checkpoint})")
+    if backend == "megatron":
+        saved = json.loads(rank0.read_text())
+        now = {"world_size": recipe.trainer.num_workers, "sizes": recipe.trainer.megatron.model_dump()}
+        if {k: saved.get(k) for k in now} != now:
+            raise UserError(f"{checkpoint} was written by {saved.get('world_size')} ranks with trainer.megatron "
+                            f"{saved.get('sizes')}; this run has trainer.num_workers {now['world_size']} and "
+                            f"{now['sizes']}: resume with the same ones")
 
 
 @contextmanager
