@@ -61,8 +61,9 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
-    if trainer_workers and config.trainer.backend in _BACKEND_LIBRARIES and not _installed(_BACKEND_LIBRARIES[config.trainer.backend][0]):
-        module, library, extra = _BACKEND_LIBRARIES[config.trainer.backend]
+    backend_library = _BACKEND_LIBRARIES.get(config.trainer.backend) if trainer_workers else None
+    if backend_library is not None and not _installed(backend_library[0]):
+        _, library, extra = backend_library
         problems.append(("trainer.backend", f"'{config.trainer.backend}' needs {library}, which is not installed here "
                                             f"({extra})"))
     return problems
