@@ -31,14 +31,19 @@ class ValueLossInputs:
                 raise ValueError(f"{name} must have shape {tuple(self.values.shape)} like values, got {tuple(getattr(self, name).shape)}")
 
 
+MIN_RETURN_VARIANCE = 1e-8  # below it every target is the same: explained variance is undefined
+
+
+def masked_variance(x: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Var(x) over masked tokens."""
+    return masked_mean((x - masked_mean(x, loss_mask)) ** 2, loss_mask)
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """1 - Var(R - V) / Var(R) over masked tokens; 1 is perfect, 0 no better than the mean, < 0 worse."""
     values, returns = upcast(values.detach()), upcast(returns.detach())
-    mean_r = masked_mean(returns, loss_mask)
-    var_r = masked_mean((returns - mean_r) ** 2, loss_mask)
-    err = returns - values
-    var_err = masked_mean((err - masked_mean(err, loss_mask)) ** 2, loss_mask)
-    return 1.0 - var_err / var_r.clamp(min=1e-8)
+    var_r = masked_variance(returns, loss_mask)
+    return 1.0 - masked_variance(returns - values, loss_mask) / var_r.clamp(min=MIN_RETURN_VARIANCE)
 
 
 @dataclass(frozen=True)

@@ -139,13 +139,9 @@ def _check_exportable(checkpoint: Path) -> None:
             raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
         missing = "config.json" if weights else "model.safetensors"
         raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
-    from slime_dsa.models.value_model import VALUE_ARCHITECTURE  # noqa: PLC0415
+    from slime_dsa.models.value_model import VALUE_ARCHITECTURE, is_value_model_dir  # noqa: PLC0415
 
-    try:
-        architectures = json.loads((checkpoint / "config.json").read_text()).get("architectures") or []
-    except (ValueError, AttributeError):
-        architectures = []  # load_model names an unreadable config.json
-    if VALUE_ARCHITECTURE in architectures:
+    if is_value_model_dir(checkpoint):  # an unreadable config.json: model_dir_problem below names it
         raise UserError(f"{checkpoint} is a value model ({VALUE_ARCHITECTURE}, a checkpoint's critic/), not a policy: "
                         "export writes a policy (export the checkpoint itself); critic.path loads this directory as "
                         "it is")

@@ -12,6 +12,8 @@ before it), read from the hidden state of row t - 1; the first row of each seque
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,15 @@ VALUE_ARCHITECTURE = "GlmMoeDsaForValue"  # config.json "architectures" of a val
 VALUE_HEAD = "value_head"
 # Parameters of the value model that stay fixed: matched as substrings of parameter names (RoleConfig.frozen).
 VALUE_FROZEN = (".self_attn.", "model.embed_tokens.")
+
+
+def is_value_model_dir(path: str | Path) -> bool:
+    """Whether path/config.json names the value model's architecture (False where it is unreadable)."""
+    try:
+        architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return VALUE_ARCHITECTURE in architectures
 
 
 def value_config(policy: ModelConfig) -> ModelConfig:

@@ -201,7 +201,7 @@ def indexer_topk(
         scores = score_rows(r1 - r0, width, q.device)  # every entry written below
         launch_scores(q, k, weights, scores, blocks, r0, width, float(scale), block_m, key_scales)
         if PREFILL_SELECT_SAMPLED and width > SAMPLED_SELECT_MIN_WIDTH:
-            out[r0:r1] = topk_select_sampled(scores, n_valid[r0:r1], topk)
+            topk_select_sampled(scores, n_valid[r0:r1], topk, out=out[r0:r1])
         else:
             topk_select(scores, n_valid[r0:r1], topk, out=out[r0:r1])
     return out

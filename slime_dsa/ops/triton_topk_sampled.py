@@ -252,10 +252,11 @@ def keep_above_floor(scores: torch.Tensor, n_valid: torch.Tensor, topk: int, sli
 
 def topk_select_sampled(
     scores: torch.Tensor, n_valid: torch.Tensor, topk: int, slices: int | None = None, block: int = BLOCK,
-    num_warps: int = NUM_WARPS,
+    num_warps: int = NUM_WARPS, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`topk_select_split`'s result from one full read of each row (sampled floor, then kept entries): (R, topk)."""
-    scores, n_valid, out = select_operands(scores, n_valid, topk)
+    """`topk_select_split`'s result from one full read of each row (sampled floor, then kept entries): (R, topk)
+    int64, written into `out` if given."""
+    scores, n_valid, out = select_operands(scores, n_valid, topk, out)
     R, W = scores.shape
     if R == 0 or topk == 0:
         return out

@@ -125,9 +125,11 @@ def split_slices(rows: int, width: int, block: int, device: torch.device, per_sm
     return max(1, min(triton.cdiv(per_sm * sms, max(rows, 1)), triton.cdiv(width, block), MAX_SLICES))
 
 
-def select_operands(scores: torch.Tensor, n_valid: torch.Tensor, topk: int):
-    """(scores with unit column stride, contiguous n_valid, the (R, topk) int64 output) of a select call."""
-    out = torch.empty(scores.shape[0], topk, dtype=torch.int64, device=scores.device)
+def select_operands(scores: torch.Tensor, n_valid: torch.Tensor, topk: int, out: torch.Tensor | None = None):
+    """(scores with unit column stride, contiguous n_valid, the (R, topk) int64 output, `out` if given) of a select
+    call."""
+    if out is None:
+        out = torch.empty(scores.shape[0], topk, dtype=torch.int64, device=scores.device)
     return (scores if scores.stride(1) == 1 else scores.contiguous()), n_valid.contiguous(), out
 
 

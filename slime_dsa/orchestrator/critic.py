@@ -26,7 +26,9 @@ async def critic_estimates(trainers: TrainerGroup, spec: Algorithm, batch: Train
     """Fill batch.advantages (per token), batch.returns and batch.old_values from the critic; return their metrics."""
     from slime_dsa.algorithms.gae import advantage_metrics  # noqa: PLC0415
     from slime_dsa.algorithms.utils import masked_mean  # noqa: PLC0415
-    from slime_dsa.algorithms.value_loss import explained_variance  # noqa: PLC0415
+    from slime_dsa.algorithms.value_loss import (  # noqa: PLC0415
+        MIN_RETURN_VARIANCE, explained_variance, masked_variance,
+    )
     from slime_dsa.orchestrator.batching import critic_advantage_inputs  # noqa: PLC0415
 
     values, final = await asyncio.to_thread(trainers.compute_values, batch)
@@ -39,9 +41,9 @@ async def critic_estimates(trainers: TrainerGroup, spec: Algorithm, batch: Train
     metrics = {"advantage/mean": float(masked_mean(batch.advantages, mask)),
                "advantage/std": float(stats["advantage_std"]), "advantage/abs_mean": float(stats["advantage_abs_mean"]),
                "critic/old_value_mean": float(masked_mean(values, mask))}
-    returns_mean = masked_mean(batch.returns, mask)
-    if float(masked_mean((batch.returns - returns_mean) ** 2, mask)) > 1e-8:  # else no variance to explain (every
-        # target equal: a step whose rewards all agree), and 1 - Var(R - V) / 1e-8 came out as -3e6 on the curve
+    # Left out where every target is equal (a step whose rewards all agree): there it is undefined, and its clamped
+    # value (~ -3e6) flattened the report's curve.
+    if float(masked_variance(batch.returns, mask)) > MIN_RETURN_VARIANCE:
         metrics["critic/explained_variance"] = float(explained_variance(values, batch.returns, mask))
     metrics.update({f"advantage/{k}": v for k, v in spec.advantage_metrics(inputs).items()})
     return metrics

@@ -409,8 +409,6 @@ def _shutdown(trainers, engine_actors) -> None:
         ray.kill(actor)
 
 
-
-
 def _check_critic_and_teacher_dirs(recipe: RecipeConfig, num_tokens: int) -> None:
     """critic.path and the teachers our engines load (serving embedded, swap): one line naming the key for a
     directory of another architecture, without weights, a critic with fewer embeddings than the tokenizer's
