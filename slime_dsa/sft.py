@@ -6,7 +6,6 @@ stopped early (sft.stop_at_pass) so that RL has room to improve it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from slime_dsa.config import RecipeConfig
-from slime_dsa.interrupts import raise_if_terminated
+from slime_dsa import interrupts
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
     model.eval()
     try:
-        return asyncio.run(evaluate())
+        return interrupts.run(evaluate())
     finally:
         model.train()
 
@@ -173,7 +172,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
         with Progress(transient=True) as progress:
             bar = progress.add_task("sft", total=tr.num_steps)
             for step in range(1, tr.num_steps + 1):
-                raise_if_terminated()
+                interrupts.raise_if_terminated()
                 start = time.perf_counter()
                 examples = supervised_examples(mixture.take(sft.batch_size), tokenizer)
                 metrics = sft_step(model, optimizer, examples, tr.micro_batch_tokens, tr.max_grad_norm, autocast)

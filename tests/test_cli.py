@@ -269,6 +269,36 @@ def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
     assert proc.returncode == 130, proc.stderr.decode()[-2000:]
 
 
+def test_a_sigterm_that_lands_in_a_task_stops_the_run_with_nothing_printed_after_its_line(tmp_path):
+    """A SIGTERM whose handler runs inside one of the run's asyncio tasks cancels the main task (as Ctrl-C does in
+    asyncio.run), where a raise there left that task's exception unretrieved: asyncio printed "Task exception was
+    never retrieved" and a traceback after the command's last line."""
+    (tmp_path / "sigterm_in_task.py").write_text(
+        "import asyncio, gc, logging, os, signal, sys\n"
+        "from slime_dsa import interrupts\n"
+        "from slime_dsa.cli import _raise_on_sigterm\n"
+        "logging.basicConfig()\n"
+        "async def rollout():\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in this task\n"
+        "    await asyncio.sleep(5)\n"
+        "async def main():\n"
+        "    task = asyncio.ensure_future(rollout())\n"
+        "    try:\n"
+        "        await asyncio.sleep(5)\n"
+        "    finally:\n"
+        "        print('cleanup ran', file=sys.stderr)\n"
+        "_raise_on_sigterm()\n"
+        "try:\n"
+        "    interrupts.run(main())\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print(f'interrupted {type(e).__name__}', file=sys.stderr)\n"
+        "gc.collect()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"}
+    proc = subprocess.run([sys.executable, "-m", "sigterm_in_task"], env=env, capture_output=True, timeout=60)
+    assert proc.stderr.decode().splitlines() == ["cleanup ran", "interrupted Terminated"], proc.stderr.decode()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed one, on purpose
 def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_next_step():
     """Python drops an exception raised in a signal handler that runs inside a finalizer; the run loops' per-step

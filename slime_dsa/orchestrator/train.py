@@ -19,7 +19,7 @@ from typing import Any, Literal
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.gc_watch import frozen_during
-from slime_dsa.interrupts import raise_if_terminated
+from slime_dsa import interrupts
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
@@ -46,8 +46,8 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
     progress = StepProgress()
     with open_run_dir(recipe, "train.log") as run_dir:
         try:
-            return asyncio.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights, hook_state,
-                                    progress))
+            return interrupts.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights,
+                                       hook_state, progress))
         except KeyboardInterrupt:
             line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
             logger.info("interrupted%s", f": {line}" if line else "")  # the console gets the command's one line
@@ -307,7 +307,7 @@ async def _sync_loop(run: Run) -> None:
     profiler = StepProfiler(logs.profile_steps, run.run_dir, run.client, run.trainers, logs.profile_activities)
     try:
         for step in range(run.start_step, run.recipe.trainer.num_steps):
-            raise_if_terminated()
+            interrupts.raise_if_terminated()
             run.progress.current = step + 1
             async with profiler.window(step + 1) as clock:
                 metrics = await _one_step(run, step, clock)
