@@ -166,3 +166,17 @@ def test_resume_with_another_backend_or_ranks_is_one_line_before_any_work(tmp_pa
     line = stderr.strip().splitlines()[-1]
     assert says in line and str(ckpt) in line, stderr
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
+
+
+@pytest.mark.parametrize(("saved_ranks", "warned"), [(2, True), (1, False)])
+def test_resume_with_another_number_of_fsdp_ranks_warns_that_it_is_not_exact(tmp_path, caplog, saved_ranks, warned):
+    """fsdp and deepspeed checkpoints hold full tensors, so another rank count resumes, but the batch splits
+    differently and the new ranks' RNG streams start fresh: said, where the README promised exactness."""
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import check_checkpoint_layout
+
+    for rank in range(saved_ranks):
+        (tmp_path / f"rng_rank{rank}.safetensors").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        check_checkpoint_layout(load_recipe(BASE, ["trainer.num_workers=1"]), tmp_path)
+    assert ("written by 2 trainer ranks and this run has trainer.num_workers 1" in caplog.text) == warned

@@ -269,7 +269,8 @@ def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
 
 def check_checkpoint_layout(recipe: RecipeConfig, checkpoint: Path) -> None:
     """UserError (one line) when the trainer ranks could not read `checkpoint`: Megatron's per-rank shards
-    (megatron/rank{r}.json, for the same ranks and sizes) against fsdp's and deepspeed's full tensors."""
+    (megatron/rank{r}.json, for the same ranks and sizes) against fsdp's and deepspeed's full tensors. A warning when
+    fsdp or deepspeed resume full tensors with another number of ranks, which works but is not exact."""
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
     backend, rank0 = recipe.trainer.backend, checkpoint / "megatron" / "rank0.json"
@@ -285,6 +286,13 @@ def check_checkpoint_layout(recipe: RecipeConfig, checkpoint: Path) -> None:
             raise UserError(f"{checkpoint} was written by {saved.get('world_size')} ranks with trainer.megatron "
                             f"{saved.get('sizes')}; this run has trainer.num_workers {now['world_size']} and "
                             f"{now['sizes']}: resume with the same ones")
+        return
+    written_by = len(list(checkpoint.glob("rng_rank*.safetensors")))  # one per policy rank (fsdp, deepspeed)
+    if written_by and written_by != recipe.trainer.num_workers:
+        logger.warning("%s was written by %d trainer ranks and this run has trainer.num_workers %d: it resumes from "
+                       "the same weights and optimizer state, but not exactly (the batch splits across ranks "
+                       "differently, and a rank without a saved RNG stream starts a fresh one)", checkpoint,
+                       written_by, recipe.trainer.num_workers)
 
 
 @contextmanager
