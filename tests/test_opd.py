@@ -195,6 +195,8 @@ def test_recipe_checks_of_the_teachers_list():
     refused("needs at least one entry in teachers", teachers=[])
     refused("teachers are read only by algorithms with a teacher", algorithm={"name": "grpo"})
     refused("'sort', which is not a task", teachers=[{"name": "t", "path": "p", "domains": ["sort"]}])
+    refused("teachers.0.name: string should match pattern", teachers=[{"name": "math/v2", "path": "p",
+                                                                      "domains": ["arithmetic"]}])
     refused("two teachers", teachers=[{"name": "a", "path": "p", "domains": ["arithmetic"]},
                                       {"name": "b", "path": "q", "domains": ["arithmetic"]}])
     refused("must be unique", teachers=[{"name": "a", "path": "p", "domains": ["arithmetic"]},

@@ -19,7 +19,9 @@ class TeacherConfig(Section):
     """One teacher: its checkpoint, the domains it scores and how it is served."""
 
     name: str = Field(
-        ..., min_length=1, description="Name of the teacher in logs and metrics (teacher/<name>/...), unique.")
+        ..., pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the teacher in logs and metrics (teacher/<name>/...), "
+                                                      "unique: letters, digits, '_', '.', '-' (a '/' would split its "
+                                                      "metrics' W&B section).")
     path: str = Field(
         ..., min_length=1, description="Hugging Face directory of the expert checkpoint (config.json, safetensors, "
                                        "tokenizer). Its tokenizer must equal the student's: a run refuses to start "
