@@ -641,6 +641,12 @@ class AlgorithmSection(Section):
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        if self.indexer_loss_coef == 0 and (unused := changed_keys(
+                self, "indexer_learning_rate", "indexer_loss_stage", "indexer_loss_target")):
+            raise RecipeValueError(
+                f"{unused[0]} ({getattr(self, unused[0])!r}) applies to the indexer loss, which indexer_loss_coef 0 "
+                "turns off (the indexer then gets no gradient): set indexer_loss_coef > 0 or leave it unset",
+                unused[0], "indexer_loss_coef")
         spec.check(self)
         return self
 
