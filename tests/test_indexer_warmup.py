@@ -85,3 +85,19 @@ def test_dataset_corpus_column_errors_and_null_rows(tmp_path):
     nulls.write_text('{"text": null, "x": 1}\n{"text": null, "x": 2}\n')
     with pytest.raises(UserError, match="holds no text"):
         next(dataset_corpus(str(nulls), "train", "text", tokenizer))
+
+
+def test_a_model_budget_at_or_above_the_window_is_one_line_naming_the_key():
+    """index_topk null and the model's index_topk at or above seq_len (a dense checkpoint, the case the warm-up is
+    for) was a ValueError traceback naming indexer_warmup.index_topk as if it were set."""
+    import pytest
+
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.config.schema import IndexerWarmupSection
+    from slime_dsa.indexer.warmup import warmup_topk
+
+    with pytest.raises(UserError, match=r"indexer_warmup\.index_topk is null, so the model's index_topk \(256, "
+                                        r".*not below indexer_warmup\.seq_len \(128\)"):
+        warmup_topk(IndexerWarmupSection(seq_len=128), 256)
+    assert warmup_topk(IndexerWarmupSection(seq_len=128), 32) == 32
+    assert warmup_topk(IndexerWarmupSection(seq_len=128, index_topk=16), 4096) == 16

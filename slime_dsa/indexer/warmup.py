@@ -19,6 +19,8 @@ import torch
 
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, topk_overlap
 from slime_dsa.config import RecipeConfig
+from slime_dsa.config.errors import UserError
+from slime_dsa.config.schema import IndexerWarmupSection
 from slime_dsa.indexer.evaluate import evaluate_indexers, indexer_selection
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -73,8 +75,6 @@ def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int) -> Iterator[lis
 def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterator[list[int]]:
     """Endless token documents from a text column of an HF dataset or a local jsonl/json/parquet file."""
     from slime_dsa.data.prompts import load_prompt_dataset  # noqa: PLC0415
-
-    from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
     ds = load_prompt_dataset(path, split=split)
     if column not in ds.column_names:
@@ -176,6 +176,20 @@ def train_indexers(
     return {"before": before, "after": after, "history": history}
 
 
+def warmup_topk(cfg: IndexerWarmupSection, model_topk: int) -> int:
+    """The budget the warm-up trains for: indexer_warmup.index_topk, else the model's; UserError when a window has no
+    more keys than that (the recipe check refuses an explicit index_topk at or above seq_len; the model's is known
+    only here)."""
+    if cfg.index_topk is not None:
+        return cfg.index_topk
+    if model_topk >= cfg.seq_len:
+        raise UserError(
+            f"indexer_warmup.index_topk is null, so the model's index_topk ({model_topk}, model.index_topk or "
+            f"model.path's config.json) is the budget, but it is not below indexer_warmup.seq_len ({cfg.seq_len}): "
+            "every key would be selected; set indexer_warmup.index_topk (the sparse budget to warm up for)")
+    return model_topk
+
+
 def run_indexer_warmup(recipe: RecipeConfig) -> Path:
     """`slime-dsa indexer-warmup`: warm the indexers up, save the DSA model; returns the output directory."""
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
@@ -195,10 +209,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     model = load_model(model_dir, dtype=torch.float32)
-    topk = cfg.index_topk or model.config.index_topk
-    if topk >= cfg.seq_len:
-        raise ValueError(f"indexer_warmup.index_topk ({topk}) must be below indexer_warmup.seq_len ({cfg.seq_len}): "
-                         "at or above it every key is selected and there is nothing to learn")
+    topk = warmup_topk(cfg, model.config.index_topk)
     if cfg.reinit_indexers:
         reinit_indexers(model, seed=recipe.trainer.seed)
     if cfg.corpus == "tasks":
