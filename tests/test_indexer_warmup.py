@@ -38,11 +38,12 @@ def test_indexer_warmup_writes_a_dsa_model_whose_indexers_alone_learned(tmp_path
 
     # Logged every 2nd step: the KL (it falls), the top-k overlap with the step before, and recall at the evaluation.
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4, 6]
-    kl = [r["indexer_warmup/indexer_kl"] for r in records]
+    assert [r["step"] for r in records] == [0, 2, 4, 6]  # 0: the evaluation before
+    trained = records[1:]
+    kl = [r["indexer_warmup/indexer_kl"] for r in trained]
     assert kl[-1] < kl[0]
-    assert all(0 < r["indexer_warmup/topk_overlap_prev_step"] <= 1 for r in records)
-    assert [r["step"] for r in records if "indexer_warmup/eval/recall" in r] == [4]
+    assert all(0 < r["indexer_warmup/topk_overlap_prev_step"] <= 1 for r in trained)
+    assert [r["step"] for r in records if "indexer_warmup/eval/recall" in r] == [0, 4, 6]
     assert f"after {STEPS} steps: recall@{TOPK}" in (tmp_path / "run" / "indexer_warmup.log").read_text()
 
     # Recall of the group-mean attention at top-k = 25% recovers, and the KL falls, on held-out windows.
@@ -101,3 +102,23 @@ def test_a_model_budget_at_or_above_the_window_is_one_line_naming_the_key():
         warmup_topk(IndexerWarmupSection(seq_len=128), 256)
     assert warmup_topk(IndexerWarmupSection(seq_len=128), 32) == 32
     assert warmup_topk(IndexerWarmupSection(seq_len=128, index_topk=16), 4096) == 16
+
+
+def test_logged_steps_are_every_log_every_th_the_evaluated_and_the_last():
+    """The last step (whose top-k overlap was measured for the log) and an evaluation on a step off log_every were
+    dropped from metrics.jsonl, and the evaluations before and after the warm-up never reached it."""
+    from slime_dsa.indexer.warmup import train_indexers
+    from slime_dsa.models import GlmMoeDsaForCausalLM
+    from slime_dsa.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(preset_config("tiny", vocab_size=32))
+    windows = iter(lambda: torch.randint(0, 32, (16,)), None)
+    logged: list[tuple[int, dict]] = []
+    train_indexers(model, windows, [torch.randint(0, 32, (16,)) for _ in range(2)], topk=4, num_steps=5,
+                   batch_size=2, learning_rate=1e-3, eval_every=3, log_every=2,
+                   log=lambda m, step: logged.append((step, m)))
+    assert [step for step, _ in logged] == [0, 2, 3, 4, 5]
+    assert [step for step, m in logged if "eval/recall" in m] == [0, 3, 5]
+    assert [step for step, m in logged if "topk_overlap_prev_step" in m] == [2, 4, 5]
+    assert all("indexer_kl" in m for step, m in logged if step)

@@ -139,7 +139,8 @@ def train_indexers(
     """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}.
 
     topk_overlap_prev_step costs a forward over the probe windows per step measured, so it is measured only on
-    the steps that are logged (every log_every-th and the last), from a probe after the step before each.
+    the steps that are logged (every log_every-th and the last), from a probe after the step before each. `log` gets
+    those steps, the evaluated ones, and the evaluation before training as step 0 (the one after: the last step).
     """
     dense = max(len(s) for s in eval_sequences)
     params = freeze_all_but_indexers(model)
@@ -147,6 +148,8 @@ def train_indexers(
     before = evaluate_indexers(model, eval_sequences, topk, dense, target)
     logger.info("before warm-up: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", topk, before["recall"],
                 before["indexer_kl"], before["lm_loss_sparse"], before["lm_loss_dense"])
+    if log is not None:
+        log({f"eval/{k}": v for k, v in before.items()}, 0)
     probe = eval_sequences[: max(1, min(4, len(eval_sequences)))]
 
     def logged(step: int) -> bool:
@@ -163,12 +166,13 @@ def train_indexers(
                 metrics["topk_overlap_prev_step"] = float(topk_overlap(current, previous).mean())
             previous = current
         metrics["step_time_s"] = time.perf_counter() - start
-        if eval_every and step % eval_every == 0 and step < num_steps:
-            metrics.update({f"eval/{k}": v for k, v in evaluate_indexers(model, eval_sequences, topk, dense, target).items()})
+        evaluated = step == num_steps or bool(eval_every and step % eval_every == 0)
+        if evaluated:
+            after = evaluate_indexers(model, eval_sequences, topk, dense, target)
+            metrics.update({f"eval/{k}": v for k, v in after.items()})
         history.append({"step": step, **metrics})
-        if log is not None:
+        if log is not None and (logged(step) or evaluated):
             log(metrics, step)
-    after = evaluate_indexers(model, eval_sequences, topk, dense, target)
     logger.info("after %d steps: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", num_steps, topk,
                 after["recall"], after["indexer_kl"], after["lm_loss_sparse"], after["lm_loss_dense"])
     for p in model.parameters():
@@ -227,8 +231,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
             model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
             learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
             max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
-            log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step)
-            if step % recipe.logging.log_every == 0 else None,
+            log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step),
         )
     finally:
         log.close()
