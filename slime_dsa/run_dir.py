@@ -30,6 +30,15 @@ _HELD: dict[Path, RunLock] = {}  # run directory (resolved) -> the lock this pro
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def refuse_an_earlier_runs_metrics(recipe: RecipeConfig, command: str) -> None:
+    """For the commands without --resume (sft, indexer-warmup): a second run in a run directory would append its steps
+    to the earlier run's metrics.jsonl (and W&B run), two step 1s in one file, as `train` refuses to mix runs."""
+    metrics = resolve_run_dir(recipe) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        raise UserError(f"{metrics} holds an earlier run's metrics: {command} cannot continue a run; give this one "
+                        "another logging.run_dir, or remove that run directory to start over")
+
+
 def resolve_run_dir(recipe: RecipeConfig) -> Path:
     """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
     log = recipe.logging
