@@ -122,3 +122,29 @@ def test_logged_steps_are_every_log_every_th_the_evaluated_and_the_last():
     assert [step for step, m in logged if "eval/recall" in m] == [0, 3, 5]
     assert [step for step, m in logged if "topk_overlap_prev_step" in m] == [2, 4, 5]
     assert all("indexer_kl" in m for step, m in logged if step)
+
+
+def test_each_step_is_reported_and_a_lost_sigterm_stops_the_next(monkeypatch):
+    """indexer-warmup showed nothing on the console until the model was written (200 steps of silence in the
+    recipe), and its loop never checked for a SIGTERM whose exception Python dropped, as the other loops do."""
+    import pytest
+
+    from slime_dsa import interrupts
+    from slime_dsa.indexer.warmup import train_indexers
+    from slime_dsa.models import GlmMoeDsaForCausalLM
+    from slime_dsa.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(preset_config("tiny", vocab_size=32))
+    windows = iter(lambda: torch.randint(0, 32, (16,)), None)
+    held_out = [torch.randint(0, 32, (16,))]
+    steps: list[int] = []
+    train_indexers(model, windows, held_out, topk=4, num_steps=3, batch_size=1, learning_rate=1e-3,
+                   on_step=steps.append)
+    assert steps == [1, 2, 3]
+    monkeypatch.setattr(interrupts, "_terminated", interrupts.threading.Event())
+    interrupts._terminated.set()  # noqa: SLF001 (a SIGTERM arrived and its exception was lost)
+    with pytest.raises(interrupts.Terminated):
+        train_indexers(model, windows, held_out, topk=4, num_steps=3, batch_size=1, learning_rate=1e-3,
+                       on_step=steps.append)
+    assert steps == [1, 2, 3]

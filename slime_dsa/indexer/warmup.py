@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slime_dsa import interrupts
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, topk_overlap
 from slime_dsa.config import RecipeConfig
 from slime_dsa.config.errors import UserError
@@ -134,7 +135,7 @@ def probe_selection(model: GlmMoeDsaForCausalLM, sequences: list[torch.Tensor], 
 def train_indexers(
     model: GlmMoeDsaForCausalLM, train: Iterator[torch.Tensor], eval_sequences: list[torch.Tensor], *, topk: int,
     num_steps: int, batch_size: int, learning_rate: float, target: str = "group", eval_every: int = 0,
-    max_grad_norm: float = 1.0, log=None, log_every: int = 1,
+    max_grad_norm: float = 1.0, log=None, log_every: int = 1, on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}.
 
@@ -158,6 +159,7 @@ def train_indexers(
     previous = probe_selection(model, probe, topk) if logged(1) else None
     history = []
     for step in range(1, num_steps + 1):
+        interrupts.raise_if_terminated()  # a SIGTERM whose exception Python dropped (slime_dsa/interrupts.py)
         start = time.perf_counter()
         metrics = warmup_step(model, optimizer, [next(train) for _ in range(batch_size)], target, max_grad_norm)
         if logged(step) or logged(step + 1):
@@ -173,6 +175,8 @@ def train_indexers(
         history.append({"step": step, **metrics})
         if log is not None and (logged(step) or evaluated):
             log(metrics, step)
+        if on_step is not None:
+            on_step(step)
     logger.info("after %d steps: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", num_steps, topk,
                 after["recall"], after["indexer_kl"], after["lm_loss_sparse"], after["lm_loss_dense"])
     for p in model.parameters():
@@ -207,6 +211,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from rich.progress import Progress  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
@@ -227,12 +232,15 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                         recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"))
     try:
-        result = train_indexers(
-            model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
-            learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
-            max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
-            log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step),
-        )
+        with Progress(transient=True) as progress:  # the console's only sign of life until the model is written
+            bar = progress.add_task("indexer warm-up", total=cfg.num_steps)
+            result = train_indexers(
+                model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
+                learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
+                max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
+                log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step),
+                on_step=lambda step: progress.advance(bar),
+            )
     finally:
         log.close()
     out_dir = Path(cfg.output_dir or run_dir / "dsa_model")
