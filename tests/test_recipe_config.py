@@ -142,6 +142,9 @@ def test_null_section_means_empty(tmp_path):
      r"algorithm: indexer_learning_rate \(0\.01\) applies to the indexer loss, which indexer_loss_coef 0 turns off"),
     ({"algorithm": {"indexer_loss_stage": "dense"}}, r"algorithm: indexer_loss_stage \('dense'\) applies to the"),
     ({"algorithm": {"indexer_loss_target": "own"}}, r"indexer_loss_target \('own'\) applies to the indexer loss"),
+    ({"algorithm": {"name": "async_reinforce", "max_staleness": 0, "partial_rollout": "in_place"}},  # did nothing
+     r"algorithm: partial_rollout \('in_place'\) says what happens to responses in flight at a weight push, which "
+     r"max_staleness 0 never has"),
     ({"algorithm": {"name": "async_reinforce", "is_correction": "icepop"}},
      r"is_correction is not read by algorithm 'async_reinforce' \(it applies to grpo, opd\)"),
     ({"algorithm": {"name": "sao"}, "critic": {"num_workers": 2}}, r"critic\.num_workers \(2\) applies to placement"),

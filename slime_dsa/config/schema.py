@@ -641,6 +641,11 @@ class AlgorithmSection(Section):
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        if self.max_staleness == 0 and changed_keys(self, "partial_rollout"):
+            raise RecipeValueError(
+                f"partial_rollout ({self.partial_rollout!r}) says what happens to responses in flight at a weight "
+                "push, which max_staleness 0 never has (each step's rollout ends before its push): leave it unset or "
+                "set max_staleness > 0", "partial_rollout", "max_staleness")
         if self.indexer_loss_coef == 0 and (unused := changed_keys(
                 self, "indexer_learning_rate", "indexer_loss_stage", "indexer_loss_target")):
             raise RecipeValueError(
