@@ -121,6 +121,8 @@ def test_null_section_means_empty(tmp_path):
 
 @pytest.mark.parametrize(("data", "pattern"), [
     ({"algorithm": {"eps_clip_low": 1.5}}, r"algorithm\.eps_clip_low: must be in \[0, 1\), got 1\.5"),
+    ({"algorithm": {"name": "async_reinforce", "dis_eps_low": 0}},  # a ValueError traceback once Ray had started
+     r"algorithm\.dis_eps_low: must be in \(0, 1\], got 0"),
     ({"rollout": {"engine": "vllm"}}, r"rollout\.engine: expected one of 'embedded', 'sglang' or 'external', got"),
     ({"rollout": {"top_k": 0}}, r"rollout: top_k \(0\) must be -1"),
     ({"rollout": {"engine": "external"}}, r"engine 'external' needs engine_urls"),

@@ -525,7 +525,7 @@ class AlgorithmSection(Section):
                            "trainer (saves a forward pass).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     dis_eps_low: float = Field(
-        0.3, ge=0, le=1, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or below "
+        0.3, gt=0, le=1, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or below "
                                      "1 − dis_eps_low get no gradient. Default 0.3: the SAO paper's maths setting "
                                      "(its code setting: 0.8).")
     dis_eps_high: float = Field(
