@@ -886,8 +886,9 @@ class LoggingSection(Section):
     run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = a timestamped name.")
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
         "auto", description="W&B mode; auto = online when WANDB_API_KEY is set, else offline.")
-    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps; metrics that cost real "
-                                                "compute (the DSA indexer's dense recall) are computed only then.")
+    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps (and the steps that evaluate, "
+                                                "and the last); metrics that cost real compute (the DSA indexer's "
+                                                "dense recall) are computed only every this many.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never. slime-dsa "
                              "sft evaluates every sft.eval_every steps instead and refuses this key set.")
