@@ -147,6 +147,8 @@ def test_null_section_means_empty(tmp_path):
     ({"algorithm": {"name": "async_reinforce", "max_staleness": 0, "partial_rollout": "in_place"}},  # did nothing
      r"algorithm: partial_rollout \('in_place'\) says what happens to responses in flight at a weight push, which "
      r"max_staleness 0 never has"),
+    ({"algorithm": {"name": "async_reinforce"}, "trainer": {"logprob_diff_warn_threshold": 0.01}},  # never warned
+     r"trainer\.logprob_diff_warn_threshold is not read with algorithm 'async_reinforce': without π_old"),
     ({"algorithm": {"name": "async_reinforce", "is_correction": "icepop"}},
      r"is_correction is not read by algorithm 'async_reinforce' \(it applies to grpo, opd\)"),
     ({"algorithm": {"name": "sao"}, "critic": {"num_workers": 2}}, r"critic\.num_workers \(2\) applies to placement"),

@@ -770,7 +770,8 @@ class TrainerSection(Section):
     logprob_diff_warn_threshold: float = Field(
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
-                                "error. Not read by slime-dsa sft, which refuses it set.")
+                                "error. Not read by slime-dsa sft nor by algorithms without π_old (async_reinforce, "
+                                "sao), which refuse it set.")
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings (backend deepspeed).")
 
@@ -1069,6 +1070,12 @@ class RecipeConfig(Section):
             raise RecipeValueError("algorithm.opd_topk needs the policy's log-probs at the teachers' top-k ids, which "
                                    "trainer.backend megatron does not compute yet; use fsdp or deepspeed, or opd_topk 0",
                                    "algorithm.opd_topk", "trainer.backend")
+        if (changed_keys(self.trainer, "logprob_diff_warn_threshold")
+                and algorithm_class(alg.name)(alg).old_logprobs == "none"):
+            raise RecipeValueError(
+                f"trainer.logprob_diff_warn_threshold is not read with algorithm '{alg.name}': without π_old its "
+                "|trainer − rollout log-prob| mixes staleness with the weight-sync gap, so no step is checked; "
+                "leave it unset", "trainer.logprob_diff_warn_threshold", "algorithm.name")
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(
