@@ -405,7 +405,8 @@ class RolloutSection(Section):
     max_sampling_tries: int = Field(
         4, ge=1, description="With dynamic_sampling, synchronous loop: most sampling rounds per step before "
                              "training on the groups collected so far (the asynchronous loop replaces each dropped "
-                             "group as it goes).")
+                             "group as it goes, and stops the run when one step drops 16 steps' groups beyond those "
+                             "in flight).")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     reward_timeout_s: float = Field(
