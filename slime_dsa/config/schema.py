@@ -417,8 +417,9 @@ class RolloutSection(Section):
         0.01, ge=0, le=1, description="Log a WARNING when more than this share of a step's reward calls time out.")
     return_indexer_topk: bool = Field(
         False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
-                           "response (for algorithm.index_replay; embedded engines then keep each cached row's "
-                           "top-k with the KV cache).")
+                           "response (for algorithm.index_replay; without it, train/index_topk_mismatch logs the "
+                           "share of the trainer's selection that differs from the engines'; embedded engines then "
+                           "keep each cached row's top-k with the KV cache).")
     weight_sync: Literal["auto", "http", "shm", "cuda_ipc"] = Field(
         "auto", description="How embedded or external engines get new weights after each step (SGLang servers "
                             "launched for the run: rollout.sglang.weight_sync): http (the "
