@@ -208,10 +208,11 @@ def run_indexer_warmup(recipe: RecipeConfig) -> Path:
 
 def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The warm-up itself, inside its run directory."""
+    from rich.progress import Progress  # noqa: PLC0415
+
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
-    from rich.progress import Progress  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
