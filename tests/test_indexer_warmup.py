@@ -148,3 +148,24 @@ def test_each_step_is_reported_and_a_lost_sigterm_stops_the_next(monkeypatch):
         train_indexers(model, windows, held_out, topk=4, num_steps=3, batch_size=1, learning_rate=1e-3,
                        on_step=steps.append)
     assert steps == [1, 2, 3]
+
+
+def test_keys_the_warm_up_does_not_read_are_refused(tmp_path, capsys):
+    """`indexer-warmup --set trainer.num_steps=10` ran indexer_warmup.num_steps (200) steps, trainer.learning_rate,
+    cluster.*, checkpoint.* and the like were accepted and ignored; `recipe check` summed the recipe up as a train run
+    (grpo, 100 steps). Now refused in one line, by the command and by `recipe check --for indexer-warmup`."""
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "indexer_warmup.yaml")
+    run_dir = f"logging.run_dir={tmp_path / 'run'}"
+    assert main(["indexer-warmup", recipe, "--set", run_dir, "--set", "trainer.num_steps=10",
+                 "--set", "trainer.learning_rate=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("slime-dsa: error: trainer.learning_rate 0.1: slime-dsa indexer-warmup's learning rate is "
+                   "indexer_warmup.learning_rate; set that (and 1 more: trainer.num_steps)\n")
+    assert not (tmp_path / "run").exists()
+    assert main(["recipe", "check", recipe, "--for", "indexer-warmup", "--set", "cluster.num_cpus_per_actor=2"]) == 2
+    assert "cluster.num_cpus_per_actor 2.0: slime-dsa indexer-warmup trains the indexers in one process" in \
+        capsys.readouterr().err
+    assert main(["recipe", "check", recipe, "--for", "indexer-warmup"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "indexer-warmup: a random quickstart model | corpus: tasks | 8 windows of 128 tokens/step | index_topk 32 | "
+        "200 steps")
