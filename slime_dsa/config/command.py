@@ -77,7 +77,7 @@ def run_check(args: argparse.Namespace) -> int:
     elif args.command == "indexer-warmup":
         print(f"indexer-warmup: {indexer_warmup_summary(config)}")
     else:
-        print(f"train: {config.summary()}")  # the same recipe serves indexer-warmup, which reads other sections
+        print(f"train: {config.summary()}")
         print(config.concurrency_line())
     if args.print_recipe:
         print(dump_recipe(config), end="")
