@@ -233,8 +233,10 @@ class GroupRollout:
         """Score a generated sample (a failed one is left unscored: it is never trained on)."""
         if sample.status == SampleStatus.FAILED:
             return sample
-        result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s,
-                                      stats=self.reward_stats[sample.task])
+        result = await compute_reward(self.reward_fns[sample.task], sample, timeout_s=self.cfg.reward_timeout_s)
+        # Counted once it ends: the asynchronous loop resets the counters while calls run, and a call counted into
+        # the counters it started under was lost with them.
+        self.reward_stats[sample.task].add(result)
         self.clock.reward_s += result.elapsed_s
         sample.reward = result.reward
         sample.metadata["reward_failed"] = result.failed

@@ -30,6 +30,15 @@ _HELD: dict[Path, RunLock] = {}  # run directory (resolved) -> the lock this pro
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def refuse_an_earlier_runs_metrics(recipe: RecipeConfig, command: str) -> None:
+    """For the commands without --resume (sft, indexer-warmup): a second run in a run directory would append its steps
+    to the earlier run's metrics.jsonl (and W&B run), two step 1s in one file, as `train` refuses to mix runs."""
+    metrics = resolve_run_dir(recipe) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        raise UserError(f"{metrics} holds an earlier run's metrics: {command} cannot continue a run; give this one "
+                        "another logging.run_dir, or remove that run directory to start over")
+
+
 def resolve_run_dir(recipe: RecipeConfig) -> Path:
     """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
     log = recipe.logging
@@ -92,7 +101,17 @@ def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
         config = json.loads((path / "config.json").read_text())
         (target / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
         logger.info("copied %s to %s with index_topk %d", path, target, index_topk)
-    return target
+    return _set_index_topk(target, index_topk)
+
+
+def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:
+    """model_dir, its config.json's index_topk set to `index_topk` (None: as it is). A resumed run reuses the
+    initial_model its first start wrote, whose budget a changed model.index_topk must still set."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if index_topk is not None and config.get("index_topk") != index_topk:
+        (model_dir / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        logger.info("%s: index_topk %s -> %d (model.index_topk)", model_dir, config.get("index_topk"), index_topk)
+    return model_dir
 
 
 def check_model_dir(path: Path, key: str = "model.path", policy: bool = True) -> None:
@@ -129,7 +148,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     if (target / "config.json").exists():
-        return target
+        return _set_index_topk(target, recipe.model.index_topk)
     tokenizer = build_tokenizer()
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
     config = preset_config(recipe.model.preset, vocab_size=len(tokenizer),

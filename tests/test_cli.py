@@ -450,6 +450,27 @@ def test_sft_into_a_run_dir_holding_an_earlier_runs_metrics_is_refused(tmp_path,
         main(["sft", BASE, "--set", f"logging.run_dir={run_dir}"])
 
 
+def test_indexer_warmup_into_a_run_dir_holding_an_earlier_runs_metrics_is_refused(tmp_path, capsys, monkeypatch):
+    """A second `indexer-warmup` into a run directory appended its steps to the earlier run's metrics.jsonl (steps 1-6
+    then 0, 1 in one file) and wrote over its model; it has no --resume, so it is refused as sft is."""
+    import slime_dsa.indexer.warmup
+
+    def no_training(recipe):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(slime_dsa.indexer.warmup, "run_indexer_warmup", no_training)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "indexer_warmup/indexer_kl": 0.1}\n')
+    err = one_line_error(capsys, "indexer-warmup", BASE, "--set", f"logging.run_dir={run_dir}")
+    assert err == (f"slime-dsa: error: {run_dir / 'metrics.jsonl'} holds an earlier run's metrics: indexer-warmup "
+                   "cannot continue a run; give this one another logging.run_dir, or remove that run directory to "
+                   "start over")
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(AssertionError, match="training started"):
+        main(["indexer-warmup", BASE, "--set", f"logging.run_dir={run_dir}"])
+
+
 def test_resume_without_a_checkpoint_says_so_on_the_console(tmp_path, caplog):
     """--resume that finds no checkpoint starts fresh; that was an INFO line in train.log only, so the console showed
     a run starting from step 0 without a word."""

@@ -38,11 +38,12 @@ def test_indexer_warmup_writes_a_dsa_model_whose_indexers_alone_learned(tmp_path
 
     # Logged every 2nd step: the KL (it falls), the top-k overlap with the step before, and recall at the evaluation.
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4, 6]
-    kl = [r["indexer_warmup/indexer_kl"] for r in records]
+    assert [r["step"] for r in records] == [0, 2, 4, 6]  # 0: the evaluation before
+    trained = records[1:]
+    kl = [r["indexer_warmup/indexer_kl"] for r in trained]
     assert kl[-1] < kl[0]
-    assert all(0 < r["indexer_warmup/topk_overlap_prev_step"] <= 1 for r in records)
-    assert [r["step"] for r in records if "indexer_warmup/eval/recall" in r] == [4]
+    assert all(0 < r["indexer_warmup/topk_overlap_prev_step"] <= 1 for r in trained)
+    assert [r["step"] for r in records if "indexer_warmup/eval/recall" in r] == [0, 4, 6]
     assert f"after {STEPS} steps: recall@{TOPK}" in (tmp_path / "run" / "indexer_warmup.log").read_text()
 
     # Recall of the group-mean attention at top-k = 25% recovers, and the KL falls, on held-out windows.
@@ -85,3 +86,86 @@ def test_dataset_corpus_column_errors_and_null_rows(tmp_path):
     nulls.write_text('{"text": null, "x": 1}\n{"text": null, "x": 2}\n')
     with pytest.raises(UserError, match="holds no text"):
         next(dataset_corpus(str(nulls), "train", "text", tokenizer))
+
+
+def test_a_model_budget_at_or_above_the_window_is_one_line_naming_the_key():
+    """index_topk null and the model's index_topk at or above seq_len (a dense checkpoint, the case the warm-up is
+    for) was a ValueError traceback naming indexer_warmup.index_topk as if it were set."""
+    import pytest
+
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.config.schema import IndexerWarmupSection
+    from slime_dsa.indexer.warmup import warmup_topk
+
+    with pytest.raises(UserError, match=r"indexer_warmup\.index_topk is null, so the model's index_topk \(256, "
+                                        r".*not below indexer_warmup\.seq_len \(128\)"):
+        warmup_topk(IndexerWarmupSection(seq_len=128), 256)
+    assert warmup_topk(IndexerWarmupSection(seq_len=128), 32) == 32
+    assert warmup_topk(IndexerWarmupSection(seq_len=128, index_topk=16), 4096) == 16
+
+
+def test_logged_steps_are_every_log_every_th_the_evaluated_and_the_last():
+    """The last step (whose top-k overlap was measured for the log) and an evaluation on a step off log_every were
+    dropped from metrics.jsonl, and the evaluations before and after the warm-up never reached it."""
+    from slime_dsa.indexer.warmup import train_indexers
+    from slime_dsa.models import GlmMoeDsaForCausalLM
+    from slime_dsa.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(preset_config("tiny", vocab_size=32))
+    windows = iter(lambda: torch.randint(0, 32, (16,)), None)
+    logged: list[tuple[int, dict]] = []
+    train_indexers(model, windows, [torch.randint(0, 32, (16,)) for _ in range(2)], topk=4, num_steps=5,
+                   batch_size=2, learning_rate=1e-3, eval_every=3, log_every=2,
+                   log=lambda m, step: logged.append((step, m)))
+    assert [step for step, _ in logged] == [0, 2, 3, 4, 5]
+    assert [step for step, m in logged if "eval/recall" in m] == [0, 3, 5]
+    assert [step for step, m in logged if "topk_overlap_prev_step" in m] == [2, 4, 5]
+    assert all("indexer_kl" in m for step, m in logged if step)
+
+
+def test_each_step_is_reported_and_a_lost_sigterm_stops_the_next(monkeypatch):
+    """indexer-warmup showed nothing on the console until the model was written (200 steps of silence in the
+    recipe), and its loop never checked for a SIGTERM whose exception Python dropped, as the other loops do."""
+    import pytest
+
+    from slime_dsa import interrupts
+    from slime_dsa.indexer.warmup import train_indexers
+    from slime_dsa.models import GlmMoeDsaForCausalLM
+    from slime_dsa.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(preset_config("tiny", vocab_size=32))
+    windows = iter(lambda: torch.randint(0, 32, (16,)), None)
+    held_out = [torch.randint(0, 32, (16,))]
+    steps: list[int] = []
+    train_indexers(model, windows, held_out, topk=4, num_steps=3, batch_size=1, learning_rate=1e-3,
+                   on_step=steps.append)
+    assert steps == [1, 2, 3]
+    monkeypatch.setattr(interrupts, "_terminated", interrupts.threading.Event())
+    interrupts._terminated.set()  # noqa: SLF001 (a SIGTERM arrived and its exception was lost)
+    with pytest.raises(interrupts.Terminated):
+        train_indexers(model, windows, held_out, topk=4, num_steps=3, batch_size=1, learning_rate=1e-3,
+                       on_step=steps.append)
+    assert steps == [1, 2, 3]
+
+
+def test_keys_the_warm_up_does_not_read_are_refused(tmp_path, capsys):
+    """`indexer-warmup --set trainer.num_steps=10` ran indexer_warmup.num_steps (200) steps, trainer.learning_rate,
+    cluster.*, checkpoint.* and the like were accepted and ignored; `recipe check` summed the recipe up as a train run
+    (grpo, 100 steps). Now refused in one line, by the command and by `recipe check --for indexer-warmup`."""
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "indexer_warmup.yaml")
+    run_dir = f"logging.run_dir={tmp_path / 'run'}"
+    assert main(["indexer-warmup", recipe, "--set", run_dir, "--set", "trainer.num_steps=10",
+                 "--set", "trainer.learning_rate=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("slime-dsa: error: trainer.learning_rate 0.1: slime-dsa indexer-warmup's learning rate is "
+                   "indexer_warmup.learning_rate; set that (and 1 more: trainer.num_steps)\n")
+    assert not (tmp_path / "run").exists()
+    assert main(["recipe", "check", recipe, "--for", "indexer-warmup", "--set", "cluster.num_cpus_per_actor=2"]) == 2
+    assert "cluster.num_cpus_per_actor 2.0: slime-dsa indexer-warmup trains the indexers in one process" in \
+        capsys.readouterr().err
+    assert main(["recipe", "check", recipe, "--for", "indexer-warmup"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "indexer-warmup: a random quickstart model | corpus: tasks | 8 windows of 128 tokens/step | index_topk 32 | "
+        "200 steps")

@@ -135,3 +135,24 @@ def test_wandb_online_without_a_key_is_one_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
     with pytest.raises(UserError, match="logging.wandb_mode online: W&B did not start: .*logging.wandb_mode offline"):
         MetricsLogger(tmp_path / "run", "p", None, "online")
+
+
+def test_async_dsa_and_indexer_warmup_runs_get_their_panels(tmp_path):
+    """The asynchronous loop's staleness and IS band, the RL indexer loss and an indexer-warmup run's curves had no
+    panel: `report` of a warm-up run wrote an empty directory, said nothing and exited 0."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    rl = [{"step": s, "async/staleness_mean": 1.5, "async/staleness_max": 2, "train/dis_frac_below": 0.05,
+           "train/dis_frac_above": 0.0, "train/indexer_kl": 0.7 / s} for s in (1, 2)]
+    assert {"staleness.png", "dis_frac.png", "indexer_kl.png"} <= {p.filename for p in plan_panels(rl)}
+    warmup = [{"step": 0, "indexer_warmup/eval/recall": 0.6, "indexer_warmup/eval/indexer_kl": 2e-4},
+              *({"step": s, "indexer_warmup/indexer_kl": 1e-4 / s} for s in (1, 2))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in warmup))
+    assert {p.name for p in render_report(tmp_path)} == {"indexer_kl.png", "indexer_recall.png"}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text(json.dumps({"step": 1, "custom/x": 1.0}) + "\n")
+    with pytest.raises(UserError, match="holds none of the keys the report draws"):
+        render_report(tmp_path / "other")
+    assert not (tmp_path / "other" / "report").exists()

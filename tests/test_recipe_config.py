@@ -121,6 +121,8 @@ def test_null_section_means_empty(tmp_path):
 
 @pytest.mark.parametrize(("data", "pattern"), [
     ({"algorithm": {"eps_clip_low": 1.5}}, r"algorithm\.eps_clip_low: must be in \[0, 1\), got 1\.5"),
+    ({"algorithm": {"name": "async_reinforce", "dis_eps_low": 0}},  # a ValueError traceback once Ray had started
+     r"algorithm\.dis_eps_low: must be in \(0, 1\], got 0"),
     ({"rollout": {"engine": "vllm"}}, r"rollout\.engine: expected one of 'embedded', 'sglang' or 'external', got"),
     ({"rollout": {"top_k": 0}}, r"rollout: top_k \(0\) must be -1"),
     ({"rollout": {"engine": "external"}}, r"engine 'external' needs engine_urls"),
@@ -138,6 +140,15 @@ def test_null_section_means_empty(tmp_path):
     ({"data": {"tasks": []}}, r"data\.tasks: list should have at least 1 item"),
     ({"algorithm": {"icepop_alpha": 1.0, "icepop_beta": 1.0}}, r"icepop_alpha \(1\.0\) must be below icepop_beta"),
     ({"algorithm": {"freeze_indexer": True, "indexer_loss_coef": 1.0}}, r"freeze_indexer is true"),
+    ({"algorithm": {"indexer_learning_rate": 1e-2}},  # accepted and ignored before
+     r"algorithm: indexer_learning_rate \(0\.01\) applies to the indexer loss, which indexer_loss_coef 0 turns off"),
+    ({"algorithm": {"indexer_loss_stage": "dense"}}, r"algorithm: indexer_loss_stage \('dense'\) applies to the"),
+    ({"algorithm": {"indexer_loss_target": "own"}}, r"indexer_loss_target \('own'\) applies to the indexer loss"),
+    ({"algorithm": {"name": "async_reinforce", "max_staleness": 0, "partial_rollout": "in_place"}},  # did nothing
+     r"algorithm: partial_rollout \('in_place'\) says what happens to responses in flight at a weight push, which "
+     r"max_staleness 0 never has"),
+    ({"algorithm": {"name": "async_reinforce"}, "trainer": {"logprob_diff_warn_threshold": 0.01}},  # never warned
+     r"trainer\.logprob_diff_warn_threshold is not read with algorithm 'async_reinforce': without π_old"),
     ({"algorithm": {"name": "async_reinforce", "is_correction": "icepop"}},
      r"is_correction is not read by algorithm 'async_reinforce' \(it applies to grpo, opd\)"),
     ({"algorithm": {"name": "sao"}, "critic": {"num_workers": 2}}, r"critic\.num_workers \(2\) applies to placement"),
@@ -164,7 +175,7 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"prefetch_next_step": True}, "algorithm": {"name": "async_reinforce"}},
      r"rollout\.prefetch_next_step applies to the synchronous loop; algorithm 'async_reinforce' runs the asynchronous"),
     ({"trainer": {"backend": "megatron"}, "cluster": {"num_gpus_per_trainer": 1},
-      "algorithm": {"indexer_learning_rate": 1e-4}},
+      "algorithm": {"indexer_learning_rate": 1e-4, "indexer_loss_coef": 0.1}},
      r"algorithm\.indexer_learning_rate is not built for megatron's DistributedOptimizer \(trainer ranks on GPUs\)"),
     ({"trainer": {"deepspeed": {"zero_stage": 2}}}, r"trainer: deepspeed\.zero_stage applies to backend 'deepspeed', but backend is 'fsdp'"),
     ({"trainer": {"backend": "deepspeed", "data_parallel": "replicate"}},

@@ -56,3 +56,22 @@ def test_model_path_with_index_topk_is_copied_with_the_new_budget(tmp_path):
     assert json.loads((source / "config.json").read_text())["index_topk"] != 512
     assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
     assert prepare_model_dir(load_recipe(None, [f"model.path={source}"]), tmp_path / "plain") == source
+
+
+def test_a_reused_initial_model_takes_a_changed_index_topk(tmp_path):
+    """A resumed run (or a second one in the directory) reuses run_dir/initial_model: a model.index_topk changed
+    since its first start was silently ignored, engines and trainer kept the old DSA budget."""
+    import json  # noqa: PLC0415
+
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    def budget(*overrides: str, run: str) -> int:
+        model_dir = prepare_model_dir(load_recipe(None, list(overrides)), tmp_path / run)
+        return json.loads((model_dir / "config.json").read_text())["index_topk"]
+
+    assert budget("model.preset=tiny", "model.index_topk=16", run="scratch") == 16
+    assert budget("model.preset=tiny", "model.index_topk=24", run="scratch") == 24
+    assert budget("model.preset=tiny", run="scratch") == 24  # null: the model's, as it is
+    source = tmp_path / "scratch" / "initial_model"
+    assert budget(f"model.path={source}", "model.index_topk=8", run="copy") == 8
+    assert budget(f"model.path={source}", "model.index_topk=12", run="copy") == 12

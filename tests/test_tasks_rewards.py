@@ -31,6 +31,7 @@ from rollout.rewards import (
 from rollout.rewards.compute import close_reward_pool, reward_step_metrics
 from rollout.rewards.countdown import parse_expression
 from rollout.rewards.math_verifier import get_math_verify_pool
+from slime_dsa.config.errors import UserError
 from slime_dsa.data.prompts import PromptDataError, Task, TaskMixture, build_tasks, encode_prompts, load_task
 from slime_dsa.data.sample import Sample, SampleStatus
 from slime_dsa.data.tasks import build_task_splits
@@ -687,7 +688,7 @@ def test_mixture_follows_weights_and_resumes_exactly(tokenizer) -> None:
     with pytest.raises(ValueError, match="no task 'nope'"):
         replayer.replay("nope", 0)
 
-    with pytest.raises(ValueError, match="saved for tasks"):
+    with pytest.raises(UserError, match="drawn from tasks"):
         TaskMixture(tasks[:2], seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="sum to > 0"):
         TaskMixture([tasks[2]])

@@ -18,10 +18,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from slime_dsa.config import load_recipe  # noqa: PLC0415
+    from slime_dsa.config.indexer_warmup import check_indexer_warmup_keys  # noqa: PLC0415
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.run_dir import refuse_an_earlier_runs_metrics  # noqa: PLC0415
 
     recipe = load_recipe(args.recipe, args.overrides)
-    check_recipe_paths(recipe)  # before the model loads and the warm-up runs (as train and sft)
+    check_recipe_paths(recipe, trainer_workers=False)  # before the model loads and the warm-up runs (as train and sft)
+    check_indexer_warmup_keys(recipe)  # keys of train and sft it does not honour: refused, not ignored
+    refuse_an_earlier_runs_metrics(recipe, "indexer-warmup")
     from slime_dsa.indexer.warmup import run_indexer_warmup  # noqa: PLC0415 (torch: only now)
 
     print(f"model written: {run_indexer_warmup(recipe)}")

@@ -36,9 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction, check_plugins: Callable[[
     check = actions.add_parser("check", help="load and validate a recipe, print a one-line summary and the resolved "
                                              "rollout concurrency")
     add_recipe_arguments(check)
-    check.add_argument("--for", dest="command", choices=["train", "sft"], default="train",
-                       help="the command the recipe is for: sft also refuses the keys of train's trainer workers and "
-                            "cluster that sft, one process, does not read (default: train)")
+    check.add_argument("--for", dest="command", choices=["train", "sft", "indexer-warmup"], default="train",
+                       help="the command the recipe is for: sft and indexer-warmup also refuse the keys of train's "
+                            "trainer workers and cluster that they, one process, do not read (default: train)")
     check.add_argument("--print", dest="print_recipe", action="store_true",
                        help="also print the resolved recipe (defaults, inheritance and overrides applied) as YAML")
     check.set_defaults(run=run_check, check_plugins=check_plugins)
@@ -60,18 +60,24 @@ def run_check(args: argparse.Namespace) -> int:
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
 
     config = load_recipe(args.recipe, args.overrides)
-    check_recipe_paths(config, trainer_workers=args.command != "sft")
-    if getattr(args, "check_plugins", None) is not None:
+    check_recipe_paths(config, trainer_workers=args.command == "train")
+    if getattr(args, "check_plugins", None) is not None and args.command != "indexer-warmup":  # it scores nothing
         args.check_plugins(config)
     if args.command == "sft":  # in the order `slime-dsa sft` checks
         from slime_dsa.config.sft import check_sft_keys, sft_summary  # noqa: PLC0415
 
         check_sft_keys(config)
+    if args.command == "indexer-warmup":
+        from slime_dsa.config.indexer_warmup import check_indexer_warmup_keys, indexer_warmup_summary  # noqa: PLC0415
+
+        check_indexer_warmup_keys(config)
     print(f"ok: {args.recipe}")
     if args.command == "sft":
         print(f"sft: {sft_summary(config)}")
+    elif args.command == "indexer-warmup":
+        print(f"indexer-warmup: {indexer_warmup_summary(config)}")
     else:
-        print(f"train: {config.summary()}")  # the same recipe serves indexer-warmup, which reads other sections
+        print(f"train: {config.summary()}")
         print(config.concurrency_line())
     if args.print_recipe:
         print(dump_recipe(config), end="")

@@ -405,7 +405,8 @@ class RolloutSection(Section):
     max_sampling_tries: int = Field(
         4, ge=1, description="With dynamic_sampling, synchronous loop: most sampling rounds per step before "
                              "training on the groups collected so far (the asynchronous loop replaces each dropped "
-                             "group as it goes).")
+                             "group as it goes, and stops the run when one step drops 16 steps' groups beyond those "
+                             "in flight).")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Seconds to wait for one generation request before giving up on it.")
     reward_timeout_s: float = Field(
@@ -416,8 +417,9 @@ class RolloutSection(Section):
         0.01, ge=0, le=1, description="Log a WARNING when more than this share of a step's reward calls time out.")
     return_indexer_topk: bool = Field(
         False, description="Ask engines for the DSA indexer's top-k key indices of every row of prompt and "
-                           "response (for algorithm.index_replay; embedded engines then keep each cached row's "
-                           "top-k with the KV cache).")
+                           "response (for algorithm.index_replay; without it, train/index_topk_mismatch logs the "
+                           "share of the trainer's selection that differs from the engines'; embedded engines then "
+                           "keep each cached row's top-k with the KV cache).")
     weight_sync: Literal["auto", "http", "shm", "cuda_ipc"] = Field(
         "auto", description="How embedded or external engines get new weights after each step (SGLang servers "
                             "launched for the run: rollout.sglang.weight_sync): http (the "
@@ -525,7 +527,7 @@ class AlgorithmSection(Section):
                            "trainer (saves a forward pass).")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus; 0 = off.")
     dis_eps_low: float = Field(
-        0.3, ge=0, le=1, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or below "
+        0.3, gt=0, le=1, description="async_reinforce, sao: double-sided IS; tokens with π_θ/π_roll at or below "
                                      "1 − dis_eps_low get no gradient. Default 0.3: the SAO paper's maths setting "
                                      "(its code setting: 0.8).")
     dis_eps_high: float = Field(
@@ -641,6 +643,17 @@ class AlgorithmSection(Section):
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        if self.max_staleness == 0 and changed_keys(self, "partial_rollout"):
+            raise RecipeValueError(
+                f"partial_rollout ({self.partial_rollout!r}) says what happens to responses in flight at a weight "
+                "push, which max_staleness 0 never has (each step's rollout ends before its push): leave it unset or "
+                "set max_staleness > 0", "partial_rollout", "max_staleness")
+        if self.indexer_loss_coef == 0 and (unused := changed_keys(
+                self, "indexer_learning_rate", "indexer_loss_stage", "indexer_loss_target")):
+            raise RecipeValueError(
+                f"{unused[0]} ({getattr(self, unused[0])!r}) applies to the indexer loss, which indexer_loss_coef 0 "
+                "turns off (the indexer then gets no gradient): set indexer_loss_coef > 0 or leave it unset",
+                unused[0], "indexer_loss_coef")
         spec.check(self)
         return self
 
@@ -759,7 +772,8 @@ class TrainerSection(Section):
     logprob_diff_warn_threshold: float = Field(
         0.05, ge=0, description="Warn when a step's mean |trainer − rollout log-prob| "
                                 "(train_rollout_logprob_abs_diff) exceeds this; a jump usually means a weight-sync "
-                                "error. Not read by slime-dsa sft, which refuses it set.")
+                                "error. Not read by slime-dsa sft nor by algorithms without π_old (async_reinforce, "
+                                "sao), which refuse it set.")
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings (backend deepspeed).")
 
@@ -875,8 +889,9 @@ class LoggingSection(Section):
     run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = a timestamped name.")
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
         "auto", description="W&B mode; auto = online when WANDB_API_KEY is set, else offline.")
-    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps; metrics that cost real "
-                                                "compute (the DSA indexer's dense recall) are computed only then.")
+    log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps (and the steps that evaluate, "
+                                                "and the last); metrics that cost real compute (the DSA indexer's "
+                                                "dense recall) are computed only every this many.")
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the held-out prompts every this many RL steps; 0 = never. slime-dsa "
                              "sft evaluates every sft.eval_every steps instead and refuses this key set.")
@@ -1057,6 +1072,12 @@ class RecipeConfig(Section):
             raise RecipeValueError("algorithm.opd_topk needs the policy's log-probs at the teachers' top-k ids, which "
                                    "trainer.backend megatron does not compute yet; use fsdp or deepspeed, or opd_topk 0",
                                    "algorithm.opd_topk", "trainer.backend")
+        if (changed_keys(self.trainer, "logprob_diff_warn_threshold")
+                and algorithm_class(alg.name)(alg).old_logprobs == "none"):
+            raise RecipeValueError(
+                f"trainer.logprob_diff_warn_threshold is not read with algorithm '{alg.name}': without π_old its "
+                "|trainer − rollout log-prob| mixes staleness with the weight-sync gap, so no step is checked; "
+                "leave it unset", "trainer.logprob_diff_warn_threshold", "algorithm.name")
         min_group = algorithm_class(alg.name).min_group_size
         if ro.n_samples_per_prompt < min_group:
             raise RecipeValueError(

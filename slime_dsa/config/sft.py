@@ -44,9 +44,15 @@ NOT_READ_BY_SFT: dict[str, str] = {
 
 def sft_problems(config: RecipeConfig) -> list[tuple[str, str]]:
     """(key, one line) for every key set to a value sft would not honour, in NOT_READ_BY_SFT's order."""
+    return unread_key_problems(config, NOT_READ_BY_SFT)
+
+
+def unread_key_problems(config: RecipeConfig, not_read: dict[str, str]) -> list[tuple[str, str]]:
+    """(key, one line) for every key of `not_read` (key or section -> what to do instead) set away from its default,
+    in its order: a command's keys it would not honour (sft here, indexer-warmup)."""
     defaults = RecipeConfig()
     problems = []
-    for name, advice in NOT_READ_BY_SFT.items():
+    for name, advice in not_read.items():
         for key in _keys(defaults, name):
             value = attrgetter(key)(config)
             if value != attrgetter(key)(defaults):

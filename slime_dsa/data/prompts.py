@@ -479,14 +479,16 @@ class TaskMixture:
                 "tasks": [{"name": t.name, "size": len(t.train), "count": c} for t, c in zip(self.tasks, self.counts)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; the tasks (names, sizes) and seed must match the ones it was saved with."""
+        """Continue from `state`; the tasks (names, sizes) and seed must match the ones it was saved with (UserError
+        naming data.tasks or data.seed: a resumed run whose recipe changed them)."""
         saved = [(t["name"], t["size"]) for t in state["tasks"]]
         current = [(t.name, len(t.train)) for t in self.tasks]
         if saved != current:
-            raise ValueError(f"TaskMixture state was saved for tasks (name, size) {saved}, but this mixture has "
-                             f"{current}")
+            raise UserError(f"data.tasks: the checkpoint's prompt stream was drawn from tasks (name, train prompts) "
+                            f"{saved}, but the recipe's are {current}: resume with the same data.tasks")
         if state["seed"] != self.seed:
-            raise ValueError(f"TaskMixture state was saved with seed {state['seed']}, this mixture has {self.seed}")
+            raise UserError(f"data.seed: the checkpoint's prompt stream was drawn with seed {state['seed']}, but the "
+                            f"recipe's is {self.seed}: resume with the same data.seed")
         self.num_drawn = int(state["num_drawn"])
         self.counts = [int(t["count"]) for t in state["tasks"]]
 

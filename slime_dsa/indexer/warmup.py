@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slime_dsa import interrupts
 from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, topk_overlap
 from slime_dsa.config import RecipeConfig
+from slime_dsa.config.errors import UserError
+from slime_dsa.config.schema import IndexerWarmupSection
 from slime_dsa.indexer.evaluate import evaluate_indexers, indexer_selection
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -73,8 +76,6 @@ def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int) -> Iterator[lis
 def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterator[list[int]]:
     """Endless token documents from a text column of an HF dataset or a local jsonl/json/parquet file."""
     from slime_dsa.data.prompts import load_prompt_dataset  # noqa: PLC0415
-
-    from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
     ds = load_prompt_dataset(path, split=split)
     if column not in ds.column_names:
@@ -134,12 +135,13 @@ def probe_selection(model: GlmMoeDsaForCausalLM, sequences: list[torch.Tensor], 
 def train_indexers(
     model: GlmMoeDsaForCausalLM, train: Iterator[torch.Tensor], eval_sequences: list[torch.Tensor], *, topk: int,
     num_steps: int, batch_size: int, learning_rate: float, target: str = "group", eval_every: int = 0,
-    max_grad_norm: float = 1.0, log=None, log_every: int = 1,
+    max_grad_norm: float = 1.0, log=None, log_every: int = 1, on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Dense warm-up of the indexers only; returns {"before": eval, "after": eval, "history": [...]}.
 
     topk_overlap_prev_step costs a forward over the probe windows per step measured, so it is measured only on
-    the steps that are logged (every log_every-th and the last), from a probe after the step before each.
+    the steps that are logged (every log_every-th and the last), from a probe after the step before each. `log` gets
+    those steps, the evaluated ones, and the evaluation before training as step 0 (the one after: the last step).
     """
     dense = max(len(s) for s in eval_sequences)
     params = freeze_all_but_indexers(model)
@@ -147,6 +149,8 @@ def train_indexers(
     before = evaluate_indexers(model, eval_sequences, topk, dense, target)
     logger.info("before warm-up: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", topk, before["recall"],
                 before["indexer_kl"], before["lm_loss_sparse"], before["lm_loss_dense"])
+    if log is not None:
+        log({f"eval/{k}": v for k, v in before.items()}, 0)
     probe = eval_sequences[: max(1, min(4, len(eval_sequences)))]
 
     def logged(step: int) -> bool:
@@ -155,6 +159,7 @@ def train_indexers(
     previous = probe_selection(model, probe, topk) if logged(1) else None
     history = []
     for step in range(1, num_steps + 1):
+        interrupts.raise_if_terminated()  # a SIGTERM whose exception Python dropped (slime_dsa/interrupts.py)
         start = time.perf_counter()
         metrics = warmup_step(model, optimizer, [next(train) for _ in range(batch_size)], target, max_grad_norm)
         if logged(step) or logged(step + 1):
@@ -163,17 +168,34 @@ def train_indexers(
                 metrics["topk_overlap_prev_step"] = float(topk_overlap(current, previous).mean())
             previous = current
         metrics["step_time_s"] = time.perf_counter() - start
-        if eval_every and step % eval_every == 0 and step < num_steps:
-            metrics.update({f"eval/{k}": v for k, v in evaluate_indexers(model, eval_sequences, topk, dense, target).items()})
+        evaluated = step == num_steps or bool(eval_every and step % eval_every == 0)
+        if evaluated:
+            after = evaluate_indexers(model, eval_sequences, topk, dense, target)
+            metrics.update({f"eval/{k}": v for k, v in after.items()})
         history.append({"step": step, **metrics})
-        if log is not None:
+        if log is not None and (logged(step) or evaluated):
             log(metrics, step)
-    after = evaluate_indexers(model, eval_sequences, topk, dense, target)
+        if on_step is not None:
+            on_step(step)
     logger.info("after %d steps: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", num_steps, topk,
                 after["recall"], after["indexer_kl"], after["lm_loss_sparse"], after["lm_loss_dense"])
     for p in model.parameters():
         p.requires_grad_(True)
     return {"before": before, "after": after, "history": history}
+
+
+def warmup_topk(cfg: IndexerWarmupSection, model_topk: int) -> int:
+    """The budget the warm-up trains for: indexer_warmup.index_topk, else the model's; UserError when a window has no
+    more keys than that (the recipe check refuses an explicit index_topk at or above seq_len; the model's is known
+    only here)."""
+    if cfg.index_topk is not None:
+        return cfg.index_topk
+    if model_topk >= cfg.seq_len:
+        raise UserError(
+            f"indexer_warmup.index_topk is null, so the model's index_topk ({model_topk}, model.index_topk or "
+            f"model.path's config.json) is the budget, but it is not below indexer_warmup.seq_len ({cfg.seq_len}): "
+            "every key would be selected; set indexer_warmup.index_topk (the sparse budget to warm up for)")
+    return model_topk
 
 
 def run_indexer_warmup(recipe: RecipeConfig) -> Path:
@@ -186,6 +208,8 @@ def run_indexer_warmup(recipe: RecipeConfig) -> Path:
 
 def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The warm-up itself, inside its run directory."""
+    from rich.progress import Progress  # noqa: PLC0415
+
     from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
@@ -195,10 +219,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     model_dir = prepare_model_dir(recipe, run_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     model = load_model(model_dir, dtype=torch.float32)
-    topk = cfg.index_topk or model.config.index_topk
-    if topk >= cfg.seq_len:
-        raise ValueError(f"indexer_warmup.index_topk ({topk}) must be below indexer_warmup.seq_len ({cfg.seq_len}): "
-                         "at or above it every key is selected and there is nothing to learn")
+    topk = warmup_topk(cfg, model.config.index_topk)
     if cfg.reinit_indexers:
         reinit_indexers(model, seed=recipe.trainer.seed)
     if cfg.corpus == "tasks":
@@ -212,13 +233,15 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                         recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"))
     try:
-        result = train_indexers(
-            model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
-            learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
-            max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
-            log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step)
-            if step % recipe.logging.log_every == 0 else None,
-        )
+        with Progress(transient=True) as progress:  # the console's only sign of life until the model is written
+            bar = progress.add_task("indexer warm-up", total=cfg.num_steps)
+            result = train_indexers(
+                model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
+                learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
+                max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
+                log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step),
+                on_step=lambda step: progress.advance(bar),
+            )
     finally:
         log.close()
     out_dir = Path(cfg.output_dir or run_dir / "dsa_model")

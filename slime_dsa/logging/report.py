@@ -53,6 +53,14 @@ PANELS = (
     Panel("advantage.png", "Advantages over action tokens", "advantage", ("advantage/mean", "advantage/std")),
     Panel("step_time.png", "Step time", "seconds",
           ("perf/step_time_s", "perf/rollout_time_s", "perf/train_time_s", "perf/sync_time_s")),
+    Panel("staleness.png", "Staleness of the trained samples (asynchronous loop)", "policy versions behind",
+          ("async/staleness_mean", "async/staleness_max")),
+    Panel("dis_frac.png", "Tokens outside the double-sided IS band (no gradient)", "share of tokens",
+          ("train/dis_frac_below", "train/dis_frac_above")),
+    Panel("indexer_kl.png", "DSA indexer loss", "KL(attention ‖ indexer) per row",
+          ("train/indexer_kl", "indexer_warmup/indexer_kl", "indexer_warmup/eval/indexer_kl"), log_y=True),
+    Panel("indexer_recall.png", "DSA indexer recall of the attention (held-out windows)", "recall at index_topk",
+          ("indexer_warmup/eval/recall",)),
     Panel("pass_at_1_by_task.png", "Eval pass@1 (greedy) per task", "share of eval prompts solved", (),
           pattern="eval/*/pass@1"),
     Panel("reverse_kl_by_domain.png", "Reverse KL to each domain's teacher (on-policy distillation)",
@@ -95,10 +103,13 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     records = read_metrics(run_dir)
     if not records:
         raise UserError(f"{run_dir / 'metrics.jsonl'} holds no records yet: nothing to plot")
+    panels = plan_panels(records)
+    if not panels:  # else an empty report directory and exit 0
+        raise UserError(f"{run_dir / 'metrics.jsonl'} holds none of the keys the report draws")
     out = Path(out_dir or run_dir / "report")
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for panel in plan_panels(records):
+    for panel in panels:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key, points in panel_series(panel, records).items():
             xs, ys = zip(*points)

@@ -4,7 +4,7 @@ A producer task (`RolloutManager.produce`) keeps generating groups into the Samp
 consumes them, one step of `prompts_per_step` groups at a time:
 1. take groups from the buffer in the order they finished; drop the samples whose oldest generated token is more
    than `max_staleness` versions behind the trainer (counted), discard groups left untrainable (their slot is
-   regenerated);
+   regenerated; a step that drops MAX_DROPPED_STEPS steps' groups beyond those in flight stops the run);
 2. the algorithm's training step (async_reinforce: the DIS loss, r = π_θ / π_roll per token with no π_old
    recomputed, on group-centred advantages; sao: the same loss on a critic's per-token GAE, groups of one, and the
    critic's own updates, step.train_on_samples), while the producer keeps generating;
@@ -33,16 +33,24 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from slime_dsa.config.errors import UserError
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
 from slime_dsa.interrupts import raise_if_terminated
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.collection import screen_group
 from slime_dsa.orchestrator.step import Run, after_step, ensure_engines, sync_weights, train_on_samples
 
+if TYPE_CHECKING:
+    from slime_dsa.config.schema import RolloutSection
+
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = {"retract": "retract", "in_place": "in_place", "off": "abort"}  # algorithm.partial_rollout -> engine
+# Steps' worth of groups a step may drop (failed, or uniform under dynamic sampling) beyond those in flight before it
+# gives up: the synchronous loop's default budget, max_sampling_tries 4 rounds of max_oversample_factor 4 x the step.
+MAX_DROPPED_STEPS = 16
 
 
 def generated_versions(sample: Sample) -> list[int]:
@@ -132,6 +140,7 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
     taken: list[Sample] = []
     counters: Counter[str] = Counter()
     fates: dict[str, list[int]] = {"trained": [], "stale": [], "discarded": []}
+    dropped, most_dropped = 0, (MAX_DROPPED_STEPS + max_staleness + 1) * cfg.prompts_per_step
     while len(kept) < cfg.prompts_per_step:
         await ensure_engines(run, version)  # none left: wait for replacements (or stop the run)
         group = await _next_group(manager.buffer, producer)
@@ -145,6 +154,9 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
         usable = screen_group(fresh, cfg.dynamic_sampling, counters, manager.min_group_size)
         if usable is None:
             fates["discarded"].extend(s.index for s in fresh)
+            dropped += 1
+            if dropped > most_dropped:  # each is regenerated: the step would wait forever
+                raise UserError(_dropped_line(version + 1, dropped, len(kept), cfg, counters, manager.min_group_size))
             await gate.replace(1)
             continue
         kept.append(usable)
@@ -166,6 +178,17 @@ async def _collect(run: Run, gate: StalenessGate, producer: asyncio.Task, versio
         logger.info("step %d: dropped %d stale samples (older than %d versions)", version + 1, len(fates["stale"]),
                     max_staleness)
     return kept, metrics, fates
+
+
+def _dropped_line(step: int, dropped: int, kept: int, cfg: RolloutSection, counters: Counter,
+                  min_group_size: int) -> str:
+    """Why a step stopped: how many groups it dropped, and for what."""
+    uniform = (f"{counters['zero_std_groups']} whose rewards all agree, dropped by rollout.dynamic_sampling; "
+               if cfg.dynamic_sampling else "")
+    return (f"step {step}: {dropped} groups could not be trained on and {kept} of {cfg.prompts_per_step} could "
+            f"({uniform}{counters['dropped_groups']} with fewer than {min_group_size} usable samples, "
+            f"{counters['failed_samples']} samples failed): the asynchronous loop regenerates each, so the step "
+            "would never fill; check the reward function (rollout/reward_failures, train.log) and the engines")
 
 
 def _staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:

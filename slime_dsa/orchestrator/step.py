@@ -96,11 +96,12 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
     if run.driver_gc is not None:
         counts = run.driver_gc.take()
         metrics.update({"perf/driver_gc_s": counts["gc_s"], "perf/driver_gc_full": counts["gc_full"]})
-    if recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0:
+    evaluated = bool(recipe.logging.eval_every and (step + 1) % recipe.logging.eval_every == 0)
+    if evaluated:
         metrics.update(await run.manager.evaluate())
         if run.engine_stats is not None:
             await run.engine_stats.reset()  # the evaluation's generation is not the next step's
-    if (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
+    if evaluated or (step + 1) % recipe.logging.log_every == 0 or step + 1 == recipe.trainer.num_steps:
         run.metrics_log.log(metrics, step=step + 1)
         print_step(step + 1, recipe.trainer.num_steps, metrics)
     save_every = recipe.checkpoint.save_every

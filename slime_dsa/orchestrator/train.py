@@ -95,6 +95,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
     check_recipe_plugins(recipe)  # a plugin that does not resolve: before the prompts, Ray
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
+    if resume_from is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
+        saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
+        TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved)
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
