@@ -1,4 +1,4 @@
-"""What `slime-dsa indexer-warmup` reads of a recipe. It trains only the indexers, in one process, in float32, with
+"""What `slime-dsa indexer-warmup` reads of a recipe. It trains only the indexers, in one CPU process, in float32, with
 an optimizer and a step count of its own (indexer_warmup.*): a value other than the default of a key it does not read
 is refused (`slime-dsa indexer-warmup`, and `recipe check --for indexer-warmup`) rather than ignored.
 
