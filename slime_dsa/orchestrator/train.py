@@ -94,6 +94,10 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
     check_recipe_plugins(recipe)  # a plugin that does not resolve: before the prompts, Ray
+    if recipe.rollout.engine == "external":
+        # the key the run's client will send: a wrong one is one line here, not a run of skipped steps
+        key = setup.EngineAccess.for_run(recipe, []).api_key
+        await setup.check_external_engines(list(recipe.rollout.engine_urls), key)
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     setup.init_ray(recipe)
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
