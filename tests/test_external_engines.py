@@ -15,10 +15,23 @@ KEY = "the-servers-key"
 
 
 @pytest.fixture(scope="module")
-def server():
+def model_dir(tmp_path_factory) -> Path:
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from tests.hf_reference import make_hf_checkpoint
+
+    directory = tmp_path_factory.mktemp("served") / "model"
+    directory.mkdir()
+    make_hf_checkpoint(directory, seed=0, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """`serve --model DIR --api-key KEY` without --weight-dir: /update_weights_from_disk loads nothing."""
     from tests.test_server import serving
 
-    with serving(ROOT / "recipes" / "assets" / "quickstart-sft", api_key=KEY) as srv:
+    with serving(model_dir, api_key=KEY) as srv:
         yield srv
 
 
@@ -33,10 +46,10 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(setup, "init_ray", init_ray)
 
 
-def _train(server, tmp_path) -> int:
-    return main(["train", BASE, "--set", "rollout.engine=external", "--set", f"rollout.engine_urls=['{server.url}']",
-                 "--set", "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]",
-                 "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"])
+def _train(server, tmp_path, *overrides: str) -> int:
+    sets = [f"rollout.engine_urls=['{server.url}']", "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", *overrides]
+    return main(["train", BASE, "--set", "rollout.engine=external", *(a for s in sets for a in ("--set", s))])
 
 
 @pytest.mark.parametrize("key", ["wrong", None])
@@ -59,3 +72,36 @@ def test_an_external_engine_that_takes_the_key_lets_the_run_start(server, tmp_pa
     monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
     with pytest.raises(AssertionError, match="Ray started"):
         _train(server, tmp_path)
+
+
+def test_a_refused_weight_update_is_a_refusal_not_a_lost_engine(server):
+    """post_update turns an engine's 4xx into WeightUpdateRefusedError, which the run reports in one line."""
+    import asyncio
+
+    from rollout.client import EngineClient
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError, post_update
+
+    async def refused() -> None:
+        async with EngineClient([server.url], api_key=KEY) as client:
+            with pytest.raises(WeightUpdateRefusedError, match="403: model_path is not in a directory"):
+                await post_update(client, "/update_weights_from_disk", {"model_path": "/dev/shm/elsewhere"})
+            assert list(client.engines) == [server.url]  # a refusal drops no engine
+
+    asyncio.run(refused())
+
+
+@pytest.mark.slow
+def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, model_dir, tmp_path, monkeypatch,
+                                                                        capsys, ray_cluster):
+    """rollout.weight_sync shm to a `serve` engine without --weight-dir: every push is a 403. The run died after its
+    first step with a traceback of rollout.client.EngineError."""
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    code = _train(server, tmp_path, f"model.path={model_dir}", "rollout.weight_sync=shm", "trainer.num_workers=1",
+                  "trainer.num_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                  "rollout.max_response_length=4", "logging.eval_every=0", "checkpoint.save_every=0")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith("slime-dsa: error: the engines refused the weights of step 1: POST /update_weights_from_disk "
+                           f"failed on 1 of 1 engines: {server.url} (403: model_path is not in a directory"), line
+    assert "start `slime-dsa serve` with --weight-dir /dev/shm, or set rollout.weight_sync http" in line, line

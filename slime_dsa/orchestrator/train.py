@@ -184,22 +184,35 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
 async def _failure_line(run: Run, error: Exception) -> str | None:
     """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
-    checkpoint is written first), or a trainer rank dead (a Ray actor's process died under a call: in the loop, a
-    trainer rank; engines are reached over HTTP)."""
+    checkpoint is written first), a trainer rank dead (a Ray actor's process died under a call: in the loop, a
+    trainer rank; engines are reached over HTTP), or a weight update the engines refused."""
     from ray.exceptions import RayActorError  # noqa: PLC0415
 
     from rollout.client import EngineLossError  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
 
     step = run.progress.current
     if isinstance(error, EngineLossError):
         saved = await emergency_checkpoint(run)
         where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
         return f"rollout engines lost at step {step}: {error}; {where}"
+    newest = run.ckpts.latest()
+    where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
     if isinstance(error, RayActorError):
-        newest = run.ckpts.latest()
-        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
         return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
+    if isinstance(error, WeightUpdateRefusedError):
+        return f"the engines refused the weights of step {step}: {error}{_refusal_hint(run)}; {where}"
     return None
+
+
+def _refusal_hint(run: Run) -> str:
+    """What to change when external engines refused weights from a directory: a `slime-dsa serve` engine loads only
+    from its --weight-dir."""
+    directory = getattr(run.weights, "directory", None)
+    if run.recipe.rollout.engine != "external" or directory is None:
+        return ""
+    return (f" (they load them from {directory}: start `slime-dsa serve` with --weight-dir {Path(directory).parent}, "
+            "or set rollout.weight_sync http)")
 
 
 def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
