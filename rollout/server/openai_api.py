@@ -150,6 +150,8 @@ def _check_messages(messages: Any) -> list[dict]:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(f"messages[{i}].content must be a string, a list of parts, or null")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            _check_part(part, f"messages[{i}].content[{j}]")
         for call in m.get("tool_calls") or []:
             fn = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -160,6 +162,17 @@ def _check_messages(messages: Any) -> list[dict]:
                 except json.JSONDecodeError:
                     raise RequestError(f"messages[{i}].tool_calls: function.arguments is not valid JSON") from None
     return messages
+
+
+def _check_part(part: Any, where: str) -> None:
+    """A content part must be {"type": "text", "text": str}: the chat template renders text parts only, and would drop
+    an image or audio part without a word."""
+    if not isinstance(part, dict):
+        raise RequestError(f"{where} must be an object {{type, text}}, got {type(part).__name__}")
+    if part.get("type") != "text":
+        raise RequestError(f"{where} has type {part.get('type')!r}; the embedded server takes text parts only")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string, got {part.get('text')!r}")
 
 
 def _chat_prompt(body: dict, st) -> list[int]:
