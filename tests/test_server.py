@@ -574,6 +574,17 @@ def test_v1_chat_content_parts_other_than_text_are_refused(server):
         assert named in reply["error"]["message"], reply
 
 
+@pytest.mark.parametrize("route, prompt", [("/v1/completions", {"prompt": "x"}),
+                                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_v1_errors_name_the_field_as_the_request_spells_it(server, route, prompt):
+    """A bad max_tokens was refused as 'sampling_params.max_new_tokens', a field the OpenAI request does not have."""
+    for fields, named in (({"max_tokens": -1}, "max_tokens must be"), ({"seed": 1.5}, "seed must be"),
+                          ({"max_completion_tokens": "8"}, "max_completion_tokens must be"),
+                          ({"temperature": -1}, "temperature must be")):
+        status, reply = post(server, route, {**prompt, **fields})
+        assert status == 400 and reply["error"]["message"].startswith(named), reply
+
+
 def test_reasoning_and_tool_call_parsers():
     assert split_reasoning("<think>add them</think>The answer is 5") == ("add them", "The answer is 5")
     assert split_reasoning("<think>still thinking") == ("still thinking", "")
