@@ -131,6 +131,9 @@ def check_port(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the host is the problem
+                raise UserError(f"--host {host} cannot be bound ({e.strerror}); give an address of this machine, or "
+                                "0.0.0.0 for all of them") from None
             why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
             raise UserError(f"port {port} on {host} {why}; choose another with --port") from None
 
