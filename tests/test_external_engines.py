@@ -105,3 +105,25 @@ def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, m
     assert line.startswith("slime-dsa: error: the engines refused the weights of step 1: POST /update_weights_from_disk "
                            f"failed on 1 of 1 engines: {server.url} (403: model_path is not in a directory"), line
     assert "start `slime-dsa serve` with --weight-dir /dev/shm, or set rollout.weight_sync http" in line, line
+
+
+@pytest.mark.slow
+def test_a_resume_whose_weights_an_external_engine_refuses_is_one_line(server, model_dir, tmp_path, monkeypatch,
+                                                                      capsys, ray_cluster):
+    """--resume pushes the checkpoint's weights before the first step: a refusal there was a WeightUpdateRefusedError
+    traceback, then asyncio's 'Unclosed client session' errors."""
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    small = [f"model.path={model_dir}", "trainer.num_workers=1", "rollout.prompts_per_step=2",
+             "rollout.n_samples_per_prompt=2", "rollout.max_response_length=4", "logging.eval_every=0",
+             "checkpoint.save_every=1"]
+    assert _train(server, tmp_path, *small, "rollout.weight_sync=http", "trainer.num_steps=1") == 0
+    capsys.readouterr()
+    code = main(["train", BASE, "--resume", *(a for s in [
+        "rollout.engine=external", f"rollout.engine_urls=['{server.url}']", f"logging.run_dir={tmp_path / 'run'}",
+        "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]", "logging.wandb_mode=disabled", *small,
+        "rollout.weight_sync=shm", "trainer.num_steps=2"] for a in ("--set", s))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "Unclosed" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {tmp_path / 'run' / 'checkpoints'}"), line
+    assert "403" in line and "--weight-dir /dev/shm" in line, line

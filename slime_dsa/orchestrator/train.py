@@ -138,7 +138,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
         start_step = progress.saved = progress.trained = state["step"]
-        await sync_weights(weights, version=start_step)  # engines started from the initial weights
+        await _resume_weights(recipe, weights, start_step, resume_from, fleet, client)
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
             logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
@@ -182,6 +182,22 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     return run_dir
 
 
+async def _resume_weights(recipe: RecipeConfig, weights: Any, step: int, checkpoint: Path, fleet: Any,
+                          client: Any) -> None:
+    """The resumed weights to the engines, which started from the initial ones; a refusal is one UserError (the fleet
+    and the client closed first, so nothing but that line reaches the console)."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
+
+    try:
+        await sync_weights(weights, version=step)
+    except WeightUpdateRefusedError as e:
+        await fleet.close()
+        await client.close()
+        hint = _refusal_hint(recipe, weights)
+        raise UserError(f"the engines refused the weights of {checkpoint}: {e}{hint}") from None
+
+
 async def _failure_line(run: Run, error: Exception) -> str | None:
     """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
     checkpoint is written first), a trainer rank dead (a Ray actor's process died under a call: in the loop, a
@@ -201,15 +217,16 @@ async def _failure_line(run: Run, error: Exception) -> str | None:
     if isinstance(error, RayActorError):
         return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
     if isinstance(error, WeightUpdateRefusedError):
-        return f"the engines refused the weights of step {step}: {error}{_refusal_hint(run)}; {where}"
+        hint = _refusal_hint(run.recipe, run.weights)
+        return f"the engines refused the weights of step {step}: {error}{hint}; {where}"
     return None
 
 
-def _refusal_hint(run: Run) -> str:
+def _refusal_hint(recipe: RecipeConfig, weights: Any) -> str:
     """What to change when external engines refused weights from a directory: a `slime-dsa serve` engine loads only
     from its --weight-dir."""
-    directory = getattr(run.weights, "directory", None)
-    if run.recipe.rollout.engine != "external" or directory is None:
+    directory = getattr(weights, "directory", None)
+    if recipe.rollout.engine != "external" or directory is None:
         return ""
     return (f" (they load them from {directory}: start `slime-dsa serve` with --weight-dir {Path(directory).parent}, "
             "or set rollout.weight_sync http)")
