@@ -102,8 +102,9 @@ def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, m
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     line = err.splitlines()[-1]
-    assert line.startswith("slime-dsa: error: the engines refused the weights of step 1: POST /update_weights_from_disk "
-                           f"failed on 1 of 1 engines: {server.url} (403: model_path is not in a directory"), line
+    assert line.startswith("slime-dsa: error: the engines refused the weights of step 1: POST "
+                           f"/update_weights_from_disk failed on 1 of 1 engines: {server.url} (403: model_path is not "
+                           "in a directory"), line
     assert "start `slime-dsa serve` with --weight-dir /dev/shm, or set rollout.weight_sync http" in line, line
 
 
@@ -125,5 +126,6 @@ def test_a_resume_whose_weights_an_external_engine_refuses_is_one_line(server, m
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "Unclosed" not in err, err
     line = err.splitlines()[-1]
-    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {tmp_path / 'run' / 'checkpoints'}"), line
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {checkpoints}"), line
     assert "403" in line and "--weight-dir /dev/shm" in line, line

@@ -565,7 +565,8 @@ def test_v1_chat_content_parts_other_than_text_are_refused(server):
     """The chat template renders text parts only: an image_url part was dropped and the model answered an empty user
     turn with 200."""
     text = [{"type": "text", "text": "What is 2 + 3?"}]
-    assert post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1})[0] == 200
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert post(server, "/v1/chat/completions", body)[0] == 200
     for part, named in (({"type": "image_url", "image_url": {"url": "http://x/cat.png"}}, "type 'image_url'"),
                         ({"type": "text", "text": 5}, "text must be a string"), ("just a string", "must be an object")):
         status, reply = post(server, "/v1/chat/completions",
