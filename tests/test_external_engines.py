@@ -94,7 +94,7 @@ def test_a_refused_weight_update_is_a_refusal_not_a_lost_engine(server):
 def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, model_dir, tmp_path, monkeypatch,
                                                                         capsys, ray_cluster):
     """rollout.weight_sync shm to a `serve` engine without --weight-dir: every push is a 403. The run died after its
-    first step with a traceback of rollout.client.EngineError."""
+    first step with a traceback of rollout.client.EngineError; the push of the initial weights now refuses first."""
     monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
     code = _train(server, tmp_path, f"model.path={model_dir}", "rollout.weight_sync=shm", "trainer.num_workers=1",
                   "trainer.num_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
@@ -102,10 +102,33 @@ def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, m
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     line = err.splitlines()[-1]
-    assert line.startswith("slime-dsa: error: the engines refused the weights of step 1: POST "
+    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {model_dir}: POST "
                            f"/update_weights_from_disk failed on 1 of 1 engines: {server.url} (403: model_path is not "
                            "in a directory"), line
     assert "start `slime-dsa serve` with --weight-dir /dev/shm, or set rollout.weight_sync http" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_an_external_engine_samples_step_1_from_the_runs_initial_weights(server, tmp_path, monkeypatch,
+                                                                         ray_cluster):
+    """A server that holds other weights (another run's last push) answered step 1 with them: the run trained on
+    samples of another policy (train_rollout_logprob_abs_diff 1.09 with a perturbed server) and warned only."""
+    import json
+
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from tests.hf_reference import make_hf_checkpoint
+
+    other = tmp_path / "other"  # the run's model.path: the server's architecture, other weights
+    other.mkdir()
+    make_hf_checkpoint(other, seed=1, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_tokenizer(other)
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    assert _train(server, tmp_path, f"model.path={other}", "rollout.weight_sync=http", "trainer.num_workers=1",
+                  "trainer.num_steps=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                  "rollout.max_response_length=4", "logging.eval_every=0", "checkpoint.save_every=0") == 0
+    (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert step["train/train_rollout_logprob_abs_diff"] < 1e-4, step["train/train_rollout_logprob_abs_diff"]
 
 
 @pytest.mark.slow
@@ -129,3 +152,23 @@ def test_a_resume_whose_weights_an_external_engine_refuses_is_one_line(server, m
     checkpoints = tmp_path / "run" / "checkpoints"
     assert line.startswith(f"slime-dsa: error: the engines refused the weights of {checkpoints}"), line
     assert "403" in line and "--weight-dir /dev/shm" in line, line
+
+
+def test_a_refusal_mid_run_is_one_line_naming_the_step_and_the_newest_checkpoint(tmp_path):
+    """A push the engines refuse after the start (a server restarted without --weight-dir) is the run's one line."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_dsa.config import validate_recipe
+    from slime_dsa.orchestrator.train import _failure_line
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError
+
+    recipe = validate_recipe({"rollout": {"engine": "external", "engine_urls": ["http://127.0.0.1:1"]}})
+    run = SimpleNamespace(recipe=recipe, progress=SimpleNamespace(current=7),
+                          ckpts=SimpleNamespace(latest=lambda: tmp_path / "step_000005"),
+                          weights=SimpleNamespace(directory=Path("/dev/shm/slime-dsa-weights-1-ab")))
+    line = asyncio.run(_failure_line(run, WeightUpdateRefusedError("POST /update_weights_from_disk failed ...")))
+    assert line == ("the engines refused the weights of step 7: POST /update_weights_from_disk failed ... (they load "
+                    "them from /dev/shm/slime-dsa-weights-1-ab: start `slime-dsa serve` with --weight-dir /dev/shm, or "
+                    f"set rollout.weight_sync http); the newest checkpoint is {tmp_path / 'step_000005'}; --resume "
+                    "continues from it")

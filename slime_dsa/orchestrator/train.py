@@ -138,11 +138,13 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
         start_step = progress.saved = progress.trained = state["step"]
-        await _resume_weights(recipe, weights, start_step, resume_from, fleet, client)
+        await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
             logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
                            "synchronous loop does not regenerate them", manager.num_pending_replays)
+    elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
+        await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
 
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
@@ -182,10 +184,11 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     return run_dir
 
 
-async def _resume_weights(recipe: RecipeConfig, weights: Any, step: int, checkpoint: Path, fleet: Any,
-                          client: Any) -> None:
-    """The resumed weights to the engines, which started from the initial ones; a refusal is one UserError (the fleet
-    and the client closed first, so nothing but that line reaches the console)."""
+async def _push_start_weights(recipe: RecipeConfig, weights: Any, step: int, source: Path, fleet: Any,
+                              client: Any) -> None:
+    """The weights the run starts from (`source`: the checkpoint resumed, or the initial model for external engines)
+    to the engines as version `step`; a refusal is one UserError (the fleet and the client closed first, so nothing
+    but that line reaches the console)."""
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
 
@@ -195,7 +198,7 @@ async def _resume_weights(recipe: RecipeConfig, weights: Any, step: int, checkpo
         await fleet.close()
         await client.close()
         hint = _refusal_hint(recipe, weights)
-        raise UserError(f"the engines refused the weights of {checkpoint}: {e}{hint}") from None
+        raise UserError(f"the engines refused the weights of {source}: {e}{hint}") from None
 
 
 async def _failure_line(run: Run, error: Exception) -> str | None:
