@@ -560,3 +560,53 @@ def test_generate_sends_the_key_from_the_environment(capsys, monkeypatch):
         assert "missing or wrong API key" in one_line_error(capsys, *argv, "--api-key", "wrong")  # the flag comes first
     main(["generate", "--help"])
     assert "SLIME_DSA_API_KEY" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "--device must be cpu or cuda (cuda:N), got 'tpu'"),
+    ("cuda", "--device cuda: torch sees no CUDA device on this machine; use --device cpu"),
+])
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch, command, device, message):
+    """`serve --device tpu` and `generate --model DIR --device cuda` on a CPU-only machine were a torch RuntimeError
+    traceback once the model began to load."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = str(ROOT / "recipes" / "assets" / "quickstart-sft")
+    argv = ["--model", model, "--device", device] + (["--prompt", "hi"] if command == "generate" else [])
+    assert one_line_error(capsys, command, *argv) == f"slime-dsa: error: {message}"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("pickle", "holds no .safetensors weights"),
+    ("shape", "tensor lm_head.weight has shape (3, 3)"),
+    ("nan", "tensor lm_head.weight holds NaN or infinite values"),
+])
+def test_generate_checks_its_model_directory_as_serve_does(capsys, tmp_path, case, expected):
+    """`generate --model DIR` loaded without serve's checks: no safetensors (a pytorch_model.bin) or a misshapen tensor
+    was a FileNotFoundError or CheckpointError traceback, and NaN weights generated."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = ROOT / "recipes" / "assets" / "quickstart-sft"
+    model = tmp_path / case
+    shutil.copytree(source, model, ignore=shutil.ignore_patterns("model.safetensors"))
+    if case == "pickle":
+        (model / "pytorch_model.bin").write_bytes(b"\x80\x02")
+    else:
+        weights = load_file(source / "model.safetensors")
+        head = torch.zeros(3, 3) if case == "shape" else torch.full_like(weights["lm_head.weight"], float("nan"))
+        save_file({**weights, "lm_head.weight": head}, model / "model.safetensors")
+    err = one_line_error(capsys, "generate", "--model", str(model), "--prompt", "1+2=", "--device", "cpu")
+    assert err.startswith(f"slime-dsa: error: {model}") and expected in err, err
+
+
+def test_serve_names_a_preload_directory_that_holds_no_model(capsys, tmp_path):
+    """`serve --preload-weights DIR` of a directory without weights was a FileNotFoundError traceback after the served
+    model had loaded."""
+    model = str(ROOT / "recipes" / "assets" / "quickstart-sft")
+    err = one_line_error(capsys, "serve", "--model", model, "--device", "cpu", "--preload-weights", str(tmp_path))
+    assert err.startswith(f"slime-dsa: error: --preload-weights: {tmp_path}"), err

@@ -68,6 +68,16 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys, tmp_path, m
     assert time.perf_counter() - start < 5
 
 
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])
+def test_serve_on_a_host_this_machine_lacks_names_the_host(capsys, model_dir, host):
+    """An address this machine does not have (TEST-NET-1) or a name that does not resolve said 'choose another with
+    --port', when the port was never the problem."""
+    (model_dir / "model.safetensors").write_bytes(b"not even read")  # loading would fail: it must not be reached
+    err = _one_line(capsys, "serve", "--model", str(model_dir), "--host", host, "--port", "0", "--api-key", "k")
+    assert err.startswith(f"--host {host} cannot be bound (") and err.endswith(
+        "); give an address of this machine, or 0.0.0.0 for all of them"), err
+
+
 def test_serve_and_export_on_bad_weight_files_are_one_line(capsys, tmp_path, model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -126,6 +126,12 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"engine": "vllm"}}, r"rollout\.engine: expected one of 'embedded', 'sglang' or 'external', got"),
     ({"rollout": {"top_k": 0}}, r"rollout: top_k \(0\) must be -1"),
     ({"rollout": {"engine": "external"}}, r"engine 'external' needs engine_urls"),
+    # were accepted, and the run lost its only engine at step 1, after Ray and the trainers had started
+    ({"rollout": {"engine": "external", "engine_urls": ["http://127.0.0.1:30000", "ftp://h:1"]}},
+     r"rollout: engine_urls\[1\] 'ftp://h:1' is not an http:// or https:// URL"),
+    ({"rollout": {"engine": "external", "engine_urls": ["h:port"]}}, r"engine_urls\[0\] 'h:port' has no valid port"),
+    ({"rollout": {"engine": "external", "engine_urls": ["http://:30000"]}},
+     r"engine_urls\[0\] 'http://:30000' names no host"),
     ({"data": {"tasks": [{"kind": "dataset"}]}}, r"data\.tasks\.0: kind 'dataset' needs a path"),
     ({"data": {"tasks": [{"reward_fn": "not an import path"}]}}, r"must be a registered name or look like 'package\.module:function'"),
     ({"data": {"tasks": [{}, {}]}}, r"task names must be unique, but 'arithmetic' appears 2 times"),

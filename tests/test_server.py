@@ -561,6 +561,31 @@ def test_v1_chat_completions(server):
     assert get(server, "/v1/models")[1]["data"][0]["object"] == "model"
 
 
+def test_v1_chat_content_parts_other_than_text_are_refused(server):
+    """The chat template renders text parts only: an image_url part was dropped and the model answered an empty user
+    turn with 200."""
+    text = [{"type": "text", "text": "What is 2 + 3?"}]
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert post(server, "/v1/chat/completions", body)[0] == 200
+    for part, named in (({"type": "image_url", "image_url": {"url": "http://x/cat.png"}}, "type 'image_url'"),
+                        ({"type": "text", "text": 5}, "text must be a string"), ("just a string", "must be an object")):
+        status, reply = post(server, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": [*text, part]}], "max_tokens": 1})
+        assert status == 400 and reply["error"]["message"].startswith("messages[0].content[1]"), reply
+        assert named in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize("route, prompt", [("/v1/completions", {"prompt": "x"}),
+                                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_v1_errors_name_the_field_as_the_request_spells_it(server, route, prompt):
+    """A bad max_tokens was refused as 'sampling_params.max_new_tokens', a field the OpenAI request does not have."""
+    for fields, named in (({"max_tokens": -1}, "max_tokens must be"), ({"seed": 1.5}, "seed must be"),
+                          ({"max_completion_tokens": "8"}, "max_completion_tokens must be"),
+                          ({"temperature": -1}, "temperature must be")):
+        status, reply = post(server, route, {**prompt, **fields})
+        assert status == 400 and reply["error"]["message"].startswith(named), reply
+
+
 def test_reasoning_and_tool_call_parsers():
     assert split_reasoning("<think>add them</think>The answer is 5") == ("add them", "The answer is 5")
     assert split_reasoning("<think>still thinking") == ("still thinking", "")

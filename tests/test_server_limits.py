@@ -98,7 +98,7 @@ def test_text_is_tokenised_off_the_event_loop(model_dir, figures):
 def test_a_body_that_stalls_half_sent_gets_408(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"input_ids\": [1, ")
         start = time.perf_counter()
         reply = sock.recv(4096).decode()
@@ -127,7 +127,7 @@ def test_a_client_that_disconnects_mid_body_is_no_server_error(server, caplog):
     host, port = server.url.removeprefix("http://").split(":")
     with caplog.at_level("INFO"):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"input_ids\": [1, ")
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not any("closed the connection" in r.getMessage() or

@@ -157,3 +157,21 @@ def test_a_float16_tensor_is_cast_to_the_models_dtype(server):
     half = torch.ones_like(params["model.norm.weight"], dtype=torch.float16)
     assert _update(server, {"model.norm.weight": half})[0] == 200
     assert torch.equal(params["model.norm.weight"], torch.ones_like(params["model.norm.weight"]))
+
+
+# ---- a keyless server on 127.0.0.1: DNS rebinding -------------------------------------------------------------
+
+def test_a_keyless_loopback_server_answers_only_requests_addressed_to_loopback(model_dir):
+    """A web page whose own domain is rebound to 127.0.0.1 sends JSON to a keyless server as same-origin requests
+    (no CORS preflight), with its domain in the Host header: it paused the engine and could replace the weights."""
+    from tests.test_server import serving
+
+    with serving(model_dir) as srv:  # `serve` without --api-key binds 127.0.0.1
+        port = srv.url.rsplit(":", 1)[1]
+        for host in (f"attacker.example:{port}", "rebind.example"):
+            status, body = _post(srv, "/pause_generation", {"mode": "abort"}, headers={"Host": host})
+            assert status == 403 and "Host" in body["error"]["message"], body
+            assert requests.get(srv.url + "/get_server_info", headers={"Host": host}, timeout=10).status_code == 403
+        assert not requests.get(srv.url + "/get_server_info", timeout=10).json()["paused"]
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", "app.localhost", f"[::1]:{port}"):
+            assert _post(srv, "/continue_generation", headers={"Host": host})[0] == 200, host

@@ -127,7 +127,8 @@ def test_build_weight_sync_follows_rollout_sglang_weight_sync(checkpoints, tmp_p
 
 
 def test_paused_update_runs_while_paused_and_continues_even_when_the_update_fails(checkpoints):  # noqa: F811
-    from rollout.client import EngineClient, EngineError  # noqa: PLC0415
+    from rollout.client import EngineClient  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
 
     with serving(checkpoints[0]) as srv:
         engine = _engine(srv)
@@ -147,7 +148,7 @@ def test_paused_update_runs_while_paused_and_continues_even_when_the_update_fail
                     await post_update(client, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
 
                 refused = "/update_weights_from_disk failed on 1 of 1 engines.*not in a directory this server may load"
-                with pytest.raises(EngineError, match=refused):
+                with pytest.raises(WeightUpdateRefusedError, match=refused):
                     await paused_update(client, failing)
                 assert not engine.engine.paused  # continued after the failure
                 out = await client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -80,6 +81,42 @@ async def _auth(request: web.Request, handler) -> web.StreamResponse:
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401)
     return await handler(request)
+
+
+@web.middleware
+async def _loopback_host(request: web.Request, handler) -> web.StreamResponse:
+    """A keyless server on a loopback address answers requests addressed to a loopback name or an IP only: a web page
+    whose own domain is rebound to 127.0.0.1 (DNS rebinding) sends its requests as same-origin, with that domain in
+    the Host header, so neither CORS nor the JSON-only rule stops it."""
+    host = request.headers.get("Host")
+    if host is not None and state_of(request).loopback_only and not _is_loopback_host(host):
+        return error_response(f"Host {host!r} is not a loopback name or an IP address: this server has no API key and "
+                              "listens on a loopback address, so it answers http://127.0.0.1 or http://localhost only "
+                              "(give it --api-key to be reached by other names)", 403)
+    return await handler(request)
+
+
+def is_loopback_address(host: str) -> bool:
+    """Whether a listening address (serve --host) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_loopback_host(host: str) -> bool:
+    """Whether a Host header names this machine in a way no web page's domain can: an IP literal or localhost."""
+    name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0]  # '[v6]:port', 'name:port'
+    name = name.rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 @web.middleware
@@ -428,18 +465,21 @@ def create_app(
     manage_engine: bool = True,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     weight_dirs: Sequence[str] = (),
+    host: str | None = None,
 ) -> web.Application:
     """The aiohttp application. With manage_engine, app startup/cleanup start and stop the engine.
 
     api_key: required (Authorization: Bearer) on every route but /health and /health_generate. weight_dirs: the only
-    directories /update_weights_from_disk loads from (none: it loads nothing)."""
-    app = web.Application(middlewares=[_errors, _auth, _json_only],
+    directories /update_weights_from_disk loads from (none: it loads nothing). host: the address it listens on; a
+    keyless app on a loopback address answers only requests addressed to localhost or an IP (DNS rebinding)."""
+    app = web.Application(middlewares=[_errors, _loopback_host, _auth, _json_only],
                           client_max_size=max(max_body_bytes, max_weight_body_bytes))
     st = ServerState(
         engine=async_engine, tokenizer=tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
         max_weight_body_bytes=max_weight_body_bytes, max_prompt_tokens=max_prompt_tokens,
         model_path=model_path, served_model_name=served_model_name or (model_path or "slime-dsa"),
         body_timeout_s=body_timeout_s, weight_dirs=tuple(os.path.realpath(d) for d in weight_dirs),
+        loopback_only=not api_key and host is not None and is_loopback_address(host),
     )
     app[STATE] = st
 

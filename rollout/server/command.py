@@ -111,3 +111,35 @@ def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:
             raise error(f"{flag} must be >= {least}, got {value}")
     if args.dtype is not None and args.dtype not in DTYPE_NAMES:
         raise error(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {args.dtype!r}")
+    check_device(args.device, error)
+    _check_preload(args.preload_weights or [], error)
+
+
+def check_device(device: str | None, error: type[Exception]) -> None:
+    """One line for --device other than cpu or cuda[:N], or a CUDA device torch does not see (else a torch
+    RuntimeError traceback once the model loads)."""
+    if device is None:
+        return
+    import torch  # noqa: PLC0415
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise error(f"--device must be cpu or cuda (cuda:N), got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise error(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise error(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_preload(directories: list[str], error: type[Exception]) -> None:
+    """One line naming a --preload-weights directory that holds no loadable model, before the served one loads."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from slime_dsa.checkpoint.validate import model_dir_problem  # noqa: PLC0415
+
+    for directory in directories:
+        if problem := model_dir_problem(Path(directory)):
+            raise error(f"--preload-weights: {problem}")

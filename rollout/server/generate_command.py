@@ -96,12 +96,15 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path  # noqa: PLC0415
 
     from rollout.client import EngineClient, EngineRequestError, EngineUnavailableError  # noqa: PLC0415
+    from rollout.server.command import check_device  # noqa: PLC0415
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
     if args.model and not (Path(args.model) / "config.json").is_file():  # as `serve` says it
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     if args.concurrency < 1:  # else a ValueError traceback from the client (or a semaphore that never opens)
         raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.model:
+        check_device(args.device, UserError)
     items = _read_prompts(args)
     try:  # before a model loads or a request goes out
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
@@ -112,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
         server = None
         urls = args.url
         if args.model:
-            from rollout.server.launch import EmbeddedServer, load_engine  # noqa: PLC0415
+            from rollout.server.launch import EmbeddedServer, load_checked_engine  # noqa: PLC0415
 
-            engine, tokenizer = load_engine(args.model, device=args.device)
+            engine, tokenizer = load_checked_engine(args.model, device=args.device)  # serve's checks, one line each
             server = await EmbeddedServer.start(engine, tokenizer, model_path=args.model)
             urls = [server.url]
         try:

@@ -103,7 +103,7 @@ class EmbeddedServer:
     async def start(cls, async_engine: Any, tokenizer: Any = None, *, host: str = "127.0.0.1", port: int = 0,
                     **app_kwargs: Any) -> "EmbeddedServer":
         """Start the engine and the server; port 0 picks a free port (read it from .port / .url)."""
-        app = create_app(async_engine, tokenizer, **app_kwargs)
+        app = create_app(async_engine, tokenizer, host=host, **app_kwargs)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=2048)
@@ -131,6 +131,9 @@ def check_port(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the host is the problem
+                raise UserError(f"--host {host} cannot be bound ({e.strerror}); give an address of this machine, or "
+                                "0.0.0.0 for all of them") from None
             why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
             raise UserError(f"port {port} on {host} {why}; choose another with --port") from None
 
@@ -189,7 +192,8 @@ def serve(
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name,
-                     weight_dirs=[*weight_dirs, *(preload_weights or [])])  # a preloaded directory may be loaded
+                     weight_dirs=[*weight_dirs, *(preload_weights or [])],  # a preloaded directory may be loaded
+                     host=host)
     freeze_after_startup("engine")  # this process serves one engine: its start-up objects live as long
     web.run_app(app, host=host, port=port, handler_cancellation=True, backlog=2048, access_log=None,
                 shutdown_timeout=5.0, print=lambda msg: logger.info(msg.strip()))

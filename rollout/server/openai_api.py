@@ -54,6 +54,19 @@ def _sampling_from_openai(body: dict, default_max_tokens: int | None, extra_know
     return params
 
 
+def _parse_sampling(sampling: dict, body: dict) -> tuple[Any, int]:
+    """protocol.parse_sampling_params of `sampling`, its errors naming the field as `body` spells it (max_tokens, seed,
+    temperature), not as SGLang's sampling_params does."""
+    try:
+        return protocol.parse_sampling_params(sampling)
+    except RequestError as e:
+        message = str(e)
+        for name, sglang_name in _RENAMES.items():
+            if name in body:
+                message = message.replace(f"sampling_params.{sglang_name}", name)
+        raise RequestError(message.replace("sampling_params.", "")) from None
+
+
 def _usage(prompts: list[list[int]], outs: list) -> dict:
     """Prompt tokens count once per prompt (not per sample), completion tokens over every sample."""
     prompt_tokens = sum(len(p) for p in prompts)
@@ -118,7 +131,7 @@ async def completions(request: web.Request) -> web.Response:
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs not in (0, 1)):
         raise RequestError(f"logprobs must be null, 0 or 1 (top alternatives are not computed), got {logprobs!r}")
     sampling = _sampling_from_openai(body, 16, {"prompt", "echo", "best_of", "suffix", "logprobs", "stream"})
-    params, n = protocol.parse_sampling_params(sampling)
+    params, n = _parse_sampling(sampling, body)
     prompts = await asyncio.to_thread(_prompts_from, body["prompt"], st)  # tokenising: off the event loop
     reqs = _expand(prompts, params, n, return_logprob=logprobs is not None)
     outs = await run_all(st.engine, reqs)
@@ -150,6 +163,8 @@ def _check_messages(messages: Any) -> list[dict]:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise RequestError(f"messages[{i}].content must be a string, a list of parts, or null")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            _check_part(part, f"messages[{i}].content[{j}]")
         for call in m.get("tool_calls") or []:
             fn = call.get("function", call) if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -160,6 +175,17 @@ def _check_messages(messages: Any) -> list[dict]:
                 except json.JSONDecodeError:
                     raise RequestError(f"messages[{i}].tool_calls: function.arguments is not valid JSON") from None
     return messages
+
+
+def _check_part(part: Any, where: str) -> None:
+    """A content part must be {"type": "text", "text": str}: the chat template renders text parts only, and would drop
+    an image or audio part without a word."""
+    if not isinstance(part, dict):
+        raise RequestError(f"{where} must be an object {{type, text}}, got {type(part).__name__}")
+    if part.get("type") != "text":
+        raise RequestError(f"{where} has type {part.get('type')!r}; the embedded server takes text parts only")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}.text must be a string, got {part.get('text')!r}")
 
 
 def _chat_prompt(body: dict, st) -> list[int]:
@@ -241,7 +267,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     if body.get("response_format") not in (None, {"type": "text"}):
         raise RequestError("response_format other than text is not supported by the embedded server")
     sampling = _sampling_from_openai(body, None, extra)
-    params, n = protocol.parse_sampling_params(sampling)
+    params, n = _parse_sampling(sampling, body)
     prompt = await asyncio.to_thread(_chat_prompt, body, st)  # templating and tokenising: off the event loop
     parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
     separate = body.get("separate_reasoning", True) is not False

@@ -24,6 +24,7 @@ class ServerState:
     served_model_name: str
     body_timeout_s: float = 60.0  # a request body must arrive within this (bodies.read_json)
     weight_dirs: tuple[str, ...] = ()  # real paths /update_weights_from_disk may load from
+    loopback_only: bool = False  # keyless on loopback: Host must be localhost or an IP (app._loopback_host)
     vocab_size: int | None = None
     status: str = "starting"  # starting | ready | stopping
     started_at: float = field(default_factory=time.time)

@@ -310,6 +310,22 @@ class SGLangSection(Section):
                             "(SGLang's in-memory CUDA-IPC format) is not available yet.")
 
 
+def _url_problem(url: str) -> str | None:
+    """Why `url` is not a server's base URL as rollout.client takes it ('host:port' or http(s)://host[:port]), or
+    None."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    url = url.strip()
+    if "://" in url and not url.startswith(("http://", "https://")):
+        return "is not an http:// or https:// URL"
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        parts.port
+    except ValueError:
+        return "has no valid port"
+    return None if parts.hostname else "names no host"
+
+
 class RolloutSection(Section):
     """Generation: engines, sampling parameters, group size and concurrency."""
 
@@ -450,6 +466,10 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"engine_urls ({len(self.engine_urls)} given) are only used by engine 'external', but engine is "
                 f"'{self.engine}'", "engine_urls", "engine")
+        for i, url in enumerate(self.engine_urls):
+            if problem := _url_problem(url):
+                raise RecipeValueError(f"engine_urls[{i}] {url!r} {problem} (give http://HOST:PORT or HOST:PORT)",
+                                       "engine_urls")
         if self.engine == "external" and self.num_engines != 1:
             raise RecipeValueError(
                 f"num_engines ({self.num_engines}) counts the engines the run starts (embedded, sglang); engine "

@@ -37,6 +37,29 @@ class EngineAccess:
         return cls(secrets.token_urlsafe(32), tuple(weight_dirs))
 
 
+async def check_external_engines(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> None:
+    """UserError (one line) when an external engine refuses the run's key (401 or 403 on /get_model_info): every
+    request of the run would fail, and it would skip every step. An engine not reachable yet is left to the run."""
+    import asyncio  # noqa: PLC0415
+
+    import aiohttp  # noqa: PLC0415
+
+    from rollout.client import EngineClient, EngineRequestError  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    async with EngineClient(urls, api_key=api_key) as client:
+        for i, url in enumerate(urls):
+            try:
+                await client.get(url, "/get_model_info", timeout_s=timeout_s)
+            except EngineRequestError as e:
+                if e.status in (401, 403):
+                    given = f"the key in ${API_KEY_ENV}" if api_key else f"no key (${API_KEY_ENV} is not set)"
+                    raise UserError(f"rollout.engine_urls[{i}]: {url} refused {given} ({e.status}: {e.message}); set "
+                                    f"${API_KEY_ENV} to the key the server was started with") from None
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                logger.warning("external engine %s not reachable yet (%s): the run retries it", url, e)
+
+
 def init_ray(recipe: RecipeConfig) -> None:
     """Local cluster by default; cluster.address joins an existing one.
 

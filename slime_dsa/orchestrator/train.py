@@ -94,6 +94,10 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
     check_recipe_plugins(recipe)  # a plugin that does not resolve: before the prompts, Ray
+    if recipe.rollout.engine == "external":
+        # the key the run's client will send: a wrong one is one line here, not a run of skipped steps
+        key = setup.EngineAccess.for_run(recipe, []).api_key
+        await setup.check_external_engines(list(recipe.rollout.engine_urls), key)
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
     if resume_from is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
         saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
@@ -137,11 +141,13 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
         manager.load_state_dict(state["rollout"])
         start_step = progress.saved = progress.trained = state["step"]
-        await sync_weights(weights, version=start_step)  # engines started from the initial weights
+        await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
             logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
                            "synchronous loop does not regenerate them", manager.num_pending_replays)
+    elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
+        await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
 
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
@@ -181,24 +187,55 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     return run_dir
 
 
+async def _push_start_weights(recipe: RecipeConfig, weights: Any, step: int, source: Path, fleet: Any,
+                              client: Any) -> None:
+    """The weights the run starts from (`source`: the checkpoint resumed, or the initial model for external engines)
+    to the engines as version `step`; a refusal is one UserError (the fleet and the client closed first, so nothing
+    but that line reaches the console)."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
+
+    try:
+        await sync_weights(weights, version=step)
+    except WeightUpdateRefusedError as e:
+        await fleet.close()
+        await client.close()
+        hint = _refusal_hint(recipe, weights)
+        raise UserError(f"the engines refused the weights of {source}: {e}{hint}") from None
+
+
 async def _failure_line(run: Run, error: Exception) -> str | None:
     """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
-    checkpoint is written first), or a trainer rank dead (a Ray actor's process died under a call: in the loop, a
-    trainer rank; engines are reached over HTTP)."""
+    checkpoint is written first), a trainer rank dead (a Ray actor's process died under a call: in the loop, a
+    trainer rank; engines are reached over HTTP), or a weight update the engines refused."""
     from ray.exceptions import RayActorError  # noqa: PLC0415
 
     from rollout.client import EngineLossError  # noqa: PLC0415
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
 
     step = run.progress.current
     if isinstance(error, EngineLossError):
         saved = await emergency_checkpoint(run)
         where = f"emergency checkpoint {saved}; --resume continues from it" if saved else "no step to checkpoint"
         return f"rollout engines lost at step {step}: {error}; {where}"
+    newest = run.ckpts.latest()
+    where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
     if isinstance(error, RayActorError):
-        newest = run.ckpts.latest()
-        where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
         return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
+    if isinstance(error, WeightUpdateRefusedError):
+        hint = _refusal_hint(run.recipe, run.weights)
+        return f"the engines refused the weights of step {step}: {error}{hint}; {where}"
     return None
+
+
+def _refusal_hint(recipe: RecipeConfig, weights: Any) -> str:
+    """What to change when external engines refused weights from a directory: a `slime-dsa serve` engine loads only
+    from its --weight-dir."""
+    directory = getattr(weights, "directory", None)
+    if recipe.rollout.engine != "external" or directory is None:
+        return ""
+    return (f" (they load them from {directory}: start `slime-dsa serve` with --weight-dir {Path(directory).parent}, "
+            "or set rollout.weight_sync http)")
 
 
 def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,

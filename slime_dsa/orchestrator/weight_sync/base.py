@@ -57,19 +57,32 @@ async def _pause_staged(client: Any, pause_mode: str) -> None:
             client.unstage(url, str(e))
 
 
+class WeightUpdateRefusedError(RuntimeError):
+    """Engines that were reached answered a weight update with an error status or {"success": false}."""
+
+
 def check_replies(path: str, replies: dict[str, Any]) -> None:
-    """RuntimeError naming each engine whose reply to `path` says {"success": false} (SGLang's update replies)."""
+    """WeightUpdateRefusedError naming each engine whose reply to `path` says {"success": false} (SGLang's update
+    replies)."""
     refused = {url: body.get("message") for url, body in replies.items()
                if isinstance(body, dict) and body.get("success") is False}
     if refused:
-        raise RuntimeError(f"{path} failed on {len(refused)} of {len(replies)} engines: "
-                           + "; ".join(f"{url} ({message})" for url, message in refused.items()))
+        raise WeightUpdateRefusedError(f"{path} failed on {len(refused)} of {len(replies)} engines: "
+                                       + "; ".join(f"{url} ({message})" for url, message in refused.items()))
 
 
 async def post_update(client: Any, path: str, body: dict) -> dict[str, Any]:
-    """POST one weight update to every engine; returns {url: reply}. An error status or {"success": false} raises,
-    naming the engine. An engine that cannot be reached is dropped as lost (see paused_update)."""
-    replies = await client.broadcast(path, body, drop_unreachable=True)
+    """POST one weight update to every engine; returns {url: reply}. An error status or {"success": false} raises
+    WeightUpdateRefusedError, naming the engine. An engine that cannot be reached is dropped as lost (see
+    paused_update)."""
+    from rollout.client import EngineError, EngineUnavailableError  # noqa: PLC0415
+
+    try:
+        replies = await client.broadcast(path, body, drop_unreachable=True)
+    except EngineUnavailableError:
+        raise
+    except EngineError as e:  # an engine answered 4xx or 5xx
+        raise WeightUpdateRefusedError(str(e)) from None
     check_replies(path, replies)
     return replies
 

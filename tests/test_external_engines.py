@@ -1,0 +1,174 @@
+"""`rollout.engine: external` against a real `slime-dsa serve` app over HTTP on 127.0.0.1: what the run does with the
+servers it did not start, before Ray starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slime_dsa.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "recipes" / "base.yaml")
+KEY = "the-servers-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from tests.hf_reference import make_hf_checkpoint
+
+    directory = tmp_path_factory.mktemp("served") / "model"
+    directory.mkdir()
+    make_hf_checkpoint(directory, seed=0, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """`serve --model DIR --api-key KEY` without --weight-dir: /update_weights_from_disk loads nothing."""
+    from tests.test_server import serving
+
+    with serving(model_dir, api_key=KEY) as srv:
+        yield srv
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """setup.init_ray raises: a test sees whether the run got past its checks to Ray."""
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+
+    def init_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(setup, "init_ray", init_ray)
+
+
+def _train(server, tmp_path, *overrides: str) -> int:
+    sets = [f"rollout.engine_urls=['{server.url}']", "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", *overrides]
+    return main(["train", BASE, "--set", "rollout.engine=external", *(a for s in sets for a in ("--set", s))])
+
+
+@pytest.mark.parametrize("key", ["wrong", None])
+def test_an_external_engine_that_refuses_the_key_is_one_line_before_ray(server, tmp_path, monkeypatch, capsys, no_ray,
+                                                                         key):
+    """The server answered every /generate with 401; the run counted each sample failed, skipped every step and
+    finished with exit code 0, having trained nothing."""
+    if key is None:
+        monkeypatch.delenv("SLIME_DSA_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("SLIME_DSA_API_KEY", key)
+    assert _train(server, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"rollout.engine_urls[0]: {server.url} refused" in err and "401" in err, err
+    assert "set $SLIME_DSA_API_KEY to the key the server was started with" in err, err
+
+
+def test_an_external_engine_that_takes_the_key_lets_the_run_start(server, tmp_path, monkeypatch, no_ray):
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    with pytest.raises(AssertionError, match="Ray started"):
+        _train(server, tmp_path)
+
+
+def test_a_refused_weight_update_is_a_refusal_not_a_lost_engine(server):
+    """post_update turns an engine's 4xx into WeightUpdateRefusedError, which the run reports in one line."""
+    import asyncio
+
+    from rollout.client import EngineClient
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError, post_update
+
+    async def refused() -> None:
+        async with EngineClient([server.url], api_key=KEY) as client:
+            with pytest.raises(WeightUpdateRefusedError, match="403: model_path is not in a directory"):
+                await post_update(client, "/update_weights_from_disk", {"model_path": "/dev/shm/elsewhere"})
+            assert list(client.engines) == [server.url]  # a refusal drops no engine
+
+    asyncio.run(refused())
+
+
+@pytest.mark.slow
+def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, model_dir, tmp_path, monkeypatch,
+                                                                        capsys, ray_cluster):
+    """rollout.weight_sync shm to a `serve` engine without --weight-dir: every push is a 403. The run died after its
+    first step with a traceback of rollout.client.EngineError; the push of the initial weights now refuses first."""
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    code = _train(server, tmp_path, f"model.path={model_dir}", "rollout.weight_sync=shm", "trainer.num_workers=1",
+                  "trainer.num_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                  "rollout.max_response_length=4", "logging.eval_every=0", "checkpoint.save_every=0")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {model_dir}: POST "
+                           f"/update_weights_from_disk failed on 1 of 1 engines: {server.url} (403: model_path is not "
+                           "in a directory"), line
+    assert "start `slime-dsa serve` with --weight-dir /dev/shm, or set rollout.weight_sync http" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_an_external_engine_samples_step_1_from_the_runs_initial_weights(server, tmp_path, monkeypatch,
+                                                                         ray_cluster):
+    """A server that holds other weights (another run's last push) answered step 1 with them: the run trained on
+    samples of another policy (train_rollout_logprob_abs_diff 1.09 with a perturbed server) and warned only."""
+    import json
+
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+    from tests.hf_reference import make_hf_checkpoint
+
+    other = tmp_path / "other"  # the run's model.path: the server's architecture, other weights
+    other.mkdir()
+    make_hf_checkpoint(other, seed=1, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_tokenizer(other)
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    assert _train(server, tmp_path, f"model.path={other}", "rollout.weight_sync=http", "trainer.num_workers=1",
+                  "trainer.num_steps=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
+                  "rollout.max_response_length=4", "logging.eval_every=0", "checkpoint.save_every=0") == 0
+    (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert step["train/train_rollout_logprob_abs_diff"] < 1e-4, step["train/train_rollout_logprob_abs_diff"]
+
+
+@pytest.mark.slow
+def test_a_resume_whose_weights_an_external_engine_refuses_is_one_line(server, model_dir, tmp_path, monkeypatch,
+                                                                      capsys, ray_cluster):
+    """--resume pushes the checkpoint's weights before the first step: a refusal there was a WeightUpdateRefusedError
+    traceback, then asyncio's 'Unclosed client session' errors."""
+    monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    small = [f"model.path={model_dir}", "trainer.num_workers=1", "rollout.prompts_per_step=2",
+             "rollout.n_samples_per_prompt=2", "rollout.max_response_length=4", "logging.eval_every=0",
+             "checkpoint.save_every=1"]
+    assert _train(server, tmp_path, *small, "rollout.weight_sync=http", "trainer.num_steps=1") == 0
+    capsys.readouterr()
+    code = main(["train", BASE, "--resume", *(a for s in [
+        "rollout.engine=external", f"rollout.engine_urls=['{server.url}']", f"logging.run_dir={tmp_path / 'run'}",
+        "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]", "logging.wandb_mode=disabled", *small,
+        "rollout.weight_sync=shm", "trainer.num_steps=2"] for a in ("--set", s))])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "Unclosed" not in err, err
+    line = err.splitlines()[-1]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert line.startswith(f"slime-dsa: error: the engines refused the weights of {checkpoints}"), line
+    assert "403" in line and "--weight-dir /dev/shm" in line, line
+
+
+def test_a_refusal_mid_run_is_one_line_naming_the_step_and_the_newest_checkpoint(tmp_path):
+    """A push the engines refuse after the start (a server restarted without --weight-dir) is the run's one line."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_dsa.config import validate_recipe
+    from slime_dsa.orchestrator.train import _failure_line
+    from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError
+
+    recipe = validate_recipe({"rollout": {"engine": "external", "engine_urls": ["http://127.0.0.1:1"]}})
+    run = SimpleNamespace(recipe=recipe, progress=SimpleNamespace(current=7),
+                          ckpts=SimpleNamespace(latest=lambda: tmp_path / "step_000005"),
+                          weights=SimpleNamespace(directory=Path("/dev/shm/slime-dsa-weights-1-ab")))
+    line = asyncio.run(_failure_line(run, WeightUpdateRefusedError("POST /update_weights_from_disk failed ...")))
+    assert line == ("the engines refused the weights of step 7: POST /update_weights_from_disk failed ... (they load "
+                    "them from /dev/shm/slime-dsa-weights-1-ab: start `slime-dsa serve` with --weight-dir /dev/shm, or "
+                    f"set rollout.weight_sync http); the newest checkpoint is {tmp_path / 'step_000005'}; --resume "
+                    "continues from it")
