@@ -118,3 +118,12 @@ def test_a_task_args_value_of_no_accepted_type_names_its_key_and_the_types():
     message = refusal({"data": {"tasks": [{"kind": "arithmetic", "task_args": {"max_digits": [1]}}]}})
     assert message == ("data.tasks.0.task_args.max_digits: expected an integer, a number, true or false or a string, "
                        "got [1]")
+
+
+@pytest.mark.parametrize("key, value", [("max_oversample_factor", 2.0), ("max_sampling_tries", 8)])
+def test_sampling_round_keys_without_dynamic_sampling_are_refused(key, value):
+    """Without dynamic sampling a step is one round of prompts_per_step prompts: these keys were accepted and
+    ignored (oversample_factor was already refused)."""
+    message = refusal({"rollout": {key: value}})
+    assert message.startswith(f"rollout: {key} ({value}) only applies with dynamic_sampling: true")
+    validate_recipe({"rollout": {"dynamic_sampling": True, key: value}})

@@ -456,10 +456,11 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) sizes the embedded engine's KV cache, but engine is "
                 f"'{self.engine}'", "max_cache_tokens", "engine")
-        if self.oversample_factor != 1.0 and not self.dynamic_sampling:
+        rounds = changed_keys(self, "oversample_factor", "max_oversample_factor", "max_sampling_tries")
+        if rounds and not self.dynamic_sampling:
             raise RecipeValueError(
-                f"oversample_factor ({self.oversample_factor}) only applies with dynamic_sampling: true",
-                "oversample_factor", "dynamic_sampling")
+                f"{rounds[0]} ({getattr(self, rounds[0])}) only applies with dynamic_sampling: true",
+                rounds[0], "dynamic_sampling")
         if self.max_oversample_factor < self.oversample_factor:
             raise RecipeValueError(
                 f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
