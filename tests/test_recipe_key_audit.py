@@ -127,3 +127,14 @@ def test_sampling_round_keys_without_dynamic_sampling_are_refused(key, value):
     message = refusal({"rollout": {key: value}})
     assert message.startswith(f"rollout: {key} ({value}) only applies with dynamic_sampling: true")
     validate_recipe({"rollout": {"dynamic_sampling": True, key: value}})
+
+
+@pytest.mark.parametrize("correction, key, value", [("none", "icepop_alpha", 0.3), ("tis", "icepop_beta", 3.0),
+                                                    ("none", "tis_cap", 3.0), ("icepop", "tis_cap", 3.0)])
+def test_is_correction_keys_of_another_correction_are_refused(correction, key, value):
+    """The policy loss gets icepop_alpha/beta only with is_correction icepop and tis_cap only with tis: the
+    others were accepted and ignored."""
+    message = refusal({"algorithm": {"is_correction": correction, key: value}})
+    wanted = "tis" if key == "tis_cap" else "icepop"
+    assert message.startswith(f"algorithm: {key} ({value}) only applies with is_correction: {wanted}")
+    validate_recipe({"algorithm": {"is_correction": wanted, key: value}})
