@@ -164,7 +164,7 @@ def test_null_section_means_empty(tmp_path):
     ({"rollout": {"prefetch_next_step": True}, "algorithm": {"name": "async_reinforce"}},
      r"rollout\.prefetch_next_step applies to the synchronous loop; algorithm 'async_reinforce' runs the asynchronous"),
     ({"trainer": {"backend": "megatron"}, "cluster": {"num_gpus_per_trainer": 1},
-      "algorithm": {"indexer_learning_rate": 1e-4}},
+      "algorithm": {"indexer_loss_coef": 0.1, "indexer_learning_rate": 1e-4}},
      r"algorithm\.indexer_learning_rate is not built for megatron's DistributedOptimizer \(trainer ranks on GPUs\)"),
     ({"trainer": {"deepspeed": {"zero_stage": 2}}}, r"trainer: deepspeed\.zero_stage applies to backend 'deepspeed', but backend is 'fsdp'"),
     ({"trainer": {"backend": "deepspeed", "data_parallel": "replicate"}},

@@ -138,3 +138,21 @@ def test_is_correction_keys_of_another_correction_are_refused(correction, key, v
     wanted = "tis" if key == "tis_cap" else "icepop"
     assert message.startswith(f"algorithm: {key} ({value}) only applies with is_correction: {wanted}")
     validate_recipe({"algorithm": {"is_correction": wanted, key: value}})
+
+
+@pytest.mark.parametrize("key, value", [("indexer_learning_rate", 1e-3), ("indexer_loss_stage", "dense"),
+                                        ("indexer_loss_target", "own")])
+def test_indexer_loss_keys_without_the_indexer_loss_are_refused(key, value):
+    """indexer_loss_coef 0 computes no indexer loss and freezes the indexers: these keys were accepted and
+    ignored."""
+    message = refusal({"algorithm": {key: value}})
+    assert message.startswith(f"algorithm: {key} ({value!r}) only applies with indexer_loss_coef > 0")
+    validate_recipe({"algorithm": {"indexer_loss_coef": 0.1, key: value}})
+
+
+def test_freeze_indexer_is_refused_because_the_indexer_is_fixed_without_the_indexer_loss():
+    """Only indexer_loss_coef > 0 trains the indexers (refused with freeze_indexer); at 0 they are frozen anyway,
+    so freeze_indexer: true was accepted and changed nothing."""
+    message = refusal({"algorithm": {"freeze_indexer": True}})
+    assert message.startswith("algorithm: freeze_indexer (True) changes nothing: the indexers train only with "
+                              "indexer_loss_coef > 0")

@@ -590,7 +590,9 @@ class AlgorithmSection(Section):
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")
-    freeze_indexer: bool = Field(False, description="Keep the DSA indexer's parameters fixed during training.")
+    freeze_indexer: bool = Field(
+        False, description="Keep the DSA indexers' parameters fixed. They are fixed already unless "
+                           "indexer_loss_coef > 0, which contradicts it, so true is refused either way.")
     index_replay: bool = Field(
         False, description="Train with the top-k indices the engine used during rollout, so that training "
                            "attends to the same keys (needs rollout.return_indexer_topk).")
@@ -598,11 +600,12 @@ class AlgorithmSection(Section):
         None, gt=0, description="Learning rate of the DSA indexers' own optimizer param group (with "
                                 "indexer_loss_coef > 0); null = trainer.learning_rate.")
     indexer_loss_stage: Literal["sparse", "dense"] = Field(
-        "sparse", description="Key set of the indexer loss: sparse = the selected top-k (the RL-time stage), dense = "
-                              "every causal key (as in the warm-up).")
+        "sparse", description="Key set of the indexer loss (with indexer_loss_coef > 0): sparse = the selected top-k "
+                              "(the RL-time stage), dense = every causal key (as in the warm-up).")
     indexer_loss_target: Literal["group", "own"] = Field(
-        "group", description="Target of the indexer loss: group = mean attention of every layer that reuses the "
-                             "indexer's top-k (IndexShare group), own = the indexer's own layer only.")
+        "group", description="Target of the indexer loss (with indexer_loss_coef > 0): group = mean attention of "
+                             "every layer that reuses the indexer's top-k (IndexShare group), own = the indexer's own "
+                             "layer only.")
 
     @field_validator("partial_rollout", mode="before")
     @classmethod
@@ -642,6 +645,15 @@ class AlgorithmSection(Section):
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        if self.freeze_indexer:
+            raise RecipeValueError(
+                "freeze_indexer (True) changes nothing: the indexers train only with indexer_loss_coef > 0 and are "
+                "frozen at 0; remove it", "freeze_indexer", "indexer_loss_coef")
+        indexer_keys = changed_keys(self, "indexer_learning_rate", "indexer_loss_stage", "indexer_loss_target")
+        if indexer_keys and self.indexer_loss_coef == 0:
+            key = indexer_keys[0]
+            raise RecipeValueError(f"{key} ({getattr(self, key)!r}) only applies with indexer_loss_coef > 0 (at 0 "
+                                   "there is no indexer loss and the indexers are frozen)", key, "indexer_loss_coef")
         spec.check(self)
         return self
 
