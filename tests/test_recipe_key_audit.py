@@ -156,3 +156,12 @@ def test_freeze_indexer_is_refused_because_the_indexer_is_fixed_without_the_inde
     message = refusal({"algorithm": {"freeze_indexer": True}})
     assert message.startswith("algorithm: freeze_indexer (True) changes nothing: the indexers train only with "
                               "indexer_loss_coef > 0")
+
+
+def test_train_size_of_a_dataset_task_is_refused(tmp_path):
+    """kind dataset trains on the file's rows: train_size was accepted and ignored."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    message = refusal({"data": {"tasks": [{"kind": "dataset", "path": str(rows), "train_size": 5}]}})
+    assert message.startswith("data.tasks.0: train_size (5) is only read by built-in kinds, but kind is 'dataset'")
+    validate_recipe({"data": {"tasks": [{"kind": "calc_chain", "train_size": 5}], "apply_chat_template": True}})

@@ -187,7 +187,7 @@ class TaskConfig(Section):
     system_prompt: str | None = Field(
         None, description="System message put before every prompt of this task; null = none.")
     train_size: int = Field(
-        20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown, sort).")
+        20000, ge=1, description="Prompts generated for a built-in task (every kind but dataset).")
     task_args: dict[str, int | float | bool | str] = Field(
         default_factory=dict, strict=False,
         description="Parameters of a built-in task generator (slime_dsa.data.task_params; a wrong name, type "
@@ -235,6 +235,10 @@ class TaskConfig(Section):
             raise RecipeValueError(
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
                 "reward_fn")
+        if self.kind == "dataset" and changed_keys(self, "train_size"):
+            raise RecipeValueError(
+                f"train_size ({self.train_size}) is only read by built-in kinds, but kind is 'dataset' (its rows are "
+                "the prompts)", "train_size", "kind")
         if self.task_args and self.kind == "dataset":
             raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort, calc_chain, "
                                    "fact_lookup)", "task_args", "kind")
