@@ -165,3 +165,11 @@ def test_train_size_of_a_dataset_task_is_refused(tmp_path):
     message = refusal({"data": {"tasks": [{"kind": "dataset", "path": str(rows), "train_size": 5}]}})
     assert message.startswith("data.tasks.0: train_size (5) is only read by built-in kinds, but kind is 'dataset'")
     validate_recipe({"data": {"tasks": [{"kind": "calc_chain", "train_size": 5}], "apply_chat_template": True}})
+
+
+def test_profile_activities_without_profile_steps_are_refused():
+    """logging.profile_activities says what profile_steps records: without a step it was accepted and nothing was
+    profiled."""
+    message = refusal({"logging": {"profile_activities": ["GPU"]}})
+    assert message.startswith("logging: profile_activities (['GPU']) applies with profile_steps, which lists no step")
+    validate_recipe({"logging": {"profile_activities": ["GPU"], "profile_steps": [1]}})

@@ -28,7 +28,7 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 def changed_keys(section: BaseModel, *names: str) -> list[str]:
     """Those of `names` whose value in `section` is not the field's default."""
     fields = type(section).model_fields
-    return [name for name in names if getattr(section, name) != fields[name].default]
+    return [name for name in names if getattr(section, name) != fields[name].get_default(call_default_factory=True)]
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
@@ -936,6 +936,13 @@ class LoggingSection(Section):
         if not activities or len(set(activities)) != len(activities):
             raise ValueError(f"list CPU, GPU or both, once each; got {activities}")
         return activities
+
+    @model_validator(mode="after")
+    def _check(self) -> LoggingSection:
+        if changed_keys(self, "profile_activities") and not self.profile_steps:
+            raise RecipeValueError(f"profile_activities ({self.profile_activities}) applies with profile_steps, "
+                                   "which lists no step", "profile_activities", "profile_steps")
+        return self
 
 
 class CheckpointSection(Section):
