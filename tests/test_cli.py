@@ -539,3 +539,16 @@ def test_generate_sends_the_key_from_the_environment(capsys, monkeypatch):
         assert "missing or wrong API key" in one_line_error(capsys, *argv, "--api-key", "wrong")  # the flag comes first
     main(["generate", "--help"])
     assert "SLIME_DSA_API_KEY" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_serve_and_generate_on_a_device_that_is_not_there_is_one_line(capsys, monkeypatch, command):
+    """`--device cuda` on a machine without a CUDA GPU was torch's 'Found no NVIDIA driver' traceback once the
+    model loaded, and any other word a RuntimeError traceback."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    model = str(Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft")
+    extra = ["--prompt", "1+2="] if command == "generate" else []
+    err = one_line_error(capsys, command, "--model", model, "--device", "cuda", *extra)
+    assert err == "slime-dsa: error: --device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is false)"
+    err = one_line_error(capsys, command, "--model", model, "--device", "gpu", *extra)
+    assert "argument --device: invalid choice: 'gpu'" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+DEVICES = ("cpu", "cuda")  # --device of serve and generate --model
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
@@ -32,7 +34,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
                         help="requests decoded at once (default %(default)s)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--device", default=None, choices=DEVICES, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--served-model-name", default=None, help="the model name /v1 answers with")
     parser.add_argument("--keep-indexer-topk", action="store_true",
                         help="keep each cached row's DSA top-k next to its KV, so /generate can return the prompt rows' "
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").exists():
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
     _check_numbers(args, UserError)
+    check_device(args.device, UserError)
     api_key = _api_key(args, UserError)
     from rollout.server.launch import serve  # noqa: PLC0415
 
@@ -95,6 +98,14 @@ def _api_key(args: argparse.Namespace, error: type[Exception]) -> str | None:
 
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # checkpoint.hf_format._parse_dtype's
+
+
+def check_device(device: str | None, error: type[Exception]) -> None:
+    """One line for --device cuda on a machine without a CUDA GPU, before the model loads (else torch's traceback)."""
+    import torch  # noqa: PLC0415
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise error("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() is false)")
 
 
 def _check_numbers(args: argparse.Namespace, error: type[Exception]) -> None:

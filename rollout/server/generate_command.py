@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from rollout.server.command import DEVICES, check_device
 from rollout.server.defaults import API_KEY_ENV
 
 
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"Bearer key of the server (--url; default: ${API_KEY_ENV}, as `serve` reads it)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
-    parser.add_argument("--device", default=None, help="with --model: cpu | cuda")
+    parser.add_argument("--device", default=None, choices=DEVICES, help="with --model: cpu | cuda")
     parser.set_defaults(run=run)
 
 
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model and not (Path(args.model) / "config.json").is_file():  # as `serve` says it
         raise UserError(f"--model {args.model} has no config.json: not an HF-format model directory")
+    if args.model:
+        check_device(args.device, UserError)
     if args.concurrency < 1:  # else a ValueError traceback from the client (or a semaphore that never opens)
         raise UserError(f"--concurrency must be >= 1, got {args.concurrency}")
     items = _read_prompts(args)
