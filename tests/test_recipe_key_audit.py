@@ -173,3 +173,13 @@ def test_profile_activities_without_profile_steps_are_refused():
     message = refusal({"logging": {"profile_activities": ["GPU"]}})
     assert message.startswith("logging: profile_activities (['GPU']) applies with profile_steps, which lists no step")
     validate_recipe({"logging": {"profile_activities": ["GPU"], "profile_steps": [1]}})
+
+
+def test_sft_stop_at_pass_without_evaluations_before_the_end_is_refused():
+    """sft.eval_every 0 evaluates only after the last step, so stop_at_pass could never stop the run early: it was
+    accepted and the run went on to trainer.num_steps."""
+    held_out = {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}
+    message = refusal({"sft": {"stop_at_pass": 0.5, "eval_every": 0}, "data": held_out})
+    assert message.startswith("sft: stop_at_pass (0.5) is checked at each evaluation, and eval_every 0 evaluates only "
+                              "after the last step")
+    validate_recipe({"sft": {"stop_at_pass": 0.5, "eval_every": 10}, "data": held_out})

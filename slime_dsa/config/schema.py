@@ -972,7 +972,14 @@ class SFTSection(Section):
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts per eval (from each task's eval split).")
     stop_at_pass: float | None = Field(
         None, gt=0, le=1, description="Stop as soon as eval pass@1 reaches this (e.g. 0.25 to make a weak starting "
-                                      "policy for RL); null = run trainer.num_steps.")
+                                      "policy for RL; needs eval_every > 0); null = run trainer.num_steps.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTSection:
+        if self.stop_at_pass is not None and self.eval_every == 0:
+            raise RecipeValueError(f"stop_at_pass ({self.stop_at_pass}) is checked at each evaluation, and eval_every "
+                                   "0 evaluates only after the last step", "stop_at_pass", "eval_every")
+        return self
 
 
 class IndexerWarmupSection(Section):
