@@ -182,8 +182,9 @@ class TaskConfig(Section):
     answer_column: str = Field(
         "answer", description="Column holding the reference answer given to the reward function (kind dataset).")
     reward_fn: str | None = Field(
-        None, description="Reward function: a registered name (arithmetic, countdown, sort, math_verify) or "
-                          "'package.module:function'; null = the task's built-in verifier.")
+        None, description="Reward function: a registered name (arithmetic, countdown, sort, math_verify or its "
+                          "alias math, tool_answer: the agentic tasks' answer check) or 'package.module:function'; "
+                          "null = the task's built-in verifier.")
     system_prompt: str | None = Field(
         None, description="System message put before every prompt of this task; null = none.")
     train_size: int = Field(
