@@ -245,7 +245,8 @@ def test_profile_steps_are_checked():
     for steps, named in (([0], "counted from 1"), ([2, 2], "twice"), ([4], "past trainer.num_steps")):
         with pytest.raises(ValueError, match=named):
             RecipeConfig.model_validate(_recipe(profile_steps=steps))
-    assert RecipeConfig.model_validate(_recipe(profile_activities=["GPU"])).logging.profile_activities == ["GPU"]
+    gpu_only = _recipe(profile_steps=[1], profile_activities=["GPU"])
+    assert RecipeConfig.model_validate(gpu_only).logging.profile_activities == ["GPU"]
     for activities in ([], ["GPU", "GPU"]):
         with pytest.raises(ValueError, match="once each"):
             RecipeConfig.model_validate(_recipe(profile_activities=activities))

@@ -118,3 +118,68 @@ def test_a_task_args_value_of_no_accepted_type_names_its_key_and_the_types():
     message = refusal({"data": {"tasks": [{"kind": "arithmetic", "task_args": {"max_digits": [1]}}]}})
     assert message == ("data.tasks.0.task_args.max_digits: expected an integer, a number, true or false or a string, "
                        "got [1]")
+
+
+@pytest.mark.parametrize("key, value", [("max_oversample_factor", 2.0), ("max_sampling_tries", 8)])
+def test_sampling_round_keys_without_dynamic_sampling_are_refused(key, value):
+    """Without dynamic sampling a step is one round of prompts_per_step prompts: these keys were accepted and
+    ignored (oversample_factor was already refused)."""
+    message = refusal({"rollout": {key: value}})
+    assert message.startswith(f"rollout: {key} ({value}) only applies with dynamic_sampling: true")
+    validate_recipe({"rollout": {"dynamic_sampling": True, key: value}})
+
+
+@pytest.mark.parametrize("correction, key, value", [("none", "icepop_alpha", 0.3), ("tis", "icepop_beta", 3.0),
+                                                    ("none", "tis_cap", 3.0), ("icepop", "tis_cap", 3.0)])
+def test_is_correction_keys_of_another_correction_are_refused(correction, key, value):
+    """The policy loss gets icepop_alpha/beta only with is_correction icepop and tis_cap only with tis: the
+    others were accepted and ignored."""
+    message = refusal({"algorithm": {"is_correction": correction, key: value}})
+    wanted = "tis" if key == "tis_cap" else "icepop"
+    assert message.startswith(f"algorithm: {key} ({value}) only applies with is_correction: {wanted}")
+    validate_recipe({"algorithm": {"is_correction": wanted, key: value}})
+
+
+@pytest.mark.parametrize("key, value", [("indexer_learning_rate", 1e-3), ("indexer_loss_stage", "dense"),
+                                        ("indexer_loss_target", "own")])
+def test_indexer_loss_keys_without_the_indexer_loss_are_refused(key, value):
+    """indexer_loss_coef 0 computes no indexer loss and freezes the indexers: these keys were accepted and
+    ignored."""
+    message = refusal({"algorithm": {key: value}})
+    assert message.startswith(f"algorithm: {key} ({value!r}) applies to the indexer loss, which indexer_loss_coef 0")
+    validate_recipe({"algorithm": {"indexer_loss_coef": 0.1, key: value}})
+
+
+def test_freeze_indexer_is_refused_because_the_indexer_is_fixed_without_the_indexer_loss():
+    """Only indexer_loss_coef > 0 trains the indexers (refused with freeze_indexer); at 0 they are frozen anyway,
+    so freeze_indexer: true was accepted and changed nothing."""
+    message = refusal({"algorithm": {"freeze_indexer": True}})
+    assert message.startswith("algorithm: freeze_indexer (True) changes nothing: the indexers train only with "
+                              "indexer_loss_coef > 0")
+
+
+def test_train_size_of_a_dataset_task_is_refused(tmp_path):
+    """kind dataset trains on the file's rows: train_size was accepted and ignored."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    message = refusal({"data": {"tasks": [{"kind": "dataset", "path": str(rows), "train_size": 5}]}})
+    assert message.startswith("data.tasks.0: train_size (5) is only read by built-in kinds, but kind is 'dataset'")
+    validate_recipe({"data": {"tasks": [{"kind": "calc_chain", "train_size": 5}], "apply_chat_template": True}})
+
+
+def test_profile_activities_without_profile_steps_are_refused():
+    """logging.profile_activities says what profile_steps records: without a step it was accepted and nothing was
+    profiled."""
+    message = refusal({"logging": {"profile_activities": ["GPU"]}})
+    assert message.startswith("logging: profile_activities (['GPU']) applies with profile_steps, which lists no step")
+    validate_recipe({"logging": {"profile_activities": ["GPU"], "profile_steps": [1]}})
+
+
+def test_sft_stop_at_pass_without_evaluations_before_the_end_is_refused():
+    """sft.eval_every 0 evaluates only after the last step, so stop_at_pass could never stop the run early: it was
+    accepted and the run went on to trainer.num_steps."""
+    held_out = {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}
+    message = refusal({"sft": {"stop_at_pass": 0.5, "eval_every": 0}, "data": held_out})
+    assert message.startswith("sft: stop_at_pass (0.5) is checked at each evaluation, and eval_every 0 evaluates only "
+                              "after the last step")
+    validate_recipe({"sft": {"stop_at_pass": 0.5, "eval_every": 10}, "data": held_out})

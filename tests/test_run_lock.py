@@ -180,3 +180,30 @@ def test_resume_with_another_number_of_fsdp_ranks_warns_that_it_is_not_exact(tmp
     with caplog.at_level("WARNING"):
         check_checkpoint_layout(load_recipe(BASE, ["trainer.num_workers=1"]), tmp_path)
     assert ("written by 2 trainer ranks and this run has trainer.num_workers 1" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("overrides", [["cluster.num_gpus_per_engine=0.5"], ["cluster.num_gpus_per_trainer=1"],
+                                       ["algorithm.name=sao", "critic.placement=separate",
+                                        "critic.num_gpus_per_worker=1"]])
+def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                             overrides):
+    """recipes/gpu_single.yaml on a CPU machine started a local Ray cluster whose autoscaler printed 'No available
+    node types can fulfill resource request {'GPU': 0.5}' every 35 s while the run waited for ever."""
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr("slime_dsa.orchestrator.setup.init_ray", no_ray)
+    run_dir = tmp_path / "run"
+    sets = [arg for o in [f"logging.run_dir={run_dir}", *overrides] for arg in ("--set", o)]
+    assert main(["train", BASE, *sets]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    key = overrides[-1].split("=")[0]
+    assert line.startswith(f"slime-dsa: error: {key} (") and "this machine has no GPU" in line, stderr
+    assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    from slime_dsa.orchestrator.setup import check_local_gpus
+    check_local_gpus(load_recipe(BASE, [o for o in overrides]))  # a GPU: nothing to refuse
+    check_local_gpus(load_recipe(BASE, [*overrides, "cluster.address=auto"]))  # a cluster's GPUs: Ray's to find

@@ -6,6 +6,7 @@ import argparse
 import os
 
 
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the embedded server (shared by `slime-dsa serve` and `python -m rollout.server`)."""
     from rollout.engine.defaults import (  # noqa: PLC0415
@@ -32,7 +33,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS,
                         help="requests decoded at once (default %(default)s)")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     parser.add_argument("--served-model-name", default=None, help="the model name /v1 answers with")
     parser.add_argument("--keep-indexer-topk", action="store_true",
                         help="keep each cached row's DSA top-k next to its KV, so /generate can return the prompt rows' "

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"Bearer key of the server (--url; default: ${API_KEY_ENV}, as `serve` reads it)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
-    parser.add_argument("--device", default=None, help="with --model: cpu | cuda")
+    parser.add_argument("--device", default=None, help="with --model: cpu | cuda | cuda:N")
     parser.set_defaults(run=run)
 
 

@@ -28,7 +28,7 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 def changed_keys(section: BaseModel, *names: str) -> list[str]:
     """Those of `names` whose value in `section` is not the field's default."""
     fields = type(section).model_fields
-    return [name for name in names if getattr(section, name) != fields[name].default]
+    return [name for name in names if getattr(section, name) != fields[name].get_default(call_default_factory=True)]
 _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 
@@ -182,12 +182,13 @@ class TaskConfig(Section):
     answer_column: str = Field(
         "answer", description="Column holding the reference answer given to the reward function (kind dataset).")
     reward_fn: str | None = Field(
-        None, description="Reward function: a registered name (arithmetic, countdown, sort, math_verify) or "
-                          "'package.module:function'; null = the task's built-in verifier.")
+        None, description="Reward function: a registered name (arithmetic, countdown, sort, math_verify or its "
+                          "alias math, tool_answer: the agentic tasks' answer check) or 'package.module:function'; "
+                          "null = the task's built-in verifier.")
     system_prompt: str | None = Field(
         None, description="System message put before every prompt of this task; null = none.")
     train_size: int = Field(
-        20000, ge=1, description="Prompts generated for a built-in task (arithmetic, countdown, sort).")
+        20000, ge=1, description="Prompts generated for a built-in task (every kind but dataset).")
     task_args: dict[str, int | float | bool | str] = Field(
         default_factory=dict, strict=False,
         description="Parameters of a built-in task generator (slime_dsa.data.task_params; a wrong name, type "
@@ -235,6 +236,10 @@ class TaskConfig(Section):
             raise RecipeValueError(
                 f"reward_fn ('{self.reward_fn}') must be a registered name or look like 'package.module:function'",
                 "reward_fn")
+        if self.kind == "dataset" and changed_keys(self, "train_size"):
+            raise RecipeValueError(
+                f"train_size ({self.train_size}) is only read by built-in kinds, but kind is 'dataset' (its rows are "
+                "the prompts)", "train_size", "kind")
         if self.task_args and self.kind == "dataset":
             raise RecipeValueError("task_args only apply to built-in tasks (arithmetic, countdown, sort, calc_chain, "
                                    "fact_lookup)", "task_args", "kind")
@@ -478,10 +483,11 @@ class RolloutSection(Section):
             raise RecipeValueError(
                 f"max_cache_tokens ({self.max_cache_tokens}) sizes the embedded engine's KV cache, but engine is "
                 f"'{self.engine}'", "max_cache_tokens", "engine")
-        if self.oversample_factor != 1.0 and not self.dynamic_sampling:
+        rounds = changed_keys(self, "oversample_factor", "max_oversample_factor", "max_sampling_tries")
+        if rounds and not self.dynamic_sampling:
             raise RecipeValueError(
-                f"oversample_factor ({self.oversample_factor}) only applies with dynamic_sampling: true",
-                "oversample_factor", "dynamic_sampling")
+                f"{rounds[0]} ({getattr(self, rounds[0])}) only applies with dynamic_sampling: true",
+                rounds[0], "dynamic_sampling")
         if self.max_oversample_factor < self.oversample_factor:
             raise RecipeValueError(
                 f"max_oversample_factor ({self.max_oversample_factor}) must be at least oversample_factor "
@@ -611,7 +617,9 @@ class AlgorithmSection(Section):
     indexer_loss_coef: float = Field(
         0.0, ge=0, description="Weight of the DSA indexer loss, KL(attention distribution ‖ indexer scores), "
                                "added to the RL loss; 0 = the indexer is not trained.")
-    freeze_indexer: bool = Field(False, description="Keep the DSA indexer's parameters fixed during training.")
+    freeze_indexer: bool = Field(
+        False, description="Keep the DSA indexers' parameters fixed. They are fixed already unless "
+                           "indexer_loss_coef > 0, which contradicts it, so true is refused either way.")
     index_replay: bool = Field(
         False, description="Train with the top-k indices the engine used during rollout, so that training "
                            "attends to the same keys (needs rollout.return_indexer_topk).")
@@ -619,11 +627,12 @@ class AlgorithmSection(Section):
         None, gt=0, description="Learning rate of the DSA indexers' own optimizer param group (with "
                                 "indexer_loss_coef > 0); null = trainer.learning_rate.")
     indexer_loss_stage: Literal["sparse", "dense"] = Field(
-        "sparse", description="Key set of the indexer loss: sparse = the selected top-k (the RL-time stage), dense = "
-                              "every causal key (as in the warm-up).")
+        "sparse", description="Key set of the indexer loss (with indexer_loss_coef > 0): sparse = the selected top-k "
+                              "(the RL-time stage), dense = every causal key (as in the warm-up).")
     indexer_loss_target: Literal["group", "own"] = Field(
-        "group", description="Target of the indexer loss: group = mean attention of every layer that reuses the "
-                             "indexer's top-k (IndexShare group), own = the indexer's own layer only.")
+        "group", description="Target of the indexer loss (with indexer_loss_coef > 0): group = mean attention of "
+                             "every layer that reuses the indexer's top-k (IndexShare group), own = the indexer's own "
+                             "layer only.")
 
     @field_validator("partial_rollout", mode="before")
     @classmethod
@@ -663,6 +672,10 @@ class AlgorithmSection(Section):
             raise RecipeValueError(
                 f"indexer_loss_coef ({self.indexer_loss_coef}) trains the indexer, but freeze_indexer is true",
                 "indexer_loss_coef", "freeze_indexer")
+        if self.freeze_indexer:
+            raise RecipeValueError(
+                "freeze_indexer (True) changes nothing: the indexers train only with indexer_loss_coef > 0 and are "
+                "frozen at 0; remove it", "freeze_indexer", "indexer_loss_coef")
         if self.max_staleness == 0 and changed_keys(self, "partial_rollout"):
             raise RecipeValueError(
                 f"partial_rollout ({self.partial_rollout!r}) says what happens to responses in flight at a weight "
@@ -955,6 +968,13 @@ class LoggingSection(Section):
             raise ValueError(f"list CPU, GPU or both, once each; got {activities}")
         return activities
 
+    @model_validator(mode="after")
+    def _check(self) -> LoggingSection:
+        if changed_keys(self, "profile_activities") and not self.profile_steps:
+            raise RecipeValueError(f"profile_activities ({self.profile_activities}) applies with profile_steps, "
+                                   "which lists no step", "profile_activities", "profile_steps")
+        return self
+
 
 class CheckpointSection(Section):
     """Training checkpoints: how often, how many, and resuming (train; slime-dsa sft writes none, refuses them set)."""
@@ -983,7 +1003,14 @@ class SFTSection(Section):
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts per eval (from each task's eval split).")
     stop_at_pass: float | None = Field(
         None, gt=0, le=1, description="Stop as soon as eval pass@1 reaches this (e.g. 0.25 to make a weak starting "
-                                      "policy for RL); null = run trainer.num_steps.")
+                                      "policy for RL; needs eval_every > 0); null = run trainer.num_steps.")
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTSection:
+        if self.stop_at_pass is not None and self.eval_every == 0:
+            raise RecipeValueError(f"stop_at_pass ({self.stop_at_pass}) is checked at each evaluation, and eval_every "
+                                   "0 evaluates only after the last step", "stop_at_pass", "eval_every")
+        return self
 
 
 class IndexerWarmupSection(Section):

@@ -88,6 +88,29 @@ def init_ray(recipe: RecipeConfig) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def gpu_keys(recipe: RecipeConfig) -> list[str]:
+    """The recipe's per-actor GPU keys above 0 for actors the run starts, as 'key (value)'."""
+    cl, cr = recipe.cluster, recipe.critic
+    starts_engines = recipe.rollout.engine != "external" or any(t.serving != "external" for t in recipe.teachers)
+    keys = {"cluster.num_gpus_per_engine": cl.num_gpus_per_engine if starts_engines else 0.0,
+            "cluster.num_gpus_per_trainer": cl.num_gpus_per_trainer,
+            "critic.num_gpus_per_worker": cr.num_gpus_per_worker if cr.placement == "separate" else 0.0}
+    return [f"{key} ({value})" for key, value in keys.items() if value > 0]
+
+
+def check_local_gpus(recipe: RecipeConfig) -> None:
+    """UserError (one line) when a local Ray cluster, which has this machine's GPUs and no more, could not place
+    the actors that ask for GPUs: Ray would wait for them for ever."""
+    import torch  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    asking = gpu_keys(recipe)
+    if recipe.cluster.address is None and asking and torch.cuda.device_count() == 0:
+        raise UserError(f"{asking[0]} asks for GPUs, but this machine has no GPU for the local Ray cluster: run "
+                        "it on a GPU machine, or join a cluster that has them (cluster.address)")
+
+
 def _actors_needed(recipe: RecipeConfig) -> int:
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
     critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0

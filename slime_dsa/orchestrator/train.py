@@ -78,6 +78,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     )
 
     algorithm = build_algorithm(recipe.algorithm)
+    setup.check_local_gpus(recipe)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
     if use_async and recipe.logging.profile_steps:
         raise UserError("logging.profile_steps needs the synchronous loop, and this run uses the asynchronous one")

@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 
     from slime_dsa.algorithms.policy_loss import PolicyLoss
 
+# The algorithm keys each is_correction mode reads (policy_loss passes them to PPOLoss only in that mode).
+CORRECTION_KEYS: dict[str, tuple[str, ...]] = {"icepop": ("icepop_alpha", "icepop_beta"), "tis": ("tis_cap",)}
+
 
 class GRPO(Algorithm):
     """Group-normalised advantages, the clipped ratio against π_old (recomputed, or the engine's in bypass mode)."""
@@ -26,6 +29,11 @@ class GRPO(Algorithm):
     def check(cls, section: Any) -> None:
         from slime_dsa.config.errors import RecipeValueError  # noqa: PLC0415
 
+        for correction, keys in CORRECTION_KEYS.items():
+            changed = [key for key in keys if getattr(section, key) != type(section).model_fields[key].default]
+            if changed and section.is_correction != correction:
+                raise RecipeValueError(f"{changed[0]} ({getattr(section, changed[0])}) only applies with "
+                                       f"is_correction: {correction}", changed[0], "is_correction")
         if section.is_correction != "none" and section.use_rollout_logprobs:
             raise RecipeValueError(
                 f"is_correction ('{section.is_correction}') compares π_old with π_roll, which are the same with "
