@@ -56,17 +56,27 @@ def test_engines_of_their_own_and_a_swap_engine_score_like_a_direct_forward(expe
         try:
             groups = {task: _samples(task, 3, 20, seed) for seed, task in enumerate("abc")}
             await pool.score_all([s for group in groups.values() for s in group])
-            return groups, pool.metrics()
+            return groups, pool.metrics(), [await _status_without_key(u) for urls in teachers.urls.values()
+                                            for u in urls]
         finally:
             await teachers.close()
 
-    groups, metrics = asyncio.run(run())
+    groups, metrics, keyless = asyncio.run(run())
+    assert keyless == [401, 401]  # the engines the run starts take the run's key only (they were open to any caller)
     for task, expert in zip("abc", experts):
         for sample in groups[task]:
             want, _, _ = direct_scores(expert, sample.tokens, len(sample.prompt_ids), 0.8)
             assert torch.allclose(torch.tensor(sample.teacher_logprobs), want, atol=1e-5, rtol=0)
             assert sample.metadata["teacher"] == {"a": "own", "b": "s1", "c": "s2"}[task]
     assert metrics["teacher/s1/swaps"] >= 1 and metrics["teacher/own/swaps"] == 0
+
+
+async def _status_without_key(url: str) -> int:
+    """The HTTP status of a state-changing request sent without an API key."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.post(f"{url}/flush_cache", json={}) as response:
+        return response.status
 
 
 def test_killing_a_teacher_engine_mid_step_loses_no_sample(experts, ray_cluster):

@@ -32,12 +32,13 @@ class DirectScorer:
     """Scores samples on the teacher's own engines (urls), retrying and restarting as the module says."""
 
     def __init__(self, name: str, urls: list[str], *, temperature: float, top_k: int = 0,
-                 recover: Recover | None = None, timeout_s: float = 600.0, max_inflight_per_engine: int = 256) -> None:
+                 recover: Recover | None = None, timeout_s: float = 600.0, max_inflight_per_engine: int = 256,
+                 api_key: str | None = None) -> None:
         self.name, self.temperature, self.top_k = name, temperature, top_k
         self.recover, self.timeout_s = recover, timeout_s
         # max_retries 0: every attempt comes back here, where it is counted
         self.client = EngineClient(urls, max_inflight_per_engine=max_inflight_per_engine, timeout_s=timeout_s,
-                                   max_retries=0)
+                                   max_retries=0, api_key=api_key)
         self.stats = TeacherStats()
         self._recovering = asyncio.Lock()
 

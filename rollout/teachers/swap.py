@@ -42,10 +42,11 @@ class SwapEngine:
     """The shared engine of one swap group and the turns of its teachers."""
 
     def __init__(self, group: str, url: str, *, temperature: float, top_k: int = 0, recover: Recover | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.group, self.temperature, self.top_k = group, temperature, top_k
         self.recover, self.timeout_s = recover, timeout_s
-        self.client = EngineClient([url], max_inflight_per_engine=TURN_REQUESTS, timeout_s=timeout_s, max_retries=0)
+        self.client = EngineClient([url], max_inflight_per_engine=TURN_REQUESTS, timeout_s=timeout_s, max_retries=0,
+                                   api_key=api_key)
         self.paths: dict[str, str] = {}
         self.stats: dict[str, TeacherStats] = {}
         self._queues: dict[str, deque[_Job]] = {}

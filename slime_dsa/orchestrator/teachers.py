@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollout.server.defaults import API_KEY_ENV
 from slime_dsa.config import RecipeConfig
 from slime_dsa.config.errors import UserError
 from slime_dsa.config.teachers import TeacherConfig
@@ -75,6 +78,9 @@ class Teachers:
 
     def __init__(self, recipe: RecipeConfig, temperature: float, top_k: int) -> None:
         self.recipe, self.temperature, self.top_k = recipe, temperature, top_k
+        # A fresh key for the engines the run starts (as the policy's: no other local process or web page can drive
+        # them); external teachers take $SLIME_DSA_API_KEY, as external rollout engines do.
+        self.api_key = secrets.token_urlsafe(32)
         self.actors: dict[str, list[Any]] = {}  # teacher or "swap:<group>" -> its engine actors
         self.urls: dict[str, list[str]] = {}  # the same keys -> each actor's URL
         self._makers: dict[str, Callable[[], Any]] = {}  # the same keys -> a new (unstarted) actor of that kind
@@ -109,12 +115,15 @@ class Teachers:
         await asyncio.gather(*(asyncio.to_thread(self._launch, key, count.get(key, 1)) for key in self._makers))
         for t in self.recipe.teachers:
             if t.serving != "swap":
-                urls = list(t.urls) if t.serving == "external" else self.urls[t.name]
-                recover = None if t.serving == "external" else self._recoverer(t.name)
-                scorers.append(DirectScorer(t.name, urls, recover=recover, **options))
+                external = t.serving == "external"
+                urls = list(t.urls) if external else self.urls[t.name]
+                recover = None if external else self._recoverer(t.name)
+                api_key = (os.environ.get(API_KEY_ENV) or None) if external else self.api_key
+                scorers.append(DirectScorer(t.name, urls, recover=recover, api_key=api_key, **options))
         for group, members in groups.items():
             key = f"swap:{group}"
-            engine = SwapEngine(group, self.urls[key][0], recover=self._recoverer(key), **options)
+            engine = SwapEngine(group, self.urls[key][0], recover=self._recoverer(key), api_key=self.api_key,
+                                **options)
             scorers += [engine.add(t.name, t.path) for t in members]
             engines.append(engine)
         self.pool = TeacherPool(scorers, {t.name: list(t.domains) for t in self.recipe.teachers}, engines)
@@ -142,12 +151,13 @@ class Teachers:
         common = {"kind": kind, "num_gpus_per_engine": cl.num_gpus_per_engine,
                   "num_cpus_per_engine": cl.num_cpus_per_actor}
         if kind == "sglang":
-            return lambda: create_engine_actors(1, sglang_config=sglang_config(recipe, path), **common)[0]
+            config = sglang_config(recipe, path, api_key=self.api_key)
+            return lambda: create_engine_actors(1, sglang_config=config, **common)[0]
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         engine_kwargs = {"dtype": dtype, "max_cache_tokens": SCORING_CACHE_TOKENS,
                          "ops_backend": recipe.model.ops_backend, "preload_weights": list(preload or [])}
         # The engine's /update_weights_from_disk loads only from these (the swap group's members)
-        server_kwargs = {"weight_dirs": list(preload or [])}
+        server_kwargs = {"weight_dirs": list(preload or []), "api_key": self.api_key}
         return lambda: create_engine_actors(1, model_dir=str(path), engine_kwargs=engine_kwargs,
                                             server_kwargs=server_kwargs, **common)[0]
 
