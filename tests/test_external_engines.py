@@ -172,3 +172,37 @@ def test_a_refusal_mid_run_is_one_line_naming_the_step_and_the_newest_checkpoint
                     "them from /dev/shm/slime-dsa-weights-1-ab: start `slime-dsa serve` with --weight-dir /dev/shm, or "
                     f"set rollout.weight_sync http); the newest checkpoint is {tmp_path / 'step_000005'}; --resume "
                     "continues from it")
+
+
+@pytest.mark.parametrize("key", [KEY, None])
+def test_an_external_teacher_is_sent_the_key_from_the_environment(server, model_dir, monkeypatch, key):
+    """teachers.N.serving external on a keyed server: its scorer sent no key, so every request got a 401 and the run
+    stopped at the teacher's probe; it now sends $SLIME_DSA_API_KEY, as external rollout engines do."""
+    import asyncio
+
+    from rollout.server.defaults import API_KEY_ENV
+    from slime_dsa.config import validate_recipe
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.orchestrator.teachers import Teachers
+
+    recipe = validate_recipe({
+        "algorithm": {"name": "opd"}, "data": {"tasks": [{"kind": "arithmetic"}]},
+        "teachers": [{"name": "far", "path": str(model_dir), "domains": ["arithmetic"], "serving": "external",
+                      "urls": [server.url]}]})
+    if key is None:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(API_KEY_ENV, key)
+
+    async def probe() -> None:
+        teachers = Teachers(recipe, temperature=1.0, top_k=0)
+        try:
+            await teachers.start([5, 6, 7])
+        finally:
+            await teachers.close()
+
+    if key is None:
+        with pytest.raises(UserError, match="teacher 'far' cannot score"):
+            asyncio.run(probe())
+    else:
+        asyncio.run(probe())
