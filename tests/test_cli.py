@@ -360,10 +360,10 @@ def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
         [sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml", "--set", f"logging.run_dir={run_dir}",
          "--set", "logging.wandb_mode=disabled", "--set", "logging.eval_every=0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    metrics = run_dir / "metrics.jsonl"  # created before step 1; its first line is step 1's
     deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    time.sleep(2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()[-2000:]
