@@ -229,3 +229,20 @@ def test_a_resume_continues_the_wandb_run_and_rewinds_only_past_dropped_steps():
     fresh_id, fresh = wandb_continuation("abc", -1)
     assert fresh_id != "abc" and fresh == {"resume": "allow"}
     assert wandb_continuation(None, 5)[1] == {"resume": "allow"}
+
+
+def test_wandb_online_without_its_server_is_one_user_error(tmp_path, monkeypatch):
+    """logging.wandb_mode online with a key but no network: wandb.init gave up after its init_timeout (~100 s) with a
+    CommError traceback; now one line naming the key."""
+    wandb = pytest.importorskip("wandb")
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Failed to get resume status for run x: context deadline exceeded\nwhile "
+                                     "retrying: Post \"https://api.wandb.ai/graphql\": no such host")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with pytest.raises(UserError, match=r"logging.wandb_mode online: W&B's server did not answer: .*deadline exceeded; "
+                                        r"while retrying.*logging.wandb_mode offline") as raised:
+        MetricsLogger(tmp_path / "run", "p", None, "online")
+    assert "\n" not in str(raised.value)

@@ -58,6 +58,12 @@ class MetricsLogger:
 
             raise UserError(f"logging.wandb_mode {mode}: W&B did not start: {e} (set WANDB_API_KEY, run `wandb "
                             "login`, or use logging.wandb_mode offline)") from None
+        except wandb.errors.CommError as e:  # online, W&B's server not reached within wandb's init_timeout
+            from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+            reason = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            raise UserError(f"logging.wandb_mode {mode}: W&B's server did not answer: {reason} (check the network, or "
+                            "use logging.wandb_mode offline and `wandb sync` the run later)") from None
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
