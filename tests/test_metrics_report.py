@@ -195,11 +195,17 @@ def _offline_run(tmp_path, monkeypatch, resume_step: int | None, steps: tuple[in
     log.close()
     from pathlib import Path  # noqa: PLC0415
 
+    return run_id, _wandb_records_when_written(Path(sync_file))
+
+
+def _wandb_records_when_written(path) -> list:
+    """The file's records once it holds the exit record (20 s at most): wandb's service process writes it on after
+    finish() returns."""
     deadline = time.monotonic() + 20
-    while True:  # wandb's service process writes the file on after finish() returns
-        records = _wandb_file_records(Path(sync_file))
+    while True:
+        records = _wandb_file_records(path)
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            return run_id, records
+            return records
         time.sleep(0.1)
 
 
@@ -246,3 +252,26 @@ def test_wandb_online_without_its_server_is_one_user_error(tmp_path, monkeypatch
                                         r"while retrying.*logging.wandb_mode offline") as raised:
         MetricsLogger(tmp_path / "run", "p", None, "online")
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_an_exception_is_not_a_finished_wandb_run(tmp_path, monkeypatch):
+    """Ctrl-C, SIGTERM or a crash closes the logger from a `finally`: W&B recorded exit code 0, so the run showed as
+    finished; now 1 (failed), and a run that ends normally stays 0."""
+    pytest.importorskip("wandb")
+    _, finished = _offline_run(tmp_path / "ok", monkeypatch, None, (1,))
+    assert [r.exit.exit_code for r in finished if r.WhichOneof("record_type") == "exit"] == [0]
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    log = MetricsLogger(tmp_path / "stopped", "p", "n", "offline")
+    log.log({"x": 1.0}, step=1)
+    sync_file = log.wandb_run.settings.sync_file
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            log.close()
+    from pathlib import Path  # noqa: PLC0415
+
+    assert [r.exit.exit_code for r in _wandb_records_when_written(Path(sync_file))
+            if r.WhichOneof("record_type") == "exit"] == [1]

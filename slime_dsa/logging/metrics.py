@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -88,9 +89,11 @@ class MetricsLogger:
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
+        """Close metrics.jsonl and finish the W&B run: failed (exit code 1) when called as an exception leaves, so a
+        crashed or interrupted run does not show as finished."""
         self._file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
             self.wandb_run = None
 
 
