@@ -6,6 +6,8 @@ import json
 import math
 import time
 
+import pytest
+
 from slime_dsa.logging.metrics import MetricsLogger, read_metrics
 from slime_dsa.logging.report import plan_panels, render_report
 
@@ -156,3 +158,120 @@ def test_async_dsa_and_indexer_warmup_runs_get_their_panels(tmp_path):
     with pytest.raises(UserError, match="holds none of the keys the report draws"):
         render_report(tmp_path / "other")
     assert not (tmp_path / "other" / "report").exists()
+
+
+def _wandb_file_records(path) -> list:
+    """The protobuf records of an offline run's .wandb file (leveldb-log format: a 7-byte file header, 32 KiB
+    blocks, a 7-byte header per chunk)."""
+    import struct  # noqa: PLC0415
+
+    from wandb.proto import wandb_internal_pb2 as pb  # noqa: PLC0415
+
+    data, pos, chunks, records = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, size, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if size == 0 and kind == 0:
+            break
+        chunks, pos = chunks + data[pos + 7:pos + 7 + size], pos + 7 + size
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def _offline_run(tmp_path, monkeypatch, resume_step: int | None, steps: tuple[int, ...]) -> tuple[str, list]:
+    """Log `steps` to an offline W&B run of tmp_path; (its run id, the records of its .wandb file)."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    log = MetricsLogger(tmp_path, "p", "n", "offline", resume_step=resume_step)
+    for step in steps:
+        log.log({"x": float(step)}, step=step)
+    run_id, sync_file = log.wandb_run.id, log.wandb_run.settings.sync_file
+    log.close()
+    from pathlib import Path  # noqa: PLC0415
+
+    return run_id, _wandb_records_when_written(Path(sync_file))
+
+
+def _wandb_records_when_written(path) -> list:
+    """The file's records once it holds the exit record (20 s at most): wandb's service process writes it on after
+    finish() returns."""
+    deadline = time.monotonic() + 20
+    while True:
+        records = _wandb_file_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_resumed_wandb_run_is_rewound_to_the_checkpoint_step(tmp_path, monkeypatch):
+    """--resume from step 1's checkpoint after steps 2-3 were logged: the same W&B run logged steps 2-3 a second time
+    behind its step 3 (once synced, W&B held both copies, or online dropped the new ones); now it rewinds to step 1,
+    as metrics.jsonl is cut back to it."""
+    pytest.importorskip("wandb")
+    first_id, _ = _offline_run(tmp_path, monkeypatch, None, (1, 2, 3))
+    run_id, records = _offline_run(tmp_path, monkeypatch, 1, (2, 3, 4))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run_id == first_id
+    assert (run.branch_point.run, run.branch_point.value, run.branch_point.metric) == (run_id, 1, "_step")
+    steps = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
+             for i in r.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+    assert steps == [2, 3, 4] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_resume_continues_the_wandb_run_and_rewinds_only_past_dropped_steps():
+    """The run's W&B id is kept; rewound only when steps past the checkpoint were logged; a resume that starts fresh
+    (no step kept) is a new W&B run."""
+    from slime_dsa.logging.metrics import wandb_continuation  # noqa: PLC0415
+
+    assert wandb_continuation("abc", None) == ("abc", {"resume": "allow"})
+    assert wandb_continuation("abc", 5) == ("abc", {"resume_from": "abc?_step=5"})
+    fresh_id, fresh = wandb_continuation("abc", -1)
+    assert fresh_id != "abc" and fresh == {"resume": "allow"}
+    assert wandb_continuation(None, 5)[1] == {"resume": "allow"}
+
+
+def test_wandb_online_without_its_server_is_one_user_error(tmp_path, monkeypatch):
+    """logging.wandb_mode online with a key but no network: wandb.init gave up after its init_timeout (~100 s) with a
+    CommError traceback; now one line naming the key."""
+    wandb = pytest.importorskip("wandb")
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    def unreachable(**kwargs):
+        raise wandb.errors.CommError("Failed to get resume status for run x: context deadline exceeded\nwhile "
+                                     "retrying: Post \"https://api.wandb.ai/graphql\": no such host")
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with pytest.raises(UserError, match=r"logging.wandb_mode online: W&B's server did not answer: .*deadline exceeded; "
+                                        r"while retrying.*logging.wandb_mode offline") as raised:
+        MetricsLogger(tmp_path / "run", "p", None, "online")
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_an_exception_is_not_a_finished_wandb_run(tmp_path, monkeypatch):
+    """Ctrl-C, SIGTERM or a crash closes the logger from a `finally`: W&B recorded exit code 0, so the run showed as
+    finished; now 1 (failed), and a run that ends normally stays 0."""
+    pytest.importorskip("wandb")
+    _, finished = _offline_run(tmp_path / "ok", monkeypatch, None, (1,))
+    assert [r.exit.exit_code for r in finished if r.WhichOneof("record_type") == "exit"] == [0]
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    log = MetricsLogger(tmp_path / "stopped", "p", "n", "offline")
+    log.log({"x": 1.0}, step=1)
+    sync_file = log.wandb_run.settings.sync_file
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            log.close()
+    from pathlib import Path  # noqa: PLC0415
+
+    assert [r.exit.exit_code for r in _wandb_records_when_written(Path(sync_file))
+            if r.WhichOneof("record_type") == "exit"] == [1]

@@ -75,3 +75,12 @@ def test_a_reused_initial_model_takes_a_changed_index_topk(tmp_path):
     source = tmp_path / "scratch" / "initial_model"
     assert budget(f"model.path={source}", "model.index_topk=8", run="copy") == 8
     assert budget(f"model.path={source}", "model.index_topk=12", run="copy") == 12
+
+
+def test_the_default_run_name_is_documented_as_the_run_directorys_name():
+    """Without logging.run_name the W&B run is named after the run directory (the quickstart's W&B run is
+    'quickstart'), but `recipe explain` said 'null = a timestamped name'."""
+    from slime_dsa.config.schema import LoggingSection  # noqa: PLC0415
+
+    doc = LoggingSection.model_fields["run_name"].description
+    assert "null = the run directory's name" in doc and "run-<timestamp>" in doc

@@ -919,7 +919,8 @@ class LoggingSection(Section):
         None, description="Directory of the run's logs, metrics.jsonl and resolved recipe; null = "
                           "runs/<run_name>.")
     project: str = Field("slime-dsa", description="W&B project name.")
-    run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = a timestamped name.")
+    run_name: str | None = Field(None, description="Name of the run in W&B and in run_dir; null = the run directory's "
+                                                   "name (run-<timestamp> when logging.run_dir is null too).")
     wandb_mode: Literal["auto", "online", "offline", "disabled"] = Field(
         "auto", description="W&B mode; auto = online when WANDB_API_KEY is set, else offline.")
     log_every: int = Field(1, ge=1, description="Log metrics every this many RL steps (and the steps that evaluate, "

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +23,8 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step.
+    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step (and rewinds
+    the W&B run to it).
 
     Each metrics.jsonl record also has `time` (unix seconds when it was logged) and `elapsed_s` (seconds of the run
     so far: since logging began, continued from the last kept record on resume, so downtime is not counted).
@@ -33,38 +35,49 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        elapsed_before = self._truncate_after(resume_step) if resume_step is not None else 0.0
+        elapsed_before, dropped = self._truncate_after(resume_step) if resume_step is not None else (0.0, False)
         self._start = time.monotonic() - elapsed_before
         self._file = self.path.open("a")
         self.wandb_run = None
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
-            self.wandb_run = self._init_wandb(project, run_name, mode, config or {})
+            self.wandb_run = self._init_wandb(project, run_name, mode, config or {},
+                                              resume_step if dropped else None)
 
-    def _init_wandb(self, project: str, run_name: str | None, mode: str, config: dict[str, Any]):
+    def _init_wandb(self, project: str, run_name: str | None, mode: str, config: dict[str, Any],
+                    rewind_to: int | None = None):
         import wandb  # noqa: PLC0415 (slow import, only when used)
 
         id_file = self.run_dir / "wandb_run_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        run_id, resume = wandb_continuation(id_file.read_text().strip() if id_file.exists() else None, rewind_to)
         id_file.write_text(run_id)
         try:
             run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
-                             config=config, resume="allow", reinit="finish_previous")
+                             config=config, reinit="finish_previous", **resume)
         except wandb.errors.UsageError as e:  # online without an API key or a `wandb login`
             from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
             raise UserError(f"logging.wandb_mode {mode}: W&B did not start: {e} (set WANDB_API_KEY, run `wandb "
                             "login`, or use logging.wandb_mode offline)") from None
+        except wandb.errors.CommError as e:  # online, W&B's server not reached within wandb's init_timeout
+            from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+            reason = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            raise UserError(f"logging.wandb_mode {mode}: W&B's server did not answer: {reason} (check the network, or "
+                            "use logging.wandb_mode offline and `wandb sync` the run later)") from None
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
-    def _truncate_after(self, step: int) -> float:
-        """Drop the records past `step`; returns the elapsed_s of the last one kept (0 without)."""
+    def _truncate_after(self, step: int) -> tuple[float, bool]:
+        """Drop the records past `step`; returns (the elapsed_s of the last one kept or 0, whether any was dropped)."""
         if not self.path.exists():
-            return 0.0
-        kept = [(line, r) for line, r in _records(self.path) if r.get("step", 0) <= step]
+            return 0.0, False
+        records = _records(self.path)
+        kept = [(line, r) for line, r in records if r.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line, _ in kept))
-        return max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))), default=0.0)
+        elapsed = max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))),
+                      default=0.0)
+        return elapsed, len(kept) < len(records)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record metrics for a step; non-finite values are kept as strings in JSON so nothing is lost."""
@@ -76,10 +89,23 @@ class MetricsLogger:
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
+        """Close metrics.jsonl and finish the W&B run: failed (exit code 1) when called as an exception leaves, so a
+        crashed or interrupted run does not show as finished."""
         self._file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
             self.wandb_run = None
+
+
+def wandb_continuation(run_id: str | None, rewind_to: int | None) -> tuple[str, dict[str, str]]:
+    """(run id, wandb.init's resume argument): the run directory's W&B run continued, rewound to step `rewind_to`
+    when it logged steps past it (dropped from metrics.jsonl too); a new run without one or with no step kept (-1)."""
+    if run_id is None or (rewind_to is not None and rewind_to < 0):
+        return uuid.uuid4().hex[:12], {"resume": "allow"}
+    if rewind_to is None:
+        return run_id, {"resume": "allow"}
+    # resume="allow" alone would re-log the dropped steps behind the run's newest: W&B keeps both copies once synced
+    return run_id, {"resume_from": f"{run_id}?_step={rewind_to}"}
 
 
 def _plain(value: Any) -> Any:
