@@ -210,31 +210,25 @@ def _wandb_records_when_written(path) -> list:
 
 
 @pytest.mark.slow
-def test_a_resumed_wandb_run_is_rewound_to_the_checkpoint_step(tmp_path, monkeypatch):
+def test_a_resumed_wandb_run_logs_only_the_steps_past_those_it_holds(tmp_path, monkeypatch):
     """--resume from step 1's checkpoint after steps 2-3 were logged: the same W&B run logged steps 2-3 a second time
-    behind its step 3 (once synced, W&B held both copies, or online dropped the new ones); now it rewinds to step 1,
-    as metrics.jsonl is cut back to it."""
+    behind its step 3 (W&B's steps only increase); now the run keeps them and the resumed session logs from step 4,
+    while metrics.jsonl is cut back to step 1 and holds the new 2-3."""
     pytest.importorskip("wandb")
     first_id, _ = _offline_run(tmp_path, monkeypatch, None, (1, 2, 3))
     run_id, records = _offline_run(tmp_path, monkeypatch, 1, (2, 3, 4))
-    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run_id == first_id
-    assert (run.branch_point.run, run.branch_point.value, run.branch_point.metric) == (run_id, 1, "_step")
     steps = [json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "history"
              for i in r.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
-    assert steps == [2, 3, 4] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert steps == [4] and [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
-def test_a_resume_continues_the_wandb_run_and_rewinds_only_past_dropped_steps():
-    """The run's W&B id is kept; rewound only when steps past the checkpoint were logged; a resume that starts fresh
-    (no step kept) is a new W&B run."""
-    from slime_dsa.logging.metrics import wandb_continuation  # noqa: PLC0415
+def test_a_resume_continues_the_wandb_run_unless_it_kept_no_step():
+    """The run's W&B id is kept; a resume that starts fresh (no step kept) is a new W&B run."""
+    from slime_dsa.logging.metrics import wandb_run_id  # noqa: PLC0415
 
-    assert wandb_continuation("abc", None) == ("abc", {"resume": "allow"})
-    assert wandb_continuation("abc", 5) == ("abc", {"resume_from": "abc?_step=5"})
-    fresh_id, fresh = wandb_continuation("abc", -1)
-    assert fresh_id != "abc" and fresh == {"resume": "allow"}
-    assert wandb_continuation(None, 5)[1] == {"resume": "allow"}
+    assert wandb_run_id("abc", fresh=False) == "abc"
+    assert wandb_run_id("abc", fresh=True) != "abc" and len(wandb_run_id(None, fresh=False)) == 12
 
 
 def test_wandb_online_without_its_server_is_one_user_error(tmp_path, monkeypatch):

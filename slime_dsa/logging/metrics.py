@@ -23,8 +23,9 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class MetricsLogger:
-    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step (and rewinds
-    the W&B run to it).
+    """Writes each step's metrics to metrics.jsonl and W&B; on resume, drops lines past the resumed step. The W&B run
+    keeps the steps an interrupted session logged past it (a run's steps only increase, and rewinding a run is a W&B
+    preview feature), so the resumed session logs to W&B from the step after them.
 
     Each metrics.jsonl record also has `time` (unix seconds when it was logged) and `elapsed_s` (seconds of the run
     so far: since logging began, continued from the last kept record on resume, so downtime is not counted).
@@ -35,25 +36,29 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        elapsed_before, dropped = self._truncate_after(resume_step) if resume_step is not None else (0.0, False)
+        elapsed_before, newest_dropped = self._truncate_after(resume_step) if resume_step is not None else (0.0, None)
         self._start = time.monotonic() - elapsed_before
         self._file = self.path.open("a")
+        fresh = resume_step is not None and resume_step < 0  # a resume that kept no step starts over
+        self._wandb_holds_through = None if fresh else newest_dropped
         self.wandb_run = None
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
-            self.wandb_run = self._init_wandb(project, run_name, mode, config or {},
-                                              resume_step if dropped else None)
+            self.wandb_run = self._init_wandb(project, run_name, mode, config or {}, fresh)
+            if self._wandb_holds_through is not None:
+                logger.warning("W&B run %s keeps steps %d-%d as the interrupted session logged them (W&B steps only "
+                               "increase): this session logs to it from step %d; metrics.jsonl holds its every step",
+                               self.wandb_run.id, resume_step + 1, newest_dropped, newest_dropped + 1)
 
-    def _init_wandb(self, project: str, run_name: str | None, mode: str, config: dict[str, Any],
-                    rewind_to: int | None = None):
+    def _init_wandb(self, project: str, run_name: str | None, mode: str, config: dict[str, Any], fresh: bool = False):
         import wandb  # noqa: PLC0415 (slow import, only when used)
 
         id_file = self.run_dir / "wandb_run_id.txt"
-        run_id, resume = wandb_continuation(id_file.read_text().strip() if id_file.exists() else None, rewind_to)
+        run_id = wandb_run_id(id_file.read_text().strip() if id_file.exists() else None, fresh)
         id_file.write_text(run_id)
         try:
             run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
-                             config=config, reinit="finish_previous", **resume)
+                             config=config, reinit="finish_previous", resume="allow")
         except wandb.errors.UsageError as e:  # online without an API key or a `wandb login`
             from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
@@ -68,16 +73,17 @@ class MetricsLogger:
         logger.info("wandb run %s (%s) in %s", run_id, mode, self.run_dir)
         return run
 
-    def _truncate_after(self, step: int) -> tuple[float, bool]:
-        """Drop the records past `step`; returns (the elapsed_s of the last one kept or 0, whether any was dropped)."""
+    def _truncate_after(self, step: int) -> tuple[float, int | None]:
+        """Drop the records past `step`; returns (the elapsed_s of the last one kept or 0, the newest step dropped or
+        None)."""
         if not self.path.exists():
-            return 0.0, False
+            return 0.0, None
         records = _records(self.path)
         kept = [(line, r) for line, r in records if r.get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line, _ in kept))
         elapsed = max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))),
                       default=0.0)
-        return elapsed, len(kept) < len(records)
+        return elapsed, max((r.get("step", 0) for _, r in records if r.get("step", 0) > step), default=None)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record metrics for a step; non-finite values are kept as strings in JSON so nothing is lost."""
@@ -85,7 +91,7 @@ class MetricsLogger:
         clock = {"time": round(time.time(), 3), "elapsed_s": round(time.monotonic() - self._start, 3)}
         self._file.write(json.dumps({"step": step, **clock, **clean}) + "\n")
         self._file.flush()
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and (self._wandb_holds_through is None or step > self._wandb_holds_through):
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
@@ -97,15 +103,9 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def wandb_continuation(run_id: str | None, rewind_to: int | None) -> tuple[str, dict[str, str]]:
-    """(run id, wandb.init's resume argument): the run directory's W&B run continued, rewound to step `rewind_to`
-    when it logged steps past it (dropped from metrics.jsonl too); a new run without one or with no step kept (-1)."""
-    if run_id is None or (rewind_to is not None and rewind_to < 0):
-        return uuid.uuid4().hex[:12], {"resume": "allow"}
-    if rewind_to is None:
-        return run_id, {"resume": "allow"}
-    # resume="allow" alone would re-log the dropped steps behind the run's newest: W&B keeps both copies once synced
-    return run_id, {"resume_from": f"{run_id}?_step={rewind_to}"}
+def wandb_run_id(run_id: str | None, fresh: bool) -> str:
+    """The run directory's W&B run id, continued; a new one without it or for a resume that kept no step."""
+    return uuid.uuid4().hex[:12] if run_id is None or fresh else run_id
 
 
 def _plain(value: Any) -> Any:
