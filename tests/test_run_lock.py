@@ -100,6 +100,25 @@ def test_resume_of_a_finished_run_says_how_to_go_further(tmp_path, capsys):
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
 
 
+def test_resume_where_every_checkpoint_is_damaged_is_one_line_and_keeps_them(tmp_path, capsys, monkeypatch):
+    """--resume found checkpoints but none intact: it started afresh with a warning, overwrote the damaged ones (a
+    file still being copied back, say) with its own saves and dropped metrics.jsonl's records."""
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("slime_dsa.run_dir.prepare_model_dir", started)
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    (ckpt / "model.safetensors").write_bytes(b"truncated")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert "no intact checkpoint" in line and str(ckpt) in line and "model.safetensors" in line, stderr
+    assert "Traceback" not in stderr and (ckpt / "model.safetensors").read_bytes() == b"truncated"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
     # /proc takes no new directories, for root too (as a read-only filesystem or a directory without write permission)
     unwritable = "/proc/slime-dsa-no-such-dir/run"

@@ -289,11 +289,23 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
         ckpts.remove_orphans(lock)
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
+        refuse_damaged_only(ckpts)
         logger.warning("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
         check_checkpoint_layout(recipe, resume_from)
     return ckpts, resume_from
+
+
+def refuse_damaged_only(ckpts: Any) -> None:
+    """UserError (one line) when `ckpts` holds checkpoints and none is intact: starting afresh would overwrite them
+    with its own saves and drop metrics.jsonl's records."""
+    from slime_dsa.checkpoint.validate import checkpoint_problem  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if found := ckpts.checkpoints():
+        raise UserError(f"--resume: no intact checkpoint in {ckpts.directory} (the newest, {found[-1]}: "
+                        f"{checkpoint_problem(found[-1])}); repair it, or move the checkpoints away to start afresh")
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
