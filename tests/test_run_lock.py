@@ -119,6 +119,47 @@ def test_resume_where_every_checkpoint_is_damaged_is_one_line_and_keeps_them(tmp
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+RUNNING = textwrap.dedent("""
+    import asyncio, sys
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator import train
+
+    async def running(*args, **kwargs):
+        print("running", flush=True)
+        await asyncio.sleep(120)
+
+    train._run = running  # the run's loop, without Ray, engines or trainers
+    train.run_training(load_recipe(None, sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # a subprocess that imports torch: seconds
+@pytest.mark.parametrize("shared", ["outside", "inside_the_first_run_dir"])
+def test_a_second_run_on_a_running_runs_checkpoint_dir_is_refused_naming_the_pid(tmp_path, capsys, monkeypatch,
+                                                                                 shared):
+    """checkpoint.dir was locked only while orphans were removed at the start: a second run on it (another
+    logging.run_dir) resumed from the first's checkpoints, removed its save in progress as an orphan and wrote the
+    same step_N directories."""
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("slime_dsa.run_dir.prepare_model_dir", started)
+    ckpt_dir = tmp_path / "shared" if shared == "outside" else tmp_path / "first" / "checkpoints"
+    first = [f"logging.run_dir={tmp_path / 'first'}"] + ([f"checkpoint.dir={ckpt_dir}"] if shared == "outside" else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", RUNNING, *first], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "running"
+        assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={tmp_path / 'second'}",
+                     "--set", f"checkpoint.dir={ckpt_dir}"]) == 2
+        _, stderr = capsys.readouterr()
+        line = stderr.strip().splitlines()[-1]
+        assert line.startswith(f"slime-dsa: error: checkpoint.dir {ckpt_dir} is in use by another run (pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
     # /proc takes no new directories, for root too (as a read-only filesystem or a directory without write permission)
     unwritable = "/proc/slime-dsa-no-such-dir/run"

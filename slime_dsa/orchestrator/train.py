@@ -41,10 +41,10 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
         raise ValueError(f"hook_state must be every or last, got {hook_state!r}")
     if loop not in ("auto", "sync", "async"):
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
-    from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import locked_checkpoint_dir, open_run_dir  # noqa: PLC0415
 
     progress = StepProgress()
-    with open_run_dir(recipe, "train.log") as run_dir:
+    with open_run_dir(recipe, "train.log") as run_dir, locked_checkpoint_dir(checkpoint_dir(recipe, run_dir)):
         try:
             return interrupts.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights,
                                        hook_state, progress))
@@ -350,13 +350,13 @@ def check_checkpoint_layout(recipe: RecipeConfig, checkpoint: Path) -> None:
 
 @contextmanager
 def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
-    """The lock that covers `ckpt_dir`: the run directory's (held by open_run_dir), or, for a checkpoint.dir outside
-    it, a lock of its own held for the block."""
+    """The lock that covers `ckpt_dir`: its own or the run directory's, held for the run (run_training), or else a
+    lock of its own held for the block."""
     from slime_dsa.run_dir import held_lock  # noqa: PLC0415
     from slime_dsa.run_lock import RunLock  # noqa: PLC0415
 
-    lock = held_lock(run_dir)
-    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
+    lock = held_lock(ckpt_dir) or held_lock(run_dir)  # the first held by run_training for the whole run
+    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(lock.run_dir).resolve()):
         yield lock
         return
     with RunLock(ckpt_dir, key="checkpoint.dir") as own:
