@@ -160,6 +160,21 @@ def test_a_second_run_on_a_running_runs_checkpoint_dir_is_refused_naming_the_pid
         holder.wait()
 
 
+@pytest.mark.parametrize("rollout", [None, [], {"next_sample_index": 0, "next_group_id": 0}])
+def test_resume_from_an_orchestrator_json_edited_by_hand_is_one_line(tmp_path, capsys, rollout):
+    """orchestrator.json without its rollout state (removed by hand) passed validation, then the resume was a
+    KeyError traceback ('rollout', 'mixture')."""
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    state = {"step": 3} if rollout is None else {"step": 3, "rollout": rollout}
+    (ckpt / "orchestrator.json").write_text(json.dumps(state))
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert str(ckpt / "orchestrator.json") in line and "rollout" in line and "Traceback" not in stderr, stderr
+    assert not (run_dir / "initial_model").exists()  # refused before any work
+
+
 def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):
     # /proc takes no new directories, for root too (as a read-only filesystem or a directory without write permission)
     unwritable = "/proc/slime-dsa-no-such-dir/run"

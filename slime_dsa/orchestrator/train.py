@@ -294,6 +294,7 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
         check_checkpoint_layout(recipe, resume_from)
+        check_rollout_state(resume_from)
     return ckpts, resume_from
 
 
@@ -306,6 +307,21 @@ def refuse_damaged_only(ckpts: Any) -> None:
     if found := ckpts.checkpoints():
         raise UserError(f"--resume: no intact checkpoint in {ckpts.directory} (the newest, {found[-1]}: "
                         f"{checkpoint_problem(found[-1])}); repair it, or move the checkpoints away to start afresh")
+
+
+def check_rollout_state(checkpoint: Path) -> None:
+    """UserError (one line) when `checkpoint`'s orchestrator.json lacks the rollout state a resume reads (edited by
+    hand): it passes validation, which needs only its step."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    rollout = read_orchestrator_state(checkpoint).get("rollout")
+    keys = ("mixture", "next_sample_index", "next_group_id")  # what RolloutManager.load_state_dict reads
+    missing = [k for k in keys if not isinstance(rollout, dict) or k not in rollout]
+    if missing:
+        raise UserError(f"{Path(checkpoint) / 'orchestrator.json'} holds no rollout.{missing[0]}, which a resume "
+                        "reads (edited by hand?): restore it, or move this checkpoint away to resume from the one "
+                        "before")
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
