@@ -86,7 +86,8 @@ def _finished_checkpoint(run_dir: Path, step: int) -> Path:
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
     save_file({"w": torch.zeros(4)}, ckpt / "model.safetensors")
-    (ckpt / "orchestrator.json").write_text(json.dumps({"step": step, "rollout": {}}))
+    rollout = {"mixture": {}, "next_sample_index": 0, "next_group_id": 0}
+    (ckpt / "orchestrator.json").write_text(json.dumps({"step": step, "rollout": rollout}))
     return ckpt
 
 
@@ -154,7 +155,8 @@ def test_a_second_run_on_a_running_runs_checkpoint_dir_is_refused_naming_the_pid
                      "--set", f"checkpoint.dir={ckpt_dir}"]) == 2
         _, stderr = capsys.readouterr()
         line = stderr.strip().splitlines()[-1]
-        assert line.startswith(f"slime-dsa: error: checkpoint.dir {ckpt_dir} is in use by another run (pid {holder.pid}")
+        says = f"slime-dsa: error: checkpoint.dir {ckpt_dir} is in use by another run (pid {holder.pid}"
+        assert line.startswith(says), stderr
     finally:
         holder.kill()
         holder.wait()
@@ -173,6 +175,25 @@ def test_resume_from_an_orchestrator_json_edited_by_hand_is_one_line(tmp_path, c
     line = stderr.strip().splitlines()[-1]
     assert str(ckpt / "orchestrator.json") in line and "rollout" in line and "Traceback" not in stderr, stderr
     assert not (run_dir / "initial_model").exists()  # refused before any work
+
+
+def test_resume_with_another_model_is_one_line_naming_the_tensor(tmp_path, capsys, monkeypatch):
+    """model.path or model.preset changed since the checkpoint: the trainer ranks' load_state_dict failed with a
+    118-line RayTaskError (every size mismatch) once Ray, engines and ranks had started."""
+    import shutil
+
+    def went_on(*args, **kwargs):
+        raise AssertionError("the run went on")
+
+    monkeypatch.setattr("slime_dsa.data.prompts.build_tasks", went_on)
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    shutil.copy(ROOT / "recipes" / "assets" / "quickstart-sft" / "model.safetensors", ckpt / "model.safetensors")
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5",
+                 "--set", "logging.wandb_mode=disabled"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert str(ckpt) in line and "model.safetensors holds tensor " in line and "Traceback" not in stderr, stderr
 
 
 def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):

@@ -88,6 +88,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     progress = progress or StepProgress()
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
+    if resume_from is not None:
+        check_same_model(resume_from, model_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     _check_critic_and_teacher_dirs(recipe, len(tokenizer))
     if recipe.teachers:
@@ -322,6 +324,17 @@ def check_rollout_state(checkpoint: Path) -> None:
         raise UserError(f"{Path(checkpoint) / 'orchestrator.json'} holds no rollout.{missing[0]}, which a resume "
                         "reads (edited by hand?): restore it, or move this checkpoint away to resume from the one "
                         "before")
+
+
+def check_same_model(checkpoint: Path, model_dir: Path) -> None:
+    """UserError (one line, naming the tensor) when `checkpoint`'s weights do not fit this run's model (model.path or
+    model.preset changed since): the trainer ranks' load failed with a long traceback once Ray, engines and ranks ran."""
+    from slime_dsa.checkpoint.validate import model_mismatch  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if problem := model_mismatch(Path(checkpoint), Path(model_dir)):
+        raise UserError(f"{checkpoint}: {problem} ({model_dir}): resume with the model.path or model.preset the run "
+                        "was trained from")
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
