@@ -69,6 +69,18 @@ def open_run_dir(recipe: RecipeConfig, log_name: str) -> Iterator[Path]:
             _HELD.pop(run_dir.resolve(), None)
 
 
+@contextmanager
+def locked_checkpoint_dir(directory: Path) -> Iterator[RunLock]:
+    """checkpoint.dir locked for this run until the block ends (held_lock finds it): a run whose checkpoint.dir is
+    another's, running, is refused in one line naming the holder's pid, as for a run directory."""
+    with RunLock(directory, key="checkpoint.dir") as lock:
+        _HELD[Path(directory).resolve()] = lock
+        try:
+            yield lock
+        finally:
+            _HELD.pop(Path(directory).resolve(), None)
+
+
 def held_lock(run_dir: Path) -> RunLock | None:
     """The lock this process holds on `run_dir` (inside open_run_dir), else None."""
     return _HELD.get(Path(run_dir).resolve())

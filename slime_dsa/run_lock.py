@@ -50,7 +50,8 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise UserError(f"run directory {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
+            what = "run directory" if self.key == "logging.run_dir" else self.key
+            raise UserError(f"{what} {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
                             f" wait for it to end or set {self.key} to another directory") from None
         self.taken_over = _read_fd(fd)
         os.ftruncate(fd, 0)

@@ -86,7 +86,8 @@ def _finished_checkpoint(run_dir: Path, step: int) -> Path:
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
     save_file({"w": torch.zeros(4)}, ckpt / "model.safetensors")
-    (ckpt / "orchestrator.json").write_text(json.dumps({"step": step, "rollout": {}}))
+    rollout = {"mixture": {}, "next_sample_index": 0, "next_group_id": 0}
+    (ckpt / "orchestrator.json").write_text(json.dumps({"step": step, "rollout": rollout}))
     return ckpt
 
 
@@ -98,6 +99,101 @@ def test_resume_of_a_finished_run_says_how_to_go_further(tmp_path, capsys):
     line = stderr.strip().splitlines()[-1]
     assert "already at step 400" in line and "raise trainer.num_steps" in line and "trainer.num_steps=800" in line
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
+
+
+def test_resume_where_every_checkpoint_is_damaged_is_one_line_and_keeps_them(tmp_path, capsys, monkeypatch):
+    """--resume found checkpoints but none intact: it started afresh with a warning, overwrote the damaged ones (a
+    file still being copied back, say) with its own saves and dropped metrics.jsonl's records."""
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("slime_dsa.run_dir.prepare_model_dir", started)
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    (ckpt / "model.safetensors").write_bytes(b"truncated")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert "no intact checkpoint" in line and str(ckpt) in line and "model.safetensors" in line, stderr
+    assert "Traceback" not in stderr and (ckpt / "model.safetensors").read_bytes() == b"truncated"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+RUNNING = textwrap.dedent("""
+    import asyncio, sys
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator import train
+
+    async def running(*args, **kwargs):
+        print("running", flush=True)
+        await asyncio.sleep(120)
+
+    train._run = running  # the run's loop, without Ray, engines or trainers
+    train.run_training(load_recipe(None, sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # a subprocess that imports torch: seconds
+@pytest.mark.parametrize("shared", ["outside", "inside_the_first_run_dir"])
+def test_a_second_run_on_a_running_runs_checkpoint_dir_is_refused_naming_the_pid(tmp_path, capsys, monkeypatch,
+                                                                                 shared):
+    """checkpoint.dir was locked only while orphans were removed at the start: a second run on it (another
+    logging.run_dir) resumed from the first's checkpoints, removed its save in progress as an orphan and wrote the
+    same step_N directories."""
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("slime_dsa.run_dir.prepare_model_dir", started)
+    ckpt_dir = tmp_path / "shared" if shared == "outside" else tmp_path / "first" / "checkpoints"
+    first = [f"logging.run_dir={tmp_path / 'first'}"] + ([f"checkpoint.dir={ckpt_dir}"] if shared == "outside" else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", RUNNING, *first], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "running"
+        assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={tmp_path / 'second'}",
+                     "--set", f"checkpoint.dir={ckpt_dir}"]) == 2
+        _, stderr = capsys.readouterr()
+        line = stderr.strip().splitlines()[-1]
+        says = f"slime-dsa: error: checkpoint.dir {ckpt_dir} is in use by another run (pid {holder.pid}"
+        assert line.startswith(says), stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("rollout", [None, [], {"next_sample_index": 0, "next_group_id": 0}])
+def test_resume_from_an_orchestrator_json_edited_by_hand_is_one_line(tmp_path, capsys, rollout):
+    """orchestrator.json without its rollout state (removed by hand) passed validation, then the resume was a
+    KeyError traceback ('rollout', 'mixture')."""
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    state = {"step": 3} if rollout is None else {"step": 3, "rollout": rollout}
+    (ckpt / "orchestrator.json").write_text(json.dumps(state))
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert str(ckpt / "orchestrator.json") in line and "rollout" in line and "Traceback" not in stderr, stderr
+    assert not (run_dir / "initial_model").exists()  # refused before any work
+
+
+def test_resume_with_another_model_is_one_line_naming_the_tensor(tmp_path, capsys, monkeypatch):
+    """model.path or model.preset changed since the checkpoint: the trainer ranks' load_state_dict failed with a
+    118-line RayTaskError (every size mismatch) once Ray, engines and ranks had started."""
+    import shutil
+
+    def went_on(*args, **kwargs):
+        raise AssertionError("the run went on")
+
+    monkeypatch.setattr("slime_dsa.data.prompts.build_tasks", went_on)
+    run_dir = tmp_path / "run"
+    ckpt = _finished_checkpoint(run_dir, 3)
+    shutil.copy(ROOT / "recipes" / "assets" / "quickstart-sft" / "model.safetensors", ckpt / "model.safetensors")
+    assert main(["train", BASE, "--resume", "--set", f"logging.run_dir={run_dir}", "--set", "trainer.num_steps=5",
+                 "--set", "logging.wandb_mode=disabled"]) == 2
+    _, stderr = capsys.readouterr()
+    line = stderr.strip().splitlines()[-1]
+    assert str(ckpt) in line and "model.safetensors holds tensor " in line and "Traceback" not in stderr, stderr
 
 
 def test_a_run_directory_that_cannot_be_written_is_one_line_naming_the_key(tmp_path, capsys):

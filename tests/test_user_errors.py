@@ -236,6 +236,18 @@ def test_export_refuses_nan_weights_and_unreadable_files(capsys, tmp_path, model
     assert err.startswith(f"{weights} is not a readable safetensors file")
 
 
+def test_export_of_a_checkpoint_without_model_safetensors_is_one_line(capsys, tmp_path):
+    """A checkpoint whose model.safetensors is gone (its optimizer's and RNG safetensors still there) was a
+    FileNotFoundError traceback; a pickle left in its place is named, and never loaded."""
+    ckpt = tmp_path / "step_000002"
+    shutil.copytree(ROOT / "recipes" / "assets" / "quickstart-sft", ckpt)
+    (ckpt / "model.safetensors").rename(ckpt / "optimizer.safetensors")
+    torch.save({"w": torch.zeros(2)}, ckpt / "pytorch_model.bin")
+    err = one_line_error(capsys, "export", str(ckpt), "--out", str(tmp_path / "out"))
+    assert err.startswith(f"{ckpt} holds no model.safetensors") and "pytorch_model.bin" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_of_a_missing_directory_is_one_line(capsys, tmp_path):
     assert one_line_error(capsys, "report", str(tmp_path / "nope")) == f"run directory {tmp_path / 'nope'} does not exist"
     assert one_line_error(capsys, "report", str(tmp_path)) == \

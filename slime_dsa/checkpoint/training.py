@@ -130,7 +130,9 @@ def _check_exportable(checkpoint: Path) -> None:
     """Raise UserError unless `checkpoint` holds a config and readable weights."""
     if not checkpoint.is_dir():
         raise UserError(f"{checkpoint} does not exist" if not checkpoint.exists() else f"{checkpoint} is a file, not a checkpoint directory")
-    weights = sorted(checkpoint.glob("*.safetensors"))
+    # optimizer.safetensors and rng_rank*.safetensors are no weights
+    weights = [p for p in (checkpoint / "model.safetensors", checkpoint / "model.safetensors.index.json")
+               if p.is_file()]
     if not weights or not (checkpoint / "config.json").is_file():
         if (checkpoint / "checkpoints").is_dir() or (checkpoint / "metrics.jsonl").is_file():
             manager = CheckpointManager(checkpoint / "checkpoints")
@@ -138,7 +140,9 @@ def _check_exportable(checkpoint: Path) -> None:
             hint = f"e.g. {intact}" if intact else f"but {manager.directory} holds no intact checkpoint"
             raise UserError(f"{checkpoint} is a run directory, not a checkpoint: export one of its checkpoints, {hint}")
         missing = "config.json" if weights else "model.safetensors"
-        raise UserError(f"{checkpoint} holds no {missing}: is it a slime-dsa checkpoint or model directory?")
+        pickles = sorted(p.name for p in checkpoint.iterdir() if p.suffix in (".bin", ".pt", ".pkl"))
+        hint = f" (pickled weights such as {pickles[0]} are never loaded)" if pickles and not weights else ""
+        raise UserError(f"{checkpoint} holds no {missing}{hint}: is it a slime-dsa checkpoint or model directory?")
     from slime_dsa.models.value_model import VALUE_ARCHITECTURE, is_value_model_dir  # noqa: PLC0415
 
     if is_value_model_dir(checkpoint):  # an unreadable config.json: model_dir_problem below names it

@@ -78,3 +78,30 @@ def model_dir_problem(directory: Path) -> str | None:
         if problem := safetensors_problem(path):
             return f"{path} {problem}"
     return None
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a model directory's weights (model.safetensors or its index's shards), headers only."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    index = directory / "model.safetensors.index.json"
+    files = ["model.safetensors"]
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    shapes = {}
+    for name in files:
+        with safe_open(str(directory / name), "pt") as f:
+            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})
+    return shapes
+
+
+def model_mismatch(checkpoint: Path, model_dir: Path) -> str | None:
+    """The first tensor of `model_dir`'s model that `checkpoint` lacks or holds in another shape, in a few words; None
+    when the checkpoint's weights fit that model. lm_head.weight may be absent from either (tied embeddings)."""
+    saved, expected = weight_shapes(checkpoint), weight_shapes(model_dir)
+    for name, shape in sorted(expected.items()):
+        if name not in saved and name != "lm_head.weight":
+            return f"model.safetensors has no tensor {name}"
+        if name in saved and saved[name] != shape:
+            return f"model.safetensors holds tensor {name} in shape {saved[name]}, this run's model in {shape}"
+    return None

@@ -984,7 +984,8 @@ class CheckpointSection(Section):
         0, ge=0, description="Save a training checkpoint every this many RL steps; 0 = only at the end.")
     keep_last: int = Field(2, ge=0, description="Keep the newest this many checkpoints; 0 = keep all.")
     resume: bool = Field(
-        False, description="Resume from the newest checkpoint in checkpoint.dir; start fresh when there is none.")
+        False, description="Resume from the newest checkpoint in checkpoint.dir; start fresh when there is none "
+                           "(refused when there are only damaged ones).")
     dir: str | None = Field(None, description="Checkpoint directory; null = <run_dir>/checkpoints.")
 
 

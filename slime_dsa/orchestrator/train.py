@@ -41,10 +41,10 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
         raise ValueError(f"hook_state must be every or last, got {hook_state!r}")
     if loop not in ("auto", "sync", "async"):
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
-    from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import locked_checkpoint_dir, open_run_dir  # noqa: PLC0415
 
     progress = StepProgress()
-    with open_run_dir(recipe, "train.log") as run_dir:
+    with open_run_dir(recipe, "train.log") as run_dir, locked_checkpoint_dir(checkpoint_dir(recipe, run_dir)):
         try:
             return interrupts.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights,
                                        hook_state, progress))
@@ -88,6 +88,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     progress = progress or StepProgress()
     ckpts, resume_from = _checkpoints(recipe, run_dir, resume)
     model_dir = prepare_model_dir(recipe, run_dir)
+    if resume_from is not None:
+        check_same_model(resume_from, model_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
     _check_critic_and_teacher_dirs(recipe, len(tokenizer))
     if recipe.teachers:
@@ -289,11 +291,50 @@ def _checkpoints(recipe: RecipeConfig, run_dir: Path, resume: bool) -> tuple[Any
         ckpts.remove_orphans(lock)
     resume_from = ckpts.latest() if resume else None
     if resume and resume_from is None:
+        refuse_damaged_only(ckpts)
         logger.warning("resume requested but no checkpoint in %s: starting fresh", ckpts.directory)
     if resume_from is not None:
         check_not_finished(recipe, resume_from)
         check_checkpoint_layout(recipe, resume_from)
+        check_rollout_state(resume_from)
     return ckpts, resume_from
+
+
+def refuse_damaged_only(ckpts: Any) -> None:
+    """UserError (one line) when `ckpts` holds checkpoints and none is intact: starting afresh would overwrite them
+    with its own saves and drop metrics.jsonl's records."""
+    from slime_dsa.checkpoint.validate import checkpoint_problem  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if found := ckpts.checkpoints():
+        raise UserError(f"--resume: no intact checkpoint in {ckpts.directory} (the newest, {found[-1]}: "
+                        f"{checkpoint_problem(found[-1])}); repair it, or move the checkpoints away to start afresh")
+
+
+def check_rollout_state(checkpoint: Path) -> None:
+    """UserError (one line) when `checkpoint`'s orchestrator.json lacks the rollout state a resume reads (edited by
+    hand): it passes validation, which needs only its step."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    rollout = read_orchestrator_state(checkpoint).get("rollout")
+    keys = ("mixture", "next_sample_index", "next_group_id")  # what RolloutManager.load_state_dict reads
+    missing = [k for k in keys if not isinstance(rollout, dict) or k not in rollout]
+    if missing:
+        raise UserError(f"{Path(checkpoint) / 'orchestrator.json'} holds no rollout.{missing[0]}, which a resume "
+                        "reads (edited by hand?): restore it, or move this checkpoint away to resume from the one "
+                        "before")
+
+
+def check_same_model(checkpoint: Path, model_dir: Path) -> None:
+    """UserError (one line, naming the tensor) when `checkpoint`'s weights do not fit this run's model (model.path or
+    model.preset changed since): the trainer ranks' load failed with a long traceback once Ray, engines and ranks ran."""
+    from slime_dsa.checkpoint.validate import model_mismatch  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if problem := model_mismatch(Path(checkpoint), Path(model_dir)):
+        raise UserError(f"{checkpoint}: {problem} ({model_dir}): resume with the model.path or model.preset the run "
+                        "was trained from")
 
 
 def check_not_finished(recipe: RecipeConfig, checkpoint: Path) -> None:
@@ -338,13 +379,13 @@ def check_checkpoint_layout(recipe: RecipeConfig, checkpoint: Path) -> None:
 
 @contextmanager
 def checkpoints_locked(run_dir: Path, ckpt_dir: Path) -> Iterator[Any]:
-    """The lock that covers `ckpt_dir`: the run directory's (held by open_run_dir), or, for a checkpoint.dir outside
-    it, a lock of its own held for the block."""
+    """The lock that covers `ckpt_dir`: its own or the run directory's, held for the run (run_training), or else a
+    lock of its own held for the block."""
     from slime_dsa.run_dir import held_lock  # noqa: PLC0415
     from slime_dsa.run_lock import RunLock  # noqa: PLC0415
 
-    lock = held_lock(run_dir)
-    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(run_dir).resolve()):
+    lock = held_lock(ckpt_dir) or held_lock(run_dir)  # the first held by run_training for the whole run
+    if lock is not None and ckpt_dir.resolve().is_relative_to(Path(lock.run_dir).resolve()):
         yield lock
         return
     with RunLock(ckpt_dir, key="checkpoint.dir") as own:
