@@ -7,6 +7,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,12 +81,65 @@ def init_ray(recipe: RecipeConfig) -> None:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
             logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports, open on every interface, take "
                            "commands from any host that reaches this machine")
+    else:
+        _check_reachable(address)
+        _send_ray_token_when_joining()
     previous = signal.getsignal(signal.SIGTERM)
-    ray.init(address=address, **kwargs)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as e:
+        if address is None:
+            raise
+        raise _join_error(address, e) from None
     if previous is interrupts.terminate and threading.current_thread() is threading.main_thread():
         # ray.init replaces the CLI's SIGTERM handler (and its core worker then aborts the driver with a C stack
         # dump): put it back, so that a scheduler's stop takes Ctrl-C's path (slime_dsa/interrupts.py).
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """UserError (one line) when nothing answers at a host:port cluster.address: ray.init would retry it for
+    minutes, printing only Ray's connection warnings. `auto` and ray:// addresses are left to ray.init."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise UserError(f"cluster.address: nothing answers at {address} ({e.strerror or type(e).__name__}): "
+                        "start the cluster there (ray start --head) or correct the address") from None
+
+
+def _send_ray_token_when_joining() -> None:
+    """RAY_AUTH_MODE=token when it is unset and a Ray token is at hand, as `ray start` does: ray.init turns token
+    authentication on only for a cluster it starts, and a `ray start --head` cluster refuses a driver without it."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config  # noqa: PLC0415
+
+        Config.initialize("")  # Ray read RAY_AUTH_MODE when imported: as `ray start` does, read it again
+
+
+def _join_error(address: str, error: BaseException) -> Exception:
+    """The UserError (one line, naming cluster.address) for a Ray cluster that could not be joined."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    if any("InvalidAuthToken" in text or "Authentication token" in text for text in chain):
+        why = ("it refused this driver's Ray token: put the cluster's token (~/.ray/auth_token on its head node) in "
+               "~/.ray/auth_token or $RAY_AUTH_TOKEN here")
+    else:
+        first = chain[0].splitlines()[0] if chain[0] else type(error).__name__
+        why = f"{first}: check the address and that the cluster is up"
+    return UserError(f"cluster.address: cannot join the Ray cluster at {address!r}: {why}")
 
 
 def gpu_keys(recipe: RecipeConfig) -> list[str]:

@@ -1,0 +1,92 @@
+"""Joining a running Ray cluster (cluster.address): Ray's token, and one line for a cluster that cannot be joined."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from slime_dsa.config import load_recipe
+from slime_dsa.config.errors import UserError
+from slime_dsa.orchestrator import setup
+
+
+@pytest.fixture
+def head():
+    """host:port of something listening, as a head node's GCS port does."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _fake_ray(monkeypatch: pytest.MonkeyPatch, init) -> None:
+    """ray.init is `init`; ray._raylet.Config.initialize counts in `mode` the RAY_AUTH_MODE it read again."""
+    import os
+
+    mode: list[str | None] = []
+    config = types.SimpleNamespace(initialize=lambda system_config: mode.append(os.environ.get("RAY_AUTH_MODE")))
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False, init=init, mode=mode))
+    monkeypatch.setitem(sys.modules, "ray._raylet", types.SimpleNamespace(Config=config))
+
+
+def _no_ray_auth_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.setenv(name, "")  # recorded, so that what init_ray sets is undone after the test
+        monkeypatch.delenv(name)
+
+
+def _refuse_without_token(address=None, **kwargs) -> None:
+    """What ray.init does against a `ray start --head` cluster (token authentication) unless Ray's config was read
+    again after RAY_AUTH_MODE=token (Ray reads it once, when imported)."""
+    if sys.modules["ray"].mode[-1:] != ["token"]:
+        try:
+            raise RuntimeError("Failed to connect to GCS. ray.exceptions.AuthenticationError: RPC error: "
+                               "InvalidAuthToken: Authentication token is missing or incorrect.")
+        except RuntimeError as e:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {address}") from e
+
+
+def test_joining_a_cluster_sends_the_users_ray_token(monkeypatch, tmp_path, head):
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _no_ray_auth_env(monkeypatch)
+    _fake_ray(monkeypatch, _refuse_without_token)
+    setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))  # was: ConnectionError after ~20 s
+
+
+def test_a_cluster_that_refuses_the_token_is_one_line(monkeypatch, tmp_path, head):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no token here
+    _no_ray_auth_env(monkeypatch)
+    _fake_ray(monkeypatch, _refuse_without_token)
+    with pytest.raises(UserError, match=rf"cluster.address: cannot join the Ray cluster at '{head}': it refused "
+                                        r"this driver's Ray token"):
+        setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
+    def no_cluster(address=None, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    _fake_ray(monkeypatch, no_cluster)
+    with pytest.raises(UserError, match=r"cluster.address: cannot join the Ray cluster at 'auto': Could not find any "
+                                        r"running Ray instance. .*: check the address and that the cluster is up"):
+        setup.init_ray(load_recipe(None, ["cluster.address=auto"]))
+
+
+def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    _fake_ray(monkeypatch, lambda **kwargs: pytest.fail("ray.init retries an unreachable address for minutes"))
+    start = time.monotonic()
+    with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} \(Connection refused\)"):
+        setup.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
+    assert time.monotonic() - start < 2
