@@ -78,6 +78,34 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
         setup.init_ray(load_recipe(None, ["cluster.address=auto"]))
 
 
+def _cluster(monkeypatch: pytest.MonkeyPatch, *nodes: dict) -> None:
+    ray = types.SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": r} for r in nodes])
+    monkeypatch.setitem(sys.modules, "ray", ray)
+
+
+QUICK = ["cluster.address=10.0.0.1:6379", "rollout.num_engines=2", "trainer.num_workers=2"]
+
+
+def test_a_cluster_with_too_few_cpus_is_one_line(monkeypatch):
+    _cluster(monkeypatch, {"CPU": 4.0})  # was: the run waited for ever, with no message at all
+    with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: the run's 4 actors ask for 8 CPUs in all, but "
+                                        r"the Ray cluster at 10.0.0.1:6379 has 4"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+    _cluster(monkeypatch, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0})
+    with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: each actor asks for 2 CPUs, but no node"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+    setup.check_cluster_fits(load_recipe(None, QUICK))  # 4 actors of 1 CPU fit 4 nodes of 1
+
+
+def test_a_cluster_with_too_few_gpus_names_the_gpu_key(monkeypatch):
+    _cluster(monkeypatch, {"CPU": 16.0, "GPU": 1.0})
+    with pytest.raises(UserError, match=r"cluster.num_gpus_per_engine: the run's 4 actors ask for 4 GPUs in all"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=1",
+                                                    "cluster.num_gpus_per_trainer=1"]))
+    setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=0.25",
+                                                "cluster.num_gpus_per_trainer=0.25"]))
+
+
 def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
     import socket
     import time

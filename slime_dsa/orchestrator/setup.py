@@ -165,12 +165,49 @@ def check_local_gpus(recipe: RecipeConfig) -> None:
                         "it on a GPU machine, or join a cluster that has them (cluster.address)")
 
 
-def _actors_needed(recipe: RecipeConfig) -> int:
+def check_cluster_fits(recipe: RecipeConfig) -> None:
+    """UserError (one line) when a joined Ray cluster has, in all or on its largest node, fewer CPUs or GPUs than
+    the run's actors ask for: Ray would wait for them for ever, silently. Resources held by other jobs are not
+    counted against it (they may be freed)."""
+    import ray  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if recipe.cluster.address is None:
+        return
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    cl, cr, actors = recipe.cluster, recipe.critic, _actor_count(recipe)
+    asks = [("CPU", "cluster.num_cpus_per_actor", cl.num_cpus_per_actor, actors * cl.num_cpus_per_actor)]
+    engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
+    critics = cr.num_workers if cr.placement == "separate" else 0
+    asks += [("GPU", "cluster.num_gpus_per_engine", cl.num_gpus_per_engine, engines * cl.num_gpus_per_engine),
+             ("GPU", "cluster.num_gpus_per_trainer", cl.num_gpus_per_trainer,
+              recipe.trainer.num_workers * cl.num_gpus_per_trainer),
+             ("GPU", "critic.num_gpus_per_worker", cr.num_gpus_per_worker, critics * cr.num_gpus_per_worker)]
+    for kind, key, each, wanted in asks:
+        largest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
+        if wanted > 0 and each > largest:
+            raise UserError(f"{key}: each actor asks for {each:g} {kind}s, but no node of the Ray cluster at "
+                            f"{cl.address} has that many (the largest has {largest:g}): Ray would wait for ever")
+    for kind in ("CPU", "GPU"):
+        total, keys = sum(n.get(kind, 0.0) for n in nodes), [a for a in asks if a[0] == kind and a[3] > 0]
+        wanted = sum(a[3] for a in keys)
+        if wanted > total + 1e-6:
+            raise UserError(f"{keys[0][1]}: the run's {actors} actors ask for {wanted:g} {kind}s in all, but the Ray "
+                            f"cluster at {cl.address} has {total:g}: Ray would wait for ever; lower it or add nodes")
+
+
+def _actor_count(recipe: RecipeConfig) -> int:
+    """Engines, trainer and critic workers and teacher engines the run starts as Ray actors."""
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
     critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
     teachers = sum(t.num_engines for t in recipe.teachers if t.serving in ("embedded", "sglang"))
     teachers += len({t.swap_group for t in recipe.teachers if t.serving == "swap"})
-    return int((engines + recipe.trainer.num_workers + critics + teachers) * recipe.cluster.num_cpus_per_actor) + 1
+    return engines + recipe.trainer.num_workers + critics + teachers
+
+
+def _actors_needed(recipe: RecipeConfig) -> int:
+    return int(_actor_count(recipe) * recipe.cluster.num_cpus_per_actor) + 1
 
 
 def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:

@@ -104,6 +104,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved)
     setup.init_ray(recipe)
+    setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
     access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
