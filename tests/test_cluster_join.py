@@ -118,3 +118,27 @@ def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
     with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} \(Connection refused\)"):
         setup.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
     assert time.monotonic() - start < 2
+
+
+def test_engines_already_gone_at_shutdown_are_one_warning_each(monkeypatch, caplog):
+    """The cluster died mid-run: stopping its engines logged a traceback each before the run's one line."""
+    from slime_dsa.orchestrator.train import _shutdown
+
+    class RayActorError(Exception):
+        pass
+
+    class ActorUnavailableError(RayActorError):
+        pass
+
+    def gone(ref, timeout=None):
+        raise ActorUnavailableError("The actor is unavailable: failed to connect to all addresses")
+
+    exceptions = types.SimpleNamespace(RayActorError=RayActorError)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=gone, kill=lambda actor: None,
+                                                                  exceptions=exceptions))
+    monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
+    actor = types.SimpleNamespace(stop=types.SimpleNamespace(remote=lambda: None))
+    _shutdown(types.SimpleNamespace(shutdown=lambda: None), [actor, actor])
+    assert [r.exc_info for r in caplog.records] == [None, None]
+    assert [r.getMessage() for r in caplog.records] == ["engine shutdown: an engine was already gone "
+                                                        "(ActorUnavailableError)"] * 2

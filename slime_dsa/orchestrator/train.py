@@ -454,6 +454,8 @@ def _shutdown(trainers, engine_actors) -> None:
     for actor in engine_actors:
         try:
             ray.get(actor.stop.remote(), timeout=30)
+        except RayActorError as e:  # already gone (killed, or the cluster died): one line, no traceback
+            logger.warning("engine shutdown: an engine was already gone (%s)", type(e).__name__)
         except Exception:  # noqa: BLE001
             logger.exception("engine shutdown failed")
         ray.kill(actor)
