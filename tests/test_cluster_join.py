@@ -115,7 +115,8 @@ def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
         port = s.getsockname()[1]  # closed again: nothing listens there
     _fake_ray(monkeypatch, lambda **kwargs: pytest.fail("ray.init retries an unreachable address for minutes"))
     start = time.monotonic()
-    with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} \(Connection refused\)"):
+    with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} "
+                                        r"\(Connection refused\)"):
         setup.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
     assert time.monotonic() - start < 2
 
@@ -142,3 +143,14 @@ def test_engines_already_gone_at_shutdown_are_one_warning_each(monkeypatch, capl
     assert [r.exc_info for r in caplog.records] == [None, None]
     assert [r.getMessage() for r in caplog.records] == ["engine shutdown: an engine was already gone "
                                                         "(ActorUnavailableError)"] * 2
+
+
+def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
+    def no_client(address=None, **kwargs):
+        raise ValueError("Ray Client requires pip package `ray[client]`. If you installed the minimal Ray (e.g. "
+                         "`pip install ray`), please reinstall by executing `pip install ray[client]`.")
+
+    _fake_ray(monkeypatch, no_client)  # was: a ValueError traceback
+    with pytest.raises(UserError, match=r"cluster.address: ray://10.0.0.1:10001 needs Ray Client, which this install "
+                                        r"lacks: pip install 'ray\[client\]', or give the cluster's GCS address"):
+        setup.init_ray(load_recipe(None, ["cluster.address=ray://10.0.0.1:10001"]))

@@ -71,6 +71,8 @@ def init_ray(recipe: RecipeConfig) -> None:
     """
     import ray  # noqa: PLC0415
 
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
     if ray.is_initialized():
         return
     address = recipe.cluster.address
@@ -91,6 +93,12 @@ def init_ray(recipe: RecipeConfig) -> None:
         if address is None:
             raise
         raise _join_error(address, e) from None
+    except ValueError as e:
+        if address is None or "ray[client]" not in str(e):
+            raise
+        raise UserError(f"cluster.address: {address} needs Ray Client, which this install lacks: pip install "
+                        "'ray[client]', or give the cluster's GCS address (host:port, as `ray start` printed)"
+                        ) from None
     if previous is interrupts.terminate and threading.current_thread() is threading.main_thread():
         # ray.init replaces the CLI's SIGTERM handler (and its core worker then aborts the driver with a C stack
         # dump): put it back, so that a scheduler's stop takes Ctrl-C's path (slime_dsa/interrupts.py).
