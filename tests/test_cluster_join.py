@@ -154,3 +154,49 @@ def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"cluster.address: ray://10.0.0.1:10001 needs Ray Client, which this install "
                                         r"lacks: pip install 'ray\[client\]', or give the cluster's GCS address"):
         setup.init_ray(load_recipe(None, ["cluster.address=ray://10.0.0.1:10001"]))
+
+
+def _processes_using(directory: str) -> list[int]:
+    """PIDs with a file open under `directory`: the processes of the cluster started there (never `ray stop`, which
+    stops every Ray cluster of the user on this machine)."""
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(directory) for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
+    """`ray start --head` (token authentication by default) and a driver with RAY_AUTH_MODE unset: it joins."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths under it have at most 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=1",
+                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    try:
+        code = ("import ray; from slime_dsa.config import load_recipe; from slime_dsa.orchestrator import setup; "
+                f"setup.init_ray(load_recipe(None, ['cluster.address=127.0.0.1:{port}'])); "
+                "print('CPUs', ray.cluster_resources()['CPU'])")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert "CPUs 1.0" in done.stdout, done.stderr[-2000:]  # was: ConnectionError (InvalidAuthToken) after ~20 s
+    finally:
+        for pid in _processes_using(temp):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
