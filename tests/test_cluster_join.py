@@ -200,3 +200,22 @@ def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
         for pid in _processes_using(temp):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, caplog):
+    """Ray waited silently (a shared cluster whose CPUs another run held): one warning says how many and why."""
+    actors = {"a": {"State": "ALIVE"}, "b": {"State": "PENDING_CREATION"}, "c": {"State": "PENDING_CREATION"}}
+    ray = types.SimpleNamespace(
+        get_runtime_context=lambda: types.SimpleNamespace(get_job_id=lambda: "01000000"),
+        JobID=types.SimpleNamespace(from_hex=lambda job: job),
+        _private=types.SimpleNamespace(state=types.SimpleNamespace(actors=lambda job_id: actors)),
+        available_resources=lambda: {"CPU": 0.0})
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    setup.warn_unplaced(load_recipe(None, QUICK))
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of the run's actors wait for Ray to place them (1 CPU each, cluster.num_cpus_per_actor, and their GPUs): "
+        "the cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"]
+    caplog.clear()
+    actors.update(b={"State": "ALIVE"}, c={"State": "ALIVE"})
+    setup.warn_unplaced(load_recipe(None, QUICK))
+    assert not caplog.records

@@ -205,6 +205,22 @@ def check_cluster_fits(recipe: RecipeConfig) -> None:
                             f"cluster at {cl.address} has {total:g}: Ray would wait for ever; lower it or add nodes")
 
 
+def warn_unplaced(recipe: RecipeConfig) -> None:
+    """One warning when some of the run's actors still wait for Ray to place them: Ray waits silently for resources
+    that other jobs hold."""
+    import ray  # noqa: PLC0415
+
+    job = ray.get_runtime_context().get_job_id()
+    waiting = [a for a in ray._private.state.actors(job_id=ray.JobID.from_hex(job)).values()
+               if a.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")]
+    if not waiting:
+        return
+    cl, free = recipe.cluster, ray.available_resources()
+    logger.warning("%d of the run's actors wait for Ray to place them (%g CPU each, cluster.num_cpus_per_actor, and "
+                   "their GPUs): the cluster has %g CPUs and %g GPUs free now; other jobs hold the rest",
+                   len(waiting), cl.num_cpus_per_actor, free.get("CPU", 0.0), free.get("GPU", 0.0))
+
+
 def _actor_count(recipe: RecipeConfig) -> int:
     """Engines, trainer and critic workers and teacher engines the run starts as Ray actors."""
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0

@@ -28,6 +28,7 @@ from slime_dsa.orchestrator.step import (
 )
 
 logger = logging.getLogger(__name__)
+UNPLACED_WARNING_S = 120.0  # start-up of engines and trainer ranks that takes longer: warned
 
 
 def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto", "sync", "async"] = "auto",
@@ -111,6 +112,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
     # which size their memory pools from the GPU memory free when they start.
+    # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
+    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
     engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
     if recipe.rollout.engine == "sglang":
         (urls, engine_actors), trainers_up = await engines_up, None
@@ -129,6 +132,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
     pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
     trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+    unplaced.cancel()
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
                                       shm_dir)
