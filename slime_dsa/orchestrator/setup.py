@@ -7,6 +7,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ def init_ray(recipe: RecipeConfig) -> None:
     """
     import ray  # noqa: PLC0415
 
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
     if ray.is_initialized():
         return
     address = recipe.cluster.address
@@ -80,12 +83,71 @@ def init_ray(recipe: RecipeConfig) -> None:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
             logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports, open on every interface, take "
                            "commands from any host that reaches this machine")
+    else:
+        _check_reachable(address)
+        _send_ray_token_when_joining()
     previous = signal.getsignal(signal.SIGTERM)
-    ray.init(address=address, **kwargs)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as e:
+        if address is None:
+            raise
+        raise _join_error(address, e) from None
+    except ValueError as e:
+        if address is None or "ray[client]" not in str(e):
+            raise
+        raise UserError(f"cluster.address: {address} needs Ray Client, which this install lacks: pip install "
+                        "'ray[client]', or give the cluster's GCS address (host:port, as `ray start` printed)"
+                        ) from None
     if previous is interrupts.terminate and threading.current_thread() is threading.main_thread():
         # ray.init replaces the CLI's SIGTERM handler (and its core worker then aborts the driver with a C stack
         # dump): put it back, so that a scheduler's stop takes Ctrl-C's path (slime_dsa/interrupts.py).
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """UserError (one line) when nothing answers at a host:port cluster.address: ray.init would retry it for
+    minutes, printing only Ray's connection warnings. `auto` and ray:// addresses are left to ray.init."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise UserError(f"cluster.address: nothing answers at {address} ({e.strerror or type(e).__name__}): "
+                        "start the cluster there (ray start --head) or correct the address") from None
+
+
+def _send_ray_token_when_joining() -> None:
+    """RAY_AUTH_MODE=token when it is unset and a Ray token is at hand, as `ray start` does: ray.init turns token
+    authentication on only for a cluster it starts, and a `ray start --head` cluster refuses a driver without it."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(path):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config  # noqa: PLC0415
+
+        Config.initialize("")  # Ray read RAY_AUTH_MODE when imported: as `ray start` does, read it again
+
+
+def _join_error(address: str, error: BaseException) -> Exception:
+    """The UserError (one line, naming cluster.address) for a Ray cluster that could not be joined."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    if any("InvalidAuthToken" in text or "Authentication token" in text for text in chain):
+        why = ("it refused this driver's Ray token: put the cluster's token (~/.ray/auth_token on its head node) in "
+               "~/.ray/auth_token or $RAY_AUTH_TOKEN here")
+    else:
+        first = chain[0].splitlines()[0] if chain[0] else type(error).__name__
+        why = f"{first}: check the address and that the cluster is up"
+    return UserError(f"cluster.address: cannot join the Ray cluster at {address!r}: {why}")
 
 
 def gpu_keys(recipe: RecipeConfig) -> list[str]:
@@ -111,12 +173,65 @@ def check_local_gpus(recipe: RecipeConfig) -> None:
                         "it on a GPU machine, or join a cluster that has them (cluster.address)")
 
 
-def _actors_needed(recipe: RecipeConfig) -> int:
+def check_cluster_fits(recipe: RecipeConfig) -> None:
+    """UserError (one line) when a joined Ray cluster has, in all or on its largest node, fewer CPUs or GPUs than
+    the run's actors ask for: Ray would wait for them for ever, silently. Resources held by other jobs are not
+    counted against it (they may be freed)."""
+    import ray  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if recipe.cluster.address is None:
+        return
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    cl, cr, actors = recipe.cluster, recipe.critic, _actor_count(recipe)
+    asks = [("CPU", "cluster.num_cpus_per_actor", cl.num_cpus_per_actor, actors * cl.num_cpus_per_actor)]
+    engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
+    critics = cr.num_workers if cr.placement == "separate" else 0
+    asks += [("GPU", "cluster.num_gpus_per_engine", cl.num_gpus_per_engine, engines * cl.num_gpus_per_engine),
+             ("GPU", "cluster.num_gpus_per_trainer", cl.num_gpus_per_trainer,
+              recipe.trainer.num_workers * cl.num_gpus_per_trainer),
+             ("GPU", "critic.num_gpus_per_worker", cr.num_gpus_per_worker, critics * cr.num_gpus_per_worker)]
+    for kind, key, each, wanted in asks:
+        largest = max((n.get(kind, 0.0) for n in nodes), default=0.0)
+        if wanted > 0 and each > largest:
+            raise UserError(f"{key}: each actor asks for {each:g} {kind}s, but no node of the Ray cluster at "
+                            f"{cl.address} has that many (the largest has {largest:g}): Ray would wait for ever")
+    for kind in ("CPU", "GPU"):
+        total, keys = sum(n.get(kind, 0.0) for n in nodes), [a for a in asks if a[0] == kind and a[3] > 0]
+        wanted = sum(a[3] for a in keys)
+        if wanted > total + 1e-6:
+            raise UserError(f"{keys[0][1]}: the run's {actors} actors ask for {wanted:g} {kind}s in all, but the Ray "
+                            f"cluster at {cl.address} has {total:g}: Ray would wait for ever; lower it or add nodes")
+
+
+def warn_unplaced(recipe: RecipeConfig) -> None:
+    """One warning when some of the run's actors still wait for Ray to place them: Ray waits silently for resources
+    that other jobs hold."""
+    import ray  # noqa: PLC0415
+
+    job = ray.get_runtime_context().get_job_id()
+    waiting = [a for a in ray._private.state.actors(job_id=ray.JobID.from_hex(job)).values()
+               if a.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")]
+    if not waiting:
+        return
+    cl, free = recipe.cluster, ray.available_resources()
+    logger.warning("%d of the run's actors wait for Ray to place them (%g CPU each, cluster.num_cpus_per_actor, and "
+                   "their GPUs): the cluster has %g CPUs and %g GPUs free now; other jobs hold the rest",
+                   len(waiting), cl.num_cpus_per_actor, free.get("CPU", 0.0), free.get("GPU", 0.0))
+
+
+def _actor_count(recipe: RecipeConfig) -> int:
+    """Engines, trainer and critic workers and teacher engines the run starts as Ray actors."""
     engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
     critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
     teachers = sum(t.num_engines for t in recipe.teachers if t.serving in ("embedded", "sglang"))
     teachers += len({t.swap_group for t in recipe.teachers if t.serving == "swap"})
-    return int((engines + recipe.trainer.num_workers + critics + teachers) * recipe.cluster.num_cpus_per_actor) + 1
+    return engines + recipe.trainer.num_workers + critics + teachers
+
+
+def _actors_needed(recipe: RecipeConfig) -> int:
+    return int(_actor_count(recipe) * recipe.cluster.num_cpus_per_actor) + 1
 
 
 def engine_capacity(recipe: RecipeConfig, use_async: bool) -> tuple[int, int]:

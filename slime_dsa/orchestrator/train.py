@@ -28,6 +28,7 @@ from slime_dsa.orchestrator.step import (
 )
 
 logger = logging.getLogger(__name__)
+UNPLACED_WARNING_S = 120.0  # start-up of engines and trainer ranks that takes longer: warned
 
 
 def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto", "sync", "async"] = "auto",
@@ -106,12 +107,15 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved)
     setup.init_ray(recipe)
+    setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
     access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
 
     # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
     # which size their memory pools from the GPU memory free when they start.
+    # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
+    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
     engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
     if recipe.rollout.engine == "sglang":
         (urls, engine_actors), trainers_up = await engines_up, None
@@ -130,6 +134,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
     pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
     trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+    unplaced.cancel()
     await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
     weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
                                       shm_dir)
@@ -494,6 +499,8 @@ def _shutdown(trainers, engine_actors) -> None:
     for actor in engine_actors:
         try:
             ray.get(actor.stop.remote(), timeout=30)
+        except RayActorError as e:  # already gone (killed, or the cluster died): one line, no traceback
+            logger.warning("engine shutdown: an engine was already gone (%s)", type(e).__name__)
         except Exception:  # noqa: BLE001
             logger.exception("engine shutdown failed")
         ray.kill(actor)

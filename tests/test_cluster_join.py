@@ -1,0 +1,221 @@
+"""Joining a running Ray cluster (cluster.address): Ray's token, and one line for a cluster that cannot be joined."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from slime_dsa.config import load_recipe
+from slime_dsa.config.errors import UserError
+from slime_dsa.orchestrator import setup
+
+
+@pytest.fixture
+def head():
+    """host:port of something listening, as a head node's GCS port does."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _fake_ray(monkeypatch: pytest.MonkeyPatch, init) -> None:
+    """ray.init is `init`; ray._raylet.Config.initialize counts in `mode` the RAY_AUTH_MODE it read again."""
+    import os
+
+    mode: list[str | None] = []
+    config = types.SimpleNamespace(initialize=lambda system_config: mode.append(os.environ.get("RAY_AUTH_MODE")))
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False, init=init, mode=mode))
+    monkeypatch.setitem(sys.modules, "ray._raylet", types.SimpleNamespace(Config=config))
+
+
+def _no_ray_auth_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.setenv(name, "")  # recorded, so that what init_ray sets is undone after the test
+        monkeypatch.delenv(name)
+
+
+def _refuse_without_token(address=None, **kwargs) -> None:
+    """What ray.init does against a `ray start --head` cluster (token authentication) unless Ray's config was read
+    again after RAY_AUTH_MODE=token (Ray reads it once, when imported)."""
+    if sys.modules["ray"].mode[-1:] != ["token"]:
+        try:
+            raise RuntimeError("Failed to connect to GCS. ray.exceptions.AuthenticationError: RPC error: "
+                               "InvalidAuthToken: Authentication token is missing or incorrect.")
+        except RuntimeError as e:
+            raise ConnectionError(f"Failed to connect to Ray cluster at {address}") from e
+
+
+def test_joining_a_cluster_sends_the_users_ray_token(monkeypatch, tmp_path, head):
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _no_ray_auth_env(monkeypatch)
+    _fake_ray(monkeypatch, _refuse_without_token)
+    setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))  # was: ConnectionError after ~20 s
+
+
+def test_a_cluster_that_refuses_the_token_is_one_line(monkeypatch, tmp_path, head):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no token here
+    _no_ray_auth_env(monkeypatch)
+    _fake_ray(monkeypatch, _refuse_without_token)
+    with pytest.raises(UserError, match=rf"cluster.address: cannot join the Ray cluster at '{head}': it refused "
+                                        r"this driver's Ray token"):
+        setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))
+
+
+def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
+    def no_cluster(address=None, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    _fake_ray(monkeypatch, no_cluster)
+    with pytest.raises(UserError, match=r"cluster.address: cannot join the Ray cluster at 'auto': Could not find any "
+                                        r"running Ray instance. .*: check the address and that the cluster is up"):
+        setup.init_ray(load_recipe(None, ["cluster.address=auto"]))
+
+
+def _cluster(monkeypatch: pytest.MonkeyPatch, *nodes: dict) -> None:
+    ray = types.SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": r} for r in nodes])
+    monkeypatch.setitem(sys.modules, "ray", ray)
+
+
+QUICK = ["cluster.address=10.0.0.1:6379", "rollout.num_engines=2", "trainer.num_workers=2"]
+
+
+def test_a_cluster_with_too_few_cpus_is_one_line(monkeypatch):
+    _cluster(monkeypatch, {"CPU": 4.0})  # was: the run waited for ever, with no message at all
+    with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: the run's 4 actors ask for 8 CPUs in all, but "
+                                        r"the Ray cluster at 10.0.0.1:6379 has 4"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+    _cluster(monkeypatch, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0})
+    with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: each actor asks for 2 CPUs, but no node"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+    setup.check_cluster_fits(load_recipe(None, QUICK))  # 4 actors of 1 CPU fit 4 nodes of 1
+
+
+def test_a_cluster_with_too_few_gpus_names_the_gpu_key(monkeypatch):
+    _cluster(monkeypatch, {"CPU": 16.0, "GPU": 1.0})
+    with pytest.raises(UserError, match=r"cluster.num_gpus_per_engine: the run's 4 actors ask for 4 GPUs in all"):
+        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=1",
+                                                    "cluster.num_gpus_per_trainer=1"]))
+    setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=0.25",
+                                                "cluster.num_gpus_per_trainer=0.25"]))
+
+
+def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    _fake_ray(monkeypatch, lambda **kwargs: pytest.fail("ray.init retries an unreachable address for minutes"))
+    start = time.monotonic()
+    with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} "
+                                        r"\(Connection refused\)"):
+        setup.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
+    assert time.monotonic() - start < 2
+
+
+def test_engines_already_gone_at_shutdown_are_one_warning_each(monkeypatch, caplog):
+    """The cluster died mid-run: stopping its engines logged a traceback each before the run's one line."""
+    from slime_dsa.orchestrator.train import _shutdown
+
+    class RayActorError(Exception):
+        pass
+
+    class ActorUnavailableError(RayActorError):
+        pass
+
+    def gone(ref, timeout=None):
+        raise ActorUnavailableError("The actor is unavailable: failed to connect to all addresses")
+
+    exceptions = types.SimpleNamespace(RayActorError=RayActorError)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=gone, kill=lambda actor: None,
+                                                                  exceptions=exceptions))
+    monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
+    actor = types.SimpleNamespace(stop=types.SimpleNamespace(remote=lambda: None))
+    _shutdown(types.SimpleNamespace(shutdown=lambda: None), [actor, actor])
+    assert [r.exc_info for r in caplog.records] == [None, None]
+    assert [r.getMessage() for r in caplog.records] == ["engine shutdown: an engine was already gone "
+                                                        "(ActorUnavailableError)"] * 2
+
+
+def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
+    def no_client(address=None, **kwargs):
+        raise ValueError("Ray Client requires pip package `ray[client]`. If you installed the minimal Ray (e.g. "
+                         "`pip install ray`), please reinstall by executing `pip install ray[client]`.")
+
+    _fake_ray(monkeypatch, no_client)  # was: a ValueError traceback
+    with pytest.raises(UserError, match=r"cluster.address: ray://10.0.0.1:10001 needs Ray Client, which this install "
+                                        r"lacks: pip install 'ray\[client\]', or give the cluster's GCS address"):
+        setup.init_ray(load_recipe(None, ["cluster.address=ray://10.0.0.1:10001"]))
+
+
+def _processes_using(directory: str) -> list[int]:
+    """PIDs with a file open under `directory`: the processes of the cluster started there (never `ray stop`, which
+    stops every Ray cluster of the user on this machine)."""
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(directory) for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
+    """`ray start --head` (token authentication by default) and a driver with RAY_AUTH_MODE unset: it joins."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths under it have at most 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=1",
+                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
+                   timeout=120)
+    try:
+        code = ("import ray; from slime_dsa.config import load_recipe; from slime_dsa.orchestrator import setup; "
+                f"setup.init_ray(load_recipe(None, ['cluster.address=127.0.0.1:{port}'])); "
+                "print('CPUs', ray.cluster_resources()['CPU'])")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert "CPUs 1.0" in done.stdout, done.stderr[-2000:]  # was: ConnectionError (InvalidAuthToken) after ~20 s
+    finally:
+        for pid in _processes_using(temp):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, caplog):
+    """Ray waited silently (a shared cluster whose CPUs another run held): one warning says how many and why."""
+    actors = {"a": {"State": "ALIVE"}, "b": {"State": "PENDING_CREATION"}, "c": {"State": "PENDING_CREATION"}}
+    ray = types.SimpleNamespace(
+        get_runtime_context=lambda: types.SimpleNamespace(get_job_id=lambda: "01000000"),
+        JobID=types.SimpleNamespace(from_hex=lambda job: job),
+        _private=types.SimpleNamespace(state=types.SimpleNamespace(actors=lambda job_id: actors)),
+        available_resources=lambda: {"CPU": 0.0})
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    setup.warn_unplaced(load_recipe(None, QUICK))
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of the run's actors wait for Ray to place them (1 CPU each, cluster.num_cpus_per_actor, and their GPUs): "
+        "the cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"]
+    caplog.clear()
+    actors.update(b={"State": "ALIVE"}, c={"State": "ALIVE"})
+    setup.warn_unplaced(load_recipe(None, QUICK))
+    assert not caplog.records
