@@ -39,6 +39,26 @@ def refuse_an_earlier_runs_metrics(recipe: RecipeConfig, command: str) -> None:
                         "another logging.run_dir, or remove that run directory to start over")
 
 
+def with_absolute_paths(recipe: RecipeConfig) -> RecipeConfig:
+    """A copy of `recipe` whose relative local paths (model, tokenizer, run and checkpoint directories, critic and
+    teachers) are absolute: Ray actors resolve paths against their own working directory, which on a cluster joined
+    with cluster.address is where `ray start` ran, not the driver's."""
+    out = recipe.model_copy(deep=True)
+
+    def absolute(value: str | None, must_exist: bool = True) -> str | None:
+        if value is None or Path(value).is_absolute() or (must_exist and not Path(value).exists()):
+            return value  # a missing path keeps its own error; a tokenizer_path may be a Hub id
+        return str(Path(value).absolute())
+
+    out.model.path, out.model.tokenizer_path = absolute(out.model.path), absolute(out.model.tokenizer_path)
+    out.logging.run_dir = str(resolve_run_dir(out).absolute())
+    out.checkpoint.dir = absolute(out.checkpoint.dir, must_exist=False)
+    out.critic.path = absolute(out.critic.path)
+    for teacher in out.teachers:
+        teacher.path = absolute(teacher.path)
+    return out
+
+
 def resolve_run_dir(recipe: RecipeConfig) -> Path:
     """logging.run_dir, or runs/<run_name>, or runs/<timestamp>."""
     log = recipe.logging

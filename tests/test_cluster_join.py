@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from contextlib import contextmanager
 
 import pytest
 
@@ -171,9 +172,10 @@ def _processes_using(directory: str) -> list[int]:
     return pids
 
 
-@pytest.mark.slow
-def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
-    """`ray start --head` (token authentication by default) and a driver with RAY_AUTH_MODE unset: it joins."""
+@contextmanager
+def _ray_head(num_cpus: int):
+    """A real `ray start --head` cluster of one node, started from its own temporary directory (its workers' working
+    directory), without the driver's RAY_ variables; yields (port, env)."""
     import os
     import shutil
     import signal
@@ -187,19 +189,57 @@ def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths under it have at most 107 bytes
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", "--num-cpus=1",
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", f"--num-cpus={num_cpus}",
                     "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
-                   timeout=120)
+                   timeout=120, cwd=temp)
     try:
+        yield port, env
+    finally:
+        for pid in _processes_using(temp):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
+    """`ray start --head` (token authentication by default) and a driver with RAY_AUTH_MODE unset: it joins."""
+    import subprocess
+
+    with _ray_head(num_cpus=1) as (port, env):
         code = ("import ray; from slime_dsa.config import load_recipe; from slime_dsa.orchestrator import setup; "
                 f"setup.init_ray(load_recipe(None, ['cluster.address=127.0.0.1:{port}'])); "
                 "print('CPUs', ray.cluster_resources()['CPU'])")
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert "CPUs 1.0" in done.stdout, done.stderr[-2000:]  # was: ConnectionError (InvalidAuthToken) after ~20 s
-    finally:
-        for pid in _processes_using(temp):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_joined_cluster_reads_its_relative_paths_from_the_drivers_directory(tmp_path):
+    """The quickstart's model.path (recipes/assets/quickstart-sft, relative) on a cluster that `ray start` began in
+    another directory: the trainer ranks looked for it there (FileNotFoundError traceback); paths are now absolute."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with _ray_head(num_cpus=4) as (port, env):
+        sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={tmp_path / 'run'}", "trainer.num_steps=2",
+                "trainer.warmup_steps=0", "logging.wandb_mode=disabled", "logging.eval_every=0"]
+        done = subprocess.run([sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml",
+                               *(a for s in sets for a in ("--set", s))], env=env, cwd=root, capture_output=True,
+                              text=True, timeout=400)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_relative_local_paths_become_absolute_and_hub_ids_stay():
+    from pathlib import Path
+
+    from slime_dsa.run_dir import with_absolute_paths
+
+    recipe = with_absolute_paths(load_recipe(None, ["model.path=recipes/assets/quickstart-sft",
+                                                    "model.tokenizer_path=org/some-tokenizer", "checkpoint.dir=ckpts"]))
+    assert recipe.model.path == str(Path("recipes/assets/quickstart-sft").absolute())
+    assert recipe.model.tokenizer_path == "org/some-tokenizer"  # not a local path: a Hub id
+    assert recipe.checkpoint.dir == str(Path("ckpts").absolute()) and Path(recipe.logging.run_dir).is_absolute()
 
 
 def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, caplog):
@@ -219,3 +259,21 @@ def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, ca
     actors.update(b={"State": "ALIVE"}, c={"State": "ALIVE"})
     setup.warn_unplaced(load_recipe(None, QUICK))
     assert not caplog.records
+
+
+def test_a_cluster_with_other_nodes_is_one_line(monkeypatch):
+    """FAKE multi-node cluster (ray.nodes and the driver's node id stubbed: one machine cannot run several Ray nodes
+    of distinct addresses). Engines and trainer ranks on another node listen and meet on its 127.0.0.1, which the
+    driver and the other ranks cannot reach; refused in one line. Nodes without CPUs or GPUs take no actor."""
+    nodes = [{"NodeID": "driver", "Alive": True, "Resources": {"CPU": 8.0}},
+             {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 8.0}},
+             {"NodeID": "empty", "Alive": True, "Resources": {"memory": 1e9}}]
+    context = types.SimpleNamespace(get_node_id=lambda: "driver")
+    ray = types.SimpleNamespace(nodes=lambda: nodes, get_runtime_context=lambda: context)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    setup.check_one_node(load_recipe(None, QUICK))  # only the driver's node can take actors
+    nodes.append({"NodeID": "gpu-node", "Alive": True, "Resources": {"CPU": 8.0, "GPU": 8.0}})
+    with pytest.raises(UserError, match=r"cluster.address: the Ray cluster at 10.0.0.1:6379 has 1 node\(s\) besides "
+                                        r"this driver's .* runs across nodes are not built yet"):
+        setup.check_one_node(load_recipe(None, QUICK))
+    setup.check_one_node(load_recipe(None, []))  # a local cluster: one node

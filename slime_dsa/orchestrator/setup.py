@@ -173,6 +173,25 @@ def check_local_gpus(recipe: RecipeConfig) -> None:
                         "it on a GPU machine, or join a cluster that has them (cluster.address)")
 
 
+def check_one_node(recipe: RecipeConfig) -> None:
+    """UserError (one line) when a joined Ray cluster has a node besides the driver's that could take the run's actors:
+    embedded engines listen, and trainer ranks meet, on 127.0.0.1 of their node, so runs across nodes are not built."""
+    import ray  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+
+    if recipe.cluster.address is None:
+        return
+    here = ray.get_runtime_context().get_node_id()
+    others = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != here
+              and any(n.get("Resources", {}).get(kind, 0) > 0 for kind in ("CPU", "GPU"))]
+    if others:
+        raise UserError(f"cluster.address: the Ray cluster at {recipe.cluster.address} has {len(others)} node(s) "
+                        "besides this driver's that could take the run's actors, and runs across nodes are not built "
+                        "yet (embedded engines listen, and trainer ranks meet, on 127.0.0.1 of their node): join a "
+                        "one-node cluster from its node")
+
+
 def check_cluster_fits(recipe: RecipeConfig) -> None:
     """UserError (one line) when a joined Ray cluster has, in all or on its largest node, fewer CPUs or GPUs than
     the run's actors ask for: Ray would wait for them for ever, silently. Resources held by other jobs are not

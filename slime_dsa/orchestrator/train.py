@@ -42,9 +42,10 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
         raise ValueError(f"hook_state must be every or last, got {hook_state!r}")
     if loop not in ("auto", "sync", "async"):
         raise ValueError(f"loop must be auto, sync or async, got {loop!r}")
-    from slime_dsa.run_dir import locked_checkpoint_dir, open_run_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import locked_checkpoint_dir, open_run_dir, with_absolute_paths  # noqa: PLC0415
 
     progress = StepProgress()
+    recipe = with_absolute_paths(recipe)
     with open_run_dir(recipe, "train.log") as run_dir, locked_checkpoint_dir(checkpoint_dir(recipe, run_dir)):
         try:
             return interrupts.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights,
@@ -107,6 +108,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved)
     setup.init_ray(recipe)
+    setup.check_one_node(recipe)  # engines and ranks on other nodes could not be reached
     setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
