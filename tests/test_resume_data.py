@@ -25,6 +25,7 @@ def test_changed_tasks_or_seed_on_resume_is_one_line_before_ray(tmp_path, monkey
     (checkpoint / "orchestrator.json").write_text(json.dumps({"step": 2, "rollout": {"mixture": mixture}}))
     monkeypatch.setattr(train, "_checkpoints", lambda recipe, run_dir, resume: (None, checkpoint))
     monkeypatch.setattr(setup, "init_ray", no_ray)
+    monkeypatch.setattr(train, "check_same_model", lambda checkpoint, model_dir: None)  # it holds no weights
 
     def resume(*overrides: str) -> None:
         recipe = load_recipe(None, ["model.preset=tiny", "data.seed=7", "data.tasks.0.train_size=40",
