@@ -42,3 +42,13 @@ def make_hf_checkpoint(directory: Path, seed: int = 0, **overrides) -> "torch.nn
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     model.save_pretrained(directory)
     return model
+
+
+def make_served_model(directory: Path, seed: int = 0) -> Path:
+    """make_hf_checkpoint sized for the built-in tokenizer, with that tokenizer saved beside it: a directory that
+    `serve` and the engines load."""
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
+
+    make_hf_checkpoint(directory, seed=seed, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
+    save_tokenizer(directory)
+    return directory

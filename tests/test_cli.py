@@ -253,6 +253,12 @@ def test_sigterm_stops_a_run_the_way_ctrl_c_does(tmp_path):
     assert (run_dir / ".lock").read_text() == ""  # a clean release empties the lock file
 
 
+def _run_module(directory: Path, name: str) -> subprocess.CompletedProcess:
+    """`python -m name` of a script written into `directory`, importing slime_dsa from this checkout."""
+    env = {**os.environ, "PYTHONPATH": f"{directory}:{Path(__file__).parent.parent}"}
+    return subprocess.run([sys.executable, "-m", name], env=env, capture_output=True, timeout=60)
+
+
 def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
     """CPython marks a plain KeyboardInterrupt leaving a string `exec` as unhandled and a `python -m` process then dies
     by SIGINT (-2) whatever main returned; SIGTERM's Terminated is a subclass, so the exit stays 130."""
@@ -264,8 +270,7 @@ def test_sigterm_inside_a_string_exec_still_exits_130(tmp_path):
         "    exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(5)')\n"
         "except KeyboardInterrupt:\n"
         "    sys.exit(130)\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"}
-    proc = subprocess.run([sys.executable, "-m", "sigterm_in_exec"], env=env, capture_output=True, timeout=60)
+    proc = _run_module(tmp_path, "sigterm_in_exec")
     assert proc.returncode == 130, proc.stderr.decode()[-2000:]
 
 
@@ -294,8 +299,7 @@ def test_a_sigterm_that_lands_in_a_task_stops_the_run_with_nothing_printed_after
         "except KeyboardInterrupt as e:\n"
         "    print(f'interrupted {type(e).__name__}', file=sys.stderr)\n"
         "gc.collect()\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{Path(__file__).parent.parent}"}
-    proc = subprocess.run([sys.executable, "-m", "sigterm_in_task"], env=env, capture_output=True, timeout=60)
+    proc = _run_module(tmp_path, "sigterm_in_task")
     assert proc.stderr.decode().splitlines() == ["cleanup ran", "interrupted Terminated"], proc.stderr.decode()
 
 

@@ -16,14 +16,11 @@ KEY = "the-servers-key"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
-    from tests.hf_reference import make_hf_checkpoint
+    from tests.hf_reference import make_served_model
 
     directory = tmp_path_factory.mktemp("served") / "model"
     directory.mkdir()
-    make_hf_checkpoint(directory, seed=0, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
-    save_tokenizer(directory)
-    return directory
+    return make_served_model(directory)
 
 
 @pytest.fixture(scope="module")

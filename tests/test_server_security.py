@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from slime_dsa.weights.safetensors_b64 import encode_named_tensors
-from tests.hf_reference import make_hf_checkpoint
+from tests.hf_reference import make_served_model
 from tests.test_server import serving
 
 KEY = "k3y"
@@ -24,13 +24,9 @@ GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer, save_tokenizer
-
     d = tmp_path_factory.mktemp("weights") / "model"
     d.mkdir()
-    make_hf_checkpoint(d, seed=0, vocab_size=MODEL_VOCAB_SIZE, eos_token_id=build_tokenizer().eos_token_id)
-    save_tokenizer(d)
-    return d
+    return make_served_model(d)
 
 
 @pytest.fixture(scope="module")

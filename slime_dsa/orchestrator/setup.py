@@ -205,8 +205,7 @@ def check_cluster_fits(recipe: RecipeConfig) -> None:
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     cl, cr, actors = recipe.cluster, recipe.critic, _actor_count(recipe)
     asks = [("CPU", "cluster.num_cpus_per_actor", cl.num_cpus_per_actor, actors * cl.num_cpus_per_actor)]
-    engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
-    critics = cr.num_workers if cr.placement == "separate" else 0
+    engines, critics = _policy_engines(recipe), _separate_critics(recipe)
     asks += [("GPU", "cluster.num_gpus_per_engine", cl.num_gpus_per_engine, engines * cl.num_gpus_per_engine),
              ("GPU", "cluster.num_gpus_per_trainer", cl.num_gpus_per_trainer,
               recipe.trainer.num_workers * cl.num_gpus_per_trainer),
@@ -240,13 +239,21 @@ def warn_unplaced(recipe: RecipeConfig) -> None:
                    len(waiting), cl.num_cpus_per_actor, free.get("CPU", 0.0), free.get("GPU", 0.0))
 
 
+def _policy_engines(recipe: RecipeConfig) -> int:
+    """Rollout engines the run starts (none for external servers)."""
+    return recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
+
+
+def _separate_critics(recipe: RecipeConfig) -> int:
+    """Critic workers of their own (placement separate)."""
+    return recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
+
+
 def _actor_count(recipe: RecipeConfig) -> int:
     """Engines, trainer and critic workers and teacher engines the run starts as Ray actors."""
-    engines = recipe.rollout.num_engines if recipe.rollout.engine != "external" else 0
-    critics = recipe.critic.num_workers if recipe.critic.placement == "separate" else 0
     teachers = sum(t.num_engines for t in recipe.teachers if t.serving in ("embedded", "sglang"))
     teachers += len({t.swap_group for t in recipe.teachers if t.serving == "swap"})
-    return engines + recipe.trainer.num_workers + critics + teachers
+    return _policy_engines(recipe) + recipe.trainer.num_workers + _separate_critics(recipe) + teachers
 
 
 def _actors_needed(recipe: RecipeConfig) -> int:

@@ -16,10 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+from slime_dsa import interrupts
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
 from slime_dsa.gc_watch import frozen_during
-from slime_dsa import interrupts
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
 from slime_dsa.orchestrator.step import (
@@ -104,9 +104,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         key = setup.EngineAccess.for_run(recipe, []).api_key
         await setup.check_external_engines(list(recipe.rollout.engine_urls), key)
     tasks = build_tasks(recipe.data, tokenizer)  # a malformed dataset row fails here, before Ray and the engines
-    if resume_from is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
-        saved = read_orchestrator_state(resume_from)["rollout"]["mixture"]
-        TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved)
+    saved_state = read_orchestrator_state(resume_from) if resume_from is not None else None
+    if saved_state is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
+        TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved_state["rollout"]["mixture"])
     setup.init_ray(recipe)
     setup.check_one_node(recipe)  # engines and ranks on other nodes could not be reached
     setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
@@ -147,10 +147,9 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
 
     start_step = 0
     if resume_from is not None:
-        state = read_orchestrator_state(resume_from)
         await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
-        manager.load_state_dict(state["rollout"])
-        start_step = progress.saved = progress.trained = state["step"]
+        manager.load_state_dict(saved_state["rollout"])
+        start_step = progress.saved = progress.trained = saved_state["step"]
         await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
         logger.info("resumed from %s at step %d", resume_from, start_step)
         if manager.num_pending_replays and not use_async:
