@@ -24,11 +24,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+NODE_ADDRESS = "node"  # an EngineActor host: its Ray node's address, where the run's other nodes reach it
+
+
 class EngineActor:
     """One engine and its HTTP endpoint. kind "embedded" needs model_dir; kind "sglang" needs sglang_config.
 
-    log_file: this process's log records of INFO and above (the engine's, the server's) are appended there; without
-    it a Ray worker keeps Python's default, WARNING and above on stderr (Ray's worker log)."""
+    host: the address to listen on; NODE_ADDRESS for this actor's node address (a run across nodes). log_file: this
+    process's log records of INFO and above (the engine's, the server's) are appended there; without it a Ray worker
+    keeps Python's default, WARNING and above on stderr (Ray's worker log)."""
 
     def __init__(self, kind: str = "embedded", *, model_dir: str | None = None, sglang_config: Any = None,
                  host: str = "127.0.0.1", port: int = 0, engine_kwargs: dict | None = None,
@@ -51,12 +55,12 @@ class EngineActor:
         self._url: str | None = None
         self._stopped: asyncio.Event | None = None  # set by stop(); wait_stopped returns then
 
-    def _public_host(self) -> str:
-        if self.host not in ("0.0.0.0", "::"):
-            return self.host
-        import ray  # noqa: PLC0415
+    def _bind_host(self) -> str:
+        return _node_address() if self.host == NODE_ADDRESS else self.host
 
-        return ray.util.get_node_ip_address()
+    def _public_host(self) -> str:
+        """The address callers use: the node's when listening on all of its interfaces or on its address."""
+        return _node_address() if self.host in (NODE_ADDRESS, "0.0.0.0", "::") else self.host
 
     async def start(self) -> str:
         """Start the engine and its server; returns the URL (idempotent)."""
@@ -67,7 +71,7 @@ class EngineActor:
 
             engine, tokenizer = await asyncio.to_thread(load_engine, self.model_dir, **self.engine_kwargs)
             self._engine = engine
-            self._server = await EmbeddedServer.start(engine, tokenizer, host=self.host, port=self.port,
+            self._server = await EmbeddedServer.start(engine, tokenizer, host=self._bind_host(), port=self.port,
                                                       model_path=self.model_dir, **self.server_kwargs)
             port = self._server.port
             from slime_dsa.gc_watch import freeze_after_startup  # noqa: PLC0415
@@ -84,7 +88,7 @@ class EngineActor:
                     cfg["speculative"] = SpeculativeConfig(**cfg["speculative"])
                 cfg = SGLangConfig(**cfg)
             cfg.port = self.port or free_port()
-            cfg.host = self.host
+            cfg.host = self._bind_host()
             self._server = SGLangServer(cfg, **self.launcher_kwargs)
             await asyncio.to_thread(self._server.start)
             port = cfg.port
@@ -135,6 +139,12 @@ class EngineActor:
         else:
             await asyncio.to_thread(self._server.stop)
         self._server, self._url, self._engine = None, None, None
+
+
+def _node_address() -> str:
+    import ray  # noqa: PLC0415
+
+    return ray.util.get_node_ip_address()
 
 
 def log_to(path: str) -> None:

@@ -173,9 +173,10 @@ def _processes_using(directory: str) -> list[int]:
 
 
 @contextmanager
-def _ray_head(num_cpus: int):
-    """A real `ray start --head` cluster of one node, started from its own temporary directory (its workers' working
-    directory), without the driver's RAY_ variables; yields (port, env)."""
+def _ray_head(num_cpus: int, nodes: tuple[tuple[str, int], ...] = ()):
+    """A real `ray start --head` cluster, started from its own temporary directory (its workers' working directory),
+    without the driver's RAY_ variables; `nodes`: (address, CPUs) of more nodes joined with `ray start --address`
+    (distinct loopback addresses: nodes of one machine that share its filesystem). Yields (port, env)."""
     import os
     import shutil
     import signal
@@ -189,13 +190,17 @@ def _ray_head(num_cpus: int):
     temp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths under it have at most 107 bytes
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", f"--num-cpus={num_cpus}",
-                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
-                   timeout=120, cwd=temp)
     try:
+        subprocess.run([ray_cli, "start", "--head", f"--port={port}", f"--temp-dir={temp}", f"--num-cpus={num_cpus}",
+                        "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True,
+                       capture_output=True, timeout=120, cwd=temp)
+        for address, cpus in nodes:  # a joining node asks for the head's token only when told to use one
+            subprocess.run([ray_cli, "start", f"--address=127.0.0.1:{port}", f"--node-ip-address={address}",
+                            f"--num-cpus={cpus}", "--disable-usage-stats"], env={**env, "RAY_AUTH_MODE": "token"},
+                           check=True, capture_output=True, timeout=120, cwd=temp)
         yield port, env
     finally:
-        for pid in _processes_using(temp):
+        for pid in _processes_using(temp):  # the joined nodes' too: they keep their files under the head's directory
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
@@ -261,19 +266,70 @@ def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, ca
     assert not caplog.records
 
 
-def test_a_cluster_with_other_nodes_is_one_line(monkeypatch):
-    """FAKE multi-node cluster (ray.nodes and the driver's node id stubbed: one machine cannot run several Ray nodes
-    of distinct addresses). Engines and trainer ranks on another node listen and meet on its 127.0.0.1, which the
-    driver and the other ranks cannot reach; refused in one line. Nodes without CPUs or GPUs take no actor."""
-    nodes = [{"NodeID": "driver", "Alive": True, "Resources": {"CPU": 8.0}},
-             {"NodeID": "dead", "Alive": False, "Resources": {"CPU": 8.0}},
-             {"NodeID": "empty", "Alive": True, "Resources": {"memory": 1e9}}]
-    context = types.SimpleNamespace(get_node_id=lambda: "driver")
-    ray = types.SimpleNamespace(nodes=lambda: nodes, get_runtime_context=lambda: context)
+@pytest.mark.slow
+def test_a_run_across_ray_nodes_reaches_engines_and_ranks_on_other_nodes(tmp_path):
+    """Two nodes at 127.0.0.2 and 127.0.0.3 joined to a head without CPUs (real Ray nodes of one machine; not NCCL
+    between GPU nodes): the two engines and two trainer ranks land on them, one of each per node. Was refused in one
+    line; engines listened on 127.0.0.1 of their node, and the ranks met at a port of the driver's node."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with _ray_head(num_cpus=0, nodes=(("127.0.0.2", 2), ("127.0.0.3", 2))) as (port, env):
+        sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={tmp_path / 'run'}", "trainer.num_steps=2",
+                "trainer.warmup_steps=0", "logging.wandb_mode=disabled", "logging.eval_every=0",
+                "trainer.num_workers=2", "rollout.num_engines=2"]
+        done = subprocess.run([sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml",
+                               *(a for s in sets for a in ("--set", s))], env=env, cwd=root, capture_output=True,
+                              text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = (tmp_path / "run" / "train.log").read_text()
+    up = next(line for line in log.splitlines() if "embedded engine(s) up" in line)
+    assert "http://127.0.0.2:" in up and "http://127.0.0.3:" in up, up  # each at its node's address
+    assert "weights v2 to 2 engine(s) by http" in log  # off trainer rank 0's node: http
+
+
+def _fake_cluster_of_two(monkeypatch: pytest.MonkeyPatch, unseen: str) -> None:
+    """FAKE Ray (one machine's nodes share its filesystem): the driver's node and 10.0.0.7, whose probe task does not
+    see paths containing `unseen`."""
+    nodes = [{"NodeID": "driver", "Alive": True, "Resources": {"CPU": 8.0}, "NodeManagerAddress": "10.0.0.1"},
+             {"NodeID": "other", "Alive": True, "Resources": {"GPU": 8.0}, "NodeManagerAddress": "10.0.0.7"},
+             {"NodeID": "empty", "Alive": True, "Resources": {"memory": 1e9}, "NodeManagerAddress": "10.0.0.8"}]
+
+    def remote(**_):
+        def wrap(probe):
+            def run(paths):
+                return probe(paths) + [p for p in paths if unseen in p]
+            return types.SimpleNamespace(options=lambda **_: types.SimpleNamespace(remote=run))
+        return wrap
+
+    ray = types.SimpleNamespace(nodes=lambda: nodes, remote=remote, get=lambda refs, timeout: refs,
+                                get_runtime_context=lambda: types.SimpleNamespace(get_node_id=lambda: "driver"))
     monkeypatch.setitem(sys.modules, "ray", ray)
-    setup.check_one_node(load_recipe(None, QUICK))  # only the driver's node can take actors
-    nodes.append({"NodeID": "gpu-node", "Alive": True, "Resources": {"CPU": 8.0, "GPU": 8.0}})
-    with pytest.raises(UserError, match=r"cluster.address: the Ray cluster at 10.0.0.1:6379 has 1 node\(s\) besides "
-                                        r"this driver's .* runs across nodes are not built yet"):
-        setup.check_one_node(load_recipe(None, QUICK))
-    setup.check_one_node(load_recipe(None, []))  # a local cluster: one node
+    monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies",
+                        types.SimpleNamespace(NodeAffinitySchedulingStrategy=lambda node, soft: node))
+
+
+@pytest.mark.parametrize("unseen, named", [("model", "model.path's"), ("run", "the run directory"),
+                                           ("ckpts", "the checkpoint directory")])
+def test_a_node_that_does_not_see_the_drivers_directories_is_one_line(monkeypatch, tmp_path, unseen, named):
+    model, run, ckpts = tmp_path / "model", tmp_path / "run", tmp_path / "ckpts"
+    for d in (model, run, ckpts):
+        d.mkdir()
+    (model / "config.json").write_text("{}")
+    _fake_cluster_of_two(monkeypatch, unseen="nothing")
+    setup.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
+    assert not list(run.iterdir()) and not list(ckpts.iterdir())  # the marker files are gone
+    _fake_cluster_of_two(monkeypatch, unseen=f"/{unseen}/")
+    with pytest.raises(UserError, match=rf"cluster.address: node 10.0.0.7 of the Ray cluster does not see {named} "
+                                        rf".*{unseen}: a run across nodes needs the model, run and checkpoint "
+                                        r"directories at the same paths on every node \(a shared filesystem\)"):
+        setup.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
+    assert not list(run.iterdir())
+
+
+def test_engines_listen_on_loopback_unless_actors_may_land_on_another_node(monkeypatch):
+    _fake_cluster_of_two(monkeypatch, unseen="nothing")
+    assert setup.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
+    sys.modules["ray"].nodes()[1]["Alive"] = False
+    assert setup.engine_host() == "127.0.0.1"

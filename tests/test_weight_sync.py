@@ -26,6 +26,7 @@ import torch
 from slime_dsa.orchestrator.weight_sync import (CudaIpcTransport, DiskTransport, DistributedTransport, HttpTransport,
                                                 SHM_ROOT, build_weight_sync, choose_sglang_transport, choose_transport,
                                                 paused_update)
+from slime_dsa.config.errors import UserError
 from slime_dsa.orchestrator.weight_sync.base import post_update
 from tests.test_server import checkpoints, serving  # noqa: F401 (checkpoints is a fixture)
 from trainers.process_group import free_port
@@ -61,6 +62,9 @@ def test_choose_transport(tmp_path):
     assert choose_transport("auto", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing") == "http"
     assert choose_transport("http", "embedded", ["a"], "a", 1000, shm_root=tmp_path) == "http"
     assert choose_transport("shm", "external", [], None, 10**18, shm_root=tmp_path) == "shm"  # as asked
+    assert choose_transport("shm", "embedded", ["a", "a"], "a", 1000, shm_root=tmp_path) == "shm"
+    with pytest.raises(UserError, match="'shm' needs every engine on trainer rank 0's Ray node"):
+        choose_transport("shm", "embedded", ["a", "b"], "a", 1000, shm_root=tmp_path)  # was: engines found no file
     with pytest.raises(ValueError, match="rollout.weight_sync 'shm'"):
         choose_transport("shm", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing")
     with pytest.raises(ValueError, match="rollout.weight_sync"):

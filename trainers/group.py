@@ -11,11 +11,12 @@ import ray
 import torch
 
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
+from slime_dsa.ray_nodes import driver_address
 from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
-from trainers.process_group import free_port
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
 from trainers.rank import TrainerRank, combine_steps, shares_prompts
+from trainers.rendezvous import host_store
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +29,13 @@ class RayTrainerGroup:
     def __init__(self, config: RankConfig, num_workers: int, num_cpus_per_worker: float = 1,
                  num_gpus_per_worker: float = 0) -> None:
         actor_cls = ray.remote(self.rank_class)
-        port = free_port()
+        # The ranks meet at a store this process hosts: its address is known before Ray places rank 0 on some node
+        address = driver_address()
+        self._store, port = host_store(address)
         self.config = config
         self.workers = [
             actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)
-            .remote(rank, num_workers, "127.0.0.1", port, config)
+            .remote(rank, num_workers, address, port, config, store_hosted=True)
             for rank in range(num_workers)
         ]
         ray.get([w.__ray_ready__.remote() for w in self.workers])

@@ -29,13 +29,14 @@ class EngineAccess:
 
     api_key: str | None
     weight_dirs: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # where the engines the run starts listen (engine_host)
 
     @classmethod
-    def for_run(cls, recipe: RecipeConfig, weight_dirs: list[str]) -> EngineAccess:
+    def for_run(cls, recipe: RecipeConfig, weight_dirs: list[str], host: str = "127.0.0.1") -> EngineAccess:
         """A new key for engines the run starts; $SLIME_DSA_API_KEY (or none) for external ones."""
         if recipe.rollout.engine == "external":
             return cls(os.environ.get(API_KEY_ENV) or None)
-        return cls(secrets.token_urlsafe(32), tuple(weight_dirs))
+        return cls(secrets.token_urlsafe(32), tuple(weight_dirs), host)
 
 
 async def check_external_engines(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> None:
@@ -173,23 +174,55 @@ def check_local_gpus(recipe: RecipeConfig) -> None:
                         "it on a GPU machine, or join a cluster that has them (cluster.address)")
 
 
-def check_one_node(recipe: RecipeConfig) -> None:
-    """UserError (one line) when a joined Ray cluster has a node besides the driver's that could take the run's actors:
-    embedded engines listen, and trainer ranks meet, on 127.0.0.1 of their node, so runs across nodes are not built."""
+def engine_host() -> str:
+    """Where the engines the run starts listen: 127.0.0.1 when every node that takes actors is the driver's, else
+    each engine's node address (the run's key is required there, as everywhere)."""
+    from rollout.actors import NODE_ADDRESS  # noqa: PLC0415
+    from slime_dsa.ray_nodes import LOOPBACK, other_nodes  # noqa: PLC0415
+
+    return NODE_ADDRESS if other_nodes() else LOOPBACK
+
+
+def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path, checkpoint_dir: Path,
+                            timeout_s: float = 120.0) -> None:
+    """UserError (one line) naming the first node besides the driver's that does not see the model directory, the run
+    directory or the checkpoint directory where the driver does: engines load the model, and ranks write checkpoints
+    and engines their logs, at the driver's paths, so a run across nodes needs a filesystem they share."""
     import ray  # noqa: PLC0415
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.ray_nodes import other_nodes  # noqa: PLC0415
 
-    if recipe.cluster.address is None:
+    nodes = other_nodes()
+    if not nodes:
         return
-    here = ray.get_runtime_context().get_node_id()
-    others = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != here
-              and any(n.get("Resources", {}).get(kind, 0) > 0 for kind in ("CPU", "GPU"))]
-    if others:
-        raise UserError(f"cluster.address: the Ray cluster at {recipe.cluster.address} has {len(others)} node(s) "
-                        "besides this driver's that could take the run's actors, and runs across nodes are not built "
-                        "yet (embedded engines listen, and trainer ranks meet, on 127.0.0.1 of their node): join a "
-                        "one-node cluster from its node")
+    # A file only the driver just wrote: a node that sees it sees the driver's directory, not a same-named local one
+    markers = [Path(d) / f".node-check-{secrets.token_hex(8)}" for d in (run_dir, checkpoint_dir)]
+    for marker in markers:
+        marker.write_text("")
+    try:
+        probe = ray.remote(num_cpus=0)(_missing_paths)
+        wanted = [str(Path(model_dir) / "config.json"), *map(str, markers)]
+        found = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                         .remote(wanted) for n in nodes], timeout=timeout_s)
+    finally:
+        for marker in markers:
+            marker.unlink(missing_ok=True)
+    names = {wanted[0]: f"model.path's {model_dir}", wanted[1]: f"the run directory {run_dir}",
+             wanted[2]: f"the checkpoint directory {checkpoint_dir}"}
+    for node, missing in zip(nodes, found):
+        if missing:
+            raise UserError(f"cluster.address: node {node.get('NodeManagerAddress')} of the Ray cluster does not see "
+                            f"{names[missing[0]]}: a run across nodes needs the model, run and checkpoint directories "
+                            "at the same paths on every node (a shared filesystem)")
+    logger.info("the run may place actors on %d node(s) besides this driver's: engines listen on their node's "
+                "address, trainer ranks meet at this driver's", len(nodes))
+
+
+def _missing_paths(paths: list[str]) -> list[str]:
+    """The paths that do not exist on this node (a Ray task's)."""
+    return [p for p in paths if not os.path.exists(p)]
 
 
 def check_cluster_fits(recipe: RecipeConfig) -> None:
@@ -312,7 +345,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
     logs = None if log_dir is None else [str(Path(log_dir) / f"engine_{i}.log") for i in range(first, first + count)]
     if ro.engine == "sglang":
         return create_engine_actors(count, kind="sglang", num_gpus_per_engine=cl.num_gpus_per_engine,
-                                    num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs,
+                                    num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, host=access.host,
                                     sglang_config=sglang_config(recipe, model_dir, ro.return_indexer_topk,
                                                                 cl.placement == "colocated", access.api_key))
     dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
@@ -320,7 +353,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
     logger.info("each engine: KV cache of %d tokens, up to %d running requests", max_tokens, max_requests)
     return create_engine_actors(
         count, kind="embedded", num_gpus_per_engine=cl.num_gpus_per_engine,
-        num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, model_dir=str(model_dir),
+        num_cpus_per_engine=cl.num_cpus_per_actor, log_files=logs, host=access.host, model_dir=str(model_dir),
         engine_kwargs={"dtype": dtype, "max_cache_tokens": max_tokens, "max_running_requests": max_requests,
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk,
                        "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,

@@ -76,8 +76,9 @@ def _tokenizer_difference(student_vocab: dict[str, int], student: Any, teacher: 
 class Teachers:
     """The run's TeacherPool and the engine actors behind it (restarted when one dies)."""
 
-    def __init__(self, recipe: RecipeConfig, temperature: float, top_k: int) -> None:
+    def __init__(self, recipe: RecipeConfig, temperature: float, top_k: int, host: str = "127.0.0.1") -> None:
         self.recipe, self.temperature, self.top_k = recipe, temperature, top_k
+        self.host = host  # where the teacher engines the run starts listen (setup.engine_host)
         # A fresh key for the engines the run starts (as the policy's: no other local process or web page can drive
         # them); external teachers take $SLIME_DSA_API_KEY, as external rollout engines do.
         self.api_key = secrets.token_urlsafe(32)
@@ -149,7 +150,7 @@ class Teachers:
 
         recipe, cl = self.recipe, self.recipe.cluster
         common = {"kind": kind, "num_gpus_per_engine": cl.num_gpus_per_engine,
-                  "num_cpus_per_engine": cl.num_cpus_per_actor}
+                  "num_cpus_per_engine": cl.num_cpus_per_actor, "host": self.host}
         if kind == "sglang":
             config = sglang_config(recipe, path, api_key=self.api_key)
             return lambda: create_engine_actors(1, sglang_config=config, **common)[0]

@@ -108,11 +108,11 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     if saved_state is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved_state["rollout"]["mixture"])
     setup.init_ray(recipe)
-    setup.check_one_node(recipe)  # engines and ranks on other nodes could not be reached
     setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
+    setup.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
     remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
     shm_dir = shm_dir_name()
-    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
+    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), setup.engine_host())
 
     # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
     # which size their memory pools from the GPU memory free when they start.
@@ -133,7 +133,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     logger.info("%s", recipe.concurrency_line(use_async))
     client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
                           timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
-    teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
+    teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk, access.host) if recipe.teachers else None
     pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
     trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
     unplaced.cancel()

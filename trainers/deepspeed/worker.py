@@ -24,6 +24,7 @@ from trainers.deepspeed.engine import BuiltEngine, EngineModel, build_engine, sk
 from trainers.deepspeed.gather import weight_specs, whole_tensors
 from trainers.optim import build_scheduler
 from trainers.rank import Role, TrainerRank
+from trainers.rendezvous import join_default_group
 from trainers.shared_weights import SharedWeights
 from trainers.weight_sender import write_safetensors
 
@@ -33,15 +34,14 @@ logger = logging.getLogger(__name__)
 class DeepSpeedWorker(TrainerRank):
     """A DeepSpeed ZeRO rank. Call every collective method on every rank of the group."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig) -> None:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig,
+                 store_hosted: bool = False) -> None:
         super().__init__(rank, world_size, config)
         use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         # DeepSpeed reads its rank's device from LOCAL_RANK.
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(self.device.index or 0))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(self.device.index or 0))
+        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
         if not use_cuda:
             skip_shared_memory_comm_op()
         torch.manual_seed(config.seed)

@@ -12,7 +12,6 @@ directly in a test process.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from trainers.fsdp.bf16_compute import Bf16Compute
 from trainers.fsdp.parallelize import apply_fsdp
 from trainers.optim import build_role_optimizer, build_scheduler
 from trainers.rank import Role, TrainerRank
+from trainers.rendezvous import join_default_group
 from trainers.shared_weights import SharedWeights
 from trainers.weight_sender import write_safetensors
 
@@ -40,13 +40,12 @@ class FSDPWorker(TrainerRank):
     reuses_first_forward = True
     warms_up_kernels = True
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig) -> None:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig,
+                 store_hosted: bool = False) -> None:
         super().__init__(rank, world_size, config)
         use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
         self.mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (world_size,))
         torch.manual_seed(config.seed)
         ops.set_backend(config.ops_backend)

@@ -11,7 +11,6 @@ weights sharded over data parallel); on a CPU, where that one needs CUDA, megatr
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from trainers.megatron.transformer_config import transformer_config
 from trainers.megatron.weights import gather_hf_state, load_shard
 from trainers.optim import build_role_optimizer, build_scheduler
 from trainers.rank import Role, TrainerRank
+from trainers.rendezvous import join_default_group
 from trainers.weight_sender import write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -43,14 +43,13 @@ logger = logging.getLogger(__name__)
 class MegatronWorker(TrainerRank):
     """A Megatron rank. Call every collective method on every rank of the group."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig) -> None:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig,
+                 store_hosted: bool = False) -> None:
         super().__init__(rank, world_size, config)
         use_cuda = torch.cuda.is_available()
         cpu_shim.apply()  # a no-op on a GPU machine
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
         self.sizes = parallel_sizes(config.backend_options)
         self.groups, self.place = initialize(self.sizes)
         self.data_parallel_rank, self.data_parallel_size = self.place.dp_rank, self.place.dp_size

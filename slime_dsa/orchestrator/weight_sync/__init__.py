@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+from slime_dsa.config.errors import UserError
 from slime_dsa.orchestrator.weight_sync.base import WeightTransport, paused_update
 from slime_dsa.orchestrator.weight_sync.cuda_ipc import CudaIpcTransport
 from slime_dsa.orchestrator.weight_sync.disk import SHM_ROOT, DiskTransport, remove_stale_shm_dirs, shm_dir_name
@@ -64,6 +65,9 @@ def choose_transport(setting: str, engine_kind: str, engine_nodes: list[str | No
     if setting in ("http", "shm"):
         if setting == "shm" and not _writable_dir(shm_root):
             raise ValueError(f"rollout.weight_sync 'shm' needs a writable {shm_root}")
+        if setting == "shm" and engine_kind == "embedded" and trainer_node is not None and not same_node:
+            raise UserError(f"rollout.weight_sync 'shm' needs every engine on trainer rank 0's Ray node (they load "
+                            f"from its {shm_root}), and the Ray cluster placed some on other nodes: use auto or http")
         return setting  # type: ignore[return-value]
     if not same_node:
         return "http"
@@ -164,7 +168,7 @@ def _embedded_or_external(recipe: Any, trainers: Any, engine_actors: list[Any],
     ro = recipe.rollout
     embedded = ro.engine == "embedded"
     nodes = ray.get([a.node_id.remote() for a in engine_actors]) if embedded else []
-    trainer_node = trainers.node_id() if ro.weight_sync in ("auto", "cuda_ipc") else None
+    trainer_node = trainers.node_id() if ro.weight_sync in ("auto", "cuda_ipc", "shm") else None
     # GPUs by UUID, not index: each Ray actor sees its own CUDA_VISIBLE_DEVICES numbering.
     wants_gpu = embedded and ro.weight_sync in ("auto", "cuda_ipc")
     engine_gpus = ray.get([a.cuda_device.remote() for a in engine_actors]) if wants_gpu else []
