@@ -869,8 +869,9 @@ class ClusterSection(Section):
     """Where actors run: the Ray cluster, placement and resources per actor (train; slime-dsa sft refuses them set)."""
 
     address: str | None = Field(
-        None, description="Ray cluster: null starts a local one (ray.init()), auto joins the running cluster, "
-                          "or ray://host:port.")
+        None, description="Ray cluster: null starts a local one (ray.init()); auto, the head's host:port (as "
+                          "`ray start --head` printed) or ray://host:port joins a running one, whose nodes may all "
+                          "take actors (model.path, the run and checkpoint directories at the same paths on each).")
     placement: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="colocated: engines and trainers share devices and take turns; disaggregated: "
                                  "they do not take turns, so generation overlaps training (the asynchronous loop): "
