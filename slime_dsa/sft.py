@@ -191,7 +191,6 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
                     break
     finally:
         log.close()
-    save_pretrained(model, out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_pretrained(model, out_dir, extra=tokenizer.save_pretrained)
     (out_dir / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
     return out_dir

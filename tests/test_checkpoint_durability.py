@@ -1,0 +1,88 @@
+"""Checkpoints and exports survive a crash or a power loss: every file written into the temporary directory, and the
+directory itself, is fsynced before the rename that publishes it, and the parent directory after it (real saves: an
+FSDP2 rank of one over gloo writing a run checkpoint through the orchestrator's save, and `export`). Before, nothing
+was fsynced: after a power loss the rename could be on disk and the files' contents not, a checkpoint that looks
+complete but holds zeros."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_checkpoints import _fsdp_worker
+
+ASSET = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
+
+
+@pytest.fixture
+def disk_events(monkeypatch) -> list[tuple[str, ...]]:
+    """("fsync", path) and ("replace", source, target) in the order they happen, the real calls made."""
+    events: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(source, target, **kwargs) -> None:
+        events.append(("replace", str(Path(source).resolve()), str(Path(target).resolve())))
+        real_replace(source, target, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def assert_published_durably(events: list[tuple[str, ...]], final: Path) -> None:
+    """`final` was renamed into place after all it holds (its files and directories, as the temporary directory named
+    them) was fsynced, and its parent directory was fsynced after the rename."""
+    final = final.resolve()
+    renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final)]
+    assert len(renames) == 1, f"{final} was not renamed into place once: {events}"
+    at, tmp = renames[0], Path(events[renames[0]][1])
+    synced_before = {e[1] for e in events[:at] if e[0] == "fsync"}
+    wanted = {str(tmp)} | {str(tmp / p.relative_to(final)) for p in final.rglob("*")}
+    assert not wanted - synced_before, f"not fsynced before the rename: {sorted(wanted - synced_before)}"
+    assert ("fsync", str(final.parent)) in events[at + 1:], f"{final.parent} not fsynced after the rename"
+
+
+def test_a_run_checkpoint_is_fsynced_then_renamed_then_its_parent_fsynced(tmp_path, disk_events):
+    """The orchestrator's save of a real FSDP2 rank's checkpoint (weights, AdamW state, RNG state in a subdirectory,
+    the tokenizer, orchestrator.json)."""
+    from slime_dsa.checkpoint.training import CheckpointManager
+    from slime_dsa.orchestrator.step import save_checkpoint
+
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    worker = _fsdp_worker(ASSET)
+    try:
+        save_checkpoint(ckpts, 3, worker, {"next": 3}, ASSET)
+    finally:
+        worker.shutdown()
+    final = ckpts.path_for(3)
+    assert {"model.safetensors", "optimizer.safetensors", "tokenizer.json", "orchestrator.json"} <= {
+        p.name for p in final.iterdir()}
+    assert_published_durably(disk_events, final)
+    assert ckpts.latest() == final
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_an_export_is_fsynced_with_its_tokenizer_then_renamed(tmp_path, disk_events, out_exists):
+    """`export` into a new directory: the weights, config and tokenizer fsynced, then the one rename. Before, the
+    tokenizer was copied in after the rename (an export without one after a crash there) and nothing was fsynced.
+    Into an existing directory, each file is fsynced before its own rename and the directory after."""
+    from slime_dsa.checkpoint.training import export_checkpoint
+
+    out = tmp_path / "export"
+    if out_exists:
+        out.mkdir()
+        (out / "README.md").write_text("mine")
+    export_checkpoint(ASSET, out)
+    written = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    assert {p.name for p in out.iterdir()} == set(written) | ({"README.md"} if out_exists else set())
+    if not out_exists:
+        assert_published_durably(disk_events, out)
+        return
+    for name in written:
+        assert_published_durably(disk_events, out / name)
