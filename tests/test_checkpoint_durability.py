@@ -86,3 +86,80 @@ def test_an_export_is_fsynced_with_its_tokenizer_then_renamed(tmp_path, disk_eve
         return
     for name in written:
         assert_published_durably(disk_events, out / name)
+
+
+@pytest.fixture(scope="module")
+def written_checkpoint(tmp_path_factory) -> Path:
+    """A real run checkpoint: an FSDP2 rank's files, the tokenizer and orchestrator.json, through the orchestrator."""
+    from slime_dsa.checkpoint.training import CheckpointManager
+    from slime_dsa.orchestrator.step import save_checkpoint
+
+    ckpts = CheckpointManager(tmp_path_factory.mktemp("written") / "checkpoints")
+    worker = _fsdp_worker(ASSET)
+    try:
+        save_checkpoint(ckpts, 3, worker, {"next": 3}, ASSET)
+    finally:
+        worker.shutdown()
+    return ckpts.path_for(3)
+
+
+def _zero_tensor_data(path: Path) -> None:
+    """Zeros over a safetensors file's tensor data, its header and size kept: what a power loss leaves when the file's
+    size reached the disk and its data did not."""
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    assert len(data) > start, f"{path} holds no tensor data"
+    path.write_bytes(data[:start] + bytes(len(data) - start))
+
+
+def _edit_step(path: Path) -> None:
+    text = path.read_text()
+    assert '"step": 0' in text
+    path.write_text(text.replace('"step": 0', '"step": 7', 1))
+
+
+SAME_SIZE_DAMAGE = [
+    ("model.safetensors", _zero_tensor_data),
+    ("rng_rank0.safetensors", _zero_tensor_data),
+    ("trainer.json", _edit_step),
+]
+
+
+@pytest.mark.parametrize("name, damage", SAME_SIZE_DAMAGE, ids=[name for name, _ in SAME_SIZE_DAMAGE])
+def test_a_file_changed_at_its_written_size_is_refused_in_one_line_naming_it(tmp_path, caplog, written_checkpoint,
+                                                                               name, damage):
+    """A file of the size written whose contents are not what was written (zeros over a safetensors file's tensors, a
+    trainer.json edited) is refused with one line naming it, and a resume falls back past it. Before, only sizes,
+    JSON syntax and safetensors headers were checked: the checkpoint passed as intact and a resume loaded the zeros."""
+    import logging
+    import shutil
+
+    from slime_dsa.checkpoint.training import CheckpointManager
+
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    shutil.copytree(written_checkpoint, ckpts.path_for(3))
+    assert ckpts.latest() == ckpts.path_for(3)
+    damage(ckpts.path_for(3) / name)
+    with caplog.at_level(logging.WARNING, logger="slime_dsa.checkpoint.training"):
+        assert ckpts.latest() is None
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"checkpoint {ckpts.path_for(3)} skipped: {name} does not hold what was written" in warning, warning
+    assert "\n" not in warning
+
+
+def test_only_files_up_to_the_checksum_limit_are_hashed(tmp_path, monkeypatch):
+    """Hashing a GLM-5-sized checkpoint's weights and optimizer state would take minutes on every save and resume:
+    files above CHECKSUM_MAX_BYTES get their size checked, not a checksum."""
+    import json
+
+    import slime_dsa.checkpoint.validate as validate
+    from slime_dsa.checkpoint.training import CheckpointManager
+
+    def write(tmp: Path) -> None:
+        (tmp / "trainer.json").write_text(json.dumps({"step": 1}))
+        (tmp / "model.safetensors").write_bytes(bytes(4096))
+
+    monkeypatch.setattr(validate, "CHECKSUM_MAX_BYTES", 1024)
+    final = CheckpointManager(tmp_path / "checkpoints").save(1, write, {})
+    state = json.loads((final / "orchestrator.json").read_text())
+    assert set(state["files"]) == {"trainer.json", "model.safetensors"} and set(state["sha256"]) == {"trainer.json"}

@@ -1,10 +1,10 @@
-"""Run checkpoints: written atomically and durably (a temporary directory, fsynced, then a rename: slime_dsa/durable.py),
-the last K kept, resumed exactly.
+"""Run checkpoints: written atomically and durably (a temporary directory, fsynced, then a rename:
+slime_dsa/durable.py), the last K kept, resumed exactly.
 
 A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
-config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, and the
-size of every file written). `latest()` skips a checkpoint damaged since (validate.py) for the newest intact one;
-`remove_orphans()` removes the temporary directories of saves that were killed.
+config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, the size of
+every file written and the SHA-256 of the small ones). `latest()` skips a checkpoint damaged since (validate.py) for
+the newest intact one; `remove_orphans()` removes the temporary directories of saves that were killed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, model_dir_problem
+from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
+                                           model_dir_problem)
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import publish
 
@@ -77,7 +78,7 @@ class CheckpointManager:
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
         try:
             write(tmp)
-            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp)}
+            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp), CHECKSUM_KEY: checksums(tmp)}
             (tmp / "orchestrator.json").write_text(json.dumps(state, indent=2))
             final = self.path_for(step)
             if final.exists():
@@ -125,7 +126,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
 
 def _copy_tokenizer(checkpoint: Path, out: Path) -> None:
     """The tokenizer and generation files of `checkpoint` that an HF directory carries, copied into `out`."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
         if (checkpoint / name).exists():
             shutil.copy2(checkpoint / name, out / name)
 
