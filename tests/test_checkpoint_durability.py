@@ -163,3 +163,33 @@ def test_only_files_up_to_the_checksum_limit_are_hashed(tmp_path, monkeypatch):
     final = CheckpointManager(tmp_path / "checkpoints").save(1, write, {})
     state = json.loads((final / "orchestrator.json").read_text())
     assert set(state["files"]) == {"trainer.json", "model.safetensors"} and set(state["sha256"]) == {"trainer.json"}
+
+
+SFT = {"model": {"preset": "tiny"}, "trainer": {"num_steps": 2, "micro_batch_tokens": 2048},
+       "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 4}}
+INDEXER_WARMUP = {"model": {"path": str(ASSET)},
+                  "indexer_warmup": {"corpus": "tasks", "seq_len": 64, "index_topk": 16, "batch_size": 2,
+                                     "num_steps": 2, "eval_sequences": 2, "eval_every": 0}}
+
+
+@pytest.mark.parametrize("command, recipe, summary", [("sft", SFT, "sft_summary.json"),
+                                                      ("indexer-warmup", INDEXER_WARMUP, "indexer_warmup_summary.json")])
+def test_sft_and_indexer_warmup_publish_the_model_with_its_tokenizer_and_summary(tmp_path, disk_events, command,
+                                                                                   recipe, summary):
+    """The model directory sft and indexer-warmup write: weights, tokenizer and summary fsynced, then one rename.
+    Before, the tokenizer and the summary were written into it after the rename, not fsynced (a model without them
+    after a crash there), and the summary rewritten in place in an existing output directory."""
+    import yaml
+
+    from slime_dsa.cli import main
+
+    out = tmp_path / "model"
+    section = "sft" if command == "sft" else "indexer_warmup"
+    data = {"tasks": [{"kind": "arithmetic", "eval_size": 4, "train_size": 40, "task_args": {"max_digits": 1}}],
+            "apply_chat_template": True, "max_prompt_length": 64}
+    full = {**recipe, "data": data, section: {**recipe[section], "output_dir": str(out)},
+            "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(full))
+    assert main([command, str(tmp_path / "recipe.yaml")]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", summary} <= {p.name for p in out.iterdir()}
+    assert_published_durably(disk_events, out)
