@@ -172,8 +172,10 @@ INDEXER_WARMUP = {"model": {"path": str(ASSET)},
                                      "num_steps": 2, "eval_sequences": 2, "eval_every": 0}}
 
 
-@pytest.mark.parametrize("command, recipe, summary", [("sft", SFT, "sft_summary.json"),
-                                                      ("indexer-warmup", INDEXER_WARMUP, "indexer_warmup_summary.json")])
+JOBS = [("sft", SFT, "sft_summary.json"), ("indexer-warmup", INDEXER_WARMUP, "indexer_warmup_summary.json")]
+
+
+@pytest.mark.parametrize("command, recipe, summary", JOBS, ids=[command for command, _, _ in JOBS])
 def test_sft_and_indexer_warmup_publish_the_model_with_its_tokenizer_and_summary(tmp_path, disk_events, command,
                                                                                    recipe, summary):
     """The model directory sft and indexer-warmup write: weights, tokenizer and summary fsynced, then one rename.
