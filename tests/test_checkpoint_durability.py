@@ -195,3 +195,34 @@ def test_sft_and_indexer_warmup_publish_the_model_with_its_tokenizer_and_summary
     assert main([command, str(tmp_path / "recipe.yaml")]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", summary} <= {p.name for p in out.iterdir()}
     assert_published_durably(disk_events, out)
+
+
+def test_metrics_reach_the_disk_before_the_checkpoint_that_covers_their_steps(tmp_path, disk_events):
+    """A step's tail (orchestrator/step.after_step) logging step 2 and checkpointing it: metrics.jsonl is fsynced
+    before the checkpoint's rename. Before, it never was: after a power loss the checkpoint of step 2 could be on disk
+    and the records of steps 1-2 not, and a resume from it logs only the steps after it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slime_dsa.checkpoint.training import CheckpointManager
+    from slime_dsa.config.schema import RecipeConfig
+    from slime_dsa.logging.metrics import MetricsLogger
+    from slime_dsa.orchestrator.step import after_step
+
+    recipe = RecipeConfig.model_validate({"logging": {"log_every": 1}, "checkpoint": {"save_every": 2},
+                                          "trainer": {"num_steps": 10}})
+    metrics = MetricsLogger(tmp_path / "run", "p", None, "disabled")
+    worker = _fsdp_worker(ASSET)
+    run = SimpleNamespace(recipe=recipe, engine_stats=None, driver_gc=None, metrics_log=metrics,
+                          manager=SimpleNamespace(state_dict=lambda: {"next": 2}), progress=SimpleNamespace(saved=0),
+                          ckpts=CheckpointManager(tmp_path / "run" / "checkpoints"), trainers=worker, model_dir=ASSET)
+    try:
+        for step in range(2):
+            asyncio.run(after_step(run, step, {"train/loss": 0.1}))
+    finally:
+        worker.shutdown()
+        metrics.close()
+    final = run.ckpts.path_for(2)
+    assert_published_durably(disk_events, final)
+    rename = next(i for i, e in enumerate(disk_events) if e[0] == "replace" and e[2] == str(final.resolve()))
+    assert ("fsync", str((tmp_path / "run" / "metrics.jsonl").resolve())) in disk_events[:rename]

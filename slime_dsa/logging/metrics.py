@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from slime_dsa.durable import write_atomic
+from slime_dsa.durable import fsync_path, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb_run is not None and (self._wandb_holds_through is None or step > self._wandb_holds_through):
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
+
+    def sync(self) -> None:
+        """fsync metrics.jsonl, so that its records survive a power loss (called before each checkpoint)."""
+        fsync_path(self.path)
 
     def close(self) -> None:
         """Close metrics.jsonl and finish the W&B run: failed (exit code 1) when called as an exception leaves, so a
