@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
 from slime_dsa.config.errors import UserError
+from slime_dsa.durable import publish, write_atomic
 from slime_dsa.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def resolve_run_dir(recipe: RecipeConfig) -> Path:
 def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
     """run_dir/recipe.yaml: the recipe with every default and --set applied, as the run saw it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    write_atomic(run_dir / "recipe.yaml", dump_recipe(recipe))
 
 
 @contextmanager
@@ -129,9 +131,17 @@ def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     same: the budget only says how many keys the indexer selects)."""
     target = run_dir / "initial_model"
     if not (target / "config.json").exists():
-        shutil.copytree(path, target, dirs_exist_ok=True)
-        config = json.loads((path / "config.json").read_text())
-        (target / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
+        try:  # copied whole or not at all: a later start reuses whatever holds a config.json
+            shutil.copytree(path, tmp, dirs_exist_ok=True)
+            config = json.loads((path / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+            shutil.rmtree(target, ignore_errors=True)  # an earlier copy's leftovers, without a config.json
+            publish(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         logger.info("copied %s to %s with index_topk %d", path, target, index_topk)
     return _set_index_topk(target, index_topk)
 
@@ -141,7 +151,7 @@ def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:
     initial_model its first start wrote, whose budget a changed model.index_topk must still set."""
     config = json.loads((model_dir / "config.json").read_text())
     if index_topk is not None and config.get("index_topk") != index_topk:
-        (model_dir / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        write_atomic(model_dir / "config.json", json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
         logger.info("%s: index_topk %s -> %d (model.index_topk)", model_dir, config.get("index_topk"), index_topk)
     return model_dir
 
@@ -185,8 +195,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
     config = preset_config(recipe.model.preset, vocab_size=len(tokenizer),
                            eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), **overrides)
-    save_pretrained(build_model(config, seed=recipe.trainer.seed), target)
-    tokenizer.save_pretrained(target)
+    save_pretrained(build_model(config, seed=recipe.trainer.seed), target, extra=tokenizer.save_pretrained)
     logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
     return target
 

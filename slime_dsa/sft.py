@@ -191,7 +191,10 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
                     break
     finally:
         log.close()
-    save_pretrained(model, out_dir)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
+
+    def extra(tmp: Path) -> None:  # published with the weights, not written after them
+        tokenizer.save_pretrained(tmp)
+        (tmp / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
+
+    save_pretrained(model, out_dir, extra=extra)
     return out_dir

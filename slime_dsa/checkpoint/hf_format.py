@@ -11,11 +11,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from slime_dsa.durable import publish
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
@@ -60,8 +62,10 @@ def save_pretrained(
     directory: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     state_dict: dict[str, torch.Tensor] | None = None,
+    extra: Callable[[Path], object] | None = None,
 ) -> Path:
-    """Write config.json and safetensors into `directory` atomically (a temporary directory, then a rename)."""
+    """Write config.json and safetensors into `directory` atomically and durably (a temporary directory, fsynced, then
+    a rename); `extra(tmp)` writes more files there first (a tokenizer), so they arrive with the weights."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
@@ -79,16 +83,18 @@ def save_pretrained(
                 weight_map.update({key: name for key in shard})
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if extra is not None:
+            extra(tmp)
         _apply_umask(tmp)
         if directory.exists():
             # Keep any files we did not write (tokenizer, README) and replace ours.
             for stale in list(directory.glob("*.safetensors")) + [directory / INDEX_NAME]:
                 stale.unlink(missing_ok=True)
-            for item in tmp.iterdir():
-                os.replace(item, directory / item.name)
+            for item in list(tmp.iterdir()):
+                publish(item, directory / item.name)
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, directory)
+            publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,24 +1,26 @@
-"""Run checkpoints: written atomically (a temporary directory, then a rename), the last K kept, resumed exactly.
+"""Run checkpoints: written atomically and durably (a temporary directory, fsynced, then a rename:
+slime_dsa/durable.py), the last K kept, resumed exactly.
 
 A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
-config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, and the
-size of every file written). `latest()` skips a checkpoint damaged since (validate.py) for the newest intact one;
-`remove_orphans()` removes the temporary directories of saves that were killed.
+config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, the size of
+every file written and the SHA-256 of the small ones). `latest()` skips a checkpoint damaged since (validate.py) for
+the newest intact one; `remove_orphans()` removes the temporary directories of saves that were killed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from slime_dsa.checkpoint.validate import MANIFEST_KEY, checkpoint_problem, manifest, model_dir_problem
+from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
+                                           model_dir_problem)
 from slime_dsa.config.errors import UserError
+from slime_dsa.durable import publish
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -71,17 +73,17 @@ class CheckpointManager:
         return self.directory / f"step_{step:06d}"
 
     def save(self, step: int, write: Callable[[Path], None], orchestrator_state: dict[str, Any]) -> Path:
-        """Run `write(tmp_dir)`, add orchestrator.json, then rename into place and prune old checkpoints."""
+        """Run `write(tmp_dir)`, add orchestrator.json, fsync it all, rename into place and prune old checkpoints."""
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
         try:
             write(tmp)
-            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp)}
+            state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp), CHECKSUM_KEY: checksums(tmp)}
             (tmp / "orchestrator.json").write_text(json.dumps(state, indent=2))
             final = self.path_for(step)
             if final.exists():
                 shutil.rmtree(final)
-            os.replace(tmp, final)
+            publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -117,13 +119,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
     try:
-        out = save_pretrained(model, out_dir)
+        return save_pretrained(model, out_dir, extra=lambda tmp: _copy_tokenizer(checkpoint, tmp))
     except OSError as e:  # --out under a file or unwritable, a full disk
         raise UserError(f"--out {out_dir}: cannot write the HF directory: {e.strerror or e}") from None
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
+
+
+def _copy_tokenizer(checkpoint: Path, out: Path) -> None:
+    """The tokenizer and generation files of `checkpoint` that an HF directory carries, copied into `out`."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "generation_config.json"):
         if (checkpoint / name).exists():
             shutil.copy2(checkpoint / name, out / name)
-    return out
 
 
 def _check_exportable(checkpoint: Path) -> None:

@@ -1,18 +1,37 @@
-"""Is a run checkpoint intact? Files present at the size they were written, JSON parseable, safetensors headers
-readable and covering their files. Cheap: no tensor is read."""
+"""Is a run checkpoint intact? Files present at the size they were written, the small ones (JSON state, RNG states,
+tokenizer, all of a small model) with the SHA-256 they were written with, JSON parseable, safetensors headers readable
+and covering their files. Cheap: no large tensor file is read; hashing a GLM-5-sized checkpoint's hundreds of GB
+would take minutes on every save and resume."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 MANIFEST_KEY = "files"  # in orchestrator.json: {file name: size in bytes} of what the save wrote
+CHECKSUM_KEY = "sha256"  # in orchestrator.json: {file name: SHA-256} of the files up to CHECKSUM_MAX_BYTES
+CHECKSUM_MAX_BYTES = 64 * 1024**2
 
 
 def manifest(directory: Path) -> dict[str, int]:
     """{relative path: size} of every file in a checkpoint directory being written, a role's subdirectory (critic/)
     included (recorded in orchestrator.json)."""
     return {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """{relative path: SHA-256} of every file up to CHECKSUM_MAX_BYTES in a checkpoint directory being written."""
+    return {p.relative_to(directory).as_posix(): _sha256(p) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.stat().st_size <= CHECKSUM_MAX_BYTES}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_problem(directory: Path) -> str | None:
@@ -38,6 +57,15 @@ def checkpoint_problem(directory: Path) -> str | None:
         problem = _json_problem(path) if path.suffix == ".json" else safetensors_problem(path) if path.suffix == ".safetensors" else None
         if problem:
             return f"{path.relative_to(directory).as_posix()} {problem}"
+    return _checksum_problem(directory, state.get(CHECKSUM_KEY) or {})
+
+
+def _checksum_problem(directory: Path, sums: dict[str, str]) -> str | None:
+    """The first file whose SHA-256 is not the one recorded when it was written, in a few words (checkpoints written
+    before checksums were recorded have none)."""
+    for name, digest in sums.items():
+        if (directory / name).is_file() and _sha256(directory / name) != digest:
+            return f"{name} does not hold what was written (its SHA-256 differs: changed or corrupted since)"
     return None
 
 

@@ -250,9 +250,12 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
         layer.self_attn.index_topk = topk
         if layer.self_attn.indexer is not None:
             layer.self_attn.indexer.index_topk = topk
-    save_pretrained(model, out_dir)
-    tokenizer.save_pretrained(out_dir)
     summary = {"index_topk": topk, "seq_len": cfg.seq_len, "steps": cfg.num_steps,
                "before": result["before"], "after": result["after"]}
-    (out_dir / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
+
+    def extra(tmp: Path) -> None:  # published with the weights, not written after them
+        tokenizer.save_pretrained(tmp)
+        (tmp / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
+
+    save_pretrained(model, out_dir, extra=extra)
     return out_dir

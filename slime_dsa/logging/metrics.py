@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from slime_dsa.durable import fsync_path, write_atomic
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,7 +57,7 @@ class MetricsLogger:
 
         id_file = self.run_dir / "wandb_run_id.txt"
         run_id = wandb_run_id(id_file.read_text().strip() if id_file.exists() else None, fresh)
-        id_file.write_text(run_id)
+        write_atomic(id_file, run_id)
         try:
             run = wandb.init(project=project, name=run_name, id=run_id, dir=str(self.run_dir), mode=mode,
                              config=config, reinit="finish_previous", resume="allow")
@@ -80,7 +82,7 @@ class MetricsLogger:
             return 0.0, None
         records = _records(self.path)
         kept = [(line, r) for line, r in records if r.get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line, _ in kept))
+        write_atomic(self.path, "".join(line + "\n" for line, _ in kept))  # a failed rewrite must lose no record
         elapsed = max((float(r["elapsed_s"]) for _, r in kept if isinstance(r.get("elapsed_s"), (int, float))),
                       default=0.0)
         return elapsed, max((r.get("step", 0) for _, r in records if r.get("step", 0) > step), default=None)
@@ -93,6 +95,10 @@ class MetricsLogger:
         self._file.flush()
         if self.wandb_run is not None and (self._wandb_holds_through is None or step > self._wandb_holds_through):
             self.wandb_run.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
+
+    def sync(self) -> None:
+        """fsync metrics.jsonl, so that its records survive a power loss (called before each checkpoint)."""
+        fsync_path(self.path)
 
     def close(self) -> None:
         """Close metrics.jsonl and finish the W&B run: failed (exit code 1) when called as an exception leaves, so a

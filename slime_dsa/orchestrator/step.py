@@ -108,7 +108,7 @@ async def after_step(run: Run, step: int, metrics: dict[str, float]) -> None:
     if (save_every and (step + 1) % save_every == 0) or step + 1 == recipe.trainer.num_steps:
         # The data position is read here, on the event loop: in the asynchronous loop the producer moves it.
         rollout_state = run.manager.state_dict()
-        await asyncio.to_thread(save_checkpoint, run.ckpts, step + 1, run.trainers, rollout_state, run.model_dir)
+        await checkpoint_run(run, step + 1, rollout_state)
         run.progress.saved = step + 1
 
 
@@ -325,10 +325,16 @@ async def emergency_checkpoint(run: Run) -> Path | None:
     """A checkpoint of the last trained step when it has none yet (the run cannot go on); the newest otherwise."""
     progress = run.progress
     if progress.trained > progress.saved and progress.trained_state is not None:
-        await asyncio.to_thread(save_checkpoint, run.ckpts, progress.trained, run.trainers, progress.trained_state,
-                                run.model_dir)
+        await checkpoint_run(run, progress.trained, progress.trained_state)
         progress.saved = progress.trained
     return run.ckpts.path_for(progress.saved) if progress.saved else None
+
+
+async def checkpoint_run(run: Run, step: int, rollout_state: dict) -> None:
+    """Checkpoint `step`, metrics.jsonl fsynced first: the records of the steps a checkpoint covers reach the disk
+    before it does (a resume from it keeps them and logs only the steps after it)."""
+    run.metrics_log.sync()
+    await asyncio.to_thread(save_checkpoint, run.ckpts, step, run.trainers, rollout_state, run.model_dir)
 
 
 def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: Path) -> None:

@@ -1,0 +1,47 @@
+"""Writes that survive a crash or a power loss: what is written goes to a temporary name, is fsynced, then renamed
+into place, and the directory holding it is fsynced after the rename. Without the first fsync the rename can reach
+the disk before the data does, leaving a file or checkpoint that looks complete but holds zeros; without the last,
+the rename itself can be lost."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's data and metadata to the disk (no byte is read)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file under `directory`, then every directory, deepest first (a directory's entries name its
+    files)."""
+    for root, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            fsync_path(Path(root, name))
+        fsync_path(Path(root))
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the written file or directory `tmp` to `final` durably: its contents fsynced, the rename, then the
+    parent directory fsynced. `final`, when it exists, must be a file or an empty directory (os.replace's rule)."""
+    fsync_tree(tmp) if tmp.is_dir() else fsync_path(tmp)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text`: after a crash or a failed write (a full disk) it holds the old text or the new,
+    never a part."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        publish(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
