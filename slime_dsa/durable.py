@@ -30,7 +30,10 @@ def fsync_tree(directory: Path) -> None:
 def publish(tmp: Path, final: Path) -> None:
     """Rename the written file or directory `tmp` to `final` durably: its contents fsynced, the rename, then the
     parent directory fsynced. `final`, when it exists, must be a file or an empty directory (os.replace's rule)."""
-    fsync_tree(tmp) if tmp.is_dir() else fsync_path(tmp)
+    if tmp.is_dir():
+        fsync_tree(tmp)
+    else:
+        fsync_path(tmp)
     os.replace(tmp, final)
     fsync_path(final.parent)
 
