@@ -107,63 +107,70 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     saved_state = read_orchestrator_state(resume_from) if resume_from is not None else None
     if saved_state is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved_state["rollout"]["mixture"])
-    setup.init_ray(recipe)
-    setup.check_one_node(recipe)  # engines and ranks on other nodes could not be reached
-    setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
-    remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
-    shm_dir = shm_dir_name()
-    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
-
-    # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
-    # which size their memory pools from the GPU memory free when they start.
-    # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
-    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
-    engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
-    if recipe.rollout.engine == "sglang":
-        (urls, engine_actors), trainers_up = await engines_up, None
-    else:
-        trainers_up = asyncio.ensure_future(asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
-        try:
-            urls, engine_actors = await engines_up
-        except BaseException:
-            await asyncio.gather(trainers_up, return_exceptions=True)  # no rank left starting behind the error
-            raise
-    ro = recipe.rollout
-    concurrency = recipe.max_concurrency(use_async)
-    logger.info("%s", recipe.concurrency_line(use_async))
-    client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
-                          timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
-    teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
-    pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
-    trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
-    unplaced.cancel()
-    await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
-                                      shm_dir)
-    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access,
-                           run_dir)
-    manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
-                             min_group_size=algorithm.min_group_size, max_concurrency=concurrency, teachers=pool)
-
-    start_step = 0
-    if resume_from is not None:
-        await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
-        manager.load_state_dict(saved_state["rollout"])
-        start_step = progress.saved = progress.trained = saved_state["step"]
-        await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
-        logger.info("resumed from %s at step %d", resume_from, start_step)
-        if manager.num_pending_replays and not use_async:
-            logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
-                           "synchronous loop does not regenerate them", manager.num_pending_replays)
-    elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
-        await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
-
+    # W&B's check (online: a key, its server) before Ray, the engines and the trainer ranks start, not minutes after
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
-                                resume_step=metrics_resume_step(resume, resume_from, start_step))
-    run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state, pool, progress, fleet, EngineStats(client),
-              await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
+                                resume_step=metrics_resume_step(resume, resume_from,
+                                                                saved_state["step"] if saved_state else 0))
+    try:
+        setup.init_ray(recipe)
+        setup.check_one_node(recipe)  # engines and ranks on other nodes could not be reached
+        setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
+        remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
+        shm_dir = shm_dir_name()
+        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir))
+
+        # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang
+        # servers, which size their memory pools from the GPU memory free when they start.
+        # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
+        unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
+        engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
+        if recipe.rollout.engine == "sglang":
+            (urls, engine_actors), trainers_up = await engines_up, None
+        else:
+            trainers_up = asyncio.ensure_future(asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+            try:
+                urls, engine_actors = await engines_up
+            except BaseException:
+                await asyncio.gather(trainers_up, return_exceptions=True)  # no rank left starting behind the error
+                raise
+        ro = recipe.rollout
+        concurrency = recipe.max_concurrency(use_async)
+        logger.info("%s", recipe.concurrency_line(use_async))
+        client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
+                              timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
+        teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk) if recipe.teachers else None
+        pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
+        trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+        unplaced.cancel()
+        await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
+        weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir,
+                                          run_dir, shm_dir)
+        fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async,
+                               access, run_dir)
+        manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro,
+                                 seed=recipe.data.seed, min_group_size=algorithm.min_group_size,
+                                 max_concurrency=concurrency, teachers=pool)
+
+        start_step = 0
+        if resume_from is not None:
+            await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
+            manager.load_state_dict(saved_state["rollout"])
+            start_step = progress.saved = progress.trained = saved_state["step"]
+            await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
+            logger.info("resumed from %s at step %d", resume_from, start_step)
+            if manager.num_pending_replays and not use_async:
+                logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
+                               "synchronous loop does not regenerate them", manager.num_pending_replays)
+        elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
+            await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
+
+        run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights,
+                  start_step, on_weights, hook_state, pool, progress, fleet, EngineStats(client),
+                  await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
+    except BaseException:
+        metrics_log.close()  # the W&B run of a start-up that failed ends as failed
+        raise
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
