@@ -170,7 +170,8 @@ def test_help_and_check_do_not_import_heavy_libraries():
     probe = ("import sys; from slime_dsa.cli import main; code = main({argv!r}); "
              "heavy = sorted(m for m in ('torch', 'ray', 'transformers', 'datasets', 'wandb', 'aiohttp') if m in sys.modules); "
              "print('HEAVY', heavy); sys.exit(code)")
-    for argv in (["--help"], ["serve", "--help"], ["recipe", "check", BASE], ["recipe", "explain"]):
+    with_model = ["recipe", "check", BASE, "--set", "model.path=recipes/assets/quickstart-sft"]  # its config.json read
+    for argv in (["--help"], ["serve", "--help"], ["recipe", "check", BASE], with_model, ["recipe", "explain"]):
         result = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 0, result.stderr
