@@ -161,18 +161,15 @@ def check_model_dir(path: Path, key: str = "model.path", policy: bool = True) ->
     after Ray and they had started: no or unreadable weights, a config.json of another architecture, or (`policy`)
     a value model, which has no language-model head (model.path, a teacher's path; critic.path takes either)."""
     from slime_dsa.checkpoint.validate import model_dir_problem  # noqa: PLC0415
+    from slime_dsa.config.paths import model_config_problem  # noqa: PLC0415
     from slime_dsa.models.config import ModelConfig  # noqa: PLC0415
-    from slime_dsa.models.value_model import VALUE_ARCHITECTURE, is_value_model_dir  # noqa: PLC0415
 
-    if problem := model_dir_problem(path):
+    if problem := model_dir_problem(path) or model_config_problem(path, key, policy):  # the second: as recipe check
         raise UserError(f"{key}: {problem}")
     try:
         ModelConfig.from_pretrained(path)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{key}: {path / 'config.json'}: {e}") from None
-    if policy and is_value_model_dir(path):
-        raise UserError(f"{key}: {path} is a value model ({VALUE_ARCHITECTURE}, no language-model head); {key} "
-                        "takes a policy (a checkpoint's own directory or an export, not its critic/)")
 
 
 def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:

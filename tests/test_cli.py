@@ -170,7 +170,8 @@ def test_help_and_check_do_not_import_heavy_libraries():
     probe = ("import sys; from slime_dsa.cli import main; code = main({argv!r}); "
              "heavy = sorted(m for m in ('torch', 'ray', 'transformers', 'datasets', 'wandb', 'aiohttp') if m in sys.modules); "
              "print('HEAVY', heavy); sys.exit(code)")
-    for argv in (["--help"], ["serve", "--help"], ["recipe", "check", BASE], ["recipe", "explain"]):
+    with_model = ["recipe", "check", BASE, "--set", "model.path=recipes/assets/quickstart-sft"]  # its config.json read
+    for argv in (["--help"], ["serve", "--help"], ["recipe", "check", BASE], with_model, ["recipe", "explain"]):
         result = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 0, result.stderr
@@ -389,6 +390,26 @@ def test_a_reward_fn_that_does_not_resolve_is_one_line_before_ray_starts(tmp_pat
     err = one_line_error(capsys, "train", BASE, "--set", f"data.tasks.0.reward_fn={reward_fn}",
                          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
     assert err.startswith("slime-dsa: error: data.tasks.0.reward_fn: ") and reward_fn in err, err
+
+
+def test_wandb_online_without_a_key_is_one_line_before_ray_starts(tmp_path):
+    """logging.wandb_mode online with no key: W&B was checked only once Ray, the engines and the trainer ranks had
+    started (~100 s on two cores); now the line comes first, and nothing of Ray's or the engines' starts."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RAY_"))}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), NETRC=str(tmp_path / "netrc"))
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "slime_dsa.cli", "train", BASE, "--set", f"logging.run_dir={run_dir}",
+                           "--set", "logging.wandb_mode=online"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    took = time.monotonic() - start
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("slime-dsa: error: logging.wandb_mode online: W&B did not start"), done.stderr[-2000:]
+    assert "Ray instance" not in done.stderr and not list(run_dir.glob("engine_*.log")), done.stderr[-2000:]
+    assert took < 60, took
 
 
 def test_generate_from_a_directory_that_is_no_model_is_one_line(capsys, tmp_path):

@@ -333,3 +333,64 @@ def test_engines_listen_on_loopback_unless_actors_may_land_on_another_node(monke
     assert setup.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
     sys.modules["ray"].nodes()[1]["Alive"] = False
     assert setup.engine_host() == "127.0.0.1"
+
+
+def _run_actors(port: int, env: dict) -> list[tuple[str, str]]:
+    """(class, state) of every actor on the cluster at 127.0.0.1:port that is not dead, as another driver sees them."""
+    import json
+    import subprocess
+
+    code = ("import json, ray; ray.init(address='127.0.0.1:%d', logging_level='ERROR'); "
+            "print(json.dumps([(a['ActorClassName'], a['State']) for a in ray._private.state.actors().values() "
+            "if a['State'] != 'DEAD']))" % port)
+    done = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [tuple(a) for a in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+@pytest.mark.slow
+def test_an_interrupt_while_actors_wait_for_a_busy_cluster_stops_at_once(tmp_path):
+    """A joined cluster whose CPUs another job holds: the run's actors wait for Ray to place them. Ctrl-C or SIGTERM
+    then hung (the start-up threads waited in ray.get for ever, and asyncio waited for them); now the run stops within
+    seconds with one line naming what it waited for, exit 130, and leaves none of its actors on the cluster."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with _ray_head(num_cpus=2) as (port, env):
+        hold = ("import ray; ray.init(address='127.0.0.1:%d', logging_level='ERROR')\n"
+                "@ray.remote(num_cpus=2)\nclass OtherJob:\n    def ready(self): return 1\n"
+                "ray.get(OtherJob.options(name='other', lifetime='detached').remote().ready.remote())\n" % port)
+        held = subprocess.run([sys.executable, "-c", hold], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
+                              text=True, timeout=120)
+        assert held.returncode == 0, held.stderr[-2000:]
+        for i, signum in enumerate((signal.SIGINT, signal.SIGTERM)):
+            run_dir = tmp_path / f"run{i}"
+            sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={run_dir}", "rollout.num_engines=1",
+                    "trainer.num_workers=1", "logging.wandb_mode=disabled", "logging.eval_every=0"]
+            proc = subprocess.Popen([sys.executable, "-m", "slime_dsa.cli", "train", "recipes/base.yaml",
+                                     *(a for s in sets for a in ("--set", s))], env=env, cwd=root,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 180
+                while proc.poll() is None and time.monotonic() < deadline and not any(
+                        state == "PENDING_CREATION" for _, state in _run_actors(port, env)):
+                    time.sleep(1)
+                assert proc.poll() is None, proc.stderr.read()[-2000:]
+                time.sleep(2)
+                proc.send_signal(signum)
+                sent = time.monotonic()
+                _, err = proc.communicate(timeout=60)
+                took = time.monotonic() - sent
+            finally:
+                proc.kill()
+            assert proc.returncode == 130, err[-2000:]
+            last = err.strip().splitlines()[-1]
+            assert last == ("slime-dsa: interrupted: while waiting for Ray to place 2 of the run's actors "
+                            "(EngineActor, FSDPWorker; 1 CPU each, cluster.num_cpus_per_actor, and their GPUs): the "
+                            "cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"), err
+            assert took < 15, took
+            assert _run_actors(port, env) == [("OtherJob", "ALIVE")]

@@ -198,6 +198,11 @@ def test_null_section_means_empty(tmp_path):
     ({"algorithm": {"index_replay": True}}, r"needs rollout\.return_indexer_topk"),
     ({"rollout": {"max_response_length": 8192}}, r"trainer\.micro_batch_tokens \(4096\) must hold"),
     ({"rollout": {"engine": "sglang"}}, r"needs GPUs: set cluster\.num_gpus_per_engine"),
+    # the run paused servers it did not start for every train call and released their KV cache
+    ({"rollout": {"engine": "external", "engine_urls": ["http://127.0.0.1:30000"]},
+      "cluster": {"num_gpus_per_engine": 1}},
+     r"cluster\.num_gpus_per_engine \(1\) with placement 'colocated' makes the engines take turns with the "
+     r"trainers .*rollout\.engine 'external' servers are not the run's to pause"),
     ({"rollout": {"sglang": {"weight_sync": "tensor"}}}, r"rollout\.sglang\.weight_sync 'tensor' is not available yet"),
     ({"data": {"tasks": [{"kind": "arithmetic", "split": "test"}]}},  # accepted and ignored by built-in tasks before
      r"data\.tasks\.0: split \('test'\) is only read by kind 'dataset', but kind is 'arithmetic'"),

@@ -291,6 +291,31 @@ def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, 
     assert err.startswith(expected.format(d=model_dir)), err
 
 
+@pytest.mark.parametrize(("make", "sets", "expected"), [
+    (lambda d: _model_dir_without(d, model_type="llama"), (),
+     "model.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+    (lambda d: _as_value_model(_model_dir_without(d)), (),
+     "model.path: {d} is a value model (GlmMoeDsaForValue, no language-model head); model.path takes a policy"),
+    (lambda d: _model_dir_without(d, model_type="llama"), ("--for", "sft"),
+     "model.path: {d}/config.json: config.json model_type is 'llama', expected 'glm_moe_dsa'"),
+])
+def test_recipe_check_names_a_model_path_of_another_architecture(capsys, tmp_path, make, sets, expected):
+    """`recipe check` found only that model.path held a config.json; the architecture (or a value model given as the
+    policy) was first named by `train`, after the prompts were tokenized. Now `recipe check` reads config.json too,
+    with the function train's check uses."""
+    model_dir = make(tmp_path)
+    err = one_line_error(capsys, "recipe", "check", BASE, *sets, "--set", f"model.path={model_dir}")
+    assert err.startswith(expected.format(d=model_dir)), err
+
+
+def test_recipe_checks_names_the_value_architecture_the_model_package_writes():
+    """config/paths.py names it without importing torch; the two must agree."""
+    from slime_dsa.config import paths  # noqa: PLC0415
+    from slime_dsa.models.value_model import VALUE_ARCHITECTURE  # noqa: PLC0415
+
+    assert paths.VALUE_ARCHITECTURE == VALUE_ARCHITECTURE
+
+
 def _as_value_model(model_dir: Path) -> Path:
     import json  # noqa: PLC0415
 

@@ -20,6 +20,8 @@ from slime_dsa.config.schema import RecipeConfig
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # what slime_dsa.data.prompts reads from a file
+MODEL_TYPE = "glm_moe_dsa"  # the config.json model_type slime_dsa.models.config.ModelConfig reads
+VALUE_ARCHITECTURE = "GlmMoeDsaForValue"  # slime_dsa.models.value_model's, named here without importing torch
 
 
 def looks_like_hub_id(value: str) -> bool:
@@ -36,7 +38,7 @@ def check_recipe_paths(config: RecipeConfig, trainer_workers: bool = True) -> No
 def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tuple[str, str]]:
     """(key, what is wrong) for every path of the recipe that cannot be used."""
     problems = []
-    if config.model.path is not None and (problem := _model_dir_problem(config.model.path)):
+    if config.model.path is not None and (problem := _model_dir_problem(config.model.path, "model.path")):
         problems.append(("model.path", problem))
     elif config.model.path is not None and (problem := _parallel_problem(config)):
         problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
@@ -47,10 +49,12 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
-    if config.critic.path is not None and (problem := _model_dir_problem(config.critic.path)):
+    if config.critic.path is not None and (problem := _model_dir_problem(config.critic.path, "critic.path", False)):
         problems.append(("critic.path", problem))
     for i, teacher in enumerate(config.teachers):
-        if problem := _model_dir_problem(teacher.path):
+        # SGLang and external servers load their own architectures: only our engines' teachers are read
+        ours = teacher.serving in ("embedded", "swap")
+        if problem := _model_dir_problem(teacher.path, f"teachers.{i}.path" if ours else None):
             problems.append((f"teachers.{i}.path", problem))
     iw = config.indexer_warmup
     if iw.corpus == "dataset" and iw.dataset_path and (problem := _local_problem(iw.dataset_path)):
@@ -82,10 +86,14 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _model_dir_problem(value: str) -> str | None:
+def _model_dir_problem(value: str, key: str | None = None, policy: bool = True) -> str | None:
+    """What keeps `value` from being a local model directory; with `key`, also what its config.json says against
+    loading it there (model_config_problem)."""
     path = Path(value).expanduser()
     if path.is_dir():
-        return None if (path / "config.json").is_file() else f"{value} holds no config.json (not a Hugging Face model directory)"
+        if not (path / "config.json").is_file():
+            return f"{value} holds no config.json (not a Hugging Face model directory)"
+        return model_config_problem(path, key, policy) if key is not None else None
     if path.exists():
         return f"{value} is a file, not a model directory"
     if looks_like_hub_id(value):
@@ -93,6 +101,27 @@ def _model_dir_problem(value: str) -> str | None:
                 f"(huggingface-cli download {value} --local-dir DIR) and set model.path to DIR")
     maker = _recipe_writing(path)
     return f"{value} does not exist" + (f" (`slime-dsa sft {maker}` writes it: run that first)" if maker else "")
+
+
+def model_config_problem(directory: Path, key: str, policy: bool = True) -> str | None:
+    """What `directory`'s config.json says that keeps it from loading as `key` (one line, after 'key: '): unreadable,
+    another architecture than glm_moe_dsa, or (`policy`) a value model, which has no language-model head. Reads
+    config.json only (no torch, no weights): `recipe check` and train's run_dir.check_model_dir share it."""
+    import json  # noqa: PLC0415
+
+    config = directory / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        return f"{config} is not readable JSON ({e})"
+    if not isinstance(raw, dict):
+        return f"{config} holds no JSON object"
+    if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+        return f"{config}: config.json model_type is {raw['model_type']!r}, expected {MODEL_TYPE!r}"
+    if policy and VALUE_ARCHITECTURE in (raw.get("architectures") or []):
+        return (f"{directory} is a value model ({VALUE_ARCHITECTURE}, no language-model head); {key} takes a policy (a "
+                "checkpoint's own directory or an export, not its critic/)")
+    return None
 
 
 def _recipe_writing(model_dir: Path) -> str | None:

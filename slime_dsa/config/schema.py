@@ -1286,6 +1286,13 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
                 "logging.run_name (the default run name is new on every run)", "checkpoint.resume")
+        if ro.engine == "external" and cl.engines_take_turns():  # the pauses and releases go to servers not ours
+            raise RecipeValueError(
+                f"cluster.num_gpus_per_engine ({cl.num_gpus_per_engine:g}) with placement 'colocated' makes the "
+                "engines take turns with the trainers (paused, their KV cache released, for every train call), and "
+                "rollout.engine 'external' servers are not the run's to pause: set cluster.num_gpus_per_engine 0 "
+                "(such servers hold their own GPUs) or cluster.placement 'disaggregated'",
+                "cluster.num_gpus_per_engine", "rollout.engine")
         return self
 
     def _check_true_on_policy(self) -> None:

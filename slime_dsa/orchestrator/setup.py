@@ -259,17 +259,49 @@ def check_cluster_fits(recipe: RecipeConfig) -> None:
 def warn_unplaced(recipe: RecipeConfig) -> None:
     """One warning when some of the run's actors still wait for Ray to place them: Ray waits silently for resources
     that other jobs hold."""
+    waiting = _unplaced_actors()
+    if waiting:
+        logger.warning("%s", _unplaced_line(recipe, waiting))
+
+
+def stop_unplaced(recipe: RecipeConfig) -> str:
+    """At an interruption during start-up: kill the run's actors that Ray has not placed yet, so that the start-up
+    threads waiting on them in ray.get end (else Ctrl-C hangs: asyncio and Python's exit wait for those threads).
+    Returns the line naming what the run waited for, or '' when nothing waited."""
     import ray  # noqa: PLC0415
 
-    job = ray.get_runtime_context().get_job_id()
-    waiting = [a for a in ray._private.state.actors(job_id=ray.JobID.from_hex(job)).values()
-               if a.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")]
+    if not ray.is_initialized():
+        return ""
+    waiting = _unplaced_actors()
     if not waiting:
-        return
-    cl, free = recipe.cluster, ray.available_resources()
-    logger.warning("%d of the run's actors wait for Ray to place them (%g CPU each, cluster.num_cpus_per_actor, and "
-                   "their GPUs): the cluster has %g CPUs and %g GPUs free now; other jobs hold the rest",
-                   len(waiting), cl.num_cpus_per_actor, free.get("CPU", 0.0), free.get("GPU", 0.0))
+        return ""
+    line = _unplaced_line(recipe, waiting, interrupted=True)
+    for actor_id in waiting:  # ray.kill takes handles, which the start-up threads hold: kill by id, as ray.kill does
+        ray._private.worker.global_worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+    return line
+
+
+def _unplaced_actors() -> dict[str, dict]:
+    """{actor id: Ray's actor info} of this job's actors that wait for Ray to place them."""
+    import ray  # noqa: PLC0415
+
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    return {i: a for i, a in ray._private.state.actors(job_id=job).items()
+            if a.get("State") in ("PENDING_CREATION", "DEPENDENCIES_UNREADY")}
+
+
+def _unplaced_line(recipe: RecipeConfig, waiting: dict[str, dict], interrupted: bool = False) -> str:
+    """One line: how many of the run's actors wait (of which classes), what each asks for, what the cluster has free."""
+    import ray  # noqa: PLC0415
+
+    free = ray.available_resources()
+    ask = f"{recipe.cluster.num_cpus_per_actor:g} CPU each, cluster.num_cpus_per_actor, and their GPUs"
+    where = (f"the cluster has {free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free now; other jobs "
+             "hold the rest")
+    if not interrupted:
+        return f"{len(waiting)} of the run's actors wait for Ray to place them ({ask}): {where}"
+    names = sorted({a.get("ActorClassName", "?").rpartition(".")[2] for a in waiting.values()})
+    return f"while waiting for Ray to place {len(waiting)} of the run's actors ({', '.join(names)}; {ask}): {where}"
 
 
 def _policy_engines(recipe: RecipeConfig) -> int:

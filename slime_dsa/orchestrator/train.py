@@ -51,7 +51,7 @@ def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto
             return interrupts.run(_run(recipe, run_dir, resume or recipe.checkpoint.resume, loop, on_weights,
                                        hook_state, progress))
         except KeyboardInterrupt:
-            line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else ""
+            line = progress.lost_line(checkpoint_dir(recipe, run_dir)) if progress.current else progress.waiting
             logger.info("interrupted%s", f": {line}" if line else "")  # the console gets the command's one line
             raise KeyboardInterrupt(line) from None
 
@@ -74,7 +74,6 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.orchestrator.perf import EngineStats, train_flops_for_run  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
-    from trainers.factory import build_trainer_group  # noqa: PLC0415
     from slime_dsa.orchestrator.weight_sync import (  # noqa: PLC0415
         build_weight_sync, engine_weight_dirs, remove_stale_shm_dirs, shm_dir_name,
     )
@@ -95,7 +94,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     tokenizer = load_tokenizer(recipe, model_dir)
     _check_critic_and_teacher_dirs(recipe, len(tokenizer))
     if recipe.teachers:
-        from slime_dsa.orchestrator.teachers import Teachers, check_tokenizers, model_logits  # noqa: PLC0415
+        from slime_dsa.orchestrator.teachers import check_tokenizers, model_logits  # noqa: PLC0415
 
         check_tokenizers(recipe.teachers, tokenizer, model_logits(model_dir))  # before anything slow starts
     check_recipe_plugins(recipe)  # a plugin that does not resolve: before the prompts, Ray
@@ -107,63 +106,54 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     saved_state = read_orchestrator_state(resume_from) if resume_from is not None else None
     if saved_state is not None:  # data.tasks or data.seed changed since the checkpoint: refused before Ray starts
         TaskMixture(tasks, seed=recipe.data.seed).load_state_dict(saved_state["rollout"]["mixture"])
-    setup.init_ray(recipe)
-    setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
-    setup.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
-    remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
-    shm_dir = shm_dir_name()
-    access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), setup.engine_host())
-
-    # Engines and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers,
-    # which size their memory pools from the GPU memory free when they start.
-    # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
-    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
-    engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
-    if recipe.rollout.engine == "sglang":
-        (urls, engine_actors), trainers_up = await engines_up, None
-    else:
-        trainers_up = asyncio.ensure_future(asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
-        try:
-            urls, engine_actors = await engines_up
-        except BaseException:
-            await asyncio.gather(trainers_up, return_exceptions=True)  # no rank left starting behind the error
-            raise
-    ro = recipe.rollout
-    concurrency = recipe.max_concurrency(use_async)
-    logger.info("%s", recipe.concurrency_line(use_async))
-    client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
-                          timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
-    teachers = Teachers(recipe, ro.temperature or 1.0, algorithm.teacher_topk, access.host) if recipe.teachers else None
-    pool = await teachers.start(tokenizer.encode("Compute 1 + 1.")) if teachers is not None else None
-    trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
-    unplaced.cancel()
-    await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
-    weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir, run_dir,
-                                      shm_dir)
-    fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async, access,
-                           run_dir)
-    manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro, seed=recipe.data.seed,
-                             min_group_size=algorithm.min_group_size, max_concurrency=concurrency, teachers=pool)
-
-    start_step = 0
-    if resume_from is not None:
-        await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
-        manager.load_state_dict(saved_state["rollout"])
-        start_step = progress.saved = progress.trained = saved_state["step"]
-        await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
-        logger.info("resumed from %s at step %d", resume_from, start_step)
-        if manager.num_pending_replays and not use_async:
-            logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
-                           "synchronous loop does not regenerate them", manager.num_pending_replays)
-    elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
-        await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
-
+    # W&B's check (online: a key, its server) before Ray, the engines and the trainer ranks start, not minutes after
     metrics_log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
-                                resume_step=metrics_resume_step(resume, resume_from, start_step))
-    run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights, start_step,
-              on_weights, hook_state, pool, progress, fleet, EngineStats(client),
-              await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
+                                resume_step=metrics_resume_step(resume, resume_from,
+                                                                saved_state["step"] if saved_state else 0))
+    try:
+        setup.init_ray(recipe)
+        setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
+        setup.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
+        remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
+        shm_dir = shm_dir_name()
+        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), setup.engine_host())
+
+        urls, engine_actors, teachers, pool, trainers = await _start_actors(recipe, model_dir, use_async, access,
+                                                                           run_dir, algorithm, tokenizer, progress)
+        ro = recipe.rollout
+        concurrency = recipe.max_concurrency(use_async)
+        logger.info("%s", recipe.concurrency_line(use_async))
+        client = EngineClient(urls, max_inflight_per_engine=max(1, concurrency // max(1, len(urls))),
+                              timeout_s=ro.request_timeout_s, api_key=access.api_key, coalesce=ro.client_coalesce())
+        await asyncio.to_thread(setup.pin_actors, recipe, engine_actors, trainers.workers, use_async)
+        weights = await asyncio.to_thread(build_weight_sync, recipe, client, trainers, engine_actors, model_dir,
+                                          run_dir, shm_dir)
+        fleet = _watch_engines(recipe, client, dict(zip(urls, engine_actors)), weights.name, model_dir, use_async,
+                               access, run_dir)
+        manager = RolloutManager(client, tasks, TaskMixture(tasks, seed=recipe.data.seed), tokenizer, ro,
+                                 seed=recipe.data.seed, min_group_size=algorithm.min_group_size,
+                                 max_concurrency=concurrency, teachers=pool)
+
+        start_step = 0
+        if resume_from is not None:
+            await asyncio.to_thread(trainers.load_checkpoint, str(resume_from))
+            manager.load_state_dict(saved_state["rollout"])
+            start_step = progress.saved = progress.trained = saved_state["step"]
+            await _push_start_weights(recipe, weights, start_step, resume_from, fleet, client)
+            logger.info("resumed from %s at step %d", resume_from, start_step)
+            if manager.num_pending_replays and not use_async:
+                logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
+                               "synchronous loop does not regenerate them", manager.num_pending_replays)
+        elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
+            await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
+
+        run = Run(recipe, algorithm, run_dir, model_dir, client, trainers, manager, ckpts, metrics_log, weights,
+                  start_step, on_weights, hook_state, pool, progress, fleet, EngineStats(client),
+                  await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
+    except BaseException:
+        metrics_log.close()  # the W&B run of a start-up that failed ends as failed
+        raise
     try:
         if on_weights is not None:
             state = await asyncio.to_thread(trainers.full_state_dict) if run.hook_wants_state(start_step) else None
@@ -194,6 +184,44 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         await asyncio.to_thread(_shutdown, trainers, fleet.all_actors())
         weights.close()
     return run_dir
+
+
+async def _start_actors(recipe: RecipeConfig, model_dir: Path, use_async: bool, access: Any, run_dir: Path,
+                        algorithm: Any, tokenizer: Any, progress: StepProgress) -> tuple[list[str], list, Any, Any,
+                                                                                        Any]:
+    """(engine URLs, engine actors, teachers, their pool, trainer group), the Ray actors of the run started. Engines
+    and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers, which size
+    their memory pools from the GPU memory free when they start. An interruption (Ctrl-C, SIGTERM) while Ray has not
+    placed some of them ends their waits, and progress.waiting says what the run waited for."""
+    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from trainers.factory import build_trainer_group  # noqa: PLC0415
+
+    # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
+    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
+    try:
+        engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
+        if recipe.rollout.engine == "sglang":
+            (urls, engine_actors), trainers_up = await engines_up, None
+        else:
+            trainers_up = asyncio.ensure_future(asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+            try:
+                urls, engine_actors = await engines_up
+            except Exception:  # an error, not an interruption: ranks that Ray has not placed would be waited for ever
+                await asyncio.gather(trainers_up, return_exceptions=True)  # no rank left starting behind the error
+                raise
+        teachers, pool = None, None
+        if recipe.teachers:
+            from slime_dsa.orchestrator.teachers import Teachers  # noqa: PLC0415
+
+            teachers = Teachers(recipe, recipe.rollout.temperature or 1.0, algorithm.teacher_topk, access.host)
+            pool = await teachers.start(tokenizer.encode("Compute 1 + 1."))
+        trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
+    except asyncio.CancelledError:  # Ctrl-C or SIGTERM: the threads waiting in ray.get would keep the process alive
+        progress.waiting = setup.stop_unplaced(recipe)
+        raise
+    finally:
+        unplaced.cancel()
+    return urls, engine_actors, teachers, pool, trainers
 
 
 async def _push_start_weights(recipe: RecipeConfig, weights: Any, step: int, source: Path, fleet: Any,
