@@ -11,7 +11,6 @@ import ray
 import torch
 
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
-from slime_dsa.ray_nodes import driver_address
 from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 from trainers.base import RankConfig, TrainBatch, balance_across_ranks
@@ -30,7 +29,7 @@ class RayTrainerGroup:
                  num_gpus_per_worker: float = 0) -> None:
         actor_cls = ray.remote(self.rank_class)
         # The ranks meet at a store this process hosts: its address is known before Ray places rank 0 on some node
-        address = driver_address()
+        address = ray.util.get_node_ip_address()
         self._store, port = host_store(address)
         self.config = config
         self.workers = [

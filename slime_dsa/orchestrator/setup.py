@@ -178,9 +178,18 @@ def engine_host() -> str:
     """Where the engines the run starts listen: 127.0.0.1 when every node that takes actors is the driver's, else
     each engine's node address (the run's key is required there, as everywhere)."""
     from rollout.actors import NODE_ADDRESS  # noqa: PLC0415
-    from slime_dsa.ray_nodes import LOOPBACK, other_nodes  # noqa: PLC0415
 
-    return NODE_ADDRESS if other_nodes() else LOOPBACK
+    return NODE_ADDRESS if _other_nodes() else "127.0.0.1"
+
+
+def _other_nodes() -> list[dict[str, Any]]:
+    """Ray's records of the alive nodes besides the driver's with CPUs or GPUs: where an actor's 127.0.0.1 is not the
+    driver's (nodes without either take no actor of the run)."""
+    import ray  # noqa: PLC0415
+
+    here = ray.get_runtime_context().get_node_id()
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != here
+            and any(n.get("Resources", {}).get(kind, 0) > 0 for kind in ("CPU", "GPU"))]
 
 
 def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path, checkpoint_dir: Path,
@@ -192,9 +201,8 @@ def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
-    from slime_dsa.ray_nodes import other_nodes  # noqa: PLC0415
 
-    nodes = other_nodes()
+    nodes = _other_nodes()
     if not nodes:
         return
     # A file only the driver just wrote: a node that sees it sees the driver's directory, not a same-named local one
