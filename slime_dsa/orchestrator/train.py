@@ -249,13 +249,16 @@ def _refusal_hint(recipe: RecipeConfig, weights: Any) -> str:
 
 def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
                    use_async: bool, access: Any, run_dir: Path | None = None) -> Any:
-    """The run's EngineFleet, watching `actors`; it replaces lost engines when rollout.restart_dead_engines allows
-    (never for the distributed transport, whose NCCL group cannot take a new member)."""
+    """The run's EngineFleet, watching `actors`; it replaces lost engines, and re-admits lost external servers that
+    answer again, when rollout.restart_dead_engines allows (never for the distributed transport, whose NCCL group
+    cannot take a new member)."""
     from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
 
     restart = recipe.rollout.restart_dead_engines and transport != "distributed"
+    external = list(recipe.rollout.engine_urls) if recipe.rollout.engine == "external" and restart else []
     fleet = EngineFleet(client, actors,
-                        _restarter(recipe, model_dir, use_async, access, run_dir, len(actors)) if restart else None)
+                        _restarter(recipe, model_dir, use_async, access, run_dir, len(actors)) if restart else None,
+                        readmit=external)
     fleet.start()
     return fleet
 
