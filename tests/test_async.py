@@ -462,3 +462,52 @@ def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_clust
     # be none, as all pending groups can still be generating then) carry the same prompt.
     same = set(before) & set(seen)
     assert all(before[i] == seen[i] for i in same), "a regenerated sample has another prompt"
+
+
+def test_async_resume_after_an_interrupted_step_keeps_one_fate_per_sample(tmp_path, ray_cluster):
+    """SIGTERM (as a scheduler sends it) while step 3 pushes its weights, after step 2's checkpoint; then --resume.
+    Before: rollout_ledger.jsonl kept the interrupted session's step 3 and the resumed one wrote step 3 again, so
+    the ledger showed step 3's samples trained twice. Now the resume drops the records past its checkpoint: over both
+    sessions each sample index has one fate, none is trained twice, and a regenerated index keeps its prompt."""
+    import os
+    import signal
+
+    from slime_dsa import interrupts
+
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:record_prompt"
+    recipe["logging"]["eval_every"] = 0
+    recipe["algorithm"]["max_staleness"] = 1
+    recipe["trainer"]["num_steps"] = 4
+    recipe["checkpoint"] = {"save_every": 2}
+
+    def sigterm_in_step_3(version, state):
+        if version == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    SEEN.clear()
+    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # what the CLI installs
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted during step 3"):
+            _run(tmp_path, "cut", recipe, on_weights=sigterm_in_step_3)
+    finally:
+        interrupts.reset()
+        signal.signal(signal.SIGTERM, previous)
+    before = dict(SEEN)
+    assert [p.name for p in sorted((tmp_path / "cut" / "checkpoints").glob("step_*"))] == ["step_000002"]
+    cut = [json.loads(line) for line in (tmp_path / "cut" / "rollout_ledger.jsonl").read_text().splitlines()]
+    assert [line.get("step") for line in cut if "step" in line] == [1, 2, 3]  # step 3 was taken and trained
+
+    SEEN.clear()
+    records, ledger = _run(tmp_path, "cut", recipe, resume=True)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    steps = [line for line in ledger if "step" in line]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4], "a step's record is in the ledger twice"
+    end = ledger[-1]
+    fates = [i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]]
+    fates += end["buffered"] + end["in_flight"]
+    assert sorted(fates) == list(range(max(end["produced"]) + 1)), "a sample was lost or used twice"
+    trained = [i for s in steps for i in s["trained"]]
+    assert len(trained) == len(set(trained)) == 4 * 3 * 4
+    same = set(before) & set(SEEN)
+    assert same and all(before[i] == SEEN[i] for i in same), "a regenerated sample index has another prompt"
