@@ -511,3 +511,36 @@ def test_async_resume_after_an_interrupted_step_keeps_one_fate_per_sample(tmp_pa
     assert len(trained) == len(set(trained)) == 4 * 3 * 4
     same = set(before) & set(SEEN)
     assert same and all(before[i] == SEEN[i] for i in same), "a regenerated sample index has another prompt"
+
+
+def test_async_resume_with_a_lower_max_staleness_keeps_no_older_rollout(tmp_path, ray_cluster):
+    """A run at max_staleness 2 resumed with max_staleness 0: the checkpoint holds the groups started and not trained
+    as prompts, not tokens, and the resume generates them again under its weights, so the new bound holds from the
+    first resumed step (nothing to drop), every sample keeps one fate, and train.log says how many were regenerated."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state
+
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:record_prompt"
+    recipe["logging"]["eval_every"] = 0
+    recipe["algorithm"]["max_staleness"] = 2
+    recipe["trainer"]["num_steps"] = 2
+    _run(tmp_path, "lower", recipe)
+    state = read_orchestrator_state(tmp_path / "lower" / "checkpoints" / "step_000002")
+    pending = state["rollout"]["pending_groups"]
+    assert len(pending) > recipe["rollout"]["prompts_per_step"], "no more pending than one step: the test shows nothing"
+    pending_indices = [g["first_index"] + k for g in pending for k in range(g["num_samples"])]
+
+    recipe["algorithm"]["max_staleness"] = 0
+    recipe["trainer"]["num_steps"] = 5
+    records, ledger = _run(tmp_path, "lower", recipe, resume=True)
+    resumed = [r for r in records if r["step"] > 2]
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert all(r["async/staleness_max"] == r["async/stale_samples"] == 0 for r in resumed)
+    steps = [line for line in ledger if "step" in line]
+    end = ledger[-1]
+    assert end["produced"][:len(pending_indices)] == pending_indices  # regenerated first, with their own indices
+    fates = [i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]]
+    assert sorted(fates + end["buffered"] + end["in_flight"]) == list(range(max(end["produced"]) + 1))
+    assert len(set(i for s in steps for i in s["trained"])) == 5 * 3 * 4
+    log = (tmp_path / "lower" / "train.log").read_text()
+    assert f"{len(pending)} groups started and not trained" in log and "algorithm.max_staleness 0" in log

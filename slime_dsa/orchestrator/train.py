@@ -155,6 +155,11 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         if manager.num_pending_replays and not use_async:
             logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
                            "synchronous loop does not regenerate them", manager.num_pending_replays)
+        elif manager.num_pending_replays:
+            # They are prompts, not tokens: a resume may change the bound on staleness and it holds at once.
+            logger.info("the checkpoint holds %d groups started and not trained: they are generated again first, "
+                        "under its weights (no token of theirs is kept, so algorithm.max_staleness %d applies to them "
+                        "as to new ones)", manager.num_pending_replays, recipe.algorithm.max_staleness)
     elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
         await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
 
