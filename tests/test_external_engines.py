@@ -318,3 +318,41 @@ def test_a_lost_external_server_is_readmitted_only_with_the_runs_weights(model_d
     url = f"http://127.0.0.1:{port}"
     assert sum(m.startswith(f"external engine {url} dropped: probing its /health") for m in said) == 2, said
     assert sum(m.startswith(f"external engine {url} answers /health again: re-admitted") for m in said) == 2, said
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_when_its_external_server_dies_and_comes_back(model_dir, tmp_path, monkeypatch, ray_cluster):
+    """`train` on one `serve` engine, SIGKILLed after step 2's push and started again on its port. Before: step 3 got
+    no sample, the run dropped the server and stopped ('rollout engines lost at step 3'). Now it probes the server,
+    re-admits it at the next push, and step 4 samples from the run's weights."""
+    import json
+    import threading
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import run_training
+
+    monkeypatch.delenv("SLIME_DSA_API_KEY", raising=False)
+    port = _free_port()
+    servers = [Served(model_dir, port)]
+
+    def kill_after_step_2(version, state):
+        if version == 2:
+            servers[-1].kill()
+            threading.Thread(target=lambda: servers.append(Served(model_dir, port)), daemon=True).start()
+
+    sets = ["rollout.engine=external", f"rollout.engine_urls=['{servers[0].url}']", f"model.path={model_dir}",
+            "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]", f"logging.run_dir={tmp_path / 'run'}",
+            "logging.wandb_mode=disabled", "rollout.weight_sync=http", "trainer.num_workers=1", "trainer.num_steps=4",
+            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_length=4",
+            "logging.eval_every=0", "checkpoint.save_every=0"]
+    try:
+        run_training(load_recipe(BASE, sets), on_weights=kill_after_step_2, hook_state="every")
+    finally:
+        for server in servers:
+            server.kill()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 4 and records[-1]["rollout/num_samples"] == 4, records[-1]
+    assert records[-1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # sampled from the run's weights, not v0
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"external engine {servers[0].url} dropped: probing its /health" in log
+    assert f"external engine {servers[0].url} answers /health again: re-admitted" in log
