@@ -4,7 +4,9 @@ Routing: a request goes to the healthy engine with the fewest outstanding reques
 sticks to the engine that served it while that engine stays healthy. Each engine has an in-flight cap
 (semaphore). On a connection error, a timeout or a 5xx the request is retried on another engine after an
 exponential backoff; an engine that fails `max_failures` times in a row is marked dead and probed on
-/health until it answers again. 4xx answers are the caller's mistake and are raised at once.
+/health until it answers again; routed to again only if it still holds the run's weight_version (a server that
+restarted holds other weights: it is dropped as lost instead). 4xx answers are the caller's mistake and are raised at
+once.
 
 Lost engines: a control broadcast with drop_unreachable (the weight update's pause, update and continue) drops every
 engine it cannot reach, tells the on_engine_lost listeners (the orchestrator restarts it), and goes on with the rest;
@@ -130,6 +132,9 @@ class EngineClient:
         self._lost_listeners: list[Callable[[str, str], None]] = []
         self._staged: list[str] = []  # replacements that join at the next admit_staged
         self.lost: list[tuple[str, str]] = []  # (url, reason) of every engine dropped, in order
+        # The version the run's last weight update gave every engine (set by the weight transports; None before the
+        # first): a marked-dead engine that answers /health again is routed to only while it holds this version.
+        self.weight_version: str | None = None
         for url in urls:
             self.add_engine(url)
         # generate / generate_batch calls of one event-loop burst go to their engine in batch bodies of at most
@@ -275,11 +280,44 @@ class EngineClient:
             await asyncio.sleep(self.probe_interval_s)
             try:
                 async with self._session().get(engine.url + "/health", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        engine.healthy, engine.consecutive_failures = True, 0
-                        logger.info("engine %s is healthy again", engine.url)
+                    answered = resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
+                continue
+            if answered:
+                await self._route_again(engine)
+
+    async def _route_again(self, engine: EngineState) -> None:
+        """A marked-dead engine answers /health: routed to again if it holds the run's weights, else dropped as lost
+        (it restarted: its listeners re-admit it at a weight update, which gives it the run's weights)."""
+        held = await self.weight_version_of(engine.url) if self.weight_version is not None else None
+        if self.weight_version is None or held == self.weight_version:
+            engine.healthy, engine.consecutive_failures = True, 0
+            logger.info("engine %s is healthy again", engine.url)
+            return
+        engine.probe = None  # this task: it ends here, not cancelled by the drop
+        self.drop_engine(engine.url, f"it came back holding weight_version {held!r}, not the run's "
+                                     f"{self.weight_version!r} (restarted?)")
+
+    async def weight_version_of(self, url: str) -> str | None:
+        """The weight_version an engine reports (GET /get_weight_version, or newer servers' /model_info), or None
+        when it reports none or cannot be reached."""
+        for path in ("/get_weight_version", "/model_info", "/get_model_info"):
+            try:
+                body = await self.get(url, path, timeout_s=5.0)
+            except (EngineRequestError, aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+            if isinstance(body, dict) and body.get("weight_version") is not None:
+                return str(body["weight_version"])
+        return None
+
+    async def answers_health(self, url: str, timeout_s: float = 5.0) -> bool:
+        """Whether GET /health on `url` answers 200 within `timeout_s`."""
+        try:
+            async with self._session().get(normalize_url(url) + "/health",
+                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     # ---- requests -----------------------------------------------------------------------------------------
 

@@ -462,3 +462,85 @@ def test_async_resume_regenerates_the_groups_pending_at_save(tmp_path, ray_clust
     # be none, as all pending groups can still be generating then) carry the same prompt.
     same = set(before) & set(seen)
     assert all(before[i] == seen[i] for i in same), "a regenerated sample has another prompt"
+
+
+def test_async_resume_after_an_interrupted_step_keeps_one_fate_per_sample(tmp_path, ray_cluster):
+    """SIGTERM (as a scheduler sends it) while step 3 pushes its weights, after step 2's checkpoint; then --resume.
+    Before: rollout_ledger.jsonl kept the interrupted session's step 3 and the resumed one wrote step 3 again, so
+    the ledger showed step 3's samples trained twice. Now the resume drops the records past its checkpoint: over both
+    sessions each sample index has one fate, none is trained twice, and a regenerated index keeps its prompt."""
+    import os
+    import signal
+
+    from slime_dsa import interrupts
+
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:record_prompt"
+    recipe["logging"]["eval_every"] = 0
+    recipe["algorithm"]["max_staleness"] = 1
+    recipe["trainer"]["num_steps"] = 4
+    recipe["checkpoint"] = {"save_every": 2}
+
+    def sigterm_in_step_3(version, state):
+        if version == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    SEEN.clear()
+    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # what the CLI installs
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted during step 3"):
+            _run(tmp_path, "cut", recipe, on_weights=sigterm_in_step_3)
+    finally:
+        interrupts.reset()
+        signal.signal(signal.SIGTERM, previous)
+    before = dict(SEEN)
+    assert [p.name for p in sorted((tmp_path / "cut" / "checkpoints").glob("step_*"))] == ["step_000002"]
+    cut = [json.loads(line) for line in (tmp_path / "cut" / "rollout_ledger.jsonl").read_text().splitlines()]
+    assert [line.get("step") for line in cut if "step" in line] == [1, 2, 3]  # step 3 was taken and trained
+
+    SEEN.clear()
+    records, ledger = _run(tmp_path, "cut", recipe, resume=True)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    steps = [line for line in ledger if "step" in line]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4], "a step's record is in the ledger twice"
+    end = ledger[-1]
+    fates = [i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]]
+    fates += end["buffered"] + end["in_flight"]
+    assert sorted(fates) == list(range(max(end["produced"]) + 1)), "a sample was lost or used twice"
+    trained = [i for s in steps for i in s["trained"]]
+    assert len(trained) == len(set(trained)) == 4 * 3 * 4
+    same = set(before) & set(SEEN)
+    assert same and all(before[i] == SEEN[i] for i in same), "a regenerated sample index has another prompt"
+
+
+def test_async_resume_with_a_lower_max_staleness_keeps_no_older_rollout(tmp_path, ray_cluster):
+    """A run at max_staleness 2 resumed with max_staleness 0: the checkpoint holds the groups started and not trained
+    as prompts, not tokens, and the resume generates them again under its weights, so the new bound holds from the
+    first resumed step (nothing to drop), every sample keeps one fate, and train.log says how many were regenerated."""
+    from slime_dsa.checkpoint.training import read_orchestrator_state
+
+    recipe = json.loads(json.dumps(RECIPE))
+    recipe["data"]["tasks"][0]["reward_fn"] = "tests.test_async:record_prompt"
+    recipe["logging"]["eval_every"] = 0
+    recipe["algorithm"]["max_staleness"] = 2
+    recipe["trainer"]["num_steps"] = 2
+    _run(tmp_path, "lower", recipe)
+    state = read_orchestrator_state(tmp_path / "lower" / "checkpoints" / "step_000002")
+    pending = state["rollout"]["pending_groups"]
+    assert len(pending) > recipe["rollout"]["prompts_per_step"], "no more pending than one step: the test shows nothing"
+    pending_indices = [g["first_index"] + k for g in pending for k in range(g["num_samples"])]
+
+    recipe["algorithm"]["max_staleness"] = 0
+    recipe["trainer"]["num_steps"] = 5
+    records, ledger = _run(tmp_path, "lower", recipe, resume=True)
+    resumed = [r for r in records if r["step"] > 2]
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert all(r["async/staleness_max"] == r["async/stale_samples"] == 0 for r in resumed)
+    steps = [line for line in ledger if "step" in line]
+    end = ledger[-1]
+    assert end["produced"][:len(pending_indices)] == pending_indices  # regenerated first, with their own indices
+    fates = [i for s in steps for key in ("trained", "stale", "discarded") for i in s[key]]
+    assert sorted(fates + end["buffered"] + end["in_flight"]) == list(range(max(end["produced"]) + 1))
+    assert len(set(i for s in steps for i in s["trained"])) == 5 * 3 * 4
+    log = (tmp_path / "lower" / "train.log").read_text()
+    assert f"{len(pending)} groups started and not trained" in log and "algorithm.max_staleness 0" in log

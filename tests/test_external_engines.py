@@ -203,3 +203,156 @@ def test_an_external_teacher_is_sent_the_key_from_the_environment(server, model_
             asyncio.run(probe())
     else:
         asyncio.run(probe())
+
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`slime-dsa serve --model DIR --port PORT` in a subprocess, up once /health answers; killed with SIGKILL (a crash:
+    its connections reset, nothing answered)."""
+
+    def __init__(self, model_dir: Path, port: int) -> None:
+        import os
+        import subprocess
+        import sys
+        import time
+
+        import requests
+
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("SLIME_DSA_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "slime_dsa.cli", "serve", "--model", str(model_dir),
+                                      "--port", str(port), "--max-cache-tokens", "2048"], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise AssertionError(f"slime-dsa serve on port {port} did not come up")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.mark.slow
+def test_a_lost_external_server_is_readmitted_only_with_the_runs_weights(model_dir, caplog):
+    """A `serve` engine SIGKILLed and started again on its port (so holding the model's weights, version 0). Before: a
+    restart noticed by failed requests was routed to again at once, serving version 0 after the run had pushed 1, and
+    one lost during a push was never routed to again. Now either is dropped, probed on /health and staged: it serves
+    only after the next push has given it the run's weights; the request in flight when it died fails alone."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from rollout.client import EngineClient, EngineUnavailableError
+    from slime_dsa.orchestrator.engines import EngineFleet
+    from slime_dsa.orchestrator.step import sync_weights
+    from slime_dsa.orchestrator.weight_sync.http import HttpTransport
+
+    port = _free_port()
+    # FAKE trainer group: its full_state_dict is the served model's own tensors (the push is real HTTP).
+    trainers = SimpleNamespace(full_state_dict=lambda: load_file(str(model_dir / "model.safetensors")))
+    params = {"max_new_tokens": 2, "temperature": 0}
+
+    async def served_version(client: EngineClient) -> str:
+        return (await client.generate([5, 6, 7], params))["meta_info"]["weight_version"]
+
+    async def scenario() -> None:
+        srv = await asyncio.to_thread(Served, model_dir, port)
+        client = EngineClient([srv.url], max_failures=1, probe_interval_s=0.1, max_retries=1, backoff_s=0.05,
+                              timeout_s=60)
+        fleet = EngineFleet(client, {}, None, readmit=[srv.url])
+        fleet.start()
+        transport = HttpTransport(client, trainers)
+        try:
+            await transport.push(1)
+            assert await served_version(client) == "1"
+            # (a) it dies with a request in flight and comes back before the next push
+            in_flight = asyncio.ensure_future(client.generate([5, 6, 7], {"max_new_tokens": 400, "ignore_eos": True}))
+            while not any(e.outstanding for e in client.engines.values()):
+                await asyncio.sleep(0.005)
+            srv.kill()
+            with pytest.raises(EngineUnavailableError):
+                await in_flight  # one sample's cost (rollout.groups counts it failed), not the run's
+            srv = await asyncio.to_thread(Served, model_dir, port)
+            for _ in range(200):
+                if client.staged:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.staged == [srv.url] and not client.engines, (client.staged, list(client.engines))
+            assert "not the run's '1'" in client.lost[-1][1], client.lost
+            with pytest.raises(EngineUnavailableError):
+                await served_version(client)  # refused work, never version 0
+            await transport.push(2)
+            assert await served_version(client) == "2"
+            # (b) it is lost during a push: the push waits for it to come back and gives it the weights
+            srv.kill()
+            restart = asyncio.ensure_future(asyncio.to_thread(Served, model_dir, port))
+            await sync_weights(transport, 3, fleet=fleet)
+            srv = await restart
+            assert await served_version(client) == "3"
+        finally:
+            await fleet.close()
+            await client.close()
+            srv.kill()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records]
+    url = f"http://127.0.0.1:{port}"
+    assert sum(m.startswith(f"external engine {url} dropped: probing its /health") for m in said) == 2, said
+    assert sum(m.startswith(f"external engine {url} answers /health again: re-admitted") for m in said) == 2, said
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_when_its_external_server_dies_and_comes_back(model_dir, tmp_path, monkeypatch, ray_cluster):
+    """`train` on one `serve` engine, SIGKILLed after step 2's push and started again on its port. Before: step 3 got
+    no sample, the run dropped the server and stopped ('rollout engines lost at step 3'). Now it probes the server,
+    re-admits it at the next push, and step 4 samples from the run's weights."""
+    import json
+    import threading
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.orchestrator.train import run_training
+
+    monkeypatch.delenv("SLIME_DSA_API_KEY", raising=False)
+    port = _free_port()
+    servers = [Served(model_dir, port)]
+
+    def kill_after_step_2(version, state):
+        if version == 2:
+            servers[-1].kill()
+            threading.Thread(target=lambda: servers.append(Served(model_dir, port)), daemon=True).start()
+
+    sets = ["rollout.engine=external", f"rollout.engine_urls=['{servers[0].url}']", f"model.path={model_dir}",
+            "data.tasks=[{kind: arithmetic, train_size: 64, eval_size: 0}]", f"logging.run_dir={tmp_path / 'run'}",
+            "logging.wandb_mode=disabled", "rollout.weight_sync=http", "trainer.num_workers=1", "trainer.num_steps=4",
+            "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_length=4",
+            "logging.eval_every=0", "checkpoint.save_every=0"]
+    try:
+        run_training(load_recipe(BASE, sets), on_weights=kill_after_step_2, hook_state="every")
+    finally:
+        for server in servers:
+            server.kill()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 4 and records[-1]["rollout/num_samples"] == 4, records[-1]
+    assert records[-1]["train/train_rollout_logprob_abs_diff"] < 1e-4  # sampled from the run's weights, not v0
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"external engine {servers[0].url} dropped: probing its /health" in log
+    assert f"external engine {servers[0].url} answers /health again: re-admitted" in log

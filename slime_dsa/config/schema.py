@@ -455,8 +455,10 @@ class RolloutSection(Section):
         True, description="Replace an engine the run started (embedded, sglang) whose process died: the run goes on "
                           "with the others meanwhile, and the new engine joins at the next weight update (not with "
                           "rollout.sglang.weight_sync distributed, auto's choice when disaggregated: its NCCL group "
-                          "cannot take a new member). Off, the run goes on with fewer engines. Either way, when none "
-                          "is left the run writes an emergency checkpoint and stops.")
+                          "cannot take a new member). An external server (engine external) that is lost is probed "
+                          "on /health instead and rejoins at the next weight update once it answers. Off, the run goes "
+                          "on with fewer engines. Either way, when none is left (and none comes back within 10 "
+                          "minutes) the run writes an emergency checkpoint and stops.")
     sglang: SGLangSection = Field(
         default_factory=SGLangSection, description="SGLang server settings (engine sglang).")
 

@@ -74,8 +74,12 @@ class Ledger:
     """`rollout_ledger.jsonl`: one line per step with the sample indices trained on, dropped as stale and
     discarded; a last line with the producer's indices and those still buffered or in flight."""
 
-    def __init__(self, path: Path, append: bool) -> None:
-        self._file = path.open("a" if append else "w")
+    def __init__(self, path: Path, resume_step: int = 0) -> None:
+        """resume_step > 0: a run resumed from that step's checkpoint appends, after dropping the step records an
+        interrupted session wrote past it (those steps run again); 0: a new ledger."""
+        if resume_step > 0 and path.exists():
+            _drop_steps_after(path, resume_step)
+        self._file = path.open("a" if resume_step > 0 else "w")
 
     def step(self, step: int, version: int, fates: dict[str, list[int]]) -> None:
         self._file.write(json.dumps({"step": step, "trainer_version": version, **fates}) + "\n")
@@ -87,6 +91,28 @@ class Ledger:
         self._file.close()
 
 
+def _drop_steps_after(path: Path, step: int) -> None:
+    """Rewrite the ledger at `path` without the step records past `step` (the session markers stay) and without a
+    line a killed session left half written."""
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.endswith("\n") and _step_of(line) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+    logger.info("%s: dropped %d step records past the checkpoint of step %d (those steps run again)", path.name,
+                len(lines) - len(kept), step)
+
+
+def _step_of(line: str) -> float:
+    """A ledger line's step (0 for a session's end marker; infinite for a line that is not JSON)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
+
+
 async def run_async_loop(run: Run) -> None:
     """Train run.recipe to trainer.num_steps with rollout and training overlapped."""
     recipe, manager = run.recipe, run.manager
@@ -94,7 +120,7 @@ async def run_async_loop(run: Run) -> None:
     gate = StalenessGate(recipe.rollout.prompts_per_step, alg.max_staleness, version=run.start_step)
     pause_mode = PAUSE_MODES[alg.partial_rollout]
     producer = asyncio.create_task(manager.produce(gate, requeue_aborted=pause_mode == "abort"), name="rollout-producer")
-    ledger = Ledger(run.run_dir / "rollout_ledger.jsonl", append=run.start_step > 0)
+    ledger = Ledger(run.run_dir / "rollout_ledger.jsonl", resume_step=run.start_step)
     totals: Counter[str] = Counter()
     last_batch = time.perf_counter()
     try:

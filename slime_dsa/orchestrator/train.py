@@ -145,6 +145,11 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
             if manager.num_pending_replays and not use_async:
                 logger.warning("the checkpoint holds %d groups the asynchronous loop had started but not trained; the "
                                "synchronous loop does not regenerate them", manager.num_pending_replays)
+            elif manager.num_pending_replays:
+                # They are prompts, not tokens: a resume may change the bound on staleness and it holds at once.
+                logger.info("the checkpoint holds %d groups started and not trained: they are generated again first, "
+                            "under its weights (no token of theirs is kept, so algorithm.max_staleness %d applies to "
+                            "them as to new ones)", manager.num_pending_replays, recipe.algorithm.max_staleness)
         elif ro.engine == "external":  # servers the run did not start hold whatever they loaded last (another run's)
             await _push_start_weights(recipe, weights, 0, model_dir, fleet, client)
 
@@ -277,13 +282,16 @@ def _refusal_hint(recipe: RecipeConfig, weights: Any) -> str:
 
 def _watch_engines(recipe: RecipeConfig, client: Any, actors: dict[str, Any], transport: str, model_dir: Path,
                    use_async: bool, access: Any, run_dir: Path | None = None) -> Any:
-    """The run's EngineFleet, watching `actors`; it replaces lost engines when rollout.restart_dead_engines allows
-    (never for the distributed transport, whose NCCL group cannot take a new member)."""
+    """The run's EngineFleet, watching `actors`; it replaces lost engines, and re-admits lost external servers that
+    answer again, when rollout.restart_dead_engines allows (never for the distributed transport, whose NCCL group
+    cannot take a new member)."""
     from slime_dsa.orchestrator.engines import EngineFleet  # noqa: PLC0415
 
     restart = recipe.rollout.restart_dead_engines and transport != "distributed"
+    external = list(recipe.rollout.engine_urls) if recipe.rollout.engine == "external" and restart else []
     fleet = EngineFleet(client, actors,
-                        _restarter(recipe, model_dir, use_async, access, run_dir, len(actors)) if restart else None)
+                        _restarter(recipe, model_dir, use_async, access, run_dir, len(actors)) if restart else None,
+                        readmit=external)
     fleet.start()
     return fleet
 

@@ -121,6 +121,7 @@ class WeightTransport(ABC):
             self.last_replies = replies if isinstance(replies, dict) else None
         else:
             await paused_update(self.client, lambda: self.update(version, prepared), pause_mode)
+        self.client.weight_version = str(version)  # what every engine routed to holds now
         pushed = time.perf_counter()
         logger.info("weights v%d to %d engine(s) by %s in %.3fs", version, len(self.client.engines), self.name,
                     pushed - start)
