@@ -126,6 +126,14 @@ def log_to_file(path: Path) -> Iterator[None]:
         root.setLevel(level)
 
 
+def _remove_unfinished_copies(run_dir: Path) -> None:
+    """Delete the model-sized temporary directories an earlier start left when killed while writing initial_model (the
+    run directory's lock is held: no other start is writing one)."""
+    for leftover in sorted(run_dir.glob(".initial_model.tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+        logger.info("removed %s, left by a start that did not finish writing initial_model", leftover)
+
+
 def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     """A copy of the model at `path` in run_dir/initial_model whose config.json says index_topk (the weights are the
     same: the budget only says how many keys the indexer selects)."""
@@ -179,6 +187,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
+    _remove_unfinished_copies(run_dir)
     if recipe.model.path:
         path = Path(recipe.model.path)
         if not path.is_dir():

@@ -58,6 +58,19 @@ def test_model_path_with_index_topk_is_copied_with_the_new_budget(tmp_path):
     assert prepare_model_dir(load_recipe(None, [f"model.path={source}"]), tmp_path / "plain") == source
 
 
+def test_a_start_removes_the_initial_model_copies_a_killed_start_left(tmp_path):
+    """A start killed while copying model.path into initial_model (or writing a from-scratch one) left its
+    model-sized temporary directory in the run directory for good; the next start removes it."""
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    source = prepare_model_dir(load_recipe(None, ["model.preset=tiny"]), tmp_path / "scratch")
+    leftover = tmp_path / "run" / ".initial_model.tmp-k1ll3d"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert prepare_model_dir(load_recipe(None, [f"model.path={source}"]), tmp_path / "run") == source
+    assert not leftover.exists()
+
+
 def test_a_reused_initial_model_takes_a_changed_index_topk(tmp_path):
     """A resumed run (or a second one in the directory) reuses run_dir/initial_model: a model.index_topk changed
     since its first start was silently ignored, engines and trainer kept the old DSA budget."""
