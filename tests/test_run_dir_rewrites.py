@@ -83,3 +83,19 @@ def test_initial_model_is_whole_when_its_copy_or_config_rewrite_fails(tmp_path, 
     assert model_dir_problem(model_dir) is None
     assert json.loads((model_dir / "config.json").read_text())["index_topk"] == 24
     assert (model_dir / "model.safetensors").read_bytes() == (ASSET / "model.safetensors").read_bytes()
+
+
+def test_rollout_ledger_cut_back_on_resume_is_whole_when_its_rewrite_fails(tmp_path):
+    """The async loop's ledger drops the steps past the resumed checkpoint; before, a failed rewrite left a partial
+    rollout_ledger.tmp in the run directory (and the rewrite was never fsynced)."""
+    lines = [json.dumps({"step": step, "trainer_version": step, "trained": [step]}) for step in range(1, 41)]
+    ledger = tmp_path / "rollout_ledger.jsonl"
+    ledger.write_text("".join(line + "\n" for line in lines))
+    done = run_with_file_limit(f"""
+        from pathlib import Path
+        from slime_dsa.orchestrator.async_loop import Ledger
+        Ledger(Path({str(ledger)!r}), resume_step=30)
+    """, limit=200)
+    assert done.returncode != 0 and "File too large" in done.stderr, done.stderr[-2000:]
+    assert ledger.read_text().splitlines() == lines
+    assert [p.name for p in tmp_path.iterdir()] == ["rollout_ledger.jsonl"]  # no temporary file left

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from slime_dsa.config.errors import UserError
 from slime_dsa.data.sample import NO_WEIGHT_VERSION, Sample
+from slime_dsa.durable import write_atomic
 from slime_dsa.interrupts import raise_if_terminated
 from slime_dsa.orchestrator.buffer import SampleBuffer, StalenessGate
 from slime_dsa.orchestrator.collection import screen_group
@@ -98,9 +99,7 @@ def _drop_steps_after(path: Path, step: int) -> None:
     kept = [line for line in lines if line.endswith("\n") and _step_of(line) <= step]
     if len(kept) == len(lines):
         return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+    write_atomic(path, "".join(kept))  # a failed or interrupted rewrite leaves the old ledger whole
     logger.info("%s: dropped %d step records past the checkpoint of step %d (those steps run again)", path.name,
                 len(lines) - len(kept), step)
 
