@@ -394,3 +394,31 @@ def test_an_interrupt_while_actors_wait_for_a_busy_cluster_stops_at_once(tmp_pat
                             "cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"), err
             assert took < 15, took
             assert _run_actors(port, env) == [("OtherJob", "ALIVE")]
+
+
+@pytest.mark.slow
+def test_engines_and_rank_0_on_one_node_besides_the_drivers_get_weights_by_http(tmp_path):
+    """A head without CPUs and one node that takes every actor: engines shared trainer rank 0's node, so auto chose
+    shm, whose directory the driver makes (and reads back) in its own /dev/shm, which another machine's rank 0 and
+    engines do not see (on one machine they do). Now http; shm asked for is one line."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with _ray_head(num_cpus=0, nodes=(("127.0.0.2", 4),)) as (port, env):
+        def train(run: str, *more: str) -> subprocess.CompletedProcess:
+            sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={tmp_path / run}", "trainer.num_steps=1",
+                    "trainer.warmup_steps=0", "logging.wandb_mode=disabled", "logging.eval_every=0", *more]
+            return subprocess.run([sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml",
+                                   *(a for s in sets for a in ("--set", s))], env=env, cwd=root, capture_output=True,
+                                  text=True, timeout=300)
+
+        done = train("auto")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "weight sync: http (rollout.weight_sync auto)" in (tmp_path / "auto" / "train.log").read_text()
+        done = train("shm", "rollout.weight_sync=shm")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "slime-dsa: error: rollout.weight_sync 'shm' needs trainer rank 0 on this driver's Ray node (the driver makes "
+        "its /dev/shm directory and reads the weights back there), and the Ray cluster placed it on another: use "
+        "auto or http")
