@@ -422,3 +422,39 @@ def test_engines_and_rank_0_on_one_node_besides_the_drivers_get_weights_by_http(
         "slime-dsa: error: rollout.weight_sync 'shm' needs trainer rank 0 on this driver's Ray node (the driver makes "
         "its /dev/shm directory and reads the weights back there), and the Ray cluster placed it on another: use "
         "auto or http")
+
+
+def test_a_replacement_engine_that_died_with_its_node_is_one_warning_line(caplog):
+    """The lost engine's node was the only one with room, and Ray, not yet aware that it had died, placed the
+    replacement there: the warning carried Ray's message of four lines to the console."""
+    import asyncio
+
+    from slime_dsa.orchestrator.engines import EngineFleet
+
+    class ActorDiedError(Exception):
+        pass
+
+    class Client:  # FAKE rollout.client.EngineClient: the calls the fleet makes
+        staged: list[str] = []
+
+        def on_engine_lost(self, callback) -> None:
+            self.lost = callback
+
+    def start_one():
+        raise ActorDiedError("The actor died unexpectedly before finishing this task.\nThe actor died because its node "
+                             "has died. Node Id: 4583d7\n\tthe actor's node was terminated unexpectedly: health check "
+                             "failed due to missing too many heartbeats\nThe actor never ran - it was cancelled before "
+                             "it started running.")
+
+    async def lose_one() -> None:
+        client = Client()
+        fleet = EngineFleet(client, {"http://127.0.0.4:1": object()}, start_one)
+        client.lost("http://127.0.0.4:1", "its process died")
+        assert not await fleet.wait_for_restarts(timeout_s=10)
+
+    asyncio.run(lose_one())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "could not replace engine http://127.0.0.4:1: ActorDiedError: The actor died unexpectedly before finishing "
+        "this task. The actor died because its node has died. Node Id: 4583d7 the actor's node was terminated "
+        "unexpectedly: health check failed due to missing too many heartbeats The actor never ran - it was cancelled "
+        "before it started running."]
