@@ -328,6 +328,24 @@ def test_a_node_that_does_not_see_the_drivers_directories_is_one_line(monkeypatc
     assert not list(run.iterdir())
 
 
+@pytest.mark.parametrize("unseen, sets, named", [
+    ("teacher", ["algorithm.name=opd", "teachers=[{name: t, path: TMP/teacher, domains: [arithmetic]}]"],
+     "teacher 't''s path"),
+    ("critic", ["algorithm.name=sao", "rollout.n_samples_per_prompt=1", "critic.path=TMP/critic"], "critic.path's")])
+def test_a_node_that_does_not_see_a_teacher_or_the_critic_is_one_line(monkeypatch, tmp_path, unseen, sets, named):
+    """Teacher engines and critic ranks load their models at the driver's paths too: a node that did not see them
+    passed the check."""
+    for d in ("model", "run", "ckpts", unseen):
+        (tmp_path / d).mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / unseen / "config.json").write_text("{}")
+    recipe = load_recipe(None, [*QUICK, *(s.replace("TMP", str(tmp_path)) for s in sets)])
+    _fake_cluster_of_two(monkeypatch, unseen=f"/{unseen}/")
+    with pytest.raises(UserError, match=rf"cluster.address: node 10.0.0.7 of the Ray cluster does not see {named} "
+                                        rf"\S*/{unseen}: a run across nodes needs the model"):
+        setup.check_nodes_share_paths(recipe, tmp_path / "model", tmp_path / "run", tmp_path / "ckpts")
+
+
 def test_engines_listen_on_loopback_unless_actors_may_land_on_another_node(monkeypatch):
     _fake_cluster_of_two(monkeypatch, unseen="nothing")
     assert setup.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
