@@ -146,6 +146,39 @@ def test_engines_already_gone_at_shutdown_are_one_warning_each(monkeypatch, capl
                                                         "(ActorUnavailableError)"] * 2
 
 
+def test_a_live_rank_failing_because_its_peer_died_is_the_one_line_of_a_dead_rank(monkeypatch):
+    """A trainer rank's node died in the asynchronous loop (2 ranks on 2 nodes): rank 0, alive, failed first in the
+    weight push's gather (gloo: "Connection closed by peer"), and the run ended with that RayTaskError's traceback."""
+    import asyncio
+
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayTaskError
+
+    from slime_dsa.orchestrator import train
+
+    class Rank:  # FAKE trainer rank actor handle: __ray_ready__.remote() is the rank itself, which ray.get reads
+        def __init__(self, alive: bool) -> None:
+            self.alive = alive
+            self.__ray_ready__ = types.SimpleNamespace(remote=lambda: self)
+
+    def get(rank: Rank, timeout=None):
+        if not rank.alive:
+            raise ActorUnavailableError("The actor is unavailable: its node died", None)
+        return None
+
+    monkeypatch.setattr(ray, "get", get)
+    peer_gone = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer")
+    error = RayTaskError("full_state_dict", "Traceback (most recent call last): ...", peer_gone).as_instanceof_cause()
+    ranks = [Rank(True), Rank(False)]
+    run = types.SimpleNamespace(progress=types.SimpleNamespace(current=3), ckpts=types.SimpleNamespace(
+        latest=lambda: "/c/step_000002"), trainers=types.SimpleNamespace(workers=ranks))
+    assert asyncio.run(train._failure_line(run, error)) == (
+        "a trainer rank died at step 3 (ActorUnavailableError); the newest checkpoint is /c/step_000002; --resume "
+        "continues from it")
+    ranks[1].alive = True
+    assert asyncio.run(train._failure_line(run, error)) is None  # every rank answers: a bug, its traceback kept
+
+
 def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
     def no_client(address=None, **kwargs):
         raise ValueError("Ray Client requires pip package `ray[client]`. If you installed the minimal Ray (e.g. "
