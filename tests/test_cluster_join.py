@@ -146,6 +146,39 @@ def test_engines_already_gone_at_shutdown_are_one_warning_each(monkeypatch, capl
                                                         "(ActorUnavailableError)"] * 2
 
 
+def test_a_live_rank_failing_because_its_peer_died_is_the_one_line_of_a_dead_rank(monkeypatch):
+    """A trainer rank's node died in the asynchronous loop (2 ranks on 2 nodes): rank 0, alive, failed first in the
+    weight push's gather (gloo: "Connection closed by peer"), and the run ended with that RayTaskError's traceback."""
+    import asyncio
+
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayTaskError
+
+    from slime_dsa.orchestrator import train
+
+    class Rank:  # FAKE trainer rank actor handle: __ray_ready__.remote() is the rank itself, which ray.get reads
+        def __init__(self, alive: bool) -> None:
+            self.alive = alive
+            self.__ray_ready__ = types.SimpleNamespace(remote=lambda: self)
+
+    def get(rank: Rank, timeout=None):
+        if not rank.alive:
+            raise ActorUnavailableError("The actor is unavailable: its node died", None)
+        return None
+
+    monkeypatch.setattr(ray, "get", get)
+    peer_gone = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer")
+    error = RayTaskError("full_state_dict", "Traceback (most recent call last): ...", peer_gone).as_instanceof_cause()
+    ranks = [Rank(True), Rank(False)]
+    run = types.SimpleNamespace(progress=types.SimpleNamespace(current=3), ckpts=types.SimpleNamespace(
+        latest=lambda: "/c/step_000002"), trainers=types.SimpleNamespace(workers=ranks))
+    assert asyncio.run(train._failure_line(run, error)) == (
+        "a trainer rank died at step 3 (ActorUnavailableError); the newest checkpoint is /c/step_000002; --resume "
+        "continues from it")
+    ranks[1].alive = True
+    assert asyncio.run(train._failure_line(run, error)) is None  # every rank answers: a bug, its traceback kept
+
+
 def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
     def no_client(address=None, **kwargs):
         raise ValueError("Ray Client requires pip package `ray[client]`. If you installed the minimal Ray (e.g. "
@@ -328,6 +361,24 @@ def test_a_node_that_does_not_see_the_drivers_directories_is_one_line(monkeypatc
     assert not list(run.iterdir())
 
 
+@pytest.mark.parametrize("unseen, sets, named", [
+    ("teacher", ["algorithm.name=opd", "teachers=[{name: t, path: TMP/teacher, domains: [arithmetic]}]"],
+     "teacher 't''s path"),
+    ("critic", ["algorithm.name=sao", "rollout.n_samples_per_prompt=1", "critic.path=TMP/critic"], "critic.path's")])
+def test_a_node_that_does_not_see_a_teacher_or_the_critic_is_one_line(monkeypatch, tmp_path, unseen, sets, named):
+    """Teacher engines and critic ranks load their models at the driver's paths too: a node that did not see them
+    passed the check."""
+    for d in ("model", "run", "ckpts", unseen):
+        (tmp_path / d).mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / unseen / "config.json").write_text("{}")
+    recipe = load_recipe(None, [*QUICK, *(s.replace("TMP", str(tmp_path)) for s in sets)])
+    _fake_cluster_of_two(monkeypatch, unseen=f"/{unseen}/")
+    with pytest.raises(UserError, match=rf"cluster.address: node 10.0.0.7 of the Ray cluster does not see {named} "
+                                        rf"\S*/{unseen}: a run across nodes needs the model"):
+        setup.check_nodes_share_paths(recipe, tmp_path / "model", tmp_path / "run", tmp_path / "ckpts")
+
+
 def test_engines_listen_on_loopback_unless_actors_may_land_on_another_node(monkeypatch):
     _fake_cluster_of_two(monkeypatch, unseen="nothing")
     assert setup.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
@@ -394,3 +445,67 @@ def test_an_interrupt_while_actors_wait_for_a_busy_cluster_stops_at_once(tmp_pat
                             "cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"), err
             assert took < 15, took
             assert _run_actors(port, env) == [("OtherJob", "ALIVE")]
+
+
+@pytest.mark.slow
+def test_engines_and_rank_0_on_one_node_besides_the_drivers_get_weights_by_http(tmp_path):
+    """A head without CPUs and one node that takes every actor: engines shared trainer rank 0's node, so auto chose
+    shm, whose directory the driver makes (and reads back) in its own /dev/shm, which another machine's rank 0 and
+    engines do not see (on one machine they do). Now http; shm asked for is one line."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with _ray_head(num_cpus=0, nodes=(("127.0.0.2", 4),)) as (port, env):
+        def train(run: str, *more: str) -> subprocess.CompletedProcess:
+            sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={tmp_path / run}", "trainer.num_steps=1",
+                    "trainer.warmup_steps=0", "logging.wandb_mode=disabled", "logging.eval_every=0", *more]
+            return subprocess.run([sys.executable, "-m", "slime_dsa.cli", "train", "recipes/quickstart.yaml",
+                                   *(a for s in sets for a in ("--set", s))], env=env, cwd=root, capture_output=True,
+                                  text=True, timeout=300)
+
+        done = train("auto")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "weight sync: http (rollout.weight_sync auto)" in (tmp_path / "auto" / "train.log").read_text()
+        done = train("shm", "rollout.weight_sync=shm")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "slime-dsa: error: rollout.weight_sync 'shm' needs trainer rank 0 on this driver's Ray node (the driver makes "
+        "its /dev/shm directory and reads the weights back there), and the Ray cluster placed it on another: use "
+        "auto or http")
+
+
+def test_a_replacement_engine_that_died_with_its_node_is_one_warning_line(caplog):
+    """The lost engine's node was the only one with room, and Ray, not yet aware that it had died, placed the
+    replacement there: the warning carried Ray's message of four lines to the console."""
+    import asyncio
+
+    from slime_dsa.orchestrator.engines import EngineFleet
+
+    class ActorDiedError(Exception):
+        pass
+
+    class Client:  # FAKE rollout.client.EngineClient: the calls the fleet makes
+        staged: list[str] = []
+
+        def on_engine_lost(self, callback) -> None:
+            self.lost = callback
+
+    def start_one():
+        raise ActorDiedError("The actor died unexpectedly before finishing this task.\nThe actor died because its node "
+                             "has died. Node Id: 4583d7\n\tthe actor's node was terminated unexpectedly: health check "
+                             "failed due to missing too many heartbeats\nThe actor never ran - it was cancelled before "
+                             "it started running.")
+
+    async def lose_one() -> None:
+        client = Client()
+        fleet = EngineFleet(client, {"http://127.0.0.4:1": object()}, start_one)
+        client.lost("http://127.0.0.4:1", "its process died")
+        assert not await fleet.wait_for_restarts(timeout_s=10)
+
+    asyncio.run(lose_one())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "could not replace engine http://127.0.0.4:1: ActorDiedError: The actor died unexpectedly before finishing "
+        "this task. The actor died because its node has died. Node Id: 4583d7 the actor's node was terminated "
+        "unexpectedly: health check failed due to missing too many heartbeats The actor never ran - it was cancelled "
+        "before it started running."]

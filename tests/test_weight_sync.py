@@ -67,6 +67,11 @@ def test_choose_transport(tmp_path):
         choose_transport("shm", "embedded", ["a", "b"], "a", 1000, shm_root=tmp_path)  # was: engines found no file
     with pytest.raises(ValueError, match="rollout.weight_sync 'shm'"):
         choose_transport("shm", "embedded", ["a"], "a", 1000, shm_root=tmp_path / "missing")
+    # rank 0 and the engines on a node besides the driver's, which makes the shm directory in its own /dev/shm
+    assert choose_transport("auto", "embedded", ["a"], "a", 1000, shm_root=tmp_path, driver_node="d") == "http"
+    assert choose_transport("auto", "embedded", ["a"], "a", 1000, shm_root=tmp_path, driver_node="a") == "shm"
+    with pytest.raises(UserError, match="'shm' needs trainer rank 0 on this driver's Ray node"):
+        choose_transport("shm", "embedded", ["a"], "a", 1000, shm_root=tmp_path, driver_node="d")
     with pytest.raises(ValueError, match="rollout.weight_sync"):
         choose_transport("disk", "embedded", ["a"], "a", 1000, shm_root=tmp_path)
     # SGLang servers never get our safetensors_b64 or cuda_ipc bodies: they have a key of their own

@@ -96,7 +96,8 @@ class EngineFleet:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the run goes on with fewer engines
-            logger.warning("could not replace engine %s: %s: %s", lost_url, type(e).__name__, e)
+            # One line: Ray's own (an actor whose node died before it ran) spans four
+            logger.warning("could not replace engine %s: %s: %s", lost_url, type(e).__name__, " ".join(str(e).split()))
             return
         if self._closed:
             _kill(actor)

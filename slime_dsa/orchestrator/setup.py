@@ -194,9 +194,10 @@ def _other_nodes() -> list[dict[str, Any]]:
 
 def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path, checkpoint_dir: Path,
                             timeout_s: float = 120.0) -> None:
-    """UserError (one line) naming the first node besides the driver's that does not see the model directory, the run
-    directory or the checkpoint directory where the driver does: engines load the model, and ranks write checkpoints
-    and engines their logs, at the driver's paths, so a run across nodes needs a filesystem they share."""
+    """UserError (one line) naming the first node besides the driver's that does not see the model directory (the
+    critic's and the teachers' our engines serve too), the run directory or the checkpoint directory where the driver
+    does: engines and ranks load the models, and write checkpoints and logs, at the driver's paths, so a run across
+    nodes needs a filesystem they share."""
     import ray  # noqa: PLC0415
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415
 
@@ -211,14 +212,15 @@ def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path
         marker.write_text("")
     try:
         probe = ray.remote(num_cpus=0)(_missing_paths)
-        wanted = [str(Path(model_dir) / "config.json"), *map(str, markers)]
+        models = _model_dirs(recipe, model_dir)
+        wanted = [*map(str, markers), *models]
         found = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                          .remote(wanted) for n in nodes], timeout=timeout_s)
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
-    names = {wanted[0]: f"model.path's {model_dir}", wanted[1]: f"the run directory {run_dir}",
-             wanted[2]: f"the checkpoint directory {checkpoint_dir}"}
+    names = {wanted[0]: f"the run directory {run_dir}", wanted[1]: f"the checkpoint directory {checkpoint_dir}",
+             **models}
     for node, missing in zip(nodes, found):
         if missing:
             raise UserError(f"cluster.address: node {node.get('NodeManagerAddress')} of the Ray cluster does not see "
@@ -226,6 +228,18 @@ def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path
                             "at the same paths on every node (a shared filesystem)")
     logger.info("the run may place actors on %d node(s) besides this driver's: engines listen on their node's "
                 "address, trainer ranks meet at this driver's", len(nodes))
+
+
+def _model_dirs(recipe: RecipeConfig, model_dir: Path) -> dict[str, str]:
+    """{config.json path: what names it} of every model directory the run's actors load and the driver sees: the
+    policy's, critic.path and the teachers our engines serve (not external ones)."""
+    dirs = {Path(model_dir): f"model.path's {model_dir}"}
+    if recipe.critic.path is not None:
+        dirs[Path(recipe.critic.path)] = f"critic.path's {recipe.critic.path}"
+    for t in recipe.teachers:
+        if t.serving != "external":
+            dirs[Path(t.path)] = f"teacher '{t.name}''s path {t.path}"
+    return {str(d / "config.json"): name for d, name in dirs.items() if (d / "config.json").exists()}
 
 
 def _missing_paths(paths: list[str]) -> list[str]:

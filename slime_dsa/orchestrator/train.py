@@ -250,7 +250,7 @@ async def _failure_line(run: Run, error: Exception) -> str | None:
     """One line for a failure the run cannot go on after, or None for a bug: every engine lost (an emergency
     checkpoint is written first), a trainer rank dead (a Ray actor's process died under a call: in the loop, a
     trainer rank; engines are reached over HTTP), or a weight update the engines refused."""
-    from ray.exceptions import RayActorError  # noqa: PLC0415
+    from ray.exceptions import RayActorError, RayTaskError  # noqa: PLC0415
 
     from rollout.client import EngineLossError  # noqa: PLC0415
     from slime_dsa.orchestrator.weight_sync.base import WeightUpdateRefusedError  # noqa: PLC0415
@@ -264,9 +264,27 @@ async def _failure_line(run: Run, error: Exception) -> str | None:
     where = f"the newest checkpoint is {newest}; --resume continues from it" if newest else "no checkpoint yet"
     if isinstance(error, RayActorError):
         return f"a trainer rank died at step {step} ({type(error).__name__}); {where}"
+    if isinstance(error, RayTaskError) and (dead := await asyncio.to_thread(_dead_rank, run.trainers)):
+        return f"a trainer rank died at step {step} ({dead}); {where}"
     if isinstance(error, WeightUpdateRefusedError):
         hint = _refusal_hint(run.recipe, run.weights)
         return f"the engines refused the weights of step {step}: {error}{hint}; {where}"
+    return None
+
+
+def _dead_rank(trainers: Any, timeout_s: float = 10.0) -> str | None:
+    """The error Ray gives for a trainer rank whose process is gone, or None when every rank answers: a live rank's
+    collective fails when a peer dies (gloo: "Connection closed by peer"), and that error may reach the driver first."""
+    import ray  # noqa: PLC0415
+    from ray.exceptions import GetTimeoutError, RayActorError  # noqa: PLC0415
+
+    for worker in getattr(trainers, "workers", []):
+        try:
+            ray.get(worker.__ray_ready__.remote(), timeout=timeout_s)
+        except RayActorError as e:
+            return type(e).__name__
+        except GetTimeoutError:  # alive, busy
+            continue
     return None
 
 

@@ -47,11 +47,11 @@ def engine_weight_dirs(run_dir: Path, shm_dir: Path) -> list[str]:
 
 def choose_transport(setting: str, engine_kind: str, engine_nodes: list[str | None], trainer_node: str | None,
                      model_bytes: int, shm_root: Path = SHM_ROOT, engine_devices: list[str | None] | None = None,
-                     trainer_device: str | None = None) -> Transport:
+                     trainer_device: str | None = None, driver_node: str | None = None) -> Transport:
     """The transport for rollout.weight_sync `setting` (embedded or external engines): http | shm | cuda_ipc as given
     (cuda_ipc checked); auto = cuda_ipc when every engine is an embedded engine on trainer rank 0's node and GPU
-    (`engine_devices` and `trainer_device`: CUDA device UUIDs, None off CUDA), else shm when they are on its node
-    and shm_root has room for two copies of the weights, else http."""
+    (`engine_devices` and `trainer_device`: CUDA device UUIDs, None off CUDA), else shm when they are on its node,
+    which is `driver_node` too (None: not known), and shm_root has room for two copies of the weights, else http."""
     if engine_kind == "sglang":
         raise ValueError("rollout.engine 'sglang' takes its weight transport from rollout.sglang.weight_sync")
     if setting not in ("auto", *TRANSPORTS):
@@ -68,12 +68,16 @@ def choose_transport(setting: str, engine_kind: str, engine_nodes: list[str | No
         if setting == "shm" and engine_kind == "embedded" and trainer_node is not None and not same_node:
             raise UserError(f"rollout.weight_sync 'shm' needs every engine on trainer rank 0's Ray node (they load "
                             f"from its {shm_root}), and the Ray cluster placed some on other nodes: use auto or http")
+        if setting == "shm" and not _drivers_node(trainer_node, driver_node):
+            raise UserError(f"rollout.weight_sync 'shm' needs trainer rank 0 on this driver's Ray node (the driver "
+                            f"makes its {shm_root} directory and reads the weights back there), and the Ray cluster "
+                            "placed it on another: use auto or http")
         return setting  # type: ignore[return-value]
     if not same_node:
         return "http"
     if _cuda_ipc_problem(engine_kind, same_node, engine_devices, trainer_device) is None:
         return "cuda_ipc"
-    if not _writable_dir(shm_root):
+    if not _writable_dir(shm_root) or not _drivers_node(trainer_node, driver_node):
         return "http"
     free = shutil.disk_usage(shm_root).free
     if free < 2 * model_bytes:  # the current file plus the next one being written
@@ -109,6 +113,11 @@ def _cuda_ipc_problem(engine_kind: str, same_node: bool, engine_devices: list[st
             where = "not on a CUDA device" if device is None else f"on GPU {device}"
             return f"needs every engine on trainer rank 0's GPU ({trainer_device}); engine {i} is {where}"
     return None
+
+
+def _drivers_node(trainer_node: str | None, driver_node: str | None) -> bool:
+    """Whether trainer rank 0 is on the driver's node, as far as known: the shm directory is the driver's."""
+    return trainer_node is None or driver_node is None or trainer_node == driver_node
 
 
 def _writable_dir(path: Path) -> bool:
@@ -174,5 +183,6 @@ def _embedded_or_external(recipe: Any, trainers: Any, engine_actors: list[Any],
     engine_gpus = ray.get([a.cuda_device.remote() for a in engine_actors]) if wants_gpu else []
     trainer_gpu = trainers.cuda_device() if wants_gpu else None
     name = choose_transport(ro.weight_sync, ro.engine, nodes, trainer_node, full_state_bytes(model_dir),
-                            engine_devices=[g and g["uuid"] for g in engine_gpus], trainer_device=trainer_gpu)
+                            engine_devices=[g and g["uuid"] for g in engine_gpus], trainer_device=trainer_gpu,
+                            driver_node=ray.get_runtime_context().get_node_id())
     return name, engine_gpus[0]["dtype"] if name == "cuda_ipc" else None

@@ -3,7 +3,8 @@ config.json, and every engine loads the directory through /update_weights_from_d
 server and SGLang serve. The state dict never crosses Ray, JSON or a socket.
 
 Two places for the directory: shm, a private directory under /dev/shm (a memory copy; engines on rank 0's host
-only), and the run directory (rollout.sglang.weight_sync disk; every engine's node must see it).
+only, which must be the driver's: the driver makes the directory and reads the weights back), and the run directory
+(rollout.sglang.weight_sync disk; every engine's node must see it).
 
 A shm directory is named after the driver's pid (slime-dsa-weights-<pid>-<random>): a run that was SIGKILLed cannot
 remove its model-sized copy, and the next run's remove_stale_shm_dirs removes those whose pid is gone.
