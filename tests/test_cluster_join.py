@@ -322,9 +322,9 @@ def test_a_run_across_ray_nodes_reaches_engines_and_ranks_on_other_nodes(tmp_pat
     assert "weights v2 to 2 engine(s) by http" in log  # off trainer rank 0's node: http
 
 
-def _fake_cluster_of_two(monkeypatch: pytest.MonkeyPatch, unseen: str) -> None:
+def _fake_cluster_of_two(monkeypatch: pytest.MonkeyPatch, unseen: str, answers: bool = True) -> None:
     """FAKE Ray (one machine's nodes share its filesystem): the driver's node and 10.0.0.7, whose probe task does not
-    see paths containing `unseen`."""
+    see paths containing `unseen` (or, not `answers`, never finishes)."""
     nodes = [{"NodeID": "driver", "Alive": True, "Resources": {"CPU": 8.0}, "NodeManagerAddress": "10.0.0.1"},
              {"NodeID": "other", "Alive": True, "Resources": {"GPU": 8.0}, "NodeManagerAddress": "10.0.0.7"},
              {"NodeID": "empty", "Alive": True, "Resources": {"memory": 1e9}, "NodeManagerAddress": "10.0.0.8"}]
@@ -336,11 +336,24 @@ def _fake_cluster_of_two(monkeypatch: pytest.MonkeyPatch, unseen: str) -> None:
             return types.SimpleNamespace(options=lambda **_: types.SimpleNamespace(remote=run))
         return wrap
 
-    ray = types.SimpleNamespace(nodes=lambda: nodes, remote=remote, get=lambda refs, timeout: refs,
+    ray = types.SimpleNamespace(nodes=lambda: nodes, remote=remote, get=lambda refs: refs,
+                                wait=lambda refs, num_returns, timeout: (refs, []) if answers else ([], refs),
                                 get_runtime_context=lambda: types.SimpleNamespace(get_node_id=lambda: "driver"))
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies",
                         types.SimpleNamespace(NodeAffinitySchedulingStrategy=lambda node, soft: node))
+
+
+def test_a_node_that_does_not_run_the_shared_paths_check_is_one_line(monkeypatch, tmp_path):
+    """A node that never ran the probe task (down, or its raylet unreachable): ray.get's GetTimeoutError traceback
+    after 120 s before; one line naming the node now, and the marker files are gone."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    _fake_cluster_of_two(monkeypatch, unseen="nothing", answers=False)
+    with pytest.raises(UserError, match=r"cluster.address: node 10.0.0.7 of the Ray cluster did not run the check that "
+                                        r"it sees the run's directories within 120 s \(of 1 such node\(s\)\)"):
+        setup.check_nodes_share_paths(load_recipe(None, QUICK), tmp_path / "model", tmp_path, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
 @pytest.mark.parametrize("unseen, named", [("model", "model.path's"), ("run", "the run directory"),

@@ -214,8 +214,15 @@ def check_nodes_share_paths(recipe: RecipeConfig, model_dir: Path, run_dir: Path
         probe = ray.remote(num_cpus=0)(_missing_paths)
         models = _model_dirs(recipe, model_dir)
         wanted = [*map(str, markers), *models]
-        found = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                         .remote(wanted) for n in nodes], timeout=timeout_s)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(wanted) for n in nodes]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [n.get("NodeManagerAddress") for n, ref in zip(nodes, refs) if ref in pending]
+            raise UserError(f"cluster.address: node {late[0]} of the Ray cluster did not run the check that it sees "
+                            f"the run's directories within {timeout_s:g} s (of {len(late)} such node(s)): is it up "
+                            "and reachable?")
+        found = ray.get(refs)
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
