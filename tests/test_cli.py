@@ -339,7 +339,7 @@ def test_ray_init_keeps_the_clis_sigterm_handler(monkeypatch):
     from slime_dsa import interrupts
     from slime_dsa.cli import _raise_on_sigterm
     from slime_dsa.config import load_recipe
-    from slime_dsa.orchestrator.setup import init_ray
+    from slime_dsa.orchestrator.cluster import init_ray
 
     def fake_init(**kwargs):
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init does
@@ -381,12 +381,12 @@ def test_sigterm_stops_an_rl_run_the_way_ctrl_c_does(tmp_path):
 @pytest.mark.parametrize("reward_fn", ["math_verfy", "no_such_module:reward"])
 def test_a_reward_fn_that_does_not_resolve_is_one_line_before_ray_starts(tmp_path, capsys, monkeypatch, reward_fn):
     """A misspelt reward_fn was a RewardLoadError traceback once Ray, the engines and the trainers had started."""
-    from slime_dsa.orchestrator import setup
+    from slime_dsa.orchestrator import cluster
 
     def no_ray(recipe):
         raise AssertionError("Ray started before the reward function was resolved")
 
-    monkeypatch.setattr(setup, "init_ray", no_ray)
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
     err = one_line_error(capsys, "train", BASE, "--set", f"data.tasks.0.reward_fn={reward_fn}",
                          "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
     assert err.startswith("slime-dsa: error: data.tasks.0.reward_fn: ") and reward_fn in err, err

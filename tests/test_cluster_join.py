@@ -10,7 +10,7 @@ import pytest
 
 from slime_dsa.config import load_recipe
 from slime_dsa.config.errors import UserError
-from slime_dsa.orchestrator import setup
+from slime_dsa.orchestrator import cluster
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_joining_a_cluster_sends_the_users_ray_token(monkeypatch, tmp_path, head
     monkeypatch.setenv("HOME", str(tmp_path))
     _no_ray_auth_env(monkeypatch)
     _fake_ray(monkeypatch, _refuse_without_token)
-    setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))  # was: ConnectionError after ~20 s
+    cluster.init_ray(load_recipe(None, [f"cluster.address={head}"]))  # was: ConnectionError after ~20 s
 
 
 def test_a_cluster_that_refuses_the_token_is_one_line(monkeypatch, tmp_path, head):
@@ -66,7 +66,7 @@ def test_a_cluster_that_refuses_the_token_is_one_line(monkeypatch, tmp_path, hea
     _fake_ray(monkeypatch, _refuse_without_token)
     with pytest.raises(UserError, match=rf"cluster.address: cannot join the Ray cluster at '{head}': it refused "
                                         r"this driver's Ray token"):
-        setup.init_ray(load_recipe(None, [f"cluster.address={head}"]))
+        cluster.init_ray(load_recipe(None, [f"cluster.address={head}"]))
 
 
 def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
@@ -76,7 +76,7 @@ def test_a_cluster_that_cannot_be_joined_is_one_line(monkeypatch):
     _fake_ray(monkeypatch, no_cluster)
     with pytest.raises(UserError, match=r"cluster.address: cannot join the Ray cluster at 'auto': Could not find any "
                                         r"running Ray instance. .*: check the address and that the cluster is up"):
-        setup.init_ray(load_recipe(None, ["cluster.address=auto"]))
+        cluster.init_ray(load_recipe(None, ["cluster.address=auto"]))
 
 
 def _cluster(monkeypatch: pytest.MonkeyPatch, *nodes: dict) -> None:
@@ -91,19 +91,19 @@ def test_a_cluster_with_too_few_cpus_is_one_line(monkeypatch):
     _cluster(monkeypatch, {"CPU": 4.0})  # was: the run waited for ever, with no message at all
     with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: the run's 4 actors ask for 8 CPUs in all, but "
                                         r"the Ray cluster at 10.0.0.1:6379 has 4"):
-        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+        cluster.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
     _cluster(monkeypatch, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0})
     with pytest.raises(UserError, match=r"cluster.num_cpus_per_actor: each actor asks for 2 CPUs, but no node"):
-        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
-    setup.check_cluster_fits(load_recipe(None, QUICK))  # 4 actors of 1 CPU fit 4 nodes of 1
+        cluster.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_cpus_per_actor=2"]))
+    cluster.check_cluster_fits(load_recipe(None, QUICK))  # 4 actors of 1 CPU fit 4 nodes of 1
 
 
 def test_a_cluster_with_too_few_gpus_names_the_gpu_key(monkeypatch):
     _cluster(monkeypatch, {"CPU": 16.0, "GPU": 1.0})
     with pytest.raises(UserError, match=r"cluster.num_gpus_per_engine: the run's 4 actors ask for 4 GPUs in all"):
-        setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=1",
+        cluster.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=1",
                                                     "cluster.num_gpus_per_trainer=1"]))
-    setup.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=0.25",
+    cluster.check_cluster_fits(load_recipe(None, [*QUICK, "cluster.num_gpus_per_engine=0.25",
                                                 "cluster.num_gpus_per_trainer=0.25"]))
 
 
@@ -118,7 +118,7 @@ def test_an_address_where_nothing_listens_is_one_line_at_once(monkeypatch):
     start = time.monotonic()
     with pytest.raises(UserError, match=rf"cluster.address: nothing answers at 127.0.0.1:{port} "
                                         r"\(Connection refused\)"):
-        setup.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
+        cluster.init_ray(load_recipe(None, [f"cluster.address=127.0.0.1:{port}"]))
     assert time.monotonic() - start < 2
 
 
@@ -187,7 +187,7 @@ def test_a_ray_client_address_without_ray_client_is_one_line(monkeypatch):
     _fake_ray(monkeypatch, no_client)  # was: a ValueError traceback
     with pytest.raises(UserError, match=r"cluster.address: ray://10.0.0.1:10001 needs Ray Client, which this install "
                                         r"lacks: pip install 'ray\[client\]', or give the cluster's GCS address"):
-        setup.init_ray(load_recipe(None, ["cluster.address=ray://10.0.0.1:10001"]))
+        cluster.init_ray(load_recipe(None, ["cluster.address=ray://10.0.0.1:10001"]))
 
 
 def _processes_using(directory: str) -> list[int]:
@@ -244,8 +244,8 @@ def test_a_driver_joins_a_ray_start_head_cluster_with_the_users_token():
     import subprocess
 
     with _ray_head(num_cpus=1) as (port, env):
-        code = ("import ray; from slime_dsa.config import load_recipe; from slime_dsa.orchestrator import setup; "
-                f"setup.init_ray(load_recipe(None, ['cluster.address=127.0.0.1:{port}'])); "
+        code = ("import ray; from slime_dsa.config import load_recipe; from slime_dsa.orchestrator import cluster; "
+                f"cluster.init_ray(load_recipe(None, ['cluster.address=127.0.0.1:{port}'])); "
                 "print('CPUs', ray.cluster_resources()['CPU'])")
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert "CPUs 1.0" in done.stdout, done.stderr[-2000:]  # was: ConnectionError (InvalidAuthToken) after ~20 s
@@ -289,13 +289,13 @@ def test_actors_waiting_for_resources_other_jobs_hold_are_warned(monkeypatch, ca
         _private=types.SimpleNamespace(state=types.SimpleNamespace(actors=lambda job_id: actors)),
         available_resources=lambda: {"CPU": 0.0})
     monkeypatch.setitem(sys.modules, "ray", ray)
-    setup.warn_unplaced(load_recipe(None, QUICK))
+    cluster.warn_unplaced(load_recipe(None, QUICK))
     assert [r.getMessage() for r in caplog.records] == [
         "2 of the run's actors wait for Ray to place them (1 CPU each, cluster.num_cpus_per_actor, and their GPUs): "
         "the cluster has 0 CPUs and 0 GPUs free now; other jobs hold the rest"]
     caplog.clear()
     actors.update(b={"State": "ALIVE"}, c={"State": "ALIVE"})
-    setup.warn_unplaced(load_recipe(None, QUICK))
+    cluster.warn_unplaced(load_recipe(None, QUICK))
     assert not caplog.records
 
 
@@ -352,7 +352,7 @@ def test_a_node_that_does_not_run_the_shared_paths_check_is_one_line(monkeypatch
     _fake_cluster_of_two(monkeypatch, unseen="nothing", answers=False)
     with pytest.raises(UserError, match=r"cluster.address: node 10.0.0.7 of the Ray cluster did not run the check that "
                                         r"it sees the run's directories within 120 s \(of 1 such node\(s\)\)"):
-        setup.check_nodes_share_paths(load_recipe(None, QUICK), tmp_path / "model", tmp_path, tmp_path)
+        cluster.check_nodes_share_paths(load_recipe(None, QUICK), tmp_path / "model", tmp_path, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
@@ -364,13 +364,13 @@ def test_a_node_that_does_not_see_the_drivers_directories_is_one_line(monkeypatc
         d.mkdir()
     (model / "config.json").write_text("{}")
     _fake_cluster_of_two(monkeypatch, unseen="nothing")
-    setup.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
+    cluster.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
     assert not list(run.iterdir()) and not list(ckpts.iterdir())  # the marker files are gone
     _fake_cluster_of_two(monkeypatch, unseen=f"/{unseen}/")
     with pytest.raises(UserError, match=rf"cluster.address: node 10.0.0.7 of the Ray cluster does not see {named} "
                                         rf".*{unseen}: a run across nodes needs the model, run and checkpoint "
                                         r"directories at the same paths on every node \(a shared filesystem\)"):
-        setup.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
+        cluster.check_nodes_share_paths(load_recipe(None, QUICK), model, run, ckpts)
     assert not list(run.iterdir())
 
 
@@ -389,14 +389,14 @@ def test_a_node_that_does_not_see_a_teacher_or_the_critic_is_one_line(monkeypatc
     _fake_cluster_of_two(monkeypatch, unseen=f"/{unseen}/")
     with pytest.raises(UserError, match=rf"cluster.address: node 10.0.0.7 of the Ray cluster does not see {named} "
                                         rf"\S*/{unseen}: a run across nodes needs the model"):
-        setup.check_nodes_share_paths(recipe, tmp_path / "model", tmp_path / "run", tmp_path / "ckpts")
+        cluster.check_nodes_share_paths(recipe, tmp_path / "model", tmp_path / "run", tmp_path / "ckpts")
 
 
 def test_engines_listen_on_loopback_unless_actors_may_land_on_another_node(monkeypatch):
     _fake_cluster_of_two(monkeypatch, unseen="nothing")
-    assert setup.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
+    assert cluster.engine_host() == "node"  # each engine's node address (rollout.actors.NODE_ADDRESS)
     sys.modules["ray"].nodes()[1]["Alive"] = False
-    assert setup.engine_host() == "127.0.0.1"
+    assert cluster.engine_host() == "127.0.0.1"
 
 
 def _run_actors(port: int, env: dict) -> list[tuple[str, str]]:

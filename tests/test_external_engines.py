@@ -34,13 +34,13 @@ def server(model_dir):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    """setup.init_ray raises: a test sees whether the run got past its checks to Ray."""
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    """cluster.init_ray raises: a test sees whether the run got past its checks to Ray."""
+    from slime_dsa.orchestrator import cluster  # noqa: PLC0415
 
     def init_ray(recipe):
         raise AssertionError("Ray started")
 
-    monkeypatch.setattr(setup, "init_ray", init_ray)
+    monkeypatch.setattr(cluster, "init_ray", init_ray)
 
 
 def _train(server, tmp_path, *overrides: str) -> int:

@@ -118,7 +118,7 @@ def test_a_local_ray_cluster_takes_no_command_without_its_token(tmp_path):
     code = textwrap.dedent(f"""
         import os, subprocess, sys, ray
         from slime_dsa.config import load_recipe
-        from slime_dsa.orchestrator.setup import init_ray
+        from slime_dsa.orchestrator.cluster import init_ray
         init_ray(load_recipe(None, []))
         address = ray.get_runtime_context().gcs_address
         env = {{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}}

@@ -11,7 +11,7 @@ import pytest
 def test_changed_tasks_or_seed_on_resume_is_one_line_before_ray(tmp_path, monkeypatch):
     """A resume whose data.tasks (a task renamed, resized) or data.seed changed was a ValueError traceback from
     TaskMixture.load_state_dict, after Ray, the engines and the trainer ranks had started."""
-    import slime_dsa.orchestrator.setup as setup
+    import slime_dsa.orchestrator.cluster as cluster
     import slime_dsa.orchestrator.train as train
     from slime_dsa.config import load_recipe
     from slime_dsa.config.errors import UserError
@@ -24,7 +24,7 @@ def test_changed_tasks_or_seed_on_resume_is_one_line_before_ray(tmp_path, monkey
     mixture = {"seed": 7, "num_drawn": 8, "tasks": [{"name": "arithmetic", "size": 40, "count": 8}]}
     (checkpoint / "orchestrator.json").write_text(json.dumps({"step": 2, "rollout": {"mixture": mixture}}))
     monkeypatch.setattr(train, "_checkpoints", lambda recipe, run_dir, resume: (None, checkpoint))
-    monkeypatch.setattr(setup, "init_ray", no_ray)
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
     monkeypatch.setattr(train, "check_same_model", lambda checkpoint, model_dir: None)  # it holds no weights
 
     def resume(*overrides: str) -> None:

@@ -290,7 +290,7 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_any_work(tmp_
     def no_ray(recipe):
         raise AssertionError("Ray started")
 
-    monkeypatch.setattr("slime_dsa.orchestrator.setup.init_ray", no_ray)
+    monkeypatch.setattr("slime_dsa.orchestrator.cluster.init_ray", no_ray)
     run_dir = tmp_path / "run"
     sets = [arg for o in [f"logging.run_dir={run_dir}", *overrides] for arg in ("--set", o)]
     assert main(["train", BASE, *sets]) == 2
@@ -300,6 +300,6 @@ def test_a_gpu_recipe_on_a_machine_without_gpus_is_one_line_before_any_work(tmp_
     assert line.startswith(f"slime-dsa: error: {key} (") and "this machine has no GPU" in line, stderr
     assert "Traceback" not in stderr and not (run_dir / "initial_model").exists()  # refused before any work
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    from slime_dsa.orchestrator.setup import check_local_gpus
+    from slime_dsa.orchestrator.cluster import check_local_gpus
     check_local_gpus(load_recipe(BASE, [o for o in overrides]))  # a GPU: nothing to refuse
     check_local_gpus(load_recipe(BASE, [*overrides, "cluster.address=auto"]))  # a cluster's GPUs: Ray's to find

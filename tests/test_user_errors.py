@@ -147,12 +147,12 @@ def test_a_plugin_that_does_not_resolve_is_one_line_at_check_train_and_sft(capsy
     reward function before Ray but the tools and loop only after Ray and the engines had started (without naming
     the key), and sft only at its first evaluation, after training steps."""
     import slime_dsa.sft  # noqa: PLC0415
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator import cluster  # noqa: PLC0415
 
     def started(*args, **kwargs):
         raise AssertionError("Ray or training started")
 
-    monkeypatch.setattr(setup, "init_ray", started)
+    monkeypatch.setattr(cluster, "init_ray", started)
     monkeypatch.setattr(slime_dsa.sft, "run_sft", started)
     sao = str(ROOT / "recipes" / "sao_agentic.yaml")
     run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"]
@@ -279,12 +279,12 @@ def test_train_names_a_model_path_that_would_not_load_before_ray_starts(capsys, 
     """A model directory without a tokenizer, without weights, or of another architecture passes `recipe check`
     (config.json is there); `train` then died with a traceback: FileNotFoundError for the tokenizer, and for the other
     two a trainer rank's traceback after Ray, the engines and the ranks had started."""
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator import cluster  # noqa: PLC0415
 
     def no_ray(recipe):
         raise AssertionError("Ray started")
 
-    monkeypatch.setattr(setup, "init_ray", no_ray)
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
     model_dir = _model_dir_without(tmp_path, *left_out, model_type=model_type)
     err = one_line_error(capsys, "train", BASE, "--set", f"model.path={model_dir}", "--set",
                          f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled")
@@ -351,12 +351,12 @@ def test_train_names_a_critic_or_teacher_path_that_would_not_load_before_ray_sta
     the tokenizer has tokens, or (a teacher) a value model passed `recipe check` and the start of train; the critic's
     trainer rank or the teacher's engine then died in Ray with a traceback (a value model as teacher: 'checkpoint is
     missing tensor lm_head.weight'; the small critic: IndexError: index out of range in self)."""
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator import cluster  # noqa: PLC0415
 
     def no_ray(recipe):
         raise AssertionError("Ray started")
 
-    monkeypatch.setattr(setup, "init_ray", no_ray)
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
     policy = ROOT / "recipes" / "assets" / "agentic-sft"
     bad = make(tmp_path)
     teachers = [a for i in range(3) for a in ("--set", f"teachers.{i}.path={bad if i == 1 else policy}")]

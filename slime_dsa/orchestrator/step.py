@@ -37,7 +37,7 @@ class StepProgress:
     saved: int = 0  # the step of the newest checkpoint written or resumed from (0: none)
     trained: int = 0  # the last step whose optimiser steps are done
     trained_state: dict | None = None  # the rollout state right after that step's training (emergency checkpoint)
-    waiting: str = ""  # at an interruption before step 1: what the start-up waited for (setup.stop_unplaced)
+    waiting: str = ""  # at an interruption before step 1: what the start-up waited for (cluster.stop_unplaced)
 
     def mark_trained(self, step: int, rollout_state: dict) -> None:
         self.trained, self.trained_state = step, rollout_state

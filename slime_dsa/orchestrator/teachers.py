@@ -78,7 +78,7 @@ class Teachers:
 
     def __init__(self, recipe: RecipeConfig, temperature: float, top_k: int, host: str = "127.0.0.1") -> None:
         self.recipe, self.temperature, self.top_k = recipe, temperature, top_k
-        self.host = host  # where the teacher engines the run starts listen (setup.engine_host)
+        self.host = host  # where the teacher engines the run starts listen (cluster.engine_host)
         # A fresh key for the engines the run starts (as the policy's: no other local process or web page can drive
         # them); external teachers take $SLIME_DSA_API_KEY, as external rollout engines do.
         self.api_key = secrets.token_urlsafe(32)

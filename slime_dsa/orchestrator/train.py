@@ -70,7 +70,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator import cluster, setup  # noqa: PLC0415
     from slime_dsa.orchestrator.perf import EngineStats, train_flops_for_run  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
@@ -79,7 +79,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     )
 
     algorithm = build_algorithm(recipe.algorithm)
-    setup.check_local_gpus(recipe)
+    cluster.check_local_gpus(recipe)
     use_async = loop == "async" or (loop == "auto" and algorithm.loop == "async")
     if use_async and recipe.logging.profile_steps:
         raise UserError("logging.profile_steps needs the synchronous loop, and this run uses the asynchronous one")
@@ -112,12 +112,12 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 resume_step=metrics_resume_step(resume, resume_from,
                                                                 saved_state["step"] if saved_state else 0))
     try:
-        setup.init_ray(recipe)
-        setup.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
-        setup.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
+        cluster.init_ray(recipe)
+        cluster.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
+        cluster.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
         remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
         shm_dir = shm_dir_name()
-        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), setup.engine_host())
+        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), cluster.engine_host())
 
         urls, engine_actors, teachers, pool, trainers = await _start_actors(recipe, model_dir, use_async, access,
                                                                            run_dir, algorithm, tokenizer, progress)
@@ -198,11 +198,11 @@ async def _start_actors(recipe: RecipeConfig, model_dir: Path, use_async: bool, 
     and trainer ranks start side by side (the ranks compile their kernels meanwhile), except SGLang servers, which size
     their memory pools from the GPU memory free when they start. An interruption (Ctrl-C, SIGTERM) while Ray has not
     placed some of them ends their waits, and progress.waiting says what the run waited for."""
-    from slime_dsa.orchestrator import setup  # noqa: PLC0415
+    from slime_dsa.orchestrator import cluster, setup  # noqa: PLC0415
     from trainers.factory import build_trainer_group  # noqa: PLC0415
 
     # Ray waits silently for resources that other jobs hold: say so once if the actors take that long
-    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, setup.warn_unplaced, recipe)
+    unplaced = asyncio.get_running_loop().call_later(UNPLACED_WARNING_S, cluster.warn_unplaced, recipe)
     try:
         engines_up = asyncio.to_thread(setup.start_engines, recipe, model_dir, use_async, access, run_dir)
         if recipe.rollout.engine == "sglang":
@@ -222,7 +222,7 @@ async def _start_actors(recipe: RecipeConfig, model_dir: Path, use_async: bool, 
             pool = await teachers.start(tokenizer.encode("Compute 1 + 1."))
         trainers = await (trainers_up or asyncio.to_thread(build_trainer_group, recipe, model_dir, algorithm))
     except asyncio.CancelledError:  # Ctrl-C or SIGTERM: the threads waiting in ray.get would keep the process alive
-        progress.waiting = setup.stop_unplaced(recipe)
+        progress.waiting = cluster.stop_unplaced(recipe)
         raise
     finally:
         unplaced.cancel()
