@@ -133,12 +133,13 @@ def check_local_gpus(recipe: RecipeConfig) -> None:
                         "it on a GPU machine, or join a cluster that has them (cluster.address)")
 
 
-def engine_host() -> str:
-    """Where the engines the run starts listen: 127.0.0.1 when every node that takes actors is the driver's, else
-    each engine's node address (the run's key is required there, as everywhere)."""
+def engine_host(recipe: RecipeConfig) -> str:
+    """Where the engines the run starts listen: on a joined cluster each engine's node address (the run's key is
+    required there, as everywhere), since nodes may join it while the run goes on and take a replacement; else
+    127.0.0.1 (a local cluster is this machine)."""
     from rollout.actors import NODE_ADDRESS  # noqa: PLC0415
 
-    return NODE_ADDRESS if _other_nodes() else "127.0.0.1"
+    return NODE_ADDRESS if recipe.cluster.address is not None else "127.0.0.1"
 
 
 def _other_nodes() -> list[dict[str, Any]]:

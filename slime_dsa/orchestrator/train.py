@@ -117,7 +117,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         cluster.check_nodes_share_paths(recipe, model_dir, run_dir, checkpoint_dir(recipe, run_dir))
         remove_stale_shm_dirs()  # model-sized copies left in /dev/shm by runs that were SIGKILLed
         shm_dir = shm_dir_name()
-        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), cluster.engine_host())
+        access = setup.EngineAccess.for_run(recipe, engine_weight_dirs(run_dir, shm_dir), cluster.engine_host(recipe))
 
         urls, engine_actors, teachers, pool, trainers = await _start_actors(recipe, model_dir, use_async, access,
                                                                            run_dir, algorithm, tokenizer, progress)
