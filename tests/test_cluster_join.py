@@ -399,18 +399,24 @@ def test_engines_listen_on_their_node_address_on_a_joined_cluster():
     assert cluster.engine_host(load_recipe(None, [])) == "127.0.0.1"  # a local cluster: this machine
 
 
-def _run_actors(port: int, env: dict) -> list[tuple[str, str]]:
-    """(class, state) of every actor on the cluster at 127.0.0.1:port that is not dead, as another driver sees them."""
-    import json
+def _another_driver(port: int, env: dict, code: str) -> str:
+    """The stdout of `code` run by another driver joined to the cluster at 127.0.0.1:port (`ray` imported, joined)."""
     import subprocess
 
-    code = ("import json, ray; ray.init(address='127.0.0.1:%d', logging_level='ERROR'); "
-            "print(json.dumps([(a['ActorClassName'], a['State']) for a in ray._private.state.actors().values() "
-            "if a['State'] != 'DEAD']))" % port)
+    code = f"import ray; ray.init(address='127.0.0.1:{port}', logging_level='ERROR')\n{code}"
     done = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    return [tuple(a) for a in json.loads(done.stdout.strip().splitlines()[-1])]
+    return done.stdout
+
+
+def _run_actors(port: int, env: dict) -> list[tuple[str, str]]:
+    """(class, state) of every actor on the cluster at 127.0.0.1:port that is not dead, as another driver sees them."""
+    import json
+
+    out = _another_driver(port, env, "import json\nprint(json.dumps([(a['ActorClassName'], a['State']) for a in "
+                                     "ray._private.state.actors().values() if a['State'] != 'DEAD']))")
+    return [tuple(a) for a in json.loads(out.strip().splitlines()[-1])]
 
 
 @pytest.mark.slow
@@ -425,12 +431,8 @@ def test_an_interrupt_while_actors_wait_for_a_busy_cluster_stops_at_once(tmp_pat
 
     root = Path(__file__).resolve().parents[1]
     with _ray_head(num_cpus=2) as (port, env):
-        hold = ("import ray; ray.init(address='127.0.0.1:%d', logging_level='ERROR')\n"
-                "@ray.remote(num_cpus=2)\nclass OtherJob:\n    def ready(self): return 1\n"
-                "ray.get(OtherJob.options(name='other', lifetime='detached').remote().ready.remote())\n" % port)
-        held = subprocess.run([sys.executable, "-c", hold], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
-                              text=True, timeout=120)
-        assert held.returncode == 0, held.stderr[-2000:]
+        _another_driver(port, env, "@ray.remote(num_cpus=2)\nclass OtherJob:\n    def ready(self): return 1\n"
+                        "ray.get(OtherJob.options(name='other', lifetime='detached').remote().ready.remote())")
         for i, signum in enumerate((signal.SIGINT, signal.SIGTERM)):
             run_dir = tmp_path / f"run{i}"
             sets = [f"cluster.address=127.0.0.1:{port}", f"logging.run_dir={run_dir}", "rollout.num_engines=1",
