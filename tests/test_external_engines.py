@@ -87,15 +87,32 @@ def test_a_refused_weight_update_is_a_refusal_not_a_lost_engine(server):
     asyncio.run(refused())
 
 
+def _alive_actors(ray, class_name: str, expected: int | None = None, timeout_s: float = 20.0) -> int:
+    """Actors of `class_name` alive in the session's Ray cluster; with `expected`, waited for up to `timeout_s` to
+    become that many (a killed actor is marked dead a moment later)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sum(1 for a in ray._private.state.actors().values()
+                    if a.get("State") != "DEAD" and a.get("ActorClassName", "").endswith(class_name))
+        if expected is None or alive == expected or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_weights_an_external_engine_refuses_stop_the_run_with_one_line(server, model_dir, tmp_path, monkeypatch,
                                                                         capsys, ray_cluster):
     """rollout.weight_sync shm to a `serve` engine without --weight-dir: every push is a 403. The run died after its
     first step with a traceback of rollout.client.EngineError; the push of the initial weights now refuses first."""
     monkeypatch.setenv("SLIME_DSA_API_KEY", KEY)
+    ranks_before = _alive_actors(ray_cluster, "FSDPWorker")
     code = _train(server, tmp_path, f"model.path={model_dir}", "rollout.weight_sync=shm", "trainer.num_workers=1",
                   "trainer.num_steps=2", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
                   "rollout.max_response_length=4", "logging.eval_every=0", "checkpoint.save_every=0")
+    # its trainer rank stopped with it: it stayed alive, holding a CPU a later run in the session waited for for ever
+    assert _alive_actors(ray_cluster, "FSDPWorker", expected=ranks_before) == ranks_before
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     line = err.splitlines()[-1]

@@ -111,6 +111,8 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                                 recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"),
                                 resume_step=metrics_resume_step(resume, resume_from,
                                                                 saved_state["step"] if saved_state else 0))
+    trainers = teachers = client = fleet = weights = None
+    engine_actors: list = []
     try:
         cluster.init_ray(recipe)
         cluster.check_cluster_fits(recipe)  # a joined cluster too small: one line, not a silent wait
@@ -158,6 +160,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
                   await asyncio.to_thread(train_flops_for_run, recipe, model_dir, trainers))
     except BaseException:
         metrics_log.close()  # the W&B run of a start-up that failed ends as failed
+        await _stop_started(trainers, engine_actors, teachers, fleet, client, weights)
         raise
     try:
         if on_weights is not None:
@@ -182,13 +185,24 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
         raise UserError(line) from None
     finally:
         metrics_log.close()
-        await fleet.close()
-        await client.close()
-        if teachers is not None:
-            await teachers.close()
-        await asyncio.to_thread(_shutdown, trainers, fleet.all_actors())
-        weights.close()
+        await _stop_started(trainers, engine_actors, teachers, fleet, client, weights)
     return run_dir
+
+
+async def _stop_started(trainers: Any, engine_actors: list, teachers: Any, fleet: Any, client: Any,
+                        weights: Any) -> None:
+    """Stop what the run started (None: not started yet): a start-up that failed left its actors holding the
+    cluster's resources, so that a later run in the same process waited for them."""
+    if fleet is not None:
+        await fleet.close()
+    if client is not None:
+        await client.close()
+    if teachers is not None:
+        await teachers.close()
+    if trainers is not None or engine_actors:
+        await asyncio.to_thread(_shutdown, trainers, fleet.all_actors() if fleet is not None else engine_actors)
+    if weights is not None:
+        weights.close()
 
 
 async def _start_actors(recipe: RecipeConfig, model_dir: Path, use_async: bool, access: Any, run_dir: Path,
@@ -546,7 +560,8 @@ def _shutdown(trainers, engine_actors) -> None:
     from ray.exceptions import RayActorError  # noqa: PLC0415
 
     try:
-        trainers.shutdown()
+        if trainers is not None:
+            trainers.shutdown()
     except RayActorError as e:  # a rank already dead (the failure the run reports): one line, no traceback
         logger.warning("trainer shutdown: a rank was already gone (%s)", type(e).__name__)
     except Exception:  # noqa: BLE001 (shutting down: report and go on)
