@@ -19,11 +19,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # avoids the fork-after-use warn
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole session (starting one costs seconds). Logical CPUs exceed the
-    machine's cores on purpose: actors of a tiny model mostly wait on each other."""
+    machine's cores on purpose: actors of a tiny model mostly wait on each other, and a worker's tests share them."""
     import ray  # noqa: PLC0415
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False,
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}})
     yield ray
     ray.shutdown()
