@@ -22,6 +22,8 @@ def ray_cluster():
     machine's cores on purpose: actors of a tiny model mostly wait on each other, and a worker's tests share them."""
     import ray  # noqa: PLC0415
 
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < 16:
+        ray.shutdown()  # a test's real Ray call started a local one of this machine's cores: runs would starve
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}})

@@ -490,11 +490,12 @@ def test_engines_and_rank_0_on_one_node_besides_the_drivers_get_weights_by_http(
         "auto or http")
 
 
-def test_a_replacement_engine_that_died_with_its_node_is_one_warning_line(caplog):
+def test_a_replacement_engine_that_died_with_its_node_is_one_warning_line(caplog, monkeypatch):
     """The lost engine's node was the only one with room, and Ray, not yet aware that it had died, placed the
     replacement there: the warning carried Ray's message of four lines to the console."""
     import asyncio
 
+    from slime_dsa.orchestrator import engines
     from slime_dsa.orchestrator.engines import EngineFleet
 
     class ActorDiedError(Exception):
@@ -511,6 +512,10 @@ def test_a_replacement_engine_that_died_with_its_node_is_one_warning_line(caplog
                              "has died. Node Id: 4583d7\n\tthe actor's node was terminated unexpectedly: health check "
                              "failed due to missing too many heartbeats\nThe actor never ran - it was cancelled before "
                              "it started running.")
+
+    # ray.kill on the FAKE actor would start a local Ray of this machine's cores in the test process, which the
+    # session's ray_cluster fixture then reuses (a later run's actors waited for CPUs for ever)
+    monkeypatch.setattr(engines, "_kill", lambda actor: None)
 
     async def lose_one() -> None:
         client = Client()
