@@ -28,6 +28,10 @@ def _train(recipe: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def _checkpoints(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "checkpoints").glob("step_*"))
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory, ray_cluster):
     """A reference run in this process; the same recipe in a `slime-dsa train` subprocess SIGKILLed after step 2, its
@@ -41,13 +45,14 @@ def killed_and_resumed(tmp_path_factory, ray_cluster):
     run_dir = tmp_path / "run"
     driver = _train(recipe, run_dir)
     try:
-        assert wait_for(lambda: len(records(run_dir)) >= 2, 300), driver.stderr.read() if driver.poll() else ""
+        # Two published checkpoints, not two records: step 2's record reaches metrics.jsonl just before its checkpoint
+        assert wait_for(lambda: len(_checkpoints(run_dir)) >= 2, 300), driver.stderr.read() if driver.poll() else ""
     finally:
         os.killpg(driver.pid, signal.SIGKILL)  # the driver and every process of its session, Ray's included
         driver.wait()
     left = {"lock": (run_dir / ".lock").read_text().split()[0],
             "shm": list(Path("/dev/shm").glob(f"slime-dsa-weights-{driver.pid}-*"))}
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    checkpoints = _checkpoints(run_dir)
     newest = checkpoints[-1] / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:-64])  # and the newest checkpoint is damaged
 
