@@ -142,13 +142,20 @@ def engine_host(recipe: RecipeConfig) -> str:
     return NODE_ADDRESS if recipe.cluster.address is not None else "127.0.0.1"
 
 
+def _alive_nodes() -> list[dict[str, Any]]:
+    """Ray's records of the cluster's alive nodes."""
+    import ray  # noqa: PLC0415
+
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
 def _other_nodes() -> list[dict[str, Any]]:
-    """Ray's records of the alive nodes besides the driver's with CPUs or GPUs: where an actor's 127.0.0.1 is not the
-    driver's (nodes without either take no actor of the run)."""
+    """The alive nodes besides the driver's with CPUs or GPUs: where an actor's 127.0.0.1 is not the driver's (nodes
+    without either take no actor of the run)."""
     import ray  # noqa: PLC0415
 
     here = ray.get_runtime_context().get_node_id()
-    return [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != here
+    return [n for n in _alive_nodes() if n.get("NodeID") != here
             and any(n.get("Resources", {}).get(kind, 0) > 0 for kind in ("CPU", "GPU"))]
 
 
@@ -218,13 +225,11 @@ def check_cluster_fits(recipe: RecipeConfig) -> None:
     """UserError (one line) when a joined Ray cluster has, in all or on its largest node, fewer CPUs or GPUs than
     the run's actors ask for: Ray would wait for them for ever, silently. Resources held by other jobs are not
     counted against it (they may be freed)."""
-    import ray  # noqa: PLC0415
-
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
 
     if recipe.cluster.address is None:
         return
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    nodes = [n.get("Resources", {}) for n in _alive_nodes()]
     cl, cr, actors = recipe.cluster, recipe.critic, _actor_count(recipe)
     asks = [("CPU", "cluster.num_cpus_per_actor", cl.num_cpus_per_actor, actors * cl.num_cpus_per_actor)]
     engines, critics = _policy_engines(recipe), _separate_critics(recipe)
