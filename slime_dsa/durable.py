@@ -6,6 +6,7 @@ the rename itself can be lost."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -36,6 +37,29 @@ def publish(tmp: Path, final: Path) -> None:
         fsync_path(tmp)
     os.replace(tmp, final)
     fsync_path(final.parent)
+
+
+def aside_path(final: Path) -> Path:
+    """Where publish_over sets an existing `final` aside while its replacement is renamed in: `.NAME.old-PID`."""
+    return final.with_name(f".{final.name}.old-{os.getpid()}")
+
+
+def publish_over(tmp: Path, final: Path) -> None:
+    """publish `tmp` as `final`, which may exist: the old `final` is renamed aside (aside_path), the new one published,
+    then the aside copy deleted. A failure before the new one is in place renames the old one back; a crash there
+    leaves `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
+    if not final.exists():
+        publish(tmp, final)
+        return
+    aside = aside_path(final)
+    os.replace(final, aside)
+    try:
+        publish(tmp, final)
+    except BaseException:
+        if not final.exists():
+            os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_atomic(path: Path, text: str) -> None:
