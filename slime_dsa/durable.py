@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 
 def fsync_path(path: Path) -> None:
@@ -24,7 +25,8 @@ def fsync_tree(directory: Path) -> None:
     files)."""
     for root, _, files in os.walk(directory, topdown=False):
         for name in files:
-            fsync_path(Path(root, name))
+            if not os.path.islink(Path(root, name)):  # a link's target is not ours to flush (and may be dangling)
+                fsync_path(Path(root, name))
         fsync_path(Path(root))
 
 
@@ -60,6 +62,34 @@ def publish_over(tmp: Path, final: Path) -> None:
             os.replace(aside, final)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_aside_copies(final: Path) -> list[Path]:
+    """The old copies of `final` that publish_over set aside and a crash left behind, oldest name first."""
+    return sorted(final.parent.glob(f".{final.name}.old-*"))
+
+
+def carry_over(old: Path, new: Path, keep: Callable[[str], bool]) -> None:
+    """Hard-link (or copy, across filesystems) into `new` each entry of `old` that `new` lacks and `keep(name)`
+    allows: the files of a directory about to be replaced that its writer does not write (a README)."""
+    for item in old.iterdir():
+        target = new / item.name
+        if os.path.lexists(target) or not keep(item.name):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(item, target)
+
+
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def write_atomic(path: Path, text: str) -> None:
