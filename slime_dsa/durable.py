@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +91,24 @@ def _link_or_copy(source: str | Path, target: str | Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def write_directory(final: Path, write: Callable[[Path], object], keep: Callable[[str], bool]) -> None:
+    """`write(tmp)` into a new directory beside `final`, carry over the entries of an existing `final` that `keep`
+    allows, then publish_over: a failure or a kill at any point leaves no `final` that looks complete."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # what a plain mkdir gives; mkdtemp's 0700 hid it from other users
+        write(tmp)
+        if final.is_dir():
+            carry_over(final, tmp, keep)
+        publish_over(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -88,12 +88,17 @@ def save_pretrained(
             extra(tmp)
         _apply_umask(tmp)  # before carry_over: the user's files keep their own modes
         if directory.exists():
-            carry_over(directory, tmp, keep=lambda name: not name.endswith(".safetensors") and name != INDEX_NAME)
+            carry_over(directory, tmp, keep=lambda name: not is_weight_file(name))
         publish_over(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def is_weight_file(name: str) -> bool:
+    """A file of an HF directory that a new write of its weights replaces (the others are kept)."""
+    return name.endswith(".safetensors") or name == INDEX_NAME
 
 
 def _apply_umask(directory: Path) -> None:
