@@ -6,7 +6,10 @@ the rename itself can be lost."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def fsync_path(path: Path) -> None:
@@ -23,7 +26,8 @@ def fsync_tree(directory: Path) -> None:
     files)."""
     for root, _, files in os.walk(directory, topdown=False):
         for name in files:
-            fsync_path(Path(root, name))
+            if not os.path.islink(Path(root, name)):  # a link's target is not ours to flush (and may be dangling)
+                fsync_path(Path(root, name))
         fsync_path(Path(root))
 
 
@@ -36,6 +40,75 @@ def publish(tmp: Path, final: Path) -> None:
         fsync_path(tmp)
     os.replace(tmp, final)
     fsync_path(final.parent)
+
+
+def aside_path(final: Path) -> Path:
+    """Where publish_over sets an existing `final` aside while its replacement is renamed in: `.NAME.old-PID`."""
+    return final.with_name(f".{final.name}.old-{os.getpid()}")
+
+
+def publish_over(tmp: Path, final: Path) -> None:
+    """publish `tmp` as `final`, which may exist: the old `final` is renamed aside (aside_path), the new one published,
+    then the aside copy deleted. A failure before the new one is in place renames the old one back; a crash there
+    leaves `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
+    if not final.exists():
+        publish(tmp, final)
+        return
+    aside = aside_path(final)
+    os.replace(final, aside)
+    try:
+        publish(tmp, final)
+    except BaseException:
+        if not final.exists():
+            os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_aside_copies(final: Path) -> list[Path]:
+    """The old copies of `final` that publish_over set aside and a crash left behind, oldest name first."""
+    return sorted(final.parent.glob(f".{final.name}.old-*"))
+
+
+def carry_over(old: Path, new: Path, keep: Callable[[str], bool]) -> None:
+    """Hard-link (or copy, across filesystems) into `new` each entry of `old` that `new` lacks and `keep(name)`
+    allows: the files of a directory about to be replaced that its writer does not write (a README)."""
+    for item in old.iterdir():
+        target = new / item.name
+        if os.path.lexists(target) or not keep(item.name):
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(item, target)
+
+
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def write_directory(final: Path, write: Callable[[Path], object], keep: Callable[[str], bool]) -> None:
+    """`write(tmp)` into a new directory beside `final`, carry over the entries of an existing `final` that `keep`
+    allows, then publish_over: a failure or a kill at any point leaves no `final` that looks complete."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # what a plain mkdir gives; mkdtemp's 0700 hid it from other users
+        write(tmp)
+        if final.is_dir():
+            carry_over(final, tmp, keep)
+        publish_over(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -71,7 +71,7 @@ def test_a_run_checkpoint_is_fsynced_then_renamed_then_its_parent_fsynced(tmp_pa
 def test_an_export_is_fsynced_with_its_tokenizer_then_renamed(tmp_path, disk_events, out_exists):
     """`export` into a new directory: the weights, config and tokenizer fsynced, then the one rename. Before, the
     tokenizer was copied in after the rename (an export without one after a crash there) and nothing was fsynced.
-    Into an existing directory, each file is fsynced before its own rename and the directory after."""
+    Into an existing directory the same, the user's README carried into the temporary directory and kept."""
     from slime_dsa.checkpoint.training import export_checkpoint
 
     out = tmp_path / "export"
@@ -81,11 +81,102 @@ def test_an_export_is_fsynced_with_its_tokenizer_then_renamed(tmp_path, disk_eve
     export_checkpoint(ASSET, out)
     written = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
     assert {p.name for p in out.iterdir()} == set(written) | ({"README.md"} if out_exists else set())
-    if not out_exists:
-        assert_published_durably(disk_events, out)
+    assert_published_durably(disk_events, out)
+
+
+# An export over an existing one, killed by os._exit in a subprocess just before or just after the first os.replace
+# that renames something written into its temporary directory into place (no except or finally runs). The new
+# weights are the old ones plus 1.
+EXPORT_KILLED = """
+import os, sys
+from pathlib import Path
+from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
+
+asset, out, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+new = {name: tensor + 1 for name, tensor in read_state_dict(out).items()}
+real_replace = os.replace
+
+def replace(source, target, **kwargs):
+    publishing = ".export.tmp-" in str(source)
+    if publishing and when == "before":
+        os._exit(9)
+    real_replace(source, target, **kwargs)
+    if publishing and when == "after":
+        os._exit(9)
+
+os.replace = replace
+save_pretrained(load_model(asset), out, max_shard_bytes=1 << 20, state_dict=new)
+"""
+
+
+def _export_old(out: Path) -> dict:
+    """ASSET's model saved into `out` in shards, with a README of the user's beside it: the old weights."""
+    from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
+
+    save_pretrained(load_model(ASSET), out, max_shard_bytes=1 << 20)
+    (out / "README.md").write_text("mine")
+    return read_state_dict(out)
+
+
+def _same(state: dict, expected: dict) -> bool:
+    import torch
+
+    return state.keys() == expected.keys() and all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_export_over_an_existing_one_killed_mid_swap_loses_neither_and_never_mixes(tmp_path, when):
+    """Killed around the rename that publishes it: the directory loads the whole old weight set or the whole new one
+    (the user's README kept), or the loader refuses it in one line naming where the whole old set is. Before, the old
+    weights were unlinked and the new files renamed in one by one: a kill there left a directory with some of the new
+    files and the old weights gone."""
+    import subprocess
+    import sys
+
+    from slime_dsa.checkpoint.hf_format import load_model, read_state_dict
+
+    out = tmp_path / "export"
+    old = _export_old(out)
+    new = {name: tensor + 1 for name, tensor in old.items()}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(ASSET), str(out), when], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr
+    try:
+        load_model(out)
+    except (OSError, ValueError) as e:
+        message = str(e)
+        assert "\n" not in message and ".export.old-" in message, message
+        aside = next(tmp_path.glob(".export.old-*"))
+        assert str(aside) in message and _same(read_state_dict(aside), old)
+        assert (aside / "README.md").read_text() == "mine"
         return
-    for name in written:
-        assert_published_durably(disk_events, out / name)
+    assert _same(read_state_dict(out), old) or _same(read_state_dict(out), new)
+    assert (out / "README.md").read_text() == "mine"
+
+
+def test_an_export_over_an_existing_one_whose_rename_fails_keeps_the_old_one(tmp_path, monkeypatch):
+    """The rename that publishes an export over an existing one fails (EIO): the error reaches the caller and the
+    directory holds its old weights and the user's README, with nothing left beside it. Before, the old weights had
+    been unlinked first."""
+    import errno
+
+    from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
+
+    out = tmp_path / "export"
+    old = _export_old(out)
+    real_replace = os.replace
+
+    def replace(source, target, **kwargs):
+        if ".export.tmp-" in str(source):
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(source, target, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output"):
+        save_pretrained(load_model(ASSET, dtype="bfloat16"), out)
+    assert _same(read_state_dict(out), old) and (out / "README.md").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,73 @@ def test_orphans_are_removed_only_under_the_run_directory_lock(manager):
     assert busy.exists()
 
 
+# A save of a step that exists, killed by os._exit in a subprocess just before or just after the os.replace that
+# renames its temporary directory into place (no except or finally runs, as in a real kill).
+RESAVE_KILLED = """
+import os, sys
+from pathlib import Path
+from slime_dsa.checkpoint.training import CheckpointManager
+from tests.test_checkpoints import _write
+
+directory, when = Path(sys.argv[1]), sys.argv[2]
+real_replace = os.replace
+
+def replace(source, target, **kwargs):
+    publishing = ".step_000003.tmp-" in str(source)
+    if publishing and when == "before":
+        os._exit(9)
+    real_replace(source, target, **kwargs)
+    if publishing and when == "after":
+        os._exit(9)
+
+os.replace = replace
+CheckpointManager(directory, keep_last=0).save(3, _write, {"rollout": {"next": 33}})
+"""
+
+
+def _rollout_next(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "orchestrator.json").read_text())["rollout"]["next"]
+
+
+@pytest.mark.parametrize(("when", "expected_next"), [("before", 3), ("after", 33)])
+def test_a_resave_killed_around_its_rename_leaves_the_old_checkpoint_or_the_new(manager, when, expected_next):
+    """A step saved again and killed just before its new directory is renamed into place: the next start's
+    remove_orphans puts the old one back; killed just after: the new one stays and the old one set aside is removed.
+    Before, the old one was deleted before the rename: a kill there lost the step (latest() fell back to step 2)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", RESAVE_KILLED, str(manager.directory), when], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    manager.remove_orphans(SimpleNamespace(held=True))
+    assert manager.latest() == manager.path_for(3)
+    assert _rollout_next(manager.path_for(3)) == expected_next
+    assert sorted(p.name for p in manager.directory.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+
+
+def test_a_resave_whose_rename_fails_keeps_the_old_checkpoint(manager, monkeypatch):
+    """A save of an existing step whose rename into place fails (a full disk, EIO): the error reaches the caller and
+    the old checkpoint of that step is still there, whole. Before, it had been deleted first."""
+    import errno
+    import os
+
+    real_replace = os.replace
+
+    def replace(source, target, **kwargs):
+        if ".step_000003.tmp-" in str(source):
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(source, target, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output"):
+        manager.save(3, _write, {"rollout": {"next": 33}})
+    assert manager.latest() == manager.path_for(3) and _rollout_next(manager.path_for(3)) == 3
+    assert sorted(p.name for p in manager.directory.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+
+
 def test_export_writes_float32_routers_and_indexer_heads_as_saved(tmp_path):
     """A bf16 checkpoint holding its router weights, selection biases and indexer heads as float32 values bf16 cannot
     hold exports tensor for tensor as saved (dtype and value); so does the same model from float32 weights (as a

@@ -4,7 +4,9 @@
 
 OUT_DIR gets one directory per (tensor-parallel rank, expert-parallel rank), mp_rank_{tp:02d}_{ep:03d}/ with that
 rank's model.safetensors (trainers/megatron/convert.py names), plus config.json, megatron.json (the sizes) and the
-tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact.
+tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
+itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
+replaces its shards and keeps the other files of it (a README).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from slime_dsa.checkpoint.hf_format import read_state_dict
+from slime_dsa.durable import write_directory
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.megatron.convert import hf_to_megatron
@@ -33,19 +36,26 @@ def shard_directory(root: Path, tp_rank: int, ep_rank: int) -> Path:
 
 
 def convert(src: Path, out: Path, tp: int, ep: int) -> None:
+    """Write `src`'s weights as tp x ep Megatron shards, with its config and tokenizer, into `out`."""
     config = ModelConfig.from_pretrained(src)
     check_parallel_sizes(config, ParallelSizes(tensor_parallel=tp, expert_parallel=ep), tp * ep)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a directory to write the Megatron shards into")
     state = read_state_dict(src)
-    for t in range(tp):
-        for e in range(ep):
-            directory = shard_directory(out, t, e)
-            directory.mkdir(parents=True, exist_ok=True)
-            save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
-    shutil.copy(src / "config.json", out / "config.json")
-    (out / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
+
+    def write(tmp: Path) -> None:
+        for t in range(tp):
+            for e in range(ep):
+                directory = shard_directory(tmp, t, e)
+                directory.mkdir()
+                save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
+        shutil.copy(src / "config.json", tmp / "config.json")
+        (tmp / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy(src / name, tmp / name)
+
+    write_directory(out, write, keep=lambda name: not name.startswith("mp_rank_"))
     logger.info("wrote %d shards to %s", tp * ep, out)
 
 

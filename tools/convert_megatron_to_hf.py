@@ -2,6 +2,9 @@
 transformers, SGLang and our engine load as it is.
 
     python tools/convert_megatron_to_hf.py MEGATRON_DIR HF_DIR
+
+HF_DIR is written beside itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one
+over a previous HF_DIR replaces its weights and keeps the other files of it (a README).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from slime_dsa.checkpoint.hf_format import is_weight_file
+from slime_dsa.durable import write_directory
 from slime_dsa.models.config import ModelConfig
 from trainers.megatron.convert import megatron_to_hf
 
@@ -24,17 +29,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(src: Path, out: Path) -> None:
+    """Write the HF directory of `src`'s Megatron shards (its config and tokenizer with it) into `out`."""
     sizes = json.loads((src / "megatron.json").read_text())
     tp, ep = sizes["tensor_parallel"], sizes["expert_parallel"]
     config = ModelConfig.from_pretrained(src)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a directory to write the HF model into")
     shards = {(t, e): load_file(src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors")
               for t in range(tp) for e in range(ep)}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(megatron_to_hf(shards, config, tp, ep), out / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(src / "config.json", out / "config.json")
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
+
+    def write(tmp: Path) -> None:
+        save_file(megatron_to_hf(shards, config, tp, ep), tmp / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(src / "config.json", tmp / "config.json")
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy(src / name, tmp / name)
+
+    write_directory(out, write, keep=lambda name: not is_weight_file(name))
     logger.info("wrote %s", out)
 
 

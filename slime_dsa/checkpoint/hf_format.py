@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slime_dsa.durable import publish
+from slime_dsa.durable import carry_over, publish_over, set_aside_copies
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
@@ -65,7 +65,8 @@ def save_pretrained(
     extra: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write config.json and safetensors into `directory` atomically and durably (a temporary directory, fsynced, then
-    a rename); `extra(tmp)` writes more files there first (a tokenizer), so they arrive with the weights."""
+    a rename); `extra(tmp)` writes more files there first (a tokenizer), so they arrive with the weights. An existing
+    `directory` is replaced whole (durable.publish_over), keeping the files we do not write (a README)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
@@ -85,20 +86,19 @@ def save_pretrained(
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         if extra is not None:
             extra(tmp)
-        _apply_umask(tmp)
+        _apply_umask(tmp)  # before carry_over: the user's files keep their own modes
         if directory.exists():
-            # Keep any files we did not write (tokenizer, README) and replace ours.
-            for stale in list(directory.glob("*.safetensors")) + [directory / INDEX_NAME]:
-                stale.unlink(missing_ok=True)
-            for item in list(tmp.iterdir()):
-                publish(item, directory / item.name)
-            shutil.rmtree(tmp)
-        else:
-            publish(tmp, directory)
+            carry_over(directory, tmp, keep=lambda name: not is_weight_file(name))
+        publish_over(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def is_weight_file(name: str) -> bool:
+    """A file of an HF directory that a new write of its weights replaces (the others are kept)."""
+    return name.endswith(".safetensors") or name == INDEX_NAME
 
 
 def _apply_umask(directory: Path) -> None:
@@ -177,6 +177,15 @@ def check_and_assign(model: GlmMoeDsaForCausalLM, state: dict[str, torch.Tensor]
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
+def _missing_model_dir(directory: Path) -> str:
+    """One line: `directory` does not exist, and where its old contents are when an export into it was killed."""
+    aside = set_aside_copies(directory)
+    if not aside:
+        return f"model directory {directory} does not exist"
+    return (f"model directory {directory} does not exist: an export into it was interrupted; its previous contents "
+            f"are whole in {aside[-1]}, rename that back to {directory.name}")
+
+
 def load_model(
     path_or_config: str | Path | ModelConfig | dict,
     dtype: torch.dtype | str | None = None,
@@ -188,7 +197,7 @@ def load_model(
         return build_model(config, dtype, device)
     directory = Path(path_or_config)
     if not directory.is_dir():
-        raise FileNotFoundError(f"model directory {directory} does not exist")
+        raise FileNotFoundError(_missing_model_dir(directory))
     config = ModelConfig.from_pretrained(directory)
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(config)

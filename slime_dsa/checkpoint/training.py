@@ -4,13 +4,15 @@ slime_dsa/durable.py), the last K kept, resumed exactly.
 A checkpoint directory `step_000042/` holds the trainer's files (see trainers/fsdp/checkpointing.py), the model's
 config.json and tokenizer (so it exports without the run), and `orchestrator.json` (data position, step, the size of
 every file written and the SHA-256 of the small ones). `latest()` skips a checkpoint damaged since (validate.py) for
-the newest intact one; `remove_orphans()` removes the temporary directories of saves that were killed.
+the newest intact one; `remove_orphans()` removes the temporary directories of saves that were killed, and puts back
+a step's old checkpoint that a killed save of the same step had set aside (durable.publish_over).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -20,11 +22,12 @@ from typing import Any, Callable, Protocol
 from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
                                            model_dir_problem)
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import publish
+from slime_dsa.durable import fsync_path, publish_over
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_DIR = re.compile(r"^\.step_\d+\.tmp-")
+ASIDE_DIR = re.compile(r"^\.(step_\d+)\.old-\d+$")  # durable.aside_path of a step directory
 
 
 class HeldLock(Protocol):
@@ -57,17 +60,29 @@ class CheckpointManager:
         return None
 
     def remove_orphans(self, lock: HeldLock) -> list[Path]:
-        """Remove the temporary directories of saves that were killed. Only while holding the run directory's
-        `lock`: without it, the temporary directory of another run's save in progress would look orphaned."""
+        """Remove the temporary directories of saves that were killed, and the old checkpoints a save of the same step
+        set aside; one whose step directory is missing (the save was killed before its rename) is renamed back. Only
+        while holding the run directory's `lock`: without it, another run's save in progress would look orphaned."""
         if not getattr(lock, "held", False):
             raise RuntimeError("remove_orphans needs the run directory's lock held (slime_dsa.run_dir.held_lock)")
         if not self.directory.exists():
             return []
-        orphans = sorted(p for p in self.directory.iterdir() if p.is_dir() and TMP_DIR.match(p.name))
+        self._restore_set_aside()
+        orphans = sorted(p for p in self.directory.iterdir()
+                         if p.is_dir() and (TMP_DIR.match(p.name) or ASIDE_DIR.match(p.name)))
         for orphan in orphans:
             shutil.rmtree(orphan, ignore_errors=True)
             logger.info("removed %s, left by a checkpoint save that did not finish", orphan)
         return orphans
+
+    def _restore_set_aside(self) -> None:
+        """Rename back each old checkpoint set aside by a save of its step that was killed before its rename."""
+        for aside in sorted(p for p in self.directory.iterdir() if p.is_dir() and ASIDE_DIR.match(p.name)):
+            final = self.directory / ASIDE_DIR.match(aside.name).group(1)
+            if not final.exists():
+                os.replace(aside, final)
+                fsync_path(self.directory)
+                logger.info("restored %s from %s, set aside by a save of its step that did not finish", final, aside)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:06d}"
@@ -81,9 +96,7 @@ class CheckpointManager:
             state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp), CHECKSUM_KEY: checksums(tmp)}
             (tmp / "orchestrator.json").write_text(json.dumps(state, indent=2))
             final = self.path_for(step)
-            if final.exists():
-                shutil.rmtree(final)
-            publish(tmp, final)
+            publish_over(tmp, final)  # a step saved again: the old one set aside, not deleted, until the new is in
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
