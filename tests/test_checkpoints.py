@@ -154,6 +154,41 @@ def test_a_resave_whose_rename_fails_keeps_the_old_checkpoint(manager, monkeypat
     assert sorted(p.name for p in manager.directory.iterdir()) == ["step_000001", "step_000002", "step_000003"]
 
 
+# A save that prunes step 1 (keep_last=2), killed by os._exit in a subprocess after the prune deleted one file of it.
+PRUNE_KILLED = """
+import os, shutil, sys
+from pathlib import Path
+from slime_dsa.checkpoint import training
+from tests.test_checkpoints import _write
+
+def rmtree(path, *args, **kwargs):
+    path = Path(path)
+    if "step_000001" in path.name:
+        (path / "model.safetensors").unlink()
+        os._exit(9)
+    shutil.rmtree(path, *args, **kwargs)
+
+training.shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
+training.CheckpointManager(Path(sys.argv[1]), keep_last=2).save(4, _write, {"rollout": {"next": 4}})
+"""
+
+
+def test_a_prune_killed_midway_leaves_nothing_half_deleted_after_the_next_start(manager):
+    """keep_last prunes the oldest checkpoint; a kill while it deletes its files left a half-deleted step_000001 that
+    latest() skips as damaged but nothing ever removed. Now the old step is renamed to a temporary name first, which
+    the next start's remove_orphans removes."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", PRUNE_KILLED, str(manager.directory)], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    manager.remove_orphans(SimpleNamespace(held=True))
+    assert sorted(p.name for p in manager.directory.iterdir()) == ["step_000002", "step_000003", "step_000004"]
+
+
 def test_export_writes_float32_routers_and_indexer_heads_as_saved(tmp_path):
     """A bf16 checkpoint holding its router weights, selection biases and indexer heads as float32 values bf16 cannot
     hold exports tensor for tensor as saved (dtype and value); so does the same model from float32 weights (as a

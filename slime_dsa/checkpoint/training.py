@@ -101,9 +101,21 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         for old in self.checkpoints()[: -self.keep_last] if self.keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            self._prune(old)
         logger.info("checkpoint written: %s", final)
         return final
+
+
+    def _prune(self, checkpoint: Path) -> None:
+        """Delete an old checkpoint, renamed first to a temporary name: a kill while its files go leaves a directory
+        that remove_orphans removes, not a half-deleted step_N."""
+        doomed = checkpoint.with_name(f".{checkpoint.name}.tmp-pruned-{os.getpid()}")
+        try:
+            os.replace(checkpoint, doomed)
+        except OSError as error:
+            logger.warning("could not prune %s: %s", checkpoint, error)
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def read_orchestrator_state(checkpoint: str | Path) -> dict[str, Any]:
