@@ -41,7 +41,7 @@ class DeepSpeedWorker(TrainerRank):
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         # DeepSpeed reads its rank's device from LOCAL_RANK.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(self.device.index or 0))
-        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
+        join_default_group(rank, world_size, master_addr, master_port, self.device, store_hosted)
         if not use_cuda:
             skip_shared_memory_comm_op()
         torch.manual_seed(config.seed)

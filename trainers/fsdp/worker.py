@@ -45,7 +45,7 @@ class FSDPWorker(TrainerRank):
         super().__init__(rank, world_size, config)
         use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
+        join_default_group(rank, world_size, master_addr, master_port, self.device, store_hosted)
         self.mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (world_size,))
         torch.manual_seed(config.seed)
         ops.set_backend(config.ops_backend)

@@ -49,7 +49,7 @@ class MegatronWorker(TrainerRank):
         use_cuda = torch.cuda.is_available()
         cpu_shim.apply()  # a no-op on a GPU machine
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        join_default_group(rank, world_size, master_addr, master_port, "nccl" if use_cuda else "gloo", store_hosted)
+        join_default_group(rank, world_size, master_addr, master_port, self.device, store_hosted)
         self.sizes = parallel_sizes(config.backend_options)
         self.groups, self.place = initialize(self.sizes)
         self.data_parallel_rank, self.data_parallel_size = self.place.dp_rank, self.place.dp_size
