@@ -3,9 +3,9 @@ an optimizer and a step count of its own (indexer_warmup.*): a value other than 
 is refused (`slime-dsa indexer-warmup`, and `recipe check --for indexer-warmup`) rather than ignored.
 
 indexer-warmup reads model.path, preset, index_topk and tokenizer_path, data.* (the tasks corpus), indexer_warmup.*,
-trainer.seed and max_grad_norm, and logging.run_dir, project, run_name, wandb_mode and log_every. model.dtype it
-computes in float32 whatever the value. The other RL keys (rollout.*, algorithm.*, critic.*, teachers) and sft.*
-belong to the commands the same recipe may also serve.
+trainer.seed and max_grad_norm, and logging.run_dir, project, run_name, wandb_mode and log_every. It computes in
+float32 on the CPU: model.dtype float32 or auto (float32 on a CPU) pass, bfloat16 is refused. The other RL keys
+(rollout.*, algorithm.*, critic.*, teachers) and sft.* belong to the commands the same recipe may also serve.
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ NOT_READ_BY_INDEXER_WARMUP: dict[str, str] = {
 
 def check_indexer_warmup_keys(config: RecipeConfig) -> None:
     """RecipeError for the first key indexer-warmup would ignore (naming how many more there are); none: return."""
-    raise_first_problem(unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP))
+    problems = unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP)
+    if config.model.dtype == "bfloat16":
+        problems.append(("model.dtype", "model.dtype 'bfloat16': slime-dsa indexer-warmup computes in float32 on the "
+                                        "CPU (not built for GPUs yet); set float32 or auto"))
+    raise_first_problem(problems)
 
 
 def indexer_warmup_summary(config: RecipeConfig) -> str:
