@@ -202,3 +202,22 @@ def test_a_bfloat16_model_dtype_is_refused_not_computed_in_float32(tmp_path, cap
     assert main(["recipe", "check", RECIPE, "--set", "model.dtype=bfloat16"]) == 0  # train reads it
     capsys.readouterr()
 
+
+def test_the_data_keys_are_refused_with_a_dataset_corpus(tmp_path, capsys):
+    """With indexer_warmup.corpus: dataset the warm-up reads indexer_warmup.dataset_path's text_column, not the tasks:
+    the shipped recipe with `--set indexer_warmup.corpus=dataset` trained on the file and ignored its data.tasks,
+    data.apply_chat_template and data.seed without a word. Now refused in one line naming them; a recipe that leaves
+    data.* unset passes."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "12 + 34 = 46"}\n' * 200)
+    dataset = ["--set", "indexer_warmup.corpus=dataset", "--set", f"indexer_warmup.dataset_path={corpus}"]
+    _refused_by_the_command_and_recipe_check(
+        [*dataset, *SHORT],
+        "data.tasks [arithmetic, countdown]: indexer_warmup.corpus "
+        "'dataset' trains on the text of indexer_warmup.dataset_path, not on data.*; leave data.* unset or set "
+        "corpus tasks (and 2 more: data.apply_chat_template, data.seed)", tmp_path / "run", capsys)
+    bare = tmp_path / "dataset_corpus.yaml"
+    bare.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "indexer_warmup": {
+        "corpus": "dataset", "dataset_path": str(corpus), "seq_len": 16, "index_topk": 4}}))
+    assert main(["recipe", "check", "--for", "indexer-warmup", str(bare)]) == 0
+    capsys.readouterr()
