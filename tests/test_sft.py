@@ -238,3 +238,23 @@ def test_shipped_sft_recipes_pass_sfts_key_check(capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "sft: a random quickstart model | tasks: arithmetic×1, two_digit×3 | 64 examples/step in micro-batches of at "
         "most 8192 tokens | 3000 steps")
+
+
+def test_sft_evaluation_honours_the_recipes_reward_timeout(tmp_path):
+    """sft's evaluation scores every answer with the task's reward function, and gave each call the default 30 s
+    whatever rollout.reward_timeout_s said: a recipe's 0.3 s let a 1 s reward pass (eval/pass@1 1.0). Now the
+    evaluation takes the recipe's timeout: those calls time out and score 0, as in train's evaluation."""
+    recipe = {
+        "model": {"preset": "tiny"},
+        "data": {"tasks": [{"kind": "arithmetic", "eval_size": 2, "train_size": 16, "task_args": {"max_digits": 1},
+                            "reward_fn": "tests.plugins.rewards:slow_pass"}], "max_prompt_length": 32},
+        "rollout": {"max_response_length": 4, "reward_timeout_s": 0.3},
+        "trainer": {"num_steps": 1},
+        "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 2, "output_dir": str(tmp_path / "model")},
+        "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 0
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["eval/pass@1"] == 0.0, record

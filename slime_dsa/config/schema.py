@@ -995,9 +995,9 @@ class CheckpointSection(Section):
 class SFTSection(Section):
     """Supervised fine-tuning (`slime-dsa sft`): teaches a model the tasks' reference solutions before RL, in one process.
 
-    sft also reads model, data, rollout.max_response_length and stop (its evaluation), logging's run_dir, project,
-    run_name, wandb_mode and log_every, and trainer's optimiser keys, micro_batch_tokens, mixed_precision, num_steps
-    and seed; the keys of train's workers, cluster and checkpoints that it does not read are refused when set
+    sft also reads model, data, rollout.max_response_length, stop and reward_timeout_s (its evaluation), logging's
+    run_dir, project, run_name, wandb_mode and log_every, and trainer's optimiser keys, micro_batch_tokens,
+    mixed_precision, num_steps and seed; the keys of train's workers, cluster and checkpoints that it does not read are refused when set
     (slime_dsa/config/sft.py; `slime-dsa recipe check --for sft`).
     """
 
