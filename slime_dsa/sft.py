@@ -132,10 +132,14 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
 def run_sft(recipe: RecipeConfig) -> Path:
     """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.config.sft import check_sft_keys  # noqa: PLC0415
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
     check_sft_keys(recipe)  # `slime-dsa sft` has refused them already; a caller of this function gets the same
+    if recipe.model.dtype == "bfloat16" and not torch.cuda.is_available():  # the device is known only here
+        raise UserError("model.dtype 'bfloat16': slime-dsa sft computes in bfloat16 on a GPU only (autocast), and this "
+                        "machine has none: on a CPU it trains in float32; set float32 or auto")
     with open_run_dir(recipe, "sft.log") as run_dir:
         return _fine_tune(recipe, run_dir)
 

@@ -258,3 +258,28 @@ def test_sft_evaluation_honours_the_recipes_reward_timeout(tmp_path):
     assert main(["sft", str(path)]) == 0
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["eval/pass@1"] == 0.0, record
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU computes bfloat16 (autocast)")
+def test_sft_on_a_cpu_refuses_a_bfloat16_model_dtype(tmp_path, capsys):
+    """sft computes in bfloat16 only on a GPU (autocast); on a CPU `model.dtype: bfloat16` trained, evaluated and wrote
+    the model in float32 without a word. Now `slime-dsa sft` on a CPU refuses it in one line before anything is
+    written; float32 there runs."""
+    recipe = {
+        "model": {"preset": "tiny", "dtype": "bfloat16"},
+        "data": {"tasks": [{"kind": "arithmetic", "train_size": 16, "task_args": {"max_digits": 1}}],
+                 "max_prompt_length": 32},
+        "rollout": {"max_response_length": 4},
+        "trainer": {"num_steps": 1},
+        "sft": {"batch_size": 4, "eval_every": 0, "output_dir": str(tmp_path / "model")},
+        "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == ("slime-dsa: error: model.dtype 'bfloat16': slime-dsa sft computes in bfloat16 on a GPU only "
+                   "(autocast), and this machine has none: on a CPU it trains in float32; set float32 or auto\n"), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+    assert main(["sft", str(path), "--set", "model.dtype=float32"]) == 0
+    assert (tmp_path / "model" / "config.json").exists()
