@@ -440,7 +440,8 @@ def test_sft_stop_at_pass_without_held_out_prompts_is_refused(capsys):
     err = one_line_error(capsys, "recipe", "check", sft, "--set", "data.tasks.0.eval_size=0")
     assert err.endswith("sft.stop_at_pass (0.25) needs held-out prompts: set eval_size or eval_fraction on a task in "
                         "data.tasks")
-    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null"]) == 0
+    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null",
+                 "--set", "sft.eval_every=0"]) == 0  # eval_every 10 evaluates nothing there either: refused too
 
 
 def test_indexer_warmup_checks_its_paths_before_it_trains(capsys, tmp_path):

@@ -1284,6 +1284,11 @@ class RecipeConfig(Section):
             raise RecipeValueError(  # else eval pass@1 is nan at every eval and the stop never comes
                 f"sft.stop_at_pass ({self.sft.stop_at_pass}) needs held-out prompts: set eval_size or eval_fraction "
                 "on a task in data.tasks", "sft.stop_at_pass")
+        sft_eval = [k for k in changed_keys(self.sft, "eval_every", "eval_prompts") if getattr(self.sft, k)]
+        if sft_eval and not any(t.has_eval_split for t in self.data.tasks):  # else every evaluation scores nothing
+            raise RecipeValueError(
+                f"sft.{sft_eval[0]} ({getattr(self.sft, sft_eval[0])}) needs held-out prompts: set eval_size or "
+                "eval_fraction on a task in data.tasks", f"sft.{sft_eval[0]}")
         if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
