@@ -283,3 +283,18 @@ def test_sft_on_a_cpu_refuses_a_bfloat16_model_dtype(tmp_path, capsys):
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
     assert main(["sft", str(path), "--set", "model.dtype=float32"]) == 0
     assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_sft_with_ops_backend_triton_is_told_to_leave_auto(capsys):
+    """`slime-dsa sft --set model.ops_backend=triton` said the key needs cluster.num_gpus_per_engine or
+    num_gpus_per_trainer above 0, which sft then refuses (it takes no cluster.* key): a dead end. The line now says
+    what sft does instead: auto, which runs the Triton kernels on a GPU."""
+    overrides = ["--set", "model.ops_backend=triton", "--set", "logging.run_dir=runs/never-written"]
+    for argv in (["sft", QUICKSTART_SFT, *overrides], ["recipe", "check", "--for", "sft", QUICKSTART_SFT, *overrides]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.rstrip().endswith("model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
+                                     "cluster.num_gpus_per_trainer are 0 (slime-dsa sft takes no cluster.* key: leave "
+                                     "auto, which is triton on a GPU; indexer-warmup runs the torch ops)"), err
+    assert not Path("runs/never-written").exists()

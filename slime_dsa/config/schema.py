@@ -1240,7 +1240,8 @@ class RecipeConfig(Section):
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
-                "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
+                "cluster.num_gpus_per_trainer are 0 (slime-dsa sft takes no cluster.* key: leave auto, which is "
+                "triton on a GPU; indexer-warmup runs the torch ops)", "model.ops_backend")
         if self.trainer.backend == "megatron" and ro.engine == "sglang" and (
                 ro.sglang.weight_sync == "distributed"
                 or (ro.sglang.weight_sync == "auto" and cl.placement == "disaggregated")):
