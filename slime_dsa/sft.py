@@ -98,16 +98,18 @@ def sft_step(model, optimizer, examples: list[SupervisedExample], micro_batch_to
 
 
 def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int,
-                stop: Sequence[str] = ()) -> dict[str, float]:
+                stop: Sequence[str] = (), reward_timeout_s: float | None = None) -> dict[str, float]:
     """The RL loop's evaluation (rollout.evaluation.Evaluator: greedy answers on every task's eval split, eval/
-    metrics) through an embedded engine in this process."""
+    metrics) through an embedded engine in this process; each reward call may run reward_timeout_s (None: the
+    default of rollout.reward_timeout_s)."""
     from rollout.engine import AsyncEngine, Engine  # noqa: PLC0415
     from rollout.evaluation import Evaluator, eval_prompts  # noqa: PLC0415
     from rollout.server.in_process import InProcessClient  # noqa: PLC0415
     from slime_dsa.config.schema import RolloutSection  # noqa: PLC0415
 
     # No deadline per request: a CPU eval of many long answers can outlast any, and SFT has no engine to give up on.
-    rollout = RolloutSection(max_response_length=max_new_tokens, stop=list(stop), request_timeout_s=math.inf)
+    timeout = {} if reward_timeout_s is None else {"reward_timeout_s": reward_timeout_s}
+    rollout = RolloutSection(max_response_length=max_new_tokens, stop=list(stop), request_timeout_s=math.inf, **timeout)
     prompts = eval_prompts(tasks, max_prompts)
     longest = max((len(p.prompt_ids) for p in prompts), default=1) + max_new_tokens
 
@@ -130,10 +132,14 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
 def run_sft(recipe: RecipeConfig) -> Path:
     """Fine-tune, evaluating every sft.eval_every steps; write the HF directory and return its path."""
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.config.sft import check_sft_keys  # noqa: PLC0415
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
     check_sft_keys(recipe)  # `slime-dsa sft` has refused them already; a caller of this function gets the same
+    if recipe.model.dtype == "bfloat16" and not torch.cuda.is_available():  # the device is known only here
+        raise UserError("model.dtype 'bfloat16': slime-dsa sft computes in bfloat16 on a GPU only (autocast), and this "
+                        "machine has none: on a CPU it trains in float32; set float32 or auto")
     with open_run_dir(recipe, "sft.log") as run_dir:
         return _fine_tune(recipe, run_dir)
 
@@ -166,7 +172,8 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name, recipe.logging.wandb_mode,
                         config=recipe.model_dump(mode="json"))
     out_dir = Path(sft.output_dir or run_dir / "sft_model")
-    eval_args = (tokenizer, tasks, sft.eval_prompts, recipe.rollout.max_response_length, recipe.rollout.stop)
+    ro = recipe.rollout
+    eval_args = (tokenizer, tasks, sft.eval_prompts, ro.max_response_length, ro.stop, ro.reward_timeout_s)
     metrics: dict[str, float] = {}
     try:
         with Progress(transient=True) as progress:

@@ -169,3 +169,55 @@ def test_keys_the_warm_up_does_not_read_are_refused(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "indexer-warmup: a random quickstart model | corpus: tasks | 8 windows of 128 tokens/step | index_topk 32 | "
         "200 steps")
+
+
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "indexer_warmup.yaml")
+SHORT = ["--set", "indexer_warmup.num_steps=1", "--set", "indexer_warmup.eval_sequences=1",
+         "--set", "indexer_warmup.batch_size=1", "--set", "indexer_warmup.eval_every=0"]
+
+
+def _refused_by_the_command_and_recipe_check(argv_tail: list[str], says: str, run: Path, capsys) -> None:
+    """`slime-dsa indexer-warmup` and `recipe check --for indexer-warmup` both exit 2 with the one line `says`, and the
+    command writes nothing."""
+    for argv in (["indexer-warmup", RECIPE, "--set", f"logging.run_dir={run}", *argv_tail],
+                 ["recipe", "check", "--for", "indexer-warmup", RECIPE, *argv_tail]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert err == f"slime-dsa: error: {says}\n", err
+        assert "model written" not in out
+    assert not run.exists()
+
+
+def test_a_bfloat16_model_dtype_is_refused_not_computed_in_float32(tmp_path, capsys):
+    """indexer-warmup loads, trains and writes the model in float32 on the CPU whatever model.dtype says: `--set
+    model.dtype=bfloat16` was accepted and the warm-up ran in float32 without a word (while trainer.mixed_precision,
+    the same request, was refused). Now refused in one line by the command and by `recipe check --for
+    indexer-warmup`; float32, and auto (float32 on a CPU), pass."""
+    _refused_by_the_command_and_recipe_check(
+        ["--set", "model.dtype=bfloat16", *SHORT],
+        "model.dtype 'bfloat16': slime-dsa indexer-warmup computes in float32 on the CPU (not built for GPUs yet); "
+        "set float32 or auto", tmp_path / "run", capsys)
+    for dtype in ("float32", "auto"):
+        assert main(["recipe", "check", "--for", "indexer-warmup", RECIPE, "--set", f"model.dtype={dtype}"]) == 0
+    assert main(["recipe", "check", RECIPE, "--set", "model.dtype=bfloat16"]) == 0  # train reads it
+    capsys.readouterr()
+
+
+def test_the_data_keys_are_refused_with_a_dataset_corpus(tmp_path, capsys):
+    """With indexer_warmup.corpus: dataset the warm-up reads indexer_warmup.dataset_path's text_column, not the tasks:
+    the shipped recipe with `--set indexer_warmup.corpus=dataset` trained on the file and ignored its data.tasks,
+    data.apply_chat_template and data.seed without a word. Now refused in one line naming them; a recipe that leaves
+    data.* unset passes."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "12 + 34 = 46"}\n' * 200)
+    dataset = ["--set", "indexer_warmup.corpus=dataset", "--set", f"indexer_warmup.dataset_path={corpus}"]
+    _refused_by_the_command_and_recipe_check(
+        [*dataset, *SHORT],
+        "data.tasks [arithmetic, countdown]: indexer_warmup.corpus "
+        "'dataset' trains on the text of indexer_warmup.dataset_path, not on data.*; leave data.* unset or set "
+        "corpus tasks (and 2 more: data.apply_chat_template, data.seed)", tmp_path / "run", capsys)
+    bare = tmp_path / "dataset_corpus.yaml"
+    bare.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "indexer_warmup": {
+        "corpus": "dataset", "dataset_path": str(corpus), "seq_len": 16, "index_topk": 4}}))
+    assert main(["recipe", "check", "--for", "indexer-warmup", str(bare)]) == 0
+    capsys.readouterr()

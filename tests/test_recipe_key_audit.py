@@ -183,3 +183,15 @@ def test_sft_stop_at_pass_without_evaluations_before_the_end_is_refused():
     assert message.startswith("sft: stop_at_pass (0.5) is checked at each evaluation, and eval_every 0 evaluates only "
                               "after the last step")
     validate_recipe({"sft": {"stop_at_pass": 0.5, "eval_every": 10}, "data": held_out})
+
+
+@pytest.mark.parametrize("key, value", [("eval_every", 10), ("eval_prompts", 32)])
+def test_sft_evaluation_keys_without_held_out_prompts_are_refused(key, value):
+    """sft evaluates each task's eval split: with none (no eval_size or eval_fraction on any task), sft.eval_every and
+    sft.eval_prompts were accepted and every evaluation scored no prompt, without a word (logging.eval_every, train's,
+    and sft.stop_at_pass were already refused there). sft.eval_every 0 (at the end only) still passes."""
+    message = refusal({"sft": {key: value}})
+    assert message.startswith(f"sft.{key} ({value}) needs held-out prompts: set eval_size or eval_fraction on a task "
+                              "in data.tasks"), message
+    validate_recipe({"sft": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
+    validate_recipe({"sft": {"eval_every": 0}})

@@ -238,3 +238,63 @@ def test_shipped_sft_recipes_pass_sfts_key_check(capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "sft: a random quickstart model | tasks: arithmetic×1, two_digit×3 | 64 examples/step in micro-batches of at "
         "most 8192 tokens | 3000 steps")
+
+
+def test_sft_evaluation_honours_the_recipes_reward_timeout(tmp_path):
+    """sft's evaluation scores every answer with the task's reward function, and gave each call the default 30 s
+    whatever rollout.reward_timeout_s said: a recipe's 0.3 s let a 1 s reward pass (eval/pass@1 1.0). Now the
+    evaluation takes the recipe's timeout: those calls time out and score 0, as in train's evaluation."""
+    recipe = {
+        "model": {"preset": "tiny"},
+        "data": {"tasks": [{"kind": "arithmetic", "eval_size": 2, "train_size": 16, "task_args": {"max_digits": 1},
+                            "reward_fn": "tests.plugins.rewards:slow_pass"}], "max_prompt_length": 32},
+        "rollout": {"max_response_length": 4, "reward_timeout_s": 0.3},
+        "trainer": {"num_steps": 1},
+        "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 2, "output_dir": str(tmp_path / "model")},
+        "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 0
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["eval/pass@1"] == 0.0, record
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU computes bfloat16 (autocast)")
+def test_sft_on_a_cpu_refuses_a_bfloat16_model_dtype(tmp_path, capsys):
+    """sft computes in bfloat16 only on a GPU (autocast); on a CPU `model.dtype: bfloat16` trained, evaluated and wrote
+    the model in float32 without a word. Now `slime-dsa sft` on a CPU refuses it in one line before anything is
+    written; float32 there runs."""
+    recipe = {
+        "model": {"preset": "tiny", "dtype": "bfloat16"},
+        "data": {"tasks": [{"kind": "arithmetic", "train_size": 16, "task_args": {"max_digits": 1}}],
+                 "max_prompt_length": 32},
+        "rollout": {"max_response_length": 4},
+        "trainer": {"num_steps": 1},
+        "sft": {"batch_size": 4, "eval_every": 0, "output_dir": str(tmp_path / "model")},
+        "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["sft", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert err == ("slime-dsa: error: model.dtype 'bfloat16': slime-dsa sft computes in bfloat16 on a GPU only "
+                   "(autocast), and this machine has none: on a CPU it trains in float32; set float32 or auto\n"), err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+    assert main(["sft", str(path), "--set", "model.dtype=float32"]) == 0
+    assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_sft_with_ops_backend_triton_is_told_to_leave_auto(capsys):
+    """`slime-dsa sft --set model.ops_backend=triton` said the key needs cluster.num_gpus_per_engine or
+    num_gpus_per_trainer above 0, which sft then refuses (it takes no cluster.* key): a dead end. The line now says
+    what sft does instead: auto, which runs the Triton kernels on a GPU."""
+    overrides = ["--set", "model.ops_backend=triton", "--set", "logging.run_dir=runs/never-written"]
+    for argv in (["sft", QUICKSTART_SFT, *overrides], ["recipe", "check", "--for", "sft", QUICKSTART_SFT, *overrides]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.rstrip().endswith("model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
+                                     "cluster.num_gpus_per_trainer are 0 (slime-dsa sft takes no cluster.* key: leave "
+                                     "auto, which is triton on a GPU; indexer-warmup runs the torch ops)"), err
+    assert not Path("runs/never-written").exists()

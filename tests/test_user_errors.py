@@ -205,6 +205,26 @@ def test_export_of_a_run_directory_points_at_its_checkpoints(capsys, tmp_path, m
     assert err == f"{tmp_path / 'nothing'} does not exist"
 
 
+
+def test_export_onto_its_own_checkpoint_is_refused(capsys, tmp_path):
+    """`export CKPT --out CKPT --dtype bfloat16` replaced the checkpoint's model.safetensors with the bf16 export: the
+    checkpoint's manifest no longer matched, so a later --resume skipped it as damaged. Now one line, the checkpoint
+    untouched (the same directory by another spelling too)."""
+    from slime_dsa.checkpoint.training import CheckpointManager
+    from slime_dsa.checkpoint.validate import checkpoint_problem
+
+    asset = ROOT / "recipes" / "assets" / "quickstart-sft"
+    ckpt = CheckpointManager(tmp_path / "checkpoints").save(
+        1, lambda tmp: shutil.copytree(asset, tmp, dirs_exist_ok=True), {})
+    weights = (ckpt / "model.safetensors").read_bytes()
+    for out in (ckpt, ckpt / ".." / ckpt.name):
+        err = one_line_error(capsys, "export", str(ckpt), "--out", str(out), "--dtype", "bfloat16")
+        assert err == (f"--out {out} is the directory being exported ({ckpt}): export writes a new HF directory; "
+                       "give another --out"), err
+    assert checkpoint_problem(ckpt) is None and (ckpt / "model.safetensors").read_bytes() == weights
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    assert checkpoint_problem(ckpt) is None
+
 def test_export_of_a_critic_directory_says_it_is_a_value_model(capsys, tmp_path):
     """`export checkpoints/step_N/critic` (SAO's value model, which value_pretrain.yaml calls a value-model directory)
     said "checkpoint is missing tensor lm_head.weight (model expects shape (384, 128))"."""
@@ -420,7 +440,8 @@ def test_sft_stop_at_pass_without_held_out_prompts_is_refused(capsys):
     err = one_line_error(capsys, "recipe", "check", sft, "--set", "data.tasks.0.eval_size=0")
     assert err.endswith("sft.stop_at_pass (0.25) needs held-out prompts: set eval_size or eval_fraction on a task in "
                         "data.tasks")
-    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null"]) == 0
+    assert main(["recipe", "check", sft, "--set", "data.tasks.0.eval_size=0", "--set", "sft.stop_at_pass=null",
+                 "--set", "sft.eval_every=0"]) == 0  # eval_every 10 evaluates nothing there either: refused too
 
 
 def test_indexer_warmup_checks_its_paths_before_it_trains(capsys, tmp_path):

@@ -129,13 +129,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is.
 
     Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
-    intact checkpoint), unreadable weight files, and weights holding NaN or infinite values (naming the tensor)."""
+    intact checkpoint), unreadable weight files, weights holding NaN or infinite values (naming the tensor), and an
+    out_dir that is the checkpoint itself."""
     from slime_dsa.checkpoint.hf_format import CheckpointError, load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
     _check_exportable(checkpoint)
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise UserError(f"--out {out_dir} is a file; give a directory to write the HF model into")
+    if Path(out_dir).resolve() == checkpoint.resolve():  # its weights replaced: a checkpoint's manifest then fails
+        raise UserError(f"--out {out_dir} is the directory being exported ({checkpoint}): export writes a new HF "
+                        "directory; give another --out")
     try:
         model = load_model(checkpoint, dtype=dtype)
     except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named

@@ -2,10 +2,11 @@
 an optimizer and a step count of its own (indexer_warmup.*): a value other than the default of a key it does not read
 is refused (`slime-dsa indexer-warmup`, and `recipe check --for indexer-warmup`) rather than ignored.
 
-indexer-warmup reads model.path, preset, index_topk and tokenizer_path, data.* (the tasks corpus), indexer_warmup.*,
-trainer.seed and max_grad_norm, and logging.run_dir, project, run_name, wandb_mode and log_every. model.dtype it
-computes in float32 whatever the value. The other RL keys (rollout.*, algorithm.*, critic.*, teachers) and sft.*
-belong to the commands the same recipe may also serve.
+indexer-warmup reads model.path, preset, index_topk and tokenizer_path, data.* (the tasks corpus; with
+indexer_warmup.corpus dataset it reads no data.* key, and refuses them set), indexer_warmup.*,
+trainer.seed and max_grad_norm, and logging.run_dir, project, run_name, wandb_mode and log_every. It computes in
+float32 on the CPU: model.dtype float32 or auto (float32 on a CPU) pass, bfloat16 is refused. The other RL keys
+(rollout.*, algorithm.*, critic.*, teachers) and sft.* belong to the commands the same recipe may also serve.
 """
 
 from __future__ import annotations
@@ -50,10 +51,21 @@ NOT_READ_BY_INDEXER_WARMUP: dict[str, str] = {
     "logging.peak_tflops": "slime-dsa indexer-warmup logs no MFU; leave it unset",
 }
 
+DATASET_CORPUS = ("indexer_warmup.corpus 'dataset' trains on the text of indexer_warmup.dataset_path, not on data.*; "
+                  "leave data.* unset or set corpus tasks")
+
 
 def check_indexer_warmup_keys(config: RecipeConfig) -> None:
     """RecipeError for the first key indexer-warmup would ignore (naming how many more there are); none: return."""
-    raise_first_problem(unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP))
+    problems = unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP)
+    if config.model.dtype == "bfloat16":
+        problems.append(("model.dtype", "model.dtype 'bfloat16': slime-dsa indexer-warmup computes in float32 on the "
+                                        "CPU (not built for GPUs yet); set float32 or auto"))
+    if config.indexer_warmup.corpus == "dataset":
+        names = ", ".join(t.name or t.kind for t in config.data.tasks)  # not the TaskConfig objects' repr
+        problems += [(key, f"data.tasks [{names}]: {DATASET_CORPUS}" if key == "data.tasks" else message)
+                     for key, message in unread_key_problems(config, {"data": DATASET_CORPUS})]
+    raise_first_problem(problems)
 
 
 def indexer_warmup_summary(config: RecipeConfig) -> str:

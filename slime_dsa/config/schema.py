@@ -995,9 +995,9 @@ class CheckpointSection(Section):
 class SFTSection(Section):
     """Supervised fine-tuning (`slime-dsa sft`): teaches a model the tasks' reference solutions before RL, in one process.
 
-    sft also reads model, data, rollout.max_response_length and stop (its evaluation), logging's run_dir, project,
-    run_name, wandb_mode and log_every, and trainer's optimiser keys, micro_batch_tokens, mixed_precision, num_steps
-    and seed; the keys of train's workers, cluster and checkpoints that it does not read are refused when set
+    sft also reads model, data, rollout.max_response_length, stop and reward_timeout_s (its evaluation), logging's
+    run_dir, project, run_name, wandb_mode and log_every, and trainer's optimiser keys, micro_batch_tokens,
+    mixed_precision, num_steps and seed; the keys of train's workers, cluster and checkpoints that it does not read are refused when set
     (slime_dsa/config/sft.py; `slime-dsa recipe check --for sft`).
     """
 
@@ -1240,7 +1240,8 @@ class RecipeConfig(Section):
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
                 "model.ops_backend 'triton' needs GPUs, but cluster.num_gpus_per_engine and "
-                "cluster.num_gpus_per_trainer are 0", "model.ops_backend")
+                "cluster.num_gpus_per_trainer are 0 (slime-dsa sft takes no cluster.* key: leave auto, which is "
+                "triton on a GPU; indexer-warmup runs the torch ops)", "model.ops_backend")
         if self.trainer.backend == "megatron" and ro.engine == "sglang" and (
                 ro.sglang.weight_sync == "distributed"
                 or (ro.sglang.weight_sync == "auto" and cl.placement == "disaggregated")):
@@ -1284,6 +1285,11 @@ class RecipeConfig(Section):
             raise RecipeValueError(  # else eval pass@1 is nan at every eval and the stop never comes
                 f"sft.stop_at_pass ({self.sft.stop_at_pass}) needs held-out prompts: set eval_size or eval_fraction "
                 "on a task in data.tasks", "sft.stop_at_pass")
+        sft_eval = [k for k in changed_keys(self.sft, "eval_every", "eval_prompts") if getattr(self.sft, k)]
+        if sft_eval and not any(t.has_eval_split for t in self.data.tasks):  # else every evaluation scores nothing
+            raise RecipeValueError(
+                f"sft.{sft_eval[0]} ({getattr(self.sft, sft_eval[0])}) needs held-out prompts: set eval_size or "
+                "eval_fraction on a task in data.tasks", f"sft.{sft_eval[0]}")
         if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "

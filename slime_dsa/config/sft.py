@@ -2,12 +2,14 @@
 recipe keys that size, place or checkpoint `train`'s trainer workers mean nothing to it. A value of such a key other
 than its default is refused (`slime-dsa sft`, and `recipe check --for sft`) rather than ignored.
 
-sft reads model.* but true_on_policy (an RL key), data.*, sft.*, rollout.max_response_length and rollout.stop
-(its evaluation), logging.run_dir, project, run_name, wandb_mode and log_every, and of trainer.*: learning_rate,
-weight_decay, adam_betas, warmup_steps, lr_schedule, max_grad_norm, micro_batch_tokens, mixed_precision (a GPU's
-bf16 autocast), num_steps (optimizer steps) and seed. trainer.share_prompt_prefix changes nothing there (sft packs
-each example whole: it has no groups of samples of one prompt). The other RL keys (rollout.*, algorithm.*,
-critic.*, teachers) belong to the RL run that the same recipe may also serve.
+sft reads model.* but true_on_policy (an RL key), data.*, sft.*, rollout.max_response_length, rollout.stop and
+rollout.reward_timeout_s (its evaluation), logging.run_dir, project, run_name, wandb_mode and log_every, and of
+trainer.*: learning_rate, weight_decay, adam_betas, warmup_steps, lr_schedule, max_grad_norm, micro_batch_tokens,
+mixed_precision (a GPU's bf16 autocast, as model.dtype bfloat16 or auto there; on a CPU it computes in float32,
+and `slime-dsa sft` refuses model.dtype bfloat16), num_steps (optimizer steps) and seed.
+trainer.share_prompt_prefix changes nothing there (sft packs each example whole: it has no groups of samples of one
+prompt). The other RL keys (rollout.*, algorithm.*, critic.*, teachers) belong to the RL run that the same recipe
+may also serve.
 """
 
 from __future__ import annotations

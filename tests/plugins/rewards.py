@@ -29,3 +29,11 @@ def hangs_or_raises(sample, response: str, answer, **metadata) -> float:
     if sample.index % 7 == 5:
         raise ValueError(f"reward crashed on sample {sample.index}")
     return digit_fraction(sample, response, answer)
+
+
+def slow_pass(sample, response: str, answer, **metadata) -> float:
+    """1 after a second: a call past a shorter rollout.reward_timeout_s scores 0."""
+    import time
+
+    time.sleep(1.0)
+    return 1.0
