@@ -1004,7 +1004,8 @@ class SFTSection(Section):
     output_dir: str | None = Field(
         None, description="Where the fine-tuned HF model directory is written; null = <run_dir>/sft_model.")
     batch_size: int = Field(64, ge=1, description="Examples (prompt + solution) per optimizer step.")
-    eval_every: int = Field(100, ge=0, description="Greedy eval on held-out prompts every this many steps; 0 = at the end only.")
+    eval_every: int = Field(100, ge=0, description="Greedy eval on held-out prompts every this many steps; 0 = at the end only. "
+                          "It decodes with the float32 master weights, whatever model.dtype.")
     eval_prompts: int = Field(256, ge=1, description="Held-out prompts per eval (from each task's eval split).")
     stop_at_pass: float | None = Field(
         None, gt=0, le=1, description="Stop as soon as eval pass@1 reaches this (e.g. 0.25 to make a weak starting "
