@@ -171,3 +171,22 @@ def test_no_step_before_an_evaluation_a_checkpoint_or_the_end_prefetches():
     # the calls wait through a train call and a push: not when the last ones took over half their timeout
     timeout = recipe.rollout.request_timeout_s
     assert prefetches(recipe, 0, hold_s=0.5 * timeout) and not prefetches(recipe, 0, hold_s=0.5 * timeout + 1)
+
+
+def test_a_step_with_no_group_to_train_on_says_why():
+    """A step whose groups all got equal rewards (the GPU smoke's countdown with an arithmetic model: 864 groups, all
+    0) warned 'all failed or dropped'; the line now gives the counts of each reason."""
+    from slime_dsa.orchestrator.collection import rollout_metrics, screen_group
+    from slime_dsa.orchestrator.train import skipped_step_line
+
+    groups = [[Sample(prompt_ids=[1], response_ids=[2], reward=0.0, status=SampleStatus.COMPLETED) for _ in range(4)]
+              for _ in range(3)]
+    groups[2][0].status = groups[2][1].status = groups[2][2].status = SampleStatus.FAILED
+    counters: Counter[str] = Counter()
+    kept = [g for g in (screen_group(group, True, counters) for group in groups) if g is not None]
+    assert kept == []
+    metrics = rollout_metrics([s for g in groups for s in g], kept, counters, 1.0, ["arithmetic"], {})
+    line = skipped_step_line(3, metrics, dynamic_sampling=True)
+    assert line == ("step 3: no group to train on (2 whose rewards all agree (no advantage; dropped by "
+                    "rollout.dynamic_sampling), 1 with too few usable samples, 3 samples failed); skipping the update")
+    assert "rewards all agree" not in skipped_step_line(3, metrics, dynamic_sampling=False)

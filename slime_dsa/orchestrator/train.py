@@ -481,6 +481,16 @@ async def _sync_loop(run: Run) -> None:
         run.manager.cancel_prefetch()  # a step that failed after its train call sent the next one's round
 
 
+def skipped_step_line(step: int, metrics: dict[str, float], dynamic_sampling: bool) -> str:
+    """Why a synchronous step has no group to train on, from its rollout/ counts."""
+    uniform = int(metrics.get("rollout/zero_std_groups", 0))
+    why = [f"{uniform} whose rewards all agree (no advantage; dropped by rollout.dynamic_sampling)"] \
+        if dynamic_sampling and uniform else []
+    why.append(f"{int(metrics.get('rollout/dropped_groups', 0))} with too few usable samples")
+    why.append(f"{int(metrics.get('rollout/failed_samples', 0))} samples failed")
+    return f"step {step}: no group to train on ({', '.join(why)}); skipping the update"
+
+
 async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dict[str, float]:
     """One synchronous RL step: rollout, training, weight push; its metrics. clock: marks its phases (profile.py)."""
     clock = clock or PhaseClock()
@@ -491,7 +501,7 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     clock.mark("rollout")
     samples = [s for group in groups for s in group]
     if not samples:
-        logger.warning("step %d: no trainable groups (all failed or dropped); skipping the update", step + 1)
+        logger.warning("%s", skipped_step_line(step + 1, metrics, run.recipe.rollout.dynamic_sampling))
         await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
         return metrics
     # The push right after training continues the engines, colocated ones included (paused while the trainer stepped).
