@@ -199,10 +199,10 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         return _set_index_topk(target, recipe.model.index_topk)
     tokenizer = build_tokenizer()
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
-    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer),
+    config = preset_config(recipe.model.scratch_preset, vocab_size=len(tokenizer),
                            eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), **overrides)
     save_pretrained(build_model(config, seed=recipe.trainer.seed), target, extra=tokenizer.save_pretrained)
-    logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
+    logger.info("built a %s model from scratch in %s", recipe.model.scratch_preset, target)
     return target
 
 

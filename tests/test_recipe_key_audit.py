@@ -195,3 +195,17 @@ def test_sft_evaluation_keys_without_held_out_prompts_are_refused(key, value):
                               "in data.tasks"), message
     validate_recipe({"sft": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
     validate_recipe({"sft": {"eval_every": 0}})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "quickstart", "small"])
+def test_model_preset_with_model_path_is_refused(preset):
+    """model.path loads a model and model.preset sizes one built from scratch: set together, the preset was accepted
+    and ignored by every command (path won), even an explicit `preset: tiny`. preset null (the default) means tiny
+    when path is null."""
+    message = refusal({"model": {"preset": preset, "path": "runs/dense"}})
+    assert message.startswith(f"model: preset ('{preset}') and path ('runs/dense') are both set"), message
+    assert "model.path loads that model" in message and "model.preset" in message
+    assert validate_recipe({"model": {"path": "runs/dense"}}).model.preset is None
+    assert validate_recipe({"model": {"preset": None, "path": "runs/dense"}}).model.path == "runs/dense"
+    assert validate_recipe({}).model.scratch_preset == "tiny"
+    assert validate_recipe({"model": {"preset": preset}}).model.scratch_preset == preset

@@ -44,9 +44,11 @@ class ModelSection(Section):
         None, description="Local Hugging Face model directory (with config.json) to start from; a hub model is "
                           "downloaded first (huggingface-cli download ORG/NAME --local-dir DIR); null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
-    preset: Literal["tiny", "quickstart", "small"] = Field(
-        "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
-                            "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU).")
+    preset: Literal["tiny", "quickstart", "small"] | None = Field(
+        None, description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
+                          "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU); null = tiny. "
+                          "Refused together with path (which loads its model): a recipe that inherits a preset "
+                          "sets preset: null beside its path.")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
@@ -72,6 +74,20 @@ class ModelSection(Section):
                            "trainer, on CPU and on CUDA (Triton kernels), engines and trainer in one dtype (float32, "
                            "or bfloat16 with trainer.mixed_precision); sampling unfiltered (rollout.top_p 1, top_k -1). "
                            "Not read by slime-dsa sft (refused set).")
+
+    @property
+    def scratch_preset(self) -> str:
+        """The preset a model built from scratch (path null) has: preset, or tiny where it is null."""
+        return self.preset or "tiny"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSection:
+        if self.path is not None and self.preset is not None:  # else path won and the preset was ignored, unsaid
+            raise RecipeValueError(
+                f"preset ('{self.preset}') and path ('{self.path}') are both set: model.path loads that model and "
+                "model.preset sizes one built from scratch; set model.preset null (or drop it) to load the path, "
+                "or model.path null to build the preset", "preset", "path")
+        return self
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -1386,6 +1402,6 @@ class RecipeConfig(Section):
         tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in self.data.tasks)
         ro, tr = self.rollout, self.trainer
         engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
-        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.preset} model'} | tasks: {tasks} | "
+        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.scratch_preset} model'} | tasks: {tasks} | "
                 f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples/step | "
                 f"{engines} {ro.engine} engine(s) | {tr.num_workers} {tr.backend} trainer(s) | {tr.num_steps} steps")
