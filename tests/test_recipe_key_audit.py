@@ -209,3 +209,17 @@ def test_model_preset_with_model_path_is_refused(preset):
     assert validate_recipe({"model": {"preset": None, "path": "runs/dense"}}).model.path == "runs/dense"
     assert validate_recipe({}).model.scratch_preset == "tiny"
     assert validate_recipe({"model": {"preset": preset}}).model.scratch_preset == preset
+
+
+@pytest.mark.parametrize("key, value", [("eval_every", 10), ("eval_sequences", 4)])
+def test_indexer_warmup_evaluation_keys_without_held_out_prompts_are_refused(key, value):
+    """corpus tasks cuts the warm-up's evaluation windows from the tasks' held-out prompts (it drew them from the
+    training split before): with none, indexer_warmup.eval_every and eval_sequences set evaluate nothing, as sft's
+    eval keys there. At their defaults the warm-up runs without evaluation; corpus dataset has its own held-out
+    windows."""
+    message = refusal({"indexer_warmup": {key: value}})
+    assert message.startswith(f"indexer_warmup.{key} ({value}) needs held-out prompts with corpus 'tasks': set "
+                              "eval_size or eval_fraction on a task in data.tasks"), message
+    validate_recipe({"indexer_warmup": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
+    validate_recipe({"indexer_warmup": {key: value, "corpus": "dataset", "dataset_path": "c.jsonl"}})
+    validate_recipe({"indexer_warmup": {"eval_every": 0}})

@@ -1059,8 +1059,13 @@ class IndexerWarmupSection(Section):
     target: Literal["group", "own"] = Field(
         "group", description="group = each indexer learns the mean attention of its IndexShare group; own = its own "
                              "layer only.")
-    eval_sequences: int = Field(16, ge=1, description="Windows for the recall / KL / LM-loss evaluation (a separate draw "
-                                                         "from the corpus).")
+    eval_sequences: int = Field(
+        16, ge=1, description="Windows for the recall / KL / LM-loss evaluation: corpus tasks cuts them from the tasks' "
+                              "held-out prompts (eval_size, eval_fraction) with their solutions, a prompt of each "
+                              "task in turn (too few held-out tokens for them is refused at the start; no task with "
+                              "held-out prompts: no evaluation, and this key and eval_every set are refused); corpus "
+                              "dataset evaluates on the first windows of dataset_path (trained on again once the "
+                              "warm-up wraps around the file).")
     eval_every: int = Field(50, ge=0, description="Evaluate every this many steps; 0 = only before and after.")
 
     @model_validator(mode="after")
@@ -1306,6 +1311,12 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"sft.{sft_eval[0]} ({getattr(self.sft, sft_eval[0])}) needs held-out prompts: set eval_size or "
                 "eval_fraction on a task in data.tasks", f"sft.{sft_eval[0]}")
+        iw = self.indexer_warmup
+        iw_eval = [k for k in changed_keys(iw, "eval_every", "eval_sequences") if getattr(iw, k)]
+        if iw.corpus == "tasks" and iw_eval and not any(t.has_eval_split for t in self.data.tasks):
+            raise RecipeValueError(  # else the warm-up evaluates nothing: its windows come from the eval splits
+                f"indexer_warmup.{iw_eval[0]} ({getattr(iw, iw_eval[0])}) needs held-out prompts with corpus 'tasks': "
+                "set eval_size or eval_fraction on a task in data.tasks", f"indexer_warmup.{iw_eval[0]}")
         if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
