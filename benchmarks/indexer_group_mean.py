@@ -98,7 +98,8 @@ def main() -> None:
     tokenizer = build_tokenizer()
     config = ModelConfig(**MODEL, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
     recipe = RecipeConfig.model_validate({"data": {"tasks": [
-        {"kind": "arithmetic", "eval_size": 64, "task_args": {"max_digits": 3}}, {"kind": "countdown", "eval_size": 64}],
+        {"kind": "arithmetic", "eval_size": 64, "task_args": {"max_digits": 3}},
+        {"kind": "countdown", "eval_size": 64}],
         "apply_chat_template": True}})
     tasks = build_tasks(recipe.data, tokenizer)
     train = windows(task_corpus(recipe, tokenizer, seed=1, tasks=tasks), args.seq_len)

@@ -1061,8 +1061,8 @@ class IndexerWarmupSection(Section):
         "group", description="group = each indexer learns the mean attention of its IndexShare group; own = its own "
                              "layer only.")
     eval_sequences: int = Field(
-        16, ge=1, description="Windows for the recall / KL / LM-loss evaluation: corpus tasks cuts them from the tasks' "
-                              "held-out prompts (eval_size, eval_fraction) with their solutions, a prompt of each "
+        16, ge=1, description="Windows for the recall / KL / LM-loss evaluation: corpus tasks cuts them from the "
+                              "tasks' held-out prompts (eval_size, eval_fraction) with their solutions, a prompt of each "
                               "task in turn (too few held-out tokens for them is refused at the start; no task with "
                               "held-out prompts: no evaluation, and this key and eval_every set are refused); corpus "
                               "dataset evaluates on the first windows of dataset_path (trained on again once the "
