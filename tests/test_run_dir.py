@@ -142,3 +142,23 @@ def test_sft_from_scratch_with_a_larger_tokenizer_trains(tmp_path):
     recipe.write_text("")  # every key at its default: a tiny preset built from scratch
     assert main(["sft", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == size
+
+
+def test_a_run_directorys_from_scratch_model_smaller_than_the_tokenizer_is_one_line(tmp_path):
+    """A run directory's initial_model (built at its first start) is reused by later starts: one built for the
+    built-in tokenizer and a later start with a larger model.tokenizer_path gave the IndexError of too few embedding
+    rows at the first forward. Refused in one line naming the key; the same tokenizer again is reused as it was."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    directory, size, _ = _larger_tokenizer(tmp_path / "tokenizer")
+    built = prepare_model_dir(load_recipe(None, []), tmp_path / "run")
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run")
+    assert str(info.value) == (f"model.tokenizer_path: its {size} tokens are more than the 390 embedding rows of "
+                               f"{built}, which an earlier start of this run built from scratch for another "
+                               "tokenizer; use a new logging.run_dir")
+    larger = prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2")
+    assert prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2") == larger
