@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import logging
 import platform
@@ -25,9 +26,10 @@ import torch
 
 from slime_dsa.checkpoint import build_model
 from slime_dsa.config import RecipeConfig
+from slime_dsa.data.prompts import build_tasks
 from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer
 from slime_dsa.indexer.evaluate import evaluate_indexers
-from slime_dsa.indexer.warmup import reinit_indexers, task_corpus, train_indexers, windows
+from slime_dsa.indexer.warmup import held_out_documents, reinit_indexers, task_corpus, train_indexers, windows
 from slime_dsa.models import ModelConfig, PackedBatch
 
 logger = logging.getLogger("indexer_group_mean")
@@ -96,9 +98,14 @@ def main() -> None:
     tokenizer = build_tokenizer()
     config = ModelConfig(**MODEL, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN))
     recipe = RecipeConfig.model_validate({"data": {"tasks": [
-        {"kind": "arithmetic", "task_args": {"max_digits": 3}}, {"kind": "countdown"}], "apply_chat_template": True}})
-    train = windows(task_corpus(recipe, tokenizer, seed=1), args.seq_len)
-    eval_sequences = [s for s, _ in zip(windows(task_corpus(recipe, tokenizer, seed=2), args.seq_len), range(args.eval_sequences))]
+        {"kind": "arithmetic", "eval_size": 64, "task_args": {"max_digits": 3}},
+        {"kind": "countdown", "eval_size": 64}],
+        "apply_chat_template": True}})
+    tasks = build_tasks(recipe.data, tokenizer)
+    train = windows(task_corpus(recipe, tokenizer, seed=1, tasks=tasks), args.seq_len)
+    # evaluated on the held-out prompts (a second draw from the training split before)
+    eval_sequences = list(itertools.islice(windows(iter(held_out_documents(tasks, tokenizer)), args.seq_len),
+                                           args.eval_sequences))
     topk = args.seq_len // 4
 
     start = time.perf_counter()

@@ -184,7 +184,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
     from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
-    from slime_dsa.data.tokenizer import EOS_TOKEN, build_tokenizer  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
     _remove_unfinished_copies(run_dir)
@@ -195,14 +195,21 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         check_model_dir(path)
         return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
-    if (target / "config.json").exists():
+    # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
+    # built-in's embedding rows (an IndexError at the first forward)
+    tokenizer = build_tokenizer() if recipe.model.tokenizer_path is None else load_tokenizer(recipe, target)
+    if (target / "config.json").exists():  # an earlier start of this run built it
+        rows = json.loads((target / "config.json").read_text())["vocab_size"]
+        if len(tokenizer) > rows:
+            raise UserError(f"model.tokenizer_path: its {len(tokenizer)} tokens are more than the {rows} embedding "
+                            f"rows of {target}, which an earlier start of this run built from scratch for another "
+                            "tokenizer; use a new logging.run_dir")
         return _set_index_topk(target, recipe.model.index_topk)
-    tokenizer = build_tokenizer()
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
-    config = preset_config(recipe.model.preset, vocab_size=len(tokenizer),
-                           eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), **overrides)
+    config = preset_config(recipe.model.scratch_preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                           **overrides)
     save_pretrained(build_model(config, seed=recipe.trainer.seed), target, extra=tokenizer.save_pretrained)
-    logger.info("built a %s model from scratch in %s", recipe.model.preset, target)
+    logger.info("built a %s model from scratch in %s", recipe.model.scratch_preset, target)
     return target
 
 

@@ -258,7 +258,7 @@ def test_only_files_up_to_the_checksum_limit_are_hashed(tmp_path, monkeypatch):
 
 SFT = {"model": {"preset": "tiny"}, "trainer": {"num_steps": 2, "micro_batch_tokens": 2048},
        "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 4}}
-INDEXER_WARMUP = {"model": {"path": str(ASSET)},
+INDEXER_WARMUP = {"model": {"path": str(ASSET)}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]},
                   "indexer_warmup": {"corpus": "tasks", "seq_len": 64, "index_topk": 16, "batch_size": 2,
                                      "num_steps": 2, "eval_sequences": 2, "eval_every": 0}}
 

@@ -24,7 +24,7 @@ def test_indexer_warmup_writes_a_dsa_model_whose_indexers_alone_learned(tmp_path
     torch.set_num_threads(1)
     recipe = {
         "model": {"path": str(ASSET)},
-        "data": {"tasks": [{"kind": "arithmetic", "train_size": 200, "eval_size": 0, "task_args": {"max_digits": 3}}],
+        "data": {"tasks": [{"kind": "arithmetic", "train_size": 200, "eval_size": 24, "task_args": {"max_digits": 3}}],
                  "apply_chat_template": True, "seed": 11},
         "trainer": {"seed": 11, "max_grad_norm": 1.0},
         "indexer_warmup": {"corpus": "tasks", "seq_len": SEQ_LEN, "index_topk": TOPK, "batch_size": 4,
@@ -221,3 +221,70 @@ def test_the_data_keys_are_refused_with_a_dataset_corpus(tmp_path, capsys):
         "corpus": "dataset", "dataset_path": str(corpus), "seq_len": 16, "index_topk": 4}}))
     assert main(["recipe", "check", "--for", "indexer-warmup", str(bare)]) == 0
     capsys.readouterr()
+
+
+def test_the_evaluation_windows_hold_no_training_prompt():
+    """With corpus tasks the evaluation windows were a second draw from the tasks' training split (another seed):
+    recall, KL and LM loss were measured on training prompts. They are cut from the tasks' eval split now, which
+    build_tasks keeps apart from every training prompt. Real tasks (recipes/indexer_warmup.yaml), the real tokenizer."""
+    import re
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.data.prompts import build_tasks
+    from slime_dsa.data.tokenizer import build_tokenizer
+    from slime_dsa.indexer.warmup import warmup_sequences
+
+    recipe = load_recipe(RECIPE, ["data.tasks.0.train_size=2000", "data.tasks.1.train_size=2000"])
+    tokenizer = build_tokenizer()
+    tasks = build_tasks(recipe.data, tokenizer)
+    train_texts = {t for task in tasks for t in task.train.dataset["prompt_text"]}
+    eval_texts = {t for task in tasks for t in task.eval.dataset["prompt_text"]}
+    train, eval_sequences = warmup_sequences(recipe, tokenizer)
+    assert len(eval_sequences) == recipe.indexer_warmup.eval_sequences
+    assert all(len(s) == recipe.indexer_warmup.seq_len for s in eval_sequences)
+    prompt = re.compile(re.escape("[gMASK]<sop><|user|>") + ".*?" + re.escape("<|assistant|>\n"), re.S)
+    whole = [p for s in eval_sequences for p in prompt.findall(tokenizer.decode(s.tolist()))]
+    assert len(whole) >= recipe.indexer_warmup.eval_sequences // 2  # a countdown prompt is most of a window
+    assert not [p for p in whole if p in train_texts], "an evaluation window holds a training prompt"
+    assert all(p in eval_texts for p in whole)
+    for task in tasks:  # each task's held-out prompts are evaluated, not the first task's alone
+        assert any(p in set(task.eval.dataset["prompt_text"]) for p in whole), task.name
+    trained = [p for _ in range(8) for p in prompt.findall(tokenizer.decode(next(train).tolist()))]
+    assert trained and all(p in train_texts for p in trained)
+
+
+def test_too_few_held_out_tokens_for_the_evaluation_windows_is_one_line(tmp_path, capsys):
+    """The evaluation windows come from the tasks' held-out prompts: too few of them for eval_sequences windows is
+    refused before the warm-up, naming the keys, not evaluated on fewer windows than asked."""
+    err = _refused(["--set", "data.tasks.0.eval_size=1", "--set", "data.tasks.1.eval_size=1",
+                    "--set", "indexer_warmup.output_dir=" + str(tmp_path / "out")], tmp_path, capsys)
+    assert err.startswith("indexer_warmup.eval_sequences (16) windows of indexer_warmup.seq_len (128) tokens need "
+                          "2048 held-out tokens, but the tasks' eval splits hold "), err
+    assert err.endswith("raise eval_size or eval_fraction on a task in data.tasks, or lower "
+                        "indexer_warmup.eval_sequences"), err
+
+
+def _refused(sets: list[str], tmp_path, capsys) -> str:
+    """`slime-dsa indexer-warmup recipes/indexer_warmup.yaml` with `sets` (small tasks): its one-line error."""
+    small = ["--set", "data.tasks.0.train_size=200", "--set", "data.tasks.1.train_size=200", "--set",
+             f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb_mode=disabled"]
+    assert main(["indexer-warmup", RECIPE, *small, *sets]) == 2
+    err = capsys.readouterr().err  # the tasks' tokenizing progress bars, then the error
+    assert "Traceback" not in err and err.endswith("\n"), err
+    return err.strip().splitlines()[-1].removeprefix("slime-dsa: error: ")
+
+
+def test_without_held_out_windows_the_warm_up_trains_and_evaluates_nothing():
+    """No task with held-out prompts (eval keys at their defaults): the warm-up trains, logs no eval/ metric, and its
+    before and after are None, rather than evaluating on training windows."""
+    from slime_dsa.indexer.warmup import train_indexers
+    from slime_dsa.models import GlmMoeDsaForCausalLM
+    from slime_dsa.models.presets import preset_config
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(preset_config("tiny", vocab_size=32))
+    logged: list[dict] = []
+    result = train_indexers(model, iter(lambda: torch.randint(0, 32, (16,)), None), [], topk=4, num_steps=3,
+                            batch_size=1, learning_rate=1e-3, eval_every=1, log=lambda m, step: logged.append(m))
+    assert result["before"] is None and result["after"] is None and len(result["history"]) == 3
+    assert logged and not any(k.startswith("eval/") for m in logged for k in m)

@@ -195,3 +195,31 @@ def test_sft_evaluation_keys_without_held_out_prompts_are_refused(key, value):
                               "in data.tasks"), message
     validate_recipe({"sft": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
     validate_recipe({"sft": {"eval_every": 0}})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "quickstart", "small"])
+def test_model_preset_with_model_path_is_refused(preset):
+    """model.path loads a model and model.preset sizes one built from scratch: set together, the preset was accepted
+    and ignored by every command (path won), even an explicit `preset: tiny`. preset null (the default) means tiny
+    when path is null."""
+    message = refusal({"model": {"preset": preset, "path": "runs/dense"}})
+    assert message.startswith(f"model: preset ('{preset}') and path ('runs/dense') are both set"), message
+    assert "model.path loads that model" in message and "model.preset" in message
+    assert validate_recipe({"model": {"path": "runs/dense"}}).model.preset is None
+    assert validate_recipe({"model": {"preset": None, "path": "runs/dense"}}).model.path == "runs/dense"
+    assert validate_recipe({}).model.scratch_preset == "tiny"
+    assert validate_recipe({"model": {"preset": preset}}).model.scratch_preset == preset
+
+
+@pytest.mark.parametrize("key, value", [("eval_every", 10), ("eval_sequences", 4)])
+def test_indexer_warmup_evaluation_keys_without_held_out_prompts_are_refused(key, value):
+    """corpus tasks cuts the warm-up's evaluation windows from the tasks' held-out prompts (it drew them from the
+    training split before): with none, indexer_warmup.eval_every and eval_sequences set evaluate nothing, as sft's
+    eval keys there. At their defaults the warm-up runs without evaluation; corpus dataset has its own held-out
+    windows."""
+    message = refusal({"indexer_warmup": {key: value}})
+    assert message.startswith(f"indexer_warmup.{key} ({value}) needs held-out prompts with corpus 'tasks': set "
+                              "eval_size or eval_fraction on a task in data.tasks"), message
+    validate_recipe({"indexer_warmup": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
+    validate_recipe({"indexer_warmup": {key: value, "corpus": "dataset", "dataset_path": "c.jsonl"}})
+    validate_recipe({"indexer_warmup": {"eval_every": 0}})

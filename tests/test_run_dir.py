@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import yaml
@@ -97,3 +98,67 @@ def test_the_default_run_name_is_documented_as_the_run_directorys_name():
 
     doc = LoggingSection.model_fields["run_name"].description
     assert "null = the run directory's name" in doc and "run-<timestamp>" in doc
+
+
+def _larger_tokenizer(directory):
+    """The built-in tokenizer with words of the arithmetic prompts as tokens of their own, ids past its 390: a
+    tokenizer larger than the one the presets were sized for. Returns (directory, its length, its EOS id)."""
+    from slime_dsa.data.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: PLC0415
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["Compute", "final answer"])
+    tokenizer.save_pretrained(directory)
+    assert len(tokenizer) > VOCAB_SIZE and max(tokenizer.encode("Compute 3 + 4. Put the final answer in")) >= VOCAB_SIZE
+    return directory, len(tokenizer), tokenizer.eos_token_id
+
+
+def test_a_from_scratch_preset_is_sized_to_model_tokenizer_path(tmp_path):
+    """model.tokenizer_path with no model.path: the preset was built for the built-in tokenizer (390 embedding rows)
+    whatever the tokenizer, so a larger one's ids ran past the embedding: an IndexError deep in the model. The preset
+    now takes the tokenizer's length and EOS, and is saved with that tokenizer."""
+    import json  # noqa: PLC0415
+
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    directory, size, eos = _larger_tokenizer(tmp_path / "tokenizer")
+    model_dir = prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["vocab_size"], config["eos_token_id"]) == (size, eos)
+    assert len(AutoTokenizer.from_pretrained(model_dir)) == size  # the model's own tokenizer is the same one
+
+
+def test_sft_from_scratch_with_a_larger_tokenizer_trains(tmp_path):
+    """The real `slime-dsa sft` on a tiny preset with model.tokenizer_path larger than the built-in tokenizer: it
+    failed with 'IndexError: index out of range in self' from the embedding at its first step."""
+    from slime_dsa.cli import main  # noqa: PLC0415
+
+    directory, size, _ = _larger_tokenizer(tmp_path / "tokenizer")
+    sets = [f"model.tokenizer_path={directory}", "trainer.num_steps=1", "sft.batch_size=2", "sft.eval_every=0",
+            "data.tasks.0.train_size=20", f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled",
+            f"sft.output_dir={tmp_path / 'out'}"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("")  # every key at its default: a tiny preset built from scratch
+    assert main(["sft", str(recipe), *[a for s in sets for a in ("--set", s)]]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == size
+
+
+def test_a_run_directorys_from_scratch_model_smaller_than_the_tokenizer_is_one_line(tmp_path):
+    """A run directory's initial_model (built at its first start) is reused by later starts: one built for the
+    built-in tokenizer and a later start with a larger model.tokenizer_path gave the IndexError of too few embedding
+    rows at the first forward. Refused in one line naming the key; the same tokenizer again is reused as it was."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    directory, size, _ = _larger_tokenizer(tmp_path / "tokenizer")
+    built = prepare_model_dir(load_recipe(None, []), tmp_path / "run")
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run")
+    assert str(info.value) == (f"model.tokenizer_path: its {size} tokens are more than the 390 embedding rows of "
+                               f"{built}, which an earlier start of this run built from scratch for another "
+                               "tokenizer; use a new logging.run_dir")
+    larger = prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2")
+    assert prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2") == larger

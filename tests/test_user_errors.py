@@ -458,3 +458,16 @@ def test_indexer_warmup_checks_its_paths_before_it_trains(capsys, tmp_path):
                           f"indexer_warmup.dataset_path={tmp_path / 'gone.jsonl'}", *run) == \
         f"indexer_warmup.dataset_path: {tmp_path / 'gone.jsonl'} does not exist"
     assert time.perf_counter() - start < 30
+
+
+def test_model_preset_with_model_path_names_both_keys_and_where_each_was_set(capsys):
+    """recipes/opd_expert_sft.yaml inherits preset quickstart from opd_domains.yaml and sets path: the preset was
+    accepted and ignored. Both set is refused in one line naming the two keys and the files that set them."""
+    model = str(ROOT / "recipes" / "assets" / "quickstart-sft")
+    err = one_line_error(capsys, "recipe", "check", str(ROOT / "recipes" / "indexer_warmup.yaml"), "--for",
+                         "indexer-warmup", "--set", f"model.path={model}")
+    line = (ROOT / "recipes" / "indexer_warmup.yaml").read_text().splitlines().index("  preset: quickstart") + 1
+    assert err.startswith(f"recipes/indexer_warmup.yaml:{line}, command line (--set model.path={model}): model: preset "
+                          f"('quickstart') and path ('{model}') are both set"), err
+    assert main(["recipe", "check", str(ROOT / "recipes" / "indexer_warmup.yaml"), "--for", "indexer-warmup",
+                 "--set", f"model.path={model}", "--set", "model.preset=null"]) == 0

@@ -119,7 +119,8 @@ def _yaml_lines(config: BaseModel, indent: int) -> list[str]:
         value = getattr(config, key)
         if indent == 0 and lines:
             lines.append("")
-        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+        literal = next((a for a in (field.annotation, *get_args(field.annotation)) if get_origin(a) is Literal), None)
+        choices = get_args(literal) if literal is not None else ()  # through `Literal[...] | None` too
         comment = (field.description or "") + (f" [{' | '.join(map(str, choices))}]" if choices else "")
         if indent == 0 and isinstance(value, BaseModel):  # a section's docstring says more than its field description
             comment = (type(value).__doc__ or "").strip().splitlines()[0]

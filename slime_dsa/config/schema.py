@@ -44,14 +44,17 @@ class ModelSection(Section):
         None, description="Local Hugging Face model directory (with config.json) to start from; a hub model is "
                           "downloaded first (huggingface-cli download ORG/NAME --local-dir DIR); null builds a tiny "
                           "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
-    preset: Literal["tiny", "quickstart", "small"] = Field(
-        "tiny", description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
-                            "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU).")
+    preset: Literal["tiny", "quickstart", "small"] | None = Field(
+        None, description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
+                          "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU); null = tiny. "
+                          "Refused together with path (which loads its model): a recipe that inherits a preset "
+                          "sets preset: null beside its path.")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
         None, description="Tokenizer directory or hub id; null = model.path (the built-in toy tokenizer when "
-                          "model.path is null too).")
+                          "model.path is null too). With path null the preset's vocabulary and EOS are this "
+                          "tokenizer's (its length, its eos_token), and it is saved with the model built.")
     ops_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention and indexer kernels: torch (reference, any device), triton (GPU), "
                             "auto = triton on GPU, torch on CPU.")
@@ -72,6 +75,20 @@ class ModelSection(Section):
                            "trainer, on CPU and on CUDA (Triton kernels), engines and trainer in one dtype (float32, "
                            "or bfloat16 with trainer.mixed_precision); sampling unfiltered (rollout.top_p 1, top_k -1). "
                            "Not read by slime-dsa sft (refused set).")
+
+    @property
+    def scratch_preset(self) -> str:
+        """The preset a model built from scratch (path null) has: preset, or tiny where it is null."""
+        return self.preset or "tiny"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSection:
+        if self.path is not None and self.preset is not None:  # else path won and the preset was ignored, unsaid
+            raise RecipeValueError(
+                f"preset ('{self.preset}') and path ('{self.path}') are both set: model.path loads that model and "
+                "model.preset sizes one built from scratch; set model.preset null (or drop it) to load the path, "
+                "or model.path null to build the preset", "preset", "path")
+        return self
 
 
 # Tools the reference solutions of each built-in agentic task call (slime_dsa.data.tasks.TASKS[kind].tools; a test
@@ -1044,8 +1061,13 @@ class IndexerWarmupSection(Section):
     target: Literal["group", "own"] = Field(
         "group", description="group = each indexer learns the mean attention of its IndexShare group; own = its own "
                              "layer only.")
-    eval_sequences: int = Field(16, ge=1, description="Windows for the recall / KL / LM-loss evaluation (a separate draw "
-                                                         "from the corpus).")
+    eval_sequences: int = Field(
+        16, ge=1, description="Windows for the recall / KL / LM-loss evaluation: corpus tasks cuts them from the "
+                              "tasks' held-out prompts (eval_size, eval_fraction) with their solutions, a prompt of each "
+                              "task in turn (too few held-out tokens for them is refused at the start; no task with "
+                              "held-out prompts: no evaluation, and this key and eval_every set are refused); corpus "
+                              "dataset evaluates on the first windows of dataset_path (trained on again once the "
+                              "warm-up wraps around the file).")
     eval_every: int = Field(50, ge=0, description="Evaluate every this many steps; 0 = only before and after.")
 
     @model_validator(mode="after")
@@ -1291,6 +1313,12 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 f"sft.{sft_eval[0]} ({getattr(self.sft, sft_eval[0])}) needs held-out prompts: set eval_size or "
                 "eval_fraction on a task in data.tasks", f"sft.{sft_eval[0]}")
+        iw = self.indexer_warmup
+        iw_eval = [k for k in changed_keys(iw, "eval_every", "eval_sequences") if getattr(iw, k)]
+        if iw.corpus == "tasks" and iw_eval and not any(t.has_eval_split for t in self.data.tasks):
+            raise RecipeValueError(  # else the warm-up evaluates nothing: its windows come from the eval splits
+                f"indexer_warmup.{iw_eval[0]} ({getattr(iw, iw_eval[0])}) needs held-out prompts with corpus 'tasks': "
+                "set eval_size or eval_fraction on a task in data.tasks", f"indexer_warmup.{iw_eval[0]}")
         if self.checkpoint.resume and not (self.checkpoint.dir or self.logging.run_dir or self.logging.run_name):
             raise RecipeValueError(
                 "checkpoint.resume needs a fixed place to resume from: set checkpoint.dir, logging.run_dir or "
@@ -1387,6 +1415,6 @@ class RecipeConfig(Section):
         tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in self.data.tasks)
         ro, tr = self.rollout, self.trainer
         engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
-        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.preset} model'} | tasks: {tasks} | "
+        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.scratch_preset} model'} | tasks: {tasks} | "
                 f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples/step | "
                 f"{engines} {ro.engine} engine(s) | {tr.num_workers} {tr.backend} trainer(s) | {tr.num_steps} steps")

@@ -8,6 +8,7 @@ frozen. The output directory holds the model with `index_topk` set to the sparse
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -56,21 +57,33 @@ def reinit_indexers(model: GlmMoeDsaForCausalLM, seed: int = 0) -> None:
                     p.zero_()
 
 
-def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int) -> Iterator[list[int]]:
-    """Endless token documents from the recipe's tasks: prompt then reference solution then EOS (a multi-turn
-    solution with its tool turns, as the agent loop lays them out)."""
+def task_corpus(recipe: RecipeConfig, tokenizer: Any, seed: int, tasks: list[Any] | None = None) -> Iterator[list[int]]:
+    """Endless token documents from the recipe's tasks' training splits (`tasks`: those build_tasks made of it, else
+    built here): prompt then reference solution then EOS (a multi-turn solution with its tool turns, as the agent
+    loop lays them out)."""
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
-    from slime_dsa.data.tool_calls import ChatFormat, solution_ids  # noqa: PLC0415
 
-    mixture = TaskMixture(build_tasks(recipe.data, tokenizer), seed=seed)
-    eos = tokenizer.eos_token_id
+    mixture = TaskMixture(tasks if tasks is not None else build_tasks(recipe.data, tokenizer), seed=seed)
     while True:
         for p in mixture.take(64):
-            solution = p.metadata.get("solution") or ""
-            if isinstance(solution, str):
-                yield list(p.prompt_ids) + tokenizer.encode(solution, add_special_tokens=False) + [eos]
-            else:
-                yield list(p.prompt_ids) + solution_ids(solution, ChatFormat.from_tokenizer(tokenizer))[0]
+            yield task_document(p, tokenizer)
+
+
+def held_out_documents(tasks: list[Any], tokenizer: Any) -> list[list[int]]:
+    """The token documents of every task's eval split (its held-out prompts, as train's and sft's evaluations score),
+    a prompt of each task in turn; none where no task has an eval split."""
+    splits = [list(task.eval) for task in tasks if task.eval is not None]
+    return [task_document(p, tokenizer) for turn in itertools.zip_longest(*splits) for p in turn if p is not None]
+
+
+def task_document(p: Any, tokenizer: Any) -> list[int]:
+    """One prompt's document: prompt, reference solution, EOS."""
+    from slime_dsa.data.tool_calls import ChatFormat, solution_ids  # noqa: PLC0415
+
+    solution = p.metadata.get("solution") or ""
+    if isinstance(solution, str):
+        return list(p.prompt_ids) + tokenizer.encode(solution, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return list(p.prompt_ids) + solution_ids(solution, ChatFormat.from_tokenizer(tokenizer))[0]
 
 
 def dataset_corpus(path: str, split: str, column: str, tokenizer: Any) -> Iterator[list[int]]:
@@ -142,16 +155,24 @@ def train_indexers(
     topk_overlap_prev_step costs a forward over the probe windows per step measured, so it is measured only on
     the steps that are logged (every log_every-th and the last), from a probe after the step before each. `log` gets
     those steps, the evaluated ones, and the evaluation before training as step 0 (the one after: the last step).
+    No eval_sequences (no held-out prompts): no evaluation, before and after None, and the probe is the first
+    training windows, held out of training.
     """
-    dense = max(len(s) for s in eval_sequences)
     params = freeze_all_but_indexers(model)
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
-    before = evaluate_indexers(model, eval_sequences, topk, dense, target)
-    logger.info("before warm-up: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", topk, before["recall"],
-                before["indexer_kl"], before["lm_loss_sparse"], before["lm_loss_dense"])
-    if log is not None:
+
+    def evaluate(when: str) -> dict[str, float] | None:
+        if not eval_sequences:
+            return None
+        result = evaluate_indexers(model, eval_sequences, topk, max(len(s) for s in eval_sequences), target)
+        logger.info("%s: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", when, topk, result["recall"],
+                    result["indexer_kl"], result["lm_loss_sparse"], result["lm_loss_dense"])
+        return result
+
+    before = after = evaluate("before warm-up")
+    if log is not None and before is not None:
         log({f"eval/{k}": v for k, v in before.items()}, 0)
-    probe = eval_sequences[: max(1, min(4, len(eval_sequences)))]
+    probe = eval_sequences[:4] if eval_sequences else [next(train) for _ in range(4)]
 
     def logged(step: int) -> bool:
         return step % log_every == 0 or step == num_steps
@@ -169,16 +190,14 @@ def train_indexers(
             previous = current
         metrics["step_time_s"] = time.perf_counter() - start
         evaluated = step == num_steps or bool(eval_every and step % eval_every == 0)
-        if evaluated:
-            after = evaluate_indexers(model, eval_sequences, topk, dense, target)
+        if evaluated and eval_sequences:
+            after = evaluate(f"after {step} steps")
             metrics.update({f"eval/{k}": v for k, v in after.items()})
         history.append({"step": step, **metrics})
         if log is not None and (logged(step) or evaluated):
             log(metrics, step)
         if on_step is not None:
             on_step(step)
-    logger.info("after %d steps: recall@%d %.3f, KL %.4f, LM loss sparse %.4f / dense %.4f", num_steps, topk,
-                after["recall"], after["indexer_kl"], after["lm_loss_sparse"], after["lm_loss_dense"])
     for p in model.parameters():
         p.requires_grad_(True)
     return {"before": before, "after": after, "history": history}
@@ -196,6 +215,34 @@ def warmup_topk(cfg: IndexerWarmupSection, model_topk: int) -> int:
             f"model.path's config.json) is the budget, but it is not below indexer_warmup.seq_len ({cfg.seq_len}): "
             "every key would be selected; set indexer_warmup.index_topk (the sparse budget to warm up for)")
     return model_topk
+
+
+def warmup_sequences(recipe: RecipeConfig, tokenizer: Any) -> tuple[Iterator[torch.Tensor], list[torch.Tensor]]:
+    """(training windows, endless; evaluation windows) of the recipe's corpus. corpus tasks: training windows from
+    the tasks' training splits, evaluation windows from their eval splits (none, and no evaluation, where no task has
+    one: the recipe check refuses indexer_warmup.eval_every and eval_sequences set there); corpus dataset: one stream,
+    whose first windows are held out."""
+    from slime_dsa.data.prompts import build_tasks  # noqa: PLC0415
+
+    cfg = recipe.indexer_warmup
+    if cfg.corpus == "dataset":
+        train = windows(dataset_corpus(cfg.dataset_path, cfg.dataset_split, cfg.text_column, tokenizer), cfg.seq_len)
+        return train, [next(train) for _ in range(cfg.eval_sequences)]
+    tasks = build_tasks(recipe.data, tokenizer)
+    train = windows(task_corpus(recipe, tokenizer, recipe.data.seed, tasks), cfg.seq_len)
+    held_out = held_out_documents(tasks, tokenizer)
+    if not held_out:
+        logger.info("no task holds prompts out (eval_size, eval_fraction): the warm-up evaluates nothing")
+        return train, []
+    eval_sequences = list(itertools.islice(windows(iter(held_out), cfg.seq_len), cfg.eval_sequences))
+    if len(eval_sequences) < cfg.eval_sequences:
+        tokens = sum(map(len, held_out))
+        raise UserError(
+            f"indexer_warmup.eval_sequences ({cfg.eval_sequences}) windows of indexer_warmup.seq_len ({cfg.seq_len}) "
+            f"tokens need {cfg.eval_sequences * cfg.seq_len} held-out tokens, but the tasks' eval splits hold "
+            f"{tokens} ({len(held_out)} prompts with their solutions): raise eval_size or eval_fraction on a task in "
+            "data.tasks, or lower indexer_warmup.eval_sequences")
+    return train, eval_sequences
 
 
 def run_indexer_warmup(recipe: RecipeConfig) -> Path:
@@ -222,14 +269,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     topk = warmup_topk(cfg, model.config.index_topk)
     if cfg.reinit_indexers:
         reinit_indexers(model, seed=recipe.trainer.seed)
-    if cfg.corpus == "tasks":
-        eval_docs, train_docs = task_corpus(recipe, tokenizer, seed=recipe.data.seed + 1), task_corpus(recipe, tokenizer, recipe.data.seed)
-    else:
-        eval_docs = train_docs = dataset_corpus(cfg.dataset_path, cfg.dataset_split, cfg.text_column, tokenizer)
-    eval_sequences = [next(windows(eval_docs, cfg.seq_len)) for _ in range(cfg.eval_sequences)] if cfg.corpus == "tasks" else None
-    train = windows(train_docs, cfg.seq_len)
-    if eval_sequences is None:  # one stream: hold its first windows out
-        eval_sequences = [next(train) for _ in range(cfg.eval_sequences)]
+    train, eval_sequences = warmup_sequences(recipe, tokenizer)
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                         recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"))
     try:
