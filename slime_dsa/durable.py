@@ -6,6 +6,7 @@ the rename itself can be lost."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -121,3 +122,26 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"I/O error: (.+?) \(os error \d+\)")  # how safetensors reports a failed write
+
+
+def write_problem(error: BaseException) -> str | None:
+    """The operating system's words for a failed write (a full disk, a quota), or None for any other error. safetensors
+    raises its own SafetensorError, no OSError, and says them in its text."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    match = _OS_ERROR_IN_TEXT.search(str(error))
+    return match.group(1) if match else None
+
+
+def write_failure(final: Path, error: BaseException) -> str | None:
+    """Why `final` (a file or directory being written) could not be written, for one line after its name: a file
+    where a directory above it should be, or the operating system's words (write_problem); None for an error that
+    is no failed write (a bug, to keep its traceback)."""
+    problem = write_problem(error)
+    if problem is None:
+        return None
+    blocker = next((p for p in Path(final).parents if p.is_file()), None)
+    return f"{blocker} is a file, not a directory" if blocker is not None else f"cannot be written: {problem}"

@@ -21,7 +21,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from slime_dsa.checkpoint.hf_format import read_state_dict
-from slime_dsa.durable import write_directory
+from slime_dsa.config.errors import UserError
+from slime_dsa.durable import write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.megatron.convert import hf_to_megatron
@@ -55,7 +56,12 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
             if (src / name).exists():
                 shutil.copy(src / name, tmp / name)
 
-    write_directory(out, write, keep=lambda name: not name.startswith("mp_rank_"))
+    try:
+        write_directory(out, write, keep=lambda name: not name.startswith("mp_rank_"))
+    except Exception as e:  # unwritable, under a file, a full disk (safetensors' own error says it in words)
+        if (failure := write_failure(out, e)) is None:
+            raise
+        raise UserError(f"{out}: {failure}") from None
     logger.info("wrote %d shards to %s", tp * ep, out)
 
 
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         convert(args.src, args.out, args.tensor_parallel, args.expert_parallel)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,8 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from slime_dsa.checkpoint.hf_format import is_weight_file
-from slime_dsa.durable import write_directory
+from slime_dsa.config.errors import UserError
+from slime_dsa.durable import write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from trainers.megatron.convert import megatron_to_hf
 
@@ -45,7 +46,12 @@ def convert(src: Path, out: Path) -> None:
             if (src / name).exists():
                 shutil.copy(src / name, tmp / name)
 
-    write_directory(out, write, keep=lambda name: not is_weight_file(name))
+    try:
+        write_directory(out, write, keep=lambda name: not is_weight_file(name))
+    except Exception as e:  # unwritable, under a file, a full disk (safetensors' own error says it in words)
+        if (failure := write_failure(out, e)) is None:
+            raise
+        raise UserError(f"{out}: {failure}") from None
     logger.info("wrote %s", out)
 
 
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         convert(args.src, args.out)
-    except (ValueError, FileNotFoundError, KeyError) as err:
+    except (ValueError, KeyError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
                                            model_dir_problem)
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import fsync_path, publish_over
+from slime_dsa.durable import fsync_path, publish_over, write_failure
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -149,8 +149,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
     try:
         return save_pretrained(model, out_dir, extra=lambda tmp: _copy_tokenizer(checkpoint, tmp))
-    except OSError as e:  # --out under a file or unwritable, a full disk
-        raise UserError(f"--out {out_dir}: cannot write the HF directory: {e.strerror or e}") from None
+    except Exception as e:  # --out under a file or unwritable, a full disk (safetensors' own error says it in words)
+        if (failure := write_failure(Path(out_dir), e)) is None:
+            raise
+        raise UserError(f"--out {out_dir}: {failure}") from None
 
 
 def _copy_tokenizer(checkpoint: Path, out: Path) -> None:

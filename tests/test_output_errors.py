@@ -1,0 +1,155 @@
+"""`slime-dsa export` and tools/convert_*.py as a user meets them when the output cannot be written (a read-only
+directory, a path under a file, a full disk) or the work is interrupted (Ctrl-C): one line naming the path and the
+problem, a non-zero exit code, no traceback, and no output left that looks complete. Each runs the real command in a
+subprocess; a full disk and Ctrl-C are made by a wrapper (WRAPPER) that replaces safetensors' save_file before the
+command imports it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
+
+# python WRAPPER MODE AFTER SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
+# after AFTER good calls: "enospc" writes part of the file, then raises what safetensors raises on a full disk;
+# "sigint" sends this process SIGINT (Ctrl-C) from inside the write. A file, not `python -c`: a KeyboardInterrupt
+# leaving code compiled from a string is marked unhandled by CPython (slime_dsa/interrupts.py).
+WRAPPER = """
+import os, runpy, signal, sys
+import safetensors, safetensors.torch
+
+mode, after, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+real_save_file, calls = safetensors.torch.save_file, []
+
+def save_file(tensors, filename, metadata=None):
+    calls.append(filename)
+    if len(calls) > after and mode == "enospc":
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise safetensors.SafetensorError(
+            f'Error while serializing: I/O error: No space left on device (os error 28) at path "{filename}"')
+    real_save_file(tensors, filename, metadata=metadata)
+    if len(calls) > after and mode == "sigint":
+        os.kill(os.getpid(), signal.SIGINT)
+
+safetensors.torch.save_file = save_file
+if target == "-m":
+    sys.argv = argv
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = [target, *argv]
+    runpy.run_path(target, run_name="__main__")
+"""
+TOOLS = ROOT / "tools"
+
+
+def _run(args: list[str], wrap: tuple[str, int] | None = None, tmp_path: Path | None = None,
+         ) -> subprocess.CompletedProcess:
+    """Run `args` (a tool's path or -m MODULE, then its arguments) with this interpreter, stdout and stderr piped."""
+    if wrap is not None:
+        wrapper = tmp_path / "wrapper.py"
+        wrapper.write_text(WRAPPER)
+        args = [str(wrapper), wrap[0], str(wrap[1]), *args]
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _export(out: Path) -> list[str]:
+    return ["-m", "slime_dsa.cli", "export", str(ASSET), "--out", str(out)]
+
+
+def _to_megatron(out: Path) -> list[str]:
+    return [str(TOOLS / "convert_hf_to_megatron.py"), str(ASSET), str(out), "--expert-parallel", "2"]
+
+
+@pytest.fixture(scope="module")
+def megatron_dir(tmp_path_factory) -> Path:
+    """ASSET as Megatron shards, expert-parallel 2."""
+    out = tmp_path_factory.mktemp("converted") / "megatron"
+    done = _run(_to_megatron(out))
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _to_hf(megatron: Path, out: Path) -> list[str]:
+    return [str(TOOLS / "convert_megatron_to_hf.py"), str(megatron), str(out)]
+
+
+def _one_line(done: subprocess.CompletedProcess, *words: str) -> str:
+    """The single line of stderr, which names each of `words`; no traceback."""
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def _unwritable_directory(tmp_path: Path) -> Path:
+    """A directory this process cannot create entries in: a 0500 directory, or, for root (whom modes do not stop), a
+    directory of a read-only filesystem (sysfs)."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o500)
+    probe = directory / "probe"
+    try:
+        probe.mkdir()
+    except PermissionError:
+        return directory
+    probe.rmdir()
+    for candidate in (Path("/sys/kernel"), Path("/sys")):
+        try:
+            (candidate / ".slime-dsa-probe").mkdir()
+        except OSError:
+            if candidate.is_dir():
+                return candidate
+        else:
+            (candidate / ".slime-dsa-probe").rmdir()
+    pytest.skip("running as root, and no read-only directory found to stand for an unwritable one")
+
+
+def _commands(kind: str, tmp_path: Path, megatron_dir: Path, out: Path) -> list[str]:
+    return {"export": _export, "to_megatron": _to_megatron, "to_hf": lambda o: _to_hf(megatron_dir, o)}[kind](out)
+
+
+KINDS = ["export", "to_megatron", "to_hf"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unwritable_output_directory_is_one_line(tmp_path, megatron_dir, kind):
+    """The output's parent cannot be written: one line naming the path. Before, the tools printed mkdtemp's
+    PermissionError traceback (their main caught ValueError and FileNotFoundError only)."""
+    out = _unwritable_directory(tmp_path) / "model"
+    done = _run(_commands(kind, tmp_path, megatron_dir, out))
+    assert done.returncode != 0
+    _one_line(done, str(out))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_output_under_a_file_is_one_line_naming_the_file(tmp_path, megatron_dir, kind):
+    """OUT is NOTES/model where NOTES is a file: one line naming NOTES as a file. Before, the tools printed a
+    FileExistsError traceback and export said only "File exists"."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    done = _run(_commands(kind, tmp_path, megatron_dir, notes / "model"))
+    assert done.returncode != 0
+    assert "is a file" in _one_line(done, str(notes))
+    assert notes.read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_full_disk_is_one_line_and_leaves_no_output(tmp_path, megatron_dir, kind):
+    """The disk fills up while the weights are written: one line naming OUT and "No space left on device", nothing
+    left beside OUT. Before, safetensors' SafetensorError (no OSError) reached the console as a traceback, from export
+    as from the tools."""
+    out = tmp_path / "out"
+    done = _run(_commands(kind, tmp_path, megatron_dir, out), wrap=("enospc", 0), tmp_path=tmp_path)
+    assert done.returncode != 0
+    _one_line(done, str(out), "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapper.py"]
