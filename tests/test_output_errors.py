@@ -153,3 +153,25 @@ def test_a_full_disk_is_one_line_and_leaves_no_output(tmp_path, megatron_dir, ki
     assert done.returncode != 0
     _one_line(done, str(out), "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapper.py"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ctrl_c_while_writing_exits_130_in_one_line_and_leaves_no_output(tmp_path, megatron_dir, kind):
+    """SIGINT arrives once the first weight file is written: exit code 130, one line, no temporary directory left
+    and no OUT. Before, the tools printed KeyboardInterrupt's traceback."""
+    out = tmp_path / "out"
+    done = _run(_commands(kind, tmp_path, megatron_dir, out), wrap=("sigint", 0), tmp_path=tmp_path)
+    assert done.returncode == 130, done.stderr
+    assert "interrupted" in _one_line(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapper.py"]
+
+
+def test_ctrl_c_over_a_previous_output_leaves_it_whole(tmp_path, megatron_dir):
+    """Interrupted while converting over an earlier output: the earlier one is left byte for byte, nothing beside it."""
+    out = tmp_path / "out"
+    assert _run(_to_hf(megatron_dir, out)).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    done = _run(_to_hf(megatron_dir, out), wrap=("sigint", 0), tmp_path=tmp_path)
+    assert done.returncode == 130, done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wrapper.py"]

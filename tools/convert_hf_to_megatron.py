@@ -6,7 +6,8 @@ OUT_DIR gets one directory per (tensor-parallel rank, expert-parallel rank), mp_
 rank's model.safetensors (trainers/megatron/convert.py names), plus config.json, megatron.json (the sizes) and the
 tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
 itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
-replaces its shards and keeps the other files of it (a README).
+replaces its shards and keeps the other files of it (a README). Ctrl-C stops it with exit code 130, leaving none
+either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the temporary directory is already removed (durable.write_directory)
+        print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -4,7 +4,8 @@ transformers, SGLang and our engine load as it is.
     python tools/convert_megatron_to_hf.py MEGATRON_DIR HF_DIR
 
 HF_DIR is written beside itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one
-over a previous HF_DIR replaces its weights and keeps the other files of it (a README).
+over a previous HF_DIR replaces its weights and keeps the other files of it (a README). Ctrl-C stops it with exit
+code 130, leaving none either; an unwritable HF_DIR or a full disk is one line naming HF_DIR (exit code 2).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the temporary directory is already removed (durable.write_directory)
+        print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
+        return 130
     return 0
 
 
