@@ -23,7 +23,7 @@ from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import publish, write_atomic
+from slime_dsa.durable import publish, write_atomic, write_failure
 from slime_dsa.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -224,3 +224,16 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
         logger.debug("AutoTokenizer.from_pretrained(%r) failed: %s", source, e)
         raise UserError(f"no tokenizer at {source}: transformers' AutoTokenizer cannot load one "
                         f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None
+
+
+def save_output_model(model, out_dir: Path, key: str, extra) -> None:
+    """save_pretrained of the model a job made into `out_dir` (set by `key`, e.g. sft.output_dir); a failed write (a
+    full disk) is one UserError naming the key and the path, its temporary directory removed."""
+    from slime_dsa.checkpoint import save_pretrained  # noqa: PLC0415 (torch)
+
+    try:
+        save_pretrained(model, out_dir, extra=extra)
+    except Exception as e:
+        if (failure := write_failure(out_dir, e)) is None:
+            raise
+        raise UserError(f"{key} {out_dir}: {failure}; the trained model is not saved") from None

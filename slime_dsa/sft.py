@@ -149,10 +149,10 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     from rich.progress import Progress  # noqa: PLC0415
 
     from slime_dsa import ops  # noqa: PLC0415
-    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
     from trainers.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 
     tr, sft = recipe.trainer, recipe.sft
@@ -203,5 +203,5 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
 
-    save_pretrained(model, out_dir, extra=extra)
+    save_output_model(model, out_dir, "sft.output_dir", extra)
     return out_dir

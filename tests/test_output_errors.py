@@ -12,30 +12,33 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
 
-# python WRAPPER MODE AFTER SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
-# after AFTER good calls: "enospc" writes part of the file, then raises what safetensors raises on a full disk;
+# python WRAPPER MODE WHEN SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
+# after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the file, then raises what safetensors raises on a full disk;
 # "sigint" sends this process SIGINT (Ctrl-C) from inside the write. A file, not `python -c`: a KeyboardInterrupt
 # leaving code compiled from a string is marked unhandled by CPython (slime_dsa/interrupts.py).
 WRAPPER = """
 import os, runpy, signal, sys
 import safetensors, safetensors.torch
 
-mode, after, target, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+mode, when, target, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+after = int(when) if when.isdigit() else 0
 real_save_file, calls = safetensors.torch.save_file, []
 
 def save_file(tensors, filename, metadata=None):
     calls.append(filename)
-    if len(calls) > after and mode == "enospc":
+    failing = len(calls) > after if when.isdigit() else when in str(filename)
+    if failing and mode == "enospc":
         with open(filename, "wb") as f:
             f.write(b"partial")
         raise safetensors.SafetensorError(
             f'Error while serializing: I/O error: No space left on device (os error 28) at path "{filename}"')
     real_save_file(tensors, filename, metadata=metadata)
-    if len(calls) > after and mode == "sigint":
+    if failing and mode == "sigint":
         os.kill(os.getpid(), signal.SIGINT)
 
 safetensors.torch.save_file = save_file
@@ -49,14 +52,14 @@ else:
 TOOLS = ROOT / "tools"
 
 
-def _run(args: list[str], wrap: tuple[str, int] | None = None, tmp_path: Path | None = None,
-         ) -> subprocess.CompletedProcess:
+def _run(args: list[str], wrap: tuple[str, int | str] | None = None, tmp_path: Path | None = None,
+         cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run `args` (a tool's path or -m MODULE, then its arguments) with this interpreter, stdout and stderr piped."""
     if wrap is not None:
         wrapper = tmp_path / "wrapper.py"
         wrapper.write_text(WRAPPER)
         args = [str(wrapper), wrap[0], str(wrap[1]), *args]
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    return subprocess.run([sys.executable, *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
 
 
@@ -81,9 +84,9 @@ def _to_hf(megatron: Path, out: Path) -> list[str]:
     return [str(TOOLS / "convert_megatron_to_hf.py"), str(megatron), str(out)]
 
 
-def _one_line(done: subprocess.CompletedProcess, *words: str) -> str:
-    """The single line of stderr, which names each of `words`; no traceback."""
-    lines = done.stderr.strip().splitlines()
+def _one_line(done: subprocess.CompletedProcess, *words: str, last: bool = False) -> str:
+    """The single line of stderr (`last`: its last line), which names each of `words`; no traceback."""
+    lines = done.stderr.strip().splitlines()[-1:] if last else done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
     for word in words:
         assert word in lines[0], lines[0]
@@ -175,3 +178,45 @@ def test_ctrl_c_over_a_previous_output_leaves_it_whole(tmp_path, megatron_dir):
     assert done.returncode == 130, done.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "wrapper.py"]
+
+
+# sft and indexer-warmup of two steps on the tiny models (tests/test_checkpoint_durability.py's)
+DATA = {"tasks": [{"kind": "arithmetic", "eval_size": 4, "train_size": 40, "task_args": {"max_digits": 1}}],
+        "apply_chat_template": True, "max_prompt_length": 64}
+JOBS = {"sft": {"model": {"preset": "tiny"}, "trainer": {"num_steps": 2, "micro_batch_tokens": 2048}, "data": DATA,
+                "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 4}},
+        "indexer-warmup": {"model": {"path": str(ASSET)}, "data": {**DATA, "tasks": [{"kind": "arithmetic", "eval_size": 8}]},
+                           "indexer_warmup": {"corpus": "tasks", "seq_len": 64, "index_topk": 16, "batch_size": 2,
+                                              "num_steps": 2, "eval_sequences": 2, "eval_every": 0}}}
+
+
+def _job(command: str, tmp_path: Path, out: Path) -> list[str]:
+    """`slime-dsa COMMAND recipe.yaml` for JOBS[command], writing its model to `out` and its run to tmp_path/run."""
+    section = command.replace("-", "_")
+    recipe = {**JOBS[command], "logging": {"run_dir": str(tmp_path / "run"), "wandb_mode": "disabled"}}
+    recipe[section] = {**recipe[section], "output_dir": str(out)}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return ["-m", "slime_dsa.cli", command, str(tmp_path / "recipe.yaml")]
+
+
+@pytest.mark.parametrize("command", list(JOBS))
+def test_an_unwritable_output_dir_is_refused_before_the_job_runs(tmp_path, command):
+    """sft.output_dir (indexer_warmup.output_dir) under a directory that cannot be written: refused in one line
+    naming the key and the path before the model loads. Before, the job trained to the end, then printed mkdtemp's
+    PermissionError traceback (the trained model lost)."""
+    out = _unwritable_directory(tmp_path) / "model"
+    done = _run(_job(command, tmp_path, out), cwd=tmp_path)
+    assert done.returncode == 2
+    _one_line(done, f"{command.replace('-', '_')}.output_dir", str(out))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", list(JOBS))
+def test_a_full_disk_when_the_model_is_written_is_one_line(tmp_path, command):
+    """The disk fills up while the trained model is written: one line naming the key and the path, nothing left
+    beside it. Before, safetensors' SafetensorError traceback."""
+    out = tmp_path / "out"
+    done = _run(_job(command, tmp_path, out), wrap=("enospc", ".out.tmp-"), tmp_path=tmp_path, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    _one_line(done, f"{command.replace('-', '_')}.output_dir", str(out), "No space left on device", last=True)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

@@ -65,12 +65,27 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
+        elif path is not None and key.endswith("output_dir") and (problem := _unwritable(path)):
+            problems.append((key, f"cannot create {value}: {problem}"))  # before the job runs, not after it trained
     backend_library = _BACKEND_LIBRARIES.get(config.trainer.backend) if trainer_workers else None
     if backend_library is not None and not _installed(backend_library[0]):
         _, library, extra = backend_library
         problems.append(("trainer.backend", f"'{config.trainer.backend}' needs {library}, which is not installed here "
                                             f"({extra})"))
     return problems
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why `path` (a directory to be written, which may not exist yet) cannot be: its nearest existing directory
+    refuses a new entry. Tried by making and removing one (modes do not stop root, a read-only mount does)."""
+    import tempfile  # noqa: PLC0415
+
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    try:
+        Path(tempfile.mkdtemp(prefix=".slime-dsa-probe-", dir=existing)).rmdir()
+    except OSError as e:
+        return f"{existing} refuses new entries ({e.strerror or e})"
+    return None
 
 
 # A backend's library: (the module it imports, its name, how to install it).

@@ -257,9 +257,9 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The warm-up itself, inside its run directory."""
     from rich.progress import Progress  # noqa: PLC0415
 
-    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
@@ -297,5 +297,5 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
 
-    save_pretrained(model, out_dir, extra=extra)
+    save_output_model(model, out_dir, "indexer_warmup.output_dir", extra)
     return out_dir
