@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
 
 # python WRAPPER MODE WHEN SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
-# after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the file, then raises what safetensors raises on a full disk;
-# "sigint" sends this process SIGINT (Ctrl-C) from inside the write. A file, not `python -c`: a KeyboardInterrupt
+# after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the
+# file, then raises what safetensors raises on a full disk; "sigint" sends this process SIGINT (Ctrl-C) from inside the write. A file, not `python -c`: a KeyboardInterrupt
 # leaving code compiled from a string is marked unhandled by CPython (slime_dsa/interrupts.py).
 WRAPPER = """
 import os, runpy, signal, sys
@@ -185,7 +185,8 @@ DATA = {"tasks": [{"kind": "arithmetic", "eval_size": 4, "train_size": 40, "task
         "apply_chat_template": True, "max_prompt_length": 64}
 JOBS = {"sft": {"model": {"preset": "tiny"}, "trainer": {"num_steps": 2, "micro_batch_tokens": 2048}, "data": DATA,
                 "sft": {"batch_size": 4, "eval_every": 0, "eval_prompts": 4}},
-        "indexer-warmup": {"model": {"path": str(ASSET)}, "data": {**DATA, "tasks": [{"kind": "arithmetic", "eval_size": 8}]},
+        "indexer-warmup": {"model": {"path": str(ASSET)},
+                           "data": {**DATA, "tasks": [{"kind": "arithmetic", "eval_size": 8}]},
                            "indexer_warmup": {"corpus": "tasks", "seq_len": 64, "index_topk": 16, "batch_size": 2,
                                               "num_steps": 2, "eval_sequences": 2, "eval_every": 0}}}
 
@@ -220,3 +221,16 @@ def test_a_full_disk_when_the_model_is_written_is_one_line(tmp_path, command):
     assert done.returncode == 2, done.stderr
     _one_line(done, f"{command.replace('-', '_')}.output_dir", str(out), "No space left on device", last=True)
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("command", list(JOBS))
+def test_a_piped_job_prints_its_result_and_no_progress(tmp_path, command):
+    """stdout and stderr are pipes: stdout is the one result line, stderr empty. Before, stdout began with a blank
+    line (the step bar, a rich Progress on stdout, drawn once when not on a terminal) and stderr held the tokenizing
+    bars of `datasets`, carriage returns and all."""
+    out = tmp_path / "out"
+    done = _run(_job(command, tmp_path, out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"model written: {out}\n"
+    assert done.stderr == ""
+
