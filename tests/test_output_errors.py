@@ -7,6 +7,8 @@ command imports it."""
 from __future__ import annotations
 
 import os
+import pty
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -234,3 +236,36 @@ def test_a_piped_job_prints_its_result_and_no_progress(tmp_path, command):
     assert done.stdout == f"model written: {out}\n"
     assert done.stderr == ""
 
+
+def _on_a_terminal(args: list[str]) -> tuple[int, str]:
+    """Run `args` (as _run) with stdout and stderr on a pseudo-terminal; its exit code and everything it drew."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm", "COLUMNS": "120"}
+    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=follower,
+                               stderr=follower)
+    os.close(follower)
+    drawn = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 300)
+        try:
+            chunk = os.read(leader, 65536) if ready else b""
+        except OSError:  # the process closed its end
+            chunk = b""
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    return process.wait(timeout=60), drawn.decode(errors="replace")
+
+
+@pytest.mark.parametrize(("kind", "label"), [("export", "exporting"), ("to_megatron", "converting"),
+                                             ("to_hf", "converting")])
+def test_long_writes_draw_a_progress_bar_on_a_terminal_and_none_into_a_pipe(tmp_path, megatron_dir, kind, label):
+    """On a terminal, export and the tools draw a bar of the weight files (the minutes of a large model); into a pipe,
+    stderr holds no bar (no carriage return, no escape sequence). Before, they drew nothing on a terminal either."""
+    code, drawn = _on_a_terminal(_commands(kind, tmp_path, megatron_dir, tmp_path / "on-terminal"))
+    assert code == 0, drawn
+    assert label in drawn, drawn
+    done = _run(_commands(kind, tmp_path, megatron_dir, tmp_path / "piped"))
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "\x1b" not in done.stderr and label not in done.stderr, done.stderr

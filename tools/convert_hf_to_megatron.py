@@ -21,6 +21,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from rollout.progress import SampleProgress
 from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import write_directory, write_failure
@@ -43,27 +44,40 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
     check_parallel_sizes(config, ParallelSizes(tensor_parallel=tp, expert_parallel=ep), tp * ep)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a directory to write the Megatron shards into")
-    state = read_state_dict(src)
+    with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
+        state = read_state_dict(src)
+        progress.advance(1)
 
-    def write(tmp: Path) -> None:
-        for t in range(tp):
-            for e in range(ep):
-                directory = shard_directory(tmp, t, e)
-                directory.mkdir()
-                save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
-        shutil.copy(src / "config.json", tmp / "config.json")
-        (tmp / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy(src / name, tmp / name)
+        def write(tmp: Path) -> None:
+            for t in range(tp):
+                for e in range(ep):
+                    directory = shard_directory(tmp, t, e)
+                    directory.mkdir()
+                    save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
+                    progress.advance(1)
+            _copy_the_rest(src, tmp, tp, ep)
 
+        _write(out, write, keep=lambda name: not name.startswith("mp_rank_"))
+    logger.info("wrote %d shards to %s", tp * ep, out)
+
+
+def _copy_the_rest(src: Path, tmp: Path, tp: int, ep: int) -> None:
+    """config.json, megatron.json and the tokenizer files, beside the shards."""
+    shutil.copy(src / "config.json", tmp / "config.json")
+    (tmp / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+
+
+def _write(out: Path, write, keep) -> None:
+    """durable.write_directory; a failed write (unwritable, under a file, a full disk) is one UserError naming `out`."""
     try:
-        write_directory(out, write, keep=lambda name: not name.startswith("mp_rank_"))
-    except Exception as e:  # unwritable, under a file, a full disk (safetensors' own error says it in words)
+        write_directory(out, write, keep=keep)
+    except Exception as e:  # safetensors' own error says a full disk in words
         if (failure := write_failure(out, e)) is None:
             raise
         raise UserError(f"{out}: {failure}") from None
-    logger.info("wrote %d shards to %s", tp * ep, out)
 
 
 def main(argv: list[str] | None = None) -> int:

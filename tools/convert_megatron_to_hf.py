@@ -19,6 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from rollout.progress import SampleProgress
 from slime_dsa.checkpoint.hf_format import is_weight_file
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import write_directory, write_failure
@@ -37,22 +38,27 @@ def convert(src: Path, out: Path) -> None:
     config = ModelConfig.from_pretrained(src)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a directory to write the HF model into")
-    shards = {(t, e): load_file(src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors")
-              for t in range(tp) for e in range(ep)}
+    with SampleProgress("converting", total=tp * ep + 1) as progress:  # on a terminal only: each shard, the write
+        shards = {}
+        for t in range(tp):
+            for e in range(ep):
+                shards[t, e] = load_file(src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors")
+                progress.advance(1)
 
-    def write(tmp: Path) -> None:
-        save_file(megatron_to_hf(shards, config, tp, ep), tmp / "model.safetensors", metadata={"format": "pt"})
-        shutil.copy(src / "config.json", tmp / "config.json")
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy(src / name, tmp / name)
+        def write(tmp: Path) -> None:
+            save_file(megatron_to_hf(shards, config, tp, ep), tmp / "model.safetensors", metadata={"format": "pt"})
+            progress.advance(1)
+            shutil.copy(src / "config.json", tmp / "config.json")
+            for name in TOKENIZER_FILES:
+                if (src / name).exists():
+                    shutil.copy(src / name, tmp / name)
 
-    try:
-        write_directory(out, write, keep=lambda name: not is_weight_file(name))
-    except Exception as e:  # unwritable, under a file, a full disk (safetensors' own error says it in words)
-        if (failure := write_failure(out, e)) is None:
-            raise
-        raise UserError(f"{out}: {failure}") from None
+        try:
+            write_directory(out, write, keep=lambda name: not is_weight_file(name))
+        except Exception as e:  # unwritable, under a file, a full disk (safetensors' own error says it in words)
+            if (failure := write_failure(out, e)) is None:
+                raise
+            raise UserError(f"{out}: {failure}") from None
     logger.info("wrote %s", out)
 
 
