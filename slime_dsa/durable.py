@@ -137,11 +137,11 @@ def write_problem(error: BaseException) -> str | None:
 
 
 def write_failure(final: Path, error: BaseException) -> str | None:
-    """Why `final` (a file or directory being written) could not be written, for one line after its name: a file
-    where a directory above it should be, or the operating system's words (write_problem); None for an error that
-    is no failed write (a bug, to keep its traceback)."""
+    """Why the directory `final` could not be written, for one line after its name: a file where it or a directory
+    above it should be, or the operating system's words (write_problem); None for an error that is no failed write
+    (a bug, to keep its traceback)."""
     problem = write_problem(error)
     if problem is None:
         return None
-    blocker = next((p for p in Path(final).parents if p.is_file()), None)
+    blocker = next((p for p in (Path(final), *Path(final).parents) if p.is_file()), None)
     return f"{blocker} is a file, not a directory" if blocker is not None else f"cannot be written: {problem}"

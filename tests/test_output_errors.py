@@ -21,8 +21,9 @@ ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
 
 # python WRAPPER MODE WHEN SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
 # after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the
-# file, then raises what safetensors raises on a full disk; "sigint" sends this process SIGINT (Ctrl-C) from inside the write. A file, not `python -c`: a KeyboardInterrupt
-# leaving code compiled from a string is marked unhandled by CPython (slime_dsa/interrupts.py).
+# file, then raises what safetensors raises on a full disk; "sigint" sends this process SIGINT (Ctrl-C) from inside
+# the write. A file, not `python -c`: a KeyboardInterrupt leaving code compiled from a string is marked unhandled by
+# CPython (slime_dsa/interrupts.py).
 WRAPPER = """
 import os, runpy, signal, sys
 import safetensors, safetensors.torch
@@ -269,3 +270,21 @@ def test_long_writes_draw_a_progress_bar_on_a_terminal_and_none_into_a_pipe(tmp_
     done = _run(_commands(kind, tmp_path, megatron_dir, tmp_path / "piped"))
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr and "\x1b" not in done.stderr and label not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("where", ["unwritable", "under a file", "a file"])
+def test_report_into_an_unwritable_out_is_one_line(tmp_path, where):
+    """`slime-dsa report RUN --out DIR` where DIR cannot be made: one line naming it. Before, the PermissionError,
+    NotADirectoryError or FileExistsError of its mkdir as a traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "rollout/reward_mean": 0.5}}\n' for i in (1, 2)))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    out = {"unwritable": lambda: _unwritable_directory(tmp_path) / "report", "under a file": lambda: notes / "report",
+           "a file": lambda: notes}[where]()
+    done = _run(["-m", "slime_dsa.cli", "report", str(run), "--out", str(out)])
+    assert done.returncode == 2
+    line = _one_line(done, str(out))
+    assert where == "unwritable" or f"{notes} is a file" in line
+    assert notes.read_text() == "mine"
