@@ -22,7 +22,7 @@ ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
 # python WRAPPER MODE WHEN SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
 # after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the
 # file, then raises what safetensors raises on a full disk; "sigint" sends this process SIGINT (Ctrl-C) from inside
-# the write. A file, not `python -c`: a KeyboardInterrupt leaving code compiled from a string is marked unhandled by
+# the write ("sigterm": SIGTERM, a scheduler's stop). A file, not `python -c`: a KeyboardInterrupt leaving code compiled from a string is marked unhandled by
 # CPython (slime_dsa/interrupts.py).
 WRAPPER = """
 import os, runpy, signal, sys
@@ -41,8 +41,8 @@ def save_file(tensors, filename, metadata=None):
         raise safetensors.SafetensorError(
             f'Error while serializing: I/O error: No space left on device (os error 28) at path "{filename}"')
     real_save_file(tensors, filename, metadata=metadata)
-    if failing and mode == "sigint":
-        os.kill(os.getpid(), signal.SIGINT)
+    if failing and mode in ("sigint", "sigterm"):
+        os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
 
 safetensors.torch.save_file = save_file
 if target == "-m":
@@ -167,6 +167,17 @@ def test_ctrl_c_while_writing_exits_130_in_one_line_and_leaves_no_output(tmp_pat
     and no OUT. Before, the tools printed KeyboardInterrupt's traceback."""
     out = tmp_path / "out"
     done = _run(_commands(kind, tmp_path, megatron_dir, out), wrap=("sigint", 0), tmp_path=tmp_path)
+    assert done.returncode == 130, done.stderr
+    assert "interrupted" in _one_line(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapper.py"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigterm_while_writing_exits_130_in_one_line_and_leaves_no_output(tmp_path, megatron_dir, kind):
+    """SIGTERM (`kill`, a scheduler's stop) once the first weight file is written: as Ctrl-C. Before, the tools died at
+    once (exit -15) and left their hidden temporary directory, a partial copy of the model, beside OUT."""
+    out = tmp_path / "out"
+    done = _run(_commands(kind, tmp_path, megatron_dir, out), wrap=("sigterm", 0), tmp_path=tmp_path)
     assert done.returncode == 130, done.stderr
     assert "interrupted" in _one_line(done)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapper.py"]

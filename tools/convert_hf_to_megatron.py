@@ -6,8 +6,8 @@ OUT_DIR gets one directory per (tensor-parallel rank, expert-parallel rank), mp_
 rank's model.safetensors (trainers/megatron/convert.py names), plus config.json, megatron.json (the sizes) and the
 tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
 itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
-replaces its shards and keeps the other files of it (a README). Ctrl-C stops it with exit code 130, leaving none
-either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
+replaces its shards and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it with exit code 130,
+leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ import argparse
 import json
 import logging
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from rollout.progress import SampleProgress
+from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import write_directory, write_failure
@@ -88,14 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-parallel", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # `kill` takes Ctrl-C's path
     try:
         convert(args.src, args.out, args.tensor_parallel, args.expert_parallel)
     except (ValueError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the temporary directory is already removed (durable.write_directory)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the temporary directory is already removed (write_directory)
         print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        interrupts.reset()
     return 0
 
 

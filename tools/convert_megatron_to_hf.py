@@ -4,8 +4,8 @@ transformers, SGLang and our engine load as it is.
     python tools/convert_megatron_to_hf.py MEGATRON_DIR HF_DIR
 
 HF_DIR is written beside itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one
-over a previous HF_DIR replaces its weights and keeps the other files of it (a README). Ctrl-C stops it with exit
-code 130, leaving none either; an unwritable HF_DIR or a full disk is one line naming HF_DIR (exit code 2).
+over a previous HF_DIR replaces its weights and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it
+with exit code 130, leaving none either; an unwritable HF_DIR or a full disk is one line naming HF_DIR (exit code 2).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import argparse
 import json
 import logging
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
 from rollout.progress import SampleProgress
+from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import is_weight_file
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import write_directory, write_failure
@@ -68,14 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="output Hugging Face directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # `kill` takes Ctrl-C's path
     try:
         convert(args.src, args.out)
     except (ValueError, KeyError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the temporary directory is already removed (durable.write_directory)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the temporary directory is already removed (write_directory)
         print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        interrupts.reset()
     return 0
 
 
