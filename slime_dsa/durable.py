@@ -145,3 +145,18 @@ def write_failure(final: Path, error: BaseException) -> str | None:
         return None
     blocker = next((p for p in (Path(final), *Path(final).parents) if p.is_file()), None)
     return f"{blocker} is a file, not a directory" if blocker is not None else f"cannot be written: {problem}"
+
+
+def creation_problem(final: Path) -> str | None:
+    """Why the directory `final` could not be written by write_directory (or save_pretrained), found before any work:
+    a file where it or a directory above it should be, or the nearest existing directory above it refuses a new
+    entry, tried by making and removing one (modes do not stop root; a read-only mount does). None: it can be."""
+    final = Path(final).absolute()
+    if blocker := next((p for p in (final, *final.parents) if p.is_file()), None):
+        return f"{blocker} is a file, not a directory"
+    existing = next(p for p in final.parents if p.exists())
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=existing)).rmdir()
+    except OSError as e:
+        return f"{existing} refuses new entries ({e.strerror or e})"
+    return None

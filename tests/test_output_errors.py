@@ -6,6 +6,7 @@ command imports it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pty
 import select
@@ -22,8 +23,8 @@ ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
 # python WRAPPER MODE WHEN SCRIPT ARGS...: runs SCRIPT (a path, or -m MODULE) with safetensors' save_file failing
 # after WHEN good calls (a number), or on the files whose path holds WHEN (a text): "enospc" writes part of the
 # file, then raises what safetensors raises on a full disk; "sigint" sends this process SIGINT (Ctrl-C) from inside
-# the write ("sigterm": SIGTERM, a scheduler's stop). A file, not `python -c`: a KeyboardInterrupt leaving code compiled from a string is marked unhandled by
-# CPython (slime_dsa/interrupts.py).
+# the write ("sigterm": SIGTERM, a scheduler's stop). A file, not `python -c`: a KeyboardInterrupt leaving code
+# compiled from a string is marked unhandled by CPython (slime_dsa/interrupts.py).
 WRAPPER = """
 import os, runpy, signal, sys
 import safetensors, safetensors.torch
@@ -299,3 +300,38 @@ def test_report_into_an_unwritable_out_is_one_line(tmp_path, where):
     line = _one_line(done, str(out))
     assert where == "unwritable" or f"{notes} is a file" in line
     assert notes.read_text() == "mine"
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the weights were read before the output was known to be writable")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unwritable_output_is_refused_before_the_weights_are_read(tmp_path, megatron_dir, kind, monkeypatch,
+                                                                      capsys):
+    """Reading a large model's weights takes minutes; an output that cannot be created is refused before. Before,
+    export loaded and checked the whole model, the tools read every shard, and only then failed."""
+    from slime_dsa.checkpoint import hf_format
+    from slime_dsa.cli import main
+
+    out = _unwritable_directory(tmp_path) / "model"
+    if kind == "export":
+        monkeypatch.setattr(hf_format, "load_model", _never)
+        code = main(["export", str(ASSET), "--out", str(out)])
+    elif kind == "to_megatron":
+        tool = _tool("convert_hf_to_megatron")
+        monkeypatch.setattr(tool, "read_state_dict", _never)
+        code = tool.main([str(ASSET), str(out)])
+    else:
+        tool = _tool("convert_megatron_to_hf")
+        monkeypatch.setattr(tool, "load_file", _never)
+        code = tool.main([str(megatron_dir), str(out)])
+    assert code == 2
+    assert str(out) in capsys.readouterr().err

@@ -26,7 +26,7 @@ from rollout.progress import SampleProgress
 from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import read_state_dict
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import write_directory, write_failure
+from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.megatron.convert import hf_to_megatron
@@ -46,6 +46,8 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
     check_parallel_sizes(config, ParallelSizes(tensor_parallel=tp, expert_parallel=ep), tp * ep)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a directory to write the Megatron shards into")
+    if problem := creation_problem(out):  # before minutes of reading a large model
+        raise UserError(f"{out}: {problem}")
     with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
         state = read_state_dict(src)
         progress.advance(1)

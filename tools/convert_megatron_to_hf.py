@@ -24,7 +24,7 @@ from rollout.progress import SampleProgress
 from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import is_weight_file
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import write_directory, write_failure
+from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from trainers.megatron.convert import megatron_to_hf
 
@@ -40,6 +40,8 @@ def convert(src: Path, out: Path) -> None:
     config = ModelConfig.from_pretrained(src)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a directory to write the HF model into")
+    if problem := creation_problem(out):  # before minutes of reading a large model
+        raise UserError(f"{out}: {problem}")
     with SampleProgress("converting", total=tp * ep + 1) as progress:  # on a terminal only: each shard, the write
         shards = {}
         for t in range(tp):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
                                            model_dir_problem)
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import fsync_path, publish_over, write_failure
+from slime_dsa.durable import creation_problem, fsync_path, publish_over, write_failure
 
 if TYPE_CHECKING:  # torch: only when a checkpoint is loaded
     from slime_dsa.checkpoint.hf_format import Progress
@@ -145,6 +145,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     if Path(out_dir).resolve() == checkpoint.resolve():  # its weights replaced: a checkpoint's manifest then fails
         raise UserError(f"--out {out_dir} is the directory being exported ({checkpoint}): export writes a new HF "
                         "directory; give another --out")
+    if problem := creation_problem(Path(out_dir)):  # before minutes of loading a large model
+        raise UserError(f"--out {out_dir}: {problem}")
     if progress is not None:
         progress.add_total(2)  # the load and the check; save_pretrained adds its weight files
     try:

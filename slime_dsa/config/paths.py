@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slime_dsa.config.errors import raise_first_problem
 from slime_dsa.config.schema import RecipeConfig
+from slime_dsa.durable import creation_problem
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # what slime_dsa.data.prompts reads from a file
@@ -65,7 +66,7 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
-        elif path is not None and key.endswith("output_dir") and (problem := _unwritable(path)):
+        elif path is not None and key.endswith("output_dir") and (problem := creation_problem(path)):
             problems.append((key, f"cannot create {value}: {problem}"))  # before the job runs, not after it trained
     backend_library = _BACKEND_LIBRARIES.get(config.trainer.backend) if trainer_workers else None
     if backend_library is not None and not _installed(backend_library[0]):
@@ -73,19 +74,6 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         problems.append(("trainer.backend", f"'{config.trainer.backend}' needs {library}, which is not installed here "
                                             f"({extra})"))
     return problems
-
-
-def _unwritable(path: Path) -> str | None:
-    """Why `path` (a directory to be written, which may not exist yet) cannot be: its nearest existing directory
-    refuses a new entry. Tried by making and removing one (modes do not stop root, a read-only mount does)."""
-    import tempfile  # noqa: PLC0415
-
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    try:
-        Path(tempfile.mkdtemp(prefix=".slime-dsa-probe-", dir=existing)).rmdir()
-    except OSError as e:
-        return f"{existing} refuses new entries ({e.strerror or e})"
-    return None
 
 
 # A backend's library: (the module it imports, its name, how to install it).
