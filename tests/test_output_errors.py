@@ -335,3 +335,45 @@ def test_an_unwritable_output_is_refused_before_the_weights_are_read(tmp_path, m
         code = tool.main([str(megatron_dir), str(out)])
     assert code == 2
     assert str(out) in capsys.readouterr().err
+
+
+def _truncated(source: Path, tmp_path: Path) -> Path:
+    """A copy of `source` (a directory of model files) whose last .safetensors file is cut to 1000 bytes."""
+    import shutil
+
+    copy = tmp_path / "truncated"
+    shutil.copytree(source, copy)
+    weights = sorted(copy.rglob("*.safetensors"))[-1]
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return copy
+
+
+@pytest.mark.parametrize("kind", ["to_megatron", "to_hf"])
+def test_a_truncated_source_weight_file_is_one_line_naming_it(tmp_path, megatron_dir, kind):
+    """A source safetensors file cut short (a copy that died part way): one line naming the file. Before,
+    safetensors' SafetensorError traceback (export already said it in one line)."""
+    source = _truncated(ASSET if kind == "to_megatron" else megatron_dir, tmp_path)
+    weights = sorted(source.rglob("*.safetensors"))[-1]
+    args = _to_megatron(tmp_path / "out") if kind == "to_megatron" else _to_hf(source, tmp_path / "out")
+    args[1] = str(source)
+    done = _run(args)
+    assert done.returncode == 2
+    _one_line(done, str(weights), "not a readable safetensors file")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel", "--expert-parallel"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_parallel_size_below_one_is_a_usage_error(tmp_path, flag, value):
+    """--expert-parallel 0 was a ZeroDivisionError traceback; -2 another."""
+    done = _run([str(TOOLS / "convert_hf_to_megatron.py"), str(ASSET), str(tmp_path / "out"), flag, value])
+    assert done.returncode == 2
+    _one_line(done, flag, last=True)  # argparse's usage line, then its error line
+
+
+def test_a_megatron_source_without_megatron_json_says_what_it_is_missing(tmp_path):
+    """An HF directory given to convert_megatron_to_hf.py: one line saying it holds no megatron.json and which tool
+    writes one. Before: "[Errno 2] No such file or directory: '.../megatron.json'"."""
+    done = _run(_to_hf(ASSET, tmp_path / "out"))
+    assert done.returncode == 2
+    _one_line(done, str(ASSET), "megatron.json", "convert_hf_to_megatron.py")

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from rollout.progress import SampleProgress
 from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import read_state_dict
+from slime_dsa.checkpoint.validate import model_dir_problem
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
@@ -48,6 +49,8 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
         raise ValueError(f"{out} is a file; give a directory to write the Megatron shards into")
     if problem := creation_problem(out):  # before minutes of reading a large model
         raise UserError(f"{out}: {problem}")
+    if problem := model_dir_problem(src):  # a weight file cut short: named, not safetensors' traceback
+        raise UserError(problem)
     with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
         state = read_state_dict(src)
         progress.advance(1)
@@ -84,12 +87,19 @@ def _write(out: Path, write, keep) -> None:
         raise UserError(f"{out}: {failure}") from None
 
 
+def _size(text: str) -> int:
+    """A parallel size: an integer of 1 or more (argparse names the flag in its error)."""
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("out", type=Path, help="output directory")
-    parser.add_argument("--tensor-parallel", type=int, default=1)
-    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--tensor-parallel", type=_size, default=1)
+    parser.add_argument("--expert-parallel", type=_size, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # `kill` takes Ctrl-C's path

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from rollout.progress import SampleProgress
 from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import is_weight_file
+from slime_dsa.checkpoint.validate import safetensors_problem
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
@@ -35,6 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def convert(src: Path, out: Path) -> None:
     """Write the HF directory of `src`'s Megatron shards (its config and tokenizer with it) into `out`."""
+    if not (src / "megatron.json").is_file():
+        raise UserError(f"{src} holds no megatron.json: is it a directory written by tools/convert_hf_to_megatron.py?")
     sizes = json.loads((src / "megatron.json").read_text())
     tp, ep = sizes["tensor_parallel"], sizes["expert_parallel"]
     config = ModelConfig.from_pretrained(src)
@@ -46,7 +49,10 @@ def convert(src: Path, out: Path) -> None:
         shards = {}
         for t in range(tp):
             for e in range(ep):
-                shards[t, e] = load_file(src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors")
+                path = src / f"mp_rank_{t:02d}_{e:03d}" / "model.safetensors"
+                if problem := safetensors_problem(path):  # cut short, or missing: named
+                    raise UserError(f"{path} {problem}")
+                shards[t, e] = load_file(path)
                 progress.advance(1)
 
         def write(tmp: Path) -> None:
