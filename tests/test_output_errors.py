@@ -377,3 +377,13 @@ def test_a_megatron_source_without_megatron_json_says_what_it_is_missing(tmp_pat
     done = _run(_to_hf(ASSET, tmp_path / "out"))
     assert done.returncode == 2
     _one_line(done, str(ASSET), "megatron.json", "convert_hf_to_megatron.py")
+
+
+def test_a_full_disk_when_the_run_builds_its_model_from_scratch_is_one_line(tmp_path):
+    """A preset model (model.preset, no model.path) is saved into the run directory first (initial_model); a full disk
+    there is one line naming it. Before, safetensors' SafetensorError traceback."""
+    done = _run(_job("sft", tmp_path, tmp_path / "out"), wrap=("enospc", "initial_model"), tmp_path=tmp_path,
+                cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    _one_line(done, str(tmp_path / "run" / "initial_model"), "No space left on device")
+    assert not list((tmp_path / "run").glob(".initial_model*"))
