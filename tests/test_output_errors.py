@@ -387,3 +387,22 @@ def test_a_full_disk_when_the_run_builds_its_model_from_scratch_is_one_line(tmp_
     assert done.returncode == 2, done.stderr
     _one_line(done, str(tmp_path / "run" / "initial_model"), "No space left on device")
     assert not list((tmp_path / "run").glob(".initial_model*"))
+
+
+def test_save_pretrained_counts_each_weight_file_of_a_sharded_model(tmp_path):
+    """The bar of a multi-shard export moves once per weight file written, and its total is their number."""
+    from slime_dsa.checkpoint import load_model, save_pretrained
+
+    class Count:
+        total = done = 0
+
+        def add_total(self, count: int) -> None:
+            self.total += count
+
+        def advance(self, count: int) -> None:
+            self.done += count
+
+    count = Count()
+    save_pretrained(load_model(ASSET), tmp_path / "out", max_shard_bytes=1 << 20, progress=count)
+    files = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
+    assert len(files) > 1 and count.total == count.done == len(files)
