@@ -227,6 +227,7 @@ def test_an_unwritable_output_dir_is_refused_before_the_job_runs(tmp_path, comma
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # a whole (two-step) job in a subprocess
 @pytest.mark.parametrize("command", list(JOBS))
 def test_a_full_disk_when_the_model_is_written_is_one_line(tmp_path, command):
     """The disk fills up while the trained model is written: one line naming the key and the path, nothing left
@@ -238,6 +239,7 @@ def test_a_full_disk_when_the_model_is_written_is_one_line(tmp_path, command):
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
+@pytest.mark.slow  # a whole (two-step) job in a subprocess
 @pytest.mark.parametrize("command", list(JOBS))
 def test_a_piped_job_prints_its_result_and_no_progress(tmp_path, command):
     """stdout and stderr are pipes: stdout is the one result line, stderr empty. Before, stdout began with a blank
