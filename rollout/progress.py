@@ -1,4 +1,5 @@
-"""The console bar of rollout work: samples done out of samples started so far."""
+"""The console bar of long work: rollout samples done out of samples started so far, and the same bar for sft's and
+indexer-warmup's steps, export's and the convert tools' weight files."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ the rename itself can be lost."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -121,3 +122,41 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"I/O error: (.+?) \(os error \d+\)")  # how safetensors reports a failed write
+
+
+def write_problem(error: BaseException) -> str | None:
+    """The operating system's words for a failed write (a full disk, a quota), or None for any other error. safetensors
+    raises its own SafetensorError, no OSError, and says them in its text."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    match = _OS_ERROR_IN_TEXT.search(str(error))
+    return match.group(1) if match else None
+
+
+def write_failure(final: Path, error: BaseException) -> str | None:
+    """Why the directory `final` could not be written, for one line after its name: a file where it or a directory
+    above it should be, or the operating system's words (write_problem); None for an error that is no failed write
+    (a bug, to keep its traceback)."""
+    problem = write_problem(error)
+    if problem is None:
+        return None
+    blocker = next((p for p in (Path(final), *Path(final).parents) if p.is_file()), None)
+    return f"{blocker} is a file, not a directory" if blocker is not None else f"cannot be written: {problem}"
+
+
+def creation_problem(final: Path) -> str | None:
+    """Why the directory `final` could not be written by write_directory (or save_pretrained), found before any work:
+    a file where it or a directory above it should be, or the nearest existing directory above it refuses a new
+    entry, tried by making and removing one (modes do not stop root; a read-only mount does). None: it can be."""
+    final = Path(final).absolute()
+    if blocker := next((p for p in (final, *final.parents) if p.is_file()), None):
+        return f"{blocker} is a file, not a directory"
+    existing = next(p for p in final.parents if p.exists())
+    try:
+        Path(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=existing)).rmdir()
+    except OSError as e:
+        return f"{existing} refuses new entries ({e.strerror or e})"
+    return None

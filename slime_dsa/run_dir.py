@@ -23,7 +23,7 @@ from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import publish, write_atomic
+from slime_dsa.durable import publish, write_atomic, write_failure
 from slime_dsa.run_lock import RunLock
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def check_model_dir(path: Path, key: str = "model.path", policy: bool = True) ->
 def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
-    from slime_dsa.checkpoint import build_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint import build_model  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
@@ -208,7 +208,8 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
     config = preset_config(recipe.model.scratch_preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                            **overrides)
-    save_pretrained(build_model(config, seed=recipe.trainer.seed), target, extra=tokenizer.save_pretrained)
+    save_model(build_model(config, seed=recipe.trainer.seed), target, tokenizer.save_pretrained,
+               f"the from-scratch model (model.preset) in the run directory, {target}")
     logger.info("built a %s model from scratch in %s", recipe.model.scratch_preset, target)
     return target
 
@@ -224,3 +225,21 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
         logger.debug("AutoTokenizer.from_pretrained(%r) failed: %s", source, e)
         raise UserError(f"no tokenizer at {source}: transformers' AutoTokenizer cannot load one "
                         f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None
+
+
+def save_model(model, directory: Path, extra, where: str, after: str = "") -> None:
+    """save_pretrained of `model` into `directory`; a failed write (a full disk, unwritable) is one UserError,
+    "{where}: {the failure}{after}", its temporary directory removed."""
+    from slime_dsa.checkpoint import save_pretrained  # noqa: PLC0415 (torch)
+
+    try:
+        save_pretrained(model, directory, extra=extra)
+    except Exception as e:
+        if (failure := write_failure(directory, e)) is None:
+            raise
+        raise UserError(f"{where}: {failure}{after}") from None
+
+
+def save_output_model(model, out_dir: Path, key: str, extra) -> None:
+    """save_model of the model a job made into `out_dir`, set by `key` (sft.output_dir, indexer_warmup.output_dir)."""
+    save_model(model, out_dir, extra, f"{key} {out_dir}", "; the trained model is not saved")

@@ -146,13 +146,12 @@ def run_sft(recipe: RecipeConfig) -> Path:
 
 def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The fine-tuning itself, inside its run directory."""
-    from rich.progress import Progress  # noqa: PLC0415
-
+    from rollout.progress import SampleProgress  # noqa: PLC0415
     from slime_dsa import ops  # noqa: PLC0415
-    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
     from trainers.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 
     tr, sft = recipe.trainer, recipe.sft
@@ -176,15 +175,14 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     eval_args = (tokenizer, tasks, sft.eval_prompts, ro.max_response_length, ro.stop, ro.reward_timeout_s)
     metrics: dict[str, float] = {}
     try:
-        with Progress(transient=True) as progress:
-            bar = progress.add_task("sft", total=tr.num_steps)
+        with SampleProgress("sft", total=tr.num_steps) as progress:
             for step in range(1, tr.num_steps + 1):
                 interrupts.raise_if_terminated()
                 start = time.perf_counter()
                 examples = supervised_examples(mixture.take(sft.batch_size), tokenizer)
                 metrics = sft_step(model, optimizer, examples, tr.micro_batch_tokens, tr.max_grad_norm, autocast)
                 scheduler.step()
-                progress.advance(bar)
+                progress.advance(1)
                 metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start})
                 evaluated = (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps
                 if evaluated:
@@ -203,5 +201,5 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
 
-    save_pretrained(model, out_dir, extra=extra)
+    save_output_model(model, out_dir, "sft.output_dir", extra)
     return out_dir

@@ -6,7 +6,8 @@ OUT_DIR gets one directory per (tensor-parallel rank, expert-parallel rank), mp_
 rank's model.safetensors (trainers/megatron/convert.py names), plus config.json, megatron.json (the sizes) and the
 tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
 itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
-replaces its shards and keeps the other files of it (a README).
+replaces its shards and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it with exit code 130,
+leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import argparse
 import json
 import logging
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+from rollout.progress import SampleProgress
+from slime_dsa import interrupts
 from slime_dsa.checkpoint.hf_format import read_state_dict
-from slime_dsa.durable import write_directory
+from slime_dsa.checkpoint.validate import model_dir_problem
+from slime_dsa.config.errors import UserError
+from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
 from trainers.megatron.convert import hf_to_megatron
@@ -41,37 +47,73 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
     check_parallel_sizes(config, ParallelSizes(tensor_parallel=tp, expert_parallel=ep), tp * ep)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a directory to write the Megatron shards into")
-    state = read_state_dict(src)
+    if problem := creation_problem(out):  # before minutes of reading a large model
+        raise UserError(f"{out}: {problem}")
+    if problem := model_dir_problem(src):  # a weight file cut short: named, not safetensors' traceback
+        raise UserError(problem)
+    with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
+        state = read_state_dict(src)
+        progress.advance(1)
 
-    def write(tmp: Path) -> None:
-        for t in range(tp):
-            for e in range(ep):
-                directory = shard_directory(tmp, t, e)
-                directory.mkdir()
-                save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
-        shutil.copy(src / "config.json", tmp / "config.json")
-        (tmp / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
-        for name in TOKENIZER_FILES:
-            if (src / name).exists():
-                shutil.copy(src / name, tmp / name)
+        def write(tmp: Path) -> None:
+            for t in range(tp):
+                for e in range(ep):
+                    directory = shard_directory(tmp, t, e)
+                    directory.mkdir()
+                    save_file(hf_to_megatron(state, config, tp, ep, t, e), directory / "model.safetensors")
+                    progress.advance(1)
+            _copy_the_rest(src, tmp, tp, ep)
 
-    write_directory(out, write, keep=lambda name: not name.startswith("mp_rank_"))
+        _write(out, write, keep=lambda name: not name.startswith("mp_rank_"))
     logger.info("wrote %d shards to %s", tp * ep, out)
+
+
+def _copy_the_rest(src: Path, tmp: Path, tp: int, ep: int) -> None:
+    """config.json, megatron.json and the tokenizer files, beside the shards."""
+    shutil.copy(src / "config.json", tmp / "config.json")
+    (tmp / "megatron.json").write_text(json.dumps({"tensor_parallel": tp, "expert_parallel": ep}) + "\n")
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+
+
+def _write(out: Path, write, keep) -> None:
+    """durable.write_directory; a failed write (unwritable, under a file, a full disk) is one UserError naming `out`."""
+    try:
+        write_directory(out, write, keep=keep)
+    except Exception as e:  # safetensors' own error says a full disk in words
+        if (failure := write_failure(out, e)) is None:
+            raise
+        raise UserError(f"{out}: {failure}") from None
+
+
+def _size(text: str) -> int:
+    """A parallel size: an integer of 1 or more (argparse names the flag in its error)."""
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", type=Path, help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("out", type=Path, help="output directory")
-    parser.add_argument("--tensor-parallel", type=int, default=1)
-    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--tensor-parallel", type=_size, default=1)
+    parser.add_argument("--expert-parallel", type=_size, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # `kill` takes Ctrl-C's path
     try:
         convert(args.src, args.out, args.tensor_parallel, args.expert_parallel)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the temporary directory is already removed (write_directory)
+        print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        interrupts.reset()
     return 0
 
 

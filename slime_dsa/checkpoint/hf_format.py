@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from safetensors import safe_open
@@ -24,6 +24,14 @@ from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+class Progress(Protocol):
+    """What long reads and writes report to (rollout/progress.SampleProgress): more work to do, work done."""
+
+    def add_total(self, count: int) -> None: ...
+
+    def advance(self, count: int) -> None: ...
 
 
 class CheckpointError(ValueError):
@@ -63,10 +71,12 @@ def save_pretrained(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     state_dict: dict[str, torch.Tensor] | None = None,
     extra: Callable[[Path], object] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Write config.json and safetensors into `directory` atomically and durably (a temporary directory, fsynced, then
     a rename); `extra(tmp)` writes more files there first (a tokenizer), so they arrive with the weights. An existing
-    `directory` is replaced whole (durable.publish_over), keeping the files we do not write (a README)."""
+    `directory` is replaced whole (durable.publish_over), keeping the files we do not write (a README). `progress`
+    (rollout/progress.SampleProgress) counts the weight files."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
@@ -74,14 +84,20 @@ def save_pretrained(
     try:
         model.config.save(tmp)
         shards = [dict(bucket) for bucket in split_by_bytes(state.items(), max_shard_bytes)]
+        if progress is not None:
+            progress.add_total(len(shards))
         if len(shards) == 1:
             save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            if progress is not None:
+                progress.advance(1)
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
+                if progress is not None:
+                    progress.advance(1)
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         if extra is not None:

@@ -17,12 +17,15 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
                                            model_dir_problem)
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import fsync_path, publish_over
+from slime_dsa.durable import creation_problem, fsync_path, publish_over, write_failure
+
+if TYPE_CHECKING:  # torch: only when a checkpoint is loaded
+    from slime_dsa.checkpoint.hf_format import Progress
 
 logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -125,12 +128,14 @@ def read_orchestrator_state(checkpoint: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is.
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
+                      progress: Progress | None = None) -> Path:
+    """Write an HF directory (safetensors, config, tokenizer) that transformers and serving engines load as is;
+    `progress` counts the load, the check of the weights and each weight file written.
 
     Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
-    intact checkpoint), unreadable weight files, weights holding NaN or infinite values (naming the tensor), and an
-    out_dir that is the checkpoint itself."""
+    intact checkpoint), unreadable weight files, weights holding NaN or infinite values (naming the tensor), an
+    out_dir that is the checkpoint itself, and an out_dir that cannot be written (a full disk)."""
     from slime_dsa.checkpoint.hf_format import CheckpointError, load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
@@ -140,17 +145,27 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     if Path(out_dir).resolve() == checkpoint.resolve():  # its weights replaced: a checkpoint's manifest then fails
         raise UserError(f"--out {out_dir} is the directory being exported ({checkpoint}): export writes a new HF "
                         "directory; give another --out")
+    if problem := creation_problem(Path(out_dir)):  # before minutes of loading a large model
+        raise UserError(f"--out {out_dir}: {problem}")
+    if progress is not None:
+        progress.add_total(2)  # the load and the check; save_pretrained adds its weight files
     try:
         model = load_model(checkpoint, dtype=dtype)
     except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named
         raise UserError(f"{checkpoint}: {e}") from None
+    if progress is not None:
+        progress.advance(1)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
+    if progress is not None:
+        progress.advance(1)
     try:
-        return save_pretrained(model, out_dir, extra=lambda tmp: _copy_tokenizer(checkpoint, tmp))
-    except OSError as e:  # --out under a file or unwritable, a full disk
-        raise UserError(f"--out {out_dir}: cannot write the HF directory: {e.strerror or e}") from None
+        return save_pretrained(model, out_dir, extra=lambda tmp: _copy_tokenizer(checkpoint, tmp), progress=progress)
+    except Exception as e:  # --out under a file or unwritable, a full disk (safetensors' own error says it in words)
+        if (failure := write_failure(Path(out_dir), e)) is None:
+            raise
+        raise UserError(f"--out {out_dir}: {failure}") from None
 
 
 def _copy_tokenizer(checkpoint: Path, out: Path) -> None:

@@ -14,8 +14,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rollout.progress import SampleProgress  # noqa: PLC0415
     from slime_dsa.checkpoint.training import export_checkpoint  # noqa: PLC0415
 
-    out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
+    with SampleProgress("exporting") as progress:  # on a terminal only: minutes of silence for a large model
+        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, progress=progress)
     print(f"exported: {out}")
     return 0

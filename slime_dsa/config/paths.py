@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slime_dsa.config.errors import raise_first_problem
 from slime_dsa.config.schema import RecipeConfig
+from slime_dsa.durable import creation_problem
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # what slime_dsa.data.prompts reads from a file
@@ -65,6 +66,8 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         path = Path(value).expanduser() if value else None
         if path is not None and (blocker := next((p for p in (path, *path.parents) if p.is_file()), None)):
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
+        elif path is not None and key.endswith("output_dir") and (problem := creation_problem(path)):
+            problems.append((key, f"cannot create {value}: {problem}"))  # before the job runs, not after it trained
     backend_library = _BACKEND_LIBRARIES.get(config.trainer.backend) if trainer_workers else None
     if backend_library is not None and not _installed(backend_library[0]):
         _, library, extra = backend_library

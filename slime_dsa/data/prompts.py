@@ -19,8 +19,10 @@ import json
 
 import logging
 import math
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,8 +216,23 @@ def encode_prompts(
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"prompt_text": texts, "prompt_ids": ids}
 
-    return ds.map(encode, batched=True, batch_size=1000, keep_in_memory=True, load_from_cache_file=False,
-                  desc=f"tokenizing {source}")
+    with _bars_on_a_terminal_only():
+        return ds.map(encode, batched=True, batch_size=1000, keep_in_memory=True, load_from_cache_file=False,
+                      desc=f"tokenizing {source}")
+
+
+@contextmanager
+def _bars_on_a_terminal_only() -> Iterator[None]:
+    """datasets' progress bars off while stderr is no terminal (a pipe, a log file would get their carriage returns),
+    then as they were."""
+    if sys.stderr.isatty() or datasets.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _has_messages(ds: datasets.Dataset, column: str) -> bool:

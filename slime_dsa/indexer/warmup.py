@@ -255,11 +255,10 @@ def run_indexer_warmup(recipe: RecipeConfig) -> Path:
 
 def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The warm-up itself, inside its run directory."""
-    from rich.progress import Progress  # noqa: PLC0415
-
-    from slime_dsa.checkpoint import load_model, save_pretrained  # noqa: PLC0415
+    from rollout.progress import SampleProgress  # noqa: PLC0415
+    from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
@@ -273,14 +272,14 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name,
                         recipe.logging.wandb_mode, config=recipe.model_dump(mode="json"))
     try:
-        with Progress(transient=True) as progress:  # the console's only sign of life until the model is written
-            bar = progress.add_task("indexer warm-up", total=cfg.num_steps)
+        # the console's only sign of life until the model is written
+        with SampleProgress("indexer warm-up", total=cfg.num_steps) as progress:
             result = train_indexers(
                 model, train, eval_sequences, topk=topk, num_steps=cfg.num_steps, batch_size=cfg.batch_size,
                 learning_rate=cfg.learning_rate, target=cfg.target, eval_every=cfg.eval_every,
                 max_grad_norm=recipe.trainer.max_grad_norm, log_every=recipe.logging.log_every,
                 log=lambda m, step: log.log({f"indexer_warmup/{k}": v for k, v in m.items()}, step=step),
-                on_step=lambda step: progress.advance(bar),
+                on_step=lambda step: progress.advance(1),
             )
     finally:
         log.close()
@@ -297,5 +296,5 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
 
-    save_pretrained(model, out_dir, extra=extra)
+    save_output_model(model, out_dir, "indexer_warmup.output_dir", extra)
     return out_dir

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_dsa.config.errors import UserError
+from slime_dsa.durable import write_failure
 from slime_dsa.logging.metrics import read_metrics
 
 
@@ -107,6 +108,14 @@ def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> lis
     if not panels:  # else an empty report directory and exit 0
         raise UserError(f"{run_dir / 'metrics.jsonl'} holds none of the keys the report draws")
     out = Path(out_dir or run_dir / "report")
+    try:
+        return _draw(panels, records, out, plt)
+    except OSError as e:  # out under a file, unwritable, a full disk
+        raise UserError(f"{'--out ' if out_dir else 'report directory '}{out}: {write_failure(out, e)}") from None
+
+
+def _draw(panels: list[Panel], records: list[dict[str, Any]], out: Path, plt: Any) -> list[Path]:
+    """One PNG per panel into `out` (made if missing); the files written."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for panel in panels:

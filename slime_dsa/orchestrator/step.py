@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,7 @@ from typing import Any, Literal
 
 from slime_dsa.algorithms.specs import Algorithm, OldLogprobs
 from slime_dsa.config import RecipeConfig
+from slime_dsa.durable import write_problem
 from slime_dsa.orchestrator.profile import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -352,23 +352,12 @@ def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: 
     try:
         ckpts.save(step, write, {"rollout": rollout_state})
     except Exception as e:
-        problem = _write_problem(getattr(e, "cause", None) or e)  # a Ray task error carries the rank's error
+        problem = write_problem(getattr(e, "cause", None) or e)  # a Ray task error carries the rank's error
         if problem is None:
             raise
         newest = ckpts.latest()
         raise UserError(f"checkpoint of step {step} not written to {ckpts.directory}: {problem}; "
                         f"the newest intact checkpoint is {newest or 'none'}") from None
-
-
-_OS_ERROR_IN_TEXT = re.compile(r"I/O error: (.+?) \(os error \d+\)")  # how safetensors reports a failed write
-
-
-def _write_problem(error: BaseException) -> str | None:
-    """The operating system's words for a failed write (a full disk, a quota), or None for any other error."""
-    if isinstance(error, OSError):
-        return error.strerror or str(error)
-    match = _OS_ERROR_IN_TEXT.search(str(error))
-    return match.group(1) if match else None
 
 
 def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
