@@ -9,8 +9,11 @@ print "Task exception was never retrieved" and its traceback after the command's
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 _terminated = threading.Event()
@@ -66,3 +69,21 @@ def raise_if_terminated() -> None:
 def reset() -> None:
     """Forget a SIGTERM once it has stopped what it was meant to stop."""
     _terminated.clear()
+
+
+def run_writing(write: Callable[[], None], out: Path, errors: tuple[type[BaseException], ...]) -> int:
+    """A script's exit code for `write()` of the directory `out`: 0; 2 with one line for `errors`; 130 with one line
+    for Ctrl-C or SIGTERM (taken as Ctrl-C here), whose temporary directory durable.write_directory has removed."""
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        write()
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: {out} not written (an earlier one is left as it was)", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        reset()
+    return 0

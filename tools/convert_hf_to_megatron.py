@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -102,19 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-parallel", type=_size, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    previous = signal.signal(signal.SIGTERM, interrupts.terminate)  # `kill` takes Ctrl-C's path
-    try:
-        convert(args.src, args.out, args.tensor_parallel, args.expert_parallel)
-    except (ValueError, OSError, UserError) as err:  # OSError: a source file unreadable (it names the file)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the temporary directory is already removed (write_directory)
-        print(f"interrupted: {args.out} not written (an earlier one is left as it was)", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        interrupts.reset()
-    return 0
+    # OSError: a source file unreadable (it names the file)
+    return interrupts.run_writing(lambda: convert(args.src, args.out, args.tensor_parallel, args.expert_parallel), args.out, (ValueError, OSError, UserError))
 
 
 if __name__ == "__main__":
