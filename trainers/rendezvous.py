@@ -22,18 +22,15 @@ def host_store(address: str) -> tuple[dist.TCPStore, int]:
 
 def join_default_group(rank: int, world_size: int, address: str, port: int, device: torch.device,
                        store_hosted: bool = False) -> None:
-    """Join the default process group at address:port, over NCCL bound to `device` when it is a GPU (torch guesses
-    the GPU from the rank otherwise, which can hang where ranks and GPUs do not line up), else gloo; store_hosted:
+    """Join the default process group at address:port, over NCCL when `device` is a GPU, else gloo; store_hosted:
     the group's builder hosts the store there (host_store), else rank 0 does. MASTER_ADDR and MASTER_PORT are set for
     libraries that read them."""
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    device_id = device if device.type == "cuda" else None
     if not store_hosted:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         return
     store = dist.TCPStore(address, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT,
-                            device_id=device_id)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT)
