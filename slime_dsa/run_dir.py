@@ -16,7 +16,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -227,7 +227,7 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
                         f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None
 
 
-def save_model(model, directory: Path, extra, where: str, after: str = "") -> None:
+def save_model(model: Any, directory: Path, extra: Callable[[Path], object], where: str, after: str = "") -> None:
     """save_pretrained of `model` into `directory`; a failed write (a full disk, unwritable) is one UserError,
     "{where}: {the failure}{after}", its temporary directory removed."""
     from slime_dsa.checkpoint import save_pretrained  # noqa: PLC0415 (torch)
@@ -240,6 +240,6 @@ def save_model(model, directory: Path, extra, where: str, after: str = "") -> No
         raise UserError(f"{where}: {failure}{after}") from None
 
 
-def save_output_model(model, out_dir: Path, key: str, extra) -> None:
+def save_output_model(model: Any, out_dir: Path, key: str, extra: Callable[[Path], object]) -> None:
     """save_model of the model a job made into `out_dir`, set by `key` (sft.output_dir, indexer_warmup.output_dir)."""
     save_model(model, out_dir, extra, f"{key} {out_dir}", "; the trained model is not saved")

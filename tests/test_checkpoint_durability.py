@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoints import _fsdp_worker
+from tests.test_checkpoints import KILL_AROUND_RENAME, _fsdp_worker
 
 ASSET = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
 
@@ -87,24 +87,14 @@ def test_an_export_is_fsynced_with_its_tokenizer_then_renamed(tmp_path, disk_eve
 # An export over an existing one, killed by os._exit in a subprocess just before or just after the first os.replace
 # that renames something written into its temporary directory into place (no except or finally runs). The new
 # weights are the old ones plus 1.
-EXPORT_KILLED = """
-import os, sys
+EXPORT_KILLED = KILL_AROUND_RENAME + """
+import sys
 from pathlib import Path
 from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
 
 asset, out, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 new = {name: tensor + 1 for name, tensor in read_state_dict(out).items()}
-real_replace = os.replace
-
-def replace(source, target, **kwargs):
-    publishing = ".export.tmp-" in str(source)
-    if publishing and when == "before":
-        os._exit(9)
-    real_replace(source, target, **kwargs)
-    if publishing and when == "after":
-        os._exit(9)
-
-os.replace = replace
+kill_around_rename(".export.tmp-", when)
 save_pretrained(load_model(asset), out, max_shard_bytes=1 << 20, state_dict=new)
 """
 

@@ -87,26 +87,34 @@ def test_orphans_are_removed_only_under_the_run_directory_lock(manager):
     assert busy.exists()
 
 
-# A save of a step that exists, killed by os._exit in a subprocess just before or just after the os.replace that
-# renames its temporary directory into place (no except or finally runs, as in a real kill).
-RESAVE_KILLED = """
-import os, sys
+# The start of a subprocess script: kill_around_rename(marker, when) makes the process die by os._exit(9) just before
+# or just after the os.replace whose source path holds `marker` (no except or finally runs, as in a real kill).
+KILL_AROUND_RENAME = """
+import os
+
+def kill_around_rename(marker, when):
+    real_replace = os.replace
+
+    def replace(source, target, **kwargs):
+        publishing = marker in str(source)
+        if publishing and when == "before":
+            os._exit(9)
+        real_replace(source, target, **kwargs)
+        if publishing and when == "after":
+            os._exit(9)
+
+    os.replace = replace
+"""
+
+# A save of a step that exists, killed just before or just after the rename of its temporary directory into place.
+RESAVE_KILLED = KILL_AROUND_RENAME + """
+import sys
 from pathlib import Path
 from slime_dsa.checkpoint.training import CheckpointManager
 from tests.test_checkpoints import _write
 
 directory, when = Path(sys.argv[1]), sys.argv[2]
-real_replace = os.replace
-
-def replace(source, target, **kwargs):
-    publishing = ".step_000003.tmp-" in str(source)
-    if publishing and when == "before":
-        os._exit(9)
-    real_replace(source, target, **kwargs)
-    if publishing and when == "after":
-        os._exit(9)
-
-os.replace = replace
+kill_around_rename(".step_000003.tmp-", when)
 CheckpointManager(directory, keep_last=0).save(3, _write, {"rollout": {"next": 33}})
 """
 

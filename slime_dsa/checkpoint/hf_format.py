@@ -34,6 +34,16 @@ class Progress(Protocol):
     def advance(self, count: int) -> None: ...
 
 
+class NoProgress:
+    """A Progress that shows nothing (callers that pass none)."""
+
+    def add_total(self, count: int) -> None:
+        pass
+
+    def advance(self, count: int) -> None:
+        pass
+
+
 class CheckpointError(ValueError):
     """A checkpoint does not fit the model: names the tensor and both shapes."""
 
@@ -80,24 +90,22 @@ def save_pretrained(
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
+    progress = progress or NoProgress()
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         model.config.save(tmp)
         shards = [dict(bucket) for bucket in split_by_bytes(state.items(), max_shard_bytes)]
-        if progress is not None:
-            progress.add_total(len(shards))
+        progress.add_total(len(shards))
         if len(shards) == 1:
             save_file(shards[0], tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-            if progress is not None:
-                progress.advance(1)
+            progress.advance(1)
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, tmp / name, metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
-                if progress is not None:
-                    progress.advance(1)
+                progress.advance(1)
             total = sum(t.numel() * t.element_size() for t in state.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         if extra is not None:

@@ -108,7 +108,6 @@ class CheckpointManager:
         logger.info("checkpoint written: %s", final)
         return final
 
-
     def _prune(self, checkpoint: Path) -> None:
         """Delete an old checkpoint, renamed first to a temporary name: a kill while its files go leaves a directory
         that remove_orphans removes, not a half-deleted step_N."""
@@ -136,7 +135,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
     Refused with a one-line UserError: a path that is no checkpoint (a run directory: the error names its newest
     intact checkpoint), unreadable weight files, weights holding NaN or infinite values (naming the tensor), an
     out_dir that is the checkpoint itself, and an out_dir that cannot be written (a full disk)."""
-    from slime_dsa.checkpoint.hf_format import CheckpointError, load_model, save_pretrained  # noqa: PLC0415
+    from slime_dsa.checkpoint.hf_format import CheckpointError, NoProgress, load_model, save_pretrained  # noqa: PLC0415
 
     checkpoint = Path(checkpoint)
     _check_exportable(checkpoint)
@@ -147,19 +146,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: str | 
                         "directory; give another --out")
     if problem := creation_problem(Path(out_dir)):  # before minutes of loading a large model
         raise UserError(f"--out {out_dir}: {problem}")
-    if progress is not None:
-        progress.add_total(2)  # the load and the check; save_pretrained adds its weight files
+    progress = progress or NoProgress()
+    progress.add_total(2)  # the load and the check; save_pretrained adds its weight files
     try:
         model = load_model(checkpoint, dtype=dtype)
     except CheckpointError as e:  # a tensor missing, unexpected or misshapen: named
         raise UserError(f"{checkpoint}: {e}") from None
-    if progress is not None:
-        progress.advance(1)
+    progress.advance(1)
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
             raise UserError(f"{checkpoint}: tensor {name} holds NaN or infinite values; refusing to export it")
-    if progress is not None:
-        progress.advance(1)
+    progress.advance(1)
     try:
         return save_pretrained(model, out_dir, extra=lambda tmp: _copy_tokenizer(checkpoint, tmp), progress=progress)
     except Exception as e:  # --out under a file or unwritable, a full disk (safetensors' own error says it in words)

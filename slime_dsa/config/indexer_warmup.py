@@ -72,5 +72,5 @@ def indexer_warmup_summary(config: RecipeConfig) -> str:
     """One line that says what `slime-dsa indexer-warmup` trains with this recipe, on what, and how."""
     iw = config.indexer_warmup
     topk = iw.index_topk if iw.index_topk is not None else "the model's"
-    return (f"{config.model.path or f'a random {config.model.scratch_preset} model'} | corpus: {iw.corpus} | "
+    return (f"{config.model.source} | corpus: {iw.corpus} | "
             f"{iw.batch_size} windows of {iw.seq_len} tokens/step | index_topk {topk} | {iw.num_steps} steps")

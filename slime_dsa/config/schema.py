@@ -81,6 +81,11 @@ class ModelSection(Section):
         """The preset a model built from scratch (path null) has: preset, or tiny where it is null."""
         return self.preset or "tiny"
 
+    @property
+    def source(self) -> str:
+        """What the run starts from, for one-line summaries: the path, or the preset built from scratch."""
+        return self.path or f"a random {self.scratch_preset} model"
+
     @model_validator(mode="after")
     def _check(self) -> ModelSection:
         if self.path is not None and self.preset is not None:  # else path won and the preset was ignored, unsaid
@@ -1415,6 +1420,6 @@ class RecipeConfig(Section):
         tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in self.data.tasks)
         ro, tr = self.rollout, self.trainer
         engines = len(ro.engine_urls) if ro.engine == "external" else ro.num_engines
-        return (f"{self.algorithm.name} on {self.model.path or f'a random {self.model.scratch_preset} model'} | tasks: {tasks} | "
+        return (f"{self.algorithm.name} on {self.model.source} | tasks: {tasks} | "
                 f"{ro.prompts_per_step} prompts × {ro.n_samples_per_prompt} samples/step | "
                 f"{engines} {ro.engine} engine(s) | {tr.num_workers} {tr.backend} trainer(s) | {tr.num_steps} steps")

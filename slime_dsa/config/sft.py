@@ -71,7 +71,7 @@ def sft_summary(config: RecipeConfig) -> str:
     """One line that says what `slime-dsa sft` trains with this recipe, on what, and how."""
     tasks = ", ".join(f"{t.name}×{t.weight:g}" for t in config.data.tasks)
     tr, sft = config.trainer, config.sft
-    return (f"{config.model.path or f'a random {config.model.scratch_preset} model'} | tasks: {tasks} | {sft.batch_size} "
+    return (f"{config.model.source} | tasks: {tasks} | {sft.batch_size} "
             f"examples/step in micro-batches of at most {tr.micro_batch_tokens} tokens | {tr.num_steps} steps")
 
 
