@@ -28,9 +28,18 @@ def join_default_group(rank: int, world_size: int, address: str, port: int, devi
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port))
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    on_gpu = device.type == "cuda"
+    backend = "nccl" if on_gpu else "gloo"
+    # Binding the group to this rank's GPU stops torch guessing it from the global rank, which is wrong whenever
+    # Ray hands a rank a GPU whose index differs from the rank.
+    bound = {"device_id": _indexed(device)} if on_gpu else {}
     if not store_hosted:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **bound)
         return
     store = dist.TCPStore(address, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT, **bound)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index: a bare "cuda" means the current GPU."""
+    return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
