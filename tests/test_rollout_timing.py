@@ -220,24 +220,27 @@ def test_the_recipe_refuses_a_trainer_cache_choice_where_nothing_is_handed_over(
                                                           "engine_kv_cache_in_training": "release"}})
 
 
-@pytest.mark.gpu
-def test_a_rank_keeps_its_cached_blocks_while_enough_of_the_gpu_is_free():
+def test_a_rank_keeps_its_cached_blocks_while_enough_of_the_gpu_is_free(monkeypatch):
+    # The device's free share and torch's empty_cache are stand-ins (fakes): what empty_cache gives back depends on
+    # what earlier tests left in the allocator's segments; this checks when the rank asks for it.
     import torch
 
     from trainers.rank import TrainerRank
 
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     rank = TrainerRank.__new__(TrainerRank)  # release_memory reads only the device
     rank.device = torch.device("cuda")
-    torch.cuda.empty_cache()
-    block = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    del block
-    cached = torch.cuda.memory_reserved()
-    assert cached >= 256 * 2**20
-    rank.release_memory(0.0)  # at least 0% free: kept
-    assert torch.cuda.memory_reserved() == cached
-    rank.release_memory(1.01)  # never 101% free: released
-    assert torch.cuda.memory_reserved() < cached
+    rank.release_memory(0.25)  # 37.5% free, at least 25%: kept
+    assert emptied == []
+    rank.release_memory(0.5)  # under 50% free: released
+    assert emptied == [True]
     rank.release_memory(None)  # always released
+    assert emptied == [True, True]
+    rank.device = torch.device("cpu")
+    rank.release_memory(None)  # nothing to release on a CPU
+    assert emptied == [True, True]
 
 
 def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_others(tmp_path, engine_actor_kwargs):
