@@ -193,11 +193,14 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {path} is not a directory")
         check_model_dir(path)
-        return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
+        if recipe.model.index_topk is None:
+            return path
+        load_tokenizer(recipe, path)  # a tokenizer too large for the model: refused before the model is copied
+        return _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
     # built-in's embedding rows (an IndexError at the first forward)
-    tokenizer = build_tokenizer() if recipe.model.tokenizer_path is None else load_tokenizer(recipe, target)
+    tokenizer = build_tokenizer() if (source := recipe.model.tokenizer_path) is None else _auto_tokenizer(source)
     if (target / "config.json").exists():  # an earlier start of this run built it
         rows = json.loads((target / "config.json").read_text())["vocab_size"]
         if len(tokenizer) > rows:
@@ -215,10 +218,25 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 
 
 def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
-    """The tokenizer at model.tokenizer_path, else the one saved with the model."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    """The tokenizer at model.tokenizer_path, else the one saved with the model; UserError (one line naming the key)
+    when it has more tokens than model.path has embedding rows: an id past them is an IndexError in the embedding."""
+    from slime_dsa.config.paths import tokenizer_size_problem  # noqa: PLC0415
 
     source = recipe.model.tokenizer_path or str(model_dir)
+    tokenizer = _auto_tokenizer(source)
+    if recipe.model.path is not None:
+        rows = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # model_dir passed check_model_dir
+        tokens = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+        if tokens > rows:
+            key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
+            raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
+    return tokenizer
+
+
+def _auto_tokenizer(source: str) -> Any:
+    """AutoTokenizer's tokenizer at `source` (a directory or a hub id), or one UserError saying it has none."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:

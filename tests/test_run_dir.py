@@ -162,3 +162,43 @@ def test_a_run_directorys_from_scratch_model_smaller_than_the_tokenizer_is_one_l
                                "tokenizer; use a new logging.run_dir")
     larger = prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2")
     assert prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2") == larger
+
+
+QUICKSTART_SFT = "recipes/assets/quickstart-sft"  # 384 embedding rows, its own tokenizer 384 tokens
+
+
+def test_model_path_with_a_tokenizer_larger_than_its_embedding_is_one_line(tmp_path):
+    """model.path with a model.tokenizer_path of more tokens than the model's embedding rows was accepted: the
+    built-in tokenizer (390) on the quickstart policy (384 rows, built before GLM's six tool-call tags were added)
+    encodes '<arg_key>' and the other tags as ids 384-389, an IndexError in the embedding at the first prompt or
+    trajectory holding one. Refused in one line naming the key, by recipe check (tokenizer.json) and by the run (the
+    loaded tokenizer), before the model is copied; the model's own tokenizer is accepted."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer, save_tokenizer  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+
+    assert max(build_tokenizer().encode("<arg_key>x</arg_key>")) >= 384  # what the embedding could not look up
+    directory = save_tokenizer(tmp_path / "tokenizer")
+    expected = (f"model.tokenizer_path: the tokenizer at {directory} has 390 tokens, more than the 384 embedding rows "
+                f"of the model at {QUICKSTART_SFT} (config.json vocab_size): a prompt or response holding a token id "
+                "at or above 384 would fail in the embedding (IndexError) mid-run; use the model's own tokenizer or "
+                "one that fits it")
+    recipe = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}",
+                                "model.index_topk=64"])
+    with pytest.raises(RecipeError) as info:
+        check_recipe_paths(recipe)
+    assert str(info.value) == expected
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "run")
+    assert str(info.value) == expected
+    assert not (tmp_path / "run" / "initial_model").exists()
+    plain = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}"])
+    with pytest.raises(UserError) as info:
+        load_tokenizer(plain, prepare_model_dir(plain, tmp_path / "plain"))
+    assert str(info.value) == expected
+    own = load_recipe(None, [f"model.path={QUICKSTART_SFT}"])
+    check_recipe_paths(own)
+    assert len(load_tokenizer(own, prepare_model_dir(own, tmp_path / "own"))) == 384
