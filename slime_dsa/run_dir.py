@@ -184,6 +184,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
     from slime_dsa.checkpoint import build_model  # noqa: PLC0415
+    from slime_dsa.config.paths import no_eos_problem  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
@@ -201,6 +202,8 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
     # built-in's embedding rows (an IndexError at the first forward)
     tokenizer = build_tokenizer() if (source := recipe.model.tokenizer_path) is None else _auto_tokenizer(source)
+    if tokenizer.eos_token_id is None:  # sft ended each response with None (a TypeError at the first step), the
+        raise UserError(no_eos_problem(source))  # engines stopped at no token, the agent loop's ChatFormat refused
     if (target / "config.json").exists():  # an earlier start of this run built it
         rows = json.loads((target / "config.json").read_text())["vocab_size"]
         if len(tokenizer) > rows:

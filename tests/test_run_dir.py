@@ -202,3 +202,37 @@ def test_model_path_with_a_tokenizer_larger_than_its_embedding_is_one_line(tmp_p
     own = load_recipe(None, [f"model.path={QUICKSTART_SFT}"])
     check_recipe_paths(own)
     assert len(load_tokenizer(own, prepare_model_dir(own, tmp_path / "own"))) == 384
+
+
+def test_a_from_scratch_model_with_a_tokenizer_without_eos_is_one_line(tmp_path):
+    """model.tokenizer_path without an eos_token and no model.path: the preset was built with eos_token_id null, then
+    sft ended each response with None ('Could not infer dtype of NoneType' at its first step), the engines had no
+    token to stop on and the agent loop refused the tokenizer. Refused in one line naming the key, by recipe check
+    (its files) and by the run (the loaded tokenizer), before a model is built."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    tokenizer = build_tokenizer()
+    tokenizer.eos_token = tokenizer.pad_token = None
+    directory = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(directory)
+    expected = (f"model.tokenizer_path: the tokenizer at {directory} has no eos_token; a model built from scratch "
+                "(model.path null) takes its EOS from the tokenizer: generation stops on it and sft ends each "
+                "response with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
+    recipe = load_recipe(None, [f"model.tokenizer_path={directory}"])
+    with pytest.raises(RecipeError) as info:
+        check_recipe_paths(recipe)
+    assert str(info.value) == expected
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "run")
+    assert str(info.value) == expected
+    assert not (tmp_path / "run" / "initial_model").exists()
+    tokenizer.eos_token = "<|endoftext|>"  # the same tokenizer with its EOS is taken
+    tokenizer.save_pretrained(tmp_path / "with_eos")
+    recipe = load_recipe(None, [f"model.tokenizer_path={tmp_path / 'with_eos'}"])
+    check_recipe_paths(recipe)
+    assert (prepare_model_dir(recipe, tmp_path / "run") / "config.json").is_file()

@@ -49,6 +49,8 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         problems.append(("model.tokenizer_path", problem))
     elif config.model.path is not None and not problems and (problem := _tokenizer_size_problem(config)):
         problems.append(("model.tokenizer_path" if config.model.tokenizer_path else "model.path", problem))
+    elif config.model.path is None and config.model.tokenizer_path and _lacks_eos(config.model.tokenizer_path):
+        problems.append(("model.tokenizer_path", no_eos_problem(config.model.tokenizer_path)))
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
@@ -202,6 +204,34 @@ def tokenizer_file_size(directory: Path) -> int | None:
     except (OSError, ValueError, AttributeError, TypeError):
         pass  # no or an unreadable tokenizer_config.json: tokenizer.json's ids are the tokenizer's
     return max((i for i in ids if isinstance(i, int)), default=-1) + 1
+
+
+def no_eos_problem(source: str) -> str:
+    """The one line refusing a tokenizer without an eos_token for a model built from scratch."""
+    return (f"model.tokenizer_path: the tokenizer at {source} has no eos_token; a model built from scratch "
+            "(model.path null) takes its EOS from the tokenizer: generation stops on it and sft ends each response "
+            "with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
+
+
+# Tokenizer classes that give no eos_token of their own: only their files can name one.
+_PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _lacks_eos(value: str) -> bool:
+    """Whether the local tokenizer directory `value` surely has no eos_token, read without transformers: its class
+    gives none (_PLAIN_TOKENIZER_CLASSES) and neither tokenizer_config.json nor special_tokens_map.json names one.
+    Another class may have a default (the run checks the loaded tokenizer); a hub id or unreadable file: False."""
+    import json  # noqa: PLC0415
+
+    directory = Path(value).expanduser()
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        special_map = directory / "special_tokens_map.json"
+        special = json.loads(special_map.read_text(encoding="utf-8")) if special_map.is_file() else {}
+        return (config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES and not config.get("eos_token")
+                and not special.get("eos_token"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _tokenizer_size_problem(config: RecipeConfig) -> str | None:
