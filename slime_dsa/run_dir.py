@@ -134,24 +134,50 @@ def _remove_unfinished_copies(run_dir: Path) -> None:
         logger.info("removed %s, left by a start that did not finish writing initial_model", leftover)
 
 
+class _CopyFailed(Exception):
+    """A file copy's OSError, raised past shutil.copytree, which would collect it and copy the rest of the model."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copy_file(source: str, target: str) -> None:
+    try:
+        shutil.copy2(source, target)
+    except OSError as e:  # the first failed file ends the copy (a full disk fails every later one too)
+        raise _CopyFailed(e) from e
+
+
 def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     """A copy of the model at `path` in run_dir/initial_model whose config.json says index_topk (the weights are the
-    same: the budget only says how many keys the indexer selects)."""
+    same: the budget only says how many keys the indexer selects). A failed write (a full disk) is one UserError,
+    nothing of the copy left."""
     target = run_dir / "initial_model"
     if not (target / "config.json").exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
-        try:  # copied whole or not at all: a later start reuses whatever holds a config.json
-            shutil.copytree(path, tmp, dirs_exist_ok=True)
-            config = json.loads((path / "config.json").read_text())
-            (tmp / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
-            shutil.rmtree(target, ignore_errors=True)  # an earlier copy's leftovers, without a config.json
-            publish(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        try:
+            _copy_with_index_topk(path, index_topk, run_dir, target)
+        except (OSError, _CopyFailed) as e:
+            if (failure := write_failure(target, e.error if isinstance(e, _CopyFailed) else e)) is None:
+                raise
+            raise UserError(f"the copy of model.path with model.index_topk {index_topk} in the run directory, "
+                            f"{target}: {failure}; nothing of it is left") from None
         logger.info("copied %s to %s with index_topk %d", path, target, index_topk)
     return _set_index_topk(target, index_topk)
+
+
+def _copy_with_index_topk(path: Path, index_topk: int, run_dir: Path, target: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
+    try:  # copied whole or not at all: a later start reuses whatever holds a config.json
+        shutil.copytree(path, tmp, dirs_exist_ok=True, copy_function=_copy_file)
+        config = json.loads((path / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        shutil.rmtree(target, ignore_errors=True)  # an earlier copy's leftovers, without a config.json
+        publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:

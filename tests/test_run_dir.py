@@ -236,3 +236,40 @@ def test_a_from_scratch_model_with_a_tokenizer_without_eos_is_one_line(tmp_path)
     recipe = load_recipe(None, [f"model.tokenizer_path={tmp_path / 'with_eos'}"])
     check_recipe_paths(recipe)
     assert (prepare_model_dir(recipe, tmp_path / "run") / "config.json").is_file()
+
+
+def test_a_full_disk_while_copying_model_path_for_index_topk_is_one_line(tmp_path, monkeypatch):
+    """model.path with model.index_topk is copied into the run directory; a full disk there raised shutil.Error with
+    a list of (source, target, reason) for every file copied after the first failure: a traceback. Now one line
+    naming the copy and the operating system's words, no partial copy left (a later start would reuse one that
+    held a config.json). ENOSPC comes from a patched copy, partway through the weights."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    source = prepare_model_dir(load_recipe(None, ["model.preset=tiny"]), tmp_path / "scratch")
+    copyfile = shutil.copyfile  # what shutil.copy2 calls, whichever copy_function copytree is given
+
+    def full_disk(src, dst, **kwargs):
+        if os.fspath(src).endswith(".safetensors"):  # copytree passes a DirEntry to copy2
+            with open(dst, "wb") as out:
+                out.write(b"\0" * 100)  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+        return copyfile(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
+    assert str(info.value) == (f"the copy of model.path with model.index_topk 512 in the run directory, "
+                               f"{run / 'initial_model'}: cannot be written: No space left on device; nothing of it "
+                               "is left")
+    assert sorted(p.name for p in run.iterdir()) == []
+    monkeypatch.setattr(shutil, "copyfile", copyfile)  # space again: the next start copies it whole
+    copied = prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
+    assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
