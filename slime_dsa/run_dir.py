@@ -254,9 +254,9 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
     source = recipe.model.tokenizer_path or str(model_dir)
     tokenizer = _auto_tokenizer(source)
     if recipe.model.path is not None:
-        rows = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # model_dir passed check_model_dir
+        rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")  # passed check_model_dir
         tokens = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
-        if tokens > rows:
+        if isinstance(rows, int) and tokens > rows:
             key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
             raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
     return tokenizer
