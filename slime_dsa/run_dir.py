@@ -134,24 +134,50 @@ def _remove_unfinished_copies(run_dir: Path) -> None:
         logger.info("removed %s, left by a start that did not finish writing initial_model", leftover)
 
 
+class _CopyFailed(Exception):
+    """A file copy's OSError, raised past shutil.copytree, which would collect it and copy the rest of the model."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _copy_file(source: str, target: str) -> None:
+    try:
+        shutil.copy2(source, target)
+    except OSError as e:  # the first failed file ends the copy (a full disk fails every later one too)
+        raise _CopyFailed(e) from e
+
+
 def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
     """A copy of the model at `path` in run_dir/initial_model whose config.json says index_topk (the weights are the
-    same: the budget only says how many keys the indexer selects)."""
+    same: the budget only says how many keys the indexer selects). A failed write (a full disk) is one UserError,
+    nothing of the copy left."""
     target = run_dir / "initial_model"
     if not (target / "config.json").exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
-        try:  # copied whole or not at all: a later start reuses whatever holds a config.json
-            shutil.copytree(path, tmp, dirs_exist_ok=True)
-            config = json.loads((path / "config.json").read_text())
-            (tmp / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
-            shutil.rmtree(target, ignore_errors=True)  # an earlier copy's leftovers, without a config.json
-            publish(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        try:
+            _copy_with_index_topk(path, index_topk, run_dir, target)
+        except (OSError, _CopyFailed) as e:
+            if (failure := write_failure(target, e.error if isinstance(e, _CopyFailed) else e)) is None:
+                raise
+            raise UserError(f"the copy of model.path with model.index_topk {index_topk} in the run directory, "
+                            f"{target}: {failure}; nothing of it is left") from None
         logger.info("copied %s to %s with index_topk %d", path, target, index_topk)
     return _set_index_topk(target, index_topk)
+
+
+def _copy_with_index_topk(path: Path, index_topk: int, run_dir: Path, target: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
+    try:  # copied whole or not at all: a later start reuses whatever holds a config.json
+        shutil.copytree(path, tmp, dirs_exist_ok=True, copy_function=_copy_file)
+        config = json.loads((path / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        shutil.rmtree(target, ignore_errors=True)  # an earlier copy's leftovers, without a config.json
+        publish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:
@@ -184,6 +210,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
     from slime_dsa.checkpoint import build_model  # noqa: PLC0415
+    from slime_dsa.config.paths import no_eos_problem  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
@@ -193,11 +220,16 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {path} is not a directory")
         check_model_dir(path)
-        return path if recipe.model.index_topk is None else _with_index_topk(path, recipe.model.index_topk, run_dir)
+        if recipe.model.index_topk is None:
+            return path
+        load_tokenizer(recipe, path)  # a tokenizer too large for the model: refused before the model is copied
+        return _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
     # built-in's embedding rows (an IndexError at the first forward)
-    tokenizer = build_tokenizer() if recipe.model.tokenizer_path is None else load_tokenizer(recipe, target)
+    tokenizer = build_tokenizer() if (source := recipe.model.tokenizer_path) is None else _auto_tokenizer(source)
+    if tokenizer.eos_token_id is None:  # sft ended each response with None (a TypeError at the first step), the
+        raise UserError(no_eos_problem(source))  # engines stopped at no token, the agent loop's ChatFormat refused
     if (target / "config.json").exists():  # an earlier start of this run built it
         rows = json.loads((target / "config.json").read_text())["vocab_size"]
         if len(tokenizer) > rows:
@@ -215,10 +247,25 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 
 
 def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
-    """The tokenizer at model.tokenizer_path, else the one saved with the model."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    """The tokenizer at model.tokenizer_path, else the one saved with the model; UserError (one line naming the key)
+    when it has more tokens than model.path has embedding rows: an id past them is an IndexError in the embedding."""
+    from slime_dsa.config.paths import tokenizer_size_problem  # noqa: PLC0415
 
     source = recipe.model.tokenizer_path or str(model_dir)
+    tokenizer = _auto_tokenizer(source)
+    if recipe.model.path is not None:
+        rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")  # passed check_model_dir
+        tokens = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+        if isinstance(rows, int) and tokens > rows:
+            key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
+            raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
+    return tokenizer
+
+
+def _auto_tokenizer(source: str) -> Any:
+    """AutoTokenizer's tokenizer at `source` (a directory or a hub id), or one UserError saying it has none."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:

@@ -162,3 +162,114 @@ def test_a_run_directorys_from_scratch_model_smaller_than_the_tokenizer_is_one_l
                                "tokenizer; use a new logging.run_dir")
     larger = prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2")
     assert prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={directory}"]), tmp_path / "run2") == larger
+
+
+QUICKSTART_SFT = "recipes/assets/quickstart-sft"  # 384 embedding rows, its own tokenizer 384 tokens
+
+
+def test_model_path_with_a_tokenizer_larger_than_its_embedding_is_one_line(tmp_path):
+    """model.path with a model.tokenizer_path of more tokens than the model's embedding rows was accepted: the
+    built-in tokenizer (390) on the quickstart policy (384 rows, built before GLM's six tool-call tags were added)
+    encodes '<arg_key>' and the other tags as ids 384-389, an IndexError in the embedding at the first prompt or
+    trajectory holding one. Refused in one line naming the key, by recipe check (tokenizer.json) and by the run (the
+    loaded tokenizer), before the model is copied; the model's own tokenizer is accepted."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer, save_tokenizer  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+
+    assert max(build_tokenizer().encode("<arg_key>x</arg_key>")) >= 384  # what the embedding could not look up
+    directory = save_tokenizer(tmp_path / "tokenizer")
+    expected = (f"model.tokenizer_path: the tokenizer at {directory} has 390 tokens, more than the 384 embedding rows "
+                f"of the model at {QUICKSTART_SFT} (config.json vocab_size): a prompt or response holding a token id "
+                "at or above 384 would fail in the embedding (IndexError) mid-run; use the model's own tokenizer or "
+                "one that fits it")
+    recipe = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}",
+                                "model.index_topk=64"])
+    with pytest.raises(RecipeError) as info:
+        check_recipe_paths(recipe)
+    assert str(info.value) == expected
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "run")
+    assert str(info.value) == expected
+    assert not (tmp_path / "run" / "initial_model").exists()
+    plain = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}"])
+    with pytest.raises(UserError) as info:
+        load_tokenizer(plain, prepare_model_dir(plain, tmp_path / "plain"))
+    assert str(info.value) == expected
+    own = load_recipe(None, [f"model.path={QUICKSTART_SFT}"])
+    check_recipe_paths(own)
+    assert len(load_tokenizer(own, prepare_model_dir(own, tmp_path / "own"))) == 384
+
+
+def test_a_from_scratch_model_with_a_tokenizer_without_eos_is_one_line(tmp_path):
+    """model.tokenizer_path without an eos_token and no model.path: the preset was built with eos_token_id null, then
+    sft ended each response with None ('Could not infer dtype of NoneType' at its first step), the engines had no
+    token to stop on and the agent loop refused the tokenizer. Refused in one line naming the key, by recipe check
+    (its files) and by the run (the loaded tokenizer), before a model is built."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    tokenizer = build_tokenizer()
+    tokenizer.eos_token = tokenizer.pad_token = None
+    directory = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(directory)
+    expected = (f"model.tokenizer_path: the tokenizer at {directory} has no eos_token; a model built from scratch "
+                "(model.path null) takes its EOS from the tokenizer: generation stops on it and sft ends each "
+                "response with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
+    recipe = load_recipe(None, [f"model.tokenizer_path={directory}"])
+    with pytest.raises(RecipeError) as info:
+        check_recipe_paths(recipe)
+    assert str(info.value) == expected
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "run")
+    assert str(info.value) == expected
+    assert not (tmp_path / "run" / "initial_model").exists()
+    tokenizer.eos_token = "<|endoftext|>"  # the same tokenizer with its EOS is taken
+    tokenizer.save_pretrained(tmp_path / "with_eos")
+    recipe = load_recipe(None, [f"model.tokenizer_path={tmp_path / 'with_eos'}"])
+    check_recipe_paths(recipe)
+    assert (prepare_model_dir(recipe, tmp_path / "run") / "config.json").is_file()
+
+
+def test_a_full_disk_while_copying_model_path_for_index_topk_is_one_line(tmp_path, monkeypatch):
+    """model.path with model.index_topk is copied into the run directory; a full disk there raised shutil.Error with
+    a list of (source, target, reason) for every file copied after the first failure: a traceback. Now one line
+    naming the copy and the operating system's words, no partial copy left (a later start would reuse one that
+    held a config.json). ENOSPC comes from a patched copy, partway through the weights."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    source = prepare_model_dir(load_recipe(None, ["model.preset=tiny"]), tmp_path / "scratch")
+    copyfile = shutil.copyfile  # what shutil.copy2 calls, whichever copy_function copytree is given
+
+    def full_disk(src, dst, **kwargs):
+        if os.fspath(src).endswith(".safetensors"):  # copytree passes a DirEntry to copy2
+            with open(dst, "wb") as out:
+                out.write(b"\0" * 100)  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+        return copyfile(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", full_disk)
+    run = tmp_path / "run"
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
+    assert str(info.value) == (f"the copy of model.path with model.index_topk 512 in the run directory, "
+                               f"{run / 'initial_model'}: cannot be written: No space left on device; nothing of it "
+                               "is left")
+    assert sorted(p.name for p in run.iterdir()) == []
+    monkeypatch.setattr(shutil, "copyfile", copyfile)  # space again: the next start copies it whole
+    copied = prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
+    assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()

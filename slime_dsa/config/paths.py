@@ -47,6 +47,10 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         problems.append(("algorithm.opd_topk", problem))
     if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
+    elif config.model.path is not None and not problems and (problem := _tokenizer_size_problem(config)):
+        problems.append(("model.tokenizer_path" if config.model.tokenizer_path else "model.path", problem))
+    elif config.model.path is None and config.model.tokenizer_path and _lacks_eos(config.model.tokenizer_path):
+        problems.append(("model.tokenizer_path", no_eos_problem(config.model.tokenizer_path)))
     for i, task in enumerate(config.data.tasks):
         if task.kind == "dataset" and task.path and (problem := _local_problem(task.path)):
             problems.append((f"data.tasks.{i}.path", problem))
@@ -171,6 +175,79 @@ def _opd_topk_problem(config: RecipeConfig) -> str | None:
     if isinstance(vocab, int) and config.algorithm.opd_topk > vocab:
         return (f"algorithm.opd_topk ({config.algorithm.opd_topk}) exceeds the vocabulary of model.path "
                 f"({vocab} tokens)")
+    return None
+
+
+def tokenizer_size_problem(source: str, tokens: int, model_dir: str | Path, rows: int) -> str:
+    """Why a tokenizer of `tokens` token ids cannot serve the model at `model_dir` of `rows` embedding rows (one line,
+    after its key): recipe check reads the counts from the files, the run from the loaded tokenizer."""
+    return (f"the tokenizer at {source} has {tokens} tokens, more than the {rows} embedding rows of the model at "
+            f"{model_dir} (config.json vocab_size): a prompt or response holding a token id at or above {rows} would "
+            "fail in the embedding (IndexError) mid-run; use the model's own tokenizer or one that fits it")
+
+
+def tokenizer_file_size(directory: Path) -> int | None:
+    """The token ids a tokenizer directory's tokenizer.json (and tokenizer_config.json's added tokens) define, highest
+    id + 1, read without transformers; None without a readable tokenizer.json (a slow tokenizer's files, a hub id)."""
+    import json  # noqa: PLC0415
+
+    try:
+        raw = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = raw["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]  # a Unigram's list: its index
+        ids += [token["id"] for token in raw.get("added_tokens") or []]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        added = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        ids += [int(i) for i in added.get("added_tokens_decoder") or {}]
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # no or an unreadable tokenizer_config.json: tokenizer.json's ids are the tokenizer's
+    return max((i for i in ids if isinstance(i, int)), default=-1) + 1
+
+
+def no_eos_problem(source: str) -> str:
+    """The one line refusing a tokenizer without an eos_token for a model built from scratch."""
+    return (f"model.tokenizer_path: the tokenizer at {source} has no eos_token; a model built from scratch "
+            "(model.path null) takes its EOS from the tokenizer: generation stops on it and sft ends each response "
+            "with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
+
+
+# Tokenizer classes that give no eos_token of their own: only their files can name one.
+_PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _lacks_eos(value: str) -> bool:
+    """Whether the local tokenizer directory `value` surely has no eos_token, read without transformers: its class
+    gives none (_PLAIN_TOKENIZER_CLASSES) and neither tokenizer_config.json nor special_tokens_map.json names one.
+    Another class may have a default (the run checks the loaded tokenizer); a hub id or unreadable file: False."""
+    import json  # noqa: PLC0415
+
+    directory = Path(value).expanduser()
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        special_map = directory / "special_tokens_map.json"
+        special = json.loads(special_map.read_text(encoding="utf-8")) if special_map.is_file() else {}
+        return (config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES and not config.get("eos_token")
+                and not special.get("eos_token"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _tokenizer_size_problem(config: RecipeConfig) -> str | None:
+    """Whether the tokenizer of the run (model.tokenizer_path, else model.path's own) has more tokens than the model at
+    model.path has embedding rows, as far as its tokenizer.json tells (the run checks the loaded tokenizer too)."""
+    import json  # noqa: PLC0415
+
+    model_dir = Path(config.model.path).expanduser()
+    source = config.model.tokenizer_path or config.model.path
+    try:
+        rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # the model's own checks name an unreadable config.json
+    tokens = tokenizer_file_size(Path(source).expanduser())
+    if isinstance(rows, int) and tokens is not None and tokens > rows:
+        return tokenizer_size_problem(source, tokens, config.model.path, rows)
     return None
 
 

@@ -53,8 +53,10 @@ class ModelSection(Section):
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
         None, description="Tokenizer directory or hub id; null = model.path (the built-in toy tokenizer when "
-                          "model.path is null too). With path null the preset's vocabulary and EOS are this "
-                          "tokenizer's (its length, its eos_token), and it is saved with the model built.")
+                          "model.path is null too). With path set it may hold no more tokens than that model's "
+                          "embedding rows (config.json vocab_size). With path null the preset's vocabulary and EOS "
+                          "are this tokenizer's (its length, its eos_token, which it must have), and it is saved "
+                          "with the model built.")
     ops_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention and indexer kernels: torch (reference, any device), triton (GPU), "
                             "auto = triton on GPU, torch on CPU.")
