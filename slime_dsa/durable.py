@@ -100,16 +100,30 @@ def write_directory(final: Path, write: Callable[[Path], object], keep: Callable
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # what a plain mkdir gives; mkdtemp's 0700 hid it from other users
         write(tmp)
+        apply_umask(tmp)  # before carry_over: the user's files keep their own modes
         if final.is_dir():
             carry_over(final, tmp, keep)
         publish_over(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def apply_umask(directory: Path) -> None:
+    """Give `directory` and every directory and file under it the modes a plain mkdir and open would: mkdtemp makes a
+    directory 0700 and safetensors writes its files 0600, which left an export or a conversion unreadable to any
+    other user (a serving engine's). Links are left alone (chmod would change their targets)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for root, directories, files in os.walk(directory):
+        for name in files:
+            if not os.path.islink(Path(root, name)):
+                os.chmod(Path(root, name), 0o666 & ~umask)
+        for name in directories:
+            if not os.path.islink(Path(root, name)):
+                os.chmod(Path(root, name), 0o777 & ~umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 def write_atomic(path: Path, text: str) -> None:
