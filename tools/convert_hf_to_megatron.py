@@ -29,6 +29,7 @@ from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
+from slime_dsa.run_lock import OutputLock
 from trainers.megatron.convert import hf_to_megatron
 
 logger = logging.getLogger("convert_hf_to_megatron")
@@ -50,7 +51,9 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
         raise UserError(f"{out}: {problem}")
     if problem := model_dir_problem(src):  # a weight file cut short: named, not safetensors' traceback
         raise UserError(problem)
-    with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
+    # OutputLock: a second export or conversion into `out` fails at once, naming this one's pid. The progress bar:
+    # on a terminal only: the read, each shard
+    with OutputLock(out), SampleProgress("converting", total=1 + tp * ep) as progress:
         state = read_state_dict(src)
         progress.advance(1)
 

@@ -26,6 +26,7 @@ from slime_dsa.checkpoint.validate import safetensors_problem
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
+from slime_dsa.run_lock import OutputLock
 from trainers.megatron.convert import megatron_to_hf
 
 logger = logging.getLogger("convert_megatron_to_hf")
@@ -44,7 +45,9 @@ def convert(src: Path, out: Path) -> None:
         raise ValueError(f"{out} is a file; give a directory to write the HF model into")
     if problem := creation_problem(out):  # before minutes of reading a large model
         raise UserError(f"{out}: {problem}")
-    with SampleProgress("converting", total=tp * ep + 1) as progress:  # on a terminal only: each shard, the write
+    # OutputLock: a second export or conversion into `out` fails at once, naming this one's pid. The progress bar:
+    # on a terminal only: each shard, the write
+    with OutputLock(out), SampleProgress("converting", total=tp * ep + 1) as progress:
         shards = {}
         for t in range(tp):
             for e in range(ep):
