@@ -66,6 +66,49 @@ def publish_over(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def make_temp_dir(final: Path) -> Path:
+    """A new empty directory beside `final` to write it in, `.NAME.tmp-PID-RANDOM`: the pid tells remove_leftovers
+    whether the writer still runs."""
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+
+
+def remove_leftovers(final: Path) -> tuple[list[Path], Path | None]:
+    """What writers of `final` killed part way left beside it, whose process is gone: their temporary directories
+    (make_temp_dir) and the old copies publish_over set aside (aside_path), removed. A live process's are its work in
+    progress, and a name without a pid (an older version's) is not ours to judge: both are left. When `final` is
+    missing (a kill between publish_over's two renames), the newest old copy is renamed back to it first. Returns
+    (removed, the copy renamed back or None). Only while holding the lock of `final` (run_lock.OutputLock)."""
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)(?:-|$)")
+    dead = [(match.group(1), path) for path in sorted(final.parent.iterdir()) if (match := pattern.match(path.name))
+            and not _alive(int(match.group(2)))] if final.parent.is_dir() else []
+    set_aside = [path for kind, path in dead if kind == "old" and path.is_dir()]
+    restored = None
+    if set_aside and not os.path.lexists(final):
+        restored = max(set_aside, key=lambda path: path.stat().st_ctime)  # a rename sets ctime: the newest aside
+        os.replace(restored, final)
+        fsync_path(final.parent)
+    removed = [path for _, path in dead if path != restored]
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed, restored
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (or might: another user's, which we may not signal)."""
+    if pid <= 0:  # signal 0 to pid 0 would probe our own process group
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def set_aside_copies(final: Path) -> list[Path]:
     """The old copies of `final` that publish_over set aside and a crash left behind, oldest name first."""
     return sorted(final.parent.glob(f".{final.name}.old-*"))
@@ -98,7 +141,7 @@ def write_directory(final: Path, write: Callable[[Path], object], keep: Callable
     """`write(tmp)` into a new directory beside `final`, carry over the entries of an existing `final` that `keep`
     allows, then publish_over: a failure or a kill at any point leaves no `final` that looks complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = make_temp_dir(final)
     try:
         write(tmp)
         apply_umask(tmp)  # before carry_over: the user's files keep their own modes

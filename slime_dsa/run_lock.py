@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 
 from slime_dsa.config.errors import UserError
+from slime_dsa.durable import remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ class OutputLock(RunLock):
         out = Path(os.path.abspath(out))  # '.' and '..' have no name to put beside
         super().__init__(out, key)
         self.path = out.with_name(f".{out.name}.lock")
+
+    def acquire(self) -> None:
+        """Take the lock, then remove what killed writers of the directory left beside it (durable.remove_leftovers),
+        saying so in one line."""
+        super().acquire()
+        removed, restored = remove_leftovers(self.run_dir)
+        done = ([f"renamed {restored.name} back to {self.run_dir.name}"] if restored else []) + (
+            [f"removed {', '.join(path.name for path in removed)}"] if removed else [])
+        if done:
+            logger.info("%s: %s (left by a writer that was killed)", self.run_dir, " and ".join(done))
 
     def in_use(self, holder: str) -> str:
         named = f"{self.key} {self.run_dir}" if self.key else str(self.run_dir)

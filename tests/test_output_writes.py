@@ -1,10 +1,12 @@
 """Writers of one output directory (`slime-dsa export`, tools/convert_hf_to_megatron.py and convert_megatron_to_hf.py):
 a second writer of the same directory fails at once in one line naming it and the first writer's pid (its lock,
-slime_dsa/run_lock.OutputLock, beside the directory)."""
+slime_dsa/run_lock.OutputLock, beside the directory); the next writer after a killed one removes what that one left
+beside the directory (slime_dsa/durable.remove_leftovers), and only that."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -77,3 +79,83 @@ def test_a_second_writer_of_an_output_fails_at_once_naming_it_and_the_pid(tmp_pa
     finally:
         holder.kill()
         holder.wait()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_the_leftovers_of_gone_writers_are_removed(tmp_path):
+    """Temporary directories and set-aside copies whose pid is gone are removed; a live process's, an older version's
+    name without a pid, and another output's are left."""
+    from slime_dsa.durable import make_temp_dir, remove_leftovers
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead, live = _dead_pid(), os.getppid()
+    gone = [tmp_path / f".out.tmp-{dead}-abc", tmp_path / f".out.old-{dead}"]
+    kept = [tmp_path / f".out.tmp-{live}-abc", tmp_path / f".out.old-{live}", tmp_path / ".out.tmp-x8k2l1ab",
+            tmp_path / f".outer.tmp-{dead}-abc", make_temp_dir(out)]
+    for d in gone + kept[:-1]:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(64))
+    assert kept[-1].name.startswith(f".out.tmp-{os.getpid()}-")
+    removed, restored = remove_leftovers(out)
+    assert sorted(removed) == sorted(gone) and restored is None
+    assert sorted(tmp_path.iterdir()) == sorted([out, *kept])
+
+
+def test_a_missing_output_gets_its_set_aside_copy_back(tmp_path):
+    """Killed between publish_over's two renames: OUT missing, its old contents whole at .OUT.old-PID. The next writer
+    renames that back (so the user's files there are carried into the new output) and removes the rest."""
+    from slime_dsa.durable import remove_leftovers
+
+    dead = _dead_pid()
+    aside, tmp = tmp_path / f".out.old-{dead}", tmp_path / f".out.tmp-{dead}-abc"
+    for d in (aside, tmp):
+        d.mkdir()
+    (aside / "README.md").write_text("mine")
+    assert remove_leftovers(tmp_path / "out") == ([tmp], aside)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "README.md").read_text() == "mine"
+
+
+def test_a_conversion_after_a_killed_one_removes_its_leftovers_in_one_line(tmp_path, caplog):
+    """A conversion killed part way leaves its temporary directory and lock beside OUT; the next conversion into OUT
+    removes them and says so in one line, leaving a live writer's temporary directory. Before, each killed conversion
+    left a hidden directory of shards that nothing removed."""
+    import tests.test_convert_tools as convert_tools
+
+    out = tmp_path / "out"
+    convert_tools._kill("convert_hf_to_megatron.py", "first copy", [str(ASSET), str(out)])
+    left = sorted(p.name for p in tmp_path.glob(".out.tmp-*"))
+    assert len(left) == 1
+    live = tmp_path / f".out.tmp-{os.getppid()}-abc"
+    live.mkdir()
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert _tool().main([str(ASSET), str(out)]) == 0
+    lines = [r.getMessage() for r in caplog.records if "killed" in r.getMessage()]
+    assert lines == [f"{out}: removed {left[0]} (left by a writer that was killed)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out"]
+
+
+@pytest.mark.slow  # two exports and a killed one in a subprocess: ~10 s
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_export_after_one_killed_mid_swap_removes_its_leftovers_and_keeps_the_users_files(tmp_path, caplog, when):
+    """An export over an existing one killed just before the rename of its new directory (OUT missing, the old one
+    set aside) or just after (the old one set aside, not yet deleted): the next export puts back or removes what it
+    left, carries the user's README over, and leaves nothing beside OUT. Before, the set-aside copy and the temporary
+    directory, a model's size each, stayed there for good."""
+    from tests.test_checkpoint_durability import EXPORT_KILLED, _export_old
+
+    out = tmp_path / "export"
+    _export_old(out)
+    done = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(ASSET), str(out), when], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr
+    assert len(list(tmp_path.glob(".export.*"))) == (2 if when == "before" else 1)
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert main(["export", str(ASSET), "--out", str(out)]) == 0
+    assert [r.getMessage() for r in caplog.records if "killed" in r.getMessage()] != []
+    assert [p.name for p in tmp_path.iterdir()] == ["export"] and (out / "README.md").read_text() == "mine"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -16,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slime_dsa.durable import apply_umask, carry_over, publish_over, set_aside_copies
+from slime_dsa.durable import apply_umask, carry_over, make_temp_dir, publish_over, set_aside_copies
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
@@ -90,7 +89,7 @@ def save_pretrained(
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
     progress = progress or NoProgress()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = make_temp_dir(directory)
     try:
         model.config.save(tmp)
         shards = [dict(bucket) for bucket in split_by_bytes(state.items(), max_shard_bytes)]
