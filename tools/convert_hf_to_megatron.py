@@ -7,7 +7,9 @@ rank's model.safetensors (trainers/megatron/convert.py names), plus config.json,
 tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
 itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
 replaces its shards and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it with exit code 130,
-leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
+leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2). A second
+conversion or export into OUT_DIR while this one runs fails at once naming this one's pid; the next one after a
+killed one removes what that one left beside OUT_DIR (slime_dsa/run_lock.py OutputLock).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ transformers, SGLang and our engine load as it is.
 HF_DIR is written beside itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one
 over a previous HF_DIR replaces its weights and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it
 with exit code 130, leaving none either; an unwritable HF_DIR or a full disk is one line naming HF_DIR (exit code 2).
+A second conversion or export into HF_DIR while this one runs fails at once naming this one's pid; the next one
+after a killed one removes what that one left beside HF_DIR (slime_dsa/run_lock.py OutputLock).
 """
 
 from __future__ import annotations
