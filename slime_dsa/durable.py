@@ -1,10 +1,13 @@
 """Writes that survive a crash or a power loss: what is written goes to a temporary name, is fsynced, then renamed
 into place, and the directory holding it is fsynced after the rename. Without the first fsync the rename can reach
 the disk before the data does, leaving a file or checkpoint that looks complete but holds zeros; without the last,
-the rename itself can be lost."""
+the rename itself can be lost. A directory that exists is replaced by swapping the two names in one step where
+Linux can (publish_over)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -49,11 +52,21 @@ def aside_path(final: Path) -> Path:
 
 
 def publish_over(tmp: Path, final: Path) -> None:
-    """publish `tmp` as `final`, which may exist: the old `final` is renamed aside (aside_path), the new one published,
-    then the aside copy deleted. A failure before the new one is in place renames the old one back; a crash there
-    leaves `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
+    """publish `tmp` as `final`, which may exist. On Linux the two swap names in one step (exchange): `final` never
+    stops existing, and the old one, now at `tmp`'s name, is deleted after. Where the filesystem cannot swap, the old
+    `final` is renamed aside (aside_path), the new one published, then the aside copy deleted: between the two renames
+    `final` does not exist. A failure before the new one is in place renames the old one back; a crash there leaves
+    `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
     if not final.exists():
         publish(tmp, final)
+        return
+    if tmp.is_dir():
+        fsync_tree(tmp)
+    else:
+        fsync_path(tmp)
+    if exchange(tmp, final):
+        fsync_path(final.parent)
+        _remove(tmp)  # the old one; a kill before this leaves it for remove_leftovers
         return
     aside = aside_path(final)
     os.replace(final, aside)
@@ -64,6 +77,37 @@ def publish_over(tmp: Path, final: Path) -> None:
             os.replace(aside, final)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` (both exist) in one step, Linux's renameat2(RENAME_EXCHANGE): True; False, with
+    nothing changed, where the system (no renameat2: not Linux, glibc < 2.28) or the filesystem cannot."""
+    error = _renameat2_exchange(a, b)
+    if error == 0:
+        return True
+    if error in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(a), None, str(b))
+
+
+def _renameat2_exchange(a: Path, b: Path) -> int:
+    """0, or the errno of renameat2(a, b, RENAME_EXCHANGE) (ENOSYS where libc has none)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return errno.ENOSYS
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def make_temp_dir(final: Path) -> Path:
@@ -89,10 +133,7 @@ def remove_leftovers(final: Path) -> tuple[list[Path], Path | None]:
         fsync_path(final.parent)
     removed = [path for _, path in dead if path != restored]
     for path in removed:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        _remove(path)
     return removed, restored
 
 
