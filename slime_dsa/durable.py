@@ -1,10 +1,13 @@
 """Writes that survive a crash or a power loss: what is written goes to a temporary name, is fsynced, then renamed
 into place, and the directory holding it is fsynced after the rename. Without the first fsync the rename can reach
 the disk before the data does, leaving a file or checkpoint that looks complete but holds zeros; without the last,
-the rename itself can be lost."""
+the rename itself can be lost. A directory that exists is replaced by swapping the two names in one step where
+Linux can (publish_over)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -49,11 +52,21 @@ def aside_path(final: Path) -> Path:
 
 
 def publish_over(tmp: Path, final: Path) -> None:
-    """publish `tmp` as `final`, which may exist: the old `final` is renamed aside (aside_path), the new one published,
-    then the aside copy deleted. A failure before the new one is in place renames the old one back; a crash there
-    leaves `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
+    """publish `tmp` as `final`, which may exist. On Linux the two swap names in one step (exchange): `final` never
+    stops existing, and the old one, now at `tmp`'s name, is deleted after. Where the filesystem cannot swap, the old
+    `final` is renamed aside (aside_path), the new one published, then the aside copy deleted: between the two renames
+    `final` does not exist. A failure before the new one is in place renames the old one back; a crash there leaves
+    `final` missing and the old one whole at its aside path, for the owner of `final` to rename back."""
     if not final.exists():
         publish(tmp, final)
+        return
+    if tmp.is_dir():
+        fsync_tree(tmp)
+    else:
+        fsync_path(tmp)
+    if exchange(tmp, final):
+        fsync_path(final.parent)
+        _remove(tmp)  # the old one; a kill before this leaves it for remove_leftovers
         return
     aside = aside_path(final)
     os.replace(final, aside)
@@ -64,6 +77,77 @@ def publish_over(tmp: Path, final: Path) -> None:
             os.replace(aside, final)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` (both exist) in one step, Linux's renameat2(RENAME_EXCHANGE): True; False, with
+    nothing changed, where the system (no renameat2: not Linux, glibc < 2.28) or the filesystem cannot."""
+    error = _renameat2_exchange(a, b)
+    if error == 0:
+        return True
+    if error in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), str(a), None, str(b))
+
+
+def _renameat2_exchange(a: Path, b: Path) -> int:
+    """0, or the errno of renameat2(a, b, RENAME_EXCHANGE) (ENOSYS where libc has none)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return errno.ENOSYS
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def make_temp_dir(final: Path) -> Path:
+    """A new empty directory beside `final` to write it in, `.NAME.tmp-PID-RANDOM`: the pid tells remove_leftovers
+    whether the writer still runs."""
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+
+
+def remove_leftovers(final: Path) -> tuple[list[Path], Path | None]:
+    """What writers of `final` killed part way left beside it, whose process is gone: their temporary directories
+    (make_temp_dir) and the old copies publish_over set aside (aside_path), removed. A live process's are its work in
+    progress, and a name without a pid (an older version's) is not ours to judge: both are left. When `final` is
+    missing (a kill between publish_over's two renames), the newest old copy is renamed back to it first. Returns
+    (removed, the copy renamed back or None). Only while holding the lock of `final` (run_lock.OutputLock)."""
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)(?:-|$)")
+    dead = [(match.group(1), path) for path in sorted(final.parent.iterdir()) if (match := pattern.match(path.name))
+            and not _alive(int(match.group(2)))] if final.parent.is_dir() else []
+    set_aside = [path for kind, path in dead if kind == "old" and path.is_dir()]
+    restored = None
+    if set_aside and not os.path.lexists(final):
+        restored = max(set_aside, key=lambda path: path.stat().st_ctime)  # a rename sets ctime: the newest aside
+        os.replace(restored, final)
+        fsync_path(final.parent)
+    removed = [path for _, path in dead if path != restored]
+    for path in removed:
+        _remove(path)
+    return removed, restored
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (or might: another user's, which we may not signal)."""
+    if pid <= 0:  # signal 0 to pid 0 would probe our own process group
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def set_aside_copies(final: Path) -> list[Path]:
@@ -98,18 +182,32 @@ def write_directory(final: Path, write: Callable[[Path], object], keep: Callable
     """`write(tmp)` into a new directory beside `final`, carry over the entries of an existing `final` that `keep`
     allows, then publish_over: a failure or a kill at any point leaves no `final` that looks complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = make_temp_dir(final)
     try:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # what a plain mkdir gives; mkdtemp's 0700 hid it from other users
         write(tmp)
+        apply_umask(tmp)  # before carry_over: the user's files keep their own modes
         if final.is_dir():
             carry_over(final, tmp, keep)
         publish_over(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def apply_umask(directory: Path) -> None:
+    """Give `directory` and every directory and file under it the modes a plain mkdir and open would: mkdtemp makes a
+    directory 0700 and safetensors writes its files 0600, which left an export or a conversion unreadable to any
+    other user (a serving engine's). Links are left alone (chmod would change their targets)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for root, directories, files in os.walk(directory):
+        for name in files:
+            if not os.path.islink(Path(root, name)):
+                os.chmod(Path(root, name), 0o666 & ~umask)
+        for name in directories:
+            if not os.path.islink(Path(root, name)):
+                os.chmod(Path(root, name), 0o777 & ~umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -3,7 +3,8 @@
 The kernel drops a flock when its process dies, SIGKILL included, so a lock left by a killed run is free: the next
 run takes it over and says so. A live holder refuses the second run at once, in one line naming the directory and
 the pid. The file is never removed (removing it would let two runs lock two different files of one name); a clean
-release empties it.
+release empties it. OutputLock, the lock of a directory that export or a convert tool writes, lies beside it and is
+removed on a clean release: a taker checks that the file it locked is still the one of that name.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 from pathlib import Path
 
 from slime_dsa.config.errors import UserError
+from slime_dsa.durable import remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -39,25 +41,33 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock; UserError naming the directory and the holder's pid when another run holds it, or the key
         and the system's reason when the directory cannot be written (a read-only filesystem, no permission)."""
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise UserError(f"{self.key}: cannot write {self.run_dir}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            what = "run directory" if self.key == "logging.run_dir" else self.key
-            raise UserError(f"{what} {self.run_dir} is in use by another run ({_describe(read_holder(self.path))});"
-                            f" wait for it to end or set {self.key} to another directory") from None
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise UserError(f"{self.key}: cannot write {self.path.parent}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                raise UserError(self.in_use(_describe(read_holder(self.path)))) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # unlinked by a holder that released it (OutputLock) after our open: lock the new file
         self.taken_over = _read_fd(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         os.fsync(fd)
         self._fd = fd
+
+    def in_use(self, holder: str) -> str:
+        """The one line that refuses a second run while `holder` ('pid N') holds the lock."""
+        what = "run directory" if self.key == "logging.run_dir" else self.key
+        return (f"{what} {self.run_dir} is in use by another run ({holder}); wait for it to end or set {self.key} to "
+                "another directory")
 
     def log_takeover(self) -> None:
         """One WARNING when this lock was left by a run that no longer holds it (call once the run's log is set up)."""
@@ -83,12 +93,52 @@ class RunLock:
         self.release()
 
 
+class OutputLock(RunLock):
+    """The lock of a directory that `slime-dsa export` or a convert tool writes: `.NAME.lock` beside it, since the
+    directory itself is replaced by a rename (slime_dsa/durable.py). A second writer of the same directory fails at
+    once naming it and the holder's pid. A clean release removes the file (while still holding it: a writer that
+    opened it meanwhile finds it gone and locks a new one); one left by a killed writer is taken over."""
+
+    def __init__(self, out: Path, key: str = "") -> None:
+        out = Path(os.path.abspath(out))  # '.' and '..' have no name to put beside
+        super().__init__(out, key)
+        self.path = out.with_name(f".{out.name}.lock")
+
+    def acquire(self) -> None:
+        """Take the lock, then remove what killed writers of the directory left beside it (durable.remove_leftovers),
+        saying so in one line."""
+        super().acquire()
+        removed, restored = remove_leftovers(self.run_dir)
+        done = ([f"renamed {restored.name} back to {self.run_dir.name}"] if restored else []) + (
+            [f"removed {', '.join(path.name for path in removed)}"] if removed else [])
+        if done:
+            logger.info("%s: %s (left by a writer that was killed)", self.run_dir, " and ".join(done))
+
+    def in_use(self, holder: str) -> str:
+        named = f"{self.key} {self.run_dir}" if self.key else str(self.run_dir)
+        return f"{named} is being written by another process ({holder}); wait for it to end or write elsewhere"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+        super().release()
+
+
 def read_holder(path: Path) -> str:
     """'<pid> <host>' of the lock file at `path`, or '' when empty or unreadable."""
     try:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
 
 
 def _read_fd(fd: int) -> str:

@@ -11,16 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoints import KILL_AROUND_RENAME, _fsdp_worker
+from tests.test_checkpoints import HOW, KILL_AROUND_RENAME, _fsdp_worker, fail_rename
 
 ASSET = Path(__file__).resolve().parents[1] / "recipes" / "assets" / "quickstart-sft"
 
 
 @pytest.fixture
 def disk_events(monkeypatch) -> list[tuple[str, ...]]:
-    """("fsync", path) and ("replace", source, target) in the order they happen, the real calls made."""
+    """("fsync", path) and ("replace", source, target) in the order they happen, the real calls made (a swap of two
+    names, durable.exchange, is a replace of the target by the source)."""
+    import slime_dsa.durable as durable
+
     events: list[tuple[str, ...]] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_exchange = os.fsync, os.replace, durable._renameat2_exchange
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -30,8 +33,15 @@ def disk_events(monkeypatch) -> list[tuple[str, ...]]:
         events.append(("replace", str(Path(source).resolve()), str(Path(target).resolve())))
         real_replace(source, target, **kwargs)
 
+    def exchange(source, target) -> int:
+        error = real_exchange(source, target)
+        if error == 0:
+            events.append(("replace", str(Path(source).resolve()), str(Path(target).resolve())))
+        return error
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(durable, "_renameat2_exchange", exchange)
     return events
 
 
@@ -92,9 +102,9 @@ import sys
 from pathlib import Path
 from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
 
-asset, out, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+asset, out, how, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 new = {name: tensor + 1 for name, tensor in read_state_dict(out).items()}
-kill_around_rename(".export.tmp-", when)
+kill_around_rename(".export.tmp-", how, when)
 save_pretrained(load_model(asset), out, max_shard_bytes=1 << 20, state_dict=new)
 """
 
@@ -114,8 +124,9 @@ def _same(state: dict, expected: dict) -> bool:
     return state.keys() == expected.keys() and all(torch.equal(state[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_an_export_over_an_existing_one_killed_mid_swap_loses_neither_and_never_mixes(tmp_path, when):
+def test_an_export_over_an_existing_one_killed_mid_swap_loses_neither_and_never_mixes(tmp_path, how, when):
     """Killed around the rename that publishes it: the directory loads the whole old weight set or the whole new one
     (the user's README kept), or the loader refuses it in one line naming where the whole old set is. Before, the old
     weights were unlinked and the new files renamed in one by one: a kill there left a directory with some of the new
@@ -129,7 +140,7 @@ def test_an_export_over_an_existing_one_killed_mid_swap_loses_neither_and_never_
     old = _export_old(out)
     new = {name: tensor + 1 for name, tensor in old.items()}
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(ASSET), str(out), when], cwd=root,
+    done = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(ASSET), str(out), how, when], cwd=root,
                           env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 9, done.stderr
     try:
@@ -145,24 +156,38 @@ def test_an_export_over_an_existing_one_killed_mid_swap_loses_neither_and_never_
     assert (out / "README.md").read_text() == "mine"
 
 
-def test_an_export_over_an_existing_one_whose_rename_fails_keeps_the_old_one(tmp_path, monkeypatch):
+def test_an_export_over_an_existing_one_swaps_with_it_and_is_never_missing(tmp_path, monkeypatch):
+    """On Linux the new directory and the old swap names in one step (durable.exchange): the directory is never
+    renamed away, and holds the new weights and the user's README after, with nothing left beside it. Before, the old
+    one was renamed aside first, and until the new one was renamed in the directory did not exist (a server that
+    loaded it then found nothing)."""
+    from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
+
+    out = tmp_path / "export"
+    new = {name: tensor + 1 for name, tensor in _export_old(out).items()}
+    moved, real_replace = [], os.replace
+
+    def replace(source, target, **kwargs):
+        moved.append(Path(source))
+        real_replace(source, target, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    save_pretrained(load_model(ASSET), out, max_shard_bytes=1 << 20, state_dict=new)
+    assert out not in moved
+    assert _same(read_state_dict(out), new) and (out / "README.md").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_an_export_over_an_existing_one_whose_rename_fails_keeps_the_old_one(tmp_path, monkeypatch, how):
     """The rename that publishes an export over an existing one fails (EIO): the error reaches the caller and the
     directory holds its old weights and the user's README, with nothing left beside it. Before, the old weights had
     been unlinked first."""
-    import errno
-
     from slime_dsa.checkpoint.hf_format import load_model, read_state_dict, save_pretrained
 
     out = tmp_path / "export"
     old = _export_old(out)
-    real_replace = os.replace
-
-    def replace(source, target, **kwargs):
-        if ".export.tmp-" in str(source):
-            raise OSError(errno.EIO, "Input/output error")
-        real_replace(source, target, **kwargs)
-
-    monkeypatch.setattr(os, "replace", replace)
+    fail_rename(monkeypatch, ".export.tmp-", how)
     with pytest.raises(OSError, match="Input/output"):
         save_pretrained(load_model(ASSET, dtype="bfloat16"), out)
     assert _same(read_state_dict(out), old) and (out / "README.md").read_text() == "mine"

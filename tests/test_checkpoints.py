@@ -87,24 +87,31 @@ def test_orphans_are_removed_only_under_the_run_directory_lock(manager):
     assert busy.exists()
 
 
-# The start of a subprocess script: kill_around_rename(marker, when) makes the process die by os._exit(9) just before
-# or just after the os.replace whose source path holds `marker` (no except or finally runs, as in a real kill).
+# The start of a subprocess script: kill_around_rename(marker, how, when) makes the process die by os._exit(9) just
+# before or just after the rename whose source path holds `marker` (no except or finally runs, as in a real kill):
+# how "swap", durable.publish_over's swap of the new directory with the old (renameat2), else "rename aside", the
+# os.replace of its fallback for filesystems that cannot swap (the swap then reports that it cannot).
 KILL_AROUND_RENAME = """
-import os
+import errno, os
+import slime_dsa.durable as durable
 
-def kill_around_rename(marker, when):
-    real_replace = os.replace
+def kill_around_rename(marker, how, when):
+    real_replace, real_exchange = os.replace, durable._renameat2_exchange
 
-    def replace(source, target, **kwargs):
+    def around(rename, source, *args, **kwargs):
         publishing = marker in str(source)
         if publishing and when == "before":
             os._exit(9)
-        real_replace(source, target, **kwargs)
+        result = rename(source, *args, **kwargs)
         if publishing and when == "after":
             os._exit(9)
+        return result
 
-    os.replace = replace
+    os.replace = lambda source, target, **kwargs: around(real_replace, source, target, **kwargs)
+    swap = lambda a, b: around(real_exchange, a, b)
+    durable._renameat2_exchange = swap if how == "swap" else lambda a, b: errno.EINVAL
 """
+HOW = ["swap", "rename aside"]
 
 # A save of a step that exists, killed just before or just after the rename of its temporary directory into place.
 RESAVE_KILLED = KILL_AROUND_RENAME + """
@@ -113,27 +120,50 @@ from pathlib import Path
 from slime_dsa.checkpoint.training import CheckpointManager
 from tests.test_checkpoints import _write
 
-directory, when = Path(sys.argv[1]), sys.argv[2]
-kill_around_rename(".step_000003.tmp-", when)
+directory, how, when = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+kill_around_rename(".step_000003.tmp-", how, when)
 CheckpointManager(directory, keep_last=0).save(3, _write, {"rollout": {"next": 33}})
 """
+
+
+def fail_rename(monkeypatch, marker: str, how: str) -> None:
+    """The rename that publishes a directory whose temporary name holds `marker` fails with EIO (a full disk, a bad
+    disk): the swap when `how` is "swap", else the os.replace of the fallback (the swap reporting it cannot)."""
+    import errno
+    import os
+
+    import slime_dsa.durable as durable
+
+    real_replace, real_exchange = os.replace, durable._renameat2_exchange
+
+    def replace(source, target, **kwargs):
+        if marker in str(source):
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(source, target, **kwargs)
+
+    def exchange(a, b):
+        return (errno.EIO if marker in str(a) else real_exchange(a, b)) if how == "swap" else errno.EINVAL
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(durable, "_renameat2_exchange", exchange)
 
 
 def _rollout_next(checkpoint: Path) -> int:
     return json.loads((checkpoint / "orchestrator.json").read_text())["rollout"]["next"]
 
 
+@pytest.mark.parametrize("how", HOW)
 @pytest.mark.parametrize(("when", "expected_next"), [("before", 3), ("after", 33)])
-def test_a_resave_killed_around_its_rename_leaves_the_old_checkpoint_or_the_new(manager, when, expected_next):
+def test_a_resave_killed_around_its_rename_leaves_the_old_checkpoint_or_the_new(manager, how, when, expected_next):
     """A step saved again and killed just before its new directory is renamed into place: the next start's
-    remove_orphans puts the old one back; killed just after: the new one stays and the old one set aside is removed.
+    remove_orphans keeps or puts back the old one; killed just after: the new one stays and the old one is removed.
     Before, the old one was deleted before the rename: a kill there lost the step (latest() fell back to step 2)."""
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", RESAVE_KILLED, str(manager.directory), when], cwd=root,
+    done = subprocess.run([sys.executable, "-c", RESAVE_KILLED, str(manager.directory), how, when], cwd=root,
                           env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 9, done.stderr
     manager.remove_orphans(SimpleNamespace(held=True))
@@ -142,20 +172,11 @@ def test_a_resave_killed_around_its_rename_leaves_the_old_checkpoint_or_the_new(
     assert sorted(p.name for p in manager.directory.iterdir()) == ["step_000001", "step_000002", "step_000003"]
 
 
-def test_a_resave_whose_rename_fails_keeps_the_old_checkpoint(manager, monkeypatch):
+@pytest.mark.parametrize("how", HOW)
+def test_a_resave_whose_rename_fails_keeps_the_old_checkpoint(manager, monkeypatch, how):
     """A save of an existing step whose rename into place fails (a full disk, EIO): the error reaches the caller and
     the old checkpoint of that step is still there, whole. Before, it had been deleted first."""
-    import errno
-    import os
-
-    real_replace = os.replace
-
-    def replace(source, target, **kwargs):
-        if ".step_000003.tmp-" in str(source):
-            raise OSError(errno.EIO, "Input/output error")
-        real_replace(source, target, **kwargs)
-
-    monkeypatch.setattr(os, "replace", replace)
+    fail_rename(monkeypatch, ".step_000003.tmp-", how)
     with pytest.raises(OSError, match="Input/output"):
         manager.save(3, _write, {"rollout": {"next": 33}})
     assert manager.latest() == manager.path_for(3) and _rollout_next(manager.path_for(3)) == 3

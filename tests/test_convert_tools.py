@@ -86,7 +86,8 @@ def test_a_killed_conversion_leaves_no_output(tmp_path, megatron_dir, script, ki
     out = tmp_path / "out"
     _kill(script, kill_at, [str(src), str(out)] + (["--expert-parallel", "2"] if src == ASSET else []))
     assert not out.exists()
-    assert all(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir())
+    # beside it only its temporary directory and its lock (run_lock.OutputLock), both for the next writer to remove
+    assert all(p.name.startswith(".out.tmp-") or p.name == ".out.lock" for p in tmp_path.iterdir())
 
 
 def test_a_killed_conversion_over_a_previous_output_leaves_it_whole(tmp_path, megatron_dir):
@@ -125,3 +126,21 @@ def test_a_conversion_over_a_previous_output_replaces_its_shards_and_keeps_the_u
     assert json.loads((out / "megatron.json").read_text()) == {"tensor_parallel": 1, "expert_parallel": 1}
     assert (out / "README.md").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("script", ["convert_hf_to_megatron.py", "convert_megatron_to_hf.py"])
+def test_a_conversion_is_readable_by_other_users_as_the_umask_allows(tmp_path, megatron_dir, script):
+    """safetensors writes its files 0600: every shard of a conversion was unreadable to any other user (a trainer's
+    or a serving engine's). Every directory and file of the output now gets the modes a plain mkdir and open would."""
+    import stat
+
+    src = ASSET if script == "convert_hf_to_megatron.py" else megatron_dir
+    out = tmp_path / "out"
+    umask = os.umask(0o022)
+    try:
+        assert _tool(script.removesuffix(".py")).main([str(src), str(out)]) == 0
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in [out, *out.rglob("*")]}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert modes == {name: 0o755 if (tmp_path / name).is_dir() else 0o644 for name in modes}

@@ -7,7 +7,9 @@ rank's model.safetensors (trainers/megatron/convert.py names), plus config.json,
 tokenizer files. tools/convert_megatron_to_hf.py is the inverse; a round trip is bit-exact. OUT_DIR is written beside
 itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one over a previous OUT_DIR
 replaces its shards and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it with exit code 130,
-leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2).
+leaving none either; an unwritable OUT_DIR or a full disk is one line naming OUT_DIR (exit code 2). A second
+conversion or export into OUT_DIR while this one runs fails at once naming this one's pid; the next one after a
+killed one removes what that one left beside OUT_DIR (slime_dsa/run_lock.py OutputLock).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.parallel_layout import ParallelSizes, check_parallel_sizes
+from slime_dsa.run_lock import OutputLock
 from trainers.megatron.convert import hf_to_megatron
 
 logger = logging.getLogger("convert_hf_to_megatron")
@@ -50,7 +53,9 @@ def convert(src: Path, out: Path, tp: int, ep: int) -> None:
         raise UserError(f"{out}: {problem}")
     if problem := model_dir_problem(src):  # a weight file cut short: named, not safetensors' traceback
         raise UserError(problem)
-    with SampleProgress("converting", total=1 + tp * ep) as progress:  # on a terminal only: the read, each shard
+    # OutputLock: a second export or conversion into `out` fails at once, naming this one's pid. The progress bar:
+    # on a terminal only: the read, each shard
+    with OutputLock(out), SampleProgress("converting", total=1 + tp * ep) as progress:
         state = read_state_dict(src)
         progress.advance(1)
 

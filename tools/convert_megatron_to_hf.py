@@ -6,6 +6,8 @@ transformers, SGLang and our engine load as it is.
 HF_DIR is written beside itself and renamed into place (slime_dsa/durable.py): a killed conversion leaves none; one
 over a previous HF_DIR replaces its weights and keeps the other files of it (a README). Ctrl-C or SIGTERM stops it
 with exit code 130, leaving none either; an unwritable HF_DIR or a full disk is one line naming HF_DIR (exit code 2).
+A second conversion or export into HF_DIR while this one runs fails at once naming this one's pid; the next one
+after a killed one removes what that one left beside HF_DIR (slime_dsa/run_lock.py OutputLock).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from slime_dsa.checkpoint.validate import safetensors_problem
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import creation_problem, write_directory, write_failure
 from slime_dsa.models.config import ModelConfig
+from slime_dsa.run_lock import OutputLock
 from trainers.megatron.convert import megatron_to_hf
 
 logger = logging.getLogger("convert_megatron_to_hf")
@@ -44,7 +47,9 @@ def convert(src: Path, out: Path) -> None:
         raise ValueError(f"{out} is a file; give a directory to write the HF model into")
     if problem := creation_problem(out):  # before minutes of reading a large model
         raise UserError(f"{out}: {problem}")
-    with SampleProgress("converting", total=tp * ep + 1) as progress:  # on a terminal only: each shard, the write
+    # OutputLock: a second export or conversion into `out` fails at once, naming this one's pid. The progress bar:
+    # on a terminal only: each shard, the write
+    with OutputLock(out), SampleProgress("converting", total=tp * ep + 1) as progress:
         shards = {}
         for t in range(tp):
             for e in range(ep):

@@ -7,9 +7,7 @@ Loading reads safetensors only: nothing is ever unpickled.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -17,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slime_dsa.durable import carry_over, publish_over, set_aside_copies
+from slime_dsa.durable import apply_umask, carry_over, make_temp_dir, publish_over, set_aside_copies
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 
@@ -91,7 +89,7 @@ def save_pretrained(
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else _state_dict_for_save(model)
     progress = progress or NoProgress()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = make_temp_dir(directory)
     try:
         model.config.save(tmp)
         shards = [dict(bucket) for bucket in split_by_bytes(state.items(), max_shard_bytes)]
@@ -110,7 +108,7 @@ def save_pretrained(
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         if extra is not None:
             extra(tmp)
-        _apply_umask(tmp)  # before carry_over: the user's files keep their own modes
+        apply_umask(tmp)  # before carry_over: the user's files keep their own modes
         if directory.exists():
             carry_over(directory, tmp, keep=lambda name: not is_weight_file(name))
         publish_over(tmp, directory)
@@ -123,16 +121,6 @@ def save_pretrained(
 def is_weight_file(name: str) -> bool:
     """A file of an HF directory that a new write of its weights replaces (the others are kept)."""
     return name.endswith(".safetensors") or name == INDEX_NAME
-
-
-def _apply_umask(directory: Path) -> None:
-    """Give `directory` and its files the modes a plain mkdir and open would: mkdtemp makes the directory 0700 and
-    safetensors writes its files 0600, which left an export unreadable to any other user (a serving engine's)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for item in directory.iterdir():
-        item.chmod(0o666 & ~umask)
 
 
 def split_by_bytes(named_tensors, max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

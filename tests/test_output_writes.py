@@ -1,0 +1,164 @@
+"""Writers of one output directory (`slime-dsa export`, tools/convert_hf_to_megatron.py and convert_megatron_to_hf.py):
+a second writer of the same directory fails at once in one line naming it and the first writer's pid (its lock,
+slime_dsa/run_lock.OutputLock, beside the directory); the next writer after a killed one removes what that one left
+beside the directory (slime_dsa/durable.remove_leftovers), and only that."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from slime_dsa.cli import main
+from tests.test_checkpoints import HOW
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "recipes" / "assets" / "quickstart-sft"
+TOOL = ROOT / "tools" / "convert_hf_to_megatron.py"
+
+# A writer of sys.argv[2] ("export" or "conversion" of ASSET) that stops at its first weight file, says so and sleeps.
+PAUSED = """
+import importlib.util, sys, time
+
+what, out, asset, tool_path = sys.argv[1:]
+
+def pause(*args, **kwargs):
+    print("writing", flush=True)
+    time.sleep(120)
+
+if what == "export":
+    import slime_dsa.checkpoint.hf_format as hf_format
+    from slime_dsa.cli import main
+    hf_format.save_file = pause
+    main(["export", asset, "--out", out])
+else:
+    spec = importlib.util.spec_from_file_location("tool", tool_path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.save_file = pause
+    tool.main([asset, out])
+"""
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("convert_hf_to_megatron", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _paused_writer(what: str, out: Path) -> subprocess.Popen:
+    """A process writing `out` (an export or a conversion), returned once it is writing; kill it when done."""
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED, what, str(out), str(ASSET), str(TOOL)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    return proc
+
+
+@pytest.mark.parametrize("first", ["export", "conversion"])
+def test_a_second_writer_of_an_output_fails_at_once_naming_it_and_the_pid(tmp_path, capsys, first):
+    """An export or a conversion writing OUT: a second export into OUT, and a conversion, exit 2 with one line naming
+    OUT and the first one's pid, and OUT is left to the first. Before, nothing guarded it: both wrote, and the last
+    rename won."""
+    out = tmp_path / "out"
+    holder = _paused_writer(first, out)
+    try:
+        assert main(["export", str(ASSET), "--out", str(out)]) == 2
+        assert _tool().main([str(ASSET), str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2 and "Traceback" not in lines
+        for line in lines:
+            assert f"{out} is being written by another process (pid {holder.pid})" in line, line
+        assert lines[0].startswith("slime-dsa: error: --out ") and lines[1].startswith("error: ")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_the_leftovers_of_gone_writers_are_removed(tmp_path):
+    """Temporary directories and set-aside copies whose pid is gone are removed; a live process's, an older version's
+    name without a pid, and another output's are left."""
+    from slime_dsa.durable import make_temp_dir, remove_leftovers
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead, live = _dead_pid(), os.getppid()
+    gone = [tmp_path / f".out.tmp-{dead}-abc", tmp_path / f".out.old-{dead}"]
+    kept = [tmp_path / f".out.tmp-{live}-abc", tmp_path / f".out.old-{live}", tmp_path / ".out.tmp-x8k2l1ab",
+            tmp_path / f".outer.tmp-{dead}-abc", make_temp_dir(out)]
+    for d in gone + kept[:-1]:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(64))
+    assert kept[-1].name.startswith(f".out.tmp-{os.getpid()}-")
+    removed, restored = remove_leftovers(out)
+    assert sorted(removed) == sorted(gone) and restored is None
+    assert sorted(tmp_path.iterdir()) == sorted([out, *kept])
+
+
+def test_a_missing_output_gets_its_set_aside_copy_back(tmp_path):
+    """Killed between publish_over's two renames: OUT missing, its old contents whole at .OUT.old-PID. The next writer
+    renames that back (so the user's files there are carried into the new output) and removes the rest."""
+    from slime_dsa.durable import remove_leftovers
+
+    dead = _dead_pid()
+    aside, tmp = tmp_path / f".out.old-{dead}", tmp_path / f".out.tmp-{dead}-abc"
+    for d in (aside, tmp):
+        d.mkdir()
+    (aside / "README.md").write_text("mine")
+    assert remove_leftovers(tmp_path / "out") == ([tmp], aside)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "README.md").read_text() == "mine"
+
+
+def test_a_conversion_after_a_killed_one_removes_its_leftovers_in_one_line(tmp_path, caplog):
+    """A conversion killed part way leaves its temporary directory and lock beside OUT; the next conversion into OUT
+    removes them and says so in one line, leaving a live writer's temporary directory. Before, each killed conversion
+    left a hidden directory of shards that nothing removed."""
+    import tests.test_convert_tools as convert_tools
+
+    out = tmp_path / "out"
+    convert_tools._kill("convert_hf_to_megatron.py", "first copy", [str(ASSET), str(out)])
+    left = sorted(p.name for p in tmp_path.glob(".out.tmp-*"))
+    assert len(left) == 1
+    live = tmp_path / f".out.tmp-{os.getppid()}-abc"
+    live.mkdir()
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert _tool().main([str(ASSET), str(out)]) == 0
+    lines = [r.getMessage() for r in caplog.records if "killed" in r.getMessage()]
+    assert lines == [f"{out}: removed {left[0]} (left by a writer that was killed)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out"]
+
+
+@pytest.mark.slow  # two exports and a killed one in a subprocess: ~10 s
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_export_after_one_killed_mid_swap_removes_its_leftovers_and_keeps_the_users_files(tmp_path, caplog, how,
+                                                                                              when):
+    """An export over an existing one killed just before the rename of its new directory or just after (where the
+    swap falls back to renames: OUT missing and the old one set aside, or the old one set aside, not yet deleted):
+    the next export puts back or removes what it left, carries the user's README over, and leaves nothing beside OUT.
+    Before, the set-aside copy and the temporary directory, a model's size each, stayed there for good."""
+    from tests.test_checkpoint_durability import EXPORT_KILLED, _export_old
+
+    out = tmp_path / "export"
+    _export_old(out)
+    done = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(ASSET), str(out), how, when], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr
+    assert list(tmp_path.glob(".export.*"))
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert main(["export", str(ASSET), "--out", str(out)]) == 0
+    assert [r.getMessage() for r in caplog.records if "killed" in r.getMessage()] != []
+    assert [p.name for p in tmp_path.iterdir()] == ["export"] and (out / "README.md").read_text() == "mine"
