@@ -182,10 +182,17 @@ def _copy_with_index_topk(path: Path, index_topk: int, run_dir: Path, target: Pa
 
 def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:
     """model_dir, its config.json's index_topk set to `index_topk` (None: as it is). A resumed run reuses the
-    initial_model its first start wrote, whose budget a changed model.index_topk must still set."""
+    initial_model its first start wrote, whose budget a changed model.index_topk must still set. A failed write (a
+    full disk) is one UserError, the old config.json kept."""
     config = json.loads((model_dir / "config.json").read_text())
     if index_topk is not None and config.get("index_topk") != index_topk:
-        write_atomic(model_dir / "config.json", json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        try:  # atomic: a failed write (a full disk) leaves the old config.json whole
+            write_atomic(model_dir / "config.json", json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        except OSError as e:
+            if (failure := write_failure(model_dir, e)) is None:
+                raise
+            raise UserError(f"{model_dir / 'config.json'}, rewritten for model.index_topk {index_topk}: {failure}; "
+                            f"it still says index_topk {config.get('index_topk')}") from None
         logger.info("%s: index_topk %s -> %d (model.index_topk)", model_dir, config.get("index_topk"), index_topk)
     return model_dir
 

@@ -273,3 +273,36 @@ def test_a_full_disk_while_copying_model_path_for_index_topk_is_one_line(tmp_pat
     monkeypatch.setattr(shutil, "copyfile", copyfile)  # space again: the next start copies it whole
     copied = prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
     assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_a_full_disk_while_rewriting_a_reused_initial_models_index_topk_is_one_line(tmp_path, monkeypatch):
+    """A reused run_dir/initial_model whose config.json is rewritten for a changed model.index_topk: a full disk
+    there raised the OSError with a traceback. Now one line naming the file, the key and the operating system's
+    words; the old config.json is kept whole and no temporary file is left. ENOSPC comes from a patched writer,
+    after part of the new text is written."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    model_dir = prepare_model_dir(load_recipe(None, ["model.preset=tiny", "model.index_topk=16"]), tmp_path / "run")
+    before = (model_dir / "config.json").read_bytes()
+    write_text = Path.write_text
+
+    def full_disk(path, text, *args, **kwargs):
+        if path.name.startswith(".config.json.tmp"):
+            write_text(path, text[:20], *args, **kwargs)  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, ["model.preset=tiny", "model.index_topk=24"]), tmp_path / "run")
+    assert str(info.value) == (f"{model_dir / 'config.json'}, rewritten for model.index_topk 24: cannot be written: "
+                               "No space left on device; it still says index_topk 16")
+    assert (model_dir / "config.json").read_bytes() == before
+    assert not list(model_dir.glob(".config.json.tmp*"))
