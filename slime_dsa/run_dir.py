@@ -233,19 +233,20 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         return _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
-    # built-in's embedding rows (an IndexError at the first forward)
+    # built-in's embedding rows (an IndexError at the first forward); highest id + 1, not len(), for ids with holes
     tokenizer = build_tokenizer() if (source := recipe.model.tokenizer_path) is None else _auto_tokenizer(source)
     if tokenizer.eos_token_id is None:  # sft ended each response with None (a TypeError at the first step), the
         raise UserError(no_eos_problem(source))  # engines stopped at no token, the agent loop's ChatFormat refused
+    tokens = tokenizer_size(tokenizer)
     if (target / "config.json").exists():  # an earlier start of this run built it
         rows = json.loads((target / "config.json").read_text())["vocab_size"]
-        if len(tokenizer) > rows:
-            raise UserError(f"model.tokenizer_path: its {len(tokenizer)} tokens are more than the {rows} embedding "
+        if tokens > rows:
+            raise UserError(f"model.tokenizer_path: its {tokens} tokens are more than the {rows} embedding "
                             f"rows of {target}, which an earlier start of this run built from scratch for another "
                             "tokenizer; use a new logging.run_dir")
         return _set_index_topk(target, recipe.model.index_topk)
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
-    config = preset_config(recipe.model.scratch_preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+    config = preset_config(recipe.model.scratch_preset, vocab_size=tokens, eos_token_id=tokenizer.eos_token_id,
                            **overrides)
     save_model(build_model(config, seed=recipe.trainer.seed), target, tokenizer.save_pretrained,
                f"the from-scratch model (model.preset) in the run directory, {target}")
@@ -262,11 +263,17 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
     tokenizer = _auto_tokenizer(source)
     if recipe.model.path is not None:
         rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")  # passed check_model_dir
-        tokens = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+        tokens = tokenizer_size(tokenizer)
         if isinstance(rows, int) and tokens > rows:
             key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
             raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
     return tokenizer
+
+
+def tokenizer_size(tokenizer: Any) -> int:
+    """The embedding rows `tokenizer` needs: its highest token id + 1, or its length where that is more. A tokenizer
+    whose ids have holes (an id at or above its length) needs more rows than len(tokenizer), which sized too few."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
 def _auto_tokenizer(source: str) -> Any:

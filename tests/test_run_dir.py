@@ -306,3 +306,39 @@ def test_a_full_disk_while_rewriting_a_reused_initial_models_index_topk_is_one_l
                                "No space left on device; it still says index_topk 16")
     assert (model_dir / "config.json").read_bytes() == before
     assert not list(model_dir.glob(".config.json.tmp*"))
+
+
+def _tokenizer_with_holes(directory):
+    """The built-in tokenizer (390 tokens) with its last merge token moved from id 372 to 450: a tokenizer whose
+    ids have holes, len() 390 but ids up to 450. Returns (directory, the moved token)."""
+    from slime_dsa.data.tokenizer import save_tokenizer  # noqa: PLC0415
+
+    save_tokenizer(directory)
+    raw = json.loads((directory / "tokenizer.json").read_text())
+    vocab = raw["model"]["vocab"]
+    token = max(vocab, key=vocab.get)
+    vocab[token] = 450
+    (directory / "tokenizer.json").write_text(json.dumps(raw))
+    return directory, token
+
+
+def test_a_from_scratch_model_is_sized_to_the_highest_token_id_not_the_length(tmp_path):
+    """A from-scratch model was sized by len(tokenizer): a tokenizer with holes in its ids (390 tokens, one of them id
+    450) got 390 embedding rows, and a text holding that token was an IndexError at the first forward. Now sized by
+    the highest id + 1; a run directory's model built for a 390-id tokenizer is refused for it in one line."""
+    import pytest  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    directory, token = _tokenizer_with_holes(tmp_path / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert (len(tokenizer), tokenizer.encode(token)) == (390, [450])
+    recipe = load_recipe(None, [f"model.tokenizer_path={directory}"])
+    model_dir = prepare_model_dir(recipe, tmp_path / "run")
+    assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == 451
+    prepare_model_dir(load_recipe(None, []), tmp_path / "builtin")  # 390 rows, for the built-in tokenizer
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "builtin")
+    assert str(info.value).startswith("model.tokenizer_path: its 451 tokens are more than the 390 embedding rows")
