@@ -58,7 +58,7 @@ def test_recipe_check_names_missing_dataset_files(capsys, tmp_path):
                          task % (tmp_path / "train.jsonl", tmp_path / "more.jsonl"))
     assert err == f"data.tasks.0.path: {tmp_path / 'train.jsonl'} does not exist (and 1 more: data.tasks.1.path)"
     (tmp_path / "train.txt").write_text("x")
-    err = one_line_error(capsys, "recipe", "check", BASE, "--set", f"data.tasks.0.kind=dataset",
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set", "data.tasks.0.kind=dataset",
                          "--set", f"data.tasks.0.path={tmp_path / 'train.txt'}")
     assert err == f"data.tasks.0.path: {tmp_path / 'train.txt'} is a .txt file; expected .jsonl, .json or .parquet"
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
