@@ -37,7 +37,7 @@ def test_recipe_check_names_a_model_path_that_is_no_model_directory(capsys, tmp_
         f"model.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
     err = one_line_error(capsys, "recipe", "check", BASE, "--set", "model.path=zai-org/GLM-5")
     assert err.startswith("model.path: 'zai-org/GLM-5' is not a local directory") and "--local-dir" in err
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"eos_token_id": 0}')  # without one: refused (test_run_dir.py)
     assert main(["recipe", "check", BASE, "--set", f"model.path={tmp_path}"]) == 0
 
 
