@@ -298,7 +298,8 @@ def _auto_tokenizer(source: str) -> Any:
     except (OSError, ValueError) as e:
         logger.debug("AutoTokenizer.from_pretrained(%r) failed: %s", source, e)
         raise UserError(f"no tokenizer at {source}: transformers' AutoTokenizer cannot load one "
-                        f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None
+                        f"({type(e).__name__}); put the model's tokenizer files there or set "
+                        "model.tokenizer_path") from None
 
 
 def save_model(model: Any, directory: Path, extra: Callable[[Path], object], where: str, after: str = "") -> None:

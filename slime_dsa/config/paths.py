@@ -1,12 +1,11 @@
 """The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
 check`, the start of train, sft and indexer-warmup).
 
-The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and sft load no
-hub ids). The other paths
-(model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
-that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more than one '/', or ends in a data
-file suffix), must exist; a value shaped like a hub id ('name' or 'org/name') that is not on disk is left to the
-loader.
+The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and
+sft load no hub ids). The other paths (model.tokenizer_path, data.tasks.N.path) may name a hub id that the local
+Hugging Face cache serves: a value that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more
+than one '/', or ends in a data file suffix), must exist; a value shaped like a hub id ('name' or 'org/name') that is
+not on disk is left to the loader.
 """
 
 from __future__ import annotations
@@ -47,7 +46,8 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         problems.append(("algorithm.opd_topk", problem))
     if config.model.path is not None and not problems and (problem := _eos_id_problem(config)):
         problems.append(("model.path", problem))
-    if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
+    if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path,
+                                                                               dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     elif config.model.path is not None and not problems and (problem := _tokenizer_size_problem(config)):
         problems.append(("model.tokenizer_path" if config.model.tokenizer_path else "model.path", problem))
@@ -306,5 +306,7 @@ def _local_problem(value: str, dir_only: bool = False) -> str | None:
         if dir_only:
             return f"{value} is a file, not a directory"
         suffix = path.suffix.lower()
-        return None if suffix in DATA_SUFFIXES else f"{value} is a {suffix or 'suffixless'} file; expected .jsonl, .json or .parquet"
+        if suffix in DATA_SUFFIXES:
+            return None
+        return f"{value} is a {suffix or 'suffixless'} file; expected .jsonl, .json or .parquet"
     return None if looks_like_hub_id(value) else f"{value} does not exist"
