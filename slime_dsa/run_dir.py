@@ -182,10 +182,17 @@ def _copy_with_index_topk(path: Path, index_topk: int, run_dir: Path, target: Pa
 
 def _set_index_topk(model_dir: Path, index_topk: int | None) -> Path:
     """model_dir, its config.json's index_topk set to `index_topk` (None: as it is). A resumed run reuses the
-    initial_model its first start wrote, whose budget a changed model.index_topk must still set."""
+    initial_model its first start wrote, whose budget a changed model.index_topk must still set. A failed write (a
+    full disk) is one UserError, the old config.json kept."""
     config = json.loads((model_dir / "config.json").read_text())
     if index_topk is not None and config.get("index_topk") != index_topk:
-        write_atomic(model_dir / "config.json", json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        try:  # atomic: a failed write (a full disk) leaves the old config.json whole
+            write_atomic(model_dir / "config.json", json.dumps({**config, "index_topk": index_topk}, indent=2) + "\n")
+        except OSError as e:
+            if (failure := write_failure(model_dir, e)) is None:
+                raise
+            raise UserError(f"{model_dir / 'config.json'}, rewritten for model.index_topk {index_topk}: {failure}; "
+                            f"it still says index_topk {config.get('index_topk')}") from None
         logger.info("%s: index_topk %s -> %d (model.index_topk)", model_dir, config.get("index_topk"), index_topk)
     return model_dir
 
@@ -210,7 +217,7 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
     """The HF directory engines and trainers load: model.path (copied into the run when model.index_topk changes its
     budget), or a from-scratch preset saved into the run."""
     from slime_dsa.checkpoint import build_model  # noqa: PLC0415
-    from slime_dsa.config.paths import no_eos_problem  # noqa: PLC0415
+    from slime_dsa.config.paths import config_eos_ids, no_eos_problem  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.models.presets import preset_config  # noqa: PLC0415
 
@@ -222,23 +229,28 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
         check_model_dir(path)
         if recipe.model.index_topk is None:
             return path
-        load_tokenizer(recipe, path)  # a tokenizer too large for the model: refused before the model is copied
+        load_tokenizer(recipe, path)  # a tokenizer too large, or of another EOS: refused before the model is copied
         return _with_index_topk(path, recipe.model.index_topk, run_dir)
     target = run_dir / "initial_model"
     # sized to the tokenizer the run uses (model.tokenizer_path, else the built-in): a larger one's ids ran past the
-    # built-in's embedding rows (an IndexError at the first forward)
+    # built-in's embedding rows (an IndexError at the first forward); highest id + 1, not len(), for ids with holes
     tokenizer = build_tokenizer() if (source := recipe.model.tokenizer_path) is None else _auto_tokenizer(source)
     if tokenizer.eos_token_id is None:  # sft ended each response with None (a TypeError at the first step), the
         raise UserError(no_eos_problem(source))  # engines stopped at no token, the agent loop's ChatFormat refused
+    tokens = tokenizer_size(tokenizer)
     if (target / "config.json").exists():  # an earlier start of this run built it
-        rows = json.loads((target / "config.json").read_text())["vocab_size"]
-        if len(tokenizer) > rows:
-            raise UserError(f"model.tokenizer_path: its {len(tokenizer)} tokens are more than the {rows} embedding "
+        built = json.loads((target / "config.json").read_text())
+        if tokens > (rows := built["vocab_size"]):
+            raise UserError(f"model.tokenizer_path: its {tokens} tokens are more than the {rows} embedding "
                             f"rows of {target}, which an earlier start of this run built from scratch for another "
                             "tokenizer; use a new logging.run_dir")
+        if tokenizer.eos_token_id not in (ids := config_eos_ids(built)):  # the engines would stop on the other's
+            raise UserError(f"model.tokenizer_path: its eos_token {tokenizer.eos_token!r} (id "
+                            f"{tokenizer.eos_token_id}) is not the eos_token_id {ids} of {target}, which an earlier "
+                            "start of this run built from scratch for another tokenizer; use a new logging.run_dir")
         return _set_index_topk(target, recipe.model.index_topk)
     overrides = {} if recipe.model.index_topk is None else {"index_topk": recipe.model.index_topk}
-    config = preset_config(recipe.model.scratch_preset, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+    config = preset_config(recipe.model.scratch_preset, vocab_size=tokens, eos_token_id=tokenizer.eos_token_id,
                            **overrides)
     save_model(build_model(config, seed=recipe.trainer.seed), target, tokenizer.save_pretrained,
                f"the from-scratch model (model.preset) in the run directory, {target}")
@@ -248,18 +260,33 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 
 def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
     """The tokenizer at model.tokenizer_path, else the one saved with the model; UserError (one line naming the key)
-    when it has more tokens than model.path has embedding rows: an id past them is an IndexError in the embedding."""
-    from slime_dsa.config.paths import tokenizer_size_problem  # noqa: PLC0415
+    for model.path when the tokenizer has more tokens than the model has embedding rows (an id past them is an
+    IndexError in the embedding), or when its eos_token is not one of config.json's eos_token_id (sft and the agent
+    loop end responses on the tokenizer's, the engines stop on config.json's alone) or config.json names none."""
+    from slime_dsa.config.paths import (  # noqa: PLC0415
+        config_eos_ids, eos_mismatch_problem, no_eos_id_problem, tokenizer_size_problem,
+    )
 
     source = recipe.model.tokenizer_path or str(model_dir)
     tokenizer = _auto_tokenizer(source)
     if recipe.model.path is not None:
-        rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")  # passed check_model_dir
-        tokens = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+        key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
+        config = json.loads((config_file := model_dir / "config.json").read_text())  # passed check_model_dir
+        rows, tokens = config.get("vocab_size"), tokenizer_size(tokenizer)
         if isinstance(rows, int) and tokens > rows:
-            key = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
             raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
+        if not (ids := config_eos_ids(config)):
+            raise UserError(f"model.path: {no_eos_id_problem(config_file, source, tokenizer.eos_token_id is None)}")
+        if tokenizer.eos_token_id not in ids:
+            problem = eos_mismatch_problem(config_file, ids, source, tokenizer.eos_token, tokenizer.eos_token_id)
+            raise UserError(f"{key}: {problem}")
     return tokenizer
+
+
+def tokenizer_size(tokenizer: Any) -> int:
+    """The embedding rows `tokenizer` needs: its highest token id + 1, or its length where that is more. A tokenizer
+    whose ids have holes (an id at or above its length) needs more rows than len(tokenizer), which sized too few."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
 def _auto_tokenizer(source: str) -> Any:
@@ -271,7 +298,8 @@ def _auto_tokenizer(source: str) -> Any:
     except (OSError, ValueError) as e:
         logger.debug("AutoTokenizer.from_pretrained(%r) failed: %s", source, e)
         raise UserError(f"no tokenizer at {source}: transformers' AutoTokenizer cannot load one "
-                        f"({type(e).__name__}); put the model's tokenizer files there or set model.tokenizer_path") from None
+                        f"({type(e).__name__}); put the model's tokenizer files there or set "
+                        "model.tokenizer_path") from None
 
 
 def save_model(model: Any, directory: Path, extra: Callable[[Path], object], where: str, after: str = "") -> None:

@@ -273,3 +273,172 @@ def test_a_full_disk_while_copying_model_path_for_index_topk_is_one_line(tmp_pat
     monkeypatch.setattr(shutil, "copyfile", copyfile)  # space again: the next start copies it whole
     copied = prepare_model_dir(load_recipe(None, [f"model.path={source}", "model.index_topk=512"]), run)
     assert (copied / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_a_full_disk_while_rewriting_a_reused_initial_models_index_topk_is_one_line(tmp_path, monkeypatch):
+    """A reused run_dir/initial_model whose config.json is rewritten for a changed model.index_topk: a full disk
+    there raised the OSError with a traceback. Now one line naming the file, the key and the operating system's
+    words; the old config.json is kept whole and no temporary file is left. ENOSPC comes from a patched writer,
+    after part of the new text is written."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    model_dir = prepare_model_dir(load_recipe(None, ["model.preset=tiny", "model.index_topk=16"]), tmp_path / "run")
+    before = (model_dir / "config.json").read_bytes()
+    write_text = Path.write_text
+
+    def full_disk(path, text, *args, **kwargs):
+        if path.name.startswith(".config.json.tmp"):
+            write_text(path, text[:20], *args, **kwargs)  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, ["model.preset=tiny", "model.index_topk=24"]), tmp_path / "run")
+    assert str(info.value) == (f"{model_dir / 'config.json'}, rewritten for model.index_topk 24: cannot be written: "
+                               "No space left on device; it still says index_topk 16")
+    assert (model_dir / "config.json").read_bytes() == before
+    assert not list(model_dir.glob(".config.json.tmp*"))
+
+
+def _tokenizer_with_holes(directory):
+    """The built-in tokenizer (390 tokens) with its last merge token moved from id 372 to 450: a tokenizer whose
+    ids have holes, len() 390 but ids up to 450. Returns (directory, the moved token)."""
+    from slime_dsa.data.tokenizer import save_tokenizer  # noqa: PLC0415
+
+    save_tokenizer(directory)
+    raw = json.loads((directory / "tokenizer.json").read_text())
+    vocab = raw["model"]["vocab"]
+    token = max(vocab, key=vocab.get)
+    vocab[token] = 450
+    (directory / "tokenizer.json").write_text(json.dumps(raw))
+    return directory, token
+
+
+def test_a_from_scratch_model_is_sized_to_the_highest_token_id_not_the_length(tmp_path):
+    """A from-scratch model was sized by len(tokenizer): a tokenizer with holes in its ids (390 tokens, one of them id
+    450) got 390 embedding rows, and a text holding that token was an IndexError at the first forward. Now sized by
+    the highest id + 1; a run directory's model built for a 390-id tokenizer is refused for it in one line."""
+    import pytest  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    directory, token = _tokenizer_with_holes(tmp_path / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert (len(tokenizer), tokenizer.encode(token)) == (390, [450])
+    recipe = load_recipe(None, [f"model.tokenizer_path={directory}"])
+    model_dir = prepare_model_dir(recipe, tmp_path / "run")
+    assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == 451
+    prepare_model_dir(load_recipe(None, []), tmp_path / "builtin")  # 390 rows, for the built-in tokenizer
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(recipe, tmp_path / "builtin")
+    assert str(info.value).startswith("model.tokenizer_path: its 451 tokens are more than the 390 embedding rows")
+
+
+def _quickstart_with(directory, eos_token_id="leave out", eos_token="<|endoftext|>"):
+    """A copy of the quickstart-sft model whose config.json's eos_token_id is `eos_token_id` (left out by default) and
+    whose tokenizer's eos_token is `eos_token` (373 in its vocabulary; None: no eos_token)."""
+    import shutil  # noqa: PLC0415
+
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    shutil.copytree(QUICKSTART_SFT, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("eos_token_id")
+    if eos_token_id != "leave out":
+        config["eos_token_id"] = eos_token_id
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.eos_token = tokenizer.pad_token = eos_token
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_model_path_whose_config_names_no_eos_is_one_line(tmp_path):
+    """model.path's config.json without eos_token_id was accepted: ModelConfig (as transformers) reads a missing one as
+    token id 1, so the engines ended every response at the first 'ā' (id 1 of this vocabulary), status completed,
+    and a saved checkpoint said 1; a null one stopped on nothing. With a tokenizer without eos_token too, sft also
+    ended each response with None. Refused in one line naming model.path, by recipe check and by the run."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+
+    for name, eos_token_id, eos_token in (("neither", "leave out", None), ("config", "leave out", "<|endoftext|>"),
+                                          ("null", None, "<|endoftext|>")):
+        model = _quickstart_with(tmp_path / name, eos_token_id, eos_token)
+        either = ", which has none either: set one in its tokenizer_config.json too" if eos_token is None else ""
+        expected = (f"model.path: {model / 'config.json'} has no eos_token_id: the engines end a response only on it "
+                    "(a missing one reads as token id 1, transformers' default, whatever token that is; a null one "
+                    f"as none); set it to the id of the eos_token of the tokenizer at {model}{either}")
+        recipe = load_recipe(None, [f"model.path={model}"])
+        with pytest.raises(RecipeError) as info:
+            check_recipe_paths(recipe)
+        assert str(info.value) == expected
+        with pytest.raises(UserError) as info:
+            load_tokenizer(recipe, prepare_model_dir(recipe, tmp_path / "run"))
+        assert str(info.value) == expected
+
+
+def test_a_tokenizer_whose_eos_the_engines_do_not_stop_on_is_one_line(tmp_path):
+    """A tokenizer whose eos_token is not among model.path's config.json eos_token_id: sft ended each response with
+    the tokenizer's EOS (and the agent loop stopped on it) while the engines stopped on config.json's alone, so an
+    sft model ran on to the length limit in every rollout, unsaid. Refused in one line naming the tokenizer's key;
+    a list holding the tokenizer's EOS passes. A tokenizer without eos_token (sft appended None) is refused too."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+
+    def start(*sets):
+        recipe = load_recipe(None, list(sets))
+        return load_tokenizer(recipe, prepare_model_dir(recipe, tmp_path / "run"))
+
+    model = _quickstart_with(tmp_path / "five", 5)
+    with pytest.raises(UserError) as info:
+        start(f"model.path={model}")
+    assert str(info.value) == (
+        f"model.path: the eos_token of the tokenizer at {model}, '<|endoftext|>' (id 373), is not the eos_token_id of "
+        f"{model / 'config.json'} (5): sft ends each response with 373 and the agent loop stops on it, while the "
+        "engines stop only on 5, so a model trained to end there runs on to the length limit; use the model's own "
+        "tokenizer, or add 373 to eos_token_id in config.json")
+    with pytest.raises(UserError, match=r"^model.tokenizer_path: the eos_token of the tokenizer at "):
+        start(f"model.path={model}", f"model.tokenizer_path={QUICKSTART_SFT}")
+    assert start(f"model.path={_quickstart_with(tmp_path / 'list', [5, 373])}").eos_token_id == 373
+    model = _quickstart_with(tmp_path / "no_eos", 373, None)
+    with pytest.raises(UserError) as info:
+        start(f"model.path={model}")
+    assert str(info.value) == (f"model.path: the tokenizer at {model} has no eos_token: sft ends each response with it "
+                               "(None) and the agent loop stops on it; set eos_token in its tokenizer_config.json to "
+                               f"the token of id 373, the eos_token_id of {model / 'config.json'}")
+
+
+def test_a_run_directorys_from_scratch_model_of_another_eos_is_one_line(tmp_path):
+    """A run directory's from-scratch initial_model, built for the built-in tokenizer (EOS 373), reused by a later
+    start whose model.tokenizer_path ends responses with another token: the engines stopped on 373 alone. Refused in
+    one line naming the key."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
+    from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
+    from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
+
+    tokenizer = build_tokenizer()
+    tokenizer.eos_token = "<|user|>"
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    built = prepare_model_dir(load_recipe(None, []), tmp_path / "run")
+    with pytest.raises(UserError) as info:
+        prepare_model_dir(load_recipe(None, [f"model.tokenizer_path={tmp_path / 'tokenizer'}"]), tmp_path / "run")
+    assert str(info.value) == (f"model.tokenizer_path: its eos_token '<|user|>' (id {tokenizer.eos_token_id}) is not "
+                               f"the eos_token_id [373] of {built}, which an earlier start of this run built from "
+                               "scratch for another tokenizer; use a new logging.run_dir")

@@ -130,3 +130,28 @@ def test_a_tokenizer_mismatch_stops_the_run_in_one_line(tmp_path, experts):
     check_tokenizers(recipe.teachers[:1], student, logits)
     with pytest.raises(UserError, match=f"its model has {logits} logits against the student's {logits + 64}; "):
         check_tokenizers(recipe.teachers[:1], student, logits + 64)
+
+
+def test_a_teacher_with_fewer_logits_than_the_highest_token_id_is_one_line(tmp_path):
+    """A teacher's logits were checked against len(student tokenizer): with holes in its ids (390 tokens, one of them
+    id 450) a teacher of 420 logits passed, and its engine failed on id 450 mid-run. Now checked against the highest
+    id + 1."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from slime_dsa.config import validate_recipe
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.orchestrator.teachers import check_tokenizers
+    from tests.test_run_dir import _tokenizer_with_holes
+
+    student_dir, _ = _tokenizer_with_holes(tmp_path / "student")
+    teacher = tmp_path / "teacher"
+    shutil.copytree(student_dir, teacher)
+    (teacher / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "vocab_size": 420}))
+    recipe = validate_recipe({"algorithm": {"name": "opd"}, "rollout": {"n_samples_per_prompt": 1},
+                              "teachers": [{"name": "t", "path": str(teacher), "domains": ["arithmetic"]}]})
+    with pytest.raises(UserError) as info:
+        check_tokenizers(recipe.teachers, AutoTokenizer.from_pretrained(student_dir))
+    assert str(info.value) == (f"teacher 't' ({teacher}): its model has 420 logits, fewer than the tokenizer's 451 "
+                               "tokens")

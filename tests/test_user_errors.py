@@ -37,7 +37,7 @@ def test_recipe_check_names_a_model_path_that_is_no_model_directory(capsys, tmp_
         f"model.path: {tmp_path} holds no config.json (not a Hugging Face model directory)"
     err = one_line_error(capsys, "recipe", "check", BASE, "--set", "model.path=zai-org/GLM-5")
     assert err.startswith("model.path: 'zai-org/GLM-5' is not a local directory") and "--local-dir" in err
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"eos_token_id": 0}')  # without one: refused (test_run_dir.py)
     assert main(["recipe", "check", BASE, "--set", f"model.path={tmp_path}"]) == 0
 
 
@@ -58,7 +58,7 @@ def test_recipe_check_names_missing_dataset_files(capsys, tmp_path):
                          task % (tmp_path / "train.jsonl", tmp_path / "more.jsonl"))
     assert err == f"data.tasks.0.path: {tmp_path / 'train.jsonl'} does not exist (and 1 more: data.tasks.1.path)"
     (tmp_path / "train.txt").write_text("x")
-    err = one_line_error(capsys, "recipe", "check", BASE, "--set", f"data.tasks.0.kind=dataset",
+    err = one_line_error(capsys, "recipe", "check", BASE, "--set", "data.tasks.0.kind=dataset",
                          "--set", f"data.tasks.0.path={tmp_path / 'train.txt'}")
     assert err == f"data.tasks.0.path: {tmp_path / 'train.txt'} is a .txt file; expected .jsonl, .json or .parquet"
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
@@ -471,3 +471,24 @@ def test_model_preset_with_model_path_names_both_keys_and_where_each_was_set(cap
                           f"('quickstart') and path ('{model}') are both set"), err
     assert main(["recipe", "check", str(ROOT / "recipes" / "indexer_warmup.yaml"), "--for", "indexer-warmup",
                  "--set", f"model.path={model}", "--set", "model.preset=null"]) == 0
+
+
+def test_train_sizes_the_critic_check_by_the_highest_token_id(capsys, tmp_path, monkeypatch):
+    """The critic's embedding rows were checked against len(tokenizer): a tokenizer with holes in its ids (390
+    tokens, one of them id 450) passed a critic of 420 rows, whose rank then failed on id 450 after Ray started
+    (IndexError). Now checked against the highest id + 1, before Ray."""
+    from slime_dsa.orchestrator import cluster  # noqa: PLC0415
+    from tests.test_run_dir import _tokenizer_with_holes  # noqa: PLC0415
+
+    def no_ray(recipe):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(cluster, "init_ray", no_ray)
+    tokenizer, _ = _tokenizer_with_holes(tmp_path / "tokenizer")
+    policy = _with_vocab(_model_dir_without(tmp_path / "policy"), 451)  # rows enough for id 450 (config only)
+    critic = _with_vocab(_model_dir_without(tmp_path / "critic"), 420)
+    sets = [f"model.path={policy}", f"model.tokenizer_path={tokenizer}", f"critic.path={critic}",
+            f"logging.run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"]
+    err = one_line_error(capsys, "train", str(ROOT / "recipes" / "sao_agentic.yaml"),
+                         *[a for s in sets for a in ("--set", s)])
+    assert err.startswith(f"critic.path: {critic} has 420 token embeddings, fewer than the tokenizer's 451 tokens"), err

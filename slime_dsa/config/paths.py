@@ -1,12 +1,11 @@
 """The files a recipe points at, and the packages its choices need, checked before anything slow starts (`recipe
 check`, the start of train, sft and indexer-warmup).
 
-The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and sft load no
-hub ids). The other paths
-(model.tokenizer_path, data.tasks.N.path) may name a hub id that the local Hugging Face cache serves: a value
-that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more than one '/', or ends in a data
-file suffix), must exist; a value shaped like a hub id ('name' or 'org/name') that is not on disk is left to the
-loader.
+The rule: model.path (and critic.path, each teachers.N.path) is a local directory holding config.json (train and
+sft load no hub ids). The other paths (model.tokenizer_path, data.tasks.N.path) may name a hub id that the local
+Hugging Face cache serves: a value that is on disk, or is shaped like a path (starts with '/', '.' or '~', has more
+than one '/', or ends in a data file suffix), must exist; a value shaped like a hub id ('name' or 'org/name') that is
+not on disk is left to the loader.
 """
 
 from __future__ import annotations
@@ -45,7 +44,10 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
         problems.append((problem.split(" ", 1)[0], problem))  # the key the message names first
     if config.model.path is not None and not problems and (problem := _opd_topk_problem(config)):
         problems.append(("algorithm.opd_topk", problem))
-    if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path, dir_only=True)):
+    if config.model.path is not None and not problems and (problem := _eos_id_problem(config)):
+        problems.append(("model.path", problem))
+    if config.model.tokenizer_path is not None and (problem := _local_problem(config.model.tokenizer_path,
+                                                                               dir_only=True)):
         problems.append(("model.tokenizer_path", problem))
     elif config.model.path is not None and not problems and (problem := _tokenizer_size_problem(config)):
         problems.append(("model.tokenizer_path" if config.model.tokenizer_path else "model.path", problem))
@@ -213,6 +215,51 @@ def no_eos_problem(source: str) -> str:
             "with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
 
 
+def config_eos_ids(raw: dict) -> list[int]:
+    """The token ids a config.json's eos_token_id names (an int or a list of them): the ids the engines stop on."""
+    value = raw.get("eos_token_id")
+    values = value if isinstance(value, list) else [value]
+    return [i for i in values if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def no_eos_id_problem(config_file: Path, source: str, tokenizer_lacks_eos: bool) -> str:
+    """The one line (after 'model.path: ') refusing a model.path whose config.json names no EOS id."""
+    either = ", which has none either: set one in its tokenizer_config.json too" if tokenizer_lacks_eos else ""
+    return (f"{config_file} has no eos_token_id: the engines end a response only on it (a missing one reads as token "
+            "id 1, transformers' default, whatever token that is; a null one as none); set it to the id of the "
+            f"eos_token of the tokenizer at {source}{either}")
+
+
+def eos_mismatch_problem(config_file: Path, ids: list[int], source: str, token: str | None,
+                         token_id: int | None) -> str:
+    """The one line (after the tokenizer's key) refusing a tokenizer whose eos_token is not among config.json's
+    eos_token_id: sft ends responses with the tokenizer's, the engines stop on config.json's."""
+    said = ids[0] if len(ids) == 1 else ids
+    if token_id is None:
+        return (f"the tokenizer at {source} has no eos_token: sft ends each response with it (None) and the agent loop "
+                f"stops on it; set eos_token in its tokenizer_config.json to the token of id {ids[0]}, the "
+                f"eos_token_id of {config_file}")
+    return (f"the eos_token of the tokenizer at {source}, {token!r} (id {token_id}), is not the eos_token_id of "
+            f"{config_file} ({said}): sft ends each response with {token_id} and the agent loop stops on it, while "
+            f"the engines stop only on {said}, so a model trained to end there runs on to the length limit; use the "
+            f"model's own tokenizer, or add {token_id} to eos_token_id in config.json")
+
+
+def _eos_id_problem(config: RecipeConfig) -> str | None:
+    """Whether config.json of model.path names no EOS id (the run also checks the loaded tokenizer's eos_token)."""
+    import json  # noqa: PLC0415
+
+    config_file = Path(config.model.path).expanduser() / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None  # the model's own checks name an unreadable config.json
+    if not isinstance(raw, dict) or config_eos_ids(raw):
+        return None
+    source = config.model.tokenizer_path or config.model.path
+    return no_eos_id_problem(config_file, source, _lacks_eos(source))
+
+
 # Tokenizer classes that give no eos_token of their own: only their files can name one.
 _PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
@@ -259,5 +306,7 @@ def _local_problem(value: str, dir_only: bool = False) -> str | None:
         if dir_only:
             return f"{value} is a file, not a directory"
         suffix = path.suffix.lower()
-        return None if suffix in DATA_SUFFIXES else f"{value} is a {suffix or 'suffixless'} file; expected .jsonl, .json or .parquet"
+        if suffix in DATA_SUFFIXES:
+            return None
+        return f"{value} is a {suffix or 'suffixless'} file; expected .jsonl, .json or .parquet"
     return None if looks_like_hub_id(value) else f"{value} does not exist"

@@ -41,9 +41,10 @@ class ModelSection(Section):
     """The policy model: where its weights and tokenizer come from and how it computes."""
 
     path: str | None = Field(
-        None, description="Local Hugging Face model directory (with config.json) to start from; a hub model is "
-                          "downloaded first (huggingface-cli download ORG/NAME --local-dir DIR); null builds a tiny "
-                          "randomly initialised GLM-MoE-DSA model (CPU quickstart).")
+        None, description="Local Hugging Face model directory (with config.json, which must name eos_token_id) to "
+                          "start from; a hub model is downloaded first (huggingface-cli download ORG/NAME "
+                          "--local-dir DIR); null builds a tiny randomly initialised GLM-MoE-DSA model (CPU "
+                          "quickstart).")
     preset: Literal["tiny", "quickstart", "small"] | None = Field(
         None, description="Size of the model built from scratch when path is null: tiny (~0.1M parameters, "
                           "tests), quickstart (~1.4M, the CPU quickstart) or small (~160M, one GPU); null = tiny. "
@@ -53,10 +54,11 @@ class ModelSection(Section):
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
         None, description="Tokenizer directory or hub id; null = model.path (the built-in toy tokenizer when "
-                          "model.path is null too). With path set it may hold no more tokens than that model's "
-                          "embedding rows (config.json vocab_size). With path null the preset's vocabulary and EOS "
-                          "are this tokenizer's (its length, its eos_token, which it must have), and it is saved "
-                          "with the model built.")
+                          "model.path is null too). With path set it may hold no more token ids than that model's "
+                          "embedding rows (config.json vocab_size), and its eos_token must be one of that "
+                          "config.json's eos_token_id (the engines stop on those; sft ends responses with this). "
+                          "With path null the preset's vocabulary and EOS are this tokenizer's (its highest token "
+                          "id + 1, its eos_token, which it must have), and it is saved with the model built.")
     ops_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention and indexer kernels: torch (reference, any device), triton (GPU), "
                             "auto = triton on GPU, torch on CPU.")

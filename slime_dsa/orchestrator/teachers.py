@@ -29,6 +29,8 @@ def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any, stud
     has another number of logits than the student's (`student_logits`; None: at least one per token)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from slime_dsa.run_dir import tokenizer_size  # noqa: PLC0415
+
     student_vocab = student_tokenizer.get_vocab()
     for teacher in teachers:
         where = f"teacher '{teacher.name}' ({teacher.path})"
@@ -46,9 +48,8 @@ def check_tokenizers(teachers: list[TeacherConfig], student_tokenizer: Any, stud
         if student_logits is not None and vocab != student_logits:
             raise UserError(f"{where}: its model has {vocab} logits against the student's {student_logits}; its "
                             "log-probs and top-k ids must range over the student's vocabulary")
-        if vocab < len(student_vocab):
-            raise UserError(f"{where}: its model has {vocab} logits, fewer than the tokenizer's {len(student_vocab)} "
-                            "tokens")
+        if vocab < (tokens := tokenizer_size(student_tokenizer)):  # highest id + 1: ids may have holes
+            raise UserError(f"{where}: its model has {vocab} logits, fewer than the tokenizer's {tokens} tokens")
 
 
 def model_logits(model_dir: Path) -> int | None:

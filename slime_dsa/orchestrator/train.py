@@ -73,7 +73,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from slime_dsa.orchestrator import cluster, setup  # noqa: PLC0415
     from slime_dsa.orchestrator.perf import EngineStats, train_flops_for_run  # noqa: PLC0415
     from slime_dsa.orchestrator.rollout_manager import RolloutManager  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, tokenizer_size  # noqa: PLC0415
     from slime_dsa.orchestrator.weight_sync import (  # noqa: PLC0415
         build_weight_sync, engine_weight_dirs, remove_stale_shm_dirs, shm_dir_name,
     )
@@ -92,7 +92,7 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     if resume_from is not None:
         check_same_model(resume_from, model_dir)
     tokenizer = load_tokenizer(recipe, model_dir)
-    _check_critic_and_teacher_dirs(recipe, len(tokenizer))
+    _check_critic_and_teacher_dirs(recipe, tokenizer_size(tokenizer))  # highest id + 1: the rows it looks up
     if recipe.teachers:
         from slime_dsa.orchestrator.teachers import check_tokenizers, model_logits  # noqa: PLC0415
 
