@@ -670,3 +670,24 @@ def test_generate_bodies_are_orjson_unless_a_log_prob_is_not_finite():
         text = response_json({"x": bad}, [out(bad)])
         assert text == json.dumps({"x": bad}).encode() and (b"Infinity" in text or b"NaN" in text)
     assert b"NaN" in response_json({"x": [float("nan")]}, [out([-1.0], inputs=[None, float("nan")])])
+
+
+def test_the_engine_uses_the_runs_tokenizer_path(checkpoints, tmp_path, engine_actor_kwargs):
+    """An embedded engine detokenises and matches stop strings with the run's model.tokenizer_path, as the driver
+    and trainers do: it loaded the tokenizer saved with the model whatever the recipe said."""
+    from transformers import AutoTokenizer
+
+    from slime_dsa.config import RecipeConfig
+    from slime_dsa.orchestrator import setup
+
+    own = AutoTokenizer.from_pretrained(str(checkpoints[0]))
+    other = tmp_path / "tokenizer"
+    AutoTokenizer.from_pretrained(str(checkpoints[0]), model_max_length=own.model_max_length + 7).save_pretrained(other)
+    engine, tokenizer = load_engine(checkpoints[0], max_cache_tokens=1024, max_running_requests=4,
+                                    tokenizer_path=str(other))
+    assert tokenizer.model_max_length == own.model_max_length + 7
+    assert engine.model_info()["tokenizer_path"] == str(other)
+    recipe = RecipeConfig.model_validate({"model": {"path": str(checkpoints[0]), "tokenizer_path": str(other)},
+                                          "data": {"tasks": [{"kind": "arithmetic"}]}})
+    setup.create_engines(recipe, checkpoints[0], use_async=False, access=None, count=1)
+    assert engine_actor_kwargs["engine_kwargs"]["tokenizer_path"] == str(other)

@@ -26,7 +26,7 @@ VERIFIED_SGLANG_FLAGS = {
     "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--speculative-draft-model-path",
     "--tool-call-parser", "--reasoning-parser", "--enable-memory-saver", "--enable-return-indexer-topk",
     "--max-running-requests", "--context-length", "--chunked-prefill-size", "--served-model-name", "--api-key",
-    "--log-level", "--trust-remote-code",
+    "--log-level", "--trust-remote-code", "--tokenizer-path",
 }
 
 
@@ -65,10 +65,24 @@ def test_command_dsa_flag_style_renames_backend_flags():
 def test_every_emitted_flag_was_verified_against_sglang():
     full = glm5_config(speculative=SpeculativeConfig(draft_model_path="/d"), enable_return_indexer_topk=True,
                        max_running_requests=64, context_length=4096, chunked_prefill_size=8192,
-                       served_model_name="glm", api_key="k", log_level="info", trust_remote_code=True)
+                       served_model_name="glm", api_key="k", log_level="info", trust_remote_code=True,
+                       tokenizer_path="/t")
     for style in ("nsa", "dsa"):
         flags = {a for a in build_command(SGLangConfig(**{**full.__dict__, "dsa_flag_style": style})) if a.startswith("--")}
         assert flags <= VERIFIED_SGLANG_FLAGS, flags - VERIFIED_SGLANG_FLAGS
+
+
+def test_the_runs_tokenizer_path_reaches_the_sglang_server(tmp_path):
+    """A recipe's model.tokenizer_path is the tokenizer SGLang detokenises and matches stop strings with: without
+    --tokenizer-path it used the one saved with model.path."""
+    from slime_dsa.config import RecipeConfig
+    from slime_dsa.orchestrator.setup import sglang_config
+
+    recipe = RecipeConfig.model_validate({"model": {"path": str(tmp_path / "m"), "preset": None,
+                                                    "tokenizer_path": str(tmp_path / "t")}})
+    cmd = build_command(sglang_config(recipe, tmp_path / "m"))
+    assert cmd[cmd.index("--tokenizer-path") + 1] == str(tmp_path / "t")
+    assert "--tokenizer-path" not in build_command(SGLangConfig(model_path="m"))
 
 
 def test_minimal_command_leaves_defaults_to_sglang():

@@ -20,14 +20,13 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(model_dir: str | Path) -> Any:
-    """The tokenizer saved with the model, or None when the directory holds none."""
-    model_dir = Path(model_dir)
-    if not any((model_dir / name).exists() for name in _TOKENIZER_FILES):
+def load_tokenizer(source: str | Path) -> Any:
+    """The tokenizer at `source`: a directory (None when it holds none, as a model saved without one) or a hub id."""
+    if Path(source).is_dir() and not any((Path(source) / name).exists() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(source))
 
 
 def load_engine(
@@ -45,6 +44,7 @@ def load_engine(
     true_on_policy: bool = False,
     warmup_max_len: int = 0,
     index_key_cache_dtype: str = "auto",
+    tokenizer_path: str | None = None,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -55,7 +55,8 @@ def load_engine(
     `true_on_policy`: batch-invariant ops for this process (slime_dsa.ops.invariant), as the recipe's model key.
     `warmup_max_len` (CUDA only; 0: none): compile the kernels and capture the decode graphs for samples of up to
     that many tokens now, not in the first rollout (rollout/engine/warmup.py). `index_key_cache_dtype`: auto |
-    fp8_e4m3, the DSA indexer keys' cache (Engine).
+    fp8_e4m3, the DSA indexer keys' cache (Engine). `tokenizer_path`: the tokenizer for stop strings and text
+    (the run's model.tokenizer_path); None: the one saved with the model.
     """
     import torch
 
@@ -69,7 +70,7 @@ def load_engine(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, dtype=dtype, device=device).eval()
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(tokenizer_path or model_dir)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
                     tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk,
                     overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
@@ -84,7 +85,8 @@ def load_engine(
             logger.exception("engine: warm-up failed; the first rollout compiles and captures instead")
             engine.abort(abort_all=True)
             engine.flush_cache()
-    async_engine = AsyncEngine(engine, model_path=str(model_dir), tokenizer_path=str(model_dir) if tokenizer else None)
+    async_engine = AsyncEngine(engine, model_path=str(model_dir),
+                               tokenizer_path=str(tokenizer_path or model_dir) if tokenizer else None)
     async_engine.preload_weights(preload_weights or [])
     return async_engine, tokenizer
 

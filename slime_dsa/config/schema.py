@@ -54,7 +54,8 @@ class ModelSection(Section):
         "auto", description="Parameter dtype; auto = bfloat16 on GPU, float32 on CPU.")
     tokenizer_path: str | None = Field(
         None, description="Tokenizer directory or hub id; null = model.path (the built-in toy tokenizer when "
-                          "model.path is null too). With path set it may hold no more token ids than that model's "
+                          "model.path is null too). The driver, the trainers and the engines (SGLang's "
+                          "--tokenizer-path) all use it. With path set it may hold no more token ids than that model's "
                           "embedding rows (config.json vocab_size), and its eos_token must be one of that "
                           "config.json's eos_token_id (the engines stop on those; sft ends responses with this). "
                           "With path null the preset's vocabulary and EOS are this tokenizer's (its highest token "

@@ -123,6 +123,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk,
                        "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,
                        "index_key_cache_dtype": ro.index_key_cache_dtype,
+                       "tokenizer_path": recipe.model.tokenizer_path,
                        "warmup_max_len": recipe.data.max_prompt_length + ro.max_response_length},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
     )
@@ -134,7 +135,7 @@ def sglang_config(recipe: RecipeConfig, model_dir: Path | str, return_indexer_to
     from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
 
     sg = recipe.rollout.sglang
-    return SGLangConfig(model_path=str(model_dir), tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
+    return SGLangConfig(model_path=str(model_dir), tokenizer_path=recipe.model.tokenizer_path, tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
                         kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
                         enable_return_indexer_topk=return_indexer_topk, extra_args=list(sg.extra_args),
                         enable_memory_saver=memory_saver, api_key=api_key)
