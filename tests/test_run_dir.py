@@ -11,6 +11,24 @@ from slime_dsa.config import load_recipe
 from slime_dsa.run_dir import open_run_dir, resolve_run_dir
 
 
+def assert_refused_by_check_and_run(recipe, run_dir, expected: str) -> None:
+    """recipe check refuses `recipe` with the one line `expected`, and so does the run's start (prepare_model_dir,
+    then load_tokenizer), leaving no initial_model in `run_dir`."""
+    import pytest  # noqa: PLC0415
+
+    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
+
+    with pytest.raises(RecipeError) as info:
+        check_recipe_paths(recipe)
+    assert str(info.value) == expected
+    with pytest.raises(UserError) as info:
+        load_tokenizer(recipe, prepare_model_dir(recipe, run_dir))
+    assert str(info.value) == expected
+    assert not (run_dir / "initial_model").exists()
+
+
 def test_open_run_dir_writes_the_recipe_and_logs_only_inside_the_block(tmp_path):
     recipe = load_recipe(None, [f"logging.run_dir={tmp_path / 'run'}", "rollout.temperature=0.5"])
     root = logging.getLogger()
@@ -175,7 +193,7 @@ def test_model_path_with_a_tokenizer_larger_than_its_embedding_is_one_line(tmp_p
     loaded tokenizer), before the model is copied; the model's own tokenizer is accepted."""
     import pytest  # noqa: PLC0415
 
-    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
+    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer, save_tokenizer  # noqa: PLC0415
     from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
@@ -188,13 +206,7 @@ def test_model_path_with_a_tokenizer_larger_than_its_embedding_is_one_line(tmp_p
                 "one that fits it")
     recipe = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}",
                                 "model.index_topk=64"])
-    with pytest.raises(RecipeError) as info:
-        check_recipe_paths(recipe)
-    assert str(info.value) == expected
-    with pytest.raises(UserError) as info:
-        prepare_model_dir(recipe, tmp_path / "run")
-    assert str(info.value) == expected
-    assert not (tmp_path / "run" / "initial_model").exists()
+    assert_refused_by_check_and_run(recipe, tmp_path / "run", expected)
     plain = load_recipe(None, [f"model.path={QUICKSTART_SFT}", f"model.tokenizer_path={directory}"])
     with pytest.raises(UserError) as info:
         load_tokenizer(plain, prepare_model_dir(plain, tmp_path / "plain"))
@@ -209,9 +221,6 @@ def test_a_from_scratch_model_with_a_tokenizer_without_eos_is_one_line(tmp_path)
     sft ended each response with None ('Could not infer dtype of NoneType' at its first step), the engines had no
     token to stop on and the agent loop refused the tokenizer. Refused in one line naming the key, by recipe check
     (its files) and by the run (the loaded tokenizer), before a model is built."""
-    import pytest  # noqa: PLC0415
-
-    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
     from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
     from slime_dsa.data.tokenizer import build_tokenizer  # noqa: PLC0415
     from slime_dsa.run_dir import prepare_model_dir  # noqa: PLC0415
@@ -224,13 +233,7 @@ def test_a_from_scratch_model_with_a_tokenizer_without_eos_is_one_line(tmp_path)
                 "(model.path null) takes its EOS from the tokenizer: generation stops on it and sft ends each "
                 "response with it. Set eos_token in its tokenizer_config.json, or use a tokenizer that has one")
     recipe = load_recipe(None, [f"model.tokenizer_path={directory}"])
-    with pytest.raises(RecipeError) as info:
-        check_recipe_paths(recipe)
-    assert str(info.value) == expected
-    with pytest.raises(UserError) as info:
-        prepare_model_dir(recipe, tmp_path / "run")
-    assert str(info.value) == expected
-    assert not (tmp_path / "run" / "initial_model").exists()
+    assert_refused_by_check_and_run(recipe, tmp_path / "run", expected)
     tokenizer.eos_token = "<|endoftext|>"  # the same tokenizer with its EOS is taken
     tokenizer.save_pretrained(tmp_path / "with_eos")
     recipe = load_recipe(None, [f"model.tokenizer_path={tmp_path / 'with_eos'}"])
@@ -368,11 +371,6 @@ def test_model_path_whose_config_names_no_eos_is_one_line(tmp_path):
     token id 1, so the engines ended every response at the first 'ā' (id 1 of this vocabulary), status completed,
     and a saved checkpoint said 1; a null one stopped on nothing. With a tokenizer without eos_token too, sft also
     ended each response with None. Refused in one line naming model.path, by recipe check and by the run."""
-    import pytest  # noqa: PLC0415
-
-    from slime_dsa.config.errors import RecipeError, UserError  # noqa: PLC0415
-    from slime_dsa.config.paths import check_recipe_paths  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir  # noqa: PLC0415
 
     for name, eos_token_id, eos_token in (("neither", "leave out", None), ("config", "leave out", "<|endoftext|>"),
                                           ("null", None, "<|endoftext|>")):
@@ -382,12 +380,7 @@ def test_model_path_whose_config_names_no_eos_is_one_line(tmp_path):
                     "(a missing one reads as token id 1, transformers' default, whatever token that is; a null one "
                     f"as none); set it to the id of the eos_token of the tokenizer at {model}{either}")
         recipe = load_recipe(None, [f"model.path={model}"])
-        with pytest.raises(RecipeError) as info:
-            check_recipe_paths(recipe)
-        assert str(info.value) == expected
-        with pytest.raises(UserError) as info:
-            load_tokenizer(recipe, prepare_model_dir(recipe, tmp_path / "run"))
-        assert str(info.value) == expected
+        assert_refused_by_check_and_run(recipe, tmp_path / "run", expected)
 
 
 def test_a_tokenizer_whose_eos_the_engines_do_not_stop_on_is_one_line(tmp_path):
