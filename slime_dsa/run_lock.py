@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import remove_leftovers
+from slime_dsa.durable import older_leftovers, remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class OutputLock(RunLock):
             [f"removed {', '.join(path.name for path in removed)}"] if removed else [])
         if done:
             logger.info("%s: %s (left by a writer that was killed)", self.run_dir, " and ".join(done))
+        if older := older_leftovers(self.run_dir):
+            logger.warning("%s: left %s beside it: temporary directories of an older slime-dsa (no pid in the name), "
+                           "which took no lock and may still be writing; remove them by hand once none writes %s",
+                           self.run_dir, ", ".join(path.name for path in older), self.run_dir.name)
 
     def in_use(self, holder: str) -> str:
         named = f"{self.key} {self.run_dir}" if self.key else str(self.run_dir)

@@ -283,3 +283,27 @@ def test_an_sft_or_warm_up_removes_a_killed_writers_leftovers_at_its_start(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert (out / "config.json").is_file()
 
+
+def test_an_older_versions_temporary_directory_is_left_and_named_in_one_warning(tmp_path, caplog):
+    """`.OUT.tmp-RANDOM` (no pid: versions before pids in the names, which took no lock) is never removed, even when
+    its random part is all digits (it was read as a pid no process has, and removed); the next writer names it in one
+    WARNING saying why it is left and what to do. Before, such a directory stayed silently (and an all-digit one was
+    removed while its writer could still be writing it)."""
+    from slime_dsa.durable import older_leftovers, remove_leftovers
+
+    out = tmp_path / "out"
+    older = [tmp_path / ".out.tmp-12345678", tmp_path / ".out.tmp-x8k2l1ab"]  # pid_max is at most 4194304
+    for d in older:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(64))
+    gone = tmp_path / f".out.tmp-{_dead_pid()}-abcdefgh"  # this version's, its writer gone: removed
+    gone.mkdir()
+    assert older_leftovers(out) == older
+    assert remove_leftovers(out) == ([gone], None)
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert main(["export", str(ASSET), "--out", str(out)]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{out}: left .out.tmp-12345678, .out.tmp-x8k2l1ab beside it: temporary directories of an "
+                        "older slime-dsa (no pid in the name), which took no lock and may still be writing; remove "
+                        "them by hand once none writes out"]
+    assert sorted(tmp_path.iterdir()) == sorted([out, *older])
