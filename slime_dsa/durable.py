@@ -118,13 +118,17 @@ def make_temp_dir(final: Path) -> Path:
 
 def remove_leftovers(final: Path) -> tuple[list[Path], Path | None]:
     """What writers of `final` killed part way left beside it, whose process is gone: their temporary directories
-    (make_temp_dir) and the old copies publish_over set aside (aside_path), removed. A live process's are its work in
-    progress, and a name without a pid (an older version's) is not ours to judge: both are left. When `final` is
-    missing (a kill between publish_over's two renames), the newest old copy is renamed back to it first. Returns
-    (removed, the copy renamed back or None). Only while holding the lock of `final` (run_lock.OutputLock)."""
-    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(tmp|old)-(\d+)(?:-|$)")
-    dead = [(match.group(1), path) for path in sorted(final.parent.iterdir()) if (match := pattern.match(path.name))
-            and not _alive(int(match.group(2)))] if final.parent.is_dir() else []
+    (make_temp_dir, `.NAME.tmp-PID-RANDOM`) and the old copies publish_over set aside (aside_path), removed. A live
+    process's are its work in progress, and a name without a pid (an older version's: older_leftovers) is not ours to
+    judge: both are left. When `final` is missing (a kill between publish_over's two renames), the newest old copy is
+    renamed back to it first. Returns (removed, the copy renamed back or None). Only while holding the lock of `final`
+    (run_lock.OutputLock)."""
+    # tmp-PID- then the random part; old-PID and nothing after: an older `.NAME.tmp-12345678` (mkdtemp's random part,
+    # all digits by chance) is not read as pid 12345678
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-|old-(\d+)$)")
+    beside = sorted(final.parent.iterdir()) if final.parent.is_dir() else []
+    dead = [("tmp" if match.group(1) else "old", path) for path in beside
+            if (match := pattern.match(path.name)) and not _alive(int(match.group(1) or match.group(2)))]
     set_aside = [path for kind, path in dead if kind == "old" and path.is_dir()]
     restored = None
     if set_aside and not os.path.lexists(final):
@@ -135,6 +139,18 @@ def remove_leftovers(final: Path) -> tuple[list[Path], Path | None]:
     for path in removed:
         _remove(path)
     return removed, restored
+
+
+def older_leftovers(final: Path) -> list[Path]:
+    """The temporary directories beside `final` named as versions before pids in the names named them,
+    `.NAME.tmp-` and mkdtemp's 8 random characters. remove_leftovers leaves them: those versions took no lock, so
+    holding the lock of `final` does not say that none of them is still writing there, and nothing in the name says
+    whose it is. Removing a live writer's directory could publish part of a model (its files so far deleted, the
+    directory kept because it wrote the next one meanwhile, then renamed into place by it)."""
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.tmp-[a-z0-9_]{{8}}$")
+    if not final.parent.is_dir():
+        return []
+    return [path for path in sorted(final.parent.iterdir()) if pattern.match(path.name) and path.is_dir()]
 
 
 def _alive(pid: int) -> bool:

@@ -17,14 +17,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
 from slime_dsa.config.errors import UserError
 from slime_dsa.durable import publish, write_atomic, write_failure
-from slime_dsa.run_lock import RunLock
+from slime_dsa.run_lock import OutputLock, RunLock
 
 logger = logging.getLogger(__name__)
 _HELD: dict[Path, RunLock] = {}  # run directory (resolved) -> the lock this process holds on it
@@ -75,17 +75,40 @@ def write_resolved_recipe(recipe: RecipeConfig, run_dir: Path) -> None:
     write_atomic(run_dir / "recipe.yaml", dump_recipe(recipe))
 
 
+OUTPUT_DIRS = {"sft.output_dir": "sft_model", "indexer_warmup.output_dir": "dsa_model"}  # key -> default in the run
+
+
+def output_dir(recipe: RecipeConfig, run_dir: Path, key: str) -> Path:
+    """Where a job writes its model: the recipe's `key` (sft.output_dir, indexer_warmup.output_dir), else its default
+    name in run_dir (OUTPUT_DIRS)."""
+    section, field = key.split(".")
+    value = getattr(getattr(recipe, section), field)
+    return Path(value) if value else run_dir / OUTPUT_DIRS[key]
+
+
 @contextmanager
-def open_run_dir(recipe: RecipeConfig, log_name: str) -> Iterator[Path]:
+def open_run_dir(recipe: RecipeConfig, log_name: str, output_key: str | None = None) -> Iterator[Path]:
     """The run directory, locked for this run, with recipe.yaml written and this process's log copied to
-    run_dir/log_name until the block ends. UserError (one line, the holder's pid) when another run holds it."""
+    run_dir/log_name until the block ends. UserError (one line, the holder's pid) when another run holds it.
+
+    `output_key` (sft.output_dir, indexer_warmup.output_dir): the directory the job will write its model to
+    (output_dir) is locked too, from here until the block ends (run_lock.OutputLock, as export and the convert tools
+    take it), and what killed writers left beside it is removed. Inside the run directory (the default) as well: the
+    run's lock does not stop another run, an export or a conversion whose output names it."""
     run_dir = resolve_run_dir(recipe)
-    with RunLock(run_dir) as lock:
+    with RunLock(run_dir) as lock, ExitStack() as held:
         _HELD[run_dir.resolve()] = lock
         try:
+            output = None
+            if output_key is not None:  # before anything is written: a refused run leaves no recipe.yaml or log
+                output = OutputLock(output_dir(recipe, run_dir, output_key), output_key)
+                output.acquire(clean_up=False)
+                held.callback(output.release)
             write_resolved_recipe(recipe, run_dir)
             with log_to_file(run_dir / log_name):
                 lock.log_takeover()
+                if output is not None:
+                    output.clean_up()  # its one line in the run's log
                 yield run_dir
         finally:
             _HELD.pop(run_dir.resolve(), None)

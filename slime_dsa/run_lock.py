@@ -3,8 +3,8 @@
 The kernel drops a flock when its process dies, SIGKILL included, so a lock left by a killed run is free: the next
 run takes it over and says so. A live holder refuses the second run at once, in one line naming the directory and
 the pid. The file is never removed (removing it would let two runs lock two different files of one name); a clean
-release empties it. OutputLock, the lock of a directory that export or a convert tool writes, lies beside it and is
-removed on a clean release: a taker checks that the file it locked is still the one of that name.
+release empties it. OutputLock, the lock of a directory that export, a convert tool, sft or indexer-warmup writes, lies
+beside it and is removed on a clean release: a taker checks that the file it locked is still the one of that name.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import remove_leftovers
+from slime_dsa.durable import older_leftovers, remove_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +94,37 @@ class RunLock:
 
 
 class OutputLock(RunLock):
-    """The lock of a directory that `slime-dsa export` or a convert tool writes: `.NAME.lock` beside it, since the
-    directory itself is replaced by a rename (slime_dsa/durable.py). A second writer of the same directory fails at
-    once naming it and the holder's pid. A clean release removes the file (while still holding it: a writer that
-    opened it meanwhile finds it gone and locks a new one); one left by a killed writer is taken over."""
+    """The lock of a directory that `slime-dsa export`, a convert tool, or sft and indexer-warmup (their model, from
+    their start: run_dir.open_run_dir) write: `.NAME.lock` beside it, since the directory itself is replaced by a
+    rename (slime_dsa/durable.py). A second writer of the same directory fails at once naming it and the holder's
+    pid. A clean release removes the file (while still holding it: a writer that opened it meanwhile finds it gone
+    and locks a new one); one left by a killed writer is taken over."""
 
     def __init__(self, out: Path, key: str = "") -> None:
         out = Path(os.path.abspath(out))  # '.' and '..' have no name to put beside
         super().__init__(out, key)
         self.path = out.with_name(f".{out.name}.lock")
 
-    def acquire(self) -> None:
-        """Take the lock, then remove what killed writers of the directory left beside it (durable.remove_leftovers),
-        saying so in one line."""
+    def acquire(self, clean_up: bool = True) -> None:
+        """Take the lock, then (`clean_up`; else call clean_up later, once a run's log is set up) remove what killed
+        writers of the directory left beside it."""
         super().acquire()
+        if clean_up:
+            self.clean_up()
+
+    def clean_up(self) -> None:
+        """Remove what killed writers of the directory left beside it (durable.remove_leftovers), saying so in one
+        line. Only while holding the lock."""
+        assert self.held, "OutputLock.clean_up without the lock"
         removed, restored = remove_leftovers(self.run_dir)
         done = ([f"renamed {restored.name} back to {self.run_dir.name}"] if restored else []) + (
             [f"removed {', '.join(path.name for path in removed)}"] if removed else [])
         if done:
             logger.info("%s: %s (left by a writer that was killed)", self.run_dir, " and ".join(done))
+        if older := older_leftovers(self.run_dir):
+            logger.warning("%s: left %s beside it: temporary directories of an older slime-dsa (no pid in the name), "
+                           "which took no lock and may still be writing; remove them by hand once none writes %s",
+                           self.run_dir, ", ".join(path.name for path in older), self.run_dir.name)
 
     def in_use(self, holder: str) -> str:
         named = f"{self.key} {self.run_dir}" if self.key else str(self.run_dir)

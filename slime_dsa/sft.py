@@ -140,7 +140,7 @@ def run_sft(recipe: RecipeConfig) -> Path:
     if recipe.model.dtype == "bfloat16" and not torch.cuda.is_available():  # the device is known only here
         raise UserError("model.dtype 'bfloat16': slime-dsa sft computes in bfloat16 on a GPU only (autocast), and this "
                         "machine has none: on a CPU it trains in float32; set float32 or auto")
-    with open_run_dir(recipe, "sft.log") as run_dir:
+    with open_run_dir(recipe, "sft.log", "sft.output_dir") as run_dir:  # sft.output_dir locked from here
         return _fine_tune(recipe, run_dir)
 
 
@@ -151,7 +151,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, output_dir, prepare_model_dir, save_output_model  # noqa: PLC0415
     from trainers.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 
     tr, sft = recipe.trainer, recipe.sft
@@ -170,7 +170,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
     scheduler = build_scheduler(optimizer, tr.warmup_steps, tr.num_steps, tr.lr_schedule)
     log = MetricsLogger(run_dir, recipe.logging.project, recipe.logging.run_name or run_dir.name, recipe.logging.wandb_mode,
                         config=recipe.model_dump(mode="json"))
-    out_dir = Path(sft.output_dir or run_dir / "sft_model")
+    out_dir = output_dir(recipe, run_dir, "sft.output_dir")
     ro = recipe.rollout
     eval_args = (tokenizer, tasks, sft.eval_prompts, ro.max_response_length, ro.stop, ro.reward_timeout_s)
     metrics: dict[str, float] = {}

@@ -1,4 +1,5 @@
-"""Writers of one output directory (`slime-dsa export`, tools/convert_hf_to_megatron.py and convert_megatron_to_hf.py):
+"""Writers of one output directory (`slime-dsa export`, tools/convert_hf_to_megatron.py and convert_megatron_to_hf.py,
+`slime-dsa sft` and `indexer-warmup`, from their start):
 a second writer of the same directory fails at once in one line naming it and the first writer's pid (its lock,
 slime_dsa/run_lock.OutputLock, beside the directory); the next writer after a killed one removes what that one left
 beside the directory (slime_dsa/durable.remove_leftovers), and only that."""
@@ -162,3 +163,147 @@ def test_an_export_after_one_killed_mid_swap_removes_its_leftovers_and_keeps_the
         assert main(["export", str(ASSET), "--out", str(out)]) == 0
     assert [r.getMessage() for r in caplog.records if "killed" in r.getMessage()] != []
     assert [p.name for p in tmp_path.iterdir()] == ["export"] and (out / "README.md").read_text() == "mine"
+
+
+# A run of sys.argv[1] (sft or indexer-warmup) on the recipe sys.argv[2] that stops at its training, says so and sleeps.
+PAUSED_RUN = """
+import sys, time
+
+command, recipe = sys.argv[1:]
+
+def pause(*args, **kwargs):
+    print("training", flush=True)
+    time.sleep(120)
+
+import slime_dsa.indexer.warmup, slime_dsa.sft
+from slime_dsa.cli import main
+slime_dsa.sft.sft_step = slime_dsa.indexer.warmup.train_indexers = pause
+main([command, recipe])
+"""
+
+
+def _job_recipe(tmp_path: Path, command: str, run_dir: Path, output: Path | None) -> Path:
+    """A small sft (tiny preset) or indexer-warmup (the quickstart model) recipe in run_dir writing `output` (None: its
+    default in run_dir)."""
+    import yaml
+
+    data = {"tasks": [{"kind": "arithmetic", "train_size": 40, "eval_size": 8, "task_args": {"max_digits": 1}}]}
+    logging_ = {"run_dir": str(run_dir), "wandb_mode": "disabled"}
+    if command == "sft":
+        recipe = {"model": {"preset": "tiny"}, "data": {**data, "max_prompt_length": 32},
+                  "rollout": {"max_response_length": 8}, "trainer": {"num_steps": 1, "micro_batch_tokens": 2048},
+                  "sft": {"batch_size": 4, "eval_every": 0, "output_dir": str(output) if output else None},
+                  "logging": logging_}
+    else:
+        recipe = {"model": {"path": str(ASSET)}, "data": data,
+                  "indexer_warmup": {"corpus": "tasks", "seq_len": 32, "index_topk": 8, "batch_size": 2,
+                                     "num_steps": 1, "eval_sequences": 1, "eval_every": 0,
+                                     "output_dir": str(output) if output else None},
+                  "logging": logging_}
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _no_training(monkeypatch) -> None:
+    """In this process, sft and indexer-warmup fail at their first step (a second writer must not get that far)."""
+    import slime_dsa.indexer.warmup
+    import slime_dsa.sft
+
+    def trained(*args, **kwargs):
+        raise AssertionError("the second writer trained")
+
+    monkeypatch.setattr(slime_dsa.sft, "sft_step", trained)
+    monkeypatch.setattr(slime_dsa.indexer.warmup, "train_indexers", trained)
+
+
+KEYS = {"sft": "sft.output_dir", "indexer-warmup": "indexer_warmup.output_dir"}
+DEFAULTS = {"sft": "sft_model", "indexer-warmup": "dsa_model"}
+
+
+@pytest.mark.parametrize("command", ["sft", "indexer-warmup"])
+@pytest.mark.parametrize("shared", ["set", "the first run's default"])
+def test_a_second_sft_or_warm_up_into_the_same_output_fails_at_its_start(tmp_path, capsys, monkeypatch, command,
+                                                                          shared):
+    """A run of sft (indexer-warmup) training into OUT, set or its default in its run directory: a second run of
+    another run directory into OUT exits 2 at its start, before any training, in one line naming the key, OUT and the
+    first run's pid, and writes nothing of its run directory but the lock; an export into OUT fails the same way.
+    Before, nothing guarded OUT: both trained and wrote it, and the last rename won."""
+    first_run = tmp_path / "first"
+    out = tmp_path / "out" if shared == "set" else first_run / DEFAULTS[command]
+    first = _job_recipe(tmp_path, command, first_run, out if shared == "set" else None)
+    holder = subprocess.Popen([sys.executable, "-c", PAUSED_RUN, command, str(first)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "training"
+        _no_training(monkeypatch)
+        second = _job_recipe(tmp_path, command, tmp_path / "second", out)
+        assert main([command, str(second)]) == 2
+        assert main(["export", str(ASSET), "--out", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 2 and "Traceback" not in lines
+        said = f"{out} is being written by another process (pid {holder.pid})"
+        assert lines[0] == f"slime-dsa: error: {KEYS[command]} {said}; wait for it to end or write elsewhere"
+        assert lines[1].startswith(f"slime-dsa: error: --out {said}")
+        assert [p.name for p in (tmp_path / "second").iterdir()] == [".lock"] and not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("command", ["sft", "indexer-warmup"])
+def test_an_sft_or_warm_up_removes_a_killed_writers_leftovers_at_its_start(tmp_path, monkeypatch, command):
+    """What killed writers left beside the output (a temporary directory, a set-aside copy, their pids gone) is
+    removed when the run starts, before it trains, in one line of the run's log; nothing but the output is left
+    beside it at the end (its lock removed). Before, sft and indexer-warmup took no lock and removed nothing."""
+    import slime_dsa.indexer.warmup
+    import slime_dsa.sft
+
+    out = tmp_path / "model"
+    out.mkdir()
+    dead = _dead_pid()
+    leftovers = [tmp_path / f".model.tmp-{dead}-abc", tmp_path / f".model.old-{dead}"]
+    for d in leftovers:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(64))
+    seen = []
+    module, name = (slime_dsa.sft, "sft_step") if command == "sft" else (slime_dsa.indexer.warmup, "train_indexers")
+    step = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(sorted(p.name for p in tmp_path.glob(".model.*")))
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(slime_dsa.sft, "greedy_eval", lambda *args, **kwargs: {})
+    assert main([command, str(_job_recipe(tmp_path, command, tmp_path / "run", out))]) == 0
+    assert seen == [[".model.lock"]]
+    log = (tmp_path / "run" / f"{command.replace('-', '_')}.log").read_text()
+    assert f"{out}: removed {leftovers[1].name}, {leftovers[0].name} (left by a writer that was killed)" in log
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert (out / "config.json").is_file()
+
+
+def test_an_older_versions_temporary_directory_is_left_and_named_in_one_warning(tmp_path, caplog):
+    """`.OUT.tmp-RANDOM` (no pid: versions before pids in the names, which took no lock) is never removed, even when
+    its random part is all digits (it was read as a pid no process has, and removed); the next writer names it in one
+    WARNING saying why it is left and what to do. Before, such a directory stayed silently (and an all-digit one was
+    removed while its writer could still be writing it)."""
+    from slime_dsa.durable import older_leftovers, remove_leftovers
+
+    out = tmp_path / "out"
+    older = [tmp_path / ".out.tmp-12345678", tmp_path / ".out.tmp-x8k2l1ab"]  # pid_max is at most 4194304
+    for d in older:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(bytes(64))
+    gone = tmp_path / f".out.tmp-{_dead_pid()}-abcdefgh"  # this version's, its writer gone: removed
+    gone.mkdir()
+    assert older_leftovers(out) == older
+    assert remove_leftovers(out) == ([gone], None)
+    with caplog.at_level(logging.INFO, logger="slime_dsa.run_lock"):
+        assert main(["export", str(ASSET), "--out", str(out)]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{out}: left .out.tmp-12345678, .out.tmp-x8k2l1ab beside it: temporary directories of an "
+                        "older slime-dsa (no pid in the name), which took no lock and may still be writing; remove "
+                        "them by hand once none writes out"]
+    assert sorted(tmp_path.iterdir()) == sorted([out, *older])

@@ -249,7 +249,7 @@ def run_indexer_warmup(recipe: RecipeConfig) -> Path:
     """`slime-dsa indexer-warmup`: warm the indexers up, save the DSA model; returns the output directory."""
     from slime_dsa.run_dir import open_run_dir  # noqa: PLC0415
 
-    with open_run_dir(recipe, "indexer_warmup.log") as run_dir:
+    with open_run_dir(recipe, "indexer_warmup.log", "indexer_warmup.output_dir") as run_dir:  # output locked too
         return _warm_up(recipe, run_dir)
 
 
@@ -258,7 +258,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
     from rollout.progress import SampleProgress  # noqa: PLC0415
     from slime_dsa.checkpoint import load_model  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
-    from slime_dsa.run_dir import load_tokenizer, prepare_model_dir, save_output_model  # noqa: PLC0415
+    from slime_dsa.run_dir import load_tokenizer, output_dir, prepare_model_dir, save_output_model  # noqa: PLC0415
 
     cfg = recipe.indexer_warmup
     torch.manual_seed(recipe.trainer.seed)
@@ -283,7 +283,7 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
             )
     finally:
         log.close()
-    out_dir = Path(cfg.output_dir or run_dir / "dsa_model")
+    out_dir = output_dir(recipe, run_dir, "indexer_warmup.output_dir")
     model.config.index_topk = topk
     for layer in model.model.layers:
         layer.self_attn.index_topk = topk
