@@ -307,3 +307,27 @@ def test_an_older_versions_temporary_directory_is_left_and_named_in_one_warning(
                         "older slime-dsa (no pid in the name), which took no lock and may still be writing; remove "
                         "them by hand once none writes out"]
     assert sorted(tmp_path.iterdir()) == sorted([out, *older])
+
+
+def test_an_output_dir_that_is_or_holds_the_run_directory_is_refused(tmp_path):
+    """sft.output_dir (or indexer_warmup.output_dir) naming the run directory or one above it was accepted: the
+    model's publish renamed it over the run directory, its log, metrics and the lock the job held. Refused by recipe
+    check in one line; one inside the run directory or beside it passes."""
+    import pytest
+
+    from slime_dsa.config import load_recipe
+    from slime_dsa.config.errors import RecipeError
+    from slime_dsa.config.paths import check_recipe_paths
+
+    run_dir = tmp_path / "runs" / "a"
+    for key in ("sft.output_dir", "indexer_warmup.output_dir"):
+        for output, what in ((run_dir, "the run directory"),
+                             (tmp_path / "runs", "a directory holding the run directory")):
+            recipe = load_recipe(None, [f"logging.run_dir={run_dir}", f"{key}={output}"])
+            with pytest.raises(RecipeError) as info:
+                check_recipe_paths(recipe, trainer_workers=False)
+            assert str(info.value) == (f"{key}: {output} is {what} ({run_dir}), which publishing the model there "
+                                       "would replace; name a directory inside it or beside it")
+        for output in (run_dir / "model", tmp_path / "runs" / "model"):
+            check_recipe_paths(load_recipe(None, [f"logging.run_dir={run_dir}", f"{key}={output}"]),
+                               trainer_workers=False)

@@ -74,12 +74,29 @@ def path_problems(config: RecipeConfig, trainer_workers: bool = True) -> list[tu
             problems.append((key, f"{blocker} is a file; {key} names a directory to write into"))
         elif path is not None and key.endswith("output_dir") and (problem := creation_problem(path)):
             problems.append((key, f"cannot create {value}: {problem}"))  # before the job runs, not after it trained
+        elif path is not None and key.endswith("output_dir") and (problem := _holds_run_dir(path, config)):
+            problems.append((key, problem))
     backend_library = _BACKEND_LIBRARIES.get(config.trainer.backend) if trainer_workers else None
     if backend_library is not None and not _installed(backend_library[0]):
         _, library, extra = backend_library
         problems.append(("trainer.backend", f"'{config.trainer.backend}' needs {library}, which is not installed here "
                                             f"({extra})"))
     return problems
+
+
+def _holds_run_dir(output: Path, config: RecipeConfig) -> str | None:
+    """Why a job's model cannot be published at `output`: it is the run directory or holds it, which the publish
+    (a rename over `output`) would replace, logs and checkpoints included."""
+    log = config.logging
+    run_dir = Path(log.run_dir).expanduser() if log.run_dir else Path("runs") / log.run_name if log.run_name else None
+    if run_dir is None:
+        return None
+    output, run_dir = output.resolve(), run_dir.resolve()
+    if output == run_dir or output in run_dir.parents:
+        return (f"{output} is {'the run directory' if output == run_dir else 'a directory holding the run directory'}"
+                f" ({run_dir}), which publishing the model there would replace; name a directory inside it or beside "
+                "it")
+    return None
 
 
 # A backend's library: (the module it imports, its name, how to install it).
