@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -23,7 +22,7 @@ from typing import Any
 
 from slime_dsa.config import RecipeConfig, dump_recipe
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import publish, write_atomic, write_failure
+from slime_dsa.durable import make_temp_dir, publish, write_atomic, write_failure
 from slime_dsa.run_lock import OutputLock, RunLock
 
 logger = logging.getLogger(__name__)
@@ -191,7 +190,7 @@ def _with_index_topk(path: Path, index_topk: int, run_dir: Path) -> Path:
 
 def _copy_with_index_topk(path: Path, index_topk: int, run_dir: Path, target: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".initial_model.tmp-", dir=run_dir))
+    tmp = make_temp_dir(run_dir / "initial_model")
     try:  # copied whole or not at all: a later start reuses whatever holds a config.json
         shutil.copytree(path, tmp, dirs_exist_ok=True, copy_function=_copy_file)
         config = json.loads((path / "config.json").read_text())

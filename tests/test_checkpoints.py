@@ -384,3 +384,19 @@ def test_deepspeed_resumes_from_fsdp2_checkpoints_without_state_for_a_parameter(
             assert math.isfinite(_step(zero, step)["loss"])
     finally:
         zero.shutdown()
+
+
+def test_a_save_writes_in_a_temporary_directory_named_with_its_pid(manager):
+    """A checkpoint is written in `.step_N.tmp-PID-RANDOM`, as an export's (durable.make_temp_dir): a writer that
+    finds it beside its output can tell whether the process that made it still runs. It was `.step_N.tmp-RANDOM`."""
+    import os
+    import re
+
+    seen = []
+
+    def write(tmp: Path) -> None:
+        seen.append(tmp.name)
+        _write(tmp)
+
+    manager.save(4, write, {})
+    assert re.fullmatch(rf"\.step_000004\.tmp-{os.getpid()}-\w+", seen[0]), seen

@@ -15,14 +15,13 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from slime_dsa.checkpoint.validate import (CHECKSUM_KEY, MANIFEST_KEY, checkpoint_problem, checksums, manifest,
                                            model_dir_problem)
 from slime_dsa.config.errors import UserError
-from slime_dsa.durable import creation_problem, fsync_path, publish_over, write_failure
+from slime_dsa.durable import creation_problem, fsync_path, make_temp_dir, publish_over, write_failure
 
 if TYPE_CHECKING:  # torch: only when a checkpoint is loaded
     from slime_dsa.checkpoint.hf_format import Progress
@@ -93,7 +92,7 @@ class CheckpointManager:
     def save(self, step: int, write: Callable[[Path], None], orchestrator_state: dict[str, Any]) -> Path:
         """Run `write(tmp_dir)`, add orchestrator.json, fsync it all, rename into place and prune old checkpoints."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory))
+        tmp = make_temp_dir(self.path_for(step))  # .step_N.tmp-PID-RANDOM: an export into this directory reads the pid
         try:
             write(tmp)
             state = {"step": step, **orchestrator_state, MANIFEST_KEY: manifest(tmp), CHECKSUM_KEY: checksums(tmp)}
