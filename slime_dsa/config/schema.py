@@ -817,6 +817,15 @@ class TrainerSection(Section):
         False, description="Compute in bfloat16 while keeping float32 master weights and optimizer state (fsdp: "
                             "on any device; megatron and deepspeed: GPU trainers only; slime-dsa sft: bf16 autocast "
                             "on a GPU, float32 on a CPU).")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer of the trained models (torchtitan's per-block compile, "
+                           "before FSDP2 wraps them): the norms, RoPE, projections and MoE routing between the DSA "
+                           "kernels, which stay eager (a graph break at each), run as fused kernels, fewer launches "
+                           "for a launch-bound step. Shapes are dynamic: packs of new lengths reuse the graphs. The "
+                           "compile runs in the rank's kernel warm-up at start-up (else the first train call). fsdp "
+                           "backend on GPU trainers only (a CPU step waits on no launches, and the compile costs "
+                           "minutes there); not with model.true_on_policy, whose bit-equality with the engines needs "
+                           "their unfused kernels. Not read by slime-dsa sft (refused set).")
     share_prompt_prefix: bool = Field(
         True, description="Run each prompt once for the samples of its group (their responses attend to the "
                           "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
@@ -867,6 +876,9 @@ class TrainerSection(Section):
         if self.backend == "deepspeed" and self.data_parallel != "fsdp":
             raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; DeepSpeed "
                                    "partitions by deepspeed.zero_stage", "data_parallel", "backend")
+        if self.compile and self.backend != "fsdp":
+            raise RecipeValueError(f"compile is built for backend 'fsdp' only, not '{self.backend}'", "compile",
+                                   "backend")
         if self.backend == "megatron" and self.data_parallel != "fsdp":
             raise RecipeValueError(f"data_parallel '{self.data_parallel}' applies to backend 'fsdp'; Megatron splits "
                                    "by trainer.megatron's sizes", "data_parallel", "backend")
@@ -1266,6 +1278,11 @@ class RecipeConfig(Section):
                 f"trainer.mixed_precision with trainer.backend {self.trainer.backend!r} needs GPU trainers (on a CPU "
                 "it trains in float32): set cluster.num_gpus_per_trainer or mixed_precision: false",
                 "trainer.mixed_precision", "cluster.num_gpus_per_trainer")
+        if self.trainer.compile and cl.num_gpus_per_trainer == 0:
+            raise RecipeValueError(
+                "trainer.compile is built for GPU trainers, whose steps wait on kernel launches; on CPUs "
+                "(cluster.num_gpus_per_trainer 0) its compile costs minutes of start-up for steps no faster: set "
+                "cluster.num_gpus_per_trainer or trainer.compile false", "trainer.compile", "cluster.num_gpus_per_trainer")
         self._check_true_on_policy()
         if self.model.ops_backend == "triton" and cl.num_gpus_per_engine == 0 and cl.num_gpus_per_trainer == 0:
             raise RecipeValueError(
@@ -1353,6 +1370,8 @@ class RecipeConfig(Section):
              f"needs engines and trainer in one dtype: the engines compute in {'bfloat16' if engine_bf16 else 'float32'}"
              f" (model.dtype {self.model.dtype}), the trainer in {'bfloat16' if tr.mixed_precision else 'float32'} "
              f"(trainer.mixed_precision {str(tr.mixed_precision).lower()})", "trainer.mixed_precision"),
+            (tr.compile, "needs the trainer to run the engines' unfused batch-invariant kernels, which "
+                         "trainer.compile would fuse differently: set trainer.compile false", "trainer.compile"),
             (ro.top_p < 1 or ro.top_k != -1,
              f"scores the unfiltered distribution: set rollout.top_p 1 and top_k -1 (got {ro.top_p}, {ro.top_k})",
              "rollout.top_p"),
