@@ -92,15 +92,11 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path):
         torch.testing.assert_close(weight, eager_weights[name], rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-GPU_TRAINERS = {"cluster": {"num_gpus_per_trainer": 1}}
-
-
 @pytest.mark.parametrize("data, says", [
-    ({"trainer": {"compile": True, "backend": "megatron"}, **GPU_TRAINERS}, "compile is built for backend 'fsdp' only"),
-    ({"trainer": {"compile": True, "backend": "deepspeed"}, **GPU_TRAINERS}, "compile is built for backend 'fsdp' only"),
-    ({"trainer": {"compile": True}, "model": {"true_on_policy": True}, **GPU_TRAINERS},
+    ({"trainer": {"compile": True, "backend": "megatron"}}, "compile is built for backend 'fsdp' only"),
+    ({"trainer": {"compile": True, "backend": "deepspeed"}}, "compile is built for backend 'fsdp' only"),
+    ({"trainer": {"compile": True}, "model": {"true_on_policy": True}},
      "model.true_on_policy needs the trainer to run the engines' unfused"),
-    ({"trainer": {"compile": True}}, "trainer.compile is built for GPU trainers"),
 ])
 def test_compile_where_it_is_not_built_is_refused(data, says):
     with pytest.raises(RecipeError) as info:
@@ -109,5 +105,16 @@ def test_compile_where_it_is_not_built_is_refused(data, says):
     assert "\n" not in message and says in message
 
 
-def test_compile_on_fsdp_gpu_trainers_is_accepted():
-    assert validate_recipe({"trainer": {"compile": True}, **GPU_TRAINERS}).trainer.compile
+def test_compile_on_the_fsdp_trainer_is_accepted():
+    assert validate_recipe({"trainer": {"compile": True}}).trainer.compile
+
+
+def test_the_one_process_commands_refuse_compile():
+    """slime-dsa sft and indexer-warmup run their model eagerly: trainer.compile set is refused, not ignored."""
+    from slime_dsa.config.indexer_warmup import NOT_READ_BY_INDEXER_WARMUP  # noqa: PLC0415
+    from slime_dsa.config.sft import sft_problems, unread_key_problems  # noqa: PLC0415
+
+    config = validate_recipe({"trainer": {"compile": True}})
+    for problems in (sft_problems(config), unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP)):
+        assert [key for key, _ in problems] == ["trainer.compile"]
+        assert "runs its model eagerly" in problems[0][1]
