@@ -6,13 +6,17 @@ wall time), the host syncs (`aten::_local_scalar_dense`, `cudaStreamSynchronize`
     python benchmarks/profile_train_step.py --out profile.md                      # H200: preset small, 100/300/1000
     python benchmarks/profile_train_step.py --device cpu --preset tiny --lengths 32,96 --samples 4 --out p.md
 --compare-fsdp2 also runs each length through FSDP2 on the one rank (the path before the bf16 copy), in the same
-process, as the baseline. --sync-sites (CUDA) runs one more step per length under torch's sync debug mode
-(benchmarks/sync_sites.py) and lists the code that made each host sync.
+process, as the baseline. --compile also runs each length with trainer.compile (each decoder layer torch.compile'd,
+trainers/fsdp/parallelize.apply_compile) in the same process, and the table gives its step time against the eager
+rank's ("vs first compute"); first call s is a length's π_old pass and first step (for the compiled rank's first
+length, its compile). launches: CUDA kernel launches in the profiled step. --sync-sites (CUDA) runs one more step per
+length under torch's sync debug mode (benchmarks/sync_sites.py) and lists the code that made each host sync.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
@@ -73,15 +77,18 @@ def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cu
     """Warm up, time `timed` train steps, then profile one (and with `with_sites` run one more under the sync debug
     mode); the figures of this sequence length."""
     batch = make_batch(vocab, samples, length, seed=length)
-    batch.old_logprobs = worker.compute_logprobs(batch)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     tokens, loss_tokens = batch.num_tokens, float(batch.loss_mask.sum())
 
     def step() -> None:
         worker.train_step(batch, loss_tokens, len(batch.seqlens), detailed_metrics=False)
 
-    for _ in range(2):  # Triton compilation, allocator warm-up
-        step()
+    start = time.perf_counter()
+    batch.old_logprobs = worker.compute_logprobs(batch)
+    step()  # Triton compilation (and torch.compile's, with trainer.compile), allocator warm-up
+    sync()
+    first_call_s = time.perf_counter() - start
+    step()
     sync()
     start = time.perf_counter()
     for _ in range(timed):
@@ -103,11 +110,13 @@ def profile_length(worker, vocab: int, samples: int, length: int, timed: int, cu
     events = prof.events()
     averages = prof.key_averages()
     syncs = {e.key: e.count for e in averages if e.key in SYNC_OPS}
+    launches = sum(e.count for e in averages if "LaunchKernel" in e.key)  # cudaLaunchKernel(ExC), cuLaunchKernel
     sort = "cuda_time_total" if cuda else "cpu_time_total"
-    return {"length": length, "samples": samples, "tokens": tokens, "step_s": round(step_s, 4),
+    return {"length": length, "samples": samples, "tokens": tokens, "first_call_s": round(first_call_s, 2),
+            "step_s": round(step_s, 4),
             "tokens_per_s": round(tokens / step_s, 1), "profiled_step_s": round(profiled_s, 4),
             "gpu_busy": round(gpu_busy_share(events, profiled_s * 1e6), 3) if cuda else None,
-            "host_syncs": syncs, "sync_sites": sites,
+            "host_syncs": syncs, "kernel_launches": launches if cuda else None, "sync_sites": sites,
             "top_cuda": averages.table(sort_by=sort, row_limit=15, max_name_column_width=55),
             "top_cpu": averages.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=55)}
 
@@ -123,6 +132,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=32768)
     parser.add_argument("--timed", type=int, default=3)
     parser.add_argument("--compare-fsdp2", action="store_true", help="also time FSDP2 on one rank, the baseline")
+    parser.add_argument("--compile", action="store_true", help="also time each length with trainer.compile (each "
+                        "decoder layer torch.compile'd), in the same process: compiled against eager")
     parser.add_argument("--sync-sites", action="store_true", help="CUDA: one more step per length under the sync debug "
                         "mode; the report lists the code that made each host sync (benchmarks/sync_sites.py)")
     parser.add_argument("--out", required=True, help="a Markdown report; a .json of the same name holds the figures")
@@ -146,12 +157,15 @@ def main() -> None:
     flops_per_token = train_flops(active_params(config), 1)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(device_name, bf16=True) if cuda else None
-    workers = {"bf16 copy" if cuda else "one rank": FSDPWorker}
+    eager = "bf16 copy" if cuda else "one rank"
+    workers = {eager: (FSDPWorker, rank)}
     if args.compare_fsdp2:
-        workers["FSDP2"] = fsdp2_one_rank_worker()
+        workers["FSDP2"] = (fsdp2_one_rank_worker(), rank)
+    if args.compile:
+        workers[f"{eager}, compiled"] = (FSDPWorker, dataclasses.replace(rank, compile=True))
     rows = []
-    for compute, worker_class in workers.items():
-        worker = worker_class(0, 1, "127.0.0.1", free_port(), rank)
+    for compute, (worker_class, rank_config) in workers.items():
+        worker = worker_class(0, 1, "127.0.0.1", free_port(), rank_config)
         for length in (int(x) for x in args.lengths.split(",")):
             samples = args.samples or max(1, args.tokens_per_step // length)
             try:
@@ -159,7 +173,7 @@ def main() -> None:
                                                                       args.sync_sites)}
                 row["mfu"] = round(flops_per_token * row["tokens_per_s"] / (peak * 1e12), 4) if peak else None
                 logger.info("%s, length %d: %s", compute, length, {k: row[k] for k in (
-                    "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
+                    "first_call_s", "step_s", "tokens_per_s", "mfu", "gpu_busy", "host_syncs")})
             except torch.OutOfMemoryError as error:  # this length does not fit: the others still run and report
                 logger.error("%s, length %d: out of memory", compute, length)
                 row = {"compute": compute, "length": length, "samples": samples,
@@ -174,14 +188,19 @@ def main() -> None:
 def write_report(args: argparse.Namespace, device_name: str, config, rows: list[dict], echo: bool = True) -> None:
     """The Markdown report (summary table, then each length's top ops) and its JSON twin; `echo` prints the table."""
     lines = [f"# One RL train call, preset {args.preset}, {device_name}", "",
-             "| compute | tokens/seq | samples | step s | tokens/s | MFU | GPU busy | host syncs |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| compute | tokens/seq | samples | first call s | step s | vs first compute | tokens/s | MFU | GPU busy "
+             "| launches | host syncs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    # The first compute's step time at each length over this row's: > 1 is faster than it (same process, same device).
+    first = {r["length"]: r["step_s"] for r in rows if r["compute"] == rows[0]["compute"] and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['error']} | | | | |")
+            lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r['step_s']} | {r['tokens_per_s']:,.0f} | {r['mfu']} | "
-                     f"{r['gpu_busy']} | {r['host_syncs']} |")
+        ratio = f"{first[r['length']] / r['step_s']:.2f}x" if r["length"] in first else ""
+        lines.append(f"| {r['compute']} | {r['length']} | {r['samples']} | {r.get('first_call_s')} | {r['step_s']} | "
+                     f"{ratio} | {r['tokens_per_s']:,.0f} | {r['mfu']} | {r['gpu_busy']} | "
+                     f"{r.get('kernel_launches')} | {r['host_syncs']} |")
     for r in rows:
         if "error" in r:
             continue

@@ -217,6 +217,7 @@ class RankConfig:
     micro_batch_tokens: int = 4096
     mixed_precision: bool = False
     gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer (fsdp backend: trainers/fsdp/parallelize.apply_compile)
     ops_backend: str = "auto"
     true_on_policy: bool = False  # batch-invariant ops (slime_dsa.ops.invariant), as the engines run
     temperature: float = 1.0  # log-probs are of the tempered distribution the engine sampled from

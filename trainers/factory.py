@@ -51,7 +51,8 @@ def rank_config(recipe: RecipeConfig, model_dir: Path, algorithm: Algorithm,
     held = {name: every[name] for name in (roles or tuple(every))}
     return RankConfig(
         roles=held, micro_batch_tokens=tr.micro_batch_tokens, mixed_precision=tr.mixed_precision,
-        gradient_checkpointing=recipe.model.gradient_checkpointing, ops_backend=recipe.model.ops_backend,
+        gradient_checkpointing=recipe.model.gradient_checkpointing, compile=tr.compile,
+        ops_backend=recipe.model.ops_backend,
         true_on_policy=recipe.model.true_on_policy, temperature=recipe.rollout.temperature or 1.0, seed=tr.seed, share_prompt_prefix=tr.share_prompt_prefix,
         data_parallel=tr.data_parallel, backend_options=tr.backend_options(),
         warmup_max_len=recipe.data.max_prompt_length + recipe.rollout.max_response_length)

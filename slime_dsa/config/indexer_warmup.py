@@ -36,6 +36,7 @@ NOT_READ_BY_INDEXER_WARMUP: dict[str, str] = {
     "trainer.warmup_steps": OWN_OPTIMIZER,
     "trainer.lr_schedule": OWN_OPTIMIZER,
     "trainer.mixed_precision": "slime-dsa indexer-warmup computes in float32; leave it unset",
+    "trainer.compile": "slime-dsa indexer-warmup runs its model eagerly; leave it unset",
     "trainer.share_prompt_prefix": "slime-dsa indexer-warmup trains on text windows, not groups of samples; leave "
                                    "it unset",
     "trainer.logprob_diff_warn_threshold": "slime-dsa indexer-warmup samples nothing; leave it unset",

@@ -29,6 +29,7 @@ NOT_READ_BY_SFT: dict[str, str] = {
     "trainer.backend": f"{ONE_PROCESS}; use fsdp or run train",
     "trainer.num_workers": f"{ONE_PROCESS}; set 1 or run train",
     "trainer.data_parallel": f"{ONE_PROCESS}, which splits nothing; leave fsdp or run train",
+    "trainer.compile": "slime-dsa sft runs its model eagerly (trainer.compile is the fsdp trainer's); leave it unset",
     "trainer.num_steps_per_rollout": "slime-dsa sft takes one optimizer step per trainer.num_steps (it has no "
                                      "rollouts); leave 1",
     "trainer.logprob_diff_warn_threshold": "slime-dsa sft samples nothing, so it has no rollout log-probs to compare; "

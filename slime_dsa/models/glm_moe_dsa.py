@@ -85,8 +85,11 @@ class PackedBatch:
         return cls(positions=positions, cu_seqlens_q=cu, cu_seqlens_k=cu,
                    host_cu_seqlens=None if host_cu is None else (host_cu, host_cu))
 
+    @torch.compiler.disable
     def select_topk(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
-        """The indexer's causal top-k of every query row: (Tq, topk) sequence-local key positions, -1 padded."""
+        """The indexer's causal top-k of every query row: (Tq, topk) sequence-local key positions, -1 padded.
+        Eager in a compiled layer (trainer.compile), as the op it calls: traced, it would pass host_cu_seqlens on and
+        be recompiled for every number of sequences in a pack."""
         return ops.indexer_topk(q, k, weights, self.cu_seqlens_q, self.cu_seqlens_k, topk, scale,
                                 host_cu_seqlens=self.host_cu_seqlens)
 
@@ -207,8 +210,9 @@ class MLAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict | None]:
         """x (T, D) -> (out (T, D), this layer's local top-k or None if shared, key rows used (T, K), capture record).
 
-        With capture, the record holds what the indexer loss needs (returned, not appended to a caller's list:
-        FSDP's forward hooks may copy containers passed in).
+        With capture, the record holds what the indexer loss needs but the layer's index, which the caller adds
+        (read here it would be a constant of a compiled layer's graph, recompiled for every layer: trainer.compile).
+        Returned, not appended to a caller's list: FSDP's forward hooks may copy containers passed in.
 
         replay_local rows whose first entry is REPLAY_COMPUTE are selected by the indexer; index_topk overrides
         config.index_topk for this call (>= the sequence length = dense attention).
@@ -262,7 +266,7 @@ class MLAttention(nn.Module):
         record = None
         if capture:
             record = {
-                "layer": self.layer_idx, "q": q_mqa.detach(), "kv": kv.detach(), "lse": lse.detach(),
+                "q": q_mqa.detach(), "kv": kv.detach(), "lse": lse.detach(),
                 "scale": self.scale, "rows": rows, "index_q": index_q, "index_k": index_k, "index_weights": index_w,
                 "index_scale": self.indexer.softmax_scale if self.indexer is not None else None,
             }
@@ -370,6 +374,10 @@ class Experts(nn.ModuleList):
                 return self._forward_invariant_grouped(x, weights, expert_ids, grouped)
             return self._forward_loop(x, weights, expert_ids)
         if self._grouped_ok(x):
+            if torch.compiler.is_compiling():  # a traced failure must not switch the process to the loop
+                if _compute_dtype(x, self[0].gate_proj.weight.dtype) in _GROUPED_MM_TRACED_DTYPES:
+                    return self._forward_grouped(x, weights, expert_ids)
+                return _grouped_eagerly(self, x, weights, expert_ids)
             if self.use_grouped_mm:
                 return self._forward_grouped(x, weights, expert_ids)
             try:
@@ -378,7 +386,8 @@ class Experts(nn.ModuleList):
                 logger.warning("experts: grouped_mm failed (%s: %s); using the per-expert loop", type(err).__name__, err)
                 Experts._grouped_failed = True
                 self.drop_stacked()
-        return self._forward_loop(x, weights, expert_ids)
+        loop = _loop_eagerly if torch.compiler.is_compiling() else Experts._forward_loop  # its counts are data
+        return loop(self, x, weights, expert_ids)
 
     def _grouped_ok(self, x: torch.Tensor) -> bool:
         if _grouped_mm is None:
@@ -430,7 +439,9 @@ class Experts(nn.ModuleList):
         """Grouped GEMMs over the (token, slot) rows sorted by expert; group offsets stay on the device."""
         T, top_k = expert_ids.shape
         # Inference reuses one stacked copy; autograd (and a trainer's no-grad pass) stacks the live weights.
-        w_gate_up, w_down = self.stacked() if torch.is_inference_mode_enabled() else self._stack()
+        # (torch.compile never traces an inference-mode pass, and cannot ask: checked only outside it)
+        inference = not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+        w_gate_up, w_down = self.stacked() if inference else self._stack()
         dtype = _compute_dtype(x, w_gate_up.dtype)  # under autocast (SFT: float32 weights), its dtype
         w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
         flat = expert_ids.reshape(-1)  # (T*k,)
@@ -536,6 +547,8 @@ class Experts(nn.ModuleList):
         """The leaves, once checked to still hold the expert weights: a module moved (.to) or given new weight
         tensors since stack_as_leaves would otherwise compute with the old values and train nothing it holds."""
         gate_up, down = self.leaves
+        if torch.compiler.is_compiling():  # dynamo cannot read data_ptr: eager passes check, compiled ones cannot
+            return gate_up, down
         if (self[0].gate_proj.weight.data_ptr() != gate_up.data_ptr()
                 or self[0].down_proj.weight.data_ptr() != down.data_ptr()):
             raise RuntimeError("Experts: the expert weights are no longer views of the stacked leaves (the module was "
@@ -564,6 +577,14 @@ class Experts(nn.ModuleList):
     def drop_stacked(self) -> None:
         """Free the stacked copy (it is rebuilt on the next grouped forward)."""
         self._stacked = self._refill_views = None
+
+
+# The dtypes torch.compile traces grouped_mm in: its fake-tensor kernel takes bf16 and fp16 only (torch 2.14), so in
+# float32 (CPU) a compiled layer runs the grouped experts eagerly, with a graph break on either side.
+_GROUPED_MM_TRACED_DTYPES = (torch.bfloat16, torch.float16)
+_grouped_eagerly = torch.compiler.disable(Experts._forward_grouped)
+# The loop reads per-expert counts on the host: traced, each new set of counts would recompile it.
+_loop_eagerly = torch.compiler.disable(Experts._forward_loop)
 
 
 class MoE(nn.Module):
@@ -700,7 +721,7 @@ class GlmMoeDsaPreTrainedModel(nn.Module):
             else:
                 h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
             if record is not None:
-                capture.append(record)
+                capture.append({**record, "layer": idx})
             if local is not None:
                 selections.append(local)
         mtp_hidden = self._mtp_forward(h, input_ids, cos, sin, batch) if return_mtp else None

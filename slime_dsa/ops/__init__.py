@@ -45,6 +45,11 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
+# torch.compiler.disable on the two ops a decoder layer calls: where torch.compile traces a layer (trainer.compile), its
+# graph breaks once at each, and they run as they do eagerly, instead of dynamo tracing their host-side logic
+# (reads of sequence offsets, loops over sequences, Triton launches) into many small graphs recompiled per batch
+# layout. Eagerly the decorator costs ~0.3 us a call.
+@torch.compiler.disable
 def indexer_topk(q, k, weights, cu_seqlens_q, cu_seqlens_k, topk: int, scale: float,
                  host_cu_seqlens: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """Causal lightning-indexer top-k: (Tq, topk) sequence-local key positions, ascending, -1 padded.
@@ -111,6 +116,7 @@ def _check_plain_keys_if_invariant(keys) -> None:
                          "an engine with rollout.index_key_cache_dtype fp8_e4m3 cannot run them")
 
 
+@torch.compiler.disable
 def sparse_mla_attention(
     q, kv, indices, scale: float, v_dim: int, cu_seqlens: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,8 @@ class DeepSpeedWorker(TrainerRank):
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig,
                  store_hosted: bool = False) -> None:
         super().__init__(rank, world_size, config)
+        if config.compile:  # the recipe refuses it; a RankConfig built by hand must not be ignored
+            raise ValueError("trainer.compile is built for the fsdp backend, not deepspeed")
         use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         # DeepSpeed reads its rank's device from LOCAL_RANK.

@@ -1,4 +1,5 @@
-"""How the model is sharded (kept apart from what the model is): FSDP2 per decoder layer, then the root."""
+"""How the model is sharded (kept apart from what the model is): each decoder layer compiled when asked
+(trainer.compile), then FSDP2 per decoder layer, then the root: torchtitan's order."""
 
 from __future__ import annotations
 
@@ -7,6 +8,31 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaPreTrainedModel, float32_modules
+
+
+COMPILED_VARIANTS = 64  # dynamo's recompile limit while layers are compiled (apply_compile)
+
+
+def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
+    """torch.compile each decoder layer's forward (MTP layers included), in place, as torchtitan's apply_compile
+    compiles each transformer block: the layers share one code object, so a compiled graph serves every layer of
+    its kind (dense or MoE MLP, indexer or IndexShare attention).
+
+    The forward, not the module's __call__ (nn.Module.compile): FSDP2's hooks, registered on the layer afterwards by
+    apply_fsdp, then run around the compiled graphs, as around torchtitan's compiled block, instead of breaking them.
+    The parameters, their names and the state dict are unchanged. dynamic=True: packed micro-batches change the
+    token count and the number of sequences every step, and with dynamic shapes from the first call a new length
+    reuses the graphs instead of recompiling them once more (automatic dynamic's second compile). The DSA ops
+    (slime_dsa.ops) and, in float32, the grouped experts run eagerly between the graphs (graph breaks)."""
+    # One code object serves every layer (and each piece between graph breaks is one more), with a compiled variant
+    # per combination of what its graphs branch on, not per shape: layer kind (dense or MoE MLP, indexer or
+    # IndexShare), grad mode (the π_old pass runs without), capture (the indexer loss), replay, an index_topk
+    # override. The quickstart preset's π_old pass, training and indexer-loss forward took one such piece past
+    # dynamo's default limit of 8 variants, past which it runs eagerly, with only a log line (CPU, 2026-12-06).
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), COMPILED_VARIANTS))
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def apply_fsdp(model: GlmMoeDsaPreTrainedModel, mesh: DeviceMesh, mixed_precision: bool,

@@ -21,7 +21,7 @@ from slime_dsa import ops
 from slime_dsa.checkpoint import load_model, load_value_model
 from trainers.base import RankConfig, RoleConfig
 from trainers.fsdp.bf16_compute import Bf16Compute
-from trainers.fsdp.parallelize import apply_fsdp
+from trainers.fsdp.parallelize import apply_compile, apply_fsdp
 from trainers.optim import build_role_optimizer, build_scheduler
 from trainers.rank import Role, TrainerRank
 from trainers.rendezvous import join_default_group
@@ -55,6 +55,8 @@ class FSDPWorker(TrainerRank):
         if config.data_parallel == "replicate" and config.mixed_precision:
             raise ValueError("trainer.data_parallel: replicate trains in float32; bf16 mixed precision comes with "
                              "FSDP2 (data_parallel: fsdp)")
+        if config.compile:  # π_old from a separate pass: no test shows the compiled no-grad graphs give the training
+            self.reuses_first_forward = False  # forward's log-probs bit for bit (tests/test_rank_step.py, eager)
         self.mixed_precision = config.mixed_precision  # the recipe allows it on GPU trainers only; tests run it on CPU
         self.sharded = config.data_parallel == "fsdp" and world_size > 1
         self.bf16_copies: dict[str, Bf16Compute] = {}  # role name -> its bf16 compute copy (one mixed-precision rank)
@@ -74,11 +76,15 @@ class FSDPWorker(TrainerRank):
             if not config.trains or any(part in param_name for part in config.frozen):
                 p.requires_grad_(False)
         if self.sharded:
+            if self.config.compile:  # before FSDP2 wraps the layers, as torchtitan orders them
+                apply_compile(model)
             model = apply_fsdp(model, self.mesh, self.mixed_precision, ENTRY_POINTS[config.kind])
         role = Role(config, model)
         if self.mixed_precision and not self.sharded:
             self.bf16_copies[name] = Bf16Compute(model)
             role.compute = self.bf16_copies[name].module
+        if self.config.compile and not self.sharded:
+            apply_compile(role.runs)  # the module that computes: a compiled forward would not follow a deep copy
         if config.trains:
             # Fused kernels for plain tensors (one rank): one pass over all parameters instead of ~10 ops each.
             role.optimizer = build_role_optimizer(model, config.optimizer, config.dsa.indexer_learning_rate,

@@ -155,8 +155,8 @@ class MegatronGlmMoeDsa(nn.Module):
             else:
                 h, local, shared_rows, record = layer(h, cos, sin, batch, shared_rows, replay, capture_dsa, index_topk)
             if record is not None:
-                records.append({k: v[: Tk if k in KEY_ROWS else T] if isinstance(v, torch.Tensor) else v
-                                for k, v in record.items()})
+                records.append({"layer": idx, **{k: v[: Tk if k in KEY_ROWS else T] if isinstance(v, torch.Tensor)
+                                                 else v for k, v in record.items()}})
             if local is not None:
                 selections.append(local[:T])
         h = self.final_norm(h)

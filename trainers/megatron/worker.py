@@ -46,6 +46,8 @@ class MegatronWorker(TrainerRank):
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RankConfig,
                  store_hosted: bool = False) -> None:
         super().__init__(rank, world_size, config)
+        if config.compile:  # the recipe refuses it; a RankConfig built by hand must not be ignored
+            raise ValueError("trainer.compile is built for the fsdp backend, not megatron")
         use_cuda = torch.cuda.is_available()
         cpu_shim.apply()  # a no-op on a GPU machine
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")

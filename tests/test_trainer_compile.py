@@ -1,0 +1,120 @@
+"""trainer.compile: the FSDP2 rank with each decoder layer torch.compile'd (trainers/fsdp/parallelize.apply_compile)
+trains as the eager rank does, over packed micro-batches whose lengths change every step without recompiling, and
+the recipe refuses what it is not built for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_dsa.config import RecipeError, validate_recipe
+from tests.test_rank_step import _checkpoint, _grpo_batch
+
+VOCAB = 96
+
+
+def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, list[int]]:
+    """One micro-batch's gradients on the starting weights, then a train call per batch: (gradients, each call's
+    metrics and π_old, the final weights, dynamo's compiled frames after each call)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from slime_dsa.models import PackedBatch  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    # The indexer frozen, as trainers/factory.py freezes it without an indexer loss: a compiled layer carries the
+    # indexer's outputs across its graph break, so its backward gives the indexer zero gradients, where the eager
+    # layer leaves them None.
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-3), frozen=(".indexer.",),
+                           seed=0, compile=compile, ops_backend="torch", micro_batch_tokens=96)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+    try:
+        model = worker.policy.runs
+        compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.model.layers]
+        assert compiled == [compile] * len(model.model.layers)
+        first = batches[0]
+        logp, _ = model.token_logprobs(first.input_ids, PackedBatch.from_seqlens(first.seqlens))
+        (logp * first.advantages * first.loss_mask).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        worker.zero_gradients(worker.policy)
+        metrics, frames = [], []
+        for batch in batches:  # an RL train call each: the π_old pass (no grad), then one optimizer step
+            shard = batch.select(list(range(len(batch.seqlens))))  # its own old_logprobs: the batch is shared
+            old, step = worker.train_batches([shard], [(float(batch.loss_mask.sum()), len(batch.seqlens))],
+                                             recompute_old_logprobs=True)
+            metrics.append({**step[0], "old_logprobs": old[0]})
+            frames.append(counters["frames"]["ok"])
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        worker.shutdown()
+    return grads, metrics, weights, frames
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_as_eager_layers_do(tmp_path):
+    """Float32 on the CPU, torch ops: the compiled rank's gradients, losses and weights after three steps match the
+    eager rank's, and the compile happened (dynamo compiled frames; every layer's forward is a compiled one).
+
+    Not bit for bit: inductor fuses the norms, RoPE and MLP glue into kernels that sum in another order, ~1e-7
+    relative per op in float32. Gradients within rtol 1e-4 (atol 1e-6 for entries near 0), losses within 1e-5
+    relative, π_old within 1e-5. The weights after three AdamW steps within 1e-4, a tenth
+    of lr: AdamW's first steps move a weight by lr times about g / (|g| + eps), so gradients 1e-4 apart move most
+    weights ~1e-7 apart, but one whose gradient is near 0 by up to lr times its relative change (one entry in 2048
+    came out 1.06e-5 apart); a step the compiled rank took differently moves weights ~lr apart.
+
+    Three train calls of different packs (token counts and numbers of sequences, micro-batches of 96 tokens): the
+    layers are compiled with dynamic shapes, so the second and third compile no new frame."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
+    # 24-30 tokens > index_topk 16: the indexer selects a real subset
+    batches = [_grpo_batch(8, 24, 10, 4, VOCAB), _grpo_batch(6, 30, 8, 2, VOCAB), _grpo_batch(10, 20, 6, 5, VOCAB)]
+    torch._dynamo.reset()
+    counters.clear()
+    eager_grads, eager_metrics, eager_weights, eager_frames = _run(checkpoint, batches, compile=False)
+    assert eager_frames == [0, 0, 0]
+    grads, metrics, weights, frames = _run(checkpoint, batches, compile=True)
+    torch._dynamo.reset()
+
+    assert frames[0] > 0 and counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert frames[1] == frames[2] == frames[0], f"recompiled for new pack shapes: compiled frames by step {frames}"
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for got, want in zip(metrics, eager_metrics):
+        assert got.keys() == want.keys()
+        torch.testing.assert_close(got.pop("old_logprobs"), want.pop("old_logprobs"), rtol=1e-5, atol=1e-5)
+        for key in ("loss", "pg_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
+    for name, weight in weights.items():
+        torch.testing.assert_close(weight, eager_weights[name], rtol=0, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"trainer": {"compile": True, "backend": "megatron"}}, "compile is built for backend 'fsdp' only"),
+    ({"trainer": {"compile": True, "backend": "deepspeed"}}, "compile is built for backend 'fsdp' only"),
+    ({"trainer": {"compile": True}, "model": {"true_on_policy": True}},
+     "model.true_on_policy needs the trainer to run the engines' unfused"),
+])
+def test_compile_where_it_is_not_built_is_refused(data, says):
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    message = str(info.value)
+    assert "\n" not in message and says in message
+
+
+def test_compile_on_the_fsdp_trainer_is_accepted():
+    assert validate_recipe({"trainer": {"compile": True}}).trainer.compile
+
+
+def test_the_one_process_commands_refuse_compile():
+    """slime-dsa sft and indexer-warmup run their model eagerly: trainer.compile set is refused, not ignored."""
+    from slime_dsa.config.indexer_warmup import NOT_READ_BY_INDEXER_WARMUP  # noqa: PLC0415
+    from slime_dsa.config.sft import sft_problems, unread_key_problems  # noqa: PLC0415
+
+    config = validate_recipe({"trainer": {"compile": True}})
+    for problems in (sft_problems(config), unread_key_problems(config, NOT_READ_BY_INDEXER_WARMUP)):
+        assert [key for key, _ in problems] == ["trainer.compile"]
+        assert "runs its model eagerly" in problems[0][1]
