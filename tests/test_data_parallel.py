@@ -6,6 +6,7 @@ weights must equal those of a single rank that saw every sample (float32, up to 
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
@@ -90,6 +91,9 @@ def test_two_ranks_match_one(single, data_parallel):
         torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.skipif(not os.environ.get("SLIME_DSA_COMPILE_TESTS"), reason="compiles on two ranks at once: ~4 min on "
+                    "2 cores, beyond CI's budget; SLIME_DSA_COMPILE_TESTS=1 runs it (passed 2026-12-06, 243 s). The "
+                    "compiled rank against the eager one runs always (tests/test_trainer_compile.py)")
 def test_two_compiled_fsdp_ranks_match_one(single):
     """trainer.compile on two FSDP2 ranks (each layer compiled, then sharded, torchtitan's order): the step's weights
     match the single eager rank's within a tenth of lr. Not 1e-5: inductor's fused kernels round differently, and
