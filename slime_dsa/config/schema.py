@@ -826,9 +826,12 @@ class TrainerSection(Section):
                            "kernels, which stay eager (a graph break at each), run as fused kernels, fewer launches "
                            "for a launch-bound GPU step. Shapes are dynamic: packs of new lengths reuse the graphs. "
                            "The compile runs in a GPU rank's kernel warm-up at start-up, else in the first train call "
-                           "(on a CPU: ~3 minutes at the tiny preset, for steps 1.3-1.6x faster there). fsdp backend "
-                           "only; not with model.true_on_policy, whose bit-equality with the engines needs their "
-                           "unfused kernels. Not read by slime-dsa sft (refused set).")
+                           "(on a CPU: ~3 minutes at the tiny preset, for steps 1.3-1.6x faster there; on one H100: "
+                           "~2.5 minutes). Costs: the trainer's log-probs no longer equal the engines' bit for bit "
+                           "(fused kernels round differently: |Δlogp| ~5e-3 instead of 0 on one H100), and a train "
+                           "call of short sequences can be slower (benchmarks/RESULTS.md). fsdp backend only; not "
+                           "with model.true_on_policy, whose bit-equality with the engines needs their unfused "
+                           "kernels. Not read by slime-dsa sft (refused set).")
     share_prompt_prefix: bool = Field(
         True, description="Run each prompt once for the samples of its group (their responses attend to the "
                           "shared prompt rows): same loss and gradients, fewer tokens computed. Off, or with "
