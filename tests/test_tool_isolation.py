@@ -15,6 +15,7 @@ import time
 import pytest
 
 from rollout.tools.base import PluginTool, call_tool
+from rollout.tools import process_tool
 from rollout.tools.process_tool import ProcessTool, close_tool_pools
 from rollout.tools.registry import load_tool, load_tools
 from rollout.tools.sandbox import SandboxLimits
@@ -27,11 +28,14 @@ LIMITS = SandboxLimits(cpu_s=1, wall_s=2.0, memory_mb=128)
 
 @pytest.fixture(autouse=True)
 def _stop_workers():
+    process_tool._failures.clear()  # each test's failures logged from its first: the log is throttled per tool name
     yield
     close_tool_pools()
 
 
-def call(tools, name, timeout_s=2.0, **arguments):
+def call(tools, name, timeout_s=30.0, **arguments):
+    """A tool call; the default deadline leaves room for a worker's start on a loaded machine (tests of the deadline
+    pass their own)."""
     coro = call_tool(tools, ToolCall(name, arguments), timeout_s=timeout_s, max_output_chars=300)
     return asyncio.run(asyncio.wait_for(coro, 60))
 
