@@ -145,7 +145,8 @@ def build_command(config: SGLangConfig) -> list[str]:
         cmd.append("--enable-memory-saver")
     if c.enable_return_indexer_topk:
         cmd.append("--enable-return-indexer-topk")
-    for flag, value in (("--tokenizer-path", c.tokenizer_path), ("--max-running-requests", c.max_running_requests), ("--context-length", c.context_length),
+    for flag, value in (("--tokenizer-path", c.tokenizer_path), ("--max-running-requests", c.max_running_requests),
+                        ("--context-length", c.context_length),
                         ("--chunked-prefill-size", c.chunked_prefill_size), ("--served-model-name", c.served_model_name),
                         ("--api-key", c.api_key), ("--log-level", c.log_level)):
         if value is not None:

@@ -135,7 +135,8 @@ def sglang_config(recipe: RecipeConfig, model_dir: Path | str, return_indexer_to
     from rollout.sglang.config import SGLangConfig  # noqa: PLC0415
 
     sg = recipe.rollout.sglang
-    return SGLangConfig(model_path=str(model_dir), tokenizer_path=recipe.model.tokenizer_path, tp=sg.tp, mem_fraction_static=sg.mem_fraction_static,
+    return SGLangConfig(model_path=str(model_dir), tokenizer_path=recipe.model.tokenizer_path, tp=sg.tp,
+                        mem_fraction_static=sg.mem_fraction_static,
                         kv_cache_dtype=sg.kv_cache_dtype, attention_backend=sg.attention_backend,
                         enable_return_indexer_topk=return_indexer_topk, extra_args=list(sg.extra_args),
                         enable_memory_saver=memory_saver, api_key=api_key)
