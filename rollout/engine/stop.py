@@ -22,6 +22,17 @@ from rollout.engine.types import RequestError, SamplingParams
 MAX_CACHED_WINDOWS = 4096  # distinct sets of stop strings an engine remembers the window of
 
 
+def engine_eos_token_ids(config_ids: list[int], generation_ids: list[int], tokenizer: Any = None) -> list[int]:
+    """The ids that end an answer unless it asks ignore_eos, as SGLang's Req stops: config.json's eos_token_id,
+    generation_config.json's, the tokenizer's eos_token and (SGLang's attach_additional_stop_token_ids) <|eom_id|>."""
+    ids = [*config_ids, *generation_ids]
+    if tokenizer is not None:
+        ids.append(getattr(tokenizer, "eos_token_id", None))
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        ids.append(added.get("<|eom_id|>"))
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def stop_window(tokenizer: Any, stop_strings: list[str]) -> int:
     """Tokens of output whose text can hold a stop string that its last token completes."""
     longest = max(len(tokenizer.encode(s, add_special_tokens=False)) for s in stop_strings)

@@ -56,7 +56,9 @@ def load_engine(
     `warmup_max_len` (CUDA only; 0: none): compile the kernels and capture the decode graphs for samples of up to
     that many tokens now, not in the first rollout (rollout/engine/warmup.py). `index_key_cache_dtype`: auto |
     fp8_e4m3, the DSA indexer keys' cache (Engine). `tokenizer_path`: the tokenizer for stop strings and text
-    (the run's model.tokenizer_path); None: the one saved with the model.
+    (the run's model.tokenizer_path); None: the one saved with the model. The engine stops on the ids SGLang
+    stops on (rollout.engine.stop.engine_eos_token_ids): config.json's and generation_config.json's eos_token_id and
+    the tokenizer's eos_token.
     """
     import torch
 
@@ -66,14 +68,17 @@ def load_engine(
     ops.invariant.set_enabled(true_on_policy)
     from rollout.engine.async_engine import AsyncEngine
     from rollout.engine.engine import Engine
+    from rollout.engine.stop import engine_eos_token_ids
     from slime_dsa.checkpoint import load_model
+    from slime_dsa.models.config import generation_eos_token_ids
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(model_dir, dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(tokenizer_path or model_dir)
+    eos_ids = engine_eos_token_ids(model.config.eos_token_ids, generation_eos_token_ids(model_dir), tokenizer)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
-                    tokenizer=tokenizer, weight_version=weight_version, keep_indexer_topk=keep_indexer_topk,
-                    overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
+                    eos_token_ids=eos_ids, tokenizer=tokenizer, weight_version=weight_version,
+                    keep_indexer_topk=keep_indexer_topk, overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
     if warmup_max_len > 0 and engine.device.type == "cuda":
         from rollout.engine.warmup import warm_up_engine
 

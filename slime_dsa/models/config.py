@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+GENERATION_CONFIG = "generation_config.json"
 
 # Keys transformers writes to config.json that describe nothing we compute with.
 _IGNORED_KEYS = {
@@ -55,6 +60,8 @@ class ModelConfig:
     max_position_embeddings: int = 202752
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-5
+    # transformers' GlmMoeDsaConfig default: SGLang reads a config.json without the key as 1 too, so the engines agree
+    # (recipe check refuses such a model.path; presets pass the tokenizer's). generation_config.json may add ids.
     eos_token_id: int | list[int] | None = 1
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
@@ -168,3 +175,29 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def generation_eos_token_ids(directory: str | Path) -> list[int]:
+    """The eos_token_id of `directory`'s generation_config.json (an int or a list), read as SGLang's ModelConfig
+    reads it (_get_hf_eos_token_id): [] when the file is absent or unreadable, or the value falsy (0, [], null)."""
+    path = Path(directory, GENERATION_CONFIG)
+    if not path.is_file():
+        return []
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):  # SGLang: transformers' OSError, so no config
+        logger.warning("%s is not readable JSON: its eos_token_id is ignored, as SGLang ignores it", path)
+        return []
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if not value:
+        return []
+    values = value if isinstance(value, list) else [value]
+    ids = [v for v in values if _is_token_id(v)]
+    if bad := [v for v in values if not _is_token_id(v)]:
+        logger.warning("%s: eos_token_id holds %s, not token ids; the engines never stop on them",
+                       path, ", ".join(map(repr, bad)))
+    return list(dict.fromkeys(ids))
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
