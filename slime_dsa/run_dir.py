@@ -337,6 +337,13 @@ def save_model(model: Any, directory: Path, extra: Callable[[Path], object], whe
         raise UserError(f"{where}: {failure}{after}") from None
 
 
-def save_output_model(model: Any, out_dir: Path, key: str, extra: Callable[[Path], object]) -> None:
-    """save_model of the model a job made into `out_dir`, set by `key` (sft.output_dir, indexer_warmup.output_dir)."""
-    save_model(model, out_dir, extra, f"{key} {out_dir}", "; the trained model is not saved")
+def save_output_model(model: Any, out_dir: Path, key: str, extra: Callable[[Path], object], model_dir: Path) -> None:
+    """save_model of the model a job made from `model_dir` into `out_dir`, set by `key` (sft.output_dir,
+    indexer_warmup.output_dir), with model_dir's generation_config.json: the engines stop on its eos_token_id too."""
+
+    def with_generation_config(tmp: Path) -> None:
+        extra(tmp)
+        if (source := model_dir / "generation_config.json").is_file():
+            shutil.copy2(source, tmp / source.name)
+
+    save_model(model, out_dir, with_generation_config, f"{key} {out_dir}", "; the trained model is not saved")

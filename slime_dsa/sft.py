@@ -201,5 +201,5 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "sft_summary.json").write_text(json.dumps({"steps": step, **metrics}, indent=2))
 
-    save_output_model(model, out_dir, "sft.output_dir", extra)
+    save_output_model(model, out_dir, "sft.output_dir", extra, model_dir)
     return out_dir

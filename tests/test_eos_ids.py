@@ -94,3 +94,24 @@ def test_engine_stop_ids_unite_config_generation_config_and_tokenizer():
     assert engine_eos_token_ids([1], [5, 1], Tokenizer()) == [1, 5, 11, 12]
     assert engine_eos_token_ids([], [], None) == []
 
+
+def test_a_checkpoint_and_its_export_keep_generation_config(model_dir, tmp_path):
+    """A run's checkpoint carries model.path's generation_config.json and `export` copies it on, so an exported
+    model stops where the run's engines did."""
+    import shutil
+
+    from slime_dsa.checkpoint.training import CheckpointManager, export_checkpoint
+    from slime_dsa.orchestrator.step import save_checkpoint
+
+    class Trainers:
+        def save_checkpoint(self, directory: str) -> None:
+            shutil.copy2(model_dir / "model.safetensors", directory)
+
+    source = tmp_path / "model"
+    shutil.copytree(model_dir, source)
+    text = write_generation_config(source, '{"eos_token_id": [1, 5]}').read_text()
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    save_checkpoint(ckpts, 1, Trainers(), {"next": 1}, source)
+    assert (ckpts.path_for(1) / "generation_config.json").read_text() == text
+    export_checkpoint(ckpts.path_for(1), tmp_path / "export")
+    assert (tmp_path / "export" / "generation_config.json").read_text() == text

@@ -296,5 +296,5 @@ def _warm_up(recipe: RecipeConfig, run_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "indexer_warmup_summary.json").write_text(json.dumps(summary, indent=2))
 
-    save_output_model(model, out_dir, "indexer_warmup.output_dir", extra)
+    save_output_model(model, out_dir, "indexer_warmup.output_dir", extra, model_dir)
     return out_dir

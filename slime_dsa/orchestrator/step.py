@@ -345,7 +345,8 @@ def save_checkpoint(ckpts, step: int, trainers, rollout_state: dict, model_dir: 
 
     def write(tmp: Path) -> None:
         trainers.save_checkpoint(str(tmp))
-        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json", "chat_template.jinja"):  # generation_config.json: its eos ids stop
             if (model_dir / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
 
