@@ -283,11 +283,12 @@ def prepare_model_dir(recipe: RecipeConfig, run_dir: Path) -> Path:
 def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
     """The tokenizer at model.tokenizer_path, else the one saved with the model; UserError (one line naming the key)
     for model.path when the tokenizer has more tokens than the model has embedding rows (an id past them is an
-    IndexError in the embedding), or when its eos_token is not one of config.json's eos_token_id (sft and the agent
-    loop end responses on the tokenizer's, the engines stop on config.json's alone) or config.json names none."""
+    IndexError in the embedding), when config.json names no eos_token_id (read as 1, a stop for the engines), or when
+    the tokenizer's eos_token is none of the model's (config.json's and generation_config.json's): another model's."""
     from slime_dsa.config.paths import (  # noqa: PLC0415
         config_eos_ids, eos_mismatch_problem, no_eos_id_problem, tokenizer_size_problem,
     )
+    from slime_dsa.models.config import generation_eos_token_ids  # noqa: PLC0415
 
     source = recipe.model.tokenizer_path or str(model_dir)
     tokenizer = _auto_tokenizer(source)
@@ -299,7 +300,7 @@ def load_tokenizer(recipe: RecipeConfig, model_dir: Path) -> Any:
             raise UserError(f"{key}: {tokenizer_size_problem(source, tokens, model_dir, rows)}")
         if not (ids := config_eos_ids(config)):
             raise UserError(f"model.path: {no_eos_id_problem(config_file, source, tokenizer.eos_token_id is None)}")
-        if tokenizer.eos_token_id not in ids:
+        if tokenizer.eos_token_id not in (ids := list(dict.fromkeys(ids + generation_eos_token_ids(model_dir)))):
             problem = eos_mismatch_problem(config_file, ids, source, tokenizer.eos_token, tokenizer.eos_token_id)
             raise UserError(f"{key}: {problem}")
     return tokenizer

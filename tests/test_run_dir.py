@@ -376,18 +376,19 @@ def test_model_path_whose_config_names_no_eos_is_one_line(tmp_path):
                                           ("null", None, "<|endoftext|>")):
         model = _quickstart_with(tmp_path / name, eos_token_id, eos_token)
         either = ", which has none either: set one in its tokenizer_config.json too" if eos_token is None else ""
-        expected = (f"model.path: {model / 'config.json'} has no eos_token_id: the engines end a response only on it "
-                    "(a missing one reads as token id 1, transformers' default, whatever token that is; a null one "
-                    f"as none); set it to the id of the eos_token of the tokenizer at {model}{either}")
+        expected = (f"model.path: {model / 'config.json'} has no eos_token_id: the engines end a response on it (a "
+                    "missing one reads as token id 1, transformers' default, whatever token that is; a null one as "
+                    f"none), as SGLang does; set it to the id of the eos_token of the tokenizer at {model}{either}")
         recipe = load_recipe(None, [f"model.path={model}"])
         assert_refused_by_check_and_run(recipe, tmp_path / "run", expected)
 
 
-def test_a_tokenizer_whose_eos_the_engines_do_not_stop_on_is_one_line(tmp_path):
-    """A tokenizer whose eos_token is not among model.path's config.json eos_token_id: sft ended each response with
-    the tokenizer's EOS (and the agent loop stopped on it) while the engines stopped on config.json's alone, so an
-    sft model ran on to the length limit in every rollout, unsaid. Refused in one line naming the tokenizer's key;
-    a list holding the tokenizer's EOS passes. A tokenizer without eos_token (sft appended None) is refused too."""
+def test_a_tokenizer_of_another_eos_than_the_models_is_one_line(tmp_path):
+    """A tokenizer whose eos_token is none of model.path's eos_token_id (config.json's or generation_config.json's):
+    sft ended each response with the tokenizer's EOS, where the model was made to end on another (once, the engines
+    stopped only on config.json's, so an sft model ran on to the length limit). Refused in one line naming the
+    tokenizer's key; a list holding the tokenizer's EOS passes, and so does generation_config.json naming it. A
+    tokenizer without eos_token (sft appended None) is refused too."""
     import pytest  # noqa: PLC0415
 
     from slime_dsa.config.errors import UserError  # noqa: PLC0415
@@ -401,13 +402,16 @@ def test_a_tokenizer_whose_eos_the_engines_do_not_stop_on_is_one_line(tmp_path):
     with pytest.raises(UserError) as info:
         start(f"model.path={model}")
     assert str(info.value) == (
-        f"model.path: the eos_token of the tokenizer at {model}, '<|endoftext|>' (id 373), is not the eos_token_id of "
-        f"{model / 'config.json'} (5): sft ends each response with 373 and the agent loop stops on it, while the "
-        "engines stop only on 5, so a model trained to end there runs on to the length limit; use the model's own "
+        f"model.path: the eos_token of the tokenizer at {model}, '<|endoftext|>' (id 373), is not an eos_token_id of "
+        f"{model / 'config.json'} or its generation_config.json (5): a tokenizer of another model? sft would train "
+        "the model to end each response with 373, not with the id it was made to end on; use the model's own "
         "tokenizer, or add 373 to eos_token_id in config.json")
     with pytest.raises(UserError, match=r"^model.tokenizer_path: the eos_token of the tokenizer at "):
         start(f"model.path={model}", f"model.tokenizer_path={QUICKSTART_SFT}")
     assert start(f"model.path={_quickstart_with(tmp_path / 'list', [5, 373])}").eos_token_id == 373
+    (generation := _quickstart_with(tmp_path / "generation", 5)).joinpath("generation_config.json").write_text(
+        json.dumps({"eos_token_id": [5, 373]}))
+    assert start(f"model.path={generation}").eos_token_id == 373
     model = _quickstart_with(tmp_path / "no_eos", 373, None)
     with pytest.raises(UserError) as info:
         start(f"model.path={model}")

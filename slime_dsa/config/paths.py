@@ -242,23 +242,23 @@ def config_eos_ids(raw: dict) -> list[int]:
 def no_eos_id_problem(config_file: Path, source: str, tokenizer_lacks_eos: bool) -> str:
     """The one line (after 'model.path: ') refusing a model.path whose config.json names no EOS id."""
     either = ", which has none either: set one in its tokenizer_config.json too" if tokenizer_lacks_eos else ""
-    return (f"{config_file} has no eos_token_id: the engines end a response only on it (a missing one reads as token "
-            "id 1, transformers' default, whatever token that is; a null one as none); set it to the id of the "
-            f"eos_token of the tokenizer at {source}{either}")
+    return (f"{config_file} has no eos_token_id: the engines end a response on it (a missing one reads as token id "
+            "1, transformers' default, whatever token that is; a null one as none), as SGLang does; set it to the id "
+            f"of the eos_token of the tokenizer at {source}{either}")
 
 
 def eos_mismatch_problem(config_file: Path, ids: list[int], source: str, token: str | None,
                          token_id: int | None) -> str:
-    """The one line (after the tokenizer's key) refusing a tokenizer whose eos_token is not among config.json's
-    eos_token_id: sft ends responses with the tokenizer's, the engines stop on config.json's."""
+    """The one line (after the tokenizer's key) refusing a tokenizer whose eos_token is not among the model's EOS ids
+    (`ids`: config.json's and generation_config.json's eos_token_id): most likely another model's tokenizer."""
     said = ids[0] if len(ids) == 1 else ids
     if token_id is None:
         return (f"the tokenizer at {source} has no eos_token: sft ends each response with it (None) and the agent loop "
                 f"stops on it; set eos_token in its tokenizer_config.json to the token of id {ids[0]}, the "
                 f"eos_token_id of {config_file}")
-    return (f"the eos_token of the tokenizer at {source}, {token!r} (id {token_id}), is not the eos_token_id of "
-            f"{config_file} ({said}): sft ends each response with {token_id} and the agent loop stops on it, while "
-            f"the engines stop only on {said}, so a model trained to end there runs on to the length limit; use the "
+    return (f"the eos_token of the tokenizer at {source}, {token!r} (id {token_id}), is not an eos_token_id of "
+            f"{config_file} or its generation_config.json ({said}): a tokenizer of another model? sft would train "
+            f"the model to end each response with {token_id}, not with the id it was made to end on; use the "
             f"model's own tokenizer, or add {token_id} to eos_token_id in config.json")
 
 

@@ -57,8 +57,8 @@ class ModelSection(Section):
                           "model.path is null too). The driver, the trainers and the engines (SGLang's "
                           "--tokenizer-path) all use it. With path set it may hold no more token ids than that model's "
                           "embedding rows (config.json vocab_size), and its eos_token must be one of that "
-                          "config.json's eos_token_id (sft ends responses with this; the engines stop on those, on "
-                          "generation_config.json's eos_token_id and on this eos_token, as SGLang does). "
+                          "model's eos_token_id (config.json's or generation_config.json's; sft ends responses with "
+                          "this; the engines stop on all of those and on this eos_token, as SGLang does). "
                           "With path null the preset's vocabulary and EOS are this tokenizer's (its highest token "
                           "id + 1, its eos_token, which it must have), and it is saved with the model built.")
     ops_backend: Literal["auto", "torch", "triton"] = Field(
