@@ -98,15 +98,21 @@ def sft_step(model, optimizer, examples: list[SupervisedExample], micro_batch_to
 
 
 def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_tokens: int,
-                stop: Sequence[str] = (), reward_timeout_s: float | None = None) -> dict[str, float]:
+                stop: Sequence[str] = (), reward_timeout_s: float | None = None,
+                model_dir: Path | None = None) -> dict[str, float]:
     """The RL loop's evaluation (rollout.evaluation.Evaluator: greedy answers on every task's eval split, eval/
     metrics) through an embedded engine in this process; each reward call may run reward_timeout_s (None: the
-    default of rollout.reward_timeout_s)."""
+    default of rollout.reward_timeout_s). The engine stops where the run's engines do: on the model's EOS ids,
+    model_dir's generation_config.json's and the tokenizer's eos_token."""
     from rollout.engine import AsyncEngine, Engine  # noqa: PLC0415
+    from rollout.engine.stop import engine_eos_token_ids  # noqa: PLC0415
     from rollout.evaluation import Evaluator, eval_prompts  # noqa: PLC0415
     from rollout.server.in_process import InProcessClient  # noqa: PLC0415
     from slime_dsa.config.schema import RolloutSection  # noqa: PLC0415
+    from slime_dsa.models.config import generation_eos_token_ids  # noqa: PLC0415
 
+    generation_ids = generation_eos_token_ids(model_dir) if model_dir is not None else []
+    eos_ids = engine_eos_token_ids(model.config.eos_token_ids, generation_ids, tokenizer)
     # No deadline per request: a CPU eval of many long answers can outlast any, and SFT has no engine to give up on.
     timeout = {} if reward_timeout_s is None else {"reward_timeout_s": reward_timeout_s}
     rollout = RolloutSection(max_response_length=max_new_tokens, stop=list(stop), request_timeout_s=math.inf, **timeout)
@@ -115,7 +121,7 @@ def greedy_eval(model, tokenizer, tasks: list[Any], max_prompts: int, max_new_to
 
     async def evaluate() -> dict[str, float]:
         engine = AsyncEngine(Engine(model, max_cache_tokens=max(4096, longest * min(len(prompts), 256)),
-                                    tokenizer=tokenizer))
+                                    tokenizer=tokenizer, eos_token_ids=eos_ids))
         await engine.start()
         try:
             client = InProcessClient(engine, tokenizer)
@@ -186,7 +192,7 @@ def _fine_tune(recipe: RecipeConfig, run_dir: Path) -> Path:
                 metrics.update({"train/lr": scheduler.get_last_lr()[0], "perf/step_time_s": time.perf_counter() - start})
                 evaluated = (sft.eval_every and step % sft.eval_every == 0) or step == tr.num_steps
                 if evaluated:
-                    metrics.update(greedy_eval(model, *eval_args))
+                    metrics.update(greedy_eval(model, *eval_args, model_dir=model_dir))
                     logger.info("sft step %d: loss %.4f, eval pass@1 %.3f", step, metrics["train/loss"],
                                 metrics.get("eval/pass@1", math.nan))  # no eval split: no eval metrics
                 if step % recipe.logging.log_every == 0 or evaluated:

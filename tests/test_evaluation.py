@@ -5,6 +5,7 @@ this process (SFT's path), and from the engine stepped by hand (what SFT's eval 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -95,15 +96,12 @@ def test_in_process_evaluation_equals_http_evaluation(checkpoint):
         assert a.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=1e-5)
 
 
-def test_sft_eval_answers_as_the_engine_stepped_by_hand(checkpoint):
-    import slime_dsa
+def _rewards_stepped_by_hand(model, tasks, eos_token_ids=None) -> dict[str, list[float]]:
+    """Each task's rewards of greedy answers from an Engine stepped by hand (parity of the last token)."""
     from rollout.engine import Engine, GenerateRequest, SamplingParams
-    from rollout.evaluation import eval_metrics, eval_prompts
-    from slime_dsa.sft import greedy_eval
+    from rollout.evaluation import eval_prompts
 
-    tasks = _tasks()
-    model = slime_dsa.load_model(checkpoint)
-    engine = Engine(model.eval(), max_cache_tokens=4096)
+    engine = Engine(model.eval(), max_cache_tokens=4096, eos_token_ids=eos_token_ids)
     prompts = eval_prompts(tasks, 3)
     for i, p in enumerate(prompts):
         sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
@@ -114,5 +112,35 @@ def test_sft_eval_answers_as_the_engine_stepped_by_hand(checkpoint):
     rewards: dict[str, list[float]] = {}
     for i, p in enumerate(prompts):
         rewards.setdefault(p.task, []).append(float(bool(answers[str(i)]) and answers[str(i)][-1] % 2 == 1))
+    return rewards
+
+
+def test_sft_eval_answers_as_the_engine_stepped_by_hand(checkpoint):
+    import slime_dsa
+    from rollout.evaluation import eval_metrics
+    from slime_dsa.sft import greedy_eval
+
+    tasks = _tasks()
+    model = slime_dsa.load_model(checkpoint)
+    rewards = _rewards_stepped_by_hand(model, tasks)
     assert greedy_eval(model, TOKENIZER, tasks, 3, MAX_NEW_TOKENS) == eval_metrics(rewards)
     assert model.training  # handed back in training mode
+
+
+def test_sft_eval_stops_on_generation_config_eos_ids(checkpoint, tmp_path):
+    """sft's eval built its engine from the model alone, so it stopped on config.json's EOS ids only, where the
+    run's engines (and SGLang) stop on generation_config.json's too: here every even id, which ends most answers."""
+    import shutil
+
+    import slime_dsa
+    from rollout.evaluation import eval_metrics
+    from slime_dsa.sft import greedy_eval
+
+    shutil.copytree(checkpoint, model_dir := tmp_path / "model")
+    model = slime_dsa.load_model(model_dir)
+    even = list(range(2, model.config.vocab_size, 2))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": even}))
+    tasks = _tasks()
+    stopped = _rewards_stepped_by_hand(model, tasks, model.config.eos_token_ids + even)
+    assert stopped != _rewards_stepped_by_hand(model, tasks)  # the extra ids change the answers
+    assert greedy_eval(model, TOKENIZER, tasks, 3, MAX_NEW_TOKENS, model_dir=model_dir) == eval_metrics(stopped)
