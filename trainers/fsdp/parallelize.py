@@ -31,6 +31,11 @@ def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
     # dynamo's default limit of 8 variants, past which it runs eagerly, with only a log line (CPU, 2026-12-06).
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), COMPILED_VARIANTS))
+    # The floats a layer reads (its norms' eps, the router's routed_scaling_factor) as constants of its graphs. Under
+    # dynamic=True dynamo otherwise passes each as a 0-d CPU tensor input, and inductor's CUDA code reads it with
+    # .item() at every kernel launch that uses it: ~150-250 aten::_local_scalar_dense a train call on an H100, where
+    # eager made 6-12 (benchmarks/RESULTS.md). They never change, so no recompile follows.
+    torch._dynamo.config.specialize_float = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
