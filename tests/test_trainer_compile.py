@@ -15,9 +15,9 @@ from tests.test_rank_step import _checkpoint, _grpo_batch
 VOCAB = 96
 
 
-def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, list[int]]:
+def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, list[int], int]:
     """One micro-batch's gradients on the starting weights, then a train call per batch: (gradients, each call's
-    metrics and π_old, the final weights, dynamo's compiled frames after each call)."""
+    metrics and π_old, the final weights, dynamo's compiled frames after each call, separate π_old passes run)."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
@@ -41,6 +41,9 @@ def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, li
         (logp * first.advantages * first.loss_mask).sum().backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         worker.zero_gradients(worker.policy)
+        passes = []  # the separate π_old passes: none, the first step's forward gives π_old
+        separate_pass = worker.compute_logprobs
+        worker.compute_logprobs = lambda *args, **kw: passes.append(1) or separate_pass(*args, **kw)
         metrics, frames = [], []
         for batch in batches:  # an RL train call each: the π_old pass (no grad), then one optimizer step
             shard = batch.select(list(range(len(batch.seqlens))))  # its own old_logprobs: the batch is shared
@@ -51,7 +54,7 @@ def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, li
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     finally:
         worker.shutdown()
-    return grads, metrics, weights, frames
+    return grads, metrics, weights, frames, len(passes)
 
 
 @pytest.mark.slow
@@ -72,6 +75,8 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
     weights ~1e-7 apart, but one whose gradient is near 0 by up to lr times its relative change (one entry in 2048
     came out 1.06e-5 apart); a step the compiled rank took differently moves weights ~lr apart.
 
+    π_old is the first step's own forward in both (no separate pass).
+
     Three train calls of different packs (token counts and numbers of sequences, micro-batches of 96 tokens): the
     layers are compiled with dynamic shapes, so the second and third compile no new frame.
 
@@ -91,11 +96,14 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
     batches = [_grpo_batch(8, 24, 10, 4, VOCAB), _grpo_batch(6, 30, 8, 2, VOCAB), _grpo_batch(10, 20, 6, 5, VOCAB)]
     torch._dynamo.reset()
     counters.clear()
-    eager_grads, eager_metrics, eager_weights, eager_frames = _run(checkpoint, batches, compile=False)
+    eager_grads, eager_metrics, eager_weights, eager_frames, eager_passes = _run(checkpoint, batches, compile=False)
     assert eager_frames == [0, 0, 0]
-    grads, metrics, weights, frames = _run(checkpoint, batches, compile=True)
+    grads, metrics, weights, frames, passes = _run(checkpoint, batches, compile=True)
     torch._dynamo.reset()
 
+    # π_old is the first step's forward, compiled too: a separate pass made a compiled RL train call slower than the
+    # eager one on an H100 (one more forward, through no-grad graphs of its own)
+    assert passes == eager_passes == 0
     assert frames[0] > 0 and counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert frames[1] == frames[2] == frames[0], f"recompiled for new pack shapes: compiled frames by step {frames}"
     assert grads.keys() == eager_grads.keys()
@@ -184,6 +192,7 @@ class _RecordingBackend:
         return aot_eager(gm, example_inputs)
 
 
+@pytest.mark.slow
 def test_compiled_layers_read_no_float_from_a_tensor(tmp_path, monkeypatch):
     """The floats a compiled layer reads (norm eps, routed_scaling_factor) are constants of its graphs, not 0-d CPU
     tensor inputs, and a compiled step makes no more host reads of a scalar than the eager step.

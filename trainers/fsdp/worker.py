@@ -55,8 +55,6 @@ class FSDPWorker(TrainerRank):
         if config.data_parallel == "replicate" and config.mixed_precision:
             raise ValueError("trainer.data_parallel: replicate trains in float32; bf16 mixed precision comes with "
                              "FSDP2 (data_parallel: fsdp)")
-        if config.compile:  # π_old from a separate pass: no test shows the compiled no-grad graphs give the training
-            self.reuses_first_forward = False  # forward's log-probs bit for bit (tests/test_rank_step.py, eager)
         self.mixed_precision = config.mixed_precision  # the recipe allows it on GPU trainers only; tests run it on CPU
         self.sharded = config.data_parallel == "fsdp" and world_size > 1
         self.bf16_copies: dict[str, Bf16Compute] = {}  # role name -> its bf16 compute copy (one mixed-precision rank)
