@@ -828,9 +828,9 @@ class TrainerSection(Section):
                            "for a launch-bound GPU step. Shapes are dynamic: packs of new lengths reuse the graphs. "
                            "The compile runs in a GPU rank's kernel warm-up at start-up, else in the first train call "
                            "(on a CPU: ~3 minutes at the tiny preset, for steps 1.3-1.6x faster there; on one H100: "
-                           "~2.5 minutes). Costs: the trainer's log-probs no longer equal the engines' bit for bit "
-                           "(fused kernels round differently: |Δlogp| ~5e-3 instead of 0 on one H100), and a train "
-                           "call of short sequences can be slower (benchmarks/RESULTS.md). fsdp backend only; not "
+                           "~1 minute, for train calls 1.2-1.3x faster, benchmarks/RESULTS.md). Cost: the trainer's "
+                           "log-probs no longer equal the engines' bit for bit (fused kernels round differently: "
+                           "|Δlogp| ~5e-3 instead of 0 on one H100). fsdp backend only; not "
                            "with model.true_on_policy, whose bit-equality with the engines needs their unfused "
                            "kernels. Not read by slime-dsa sft (refused set).")
     share_prompt_prefix: bool = Field(
