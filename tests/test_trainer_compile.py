@@ -75,7 +75,10 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
     weights ~1e-7 apart, but one whose gradient is near 0 by up to lr times its relative change (one entry in 2048
     came out 1.06e-5 apart); a step the compiled rank took differently moves weights ~lr apart.
 
-    π_old is the first step's own forward in both (no separate pass).
+    π_old is the first step's own forward in both (no separate pass). The floats the layers read (norm eps,
+    routed_scaling_factor) are constants of their graphs, not 0-d tensor inputs: inductor's CUDA code reads such an
+    input with .item() at every kernel launch that uses it (on an H100 ~150-250 host syncs a train call against
+    eager's 6-12, benchmarks/RESULTS.md), which apply_compile's specialize_float prevents.
 
     Three train calls of different packs (token counts and numbers of sequences, micro-batches of 96 tokens): the
     layers are compiled with dynamic shapes, so the second and third compile no new frame.
@@ -89,7 +92,10 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
 
     from trainers.fsdp import parallelize  # noqa: PLC0415
 
-    monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend=backend))
+    recording = _RecordingBackend() if backend == "aot_eager" else None
+    monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend=recording or backend))
+    # apply_compile sets it for the process: restored after, for the tests that follow in this one
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
 
     checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
     # 24-30 tokens > index_topk 16: the indexer selects a real subset
@@ -104,6 +110,10 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
     # π_old is the first step's forward, compiled too: a separate pass made a compiled RL train call slower than the
     # eager one on an H100 (one more forward, through no-grad graphs of its own)
     assert passes == eager_passes == 0
+    if recording is not None:
+        assert recording.graph_args > 0, "no compiled graph's inputs were seen"
+        assert recording.wrapped_floats == [], (
+            f"floats passed to the compiled layers as tensors: {sorted(set(recording.wrapped_floats))}")
     assert frames[0] > 0 and counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert frames[1] == frames[2] == frames[0], f"recompiled for new pack shapes: compiled frames by step {frames}"
     assert grads.keys() == eager_grads.keys()
@@ -146,33 +156,6 @@ def test_the_one_process_commands_refuse_compile():
         assert "runs its model eagerly" in problems[0][1]
 
 
-def _wrapped_float_inputs_and_syncs(checkpoint, batch, compile: bool, backend) -> tuple[list[str], int]:
-    """One train call (π_old pass, a step with the indexer loss), then a step under torch.profiler: (the sources of
-    the Python quantities dynamo passed to the layers' graphs as tensors, that step's aten::_local_scalar_dense)."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
-    from trainers.base import DSAOptions, OptimizerConfig, policy_config  # noqa: PLC0415
-    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
-    from trainers.process_group import free_port  # noqa: PLC0415
-
-    dsa = DSAOptions(indexer_loss_coef=1.0, indexer_stage="sparse", indexer_target="group")
-    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-5), dsa=dsa, seed=0,
-                           compile=compile, ops_backend="torch", micro_batch_tokens=96)
-    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
-    totals = (float(batch.loss_mask.sum()), len(batch.seqlens))
-    try:
-        old, _ = worker.train_batches([batch.select(list(range(len(batch.seqlens))))], [totals],
-                                      recompute_old_logprobs=True)
-        batch.old_logprobs = old[0]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            worker.train_step(batch, *totals, detailed_metrics=False)
-    finally:
-        worker.shutdown()
-    syncs = sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
-    return backend.wrapped_floats, syncs
-
-
 class _RecordingBackend:
     """aot_eager, recording each graph's inputs that dynamo made tensors of Python quantities (floats unspecialized
     under dynamic=True: `pass_arg_as_tensor`)."""
@@ -190,36 +173,3 @@ class _RecordingBackend:
             if arg is not None and arg.pass_arg_as_tensor:
                 self.wrapped_floats.append(arg.source.name)
         return aot_eager(gm, example_inputs)
-
-
-@pytest.mark.slow
-def test_compiled_layers_read_no_float_from_a_tensor(tmp_path, monkeypatch):
-    """The floats a compiled layer reads (norm eps, routed_scaling_factor) are constants of its graphs, not 0-d CPU
-    tensor inputs, and a compiled step makes no more host reads of a scalar than the eager step.
-
-    Such an input costs nothing here (aot_eager runs the graph's ops; inductor's C++ reads the scalar in place), but
-    inductor's CUDA code reads it with .item() at every kernel launch that uses it: on an H100 a compiled train call
-    made ~150-250 aten::_local_scalar_dense against eager's 6-12 (benchmarks/RESULTS.md). Before
-    trainers/fsdp/parallelize.apply_compile set specialize_float, six floats were such inputs: the eps of the four
-    RMSNorms and of the indexer's LayerNorm, the router's routed_scaling_factor. The CPU step's count (81 at this
-    batch: the CPU grouped_mm reading its offsets, fused AdamW, the torch reference ops) was the same before and
-    after; it guards against a data-dependent read traced into a graph."""
-    import functools  # noqa: PLC0415
-
-    from trainers.fsdp import parallelize  # noqa: PLC0415
-
-    checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
-    batch = _grpo_batch(4, 32, 8, 2, VOCAB)  # 32 tokens > index_topk 16: the indexer selects a subset
-    _, eager_syncs = _wrapped_float_inputs_and_syncs(checkpoint, batch, False, _RecordingBackend())
-    backend = _RecordingBackend()
-    monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend=backend))
-    # apply_compile sets it for the process: restored after, for the tests that follow in this one
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
-    torch._dynamo.reset()
-    try:
-        wrapped, syncs = _wrapped_float_inputs_and_syncs(checkpoint, batch, True, backend)
-    finally:
-        torch._dynamo.reset()
-    assert backend.graph_args > 0, "no compiled graph's inputs were seen"
-    assert wrapped == [], f"floats passed to the compiled layers as tensors: {sorted(set(wrapped))}"
-    assert syncs <= eager_syncs + 2, f"aten::_local_scalar_dense: compiled step {syncs}, eager step {eager_syncs}"

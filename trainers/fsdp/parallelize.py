@@ -33,8 +33,7 @@ def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
     setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), COMPILED_VARIANTS))
     # The floats a layer reads (its norms' eps, the router's routed_scaling_factor) as constants of its graphs. Under
     # dynamic=True dynamo otherwise passes each as a 0-d CPU tensor input, and inductor's CUDA code reads it with
-    # .item() at every kernel launch that uses it: ~150-250 aten::_local_scalar_dense a train call on an H100, where
-    # eager made 6-12 (benchmarks/RESULTS.md). They never change, so no recompile follows.
+    # .item() at every kernel launch that uses it: a host sync each. They never change, so no recompile follows.
     torch._dynamo.config.specialize_float = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
