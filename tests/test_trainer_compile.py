@@ -173,3 +173,41 @@ class _RecordingBackend:
             if arg is not None and arg.pass_arg_as_tensor:
                 self.wrapped_floats.append(arg.source.name)
         return aot_eager(gm, example_inputs)
+
+
+@pytest.mark.slow
+def test_the_warmup_compiles_the_pi_old_pass_of_later_mini_batches(tmp_path, monkeypatch):
+    """A compiled rank's warm-up runs the π_old pass too: a train call of two mini-batches (the second's π_old from a
+    no-grad pass, graphs of its own) then compiles no new frame. Without it those graphs compiled in step 1 (20 s of
+    the first RL step on an H100, benchmarks/RESULTS.md). aot_eager stands in for inductor (a FAKE of its code
+    generation only: dynamo's tracing and guards are real)."""
+    import functools  # noqa: PLC0415
+
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp import parallelize  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
+    checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-3), frozen=(".indexer.",),
+                           seed=0, compile=True, ops_backend="torch", micro_batch_tokens=96)
+    batch = _grpo_batch(8, 24, 10, 4, VOCAB)
+    torch._dynamo.reset()
+    counters.clear()
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+    try:
+        worker.warmup_passes(30)
+        warmed = counters["frames"]["ok"]
+        shards = [batch.select([0, 1, 2, 3]), batch.select([4, 5, 6, 7])]
+        worker.train_batches(shards, [(float(s.loss_mask.sum()), len(s.seqlens)) for s in shards],
+                             recompute_old_logprobs=True)
+        assert warmed > 0 and counters["frames"]["ok"] == warmed, (
+            f"compiled frames: {warmed} after the warm-up, {counters['frames']['ok']} after a train call")
+    finally:
+        worker.shutdown()
+        torch._dynamo.reset()

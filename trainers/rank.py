@@ -385,10 +385,11 @@ class TrainerRank:
     def warmup_passes(self, max_len: int) -> None:
         """One forward and backward of each trained policy role over trainers/warmup.py's micro-batches, gradients
         cleared after; weights, optimizer state and the random generators stay as they were. Collective: every rank
-        runs the same micro-batches."""
+        runs the same micro-batches. With trainer.compile, also the π_old pass over them: its no-grad graphs are
+        their own, which later mini-batches' π_old would otherwise compile in the first step."""
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-            for held in self.roles.values():
+            for name, held in self.roles.items():
                 if not (held.config.trains and held.config.kind == "policy"):
                     continue
                 model_config = held.model.config
@@ -401,6 +402,9 @@ class TrainerRank:
                                                       float(mb.num_tokens), detailed_metrics=True, measure_sync=False)
                     self.backward(held, loss)
                 self.zero_gradients(held)
+                if self.config.compile:
+                    for mb in batches:
+                        self.compute_logprobs(mb, name)
 
     def train_batches(self, shards: list[TrainBatch], totals: list[tuple[float, int]],
                       recompute_old_logprobs: bool = False, detailed_metrics: bool = True,
