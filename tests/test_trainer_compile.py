@@ -15,6 +15,14 @@ from tests.test_rank_step import _checkpoint, _grpo_batch
 VOCAB = 96
 
 
+@pytest.fixture(autouse=True)
+def _dynamo_config_restored():
+    """apply_compile sets dynamo's specialize_float for the process: restored after each test (config.patch; pytest's
+    monkeypatch deletes a dynamo config entry on undo, which broke every later compile in the process)."""
+    with torch._dynamo.config.patch(specialize_float=torch._dynamo.config.specialize_float):
+        yield
+
+
 def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, list[int], int]:
     """One micro-batch's gradients on the starting weights, then a train call per batch: (gradients, each call's
     metrics and π_old, the final weights, dynamo's compiled frames after each call, separate π_old passes run)."""
@@ -94,8 +102,6 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
 
     recording = _RecordingBackend() if backend == "aot_eager" else None
     monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend=recording or backend))
-    # apply_compile sets it for the process: restored after, for the tests that follow in this one
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
 
     checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
     # 24-30 tokens > index_topk 16: the indexer selects a real subset
@@ -192,7 +198,6 @@ def test_the_warmup_compiles_the_pi_old_pass_of_later_mini_batches(tmp_path, mon
     from trainers.process_group import free_port  # noqa: PLC0415
 
     monkeypatch.setattr(parallelize.torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", torch._dynamo.config.specialize_float)
     checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
     config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-3), frozen=(".indexer.",),
                            seed=0, compile=True, ops_backend="torch", micro_batch_tokens=96)
