@@ -212,3 +212,40 @@ def test_after_the_warmup_a_rollout_compiles_and_captures_nothing():
     assert len(finals) == 48
     assert engine.stats["graph_captures"] == captures
     assert not new_compiles(before, compiled_kernels())
+
+
+def test_sampling_graphs_of_each_variant_equal_eager_sampling():
+    """A graphed decode step samples from a graph of its own per (batch bucket, variant): greedy, top-k, min-p, a
+    temperature, stop ids under min_new_tokens, stop strings (the completer table), mixed in one batch that changes as
+    requests end. Same tokens, log-probs and finish reasons as the eager engine, with and without overlap."""
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(ModelConfig.from_dict({**CONFIG, "vocab_size": MODEL_VOCAB_SIZE}), dtype=torch.bfloat16,
+                        device="cuda", seed=0).eval()
+    variants = [dict(temperature=0.0), dict(top_k=20), dict(temperature=0.8, min_p=0.05), dict(temperature=1.3),
+                dict(stop_token_ids=[5, 9, 17, 30], min_new_tokens=3), dict(stop=["e ", "a"])]
+
+    def requests() -> list[GenerateRequest]:
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for i in range(41):
+            prompt = torch.randint(2, MODEL_VOCAB_SIZE, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g)
+            sampling = SamplingParams(max_new_tokens=8 + i % 13, sampling_seed=i, ignore_eos=True,
+                                      skip_special_tokens=False, **variants[i % len(variants)])
+            out.append(GenerateRequest(input_ids=prompt.tolist(), sampling=sampling, rid=str(i), stream=i % 7 == 0,
+                                       return_logprob=True))
+        return out
+
+    def engine(graphs: bool, overlap: bool) -> Engine:
+        return Engine(model, max_cache_tokens=8192, block_size=16, seed=0, cuda_graphs=graphs, overlap=overlap,
+                      tokenizer=tokenizer)
+
+    expect = _generate(engine(False, False), requests())
+    assert {o.finish_reason["type"] for o in expect.values()} == {"stop", "length"}
+    for overlap in (False, True):
+        graphed = engine(True, overlap)
+        got = _generate(graphed, requests())
+        _assert_same(got, expect)
+        assert all(got[rid].finish_reason == expect[rid].finish_reason for rid in expect)
+        assert graphed.stats["sample_graph_captures"] == graphed.decoder.sampling.num_graphs > 2

@@ -8,7 +8,8 @@ from rollout.engine.decode import BATCH_BUCKETS, PagedDecoder
 
 class _NoModel:  # FAKE model: what PagedDecoder's constructor reads
     device = type("D", (), {"type": "cpu"})()
-    config = type("C", (), {"full_layer_ids": [0]})()
+    config = type("C", (), {"full_layer_ids": [0], "vocab_size": 8})()
+    lm_head = None
 
 
 def _decoder(max_batch: int) -> PagedDecoder:

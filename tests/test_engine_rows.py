@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.engine.rows import LENGTH, RUNNING, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, SamplingRows, row_spec
+from rollout.engine.sample_graph import seeded_uniforms
 from rollout.engine.sampling import cached_arange, counter_uniforms, seed_to_int64
 from rollout.engine.stop import StopChecker, decode_tails
 from rollout.engine.types import SamplingParams
@@ -77,17 +78,18 @@ def test_updated_rows_equal_rows_built_from_scratch(batches):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 11), unique=True, min_size=1, max_size=8)),
+@given(st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(0, 11), unique=True, min_size=1, max_size=8)),
                 min_size=1, max_size=90), st.sampled_from([torch.float64, torch.float32]))
 def test_uniforms_drawn_ahead_equal_the_hash_of_each_step(steps, dtype):
     """Steps over the same rows (follows), over rows that only left or reordered (update with index: the draws made
-    ahead are kept) and over new rows: every step's uniforms are counter_uniforms of its seeds and counts, cast."""
+    ahead are kept), over new rows, and steps whose sampling graph hashed its own (kind 4: seeded_uniforms, then the
+    rows drop their draws): every step's uniforms are counter_uniforms of its seeds and counts, cast."""
     specs = {i: _spec(i, PARAMS[1 + i % 4]) for i in range(12)}  # all sampled
     seeds = torch.tensor([specs[i].ints[2] for i in range(12)])
     counts = {i: 3 * i for i in range(12)}  # tokens before this one, per request
     rows, last_key = None, None
     for kind, batch in steps:
-        key = tuple(batch) if kind or last_key is None else last_key  # kind 0: the same rows again
+        key = tuple(batch) if kind not in (0, 4) or last_key is None else last_key  # kinds 0, 4: the same rows
         if rows is None or kind == 3:  # kind 3: rows built afresh
             rows, follows = SamplingRows.build(key, [specs[i] for i in key], torch.device("cpu")), False
         else:
@@ -96,7 +98,11 @@ def test_uniforms_drawn_ahead_equal_the_hash_of_each_step(steps, dtype):
             follows = bool((index >= 0).all())
             rows = rows.update(key, [specs[i] for i in key], index if kind != 2 else None)  # kind 2: index unknown
         num_output = torch.tensor([counts[i] for i in key])
-        got = rows.uniforms(num_output, follows=follows, dtype=dtype)
+        if kind == 4:  # a graphed step (sample_graph.py)
+            got = seeded_uniforms(rows, num_output, dtype)
+            rows.drop_draws()
+        else:
+            got = rows.uniforms(num_output, follows=follows, dtype=dtype)
         assert torch.equal(got, counter_uniforms(seeds[list(key)], num_output).to(dtype))
         for i in key:
             counts[i] += 1

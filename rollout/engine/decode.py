@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.rows import SamplingRows
+from rollout.engine.sample_graph import SamplingGraphs
 from slime_dsa import ops
 from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
 
@@ -100,12 +102,24 @@ class PagedDecoder:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._tables: tuple[Hashable, np.ndarray, np.ndarray] | None = None  # (key, (n, width) table, row lengths)
+        self.sampling = SamplingGraphs(model.lm_head, model.config.vocab_size, self.stats)
 
     def reset(self) -> None:
         """Drop every captured graph (the weights or the KV pool moved)."""
         self._graphs.clear()
+        self.sampling.reset()
         self._pool = None
         self._tables = None
+
+    def samples_in_graph(self, n: int, padded_rows: int) -> bool:
+        """Whether the last forward of n sequences (padded_rows with its bucket's) ran from a CUDA graph and its sampling
+        can too (`sample`)."""
+        return self.use_cuda_graphs and n <= BATCH_BUCKETS[-1] and self.sampling.fits(padded_rows)
+
+    def sample(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor,
+               completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampling of a replayed step from its padded hidden states (sample_graph.SamplingGraphs.run)."""
+        return self.sampling.run(hidden, rows, num_output, completers)
 
     @property
     def num_graphs(self) -> int:
@@ -114,9 +128,10 @@ class PagedDecoder:
     def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
                 on_inputs: Callable[[torch.Tensor], None] | None = None,
                 tables_key: Hashable = None,
-                rows_from: tuple[Hashable, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One token per sequence -> final hidden states (B, D), top-k of each full layer (n_full, B, K) or None,
-        and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
+                rows_from: tuple[Hashable, np.ndarray] | None = None,
+                padded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One token per sequence -> final hidden states (B, D) (`padded`: all rows of the batch's bucket), top-k of
+        each full layer (n_full, B, K) or None, and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
         before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
         still sampling on the device). `tables_key` (optional): equal keys promise the same block tables as the
         last call's, or the same ones grown at their ends; the host table is then updated, not rebuilt. `rows_from`
@@ -128,7 +143,8 @@ class PagedDecoder:
         width = 1 << (max(map(len, tables)) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                return self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key, rows_from)
+                hidden, topk, slots = self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key, rows_from)
+                return (hidden if padded else hidden[:n]), topk, slots
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
@@ -140,7 +156,7 @@ class PagedDecoder:
         if on_inputs is not None:
             on_inputs(inputs[:B])
         hidden, topk, slots = self._run(inputs, B, width)
-        return hidden[:n], None if topk is None else topk[:, :n], slots[:n]
+        return (hidden if padded else hidden[:n]), None if topk is None else topk[:, :n], slots[:n]
 
     def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None,
                      rows_from: tuple[Hashable, np.ndarray] | None = None) -> np.ndarray:
@@ -199,7 +215,7 @@ class PagedDecoder:
             on_inputs(graph.inputs[:B])
         graph.graph.replay()
         n = len(input_ids)
-        return graph.hidden[:n], None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
+        return graph.hidden, None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
 
     def capture_width(self, B: int, width: int) -> _Graph:
         """The graph of (B, width). At a width not seen before, the graphs of the whole batch ladder too: a step's

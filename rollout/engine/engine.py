@@ -74,7 +74,8 @@ from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQU
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.rows import (LENGTH, RUNNING, SEED, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec,
                                  SamplingRows, row_spec, upload)
-from rollout.engine.sampling import exact_logprobs, sample, seed_to_int64
+from rollout.engine.sample_graph import sample_rows
+from rollout.engine.sampling import seed_to_int64
 from rollout.engine.scoring import ScoringQueue
 from rollout.engine.stop import StopChecker, match_stop_strings
 from rollout.engine.stop_chars import StopCompleters
@@ -854,7 +855,8 @@ class Engine:
 
         forward_start = time.perf_counter()
         tables_key = None
-        if decode_only and self.decoder is not None:
+        paged = decode_only and self.decoder is not None
+        if paged:
             self.stats["paged_decode_steps"] += 1
             tables_key = (key, self._tables_epoch)
             # Rows of the last launch only, which was a paged decode step: its block table rows, picked and grown.
@@ -877,7 +879,7 @@ class Engine:
                 input_ids, positions, [seq.blocks for seq in seqs],
                 on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, (range, np.ndarray))
                                                 else [seqs[b] for b in fed]),
-                tables_key=tables_key, rows_from=rows_from,
+                tables_key=tables_key, rows_from=rows_from, padded=True,
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
@@ -886,7 +888,7 @@ class Engine:
         tokens = result = topk_host = rows = None
         wanted: list[int] = []
         if seqs:
-            logits = self.model.lm_head(hidden).float()  # (B, V)
+            n = len(seqs)
             rows = self._sampling_rows(key, seqs, moved)
             if same_rows:
                 num_output = last[1]  # (B,) tokens before this one: the last launch's counts with its token
@@ -894,23 +896,27 @@ class Engine:
                 num_output = last[1][upload(torch.from_numpy(moved), device)]
             else:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
-                                                                 dtype=np.int64, count=len(seqs))), device)
-            rows.mask_stop_ids(logits, num_output)
-            uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
-            tokens, logprobs = sample(logits, rows.sampling, uniforms)
-            if invariant.is_enabled():  # true on-policy: the trainer's op, so its log-probs equal these bit for bit
-                logprobs = exact_logprobs(logits, tokens, [1.0 if seq.req.sampling.greedy
-                                                           else float(seq.req.sampling.temperature) for seq in seqs])
-            count = num_output + 1  # (B,) with this token: the next launch's num_output on these rows
-            codes = rows.finish_codes(tokens, num_output, self._completer_table.table, count=count)
-            result = torch.empty((3, len(seqs)), dtype=torch.float64, device=device)
-            torch.stack([tokens, logprobs, codes], out=result)  # the casts inside the stack
+                                                                 dtype=np.int64, count=n)), device)
+            table = self._completer_table.table
+            if paged and self.decoder.samples_in_graph(n, len(hidden)) and not invariant.is_enabled():
+                # The forward ran from a graph: its sampling does too, over the bucket's rows (hidden is padded).
+                result, tokens, count = self.decoder.sample(hidden, rows, num_output, table)
+                tokens, count = tokens[:n], count[:n]
+                rows.drop_draws()  # served from the hash here: draws made ahead would be a step behind
+            else:
+                # Over the bucket's rows on a paged step, as the graph's (the same GEMM shapes: the same bits).
+                logits = self.model.lm_head(hidden).float()[:n]  # (B, V)
+                uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
+                # True on-policy: the trainer's op, so its log-probs equal these bit for bit.
+                exact = ([1.0 if seq.req.sampling.greedy else float(seq.req.sampling.temperature) for seq in seqs]
+                         if invariant.is_enabled() else None)
+                result, tokens, count = sample_rows(logits, rows, num_output, uniforms, table, exact)
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
                 topk_host = topk_all[:, picked].to(torch.int32).transpose(0, 1)  # (B_wanted, n_full, K) sequence-local
             if not on_host:  # into pinned memory without waiting; `done` says when it is there
-                result, topk_host = _to_host_async(result), _to_host_async(topk_host)
+                result, topk_host = _to_host_async(result)[:, :n], _to_host_async(topk_host)
         device_s = time.perf_counter() - forward_start if on_host else 0.0
         if not on_host:
             done = torch.cuda.Event(enable_timing=True)

@@ -6,7 +6,8 @@ keeps the rows still there (one index_select on the device) and uploads only the
 stop tokens under min_new_tokens, draws the uniforms of the next steps in one batched call (served a column a step
 while the rows only advance, leave or reorder), and finds the rows that finished by length or by a stop token
 (`finish_codes`); the host reads the codes with the tokens, in the step's one transfer. Each of those is a few device
-ops a step, outside the decode's CUDA graph: per-row constants are precomputed at upload to keep them few.
+ops a step (replayed from a graph of their own after a graphed decode forward: sample_graph.py); per-row constants are
+precomputed at upload to keep them few.
 Stop strings need the text, so they stay on the host (stop.py), for the rows that have them only; the device says
 which of those rows need their tail decoded this step (`TAIL_DECODE`: the new token may complete a stop string, by
 the request's completer mask from stop_chars.py, kept on the device in `CompleterTable`), so the host loops over
@@ -126,6 +127,10 @@ class SamplingRows:
         if keeps_draws:
             rows._draws, rows._next_draw = self._draws[picked], self._next_draw
         return rows
+
+    def drop_draws(self) -> None:
+        """Forget the uniforms drawn ahead (a step drew its own): the next `uniforms` call hashes afresh."""
+        self._draws = None
 
     @functools.cached_property
     def columns(self) -> tuple[torch.Tensor, ...]:
