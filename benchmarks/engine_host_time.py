@@ -41,7 +41,7 @@ import engine_throughput as et  # noqa: E402
 from rollout_call_host_time import zero_forward  # noqa: E402
 from rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from rollout.engine import engine as engine_module  # noqa: E402
-from rollout.engine import decode, kv_cache, rows  # noqa: E402
+from rollout.engine import decode, kv_cache, rows, sample_graph  # noqa: E402
 from slime_dsa.checkpoint import build_model  # noqa: E402
 from slime_dsa.models import ModelConfig  # noqa: E402
 
@@ -109,12 +109,12 @@ def _instrument(model) -> None:
     """The engine's phase timers on thread CPU time; sampling, lm_head and top-k stores into `compute`; no forward."""
     engine_module.time = types.SimpleNamespace(perf_counter=clock)  # Engine.stats' phases are perf_counter spans
     _timed(decode.PagedDecoder, "_run")  # the decode batch's tensors: inside the CUDA graph on a GPU
-    _timed(engine_module, "sample")
+    _timed(sample_graph, "sample")  # the draw itself, inside sample_graph.sample_rows
     for name in ("uniforms", "finish_codes", "mask_stop_ids"):
         _timed(rows.SamplingRows, name)
     _timed(kv_cache.PagedKVCache, "store_topk")
     for owner, names in ((engine_module.Engine, ("_schedule", "_launch", "_resolve", "_sampling_rows", "_feed")),
-                         (decode.PagedDecoder, ("forward", "_run")), (engine_module, ("sample",)),
+                         (decode.PagedDecoder, ("forward", "_run")), (sample_graph, ("sample",)),
                          (rows.SamplingRows, ("uniforms", "finish_codes", "mask_stop_ids")),
                          (kv_cache.PagedKVCache, ("store_topk",))):
         for name in names:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_throughput  # noqa: E402
-from rollout.engine import decode, kv_cache, rows  # noqa: E402
+from rollout.engine import decode, kv_cache, rows, sample_graph  # noqa: E402
 from rollout.engine import engine as engine_module  # noqa: E402
 
 _compute = [0.0]
@@ -36,7 +36,7 @@ def _timed(owner: object, name: str) -> None:
 
 
 def _instrument() -> None:
-    for owner, name in ((decode.PagedDecoder, "_run"), (engine_module, "sample"), (rows.SamplingRows, "uniforms"),
+    for owner, name in ((decode.PagedDecoder, "_run"), (sample_graph, "sample"), (rows.SamplingRows, "uniforms"),
                         (rows.SamplingRows, "finish_codes"), (rows.SamplingRows, "mask_stop_ids"),
                         (kv_cache.PagedKVCache, "store_topk")):
         _timed(owner, name)

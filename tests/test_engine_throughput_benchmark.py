@@ -103,3 +103,18 @@ def test_rollout_call_host_time_coalesced_calls_answer_as_the_n_form(monkeypatch
         bench.main(["--call-form", "batch", "--paths", "inprocess"])
     for name in ("rollout_call_host_time", "rollout_http_client", "engine_throughput", "baseline_tree"):
         sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("script, args", [
+    ("engine_host_time.py", ["--batch", "32", "--group-size", "8", "--new-tokens", "4", "--reps", "1", "--count-ops"]),
+    ("engine_throughput_compute.py", ["--device", "cpu", "--preset", "tiny", "--batch-sizes", "8", "--group-size", "4",
+                                      "--new-tokens", "4", "--threads", "1", "--paths", "rollout"]),
+])
+def test_the_instrumented_engine_benchmarks_run(script, args):
+    """Both wrap the engine's functions by name (timers, op counters): a renamed function must fail here, not on the
+    device. Each in its own process: the wrappers stay on the modules."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
