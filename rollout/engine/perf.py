@@ -22,9 +22,12 @@ COUNTERS = ("steps", "generated_tokens", "step_s", "device_s", "decode_steps", "
 # weights_update_s: of them, applying weight updates (checks, copies, derived caches); gather_s: time an idle
 # engine waited for the rest of a burst of calls before its first step (AsyncEngine's gather_ms); gc_s, gc_full:
 # seconds the process spent in garbage collections Python started (any thread: they stop the steps too) and the full
-# ones among them; gc_paused_s: in the full collections the engine ran while paused (slime_dsa/gc_watch.py).
+# ones among them; gc_paused_s: in the full collections the engine ran while paused (slime_dsa/gc_watch.py);
+# sample_graph_captures / sample_graph_capture_s: the decode steps' sampling graphs (sample_graph.py), captured when a
+# batch bucket or sampling variant is first met.
 OPTIONAL_COUNTERS = ("graph_captures", "graph_capture_s", "memory_release_s", "memory_resume_s", "commands",
-                     "command_s", "weights_update_s", "gather_s", "gc_s", "gc_full", "gc_paused_s")
+                     "command_s", "weights_update_s", "gather_s", "gc_s", "gc_full", "gc_paused_s",
+                     "sample_graph_captures", "sample_graph_capture_s")
 
 
 def counters(stats: Mapping[str, float], prefix: str = "") -> dict[str, float] | None:
