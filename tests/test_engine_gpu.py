@@ -249,3 +249,16 @@ def test_sampling_graphs_of_each_variant_equal_eager_sampling():
         _assert_same(got, expect)
         assert all(got[rid].finish_reason == expect[rid].finish_reason for rid in expect)
         assert graphed.stats["sample_graph_captures"] == graphed.decoder.sampling.num_graphs > 2
+
+
+def test_a_failed_sampling_capture_samples_eagerly_from_then_on():
+    """A sampling graph that cannot be captured costs no request: that step and every later one sample eagerly."""
+    model = _model(0)
+    engine = _engine(model, True)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("capture failed (injected)")
+    engine.decoder.sampling._capture = fail
+    _assert_same(_generate(engine, _requests(37)), _generate(_engine(model, False), _requests(37)))
+    assert not engine.decoder.sampling.enabled and engine.decoder.sampling.num_graphs == 0
+    assert engine.decoder.num_graphs > 0  # the forwards still replay

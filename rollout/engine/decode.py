@@ -117,8 +117,9 @@ class PagedDecoder:
         return self.use_cuda_graphs and n <= BATCH_BUCKETS[-1] and self.sampling.fits(padded_rows)
 
     def sample(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor,
-               completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sampling of a replayed step from its padded hidden states (sample_graph.SamplingGraphs.run)."""
+               completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The sampling of a replayed step from its padded hidden states (sample_graph.SamplingGraphs.run; None: sample
+        eagerly)."""
         return self.sampling.run(hidden, rows, num_output, completers)
 
     @property

@@ -898,14 +898,17 @@ class Engine:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
                                                                  dtype=np.int64, count=n)), device)
             table = self._completer_table.table
+            graphed = None
             if paged and self.decoder.samples_in_graph(n, len(hidden)) and not invariant.is_enabled():
                 # The forward ran from a graph: its sampling does too, over the bucket's rows (hidden is padded).
-                result, tokens, count = self.decoder.sample(hidden, rows, num_output, table)
+                graphed = self.decoder.sample(hidden, rows, num_output, table)
+            if graphed is not None:
+                result, tokens, count = graphed
                 tokens, count = tokens[:n], count[:n]
                 rows.drop_draws()  # served from the hash here: draws made ahead would be a step behind
             else:
                 # Over the bucket's rows on a paged step, as the graph's (the same GEMM shapes: the same bits).
-                logits = self.model.lm_head(hidden).float()[:n]  # (B, V)
+                logits = self.model.lm_head(hidden).float()[:n]  # (n, V)
                 uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
                 # True on-policy: the trainer's op, so its log-probs equal these bit for bit.
                 exact = ([1.0 if seq.req.sampling.greedy else float(seq.req.sampling.temperature) for seq in seqs]

@@ -83,6 +83,7 @@ class SamplingGraphs:
         self.stats.setdefault("sample_graph_capture_s", 0.0)
         self._graphs: dict[tuple, _SampleGraph] = {}
         self._pool = None
+        self.enabled = True  # off after a failed capture: steps sample eagerly from then on
 
     def reset(self) -> None:
         """Drop every graph and their pool (the memory they read moved)."""
@@ -91,23 +92,30 @@ class SamplingGraphs:
 
     def fits(self, rows: int) -> bool:
         """Whether a step of `rows` (its bucket) is small enough to sample from a graph (MAX_GRAPH_LOGITS)."""
-        return rows * self.vocab_size <= MAX_GRAPH_LOGITS
+        return self.enabled and rows * self.vocab_size <= MAX_GRAPH_LOGITS
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
     def run(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor,
-            completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """hidden (B, D) padded to its bucket, rows and num_output (n,) of the n real rows -> (result (3, B), tokens
-        (B,), counts (B,)): static buffers that the next sampling replay may overwrite (their readers queue first)."""
+        (B,), counts (B,)): static buffers that the next sampling replay may overwrite (their readers queue first).
+        None when the graph could not be captured (logged once; the caller samples eagerly)."""
         B, n = hidden.shape[0], len(num_output)
         strings = bool(rows.flags & STOP_STRINGS)
         key = (B, rows.flags & ~STREAMS, rows.stop_ids.shape[1],
                (completers.data_ptr(), completers.shape[0]) if strings else None)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(key, hidden, completers)
+            try:
+                graph = self._graphs[key] = self._capture(key, hidden, completers)
+            except RuntimeError:  # a failed capture leaves its memory pool unusable: no sampling graphs from here on
+                logger.exception("engine: sampling graph capture failed; sampling eagerly from now on")
+                self.enabled = False
+                self.reset()
+                return None
         graph.hidden.copy_(hidden)
         if graph.rows is not rows:
             graph.floats[:n].copy_(rows.floats)
