@@ -733,8 +733,9 @@ class Engine:
             if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
                 continue
             if pending == 1:
-                if computed < len(seq.blocks) * bs and (computed + 1) // bs <= seq.num_registered:
-                    # What add() does when the row has its block and fills none (most decode rows).
+                # What add() does when the row has its block and completes no block whose tokens the host has (most
+                # decode rows; a row that fills a block while its token is in flight registers the block later).
+                if computed < len(seq.blocks) * bs and (computed + 1 - seq.inflight) // bs <= seq.num_registered:
                     scheduled.append((seq, 1))
                     sampling.append(seq)
                     decode_rows += 1
