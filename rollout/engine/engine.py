@@ -106,7 +106,9 @@ class _Sequence:
     serial: int  # unique per engine: names the sequence in SamplingRows.key
     row: RowSpec  # its sampling row: parameters, seed (sampling_seed, or drawn from the engine's generator), limits
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    # The weight version of each output token, as runs: (output index where a run starts, version).
+    version_runs: list[tuple[int, int]] = field(default_factory=list)
+    last_version: int | None = None  # the last run's version
     topk: list[np.ndarray] = field(default_factory=list)  # per output token (n_full, index_topk); not kept_topk
     retracted_topk: np.ndarray | None = None  # kept_topk: rows topk_first .. read when a retract freed them
     blocks: list[int] = field(default_factory=list)  # block table
@@ -133,6 +135,15 @@ class _Sequence:
     @property
     def max_new_tokens(self) -> int:
         return self.stop.max_new_tokens
+
+    @property
+    def versions(self) -> list[int]:
+        """The weight version of each output token the host has (one per log-prob)."""
+        ends = [start for start, _ in self.version_runs[1:]] + [len(self.logprobs)]
+        out: list[int] = []
+        for (start, version), end in zip(self.version_runs, ends):
+            out += [version] * (end - start)
+        return out
 
 
 IN_FLIGHT = -1  # a token in `_Sequence.tokens` that the device has sampled and the host does not have yet
@@ -598,8 +609,10 @@ class Engine:
                 continue  # it ended at the step before (a stop token or string): this token is not its
             seq.tokens[index] = token
             seq.inflight -= 1
+            if seq.last_version != version:  # the version changes with the weights only: runs, not a list
+                seq.version_runs.append((len(seq.logprobs), version))
+                seq.last_version = version
             seq.logprobs.append(logprob)
-            seq.versions.append(version)
             count += 1
             if index // bs > seq.num_registered:
                 self._register(seq, index)  # the rows up to this token's are computed, their tokens known
@@ -1142,7 +1155,7 @@ class Engine:
             rid=seq.req.rid,
             output_ids=seq.output_ids,
             output_token_logprobs=list(seq.logprobs),
-            output_token_versions=list(seq.versions),
+            output_token_versions=seq.versions,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.prompt_len,
             cached_tokens=seq.cached_tokens,
