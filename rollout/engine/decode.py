@@ -112,8 +112,8 @@ class PagedDecoder:
         self._tables = None
 
     def samples_in_graph(self, n: int, padded_rows: int) -> bool:
-        """Whether the last forward of n sequences (padded_rows with its bucket's) ran from a CUDA graph and its sampling
-        can too (`sample`)."""
+        """Whether the last forward of n sequences (padded_rows: with its bucket's padding) ran from a CUDA graph and
+        its sampling can too (`sample`)."""
         return self.use_cuda_graphs and n <= BATCH_BUCKETS[-1] and self.sampling.fits(padded_rows)
 
     def sample(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor,
@@ -132,19 +132,21 @@ class PagedDecoder:
                 rows_from: tuple[Hashable, np.ndarray] | None = None,
                 padded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One token per sequence -> final hidden states (B, D) (`padded`: all rows of the batch's bucket), top-k of
-        each full layer (n_full, B, K) or None, and the cache slot each new row went to (B,). `on_inputs` gets the device's input ids (B,) once they are queued,
-        before the forward: the engine writes there the ids the host does not have yet (tokens an earlier step is
-        still sampling on the device). `tables_key` (optional): equal keys promise the same block tables as the
-        last call's, or the same ones grown at their ends; the host table is then updated, not rebuilt. `rows_from`
-        (optional, with a new key): (the last call's key, each row's row in that call, all >= 0): the same promise
-        row by row, when rows left or moved since."""
+        each full layer (n_full, B, K) or None, and the cache slot each new row went to (B,).
+
+        `on_inputs` gets the device's input ids (B,) once they are queued, before the forward: the engine writes there
+        the ids the host does not have yet (tokens an earlier step is still sampling on the device). `tables_key`
+        (optional): equal keys promise the same block tables as the last call's, or the same ones grown at their ends;
+        the host table is then updated, not rebuilt. `rows_from` (optional, with a new key): (the last call's key,
+        each row's row in that call, all >= 0): the same promise row by row, when rows left or moved since."""
         n = len(input_ids)
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(map(len, tables)) - 1).bit_length()
         if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
             try:
-                hidden, topk, slots = self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key, rows_from)
+                hidden, topk, slots = self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key,
+                                                   rows_from)
                 return (hidden if padded else hidden[:n]), topk, slots
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
