@@ -111,10 +111,14 @@ class PagedDecoder:
         self._pool = None
         self._tables = None
 
+    def replays(self, n: int) -> bool:
+        """Whether a step of n sequences runs from a CUDA graph."""
+        return self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]
+
     def samples_in_graph(self, n: int, padded_rows: int) -> bool:
         """Whether the last forward of n sequences (padded_rows: with its bucket's padding) ran from a CUDA graph and
         its sampling can too (`sample`)."""
-        return self.use_cuda_graphs and n <= BATCH_BUCKETS[-1] and self.sampling.fits(padded_rows)
+        return self.replays(n) and self.sampling.fits(padded_rows)
 
     def sample(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor,
                completers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -129,9 +133,8 @@ class PagedDecoder:
     def forward(self, input_ids: list[int], positions: list[int], tables: list[list[int]],
                 on_inputs: Callable[[torch.Tensor], None] | None = None,
                 tables_key: Hashable = None,
-                rows_from: tuple[Hashable, np.ndarray] | None = None,
-                padded: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One token per sequence -> final hidden states (B, D) (`padded`: all rows of the batch's bucket), top-k of
+                rows_from: tuple[Hashable, np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One token per sequence -> final hidden states of all rows of the batch's bucket (B_bucket, D), top-k of
         each full layer (n_full, B, K) or None, and the cache slot each new row went to (B,).
 
         `on_inputs` gets the device's input ids (B,) once they are queued, before the forward: the engine writes there
@@ -143,11 +146,11 @@ class PagedDecoder:
         # Eager steps pad to the same buckets as graphs: with or without graphs, the same shapes, the same bits.
         B = BATCH_BUCKETS[bisect_left(BATCH_BUCKETS, n)] if n <= BATCH_BUCKETS[-1] else n
         width = 1 << (max(map(len, tables)) - 1).bit_length()
-        if self.use_cuda_graphs and n <= BATCH_BUCKETS[-1]:
+        if self.replays(n):
             try:
                 hidden, topk, slots = self._replay(input_ids, positions, tables, B, width, on_inputs, tables_key,
                                                    rows_from)
-                return (hidden if padded else hidden[:n]), topk, slots
+                return hidden, topk, slots
             except RuntimeError:  # a failed capture leaves its memory pool unusable: no graphs from here on
                 logger.exception("engine: CUDA graph capture failed; decoding eagerly from now on")
                 self.use_cuda_graphs = False
@@ -159,7 +162,7 @@ class PagedDecoder:
         if on_inputs is not None:
             on_inputs(inputs[:B])
         hidden, topk, slots = self._run(inputs, B, width)
-        return (hidden if padded else hidden[:n]), None if topk is None else topk[:, :n], slots[:n]
+        return hidden, None if topk is None else topk[:, :n], slots[:n]
 
     def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None,
                      rows_from: tuple[Hashable, np.ndarray] | None = None) -> np.ndarray:

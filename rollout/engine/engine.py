@@ -893,7 +893,7 @@ class Engine:
                 input_ids, positions, [seq.blocks for seq in seqs],
                 on_inputs=lambda ids: on_inputs(ids, fed, None if isinstance(fed, (range, np.ndarray))
                                                 else [seqs[b] for b in fed]),
-                tables_key=tables_key, rows_from=rows_from, padded=True,
+                tables_key=tables_key, rows_from=rows_from,
             )
             if self.cache.keep_topk and topk_all is not None:
                 self.cache.store_topk(write_slots, topk_all)
