@@ -68,6 +68,10 @@ class NoEnginesLeftError(EngineLossError):
     """Every engine of the client was lost (dropped as unreachable); none is staged to replace them."""
 
 
+class ClientClosedError(EngineError):
+    """A call on a client that was closed: its connection pool is gone and it does not open another."""
+
+
 class MalformedResponseError(EngineError):
     """An engine's response does not have SGLang's shape; the message names the engine and the field."""
 
@@ -128,6 +132,7 @@ class EngineClient:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session_id -> url, LRU-bounded
         self._max_sessions = max_sessions
         self._http: aiohttp.ClientSession | None = None
+        self._closed = False
         self._rr = 0  # tie-breaker among equally loaded engines
         self._lost_listeners: list[Callable[[str, str], None]] = []
         self._staged: list[str] = []  # replacements that join at the next admit_staged
@@ -151,6 +156,9 @@ class EngineClient:
         await self.close()
 
     def _session(self) -> aiohttp.ClientSession:
+        # a call still retrying when the run shuts down must not open a pool that nobody closes
+        if self._closed:
+            raise ClientClosedError("the engine client is closed")
         if self._http is None or self._http.closed:
             # limit covers every engine at its cap; keep-alive connections are reused across requests
             limit = max(1024, self.max_inflight_per_engine * max(len(self.engines), 1) * 2)
@@ -160,7 +168,8 @@ class EngineClient:
         return self._http
 
     async def close(self) -> None:
-        """Stop the health probes and close the connection pool."""
+        """Stop the health probes and close the connection pool; later calls raise ClientClosedError."""
+        self._closed = True
         if self.coalescer is not None:
             await self.coalescer.close()
         probes = [e.probe for e in self.engines.values() if e.probe is not None]
@@ -270,13 +279,13 @@ class EngineClient:
             engine.healthy = False
             logger.warning("engine %s marked dead after %d failures in a row (%s); probing /health",
                            engine.url, engine.consecutive_failures, reason)
-            if engine.probe is None or engine.probe.done():
+            if not self._closed and (engine.probe is None or engine.probe.done()):
                 engine.probe = asyncio.create_task(self._probe(engine))
 
     async def _probe(self, engine: EngineState) -> None:
         """Poll /health of a dead engine until it answers 200, then route to it again."""
         timeout = aiohttp.ClientTimeout(total=max(2.0, self.probe_interval_s))
-        while not engine.healthy and engine.url in self.engines:
+        while not engine.healthy and engine.url in self.engines and not self._closed:
             await asyncio.sleep(self.probe_interval_s)
             try:
                 async with self._session().get(engine.url + "/health", timeout=timeout) as resp:

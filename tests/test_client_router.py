@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.client import (
-    EngineClient, EngineError, EngineRequestError, EngineUnavailableError, MalformedResponseError,
+    ClientClosedError, EngineClient, EngineError, EngineRequestError, EngineUnavailableError, MalformedResponseError,
     validate_generate_response,
 )
 from tests.hf_reference import make_hf_checkpoint
@@ -175,6 +175,25 @@ def test_backoff_then_give_up_and_mark_dead():
             assert elapsed >= 0.8 * (0.2 + 0.4 + 0.8), elapsed  # exponential backoff between attempts
             assert all(not e.healthy for e in client.engines.values())
             assert [e.failures for e in client.engines.values()] == [2, 2]  # attempts alternate engines
+
+    run(scenario())
+
+
+def test_a_call_retrying_when_the_client_closes_ends_without_opening_a_pool():
+    """A run shutting down closes its client while calls wait to retry: a retry must not reopen a connection pool
+    that nobody closes (aiohttp's 'Unclosed connector' at exit), it ends with ClientClosedError."""
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def scenario():
+        client = EngineClient([dead], max_retries=3, backoff_s=0.5, max_failures=1, probe_interval_s=0.05)
+        call = asyncio.ensure_future(client.generate([1, 2], greedy(1)))
+        while client.engines[dead].failures == 0:
+            await asyncio.sleep(0.01)
+        await client.close()
+        with pytest.raises(ClientClosedError, match="closed"):
+            await call
+        await asyncio.sleep(0.2)  # a probe would poll /health meanwhile
+        assert client._http is None and client.engines[dead].probe.done()
 
     run(scenario())
 
