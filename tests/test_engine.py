@@ -706,6 +706,60 @@ def test_a_failing_forward_costs_only_its_request(model):
 # the overlap scheduler
 
 
+def test_the_decode_plan_schedules_what_testing_every_request_would(model, monkeypatch):
+    """Decode rows carried between steps (decode_plan.py) against a test of every running request each step: the same
+    rows each step and the same outputs, through block boundaries (4-token blocks), token limits, sampled stop tokens,
+    staggered arrivals, an abort, an in-place weight update and a retract."""
+    from rollout.engine import engine as engine_module  # noqa: PLC0415
+
+    def workload(engine):
+        rng = np.random.default_rng(3)
+        reqs = [GenerateRequest(input_ids=p, rid=f"r{i}", sampling=SamplingParams(
+            max_new_tokens=int(rng.integers(1, 24)), temperature=1.0, sampling_seed=i, ignore_eos=True,
+            stop_token_ids=[7, 11])) for i, p in enumerate(prompts(rng.integers(3, 14, size=24).tolist(), seed=5))]
+        arrivals = {0: reqs[:10], 3: reqs[10:16], 9: reqs[16:]}
+        schedules, finals, used = [], {}, [0]
+        planned_rows = engine._planned_rows
+
+        def counted():
+            rows = planned_rows()
+            used[0] += rows is not None
+            return rows
+
+        engine._planned_rows = counted
+        schedule = engine._schedule
+
+        def recorded():
+            scheduled = schedule()
+            schedules.append([(seq.req.rid, n) for seq, n in scheduled])
+            return scheduled
+
+        engine._schedule = recorded
+        for step in range(200):
+            for req in arrivals.pop(step, []):
+                engine.add_request(req)
+            if step == 6:
+                engine.abort("r3")
+            if step == 12:
+                engine.pause("in_place")
+                engine.update_weights({}, "1")
+                engine.resume()
+            if step == 15:
+                engine.pause("retract")
+                engine.resume()
+            finals.update({out.rid: (out.output_ids, out.output_token_logprobs, out.finish_reason)
+                           for out in engine.step() if out.finish_reason is not None})
+            if not (arrivals or engine.has_work):
+                break
+        return schedules, finals, used[0]
+
+    planned = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0))
+    monkeypatch.setattr(engine_module.Engine, "_planned_rows", lambda self: None)
+    every = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0))
+    assert planned[0] == every[0] and planned[1] == every[1] and len(planned[1]) == 24
+    assert planned[2] >= 10  # steps scheduled from the plan
+
+
 def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
     """The same requests with and without overlap: the same tokens, log-probs, versions, streamed states, replay rows,
     finish reasons and prefix reuse; requests that a stop token ends have their next step (already launched) dropped,

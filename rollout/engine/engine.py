@@ -70,6 +70,7 @@ import torch
 
 from rollout.engine.blocks import BlockManager, block_digests
 from rollout.engine.decode import PagedDecoder
+from rollout.engine.decode_plan import DecodePlan, steady_steps
 from rollout.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_RUNNING_REQUESTS, INDEX_KEY_CACHE_DTYPES
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.rows import (LENGTH, RUNNING, SEED, STOP_TOKEN, TAIL_DECODE, TAIL_SKIP, CompleterTable, RowSpec,
@@ -95,7 +96,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 # Identity semantics: sequences are found in lists by `is` and are dict keys themselves (hashed by identity), never
 # compared by value. Not id(seq): id() raises an audit event, which a process-wide audit hook (filelock >= 4 adds one
 # on Python 3.12) turns into a Python call per use.
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Sequence:
     """Engine-side state of one request."""
 
@@ -255,6 +256,8 @@ class Engine:
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
         self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
+        self._schedules = 0  # _schedule calls: the decode plan's clock
+        self._plan: DecodePlan | None = None  # the running decode rows carried between steps (decode_plan.py)
         self.stats.update({"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0,
                            "cached_tokens": 0, "scored_tokens": 0})
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
@@ -415,6 +418,7 @@ class Engine:
             for seq in reversed(self._running):
                 self._retract(seq)
             self._running = []
+            self._plan = None
         self._paused = mode
         return outputs
 
@@ -554,6 +558,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the engine
                 logger.exception("engine: step over %d requests failed", len(scheduled))
                 self._pending = None
+                self._plan = None
                 self._rows = None  # it may have handed out uniforms for a launch that never happened
                 if previous is not None:  # the suspects' tokens in flight first
                     outputs += self._resolve(previous)
@@ -581,6 +586,7 @@ class Engine:
         Its final outputs wait in `_ready` for the next step(); intermediate streamed ones are dropped (outputs are
         cumulative: the request's next output holds them)."""
         launched, self._pending = self._pending, None
+        self._plan = None  # the drained rows have no token in flight now
         if launched is None:
             return
         start = time.perf_counter()
@@ -731,34 +737,47 @@ class Engine:
                 sampling.append(seq)
             return True
 
+        self._schedules += 1
         head = self._queue[0] if self._queue else None
         if head is not None and head.failures and len(self._running) < self.max_running_requests and self._admit(head):
             # A request suspected of breaking a batch runs its next step alone; running requests wait one step.
             self._queue.popleft()
             self._running.append(head)
+            self._plan = None
             add(head, min(len(head.tokens) - head.num_computed, budget))
             return scheduled
         bs, decode_rows = self.block_size, 0
-        for seq in list(self._running):
-            computed = seq.num_computed
-            pending = len(seq.tokens) - computed
-            # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
-            if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
-                continue
-            if pending == 1:
-                # What add() does when the row has its block and completes no block whose tokens the host has (most
-                # decode rows; a row that fills a block while its token is in flight registers the block later).
-                if computed < len(seq.blocks) * bs and (computed + 1 - seq.inflight) // bs <= seq.num_registered:
-                    scheduled.append((seq, 1))
-                    sampling.append(seq)
-                    decode_rows += 1
-                else:
-                    add(seq, 1)
-                continue
-            n = min(pending, budget)
-            if n > 0:
-                budget -= n
-                add(seq, n)
+        planned = self._planned_rows()
+        if planned is not None:
+            scheduled += [(seq, 1) for seq in planned]
+            sampling += planned
+            decode_rows = len(planned)
+        else:
+            all_decode = True
+            for seq in list(self._running):
+                computed = seq.num_computed
+                pending = len(seq.tokens) - computed
+                # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
+                if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
+                    all_decode = False
+                    continue
+                if pending == 1:
+                    # What add() does when the row has its block and completes no block whose tokens the host has (most
+                    # decode rows; a row that fills a block while its token is in flight registers the block later).
+                    if computed < len(seq.blocks) * bs and (computed + 1 - seq.inflight) // bs <= seq.num_registered:
+                        scheduled.append((seq, 1))
+                        sampling.append(seq)
+                        decode_rows += 1
+                    elif not add(seq, 1):
+                        all_decode = False
+                    continue
+                all_decode = False
+                n = min(pending, budget)
+                if n > 0:
+                    budget -= n
+                    add(seq, n)
+            if all_decode and self._running:
+                self._plan = DecodePlan.build(self._running, self._schedules, bs)
         self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -770,6 +789,7 @@ class Engine:
                 hashed[key] = list(seq.digests)
             self._queue.popleft()
             self._running.append(seq)
+            self._plan = None
             n = len(seq.tokens) - seq.num_computed
             if twin is not None:
                 # Same prompt as a request computed in this step (GRPO's n samples): copy its rows, sample from
@@ -783,6 +803,35 @@ class Engine:
             if add(seq, n) and twin is None and key is not None and seq.num_computed + n == len(seq.tokens):
                 prompts[key] = seq
         return scheduled
+
+    def _planned_rows(self) -> list[_Sequence] | None:
+        """This step's decode rows from the plan (decode_plan.py): every running sequence, with only the rows whose span
+        ends checked (and given their next block); None when the plan is gone or a checked row is no longer a plain
+        decode row (the caller then tests every request, as the plan does, and the blocks grown here stay grown)."""
+        plan = self._plan
+        if plan is None:
+            return None
+        if len(plan.rows) != len(self._running):  # cannot happen (every change of the list keeps or drops the plan)
+            self._plan = None
+            return None
+        step, bs = self._schedules, self.block_size
+        due = plan.due(step)
+        for row in due:
+            seq = plan.rows[row]
+            if len(seq.tokens) - seq.num_computed != 1 or (
+                    seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens):
+                self._plan = None
+                return None
+            if steady_steps(seq, bs) <= 0:
+                try:
+                    self._grow(seq, seq.num_computed + 1)
+                except Exception:  # noqa: BLE001 - the full pass meets it again and ends that request alone
+                    self._plan = None
+                    return None
+            plan.checked(row, step, bs)
+        if due:
+            plan.refresh()
+        return plan.rows
 
     def _admit(self, seq: _Sequence, digests: list[bytes] | None = None) -> bool:
         """Take the cached prefix and reserve the rest of the request's blocks, if the budget allows. `digests`: those
@@ -852,8 +901,7 @@ class Engine:
         # Rows left or joined since (requests ended, were admitted): each row's row in the last launch, -1 if new.
         moved = None
         if last is not None and not same_rows:
-            where = dict(zip(last[0], range(len(last[0]))))
-            moved = np.fromiter((where.get(serial, -1) for serial in key), dtype=np.int64, count=len(key))
+            moved = _rows_in(last[0], key)
         kept = moved is not None and len(moved) and moved.min() >= 0  # only rows of the last launch
         positions = None
         on_host = device.type != "cuda"
@@ -1209,11 +1257,15 @@ class Engine:
     def _leave_running(self, ending: list[_Sequence]) -> list[_Sequence]:
         """Take the running ones of `ending` (each has its finish reason now, and no other running one has) out of the
         running list; returns them in running order. A few are found by C-level searches, many in one pass."""
+        plan = self._plan  # its rows are the running list's while it lasts: they leave with it
         if len(ending) > 16:
             kept, running = [], []
             for seq in self._running:
                 (kept if seq.finish_reason is None else running).append(seq)
             if running:
+                if plan is not None:
+                    plan.keep(np.fromiter((seq.finish_reason is None for seq in self._running), dtype=bool,
+                                          count=len(self._running)))
                 self._running = kept
             return running
         where = []
@@ -1226,6 +1278,8 @@ class Engine:
         running = [self._running[i] for i in where]
         for i in reversed(where):
             del self._running[i]
+        if plan is not None and where:
+            plan.remove(where)
         return running
 
     def _fail(self, seq: _Sequence, exc: Exception) -> GenerateOutput:
@@ -1317,6 +1371,18 @@ def _to_host_async(t: torch.Tensor | None) -> torch.Tensor | None:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def _rows_in(before: tuple[int, ...], after: tuple[int, ...]) -> np.ndarray:
+    """Each serial of `after`'s row in `before`, -1 where it is new. Serials run in admission order, so `before` is
+    nearly always ascending: a binary search then, a dict otherwise (a retracted request came back first)."""
+    old = np.fromiter(before, dtype=np.int64, count=len(before))
+    new = np.fromiter(after, dtype=np.int64, count=len(after))
+    if len(old) and (len(old) == 1 or bool((old[1:] > old[:-1]).all())):
+        at = np.minimum(np.searchsorted(old, new), len(old) - 1)
+        return np.where(old[at] == new, at, -1)
+    where = dict(zip(before, range(len(before))))
+    return np.fromiter((where.get(serial, -1) for serial in after), dtype=np.int64, count=len(after))
 
 
 def _rows(array: np.ndarray | None) -> int:
