@@ -49,45 +49,47 @@ class SharedPrefixPack:
 
 def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The concatenation of arange(start, start + length) over the pairs, (sum(lengths),) long (host tensors)."""
-    lengths_np = lengths.numpy()
+    return torch.from_numpy(_ranges(starts.numpy(), lengths.numpy()))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """concat_ranges of int64 arrays."""
     # Element j of range i is its start plus j minus the elements of the ranges before it.
-    shift = starts.numpy() - (np.cumsum(lengths_np) - lengths_np)
-    return torch.from_numpy(np.arange(int(lengths_np.sum()), dtype=np.int64) + np.repeat(shift, lengths_np))
+    shift = starts - (np.cumsum(lengths) - lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)
 
 
-def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """torch.repeat_interleave(values, counts) of host tensors, by numpy's repeat (several times faster on a CPU)."""
-    return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
-
-
-def _check_prompt_lens(seqlens: list[int], prompt_lens: list[int]) -> None:
+def _check_prompt_lens(seqlens: list[int], prompt_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(seqlens, prompt_lens) as int64 arrays, once every prompt length is in [1, its sample's length]."""
     if len(seqlens) != len(prompt_lens):
         raise ValueError(f"{len(seqlens)} seqlens but {len(prompt_lens)} prompt_lens")
-    for i, (n, p) in enumerate(zip(seqlens, prompt_lens)):
-        if not 0 < p <= n:
-            raise ValueError(f"sample {i}: prompt_lens {p} must be in [1, {n}]")
+    lens, plens = np.asarray(seqlens, dtype=np.int64), np.asarray(prompt_lens, dtype=np.int64)
+    bad = np.flatnonzero((plens <= 0) | (plens > lens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"sample {i}: prompt_lens {plens[i]} must be in [1, {lens[i]}]")
+    return lens, plens
 
 
-def _shares_with_previous(ids: torch.Tensor, lens: torch.Tensor, plens: torch.Tensor) -> torch.Tensor:
+def _shares_with_previous(ids: np.ndarray, lens: np.ndarray, plens: np.ndarray) -> np.ndarray:
     """(S,) bool: sample i's prompt equals sample i - 1's (same length, same tokens)."""
-    starts = lens.cumsum(0) - lens
-    same = torch.zeros(len(lens), dtype=torch.bool)
+    same = np.zeros(len(lens), dtype=bool)
     same[1:] = plens[1:] == plens[:-1]
-    candidates = same.nonzero().squeeze(1)
-    p = plens[candidates]
-    differ = ids[concat_ranges(starts[candidates], p)] != ids[concat_ranges(starts[candidates - 1], p)]
-    owner = _repeat(torch.arange(len(candidates)), p)
-    same[candidates] = torch.zeros(len(candidates), dtype=torch.long).index_add_(0, owner, differ.long()) == 0
+    candidates = np.flatnonzero(same)
+    if candidates.size:
+        p = plens[candidates]
+        rows = _ranges((np.cumsum(lens) - lens)[candidates], p)  # the candidates' prompt tokens
+        differ = ids[rows] != ids[rows - np.repeat(lens[candidates - 1], p)]  # the previous sample's, p rows earlier
+        same[candidates] = ~np.logical_or.reduceat(differ, np.cumsum(p) - p)  # every p >= 1: no empty segment
     return same
 
 
 def shared_prompt_lengths(input_ids: torch.Tensor | list[int], seqlens: list[int], prompt_lens: list[int]) -> list[int]:
     """Per sample, the prompt tokens it shares with the sample before it: its whole prompt when the two prompts are
     equal, else 0 (the grouping rule of pack_shared_prefixes)."""
-    _check_prompt_lens(seqlens, prompt_lens)
-    plens = torch.tensor(prompt_lens, dtype=torch.long)
-    same = _shares_with_previous(torch.as_tensor(input_ids), torch.tensor(seqlens, dtype=torch.long), plens)
-    return torch.where(same, plens, 0).tolist()
+    lens, plens = _check_prompt_lens(seqlens, prompt_lens)
+    ids = input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids)
+    return np.where(_shares_with_previous(ids, lens, plens), plens, 0).tolist()
 
 
 def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_lens: list[int],
@@ -95,39 +97,39 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     """The shared-prompt layout of a flat pack, or None when no two consecutive samples share a prompt.
 
     input_ids (T,) flat, samples in order with seqlens[i] tokens, the first prompt_lens[i] of them the prompt.
-    Samples share when they are consecutive and their prompt tokens are equal. Built by tensor ops on the host
-    (no loop over samples or tokens), then uploaded.
+    Samples share when they are consecutive and their prompt tokens are equal. Built by numpy array ops on the host
+    (no loop over samples or tokens; numpy's per-op cost is a fraction of torch's at these sizes), then uploaded.
     """
-    _check_prompt_lens(seqlens, prompt_lens)
+    lens, plens = _check_prompt_lens(seqlens, prompt_lens)
     ids = input_ids.cpu()
-    lens, plens = torch.tensor(seqlens, dtype=torch.long), torch.tensor(prompt_lens, dtype=torch.long)
-    first = ~_shares_with_previous(ids, lens, plens)  # (S,) the first sample of each run sharing a prompt
-    if bool(first.all()):
+    first = ~_shares_with_previous(ids.numpy(), lens, plens)  # (S,) the first sample of each run sharing a prompt
+    if first.all():
         return None
-    starts = lens.cumsum(0) - lens  # (S,) flat row of each sample
+    starts = np.cumsum(lens) - lens  # (S,) flat row of each sample
     resp = lens - plens  # (S,) response tokens
-    prompt_q = torch.where(first, plens, 0)  # (S,) a run's prompt is a sequence of its first sample
+    prompt_q = np.where(first, plens, 0)  # (S,) a run's prompt is a sequence of its first sample
     # Sequences in order: per sample its run's prompt (first samples only), then its response (if any).
-    slot_q = torch.stack([prompt_q, resp], 1).reshape(-1)  # (2S,) query rows of each slot, 0 = no sequence
-    slot_row = slot_q.cumsum(0) - slot_q  # (2S,) first row of each slot in the new layout
+    slot_q = np.stack([prompt_q, resp], 1).reshape(-1)  # (2S,) query rows of each slot, 0 = no sequence
+    slot_row = np.cumsum(slot_q) - slot_q  # (2S,) first row of each slot in the new layout
     prompt_row, resp_row = slot_row[0::2], slot_row[1::2]  # (S,) each
-    prompt_row = prompt_row[first.nonzero().squeeze(1)][first.long().cumsum(0) - 1]  # (S,) the run's prompt rows
-    tokens = concat_ranges(torch.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
-    positions = tokens - _repeat(starts.repeat_interleave(2), slot_q)
+    prompt_row = prompt_row[np.flatnonzero(first)][np.cumsum(first) - 1]  # (S,) the run's prompt rows
+    tokens = _ranges(np.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
+    positions = tokens - np.repeat(np.repeat(starts, 2), slot_q)
     present = slot_q > 0
     lens_q = slot_q[present]
-    lens_k = torch.stack([prompt_q, plens + resp], 1).reshape(-1)[present]
+    lens_k = np.stack([prompt_q, lens], 1).reshape(-1)[present]  # a response's keys: its prompt and itself
     # Keys: a prompt sequence its own rows; a response the run's prompt rows, then its own rows.
-    key_rows = concat_ranges(torch.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
-                             torch.stack([prompt_q, torch.where(resp > 0, plens, 0), resp], 1).reshape(-1))
-    source = concat_ranges(torch.stack([prompt_row, resp_row], 1).reshape(-1),
-                           torch.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
-    response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
+    key_rows = _ranges(np.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
+                       np.stack([prompt_q, np.where(resp > 0, plens, 0), resp], 1).reshape(-1))
+    source = _ranges(np.stack([prompt_row, resp_row], 1).reshape(-1),
+                     np.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
+    response_index = _ranges(starts + plens, resp)  # (R,) flat response tokens
     response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
-    cu_q, cu_k = (torch.nn.functional.pad(lens.cumsum(0), (1, 0)) for lens in (lens_q, lens_k))
-    host_cu = (cu_q.tolist(), cu_k.tolist())  # host tensors: no sync
+    cu_q, cu_k = (np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(n)]) for n in (lens_q, lens_k))
+    host_cu = (cu_q.tolist(), cu_k.tolist())  # host arrays: no sync
     cu_q, cu_k, positions, key_rows, ids, response_index, response_rows = upload_many(
-        [cu_q, cu_k, positions, key_rows, ids[tokens], response_index, response_rows], device)
+        [torch.from_numpy(a) for a in (cu_q, cu_k, positions, key_rows)] + [ids[torch.from_numpy(tokens)]]
+        + [torch.from_numpy(a) for a in (response_index, response_rows)], device)
     batch = PackedBatch(positions=positions, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, kv_cache=GatheredKeys(key_rows),
                         host_cu_seqlens=host_cu)
     return SharedPrefixPack(ids, batch, response_index, response_rows)
