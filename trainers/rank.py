@@ -314,17 +314,19 @@ class TrainerRank:
 
     def forward(self, role: Role, mb: TrainBatch | None, return_entropy: bool = False, capture_dsa: bool = False,
                 with_candidates: bool = False):
-        """(logprobs, entropy, the micro-batch, its PackedBatch, the ModelOutput) of one micro-batch (None = a
-        one-token padding pass). with_candidates: also the log-probs at mb.candidate_ids (out.candidate_logprobs)."""
+        """(logprobs, entropy, the micro-batch, the PackedBatch the model ran (the shared-prompt layout's when it ran
+        one), the ModelOutput) of one micro-batch (None = a one-token padding pass). with_candidates: also the
+        log-probs at mb.candidate_ids (out.candidate_logprobs)."""
         mb = mb if mb is not None else _padding_batch()
         dsa = role.config.dsa
-        packed = PackedBatch.from_seqlens(mb.seqlens, self.device)
         replay = mb.replay_topk if mb.replay_topk is not None else (mb.rollout_topk if dsa.index_replay else None)
         replay = None if replay is None else upload(replay, self.device)
         want_topk = replay is None and mb.rollout_topk is not None
         pack = None
         if shares_prompts(mb, self.config, role.config) and not capture_dsa:
             pack = pack_shared_prefixes(mb.input_ids, mb.seqlens, mb.prompt_lens, self.device)
+        # A model given a pack runs its layout and never reads the flat one (~8 ops and an upload, not built).
+        packed = pack.batch if pack is not None else PackedBatch.from_seqlens(mb.seqlens, self.device)
         candidates = upload(mb.candidate_ids, self.device) if with_candidates and mb.candidate_ids is not None else None
         logp, ent, out = role.runs.token_logprobs_with_output(
             upload(mb.input_ids, self.device), packed, temperature=self.config.temperature,
