@@ -57,6 +57,11 @@ def test_set_training_leaves_every_module_in_the_mode_asked():
     model[1][0].eval()
     set_training(model, True)
     assert all(m.training for m in model.modules())
+    listed = tuple(model.modules())  # Role.modules: the tree listed once
+    for mode in (False, False, True):
+        model[1][0].train(not mode)
+        set_training(model, mode, listed)
+        assert all(m.training == mode for m in model.modules())
 
     class Wrapped:  # a DeepSpeed EngineModel's shape: train(mode) but not a module
         mode = None
