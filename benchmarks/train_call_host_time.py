@@ -5,6 +5,10 @@ milliseconds of compute in ~0.2 s. On a CPU the model's forward and backward are
 apart (thread CPU time inside `token_logprobs_with_output` and `torch.autograd.backward`) and the rest of the call is
 the trainer's own host work: batch preparation, shared-prompt packing, loss and metrics, gradient bookkeeping, the
 optimiser step. Every figure is the calling thread's CPU time (time.thread_time), so other processes count less.
+pre_forward_ms is the part before the model's first forward (its embedding: the call's first kernel on a GPU). On a CPU
+it also pays for the previous call's memory (its first allocations fault pages the big forward and backward gave
+back), so --pre-forward-calls N adds pre_forward_only_ms: the median over N calls ended at that forward, one after
+another, which only the trainer's own work before the first kernel is in.
 
 The call is `FSDPWorker.train_batches` as vs_trl.py's recipe makes it: GRPO in bypass mode (π_old = the rollout
 log-probs; --recompute-old-logprobs for a π_old pass), groups of --group-size samples sharing a prompt, the whole
@@ -21,6 +25,8 @@ child processes alternating with this tree's, and reports the median of the per-
 
     python benchmarks/train_call_host_time.py --preset small --narrow --sync-sites
     python benchmarks/train_call_host_time.py --preset small --narrow --baseline-tree /tmp/base --rounds 5
+    python benchmarks/train_call_host_time.py --preset small --narrow --samples 1024 --length 60 --prompt 40 \
+        --pre-forward-calls 60 --baseline-tree /tmp/base --rounds 3  # 64 x 16, 40-token prompts, 20-token answers
     python benchmarks/train_call_host_time.py --preset small --narrow --grouped-experts --samples 64 --baseline-tree /tmp/base
     python benchmarks/train_call_host_time.py --preset small --baseline-tree /tmp/base --rounds 3 --sync-sites  # H200
 """
@@ -32,6 +38,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import shutil
 import statistics
 import tempfile
@@ -52,6 +59,10 @@ NARROW = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
 # Ops that read a tensor's value on the host: a host sync on a device tensor.
 HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
               "aten._unique2.default", "aten.unique_consecutive.default", "aten.unique_dim.default"}
+
+
+class _FirstForward(Exception):
+    """Ends a call at the model's first forward (--pre-forward-calls)."""
 
 
 def grpo_batch(samples: int, length: int, prompt: int, group_size: int, vocab: int, seed: int = 0):
@@ -163,6 +174,17 @@ def measure(args: argparse.Namespace) -> dict:
     clocks = _Clock()
     clocks.wrap(type(worker.policy.runs), "token_logprobs_with_output", "model_forward")
     clocks.wrap(torch.autograd, "backward", "model_backward")
+    first_forward: list[float] = []  # the clock at the call's first model forward (its first kernel on a GPU)
+    stop_there = [False]
+
+    def at_first_forward(*_) -> None:
+        if not first_forward:
+            first_forward.append(clock())
+        if stop_there[0]:
+            raise _FirstForward
+
+    next(m for m in worker.policy.runs.modules() if isinstance(m, torch.nn.Embedding)).register_forward_pre_hook(
+        at_first_forward)
 
     def call():
         shard = batch.select(list(range(args.samples)))  # what the group sends the one rank
@@ -175,6 +197,7 @@ def measure(args: argparse.Namespace) -> dict:
     sync = torch.cuda.synchronize if worker.device.type == "cuda" else (lambda: None)
     for _ in range(args.calls):
         clocks.spent.clear()
+        first_forward.clear()
         sync()
         start, wall = clock(), time.perf_counter()
         _, metrics = call()
@@ -182,7 +205,7 @@ def measure(args: argparse.Namespace) -> dict:
         total, wall = clock() - start, time.perf_counter() - wall
         model = clocks.spent["model_forward"] + clocks.spent["model_backward"]
         rows.append({"total_ms": 1e3 * total, "model_ms": 1e3 * model, "host_ms": 1e3 * (total - model),
-                     "wall_ms": 1e3 * wall})
+                     "wall_ms": 1e3 * wall, "pre_forward_ms": 1e3 * (first_forward[0] - start)})
     out = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     out["calls"] = rows
     out["metrics"] = metrics[0]
@@ -195,6 +218,16 @@ def measure(args: argparse.Namespace) -> dict:
     if args.sync_sites:
         out["aten_ops"], out["aten_ops_outside_model"], sites = _host_read_sites(call, clocks)
         out["host_reads"] = [[n, op, device, site] for (op, device, site), n in sites.most_common()]
+    if args.pre_forward_calls:  # after the weights' digest: these calls end before any update
+        stop_there[0], times = True, []
+        for _ in range(args.pre_forward_calls):
+            first_forward.clear()
+            start = clock()
+            try:
+                call()
+            except _FirstForward:
+                times.append(1e3 * (first_forward[0] - start))
+        out["pre_forward_only_ms"] = statistics.median(times)
     worker.shutdown()
     shutil.rmtree(checkpoint.parent, ignore_errors=True)
     return out
@@ -213,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="float32 compute (default: the bf16 copy, as one GPU rank runs)")
     parser.add_argument("--recompute-old-logprobs", action="store_true", help="a π_old pass (default: bypass)")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per process (after 2 warm-up calls)")
+    parser.add_argument("--pre-forward-calls", type=int, default=0,
+                        help="also time N calls ended at the model's first forward (pre_forward_only_ms)")
     parser.add_argument("--sync-sites", action="store_true", help="list the host reads of one call by source line")
     parser.add_argument("--grouped-experts", action="store_true",
                         help="the experts' grouped GEMM, as a GPU in bf16 runs them (CPU's bf16 default is the loop)")
@@ -225,18 +260,30 @@ def main(argv: list[str] | None = None) -> None:
         rounds = []
         for r, pair in enumerate(baseline_tree.alternate(__file__, args.forward, args.baseline_tree, args.rounds)):
             pair["host_ratio"] = pair["this"]["host_ms"] / pair["baseline"]["host_ms"]
+            pair["pre_forward_ratio"] = pair["this"]["pre_forward_ms"] / pair["baseline"]["pre_forward_ms"]
+            if args.pre_forward_calls:
+                pair["pre_forward_only_ratio"] = (pair["this"]["pre_forward_only_ms"]
+                                                  / pair["baseline"]["pre_forward_only_ms"])
+                logger.info("round %d: calls ended at the first forward, ms %.2f -> %.2f (%.2fx)", r + 1,
+                            pair["baseline"]["pre_forward_only_ms"], pair["this"]["pre_forward_only_ms"],
+                            pair["pre_forward_only_ratio"])
             pair["same_results"] = all(pair["this"][k] == pair["baseline"][k] for k in ("metrics", "weights_sha256"))
             pair["total_ratio"] = pair["this"]["total_ms"] / pair["baseline"]["total_ms"]
             pair["wall_ratio"] = pair["this"]["wall_ms"] / pair["baseline"]["wall_ms"]
-            logger.info("round %d: host ms %.1f -> %.1f (%.2fx), call CPU ms %.1f -> %.1f, wall ms %.1f -> %.1f",
+            logger.info("round %d: host ms %.1f -> %.1f (%.2fx), before the first forward %.2f -> %.2f (%.2fx), "
+                        "call CPU ms %.1f -> %.1f, wall ms %.1f -> %.1f",
                         r + 1, pair["baseline"]["host_ms"], pair["this"]["host_ms"], pair["host_ratio"],
+                        pair["baseline"]["pre_forward_ms"], pair["this"]["pre_forward_ms"], pair["pre_forward_ratio"],
                         pair["baseline"]["total_ms"], pair["this"]["total_ms"], pair["baseline"]["wall_ms"],
                         pair["this"]["wall_ms"])
             rounds.append(pair)
         result = {"rounds": rounds, "same_results": all(p["same_results"] for p in rounds),
                   "host_ratio_median": statistics.median(p["host_ratio"] for p in rounds),
+                  "pre_forward_ratio_median": statistics.median(p["pre_forward_ratio"] for p in rounds),
                   "total_ratio_median": statistics.median(p["total_ratio"] for p in rounds),
                   "wall_ratio_median": statistics.median(p["wall_ratio"] for p in rounds)}
+        if args.pre_forward_calls:
+            result["pre_forward_only_ratio_median"] = statistics.median(p["pre_forward_only_ratio"] for p in rounds)
     result["args"] = {k: v for k, v in vars(args).items() if k != "forward"}
     report(result)
     if args.out:
@@ -247,8 +294,11 @@ def report(result: dict) -> None:
     """Log the summary (and the host-read sites of the last measurement that has them)."""
     if "rounds" in result:
         for side in ("baseline", "this"):
-            logger.info("%s: host ms per call %s (median of each process's calls)", side,
-                        [round(p[side]["host_ms"], 1) for p in result["rounds"]])
+            logger.info("%s: host ms per call %s, before the first forward %s (median of each process's calls)", side,
+                        [round(p[side]["host_ms"], 1) for p in result["rounds"]],
+                        [round(p[side]["pre_forward_ms"], 2) for p in result["rounds"]])
+        logger.info("before the first forward this/baseline, median of rounds: %.3f; calls ended there: %.3f",
+                    result["pre_forward_ratio_median"], result.get("pre_forward_only_ratio_median", math.nan))
         logger.info("host work this/baseline, median of rounds: %.3f; whole call (CPU time): %.3f, (wall): %.3f; "
                     "metrics and weights after every call bit-equal to the baseline's: %s", result["host_ratio_median"],
                     result["total_ratio_median"], result["wall_ratio_median"], result["same_results"])
@@ -257,8 +307,9 @@ def report(result: dict) -> None:
     else:
         measured = [("this", result["this"])]
     for side, m in measured:
-        logger.info("%s (%s): call %.1f ms CPU, %.1f ms wall; model fwd+bwd %.1f ms, host %.1f ms; %d parameter "
-                    "tensors; metrics %s", side, m["device"], m["total_ms"], m["wall_ms"], m["model_ms"], m["host_ms"],
+        logger.info("%s (%s): call %.1f ms CPU, %.1f ms wall; model fwd+bwd %.1f ms, host %.1f ms (%.2f ms before the "
+                    "first forward); %d parameter tensors; metrics %s", side, m["device"], m["total_ms"], m["wall_ms"],
+                    m["model_ms"], m["host_ms"], m["pre_forward_ms"],
                     m["parameters"],
                     {k: round(v, 6) for k, v in m["metrics"].items()})
         if "host_reads" in m:
