@@ -38,10 +38,10 @@ class DecodePlan:
     next_check: int  # until.min()
 
     @classmethod
-    def build(cls, rows: list[Any], step: int, block_size: int) -> "DecodePlan":
-        """A plan for rows scheduled as decode rows at `step` (counts from that step's state, before its launch)."""
-        until = np.fromiter((step + max(steady_steps(seq, block_size), 1) for seq in rows), dtype=np.int64,
-                            count=len(rows))
+    def build(cls, rows: list[Any], spans: list[int], step: int) -> "DecodePlan":
+        """A plan for rows scheduled as decode rows at `step`, with their steady_steps at that step (before its
+        launch); a row with none left is checked again at the next step."""
+        until = step + np.maximum(np.asarray(spans, dtype=np.int64), 1)
         return cls(list(rows), until, int(until.min()) if len(until) else step + 1)
 
     def remove(self, positions: list[int]) -> None:

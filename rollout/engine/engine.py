@@ -753,23 +753,25 @@ class Engine:
             sampling += planned
             decode_rows = len(planned)
         else:
-            all_decode = True
+            all_decode, spans = True, []
             for seq in list(self._running):
-                computed = seq.num_computed
-                pending = len(seq.tokens) - computed
-                # Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls).
-                if seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens:
+                if _last_in_flight(seq):
                     all_decode = False
                     continue
+                pending = len(seq.tokens) - seq.num_computed
                 if pending == 1:
                     # What add() does when the row has its block and completes no block whose tokens the host has (most
                     # decode rows; a row that fills a block while its token is in flight registers the block later).
-                    if computed < len(seq.blocks) * bs and (computed + 1 - seq.inflight) // bs <= seq.num_registered:
+                    span = steady_steps(seq, bs)
+                    if span > 0:
                         scheduled.append((seq, 1))
                         sampling.append(seq)
                         decode_rows += 1
-                    elif not add(seq, 1):
+                    elif add(seq, 1):
+                        span = steady_steps(seq, bs)  # with its next block
+                    else:
                         all_decode = False
+                    spans.append(span)
                     continue
                 all_decode = False
                 n = min(pending, budget)
@@ -777,7 +779,7 @@ class Engine:
                     budget -= n
                     add(seq, n)
             if all_decode and self._running:
-                self._plan = DecodePlan.build(self._running, self._schedules, bs)
+                self._plan = DecodePlan.build(self._running, spans, self._schedules)
         self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -818,8 +820,7 @@ class Engine:
         due = plan.due(step)
         for row in due:
             seq = plan.rows[row]
-            if len(seq.tokens) - seq.num_computed != 1 or (
-                    seq.inflight and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens):
+            if len(seq.tokens) - seq.num_computed != 1 or _last_in_flight(seq):
                 self._plan = None
                 return None
             if steady_steps(seq, bs) <= 0:
@@ -1344,6 +1345,11 @@ def _freeze_heap_once() -> None:
     if not _heap_frozen:
         freeze_after_startup("engine")
         _heap_frozen = True
+
+
+def _last_in_flight(seq: _Sequence) -> bool:
+    """Its token in flight is its last (num_output >= max_new_tokens, without the properties' calls): no step."""
+    return bool(seq.inflight) and len(seq.tokens) - seq.prompt_len >= seq.stop.max_new_tokens
 
 
 def _same_but_seed(a: GenerateRequest, b: GenerateRequest) -> bool:
