@@ -485,7 +485,7 @@ def test_mixed_sampling_rows_across_batch_changes_equal_each_request_alone(model
                        min_new_tokens=3),
         SamplingParams(max_new_tokens=6, temperature=1.0, min_p=0.05, sampling_seed=3, ignore_eos=True),
         SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=4, stop_token_ids=list(range(1, VOCAB, 5))),
-        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[2], ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[2]),
     ]
     req = lambda i: GenerateRequest(input_ids=ps[i], sampling=params[i], rid=str(i))  # noqa: E731
     together = run(Engine(model, max_cache_tokens=1024, block_size=4), {0: [req(0), req(1)], 2: [req(2), req(3)],
@@ -565,6 +565,15 @@ def test_stop_tokens_eos_and_min_new_tokens(model):
     assert eos["eos"].output_ids == free[: first + 1] and eos["eos"].finish_reason == {"type": "stop", "matched": stop_at}
     assert stop_at not in eos["min"].output_ids[: first + 2]  # masked while under min_new_tokens
     assert len(eos["min"].output_ids) >= first + 2
+    # SGLang's ignore_eos: neither EOS nor stop_token_ids end the answer, and min_new_tokens still masks them.
+    ignored = run(Engine(model, max_cache_tokens=512, block_size=4, eos_token_ids=[stop_at]), {0: [
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True,
+                                                                  stop_token_ids=[stop_at]), rid="ignore"),
+        GenerateRequest(input_ids=prompt, sampling=SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True,
+                                                                  min_new_tokens=first + 2), rid="min"),
+    ]})
+    assert ignored["ignore"].output_ids == free and ignored["ignore"].finish_reason == {"type": "length", "length": 16}
+    assert stop_at not in ignored["min"].output_ids[: first + 2] and len(ignored["min"].output_ids) == 16
 
 
 def test_max_new_tokens_wins_over_min_new_tokens(model):
@@ -649,7 +658,8 @@ def test_skipping_stop_checks_changes_no_output(monkeypatch):
     model = build_model(ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1}), seed=0).eval()
     prompt = tokenizer.encode("the answer is", add_special_tokens=False)
     sampling = lambda i, **kw: SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i, ignore_eos=True, **kw)  # noqa: E731
-    engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer)
+    # No EOS ids: min_new_tokens masks them even under ignore_eos, which would move the draws away from `free`'s.
+    engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer, eos_token_ids=[])
     free = run(engine, {0: [GenerateRequest(input_ids=prompt, sampling=sampling(i), rid=str(i)) for i in range(12)]})
     texts = [tokenizer.decode(free[str(i)].output_ids, skip_special_tokens=False) for i in range(12)]
     stops = [[t[len(t) // 2 : len(t) // 2 + 2], "</answer>"] if t[len(t) // 2 :].strip() else ["\n"] for t in texts]
@@ -658,7 +668,7 @@ def test_skipping_stop_checks_changes_no_output(monkeypatch):
     monkeypatch.setattr(engine_module, "match_stop_strings", lambda stops, tails: decoded.append(len(tails)) or match(stops, tails))
 
     def trace():
-        engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer)
+        engine = Engine(model, max_cache_tokens=2048, block_size=4, tokenizer=tokenizer, eos_token_ids=[])
         for i in range(12):
             engine.add_request(GenerateRequest(input_ids=prompt, sampling=sampling(i, stop=stops[i], min_new_tokens=i % 3 * 3),
                                                rid=str(i), stream=i % 2 == 0))
@@ -715,7 +725,7 @@ def test_the_decode_plan_schedules_what_testing_every_request_would(model, monke
     def workload(engine):
         rng = np.random.default_rng(3)
         reqs = [GenerateRequest(input_ids=p, rid=f"r{i}", sampling=SamplingParams(
-            max_new_tokens=int(rng.integers(1, 24)), temperature=1.0, sampling_seed=i, ignore_eos=True,
+            max_new_tokens=int(rng.integers(1, 24)), temperature=1.0, sampling_seed=i,
             stop_token_ids=[7, 11])) for i, p in enumerate(prompts(rng.integers(3, 14, size=24).tolist(), seed=5))]
         arrivals = {0: reqs[:10], 3: reqs[10:16], 9: reqs[16:]}
         schedules, finals, used = [], {}, [0]
@@ -753,9 +763,9 @@ def test_the_decode_plan_schedules_what_testing_every_request_would(model, monke
                 break
         return schedules, finals, used[0]
 
-    planned = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0))
+    planned = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0, eos_token_ids=[]))
     monkeypatch.setattr(engine_module.Engine, "_planned_rows", lambda self: None)
-    every = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0))
+    every = workload(Engine(model, max_cache_tokens=2048, block_size=4, seed=0, eos_token_ids=[]))
     assert planned[0] == every[0] and planned[1] == every[1] and len(planned[1]) == 24
     assert planned[2] >= 10  # steps scheduled from the plan
 
@@ -773,7 +783,7 @@ def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
         SamplingParams(max_new_tokens=13, temperature=1.1, top_k=7, sampling_seed=2, min_new_tokens=3,
                        stop_token_ids=list(range(0, VOCAB, 4))),
         SamplingParams(max_new_tokens=9, temperature=1.0, sampling_seed=3, ignore_eos=True),
-        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[5], ignore_eos=True),
+        SamplingParams(max_new_tokens=7, temperature=0.0, stop_token_ids=[5]),
     ]
 
     def go(overlap: bool):

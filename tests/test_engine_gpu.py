@@ -170,9 +170,9 @@ def test_overlap_scheduler_equals_the_synchronous_loop_on_cuda_graphs():
         engine._feed = lambda *a, feed=feed, fed=fed: (fed.append(len(a[1])), feed(*a))
         _assert_same(_generate(engine, _requests(37)), sync)
         assert engine.decoder.num_graphs > 0 and len(fed) > 10 and engine.stats["decode_device_s"] > 0
-    stop_ids = set(range(2, CONFIG["vocab_size"], 7))
+    stop_ids = set(range(2, CONFIG["vocab_size"], 7)) | {CONFIG["eos_token_id"]}  # EOS ends answers too
     stopping = [GenerateRequest(input_ids=r.input_ids, rid=r.rid, sampling=SamplingParams(
-        max_new_tokens=40, temperature=1.0, sampling_seed=7 + i, stop_token_ids=sorted(stop_ids), ignore_eos=True),
+        max_new_tokens=40, temperature=1.0, sampling_seed=7 + i, stop_token_ids=sorted(stop_ids)),
         return_indexer_topk=r.return_indexer_topk) for i, r in enumerate(_requests(37, seed=1))]
     finals = _generate(engine, stopping)
     stopped = [o for o in finals.values() if o.finish_reason["type"] == "stop"]

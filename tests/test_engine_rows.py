@@ -52,6 +52,7 @@ PARAMS = [
     SamplingParams(temperature=1.0, top_k=5, max_new_tokens=3, ignore_eos=True),
     SamplingParams(temperature=1.3, min_p=0.1, max_new_tokens=12, stop_token_ids=[9]),
     SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, stop_token_ids=[2, 5, 6, 8, 11]),
+    SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, stop_token_ids=[2, 9], min_new_tokens=3),
 ]
 
 
@@ -177,6 +178,20 @@ def test_stop_tokens_are_masked_under_min_new_tokens_only():
     rows.mask_stop_ids(logits, torch.tensor([1, 2, 0]))  # row 0 is under min_new_tokens (2), row 1 reached it
     assert torch.isinf(logits[0]).nonzero().flatten().tolist() == [1, 3, 4, 7]  # EOS 1 and stop_token_ids
     assert not torch.isinf(logits[1:]).any()
+
+
+def test_ignore_eos_ends_on_no_stop_id_and_min_new_tokens_still_masks_them():
+    """SGLang's rules: under ignore_eos neither EOS nor stop_token_ids end an answer (Req.check_finished), while
+    min_new_tokens masks both either way (its min_new_tokens penalizer)."""
+    params = PARAMS[5]  # ignore_eos, stop_token_ids [2, 9], min_new_tokens 3; EOS 1
+    assert StopChecker(params, eos_token_ids=[1]).stop_ids == frozenset()
+    rows = SamplingRows.build((0, 1), [_spec(0, params), _spec(1, params)], torch.device("cpu"))
+    logits = torch.zeros(2, VOCAB)
+    rows.mask_stop_ids(logits, torch.tensor([2, 3]))  # row 0 is under min_new_tokens, row 1 reached it
+    assert torch.isinf(logits[0]).nonzero().flatten().tolist() == [1, 2, 9] and not torch.isinf(logits[1]).any()
+    for token in (1, 2, 9):
+        assert rows.finish_codes(torch.tensor([token, token]), torch.tensor([2, 5])).tolist() == [RUNNING, RUNNING]
+    assert rows.finish_codes(torch.tensor([2, 2]), torch.tensor([8, 9])).tolist() == [RUNNING, LENGTH]
 
 
 @pytest.mark.parametrize("which", ["project", "word_level"])

@@ -228,10 +228,13 @@ def test_stop_token_trims_text_but_keeps_the_id(server):
     _, first = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(3)})
     stop_id = first["output_ids"][1]
     _, body = post(server, "/generate", {"input_ids": PROMPT, "return_logprob": True,
-                                         "sampling_params": greedy(3, stop_token_ids=[stop_id])})
+                                         "sampling_params": greedy(3, stop_token_ids=[stop_id], ignore_eos=False)})
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert body["output_ids"] == first["output_ids"][:2]
     assert body["meta_info"]["output_token_logprobs"][-1][1] == stop_id
+    # SGLang's ignore_eos turns off stop_token_ids too.
+    _, body = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": greedy(3, stop_token_ids=[stop_id])})
+    assert body["output_ids"] == first["output_ids"] and body["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_max_new_tokens_wins_over_min_new_tokens_and_the_context(server):

@@ -32,7 +32,7 @@ RUNNING, LENGTH, STOP_TOKEN, TAIL_SKIP, TAIL_DECODE = 0, 1, 2, 3, 4
 # RowSpec.flags bits
 SAMPLED, SORTS, MIN_P, MASKS_STOP_IDS, STOP_STRINGS, GREEDY, STREAMS, SCALES = 1, 2, 4, 8, 16, 32, 64, 128
 # RowSpec.ints columns
-GREEDY_COL, TOP_K, SEED, MIN_NEW, MAX_NEW, COMPLETER, COMPLETER_ROW, TAIL_FROM = range(INT_COLUMNS := 8)
+GREEDY_COL, TOP_K, SEED, MIN_NEW, MAX_NEW, COMPLETER, COMPLETER_ROW, TAIL_FROM, STOP_FROM = range(INT_COLUMNS := 9)
 NEVER = 2**62  # TAIL_FROM of a row without stop strings: no output count reaches it
 MAX_DRAW_SPAN = 64  # the most steps of uniforms drawn ahead (SamplingRows.uniforms)
 
@@ -44,9 +44,10 @@ class RowSpec:
     floats: tuple[float, float, float]  # temperature (1 on a greedy row), top_p, min_p
     # greedy, top_k (vocab size where unrestricted), seed, min_new, max_new, completer (CompleterTable row; -1: no
     # stop strings), completer row clamped to 0, the output count from which stop strings are checked (min_new; NEVER
-    # without stop strings): the last two spare finish_codes a clamp and two masks per step
-    ints: tuple[int, int, int, int, int, int, int, int]
-    stop_ids: tuple[int, ...]
+    # without stop strings): the last two spare finish_codes a clamp and two masks per step; the output count from
+    # which a stop id ends the answer (min_new; NEVER under ignore_eos, whose stop ids are only masked)
+    ints: tuple[int, int, int, int, int, int, int, int, int]
+    stop_ids: tuple[int, ...]  # those min_new_tokens masks when it is set (StopChecker.masked_ids), else those that stop
     flags: int
 
 
@@ -56,15 +57,17 @@ def row_spec(params: SamplingParams, stop: StopChecker, seed: int, vocab_size: i
     output; `completer`: the CompleterTable row of its stop strings' completer mask (0: every token may complete one)."""
     greedy = params.greedy
     top_k = vocab_size if params.top_k < 0 else min(params.top_k, vocab_size)
+    stop_ids = stop.masked_ids if stop.min_new_tokens > 0 else stop.stop_ids
     flags = GREEDY if greedy else SAMPLED | (SORTS if top_k < vocab_size or params.top_p < 1.0 else 0) | (
         MIN_P if params.min_p > 0 else 0) | (SCALES if float(params.temperature) != 1.0 else 0)
-    flags |= (MASKS_STOP_IDS if stop.min_new_tokens > 0 and stop.stop_ids else 0) | (
+    flags |= (MASKS_STOP_IDS if stop.min_new_tokens > 0 and stop_ids else 0) | (
         STOP_STRINGS if stop.stop_strings else 0) | (STREAMS if stream else 0)
     return RowSpec(floats=(1.0 if greedy else float(params.temperature), float(params.top_p), float(params.min_p)),
                    ints=(int(greedy), top_k, seed, stop.min_new_tokens, stop.max_new_tokens,
                          completer if stop.stop_strings else -1, max(completer, 0) if stop.stop_strings else 0,
-                         stop.min_new_tokens if stop.stop_strings else NEVER),
-                   stop_ids=tuple(sorted(stop.stop_ids)), flags=flags)
+                         stop.min_new_tokens if stop.stop_strings else NEVER,
+                         NEVER if params.ignore_eos else stop.min_new_tokens),
+                   stop_ids=tuple(sorted(stop_ids)), flags=flags)
 
 
 @dataclass
@@ -73,7 +76,7 @@ class SamplingRows:
 
     key: tuple[int, ...]  # the requests' serial numbers, in row order
     floats: torch.Tensor  # (B, 3) float32: RowSpec.floats
-    ints: torch.Tensor  # (B, 8) int64: RowSpec.ints
+    ints: torch.Tensor  # (B, 9) int64: RowSpec.ints
     stop_ids: torch.Tensor  # (B, S) int64, padded with the row's first stop id (-1 if none); S may be 0
     flags: int  # RowSpec.flags of all rows, or-ed
     string_rows: list[int]  # rows whose requests have stop strings
@@ -190,8 +193,8 @@ class SamplingRows:
             code = torch.where(count >= tail_from, tail, code)
         if self.stop_ids.shape[1]:
             hit = (tokens[:, None] == self.stop_ids).any(dim=1)
-            if self.flags & MASKS_STOP_IDS:  # else every row with stop tokens has min_new_tokens 0
-                hit &= count >= self.columns[MIN_NEW]
+            if self.flags & MASKS_STOP_IDS:  # else every row with stop ids stops on them from its first token
+                hit &= count >= self.columns[STOP_FROM]
             code = torch.where(hit, STOP_TOKEN, code)
         return torch.where(count >= self.columns[MAX_NEW], LENGTH, code)
 

@@ -64,7 +64,7 @@ class _SampleGraph:
 
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # (B, D): a copy of the decode forward's output
-    floats: torch.Tensor  # (B, 3), ints (B, 8), stop_ids (B, S): SamplingRows' tensors, rows [:n] copied
+    floats: torch.Tensor  # (B, 3), ints (B, 9), stop_ids (B, S): SamplingRows' tensors, rows [:n] copied
     ints: torch.Tensor
     stop_ids: torch.Tensor
     num_output: torch.Tensor  # (B,)
@@ -132,8 +132,8 @@ class SamplingGraphs:
         device = hidden.device
         floats = torch.tensor([1.0, 1.0, 0.0], device=device).repeat(B, 1)  # temperature 1, top_p 1, min_p 0
         # A row that samples freely and never ends: greedy 0, top_k the vocabulary, seed 0, min_new 0, max_new NEVER,
-        # no completer, completer row 0, no stop strings (RowSpec.ints' columns).
-        ints = torch.tensor([0, self.vocab_size, 0, 0, NEVER, -1, 0, NEVER], device=device).repeat(B, 1)
+        # no completer, completer row 0, no stop strings, stop ids from its first token (RowSpec.ints' columns).
+        ints = torch.tensor([0, self.vocab_size, 0, 0, NEVER, -1, 0, NEVER, 0], device=device).repeat(B, 1)
         stop_ids = torch.full((B, width), -1, dtype=torch.long, device=device)
         static = dict(hidden=torch.empty_like(hidden), floats=floats, ints=ints, stop_ids=stop_ids,
                       num_output=torch.zeros(B, dtype=torch.long, device=device))

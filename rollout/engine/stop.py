@@ -52,7 +52,10 @@ class StopChecker:
         room = params.max_new_tokens if context is None else context - prompt_len
         self.max_new_tokens = max(0, min(params.max_new_tokens, room))
         self.min_new_tokens = min(params.min_new_tokens, self.max_new_tokens)
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        # As SGLang: ignore_eos turns off every stop token (Req.check_finished), and min_new_tokens masks the request's
+        # stop ids and the EOS ids either way (its min_new_tokens penalizer).
+        self.masked_ids = frozenset(params.stop_token_ids) | frozenset(eos_token_ids)
+        self.stop_ids = frozenset() if params.ignore_eos else self.masked_ids
         self.stop_strings = list(params.stop)
         self.tokenizer = tokenizer
         self.window = 0
