@@ -47,13 +47,8 @@ class SharedPrefixPack:
         return int(self.input_ids.numel())
 
 
-def concat_ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The concatenation of arange(start, start + length) over the pairs, (sum(lengths),) long (host tensors)."""
-    return torch.from_numpy(_ranges(starts.numpy(), lengths.numpy()))
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """concat_ranges of int64 arrays."""
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(start, start + length) over the pairs of int64 arrays, (sum(lengths),) int64."""
     # Element j of range i is its start plus j minus the elements of the ranges before it.
     shift = starts - (np.cumsum(lengths) - lengths)
     return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(shift, lengths)
@@ -78,7 +73,7 @@ def _shares_with_previous(ids: np.ndarray, lens: np.ndarray, plens: np.ndarray) 
     candidates = np.flatnonzero(same)
     if candidates.size:
         p = plens[candidates]
-        rows = _ranges((np.cumsum(lens) - lens)[candidates], p)  # the candidates' prompt tokens
+        rows = concat_ranges((np.cumsum(lens) - lens)[candidates], p)  # the candidates' prompt tokens
         differ = ids[rows] != ids[rows - np.repeat(lens[candidates - 1], p)]  # the previous sample's, p rows earlier
         same[candidates] = ~np.logical_or.reduceat(differ, np.cumsum(p) - p)  # every p >= 1: no empty segment
     return same
@@ -113,17 +108,17 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     slot_row = np.cumsum(slot_q) - slot_q  # (2S,) first row of each slot in the new layout
     prompt_row, resp_row = slot_row[0::2], slot_row[1::2]  # (S,) each
     prompt_row = prompt_row[np.flatnonzero(first)][np.cumsum(first) - 1]  # (S,) the run's prompt rows
-    tokens = _ranges(np.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
+    tokens = concat_ranges(np.stack([starts, starts + plens], 1).reshape(-1), slot_q)  # (Tt,) flat token per row
     positions = tokens - np.repeat(np.repeat(starts, 2), slot_q)
     present = slot_q > 0
     lens_q = slot_q[present]
     lens_k = np.stack([prompt_q, lens], 1).reshape(-1)[present]  # a response's keys: its prompt and itself
     # Keys: a prompt sequence its own rows; a response the run's prompt rows, then its own rows.
-    key_rows = _ranges(np.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
+    key_rows = concat_ranges(np.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
                        np.stack([prompt_q, np.where(resp > 0, plens, 0), resp], 1).reshape(-1))
-    source = _ranges(np.stack([prompt_row, resp_row], 1).reshape(-1),
+    source = concat_ranges(np.stack([prompt_row, resp_row], 1).reshape(-1),
                      np.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
-    response_index = _ranges(starts + plens, resp)  # (R,) flat response tokens
+    response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
     response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
     cu_q, cu_k = (np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(n)]) for n in (lens_q, lens_k))
     host_cu = (cu_q.tolist(), cu_k.tolist())  # host arrays: no sync
