@@ -91,8 +91,12 @@ def run_variants(rank: int, world_size: int, port: int, ckpt: str, out: str, var
     (out/results.json). Every rank runs this."""
     torch.set_num_threads(1)
     results = {}
+    # Every variant's worker stays referenced until the end: one collected mid-run would tear down its engine's
+    # process groups and threads while the next variant's collectives run, and the group goes down once, in order.
+    workers = []
     for name, options in variants.items():
         worker = _worker(options, rank, world_size, port, ckpt, gpu)
+        workers.append(worker)
         metrics = []
         for step in range(NUM_STEPS):
             metrics.append(_step(worker, step))
@@ -113,6 +117,8 @@ def run_variants(rank: int, world_size: int, port: int, ckpt: str, out: str, var
     if rank == 0:
         with open(f"{out}/results.json", "w") as f:
             json.dump(results, f)
+    torch.distributed.barrier()
+    workers[-1].shutdown()  # destroys the default group and every group made from it, before the interpreter exits
 
 
 @pytest.fixture(scope="module")
