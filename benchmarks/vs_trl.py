@@ -161,6 +161,7 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         if args.ours_loop == "async":  # the engine generates while the trainer steps, both on the one GPU
             recipe["cluster"] = {"placement": "disaggregated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
+    recipe["trainer"]["compile"] = args.ours_compile == "on"
     recipe["rollout"]["prefetch_next_step"] = args.ours_prefetch == "on"
     recipe["logging"]["profile_steps"] = args.profile_steps
     recipe["logging"]["profile_activities"] = args.profile_activities
@@ -516,7 +517,7 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"ours: `run_training`, {loop}, with its defaults and recipes/gpu_single.yaml's resources, 1 embedded "
                 f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
                 f"{placement}overlap scheduler {args.ours_overlap}, prefetch of the next step's calls "
-                f"{args.ours_prefetch}), "
+                f"{args.ours_prefetch}, trainer.compile {args.ours_compile}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
                 f"autocast in generation and training), use_cpu=False, HF `generate` (no vLLM), "
@@ -681,6 +682,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="ours with --ours-loop sync: rollout.prefetch_next_step, the next step's calls sent to "
                              "the paused engine while the trainer steps (default: on with --device cuda, as "
                              "recipes/gpu_single.yaml; off on cpu, the recipe default)")
+    parser.add_argument("--ours-compile", choices=("on", "off"), default="off",
+                        help="ours: trainer.compile, each decoder layer of the trained model torch.compile'd (default "
+                             "off, the recipe default; on a GPU its log-probs then differ from the engine's by ~5e-3, "
+                             "and the warm-up takes about a minute longer)")
     parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
                              "the previous one's tokens (default on, the recipe's default for embedded engines)")

@@ -45,7 +45,7 @@ def test_ours_overlap_reaches_the_recipe() -> None:
     assert on.rollout.overlap_schedule and not off.rollout.overlap_schedule
     ahead = parse_args(["--device", "cuda", "--ours-prefetch", "on"])
     assert RecipeConfig.model_validate(recipe_dict(ahead, Path("m"), Path("run"))).rollout.prefetch_next_step
-    assert not on.rollout.prefetch_next_step and "calls on)" in setup_desc(ahead)[1]
+    assert not on.rollout.prefetch_next_step and "calls on," in setup_desc(ahead)[1]
     with pytest.raises(SystemExit):
         parse_args(["--ours-loop", "async", "--ours-prefetch", "on"])
     cuda = RecipeConfig.model_validate(recipe_dict(parse_args(["--device", "cuda"]), Path("m"), Path("run")))
@@ -53,6 +53,9 @@ def test_ours_overlap_reaches_the_recipe() -> None:
     cuda_async = parse_args(["--device", "cuda", "--ours-loop", "async"])
     assert not RecipeConfig.model_validate(recipe_dict(cuda_async, Path("m"), Path("run"))).rollout.prefetch_next_step
     assert parse_args(["--device", "cuda", "--ours-prefetch", "off"]).ours_prefetch == "off"
+    compiled = parse_args(["--device", "cuda", "--ours-compile", "on"])
+    assert RecipeConfig.model_validate(recipe_dict(compiled, Path("m"), Path("run"))).trainer.compile
+    assert not cuda.trainer.compile and "trainer.compile on)" in setup_desc(compiled)[1]
 
 
 def test_trl_trains_a_large_step_in_accumulated_micro_batches() -> None:
