@@ -220,7 +220,10 @@ class GroupRollout:
         sample.append_tokens(ids, logprobs, versions)
         sample.indexer_topk, sample.indexer_topk_start = topk
         sample.response_text = self.decode(ids)
-        sample.status = _FINISH_STATUS.get((meta.get("finish_reason") or {}).get("type"), SampleStatus.COMPLETED)
+        reason = meta.get("finish_reason") or {}
+        sample.status = _FINISH_STATUS.get(reason.get("type"), SampleStatus.COMPLETED)
+        if sample.status == SampleStatus.ABORTED and reason.get("message"):
+            sample.metadata["error"] = str(reason["message"])  # e.g. the engine's error: why the sample is not trained
 
     async def _reward_all(self, samples: list[Sample]) -> list[Sample]:
         """Score `samples`: in turn when each one's reward function runs inline (each call ends before the next

@@ -137,3 +137,55 @@ def test_no_round_is_drawn_after_the_last_engine_is_lost(caplog):
     failures = [r.getMessage() for r in caplog.records if "generation failed" in r.getMessage()]
     assert len(failures) == PROMPTS_PER_STEP
     assert all("no engine left (1 dropped, the last http://127.0.0.1:9 (its process died" in m for m in failures)
+
+
+def test_engines_that_fail_every_sample_end_the_round_and_then_the_run(checkpoint):
+    """A real engine whose forward fails every time (FAULT INJECTED: a CUDA error that outlives its batch): each
+    sample ends aborted with the engine's error, the step stops after its first round instead of drawing more, and
+    the synchronous loop stops the run at the third such step in a row, naming the error."""
+    from rollout.client import EngineClient
+    from rollout.groups import GroupRollout, SampleNumbering
+    from rollout.server.launch import EmbeddedServer, load_engine
+    from slime_dsa.config.errors import UserError
+    from slime_dsa.config.schema import RolloutSection
+    from slime_dsa.data.prompts import Prompt, Task, TaskMixture
+    from slime_dsa.orchestrator.collection import StepCollector
+    from slime_dsa.orchestrator.train import FAILED_STEPS_LIMIT, check_failed_steps
+
+    prompts = [Prompt(task="t", split="train", index=i, prompt_ids=[3 + i % 5, 4, 5], prompt_text="", answer="mixed")
+               for i in range(100)]
+    task = Task(name="t", kind="arithmetic", weight=1.0, reward_fn="tests.plugins.rewards:mixed_or_zero",
+                train=prompts, eval=None)
+    rollout = RolloutSection(n_samples_per_prompt=GROUP, prompts_per_step=PROMPTS_PER_STEP, max_response_length=2,
+                             dynamic_sampling=True, max_sampling_tries=4)
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED (injected)")
+
+    async def main():
+        engine, _ = load_engine(checkpoint, max_cache_tokens=4096)
+        engine.engine.model.forward_packed = broken  # the AsyncEngine's Engine
+        server = await EmbeddedServer.start(engine)
+        client = EngineClient([server.url])
+        collector = StepCollector(GroupRollout(client, [task], tokenizer, rollout), TaskMixture([task]),
+                                  SampleNumbering(), rollout, show_progress=False)
+        try:
+            return await collector.collect(), collector
+        finally:
+            await client.close()
+            await server.stop()
+
+    (groups, metrics), collector = asyncio.run(main())
+    assert groups == [] and metrics["rollout/sampling_rounds"] == 1
+    assert metrics["rollout/failed_samples"] == metrics["rollout/num_samples"] == PROMPTS_PER_STEP * GROUP
+    assert "CUBLAS_STATUS_ALLOC_FAILED (injected)" in collector.last_error
+
+    run = SimpleNamespace(failed_steps=0, manager=SimpleNamespace(collector=collector))
+    check_failed_steps(run, 1, metrics)
+    check_failed_steps(run, 2, {**metrics, "rollout/failed_samples": metrics["rollout/num_samples"] - 1})
+    assert run.failed_steps == 0  # one usable sample: the engines work
+    for step in range(3, 3 + FAILED_STEPS_LIMIT - 1):
+        check_failed_steps(run, step, metrics)
+    with pytest.raises(UserError, match=r"steps 3-5: every sample failed .*CUBLAS_STATUS_ALLOC_FAILED \(injected\)"):
+        check_failed_steps(run, 5, metrics)

@@ -40,6 +40,14 @@ def screen_group(group: list[Sample], dynamic_sampling: bool, counters: Counter,
     return usable
 
 
+def failure_example(samples: list[Sample]) -> str | None:
+    """The error of the first sample that failed or was aborted with one, or None."""
+    for s in samples:
+        if s.status in (SampleStatus.FAILED, SampleStatus.ABORTED) and s.metadata.get("error"):
+            return str(s.metadata["error"])
+    return None
+
+
 def rollout_metrics(samples: list[Sample], kept: list[list[Sample]], counters: Counter, elapsed: float,
                     task_names: list[str], reward_metrics: dict[str, float]) -> dict[str, float]:
     """rollout/ and perf/ metrics of one step: `samples` all it generated, `kept` the groups it trains on."""
@@ -87,6 +95,7 @@ class StepCollector:
         self.show_progress = show_progress
         self.min_group_size = min_group_size  # screen_group's min_samples
         self.keep_share = 1.0
+        self.last_error: str | None = None  # a failed sample's error in the last collected step (failure_example)
         self._prefetched: _PrefetchedRound | None = None
 
     def round_size(self, need: int) -> int:
@@ -157,7 +166,7 @@ class StepCollector:
                     fresh = self._draw_round(need)
                     bar.add_total(len(fresh) * cfg.n_samples_per_prompt)
                     done = await asyncio.gather(*(self._generate(group, bar) for group in fresh))
-                usable_groups = 0
+                usable_groups, failed_before = 0, counters["failed_samples"]
                 for group in done:
                     every.extend(group)
                     usable = screen_group(group, cfg.dynamic_sampling, counters, self.min_group_size)
@@ -165,7 +174,11 @@ class StepCollector:
                     if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)
                 self.keep_share = usable_groups / len(done)
+                generated = sum(len(group) for group in done)
+                if generated and counters["failed_samples"] - failed_before == generated:
+                    break  # every sample of the round failed: another round would only burn its prompts
         end = time.perf_counter()
+        self.last_error = failure_example(every)
         metrics = rollout_metrics(every, kept, counters, end - start,
                                   [t.name for t in self.groups.tasks], self.groups.reward_metrics())
         metrics.update(self.groups.clock.metrics(end))

@@ -83,6 +83,7 @@ class Run:
     driver_gc: Any = None  # slime_dsa.gc_watch.GcWatch of this process while the loop runs (perf/driver_gc_*)
     last_hold_s: float = 0.0  # the last step's train call and push: what a prefetched round waits through
     prefetch_held_back: bool = False  # whether a step has skipped its prefetch for last_hold_s (warned once)
+    failed_steps: int = 0  # consecutive steps whose every sample failed (the loop stops at FAILED_STEPS_LIMIT)
 
     def hook_wants_state(self, version: int) -> bool:
         """Whether on_weights gets the full state dict with weight `version`."""

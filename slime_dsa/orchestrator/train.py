@@ -19,6 +19,7 @@ from typing import Any, Literal
 from slime_dsa import interrupts
 from slime_dsa.algorithms.specs import build_algorithm
 from slime_dsa.config import RecipeConfig
+from slime_dsa.config.errors import UserError
 from slime_dsa.gc_watch import frozen_during
 from slime_dsa.orchestrator.async_loop import run_async_loop
 from slime_dsa.orchestrator.profile import PhaseClock, StepProfiler
@@ -29,6 +30,7 @@ from slime_dsa.orchestrator.step import (
 
 logger = logging.getLogger(__name__)
 UNPLACED_WARNING_S = 120.0  # start-up of engines and trainer ranks that takes longer: warned
+FAILED_STEPS_LIMIT = 3  # steps in a row with every sample failed, after which the run stops (check_failed_steps)
 
 
 def run_training(recipe: RecipeConfig, resume: bool = False, loop: Literal["auto", "sync", "async"] = "auto",
@@ -67,7 +69,6 @@ async def _run(recipe: RecipeConfig, run_dir: Path, resume: bool, loop: str = "a
     from rollout.client import EngineClient  # noqa: PLC0415
     from rollout.recipe_plugins import check_recipe_plugins  # noqa: PLC0415
     from slime_dsa.checkpoint.training import read_orchestrator_state  # noqa: PLC0415
-    from slime_dsa.config.errors import UserError  # noqa: PLC0415
     from slime_dsa.data.prompts import TaskMixture, build_tasks  # noqa: PLC0415
     from slime_dsa.logging import MetricsLogger  # noqa: PLC0415
     from slime_dsa.orchestrator import cluster, setup  # noqa: PLC0415
@@ -481,6 +482,20 @@ async def _sync_loop(run: Run) -> None:
         run.manager.cancel_prefetch()  # a step that failed after its train call sent the next one's round
 
 
+def check_failed_steps(run: Run, step: int, metrics: dict[str, float]) -> None:
+    """Count the steps in a row whose every sample failed; at FAILED_STEPS_LIMIT stop the run with the error one of
+    them got. One failed sample costs that sample, but engines that fail every request (a CUDA error that outlives
+    its batch, out of memory) would otherwise skip step after step with nothing trained."""
+    generated = int(metrics.get("rollout/num_samples", 0))
+    failed = int(metrics.get("rollout/failed_samples", 0))
+    run.failed_steps = run.failed_steps + 1 if generated and failed == generated else 0
+    if run.failed_steps >= FAILED_STEPS_LIMIT:
+        error = getattr(run.manager.collector, "last_error", None) or "no error message"
+        raise UserError(f"steps {step - run.failed_steps + 1}-{step}: every sample failed ({generated} in step {step}; "
+                        f"e.g. {error}); the engines generate nothing, so the run stops here (engine_*.log in the "
+                        "run directory has their tracebacks)")
+
+
 def skipped_step_line(step: int, metrics: dict[str, float], dynamic_sampling: bool) -> str:
     """Why a synchronous step has no group to train on, from its rollout/ counts."""
     uniform = int(metrics.get("rollout/zero_std_groups", 0))
@@ -500,6 +515,7 @@ async def _one_step(run: Run, step: int, clock: PhaseClock | None = None) -> dic
     groups, metrics = await run.manager.collect_step()
     clock.mark("rollout")
     samples = [s for group in groups for s in group]
+    check_failed_steps(run, step + 1, metrics)
     if not samples:
         logger.warning("%s", skipped_step_line(step + 1, metrics, run.recipe.rollout.dynamic_sampling))
         await probe_engines(run)  # were the engines lost? (NoEnginesLeftError when all are)
