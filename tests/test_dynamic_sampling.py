@@ -180,6 +180,7 @@ def test_engines_that_fail_every_sample_end_the_round_and_then_the_run(checkpoin
     assert groups == [] and metrics["rollout/sampling_rounds"] == 1
     assert metrics["rollout/failed_samples"] == metrics["rollout/num_samples"] == PROMPTS_PER_STEP * GROUP
     assert "CUBLAS_STATUS_ALLOC_FAILED (injected)" in collector.last_error
+    assert collector.keep_share == 1.0  # failures say nothing about how many groups' rewards agree
 
     run = SimpleNamespace(failed_steps=0, manager=SimpleNamespace(collector=collector))
     check_failed_steps(run, 1, metrics)

@@ -173,10 +173,12 @@ class StepCollector:
                     usable_groups += usable is not None
                     if usable is not None and len(kept) < cfg.prompts_per_step:
                         kept.append(usable)
-                self.keep_share = usable_groups / len(done)
                 generated = sum(len(group) for group in done)
                 if generated and counters["failed_samples"] - failed_before == generated:
-                    break  # every sample of the round failed: another round would only burn its prompts
+                    # Every sample failed: another round would only burn its prompts, and the keep share (how many
+                    # groups' rewards disagree) learnt nothing.
+                    break
+                self.keep_share = usable_groups / len(done)
         end = time.perf_counter()
         self.last_error = failure_example(every)
         metrics = rollout_metrics(every, kept, counters, end - start,
