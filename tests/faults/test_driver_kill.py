@@ -17,7 +17,7 @@ from tests.faults.runs import ROOT, recipe_dict, records, wait_for, write_recipe
 
 pytestmark = pytest.mark.slow
 
-STEPS = 4
+STEPS = 6  # room for the kill to land a step or two late on a loaded machine: the resume still runs >= 2 steps
 COMPARED = ("rollout/reward_mean", "rollout/num_samples", "train/loss", "train/grad_norm")
 
 
