@@ -115,9 +115,9 @@ def pack_shared_prefixes(input_ids: torch.Tensor, seqlens: list[int], prompt_len
     lens_k = np.stack([prompt_q, lens], 1).reshape(-1)[present]  # a response's keys: its prompt and itself
     # Keys: a prompt sequence its own rows; a response the run's prompt rows, then its own rows.
     key_rows = concat_ranges(np.stack([prompt_row, prompt_row, resp_row], 1).reshape(-1),
-                       np.stack([prompt_q, np.where(resp > 0, plens, 0), resp], 1).reshape(-1))
+                             np.stack([prompt_q, np.where(resp > 0, plens, 0), resp], 1).reshape(-1))
     source = concat_ranges(np.stack([prompt_row, resp_row], 1).reshape(-1),
-                     np.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
+                           np.stack([plens, resp], 1).reshape(-1))  # (T,) flat token -> its row
     response_index = concat_ranges(starts + plens, resp)  # (R,) flat response tokens
     response_rows = source[response_index - 1]  # t - 1 is in the same sample: prompt_lens >= 1
     cu_q, cu_k = (np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(n)]) for n in (lens_q, lens_k))

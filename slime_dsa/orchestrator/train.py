@@ -490,7 +490,7 @@ def check_failed_steps(run: Run, step: int, metrics: dict[str, float]) -> None:
     failed = int(metrics.get("rollout/failed_samples", 0))
     run.failed_steps = run.failed_steps + 1 if generated and failed == generated else 0
     if run.failed_steps >= FAILED_STEPS_LIMIT:
-        error = getattr(run.manager.collector, "last_error", None) or "no error message"
+        error = run.manager.collector.last_error or "no error message"
         raise UserError(f"steps {step - run.failed_steps + 1}-{step}: every sample failed ({generated} in step {step}; "
                         f"e.g. {error}); the engines generate nothing, so the run stops here (engine_*.log in the "
                         "run directory has their tracebacks)")
