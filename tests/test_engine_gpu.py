@@ -204,6 +204,8 @@ def test_after_the_warmup_a_rollout_compiles_and_captures_nothing():
     requests, log-probs and top-k rows included, captures no decode graph and compiles no Triton kernel."""
     engine = Engine(_model(0), max_cache_tokens=8192, max_running_requests=64, keep_indexer_topk=True)
     assert warm_up_engine(engine, 64) > 0
+    # captured in inference mode: no graph's outputs hold an autograd graph (and with it every activation)
+    assert not any(graph.hidden.requires_grad for graph in engine.decoder._graphs.values())
     captures, before = engine.stats["graph_captures"], compiled_kernels()
     reqs = _requests(48)
     for req in reqs:

@@ -52,3 +52,27 @@ def test_an_engine_after_its_warmup_answers_as_a_fresh_one(tmp_path):
         return [(o.output_ids, o.output_token_logprobs, o.cached_tokens) for o in (finals[r] for r in sorted(finals))]
 
     assert answers(warm=True) == answers(warm=False)
+
+
+def test_the_warmups_graph_captures_run_in_inference_mode(tmp_path, monkeypatch):
+    """The warm-up captures decode graphs outside an engine step; each capture runs in inference mode all the same
+    (under autograd every graph's outputs kept its activations alive: 72 GB over 95 graphs on an H100). The CUDA
+    capture itself is a FAKE here (no GPU): a stand-in _capture records the mode it ran in; tests/test_engine_gpu.py
+    checks the real graphs' outputs."""
+    from rollout.engine.decode import PagedDecoder
+
+    make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=2)
+    engine = Engine(slime_dsa.load_model(tmp_path).eval(), max_cache_tokens=512, max_running_requests=8)
+    modes = []
+
+    def fake_capture(self, B, width):
+        modes.append((B, width, torch.is_inference_mode_enabled()))
+        self._graphs[(B, width)] = object()
+        return self._graphs[(B, width)]
+
+    monkeypatch.setattr(PagedDecoder, "_capture", fake_capture)
+    engine.decoder.use_cuda_graphs = True
+    warm_up_engine(engine, 40)
+    assert modes and {B for B, _, _ in modes} == set(engine.decoder.batch_ladder)
+    assert {width for _, width, _ in modes} == set(graph_widths(40, engine.block_size))
+    assert all(inference for _, _, inference in modes), modes
