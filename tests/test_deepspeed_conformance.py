@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -118,7 +120,13 @@ def run_variants(rank: int, world_size: int, port: int, ckpt: str, out: str, var
         with open(f"{out}/results.json", "w") as f:
             json.dump(results, f)
     torch.distributed.barrier()
-    workers[-1].shutdown()  # destroys the default group and every group made from it, before the interpreter exits
+    # Every result is on disk once both ranks pass the barrier; the rank ends here, without tearing anything down.
+    # The teardown (process groups destroyed, then the interpreter's exit with DeepSpeed's engines alive) aborted a
+    # rank in two of about a dozen full-suite runs here ("terminate called without an active exception", always
+    # after the last collective: 174 of 174 warned calls done), and nothing after the barrier is under test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
