@@ -8,7 +8,8 @@ import torch
 
 import slime_dsa
 from rollout.engine import Engine, GenerateRequest, SamplingParams
-from rollout.engine.warmup import graph_widths, prefill_rounds, warm_up_engine, warmup_prompt_lengths
+from rollout.engine.warmup import (graph_widths, prefill_rounds, warm_up_engine, warm_up_or_recover,
+                                   warmup_prompt_lengths)
 from tests.hf_reference import TINY, make_hf_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -76,3 +77,45 @@ def test_the_warmups_graph_captures_run_in_inference_mode(tmp_path, monkeypatch)
     assert modes and {B for B, _, _ in modes} == set(engine.decoder.batch_ladder)
     assert {width for _, width, _ in modes} == set(graph_widths(40, engine.block_size))
     assert all(inference for _, _, inference in modes), modes
+
+
+def test_a_failed_warmup_leaves_the_engine_as_a_fresh_one(tmp_path, monkeypatch, caplog):
+    """A warm-up that fails midway (here a graph capture running out of memory: a FAKE capture, no GPU) is logged
+    and undone: no request left, the prefix cache empty, no graph kept; the engine then answers as a fresh one."""
+    from rollout.engine.decode import PagedDecoder
+
+    make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=2)
+    model = slime_dsa.load_model(tmp_path).eval()
+    engine = Engine(model, max_cache_tokens=512, max_running_requests=8)
+    captured = []
+
+    # The prefill rounds' decode steps capture widths 1 and 4 (their own failures turn graphs off, a path of its
+    # own); only the warm-up's graph phase reaches width 2, where the fake device runs out of memory.
+    def capture_until_full(self, B, width):
+        if width == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        captured.append((B, width))
+        self._graphs[(B, width)] = object()
+        return self._graphs[(B, width)]
+
+    monkeypatch.setattr(PagedDecoder, "_capture", capture_until_full)
+    engine.decoder.use_cuda_graphs = True
+    with caplog.at_level("ERROR"):
+        assert warm_up_or_recover(engine, 40) is None
+    assert "warm-up failed" in caplog.text
+    assert {width for _, width in captured} == {1, 4} and engine.decoder.use_cuda_graphs
+    assert engine.decoder._graphs == {}
+    assert not engine.has_work and engine.num_running == 0 and engine.blocks.num_cached_blocks == 0
+    monkeypatch.undo()
+    engine.decoder.use_cuda_graphs = False
+    fresh = Engine(model, max_cache_tokens=512, max_running_requests=8)
+
+    def answer(e: Engine) -> list[int]:
+        e.add_request(GenerateRequest([3, 5, 7, 9], SamplingParams(max_new_tokens=5, ignore_eos=True, sampling_seed=1),
+                                      rid="a", stream=False))
+        outs = []
+        while e.has_work:
+            outs += [o for o in e.step() if o.finish_reason is not None]
+        return outs[0].output_ids
+
+    assert answer(engine) == answer(fresh)

@@ -141,3 +141,19 @@ def test_rows_off_16_byte_boundaries_take_the_loop_without_disabling_grouped(mon
     odd(torch.randn(3, 30, requires_grad=True)).sum().backward()
     assert not Experts._grouped_failed
     assert MoE(ModelConfig.from_dict(dict(TINY))).experts._grouped_ok(torch.randn(3, TINY["hidden_size"]))
+
+
+def test_running_out_of_memory_in_the_grouped_path_raises_and_keeps_it(moe, monkeypatch):
+    """An out-of-memory error in grouped_mm is the device's state, not a missing kernel: it reaches the caller, and
+    the process keeps the grouped path (a full GPU during an engine's warm-up once switched it to the per-expert loop
+    for good, and with it off CUDA graphs)."""
+    Experts.use_grouped_mm = None
+    monkeypatch.setattr(Experts, "_grouped_failed", False)
+
+    def out_of_memory(self, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 MiB.")
+
+    monkeypatch.setattr(Experts, "_forward_grouped", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        moe(torch.randn(5, TINY["hidden_size"]))
+    assert not Experts._grouped_failed

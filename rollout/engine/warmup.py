@@ -69,3 +69,20 @@ def warm_up_engine(engine: Engine, max_len: int) -> float:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return time.perf_counter() - start
+
+
+def warm_up_or_recover(engine: Engine, max_len: int) -> float | None:
+    """warm_up_engine's seconds, or None when it failed: then the engine is left as a fresh one (requests aborted,
+    prefix cache flushed, decode graphs and their pool dropped, cached device memory freed), and its first rollout
+    compiles and captures instead. A failed warm-up costs its time, not the engine."""
+    try:
+        return warm_up_engine(engine, max_len)
+    except Exception:  # noqa: BLE001 - e.g. out of memory while capturing a large batch's graph
+        logger.exception("engine: warm-up failed; the first rollout compiles and captures instead")
+        engine.abort(abort_all=True)
+        engine.flush_cache()
+        if engine.decoder is not None:
+            engine.decoder.reset()
+        if engine.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None

@@ -80,16 +80,12 @@ def load_engine(
                     eos_token_ids=eos_ids, tokenizer=tokenizer, weight_version=weight_version,
                     keep_indexer_topk=keep_indexer_topk, overlap=overlap, index_key_cache_dtype=index_key_cache_dtype)
     if warmup_max_len > 0 and engine.device.type == "cuda":
-        from rollout.engine.warmup import warm_up_engine
+        from rollout.engine.warmup import warm_up_or_recover
 
-        try:
-            seconds = warm_up_engine(engine, warmup_max_len)
+        seconds = warm_up_or_recover(engine, warmup_max_len)
+        if seconds is not None:
             logger.info("engine: kernels compiled and decode graphs captured for samples up to %d tokens in %.1f s",
                         warmup_max_len, seconds)
-        except Exception:  # noqa: BLE001 - a failed warm-up costs its time, not the engine: the first rollout compiles
-            logger.exception("engine: warm-up failed; the first rollout compiles and captures instead")
-            engine.abort(abort_all=True)
-            engine.flush_cache()
     async_engine = AsyncEngine(engine, model_path=str(model_dir),
                                tokenizer_path=str(tokenizer_path or model_dir) if tokenizer else None)
     async_engine.preload_weights(preload_weights or [])

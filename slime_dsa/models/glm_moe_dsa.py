@@ -382,6 +382,8 @@ class Experts(nn.ModuleList):
                 return self._forward_grouped(x, weights, expert_ids)
             try:
                 return self._forward_grouped(x, weights, expert_ids)
+            except torch.OutOfMemoryError:  # the device, not the kernel: the loop would not fit either
+                raise
             except (RuntimeError, NotImplementedError) as err:  # e.g. no grouped GEMM kernel for this GPU
                 logger.warning("experts: grouped_mm failed (%s: %s); using the per-expert loop", type(err).__name__, err)
                 Experts._grouped_failed = True
