@@ -119,3 +119,15 @@ def test_a_failed_warmup_leaves_the_engine_as_a_fresh_one(tmp_path, monkeypatch,
         return outs[0].output_ids
 
     assert answer(engine) == answer(fresh)
+
+
+def test_a_served_engines_weights_take_no_gradient(tmp_path):
+    """load_engine's model keeps no autograd graph whatever mode a forward runs in: its weights need no grad."""
+    from rollout.server.launch import load_engine
+
+    make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=2)
+    engine, _ = load_engine(tmp_path, max_cache_tokens=256)
+    model = engine.engine.model
+    assert not any(p.requires_grad for p in model.parameters())
+    out = model.forward_packed(torch.tensor([3, 5, 7]), slime_dsa.models.PackedBatch.from_seqlens([3]))
+    assert out.logits.grad_fn is None

@@ -73,7 +73,8 @@ def load_engine(
     from slime_dsa.models.config import generation_eos_token_ids
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(model_dir, dtype=dtype, device=device).eval()
+    # An engine never trains: without grad on its weights no forward of it, in a step or not, keeps an autograd graph
+    model = load_model(model_dir, dtype=dtype, device=device).eval().requires_grad_(False)
     tokenizer = load_tokenizer(tokenizer_path or model_dir)
     eos_ids = engine_eos_token_ids(model.config.eos_token_ids, generation_eos_token_ids(model_dir), tokenizer)
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
