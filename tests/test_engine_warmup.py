@@ -55,24 +55,33 @@ def test_an_engine_after_its_warmup_answers_as_a_fresh_one(tmp_path):
     assert answers(warm=True) == answers(warm=False)
 
 
-def test_the_warmups_graph_captures_run_in_inference_mode(tmp_path, monkeypatch):
-    """The warm-up captures decode graphs outside an engine step; each capture runs in inference mode all the same
-    (under autograd every graph's outputs kept its activations alive: 72 GB over 95 graphs on an H100). The CUDA
-    capture itself is a FAKE here (no GPU): a stand-in _capture records the mode it ran in; tests/test_engine_gpu.py
-    checks the real graphs' outputs."""
+def _engine_with_fake_captures(tmp_path, monkeypatch, out_of_memory_at_width: int | None = None):
+    """A CPU engine whose decoder "captures" graphs through a FAKE _capture (no GPU): each capture recorded as (batch,
+    width, inference mode on); at `out_of_memory_at_width` it raises the device's out-of-memory error instead."""
     from rollout.engine.decode import PagedDecoder
 
     make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=2)
     engine = Engine(slime_dsa.load_model(tmp_path).eval(), max_cache_tokens=512, max_running_requests=8)
-    modes = []
+    captured = []
 
     def fake_capture(self, B, width):
-        modes.append((B, width, torch.is_inference_mode_enabled()))
+        if width == out_of_memory_at_width:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        captured.append((B, width, torch.is_inference_mode_enabled()))
         self._graphs[(B, width)] = object()
         return self._graphs[(B, width)]
 
     monkeypatch.setattr(PagedDecoder, "_capture", fake_capture)
     engine.decoder.use_cuda_graphs = True
+    return engine, captured
+
+
+def test_the_warmups_graph_captures_run_in_inference_mode(tmp_path, monkeypatch):
+    """The warm-up captures decode graphs outside an engine step; each capture runs in inference mode all the same
+    (under autograd every graph's outputs kept its activations alive: 72 GB over 95 graphs on an H100). The CUDA
+    capture itself is a FAKE here (no GPU): a stand-in _capture records the mode it ran in; tests/test_engine_gpu.py
+    checks the real graphs' outputs."""
+    engine, modes = _engine_with_fake_captures(tmp_path, monkeypatch)
     warm_up_engine(engine, 40)
     assert modes and {B for B, _, _ in modes} == set(engine.decoder.batch_ladder)
     assert {width for _, width, _ in modes} == set(graph_widths(40, engine.block_size))
@@ -82,33 +91,18 @@ def test_the_warmups_graph_captures_run_in_inference_mode(tmp_path, monkeypatch)
 def test_a_failed_warmup_leaves_the_engine_as_a_fresh_one(tmp_path, monkeypatch, caplog):
     """A warm-up that fails midway (here a graph capture running out of memory: a FAKE capture, no GPU) is logged
     and undone: no request left, the prefix cache empty, no graph kept; the engine then answers as a fresh one."""
-    from rollout.engine.decode import PagedDecoder
-
-    make_hf_checkpoint(tmp_path, index_topk=4, num_hidden_layers=2)
-    model = slime_dsa.load_model(tmp_path).eval()
-    engine = Engine(model, max_cache_tokens=512, max_running_requests=8)
-    captured = []
-
     # The prefill rounds' decode steps capture widths 1 and 4 (their own failures turn graphs off, a path of its
     # own); only the warm-up's graph phase reaches width 2, where the fake device runs out of memory.
-    def capture_until_full(self, B, width):
-        if width == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
-        captured.append((B, width))
-        self._graphs[(B, width)] = object()
-        return self._graphs[(B, width)]
-
-    monkeypatch.setattr(PagedDecoder, "_capture", capture_until_full)
-    engine.decoder.use_cuda_graphs = True
+    engine, captured = _engine_with_fake_captures(tmp_path, monkeypatch, out_of_memory_at_width=2)
     with caplog.at_level("ERROR"):
         assert warm_up_or_recover(engine, 40) is None
     assert "warm-up failed" in caplog.text
-    assert {width for _, width in captured} == {1, 4} and engine.decoder.use_cuda_graphs
+    assert {width for _, width, _ in captured} == {1, 4} and engine.decoder.use_cuda_graphs
     assert engine.decoder._graphs == {}
     assert not engine.has_work and engine.num_running == 0 and engine.blocks.num_cached_blocks == 0
     monkeypatch.undo()
     engine.decoder.use_cuda_graphs = False
-    fresh = Engine(model, max_cache_tokens=512, max_running_requests=8)
+    fresh = Engine(engine.model, max_cache_tokens=512, max_running_requests=8)
 
     def answer(e: Engine) -> list[int]:
         e.add_request(GenerateRequest([3, 5, 7, 9], SamplingParams(max_new_tokens=5, ignore_eos=True, sampling_seed=1),

@@ -229,9 +229,8 @@ class PagedDecoder:
         batch shrinks as requests finish, and capturing each size when first met put captures in every early RL step.
         Largest first, so the shared memory pool grows once.
 
-        In inference mode whoever calls it (the warm-up calls it outside a step): a capture under autograd kept each
-        graph's activations alive through its outputs' autograd graph (~0.75 GB a graph at recipes/gpu_single.yaml's
-        preset, 72 GB over its 95 warm-up graphs on an H100) and stacked the expert weights in every replay."""
+        In inference mode whoever calls it (the warm-up calls it outside a step): a capture under autograd keeps each
+        graph's activations alive through its outputs' autograd graph, and replays the experts' training path."""
         new_width = all(w != width for _, w in self._graphs)
         for size in sorted({B, *self.batch_ladder}, reverse=True) if new_width else [B]:
             if (size, width) not in self._graphs:
