@@ -77,7 +77,7 @@ def test_the_prefetch_goes_out_after_the_train_call_is_sent():
             on_sent()
             time.sleep(0.2)  # the ranks compute
             events.append("answered")
-            return None, {"trainer_dispatch_s": 0.01}
+            return None, {"trainer_dispatch_s": 0.01, "trainer_compiles": 2}
 
     async def prefetch() -> None:
         events.append("prefetch")
@@ -86,6 +86,7 @@ def test_the_prefetch_goes_out_after_the_train_call_is_sent():
     metrics = asyncio.run(step_module.train_on_samples(_fake_run(Trainers()), 0, samples, while_training=prefetch))
     assert events == ["sent", "prefetch", "answered"]
     assert metrics["perf/trainer_dispatch_s"] == 0.01
+    assert metrics["perf/trainer_compiles"] == 2  # trainer.compile's graph variants compiled in the call
 
 
 def test_a_step_without_a_policy_call_still_prefetches(monkeypatch):

@@ -17,15 +17,20 @@ VOCAB = 96
 
 @pytest.fixture(autouse=True)
 def _dynamo_config_restored():
-    """apply_compile sets dynamo's specialize_float for the process: restored after each test (config.patch; pytest's
-    monkeypatch deletes a dynamo config entry on undo, which broke every later compile in the process)."""
-    with torch._dynamo.config.patch(specialize_float=torch._dynamo.config.specialize_float):
+    """apply_compile sets dynamo's specialize_float and inductor's mix_order_reduction for the process: restored after
+    each test (config.patch; pytest's monkeypatch deletes a dynamo config entry on undo, which broke every later
+    compile in the process)."""
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    with torch._dynamo.config.patch(specialize_float=torch._dynamo.config.specialize_float), inductor_config.patch(
+            {"triton.mix_order_reduction": inductor_config.triton.mix_order_reduction}):
         yield
 
 
 def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, list[int], int]:
     """One micro-batch's gradients on the starting weights, then a train call per batch: (gradients, each call's
-    metrics and π_old, the final weights, dynamo's compiled frames after each call, separate π_old passes run)."""
+    metrics and π_old, the final weights, dynamo's compiled frames before the calls and after each, separate π_old
+    passes run)."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
     from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
@@ -44,6 +49,8 @@ def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, li
         model = worker.policy.runs
         compiled = [hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in model.model.layers]
         assert compiled == [compile] * len(model.model.layers)
+        if compile:  # no graph may branch on the token count: that recompiled in step 1 on an H100 (apply_compile)
+            assert torch._inductor.config.triton.mix_order_reduction is False
         first = batches[0]
         logp, _ = model.token_logprobs(first.input_ids, PackedBatch.from_seqlens(first.seqlens))
         (logp * first.advantages * first.loss_mask).sum().backward()
@@ -52,7 +59,7 @@ def _run(checkpoint, batches, compile: bool) -> tuple[dict, list[dict], dict, li
         passes = []  # the separate π_old passes: none, the first step's forward gives π_old
         separate_pass = worker.compute_logprobs
         worker.compute_logprobs = lambda *args, **kw: passes.append(1) or separate_pass(*args, **kw)
-        metrics, frames = [], []
+        metrics, frames = [], [counters["frames"]["ok"]]
         for batch in batches:  # an RL train call each: the π_old pass (no grad), then one optimizer step
             shard = batch.select(list(range(len(batch.seqlens))))  # its own old_logprobs: the batch is shared
             old, step = worker.train_batches([shard], [(float(batch.loss_mask.sum()), len(batch.seqlens))],
@@ -109,7 +116,7 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
     torch._dynamo.reset()
     counters.clear()
     eager_grads, eager_metrics, eager_weights, eager_frames, eager_passes = _run(checkpoint, batches, compile=False)
-    assert eager_frames == [0, 0, 0]
+    assert eager_frames == [0, 0, 0, 0]
     grads, metrics, weights, frames, passes = _run(checkpoint, batches, compile=True)
     torch._dynamo.reset()
 
@@ -120,8 +127,11 @@ def test_compiled_layers_train_as_eager_layers_do(tmp_path, monkeypatch, backend
         assert recording.graph_args > 0, "no compiled graph's inputs were seen"
         assert recording.wrapped_floats == [], (
             f"floats passed to the compiled layers as tensors: {sorted(set(recording.wrapped_floats))}")
-    assert frames[0] > 0 and counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
-    assert frames[1] == frames[2] == frames[0], f"recompiled for new pack shapes: compiled frames by step {frames}"
+    assert frames[1] > 0 and counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert frames[1] == frames[2] == frames[3], f"recompiled for new pack shapes: compiled frames by step {frames}"
+    # each call reports what it compiled (perf/trainer_compiles); eager calls report nothing
+    assert [m.pop("trainer_compiles") for m in metrics] == [b - a for a, b in zip(frames, frames[1:])]
+    assert all("trainer_compiles" not in m for m in eager_metrics)
     assert grads.keys() == eager_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -209,10 +219,50 @@ def test_the_warmup_compiles_the_pi_old_pass_of_later_mini_batches(tmp_path, mon
         worker.warmup_passes(30)
         warmed = counters["frames"]["ok"]
         shards = [batch.select([0, 1, 2, 3]), batch.select([4, 5, 6, 7])]
-        worker.train_batches(shards, [(float(s.loss_mask.sum()), len(s.seqlens)) for s in shards],
-                             recompute_old_logprobs=True)
+        _, metrics = worker.train_batches(shards, [(float(s.loss_mask.sum()), len(s.seqlens)) for s in shards],
+                                          recompute_old_logprobs=True)
         assert warmed > 0 and counters["frames"]["ok"] == warmed, (
             f"compiled frames: {warmed} after the warm-up, {counters['frames']['ok']} after a train call")
+        assert metrics[0]["trainer_compiles"] == 0
     finally:
         worker.shutdown()
         torch._dynamo.reset()
+
+
+def test_a_compile_after_the_warmup_is_counted_and_logged(tmp_path, monkeypatch, caplog):
+    """A train call reports the graph variants it compiled (trainer_compiles), and after a warm-up that compiled the
+    kernels a non-zero count is a warning: compiling in a step is the start-up cost the warm-up exists to move.
+    FAKE: torch.compile is the identity and dynamo's frame counter a scripted one (this tests the bookkeeping; the
+    tests above compile for real)."""
+    import logging  # noqa: PLC0415
+
+    from slime_dsa.algorithms import PPOLoss  # noqa: PLC0415
+    from trainers import rank as rank_module  # noqa: PLC0415
+    from trainers.base import OptimizerConfig, policy_config  # noqa: PLC0415
+    from trainers.fsdp import parallelize  # noqa: PLC0415
+    from trainers.fsdp.worker import FSDPWorker  # noqa: PLC0415
+    from trainers.process_group import free_port  # noqa: PLC0415
+
+    monkeypatch.setattr(parallelize.torch, "compile", lambda fn, **_: fn)
+    frames = iter([0, 3, 3, 3])  # the first call compiles 3 frames, the second none
+    monkeypatch.setattr(rank_module, "_compiled_frames", lambda: next(frames))
+    checkpoint = _checkpoint(tmp_path, "tiny", VOCAB)
+    config = policy_config(str(checkpoint), PPOLoss(), OptimizerConfig(learning_rate=1e-3), frozen=(".indexer.",),
+                           seed=0, compile=True, ops_backend="torch", micro_batch_tokens=96)
+    batch = _grpo_batch(4, 20, 6, 2, VOCAB)
+    worker = FSDPWorker(0, 1, "127.0.0.1", free_port(), config)
+    try:
+        worker._kernels_warmed = True  # as warm_up leaves it on a GPU
+        counts = []
+        for _ in range(2):
+            with caplog.at_level(logging.WARNING, logger="trainers.rank"):
+                caplog.clear()
+                shard = batch.select(list(range(len(batch.seqlens))))  # its own old_logprobs
+                _, metrics = worker.train_batches([shard], [(float(batch.loss_mask.sum()), len(batch.seqlens))],
+                                                  recompute_old_logprobs=True)
+            counts.append((metrics[0]["trainer_compiles"], [r.getMessage() for r in caplog.records]))
+    finally:
+        worker.shutdown()
+    (first, first_logs), (second, second_logs) = counts
+    assert first == 3 and len(first_logs) == 1 and "compiled 3 graph variants in this train call" in first_logs[0]
+    assert second == 0 and second_logs == []

@@ -98,7 +98,8 @@ class RayTrainerGroup:
         """An RL step's training in one call per rank: π_old (when asked, before any update) and num_mini_batches
         optimiser steps, each on a contiguous slice of the samples (groups stay together as far as the split
         allows). Returns (π_old (T,) in batch order or None, metrics averaged over the steps, lr the last one's,
-        skipped_updates summed, trainer_dispatch_s: from this call to rank 0 starting it, on the wall clock).
+        skipped_updates summed, trainer_dispatch_s: from this call to rank 0 starting it, on the wall clock;
+        trainer_compiles with trainer.compile: graph variants rank 0 compiled in the call).
         detailed_metrics off skips the costly metrics (the indexer's dense recall) on steps that are not logged.
         on_sent: called once the call is sent to every rank (its batch with it), before the wait for the answers."""
         called_at = time.time()
@@ -121,9 +122,9 @@ class RayTrainerGroup:
         results = self._per_shard(ray.get(calls))
         steps = results[0][1]
         # The weight-sync check is the first step's alone (its weights are the engines'), and rank 0's garbage
-        # collections and the call's dispatch are the call's, not a step's.
+        # collections, compiles and the call's dispatch are the call's, not a step's.
         once = {k: steps[0].pop(k) for k in list(steps[0])
-                if k.startswith(("sync_logprob_", "trainer_gc_", "trainer_dispatch_"))}
+                if k.startswith(("sync_logprob_", "trainer_gc_", "trainer_dispatch_", "trainer_compiles"))}
         metrics = combine_steps(steps)
         metrics.update(once)
         if not recompute_old_logprobs:

@@ -123,6 +123,13 @@ def _share_metrics(metrics: dict[str, Metric], share: float) -> dict[str, Metric
     return out
 
 
+def _compiled_frames() -> int:
+    """Frames torch.compile has compiled in this process so far, recompiles included (dynamo's own counter)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - dynamo is imported only where trainer.compile is on
+
+    return counters["frames"]["ok"]
+
+
 def _accumulate(sums: dict[str, Metric], metrics: dict[str, Metric]) -> None:
     """Add a micro-batch's metrics into the step's: "_max" keys by maximum, the rest (weighted shares) by sum."""
     for key, value in metrics.items():
@@ -204,6 +211,7 @@ class TrainerRank:
         self._weight_group = None  # rank 0's group with the engines, joined by join_weight_group (distributed sync)
         self._recorder = None  # a TraceRecorder once start_profile ran
         self._gc_watch: GcWatch | None = None  # once watch_garbage_collector ran (a Ray actor's own process)
+        self._kernels_warmed = False  # warm_up compiled the kernels: a later compile is a miss, logged
 
     @property
     def policy(self) -> Role:
@@ -383,6 +391,7 @@ class TrainerRank:
         try:
             self.warmup_passes(max_len)
             torch.cuda.synchronize(self.device)
+            self._kernels_warmed = True
         except Exception:  # noqa: BLE001 - a failed warm-up costs its time, not the run: kernels compile in step 1
             logger.exception("trainer rank %d: kernel warm-up failed; the first steps compile instead", self.rank)
             for held in self.roles.values():
@@ -423,6 +432,7 @@ class TrainerRank:
         None, metrics per optimiser step). sent_at: the caller's wall-clock time when it made the call; the first
         step's metrics then hold trainer_dispatch_s, how long the call and its batch took to start here."""
         started_at = time.time()
+        compiled_before = _compiled_frames() if self.config.compile else 0
         old = None
         # The first step's forward runs on the weights π_old is of (no update before it): its log-probs are π_old.
         reuse = recompute_old_logprobs and self.reuses_first_forward and self.roles[role].config.kind == "policy"
@@ -441,6 +451,12 @@ class TrainerRank:
             metrics[0].update({f"trainer_{k}": v for k, v in self._gc_watch.take().items()})
         if sent_at is not None and metrics:
             metrics[0]["trainer_dispatch_s"] = max(started_at - sent_at, 0.0)
+        if self.config.compile and metrics:
+            metrics[0]["trainer_compiles"] = compiles = _compiled_frames() - compiled_before
+            if compiles and self._kernels_warmed:
+                logger.warning("trainer rank %d: torch.compile compiled %d graph variants in this train call, after "
+                               "the start-up warm-up (a shape or mode it did not meet; TORCH_LOGS=recompiles says "
+                               "which guard failed)", self.rank, compiles)
         if reuse:
             logps = steps[0].old_logprobs
             old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)

@@ -253,7 +253,7 @@ async def _train_policy(run: Run, step: int, batch, logged: bool,
     # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
     agreement = {k: train_metrics.pop(k) for k in SYNC_KEYS if k in train_metrics}
     metrics.update({f"perf/{k}": train_metrics.pop(k) for k in list(train_metrics)
-                    if k.startswith(("trainer_gc_", "trainer_dispatch_"))})
+                    if k.startswith(("trainer_gc_", "trainer_dispatch_", "trainer_compiles"))})
     if recompute:
         batch.old_logprobs = old
         agreement = logprob_agreement(batch)

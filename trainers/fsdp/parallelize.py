@@ -35,6 +35,14 @@ def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
     # dynamic=True dynamo otherwise passes each as a 0-d CPU tensor input, and inductor's CUDA code reads it with
     # .item() at every kernel launch that uses it: a host sync each. They never change, so no recompile follows.
     torch._dynamo.config.specialize_float = True
+    # Inductor fuses a norm backward's row and column reductions ("mix-order reduction") only above a size, and under
+    # dynamic shapes that size check becomes a guard on the token count: the warm-up's small packs compiled one
+    # variant, a step's full micro-batches another in the first step (~14 s on an H100), and a size past a second
+    # threshold would compile a third mid-run. Without the fusion no graph branches on the token count.
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 - only where trainer.compile is on
+
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
