@@ -80,8 +80,6 @@ def _save_role(worker, name: str, out: Path) -> None:
 
 
 def _load_role(worker, name: str, src: Path) -> None:
-    import deepspeed  # noqa: PLC0415
-
     held, built = worker.roles[name], worker.engines[name]
     model = held.model.module
     ensure_optimizer_state(worker, name)
