@@ -826,11 +826,13 @@ class TrainerSection(Section):
                            "before FSDP2 wraps them): the norms, RoPE, projections and MoE routing between the DSA "
                            "kernels, which stay eager (a graph break at each), run as fused kernels, fewer launches "
                            "for a launch-bound GPU step. Shapes are dynamic: packs of new lengths reuse the graphs. "
-                           "The compile runs in a GPU rank's kernel warm-up at start-up, else in the first train call "
+                           "The compile runs in a GPU rank's kernel warm-up at start-up (perf/trainer_compiles "
+                           "counts what a step compiles after it, with a warning), else in the first train call "
                            "(on a CPU: ~3 minutes at the tiny preset, for steps 1.3-1.6x faster there; on one H100: "
                            "~1 minute, for train calls 1.2-1.3x faster, benchmarks/RESULTS.md). Cost: the trainer's "
                            "log-probs no longer equal the engines' bit for bit (fused kernels round differently: "
-                           "|Δlogp| ~5e-3 instead of 0 on one H100). fsdp backend only; not "
+                           "|Δlogp| ~2.5-5e-3 on one H100, where eager was 0 on the quickstart policy and 6e-4 on the small "
+                           "preset's countdown policy). fsdp backend only; not "
                            "with model.true_on_policy, whose bit-equality with the engines needs their unfused "
                            "kernels. Not read by slime-dsa sft (refused set).")
     share_prompt_prefix: bool = Field(
