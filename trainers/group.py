@@ -13,7 +13,7 @@ import torch
 from slime_dsa.models.prefix_sharing import shared_prompt_lengths
 from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
-from trainers.base import RankConfig, TrainBatch, balance_across_ranks
+from trainers.base import CALL_METRIC_PREFIXES, RankConfig, TrainBatch, balance_across_ranks
 from trainers.rank import TrainerRank, combine_steps, shares_prompts
 from trainers.rendezvous import host_store
 
@@ -124,7 +124,7 @@ class RayTrainerGroup:
         # The weight-sync check is the first step's alone (its weights are the engines'), and rank 0's garbage
         # collections, compiles and the call's dispatch are the call's, not a step's.
         once = {k: steps[0].pop(k) for k in list(steps[0])
-                if k.startswith(("sync_logprob_", "trainer_gc_", "trainer_dispatch_", "trainer_compiles"))}
+                if k.startswith(("sync_logprob_", *CALL_METRIC_PREFIXES))}
         metrics = combine_steps(steps)
         metrics.update(once)
         if not recompute_old_logprobs:

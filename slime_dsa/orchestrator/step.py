@@ -17,6 +17,7 @@ from slime_dsa.algorithms.specs import Algorithm, OldLogprobs
 from slime_dsa.config import RecipeConfig
 from slime_dsa.durable import write_problem
 from slime_dsa.orchestrator.profile import PhaseClock
+from trainers.base import CALL_METRIC_PREFIXES
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ async def _train_policy(run: Run, step: int, batch, logged: bool,
     # The weight-sync check: π_old's forward when recomputed, else the first optimiser step's (same weights).
     agreement = {k: train_metrics.pop(k) for k in SYNC_KEYS if k in train_metrics}
     metrics.update({f"perf/{k}": train_metrics.pop(k) for k in list(train_metrics)
-                    if k.startswith(("trainer_gc_", "trainer_dispatch_", "trainer_compiles"))})
+                    if k.startswith(CALL_METRIC_PREFIXES)})
     if recompute:
         batch.old_logprobs = old
         agreement = logprob_agreement(batch)

@@ -37,8 +37,8 @@ def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
     torch._dynamo.config.specialize_float = True
     # Inductor fuses a norm backward's row and column reductions ("mix-order reduction") only above a size, and under
     # dynamic shapes that size check becomes a guard on the token count: the warm-up's small packs compiled one
-    # variant, a step's full micro-batches another in the first step (~14 s on an H100), and a size past a second
-    # threshold would compile a third mid-run. Without the fusion no graph branches on the token count.
+    # variant, a step's full micro-batches another in the first step, and a size past a second threshold would compile
+    # a third mid-run. Without the fusion no graph branches on the token count.
     import torch._inductor.config as inductor_config  # noqa: PLC0415 - only where trainer.compile is on
 
     if hasattr(inductor_config.triton, "mix_order_reduction"):
