@@ -831,7 +831,7 @@ class TrainerSection(Section):
                            "(on a CPU: ~3 minutes at the tiny preset, for steps 1.3-1.6x faster there; on one H100: "
                            "~1 minute, for train calls 1.2-1.3x faster, benchmarks/RESULTS.md). Cost: the trainer's "
                            "log-probs no longer equal the engines' bit for bit (fused kernels round differently: "
-                           "|Δlogp| ~2.5-5e-3 on one H100, where eager was 0 on the quickstart policy and 6e-4 on the small "
+                           "|Δlogp| ~2.5-8e-3 on one H100, where eager was 0 on the quickstart policy and 6e-4 on the small "
                            "preset's countdown policy). fsdp backend only; not "
                            "with model.true_on_policy, whose bit-equality with the engines needs their unfused "
                            "kernels. Not read by slime-dsa sft (refused set).")
