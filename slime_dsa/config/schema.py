@@ -895,7 +895,7 @@ class TrainerSection(Section):
         if self.warmup_steps > total:
             raise RecipeValueError(
                 f"warmup_steps ({self.warmup_steps}) exceeds the run's {total} optimizer steps (num_steps × "
-                "num_steps_per_rollout)", "warmup_steps", "num_steps")
+                f"num_steps_per_rollout): set trainer.warmup_steps to {total} or fewer", "warmup_steps", "num_steps")
         mg = self.megatron
         if mg != MegatronSection() and self.backend != "megatron":
             raise RecipeValueError(f"trainer.megatron is read only by backend 'megatron', but backend is "
