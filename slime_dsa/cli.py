@@ -68,6 +68,11 @@ def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.Argume
     return found
 
 
+# Libraries whose INFO lines are about themselves, not the run (matplotlib's "generated new fontManager" on a first
+# plot): WARNING and above only, unless --log-level DEBUG.
+QUIET_LIBRARIES = ("matplotlib",)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for a usage or recipe error)."""
     parser = build_parser()
@@ -85,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for handler in root.handlers:
         if handler not in before:  # the console keeps its level when a run's log file lowers the root's to INFO
             handler.setLevel(level)
+    if logging.getLevelName(level) != logging.DEBUG:
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
     previous = _raise_on_sigterm()
     try:
         return int(args.run(args) or 0)

@@ -304,6 +304,21 @@ def test_report_into_an_unwritable_out_is_one_line(tmp_path, where):
     assert notes.read_text() == "mine"
 
 
+def test_a_first_plot_on_a_new_machine_adds_no_line_to_stderr(tmp_path):
+    """`slime-dsa report` where matplotlib has no font cache yet (a fresh MPLCONFIGDIR): no matplotlib INFO line on
+    stderr (its "generated new fontManager" once broke the one-line error tests on a new CI machine)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "rollout/reward_mean": 0.5}}\n' for i in (1, 2)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    done = subprocess.run([sys.executable, "-m", "slime_dsa.cli", "report", str(run), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "reward.png").exists()
+    assert "matplotlib" not in done.stderr, done.stderr
+    assert list((tmp_path / "mpl").glob("fontlist-*.json")), "the font cache was not built: the test saw nothing"
+
+
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     tool = importlib.util.module_from_spec(spec)
