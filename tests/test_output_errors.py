@@ -57,13 +57,14 @@ TOOLS = ROOT / "tools"
 
 
 def _run(args: list[str], wrap: tuple[str, int | str] | None = None, tmp_path: Path | None = None,
-         cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run `args` (a tool's path or -m MODULE, then its arguments) with this interpreter, stdout and stderr piped."""
+         cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `args` (a tool's path or -m MODULE, then its arguments) with this interpreter, stdout and stderr piped;
+    `env` adds to the environment."""
     if wrap is not None:
         wrapper = tmp_path / "wrapper.py"
         wrapper.write_text(WRAPPER)
         args = [str(wrapper), wrap[0], str(wrap[1]), *args]
-    return subprocess.run([sys.executable, *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    return subprocess.run([sys.executable, *args], cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                           capture_output=True, text=True, timeout=300)
 
 
@@ -286,13 +287,19 @@ def test_long_writes_draw_a_progress_bar_on_a_terminal_and_none_into_a_pipe(tmp_
     assert "\r" not in done.stderr and "\x1b" not in done.stderr and label not in done.stderr, done.stderr
 
 
+def _run_dir_with_metrics(tmp_path: Path) -> Path:
+    """A run directory whose metrics.jsonl holds two steps of reward, enough for `slime-dsa report` to plot."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "rollout/reward_mean": 0.5}}\n' for i in (1, 2)))
+    return run
+
+
 @pytest.mark.parametrize("where", ["unwritable", "under a file", "a file"])
 def test_report_into_an_unwritable_out_is_one_line(tmp_path, where):
     """`slime-dsa report RUN --out DIR` where DIR cannot be made: one line naming it. Before, the PermissionError,
     NotADirectoryError or FileExistsError of its mkdir as a traceback."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "rollout/reward_mean": 0.5}}\n' for i in (1, 2)))
+    run = _run_dir_with_metrics(tmp_path)
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     out = {"unwritable": lambda: _unwritable_directory(tmp_path) / "report", "under a file": lambda: notes / "report",
@@ -307,12 +314,9 @@ def test_report_into_an_unwritable_out_is_one_line(tmp_path, where):
 def test_a_first_plot_on_a_new_machine_adds_no_line_to_stderr(tmp_path):
     """`slime-dsa report` where matplotlib has no font cache yet (a fresh MPLCONFIGDIR): no matplotlib INFO line on
     stderr (its "generated new fontManager" once broke the one-line error tests on a new CI machine)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "rollout/reward_mean": 0.5}}\n' for i in (1, 2)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLCONFIGDIR": str(tmp_path / "mpl")}
-    done = subprocess.run([sys.executable, "-m", "slime_dsa.cli", "report", str(run), "--out", str(tmp_path / "out")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = _run_dir_with_metrics(tmp_path)
+    done = _run(["-m", "slime_dsa.cli", "report", str(run), "--out", str(tmp_path / "out")],
+                env={"MPLCONFIGDIR": str(tmp_path / "mpl")})
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "reward.png").exists()
     assert "matplotlib" not in done.stderr, done.stderr
