@@ -16,7 +16,8 @@ any atomic-free dKV in that kernel; `--modes split64_gluon_dkv gluon_split gluon
 (slime_dsa/ops/gluon_sparse_mla_bwd.py) as split64's dKV half, as both halves, and fused. Each row gives the compiled
 kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly between measurements;
 --max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md beside it) hold what
-ran.
+ran. `--selection window` gives each query its last 2,048 keys instead of the indexer's (as many keys a row, shared
+by neighbouring queries): against the default it shows what the gathers' scattered reads cost at a length.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.dsa_kernels import D, H, V_DIM, _indices, sparse_flops, timed
+from benchmarks.dsa_kernels import D, H, TOPK, V_DIM, _indices, sparse_flops, timed
 
 log = logging.getLogger("sparse_mla_bwd_variants")
 MAX_REL_ERR = 2e-2
@@ -141,14 +142,21 @@ def mode_units(mode: str) -> list[Unit]:
                  timing_only=launch.red == variants.RED_STORES) for launch in launches]
 
 
-def make_problem(T: int) -> Problem:
+def window_indices(T: int, topk: int = TOPK, device: str = "cuda") -> torch.Tensor:
+    """Each query's last `topk` keys, itself included, -1 before the sequence's start: as many keys per row as the
+    indexer's causal rows, with neighbouring queries sharing nearly all of them (the gathers' best case for L2)."""
+    rows = torch.arange(T, device=device)[:, None] - torch.arange(topk, device=device)[None, :]
+    return torch.where(rows >= 0, rows, -1).to(torch.int32)
+
+
+def make_problem(T: int, selection: str = "indexer") -> Problem:
     from slime_dsa.ops import triton_sparse_mla as mla  # noqa: PLC0415
 
     g = torch.Generator(device="cuda").manual_seed(T)
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
     dout = torch.randn(T, H, V_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = _indices(T)
+    idx = _indices(T) if selection == "indexer" else window_indices(T)
     out, lse = mla.sparse_mla_fwd(q, kv, idx, D**-0.5, V_DIM)
     delta = mla.bwd_delta(out, dout, None)
     return Problem(q, kv, idx, dout, lse, delta, sparse_flops(idx)[1])
@@ -282,7 +290,7 @@ def whole_mode(mode: str, fastest: dict[str, object]) -> Unit | None:
 
 
 def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float, results: list[Result],
-        flops: dict[int, float], notes: list[str], max_configs: int | None = None) -> None:
+        flops: dict[int, float], notes: list[str], max_configs: int | None = None, selection: str = "indexer") -> None:
     """Every mode at every length (configs swept at the first), until the time limit; appends to results, flops
     (backward FLOPs by length) and notes as it goes, so a crash still leaves what ran."""
     t0 = time.time()
@@ -291,7 +299,7 @@ def run(lengths: list[int], modes: list[str], budget_s: float, time_limit: float
         if time.time() - t0 > time_limit:
             notes.append(f"T={T} not run: past the time limit ({time_limit:.0f} s)")
             continue
-        p = make_problem(T)
+        p = make_problem(T, selection)
         flops[T] = p.bwd_flops
         reference = mode_units("fused")[0]
         dq = torch.zeros_like(p.q)
@@ -337,6 +345,8 @@ def main() -> None:
     parser.add_argument("--max-configs", type=int, default=None, help="sweep only the first N configs of a launch")
     parser.add_argument("--time-limit", type=float, default=200.0, help="stop starting measurements after this")
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here (tables: .md)")
+    parser.add_argument("--selection", choices=["indexer", "window"], default="indexer",
+                        help="each query's keys: the indexer's top-k on random inputs, or its last top-k keys")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started = time.time()
@@ -344,11 +354,12 @@ def main() -> None:
     flops: dict[int, float] = {}
     notes: list[str] = []
     try:
-        run(args.lengths, args.modes, args.budget, args.time_limit, results, flops, notes, args.max_configs)
+        run(args.lengths, args.modes, args.budget, args.time_limit, results, flops, notes, args.max_configs,
+            args.selection)
     except Exception as exc:  # noqa: BLE001 (report what ran before the failure)
         log.exception("run stopped")
         notes.append(f"run stopped: {type(exc).__name__}: {str(exc)[:300]}")
-    notes.append(f"{torch.cuda.get_device_name()}; torch {torch.__version__}; triton "
+    notes.append(f"selection: {args.selection}; {torch.cuda.get_device_name()}; torch {torch.__version__}; triton "
                  f"{__import__('triton').__version__}; {time.time() - started:.0f} s")
     summary = summarize(results, flops)
     table = markdown(results, summary, args.lengths, notes)

@@ -64,3 +64,11 @@ def test_the_stores_timing_launch_is_timed_never_run_as_a_backward():
     units = bench.mode_units("split64_stores")
     assert [(u.label, u.timing_only) for u in units] == [("bwd_v_dq64", False), ("bwd_v_dkv64_stores", True)]
     assert bench.mode_units("split64")[1].timing_only is False
+
+
+def test_the_window_selection_gives_each_row_as_many_keys_as_a_causal_top_k():
+    import torch  # noqa: PLC0415
+
+    rows = bench.window_indices(5, topk=3, device="cpu")
+    assert rows.tolist() == [[0, -1, -1], [1, 0, -1], [2, 1, 0], [3, 2, 1], [4, 3, 2]]
+    assert rows.dtype == torch.int32
