@@ -17,7 +17,8 @@ any atomic-free dKV in that kernel; `--modes split64_gluon_dkv gluon_split gluon
 kernel's registers, spilled bytes per thread and shared memory. --time-limit stops cleanly between measurements;
 --max-configs N sweeps only the first N configs of each launch; the JSON (and the tables, .md beside it) hold what
 ran. `--selection window` gives each query its last 2,048 keys instead of the indexer's (as many keys a row, shared
-by neighbouring queries): against the default it shows what the gathers' scattered reads cost at a length.
+by neighbouring queries): against the default it shows what the indexer's scattered keys cost the gathers and the
+dKV reductions at a length.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for handler in root.handlers:
         if handler not in before:  # the console keeps its level when a run's log file lowers the root's to INFO
             handler.setLevel(level)
-    if logging.getLevelName(level) != logging.DEBUG:
+    if level != "DEBUG":
         for name in QUIET_LIBRARIES:
             logging.getLogger(name).setLevel(logging.WARNING)
     previous = _raise_on_sigterm()
