@@ -10,11 +10,12 @@ request at context 65536, bf16 keys, read through key slots laid out as the engi
 pages in random pool order). Scoring variants (`_scores_variant_kernel`: tile width, warps, several tiles a
 program, k @ q^T, page-start slot loads) are timed with the current select; select variants (`topk_select`'s kernel
 at other widths, `triton_topk_split.topk_select_split` at several slice counts, `triton_topk_sampled`'s select: one
-full read of the scores, then the entries it keeps, logged) on the current scores; "best" joins the fastest of
-each. A variant's time counts only if its selection equals the current kernels' exactly on small-integer inputs
-(exact scores, many ties: higher score first, lower position on a tie); `rand diff` is the share of slots that
-are not selected by the current kernels on the random inputs, where a different summation order may move a
-near-tie. The fp8-key rows (`_fp8_scores_variant_kernel`, keys in e4m3 with a scale per slot, keys read counted at a
+full read of the scores, then the entries it keeps, logged; its passes after that in one launch of a program a row,
+`fused_tail`, or in five over (row, slice) programs) on the current scores; "best" joins the fastest of each. A
+variant's time counts only if its selection equals the current kernels' exactly on small-integer inputs (exact
+scores, many ties: higher score first, lower position on a tie); `rand diff` is the share of slots that are not
+selected by the current kernels on the random inputs, where a different summation order may move a near-tie. The
+fp8-key rows (`_fp8_scores_variant_kernel`, keys in e4m3 with a scale per slot, keys read counted at a
 byte each) are held to the current fp8 launch (`FP8_LAUNCH`) the same way; its e4m3-query variants quantise q, so their
 `rand diff` is the selection that quantising moves, and "torch reference" their difference from the same math in
 float32 torch (`e4m3_query_topk_reference`; Hopper's e4m3 wgmma adds in fewer bits). Times are CUDA-graph replays
@@ -238,6 +239,7 @@ FP8_SCORE_VARIANTS: list[Callable] = [
     Fp8ScoreVariant("fp8 n128 x32 tiles"),  # the current kernel's fastest launch on the H200 (0.348 ms)
     Fp8ScoreVariant("fp8 n128 x8 prefetch, 1 stage", num_stages=1, prefetch=True),
     Fp8ScoreVariant("fp8 n128 x16 prefetch, 1 stage", tiles=16, num_stages=1, prefetch=True),
+    Fp8ScoreVariant("fp8 n128 x32 prefetch, 1 stage", tiles=32, num_stages=1, prefetch=True),
     Fp8ScoreVariant("e4m3 q n128 x8, 3 stages", e4m3_query=True, num_stages=3),
     Fp8ScoreVariant("e4m3 q n128 x8, 5 stages", e4m3_query=True),
     Fp8ScoreVariant("e4m3 q n128 x16, 4 stages", tiles=16, e4m3_query=True, num_stages=4),
@@ -270,11 +272,24 @@ def split_select(block: int, num_warps: int, per_sm: int) -> Callable:
 
 
 def sampled_select(block: int, num_warps: int, per_sm: int) -> Callable:
-    """`topk_select_sampled` with `per_sm` programs an SM."""
+    """`topk_select_sampled` with `per_sm` programs an SM, its passes after the compaction in five launches."""
 
     def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
         slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
-        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps)
+        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps,
+                                   fused_tail=False)
+
+    return select
+
+
+def fused_tail_select(block: int, num_warps: int, per_sm: int, tail_block: int, tail_warps: int) -> Callable:
+    """`topk_select_sampled` with `per_sm` compaction programs an SM, then one tail program a row of `tail_warps`
+    warps (its kept entries as one tile where they fit, else in steps of `tail_block`)."""
+
+    def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
+        slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
+        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps,
+                                   fused_tail=True, tail_block=tail_block, tail_warps=tail_warps)
 
     return select
 
@@ -292,6 +307,11 @@ SELECT_VARIANTS: dict[str, Callable] = {
     "sampled b512 w4 8/SM": sampled_select(512, 4, 8),
     "sampled b2048 w8 4/SM": sampled_select(2048, 8, 4),
     "sampled b1024 w4 2/SM": sampled_select(1024, 4, 2),
+    # one tail launch: a program a row, its kept entries as one tile (5 slices x 1,024 at batch 128, 64K context)
+    "sampled fused tail w8": fused_tail_select(1024, 4, 4, 1024, 8),
+    "sampled fused tail w4": fused_tail_select(1024, 4, 4, 1024, 4),
+    "sampled fused tail w16": fused_tail_select(1024, 4, 4, 1024, 16),
+    "sampled fused tail 2/SM w8": fused_tail_select(1024, 4, 2, 1024, 8),
 }
 
 

@@ -109,17 +109,35 @@ def check_topk_select_sampled_wide_rows() -> None:
         total = sampled.keep_above_floor(scores, n_valid, k, 4, 512, 4).total
         assert bool((total < k_eff)[n_valid > k].all()), f"kept {total.tolist()} with the floor too high"
         _check_sampled(scores, n_valid, k, 4, 512, "floor too high")
+        sampled.MARGIN_SIGMAS = -3.0  # in one call, rows that keep their top k and rows that read everything again
+        mixed = torch.cat([_relu_scores(2, width, g), _ints(2, width, g=g)])
+        n_mixed = torch.tensor([width, width - 7, width, 3000])
+        full = sampled.keep_above_floor(mixed, n_mixed, k, 3, 512, 4).total < k
+        assert bool(full[:2].all() and not full[2:].any()), f"full rows {full.tolist()}"
+        _check_sampled(mixed, n_mixed, k, 3, 512, "rows full and kept in one call")
     finally:
         sampled.MARGIN_SIGMAS = saved
 
 
 def _check_sampled(scores: torch.Tensor, n_valid: torch.Tensor, k: int, slices: int | None, block: int,
                    what: str) -> None:
-    from slime_dsa.ops.triton_topk_sampled import topk_select_sampled  # noqa: PLC0415
+    """Each tail against the reference: five launches; one launch a row, with its one-tile path where the kept
+    entries fit (the default), in steps only, and (rows up to 4,096 wide) in steps of 64 entries."""
+    from slime_dsa.ops import triton_topk_sampled as sampled  # noqa: PLC0415
 
-    got = topk_select_sampled(scores, n_valid, k, slices=slices, block=block)
     valid = torch.arange(scores.shape[1])[None, :] < n_valid[:, None]
-    assert torch.equal(got, reference.select_topk(scores, valid, k)), f"topk_select_sampled, {what}"
+    want = reference.select_topk(scores, valid, k)
+    tails = [({"fused_tail": False}, None), ({"fused_tail": True}, None), ({"fused_tail": True}, 0)]
+    if scores.shape[1] <= 4096:  # several steps a slice; wider rows take minutes at this step in the interpreter
+        tails.append(({"fused_tail": True, "tail_block": 64, "tail_warps": 2}, 0))
+    saved = sampled.TAIL_TILE_ENTRIES
+    try:
+        for tail, tile_entries in tails:
+            sampled.TAIL_TILE_ENTRIES = saved if tile_entries is None else tile_entries
+            got = sampled.topk_select_sampled(scores, n_valid, k, slices=slices, block=block, **tail)
+            assert torch.equal(got, want), f"topk_select_sampled {tail}, tile entries {tile_entries}, {what}"
+    finally:
+        sampled.TAIL_TILE_ENTRIES = saved
 
 
 def check_indexer_topk() -> None:

@@ -629,11 +629,14 @@ def _select_scores(kind: str, rows: int, width: int, g: torch.Generator) -> torc
     return (w[:, :, None] * torch.einsum("rhd,nd->rhn", q, k).clamp_min(0)).sum(1)
 
 
+@pytest.mark.parametrize("fused_tail", [True, False])
 @pytest.mark.parametrize("kind", ["random", "tied", "decode"])
-def test_topk_select_sampled_matches_reference_in_a_cuda_graph(kind):
-    """`triton_topk_sampled.topk_select_sampled` (one full read of the scores) as the split select above, and on
-    decode-like scores its rows keep their top k and at most a quarter more than the floor's margin asks for (the
-    margin's (mu + 6 sqrt(mu) + 16) / mu: 1.8x at k = 2,048 of 96K)."""
+def test_topk_select_sampled_matches_reference_in_a_cuda_graph(kind, fused_tail):
+    """`triton_topk_sampled.topk_select_sampled` (one full read of the scores), with either tail, as the split select
+    above, and on decode-like scores its rows keep their top k and at most a quarter more than the floor's margin asks
+    for (the margin's (mu + 6 sqrt(mu) + 16) / mu: 1.8x at k = 2,048 of 96K)."""
+    from functools import partial
+
     from slime_dsa.ops import triton_topk_sampled as sampled
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -648,7 +651,7 @@ def test_topk_select_sampled_matches_reference_in_a_cuda_graph(kind):
         margin = (mu + sampled.MARGIN_SIGMAS * mu.sqrt() + sampled.MARGIN_MIN) / mu.clamp(min=1)
         assert bool((total >= k_eff).all() and (total <= (1.25 * margin * k_eff).clamp(min=k_eff)).all()), \
             (total.tolist(), (margin * k_eff).tolist())
-    assert_long_row_select_exact(sampled.topk_select_sampled, scores, k)
+    assert_long_row_select_exact(partial(sampled.topk_select_sampled, fused_tail=fused_tail), scores, k)
 
 
 def _paged_case(B: int, Hi: int, Di: int, integer: bool, seed: int, width: int = 384):

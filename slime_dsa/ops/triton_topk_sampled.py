@@ -6,10 +6,11 @@ which reads the whole row six times. Here one program per row samples 4,096 of t
 24-bit key prefix of a sample rank safely past k's share of the sample. One pass over the row (a program per row
 slice) then keeps the entries (position, key) at or above the floor, in position order, in the slice's own region.
 Four histogram passes and the write, as in the split select, run on the kept entries alone: a few thousand a row
-for decode scores instead of 64K. The last histogram pass also counts per slice what the write needs of the slices
-before it (the split select's separate count pass). A row that kept fewer than its top k (the sample misjudged the
-row) reads all its positions in those passes instead, so the result is exact for any scores; heavy ties only keep
-more. No host sync: a CUDA graph can capture it.
+for decode scores instead of 64K. By default (FUSED_TAIL) one program a row runs them all, its histograms in
+registers, looping over the row's slices in order; otherwise each is a launch over (row, slice) programs adding into
+a global histogram, the last histogram pass also counting per slice what the write needs of the slices before it.
+A row that kept fewer than its top k (the sample misjudged the row) reads all its positions in those passes instead,
+so the result is exact for any scores; heavy ties only keep more. No host sync: a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ SAMPLE_WARPS = 8
 # count). Such a row falls back to reading everything, still exact; a wider margin only keeps more.
 MARGIN_SIGMAS = 6.0
 MARGIN_MIN = 16
+# The four histogram passes and the write in one launch of a program a row (`_tail_kernel`), instead of five launches
+# over (row, slice) programs; TAIL_BLOCK entries a step, TAIL_WARPS warps.
+FUSED_TAIL = False
+TAIL_BLOCK = 1024
+TAIL_WARPS = 8
+TAIL_TILE_ENTRIES = 8192  # a row's kept entries held at once (registers) by the tail's one-tile path
 
 
 @triton.jit
@@ -181,6 +188,18 @@ def _hist_kernel(
         tl.store(tails_ptr + (row * 256 + bins) * tl.num_programs(1) + s, tails)
 
 
+@triton.jit
+def _write_step(o_row, pos, key, ok, t, need, taken, ties_seen, BLOCK: tl.constexpr):
+    """Write the selected of BLOCK entries (in position order) after `taken` earlier ones: keys above the threshold
+    t, and ties with it while fewer than `need` ties came before; returns (taken, ties_seen) after them."""
+    tie = (ok & (key == t)).to(tl.int32)
+    tie_rank = ties_seen + _exclusive_cumsum(tie, BLOCK)  # ties before this entry
+    take = (ok & (key > t)) | ((tie != 0) & (tie_rank < need))
+    take_i = take.to(tl.int32)
+    tl.store(o_row + taken + _exclusive_cumsum(take_i, BLOCK), pos.to(tl.int64), mask=take)
+    return taken + tl.sum(take_i), ties_seen + tl.sum(tie)
+
+
 @triton.jit(do_not_specialize=["width"], do_not_specialize_on_alignment=["n_valid_ptr", "out_ptr"])
 def _write_kernel(
     scores_ptr, n_valid_ptr, pos_ptr, key_ptr, counts_ptr, total_ptr, hist_ptr, tails_ptr, out_ptr, stride_s, stride_k,
@@ -205,17 +224,111 @@ def _write_kernel(
     for c0 in range(0, count, BLOCK):
         pos, key, ok = _entries(scores_ptr + row * stride_s, pos_ptr + region, key_ptr + region, start, c0 + offs,
                                 count, full)
-        tie = (ok & (key == t)).to(tl.int32)
-        tie_rank = ties_seen + _exclusive_cumsum(tie, BLOCK)  # ties before this entry
-        take = (ok & (key > t)) | ((tie != 0) & (tie_rank < need))
-        take_i = take.to(tl.int32)
-        tl.store(o_row + taken + _exclusive_cumsum(take_i, BLOCK), pos.to(tl.int64), mask=take)
-        taken += tl.sum(take_i)
-        ties_seen += tl.sum(tie)
+        taken, ties_seen = _write_step(o_row, pos, key, ok, t, need, taken, ties_seen, BLOCK)
     if s == 0:  # the row holds min(n, K) positions in all; the rest is padding
         for c0 in range(tl.minimum(n, K), K, BLOCK):
             cols = c0 + offs
             tl.store(o_row + cols, tl.full([BLOCK], -1, tl.int64), mask=cols < K)
+
+
+@triton.jit
+def _slice_count(counts_row, s, start, n, slice_len, full):
+    """Entries of the row's slice s (first position `start`): those it kept, or all its positions when full."""
+    return tl.where(full, tl.maximum(tl.minimum(slice_len, n - start), 0), tl.load(counts_row + s * 2))
+
+
+@triton.jit
+def _exclusive_cumsum_2d(x):
+    """Exclusive prefix sums of (S, T) int32 in row-major order: entries before each one, earlier rows first."""
+    within = tl.cumsum(x, 1) - x
+    per_row = tl.sum(x, 1)
+    return (tl.cumsum(per_row, 0) - per_row)[:, None] + within
+
+
+@triton.jit
+def _tail_in_registers(pos_ptr, key_ptr, counts, o_row, region0, slice_len, need, S_TILE: tl.constexpr,
+                       TILE: tl.constexpr):
+    """The four histogram levels and the write of a row whose slices each kept at most TILE entries, all of them
+    loaded once as an (S_TILE slices, TILE) tile."""
+    ok = tl.arange(0, TILE)[None, :] < counts[:, None]
+    offs = region0 + tl.arange(0, S_TILE)[:, None] * slice_len + tl.arange(0, TILE)[None, :]
+    pos = tl.load(pos_ptr + offs, mask=ok, other=0)
+    key = tl.load(key_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    prefix = tl.zeros([], tl.int64)
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level  # not annotated constexpr: the unrolled loop assigns it again
+        high = (tl.full([], -1, tl.int64) << (shift + 8)).to(tl.uint32)  # the bytes above this one; none at level 0
+        match = ok & ((key & high) == (prefix.to(tl.uint32) & high))
+        digit = tl.reshape(((key >> shift) & 255).to(tl.int32), [S_TILE * TILE])
+        d, need = _digit_at_rank(tl.histogram(digit, 256, mask=tl.reshape(match, [S_TILE * TILE])), need)
+        prefix = prefix | (d.to(tl.int64) << shift)
+    t = prefix.to(tl.uint32)  # the k-th largest key; `need` of the entries equal to it belong to the top k
+    tie = (ok & (key == t)).to(tl.int32)
+    take = (ok & (key > t)) | ((tie != 0) & (_exclusive_cumsum_2d(tie) < need))
+    tl.store(o_row + _exclusive_cumsum_2d(take.to(tl.int32)), pos.to(tl.int64), mask=take)
+
+
+@triton.jit
+def _tail_in_steps(scores_row, pos_ptr, key_ptr, counts_row, o_row, region0, n, slices, slice_len, need, full,
+                   BLOCK: tl.constexpr):
+    """The four histogram levels and the write of any row: each a loop over the row's slices in order and over
+    BLOCK of each slice's entries (kept ones, or all its positions when full)."""
+    offs = tl.arange(0, BLOCK)
+    prefix = tl.zeros([], tl.int64)
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level  # not annotated constexpr: the unrolled loop assigns it again
+        high = (tl.full([], -1, tl.int64) << (shift + 8)).to(tl.uint32)  # the bytes above this one; none at level 0
+        above = prefix.to(tl.uint32) & high
+        hist = tl.zeros([256], tl.int32)
+        for s in range(0, slices):
+            start = s * slice_len
+            count = _slice_count(counts_row, s, start, n, slice_len, full)
+            for c0 in range(0, count, BLOCK):
+                pos, key, ok = _entries(scores_row, pos_ptr + region0 + start, key_ptr + region0 + start, start,
+                                        c0 + offs, count, full)
+                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=ok & ((key & high) == above))
+        d, need = _digit_at_rank(hist, need)
+        prefix = prefix | (d.to(tl.int64) << shift)
+    t = prefix.to(tl.uint32)
+    taken = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    for s in range(0, slices):
+        start = s * slice_len
+        count = _slice_count(counts_row, s, start, n, slice_len, full)
+        for c0 in range(0, count, BLOCK):
+            pos, key, ok = _entries(scores_row, pos_ptr + region0 + start, key_ptr + region0 + start, start,
+                                    c0 + offs, count, full)
+            taken, ties_seen = _write_step(o_row, pos, key, ok, t, need, taken, ties_seen, BLOCK)
+
+
+@triton.jit(do_not_specialize=["width", "slices"], do_not_specialize_on_alignment=["n_valid_ptr", "out_ptr"])
+def _tail_kernel(
+    scores_ptr, n_valid_ptr, pos_ptr, key_ptr, counts_ptr, total_ptr, out_ptr, stride_s, stride_k, stride_o, width, K,
+    slice_len, slices, BLOCK: tl.constexpr, S_TILE: tl.constexpr, TILE: tl.constexpr,
+):
+    """One program a row: the four histogram passes (histograms in registers) and the write, on one tile of the
+    row's kept entries where they fit it (S_TILE > 0), else in steps."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.load(n_valid_ptr + row).to(tl.int32), width)
+    full = tl.load(total_ptr + row) < tl.minimum(n, K)
+    counts_row = counts_ptr + row * slices * 2
+    o_row = out_ptr + row * stride_o
+    need = tl.minimum(n, K)
+    if S_TILE > 0:
+        s_idx = tl.arange(0, S_TILE)
+        counts = tl.load(counts_row + s_idx * 2, mask=s_idx < slices, other=0)
+        if full | (tl.max(counts) > TILE):
+            _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_row, o_row, row * stride_k, n, slices,
+                           slice_len, need, full, BLOCK)
+        else:
+            _tail_in_registers(pos_ptr, key_ptr, counts, o_row, row * stride_k, slice_len, need, S_TILE, TILE)
+    else:
+        _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_row, o_row, row * stride_k, n, slices,
+                       slice_len, need, full, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(need, K, BLOCK):  # min(n, K) positions in all; the rest is padding
+        cols = c0 + offs
+        tl.store(o_row + cols, tl.full([BLOCK], -1, tl.int64), mask=cols < K)
 
 
 class Kept(NamedTuple):
@@ -250,12 +363,22 @@ def keep_above_floor(scores: torch.Tensor, n_valid: torch.Tensor, topk: int, sli
     return st
 
 
+def tail_tile(slices: int, topk: int) -> tuple[int, int]:
+    """(S_TILE, TILE) of `_tail_kernel`'s one-tile path: room for twice a slice's share of k in each of the row's
+    slices (the floor keeps ~1.1-1.8 k a row); (0, 16), no such path, where that tile would pass TAIL_TILE_ENTRIES."""
+    s_tile, tile = triton.next_power_of_2(slices), max(64, triton.next_power_of_2(triton.cdiv(2 * topk, slices)))
+    return (s_tile, tile) if s_tile * tile <= TAIL_TILE_ENTRIES else (0, 16)
+
+
 def topk_select_sampled(
     scores: torch.Tensor, n_valid: torch.Tensor, topk: int, slices: int | None = None, block: int = BLOCK,
-    num_warps: int = NUM_WARPS, out: torch.Tensor | None = None,
+    num_warps: int = NUM_WARPS, out: torch.Tensor | None = None, fused_tail: bool | None = None,
+    tail_block: int = TAIL_BLOCK, tail_warps: int = TAIL_WARPS,
 ) -> torch.Tensor:
     """`topk_select_split`'s result from one full read of each row (sampled floor, then kept entries): (R, topk)
-    int64, written into `out` if given."""
+    int64, written into `out` if given. fused_tail (default FUSED_TAIL): the passes after the compaction in one
+    launch of a program a row (tail_warps warps, tail_block entries a step), else five launches over (row, slice)
+    programs."""
     scores, n_valid, out = select_operands(scores, n_valid, topk, out)
     R, W = scores.shape
     if R == 0 or topk == 0:
@@ -263,6 +386,12 @@ def topk_select_sampled(
     st = keep_above_floor(scores, n_valid, topk, min(slices or split_slices(R, W, block, scores.device), MAX_SLICES),
                           block, num_warps)
     grid = (R, st.counts.shape[1])
+    if FUSED_TAIL if fused_tail is None else fused_tail:
+        s_tile, tile = tail_tile(grid[1], topk)
+        _tail_kernel[(R,)](scores, n_valid, st.pos, st.key, st.counts, st.total, out, scores.stride(0),
+                           st.pos.stride(0), out.stride(0), W, topk, st.slice_len, grid[1], BLOCK=tail_block,
+                           S_TILE=s_tile, TILE=tile, num_warps=tail_warps)
+        return out
     args = (scores, n_valid, st.pos, st.key, st.counts, st.total, st.hist, st.tails)
     for level in range(4):
         _hist_kernel[grid](*args, scores.stride(0), st.pos.stride(0), W, topk, st.slice_len, level, BLOCK=block,
