@@ -271,25 +271,14 @@ def split_select(block: int, num_warps: int, per_sm: int) -> Callable:
     return select
 
 
-def sampled_select(block: int, num_warps: int, per_sm: int) -> Callable:
-    """`topk_select_sampled` with `per_sm` programs an SM, its passes after the compaction in five launches."""
+def sampled_select(block: int, num_warps: int, per_sm: int, tail_warps: int | None = None) -> Callable:
+    """`topk_select_sampled` with `per_sm` programs an SM: its passes after the compaction in five launches, or with
+    tail_warps in one tail program a row of that many warps (its kept entries as one tile where they fit)."""
 
     def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
         slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
-        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps,
-                                   fused_tail=False)
-
-    return select
-
-
-def fused_tail_select(block: int, num_warps: int, per_sm: int, tail_block: int, tail_warps: int) -> Callable:
-    """`topk_select_sampled` with `per_sm` compaction programs an SM, then one tail program a row of `tail_warps`
-    warps (its kept entries as one tile where they fit, else in steps of `tail_block`)."""
-
-    def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
-        slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
-        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps,
-                                   fused_tail=True, tail_block=tail_block, tail_warps=tail_warps)
+        tail = {"fused_tail": False} if tail_warps is None else {"fused_tail": True, "tail_warps": tail_warps}
+        return topk_select_sampled(scores, n_valid, topk, slices=slices, block=block, num_warps=num_warps, **tail)
 
     return select
 
@@ -308,10 +297,10 @@ SELECT_VARIANTS: dict[str, Callable] = {
     "sampled b2048 w8 4/SM": sampled_select(2048, 8, 4),
     "sampled b1024 w4 2/SM": sampled_select(1024, 4, 2),
     # one tail launch: a program a row, its kept entries as one tile (5 slices x 1,024 at batch 128, 64K context)
-    "sampled fused tail w8": fused_tail_select(1024, 4, 4, 1024, 8),
-    "sampled fused tail w4": fused_tail_select(1024, 4, 4, 1024, 4),
-    "sampled fused tail w16": fused_tail_select(1024, 4, 4, 1024, 16),
-    "sampled fused tail 2/SM w8": fused_tail_select(1024, 4, 2, 1024, 8),
+    "sampled fused tail w8": sampled_select(1024, 4, 4, tail_warps=8),
+    "sampled fused tail w4": sampled_select(1024, 4, 4, tail_warps=4),
+    "sampled fused tail w16": sampled_select(1024, 4, 4, tail_warps=16),
+    "sampled fused tail 2/SM w8": sampled_select(1024, 4, 2, tail_warps=8),
 }
 
 
