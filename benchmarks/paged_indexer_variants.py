@@ -273,7 +273,7 @@ def split_select(block: int, num_warps: int, per_sm: int) -> Callable:
 
 def sampled_select(block: int, num_warps: int, per_sm: int, tail_warps: int | None = None) -> Callable:
     """`topk_select_sampled` with `per_sm` programs an SM: its passes after the compaction in five launches, or with
-    tail_warps in one tail program a row of that many warps (its kept entries as one tile where they fit)."""
+    tail_warps in one tail program a row of that many warps."""
 
     def select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
         slices = split_slices(scores.shape[0], scores.shape[1], block, scores.device, per_sm)
@@ -296,9 +296,8 @@ SELECT_VARIANTS: dict[str, Callable] = {
     "sampled b512 w4 8/SM": sampled_select(512, 4, 8),
     "sampled b2048 w8 4/SM": sampled_select(2048, 8, 4),
     "sampled b1024 w4 2/SM": sampled_select(1024, 4, 2),
-    # one tail launch: a program a row, its kept entries as one tile (5 slices x 1,024 at batch 128, 64K context)
+    # one tail launch: a program a row, looping over its slices (the decode indexer's, at w8)
     "sampled fused tail w8": sampled_select(1024, 4, 4, tail_warps=8),
-    "sampled fused tail w4": sampled_select(1024, 4, 4, tail_warps=4),
     "sampled fused tail w16": sampled_select(1024, 4, 4, tail_warps=16),
     "sampled fused tail 2/SM w8": sampled_select(1024, 4, 2, tail_warps=8),
 }

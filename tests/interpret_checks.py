@@ -121,23 +121,18 @@ def check_topk_select_sampled_wide_rows() -> None:
 
 def _check_sampled(scores: torch.Tensor, n_valid: torch.Tensor, k: int, slices: int | None, block: int,
                    what: str) -> None:
-    """Each tail against the reference: five launches; one launch a row, with its one-tile path where the kept
-    entries fit (the default), in steps only, and (rows up to 4,096 wide) in steps of 64 entries."""
+    """Each tail against the reference: five launches; one launch a row, in steps of 1,024 and (rows up to 4,096
+    wide) of 64 entries."""
     from slime_dsa.ops import triton_topk_sampled as sampled  # noqa: PLC0415
 
     valid = torch.arange(scores.shape[1])[None, :] < n_valid[:, None]
     want = reference.select_topk(scores, valid, k)
-    tails = [({"fused_tail": False}, None), ({"fused_tail": True}, None), ({"fused_tail": True}, 0)]
+    tails = [{"fused_tail": False}, {"fused_tail": True}]
     if scores.shape[1] <= 4096:  # several steps a slice; wider rows take minutes at this step in the interpreter
-        tails.append(({"fused_tail": True, "tail_block": 64, "tail_warps": 2}, 0))
-    saved = sampled.TAIL_TILE_ENTRIES
-    try:
-        for tail, tile_entries in tails:
-            sampled.TAIL_TILE_ENTRIES = saved if tile_entries is None else tile_entries
-            got = sampled.topk_select_sampled(scores, n_valid, k, slices=slices, block=block, **tail)
-            assert torch.equal(got, want), f"topk_select_sampled {tail}, tile entries {tile_entries}, {what}"
-    finally:
-        sampled.TAIL_TILE_ENTRIES = saved
+        tails.append({"fused_tail": True, "tail_block": 64, "tail_warps": 2})
+    for tail in tails:
+        got = sampled.topk_select_sampled(scores, n_valid, k, slices=slices, block=block, **tail)
+        assert torch.equal(got, want), f"topk_select_sampled {tail}, {what}"
 
 
 def check_indexer_topk() -> None:
@@ -191,14 +186,14 @@ def check_indexer_topk_paged() -> None:
     want = reference.indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0)
     assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged"
     from slime_dsa.ops import triton_indexer_paged  # noqa: PLC0415
-    from slime_dsa.ops.triton_topk_sampled import topk_select_sampled  # noqa: PLC0415
+    from slime_dsa.ops.triton_topk_split import topk_select_split  # noqa: PLC0415
 
-    wide, triton_indexer_paged.SPLIT_MIN_WIDTH = triton_indexer_paged.SPLIT_MIN_WIDTH, width  # the split select
+    wide, triton_indexer_paged.SPLIT_MIN_WIDTH = triton_indexer_paged.SPLIT_MIN_WIDTH, width  # the long-row select
     long_rows = triton_indexer_paged.LONG_ROW_SELECT
     try:
-        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
-        triton_indexer_paged.LONG_ROW_SELECT = topk_select_sampled
         assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (sampled)"
+        triton_indexer_paged.LONG_ROW_SELECT = topk_select_split
+        assert torch.equal(indexer_topk_paged(q, k_pool, w, slots, lens, 32, 1.0), want), "indexer_topk_paged (split)"
     finally:
         triton_indexer_paged.SPLIT_MIN_WIDTH, triton_indexer_paged.LONG_ROW_SELECT = wide, long_rows
 

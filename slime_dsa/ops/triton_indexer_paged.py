@@ -14,6 +14,7 @@ after the sum over heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import triton
@@ -21,7 +22,6 @@ import triton.language as tl
 
 from slime_dsa.ops.triton_topk import topk_select
 from slime_dsa.ops.triton_topk_sampled import topk_select_sampled
-from slime_dsa.ops.triton_topk_split import topk_select_split
 
 BLOCK_N = 64  # key positions per tile
 TILES = 4  # tiles per program, q and w loaded once for them (faster at large batches: paged_indexer_variants.py)
@@ -32,8 +32,10 @@ FP8_LAUNCH = (128, 8, 5)
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
 # The select for those rows: `triton_topk_sampled.topk_select_sampled` gives the split select's result from one full
-# read of the scores instead of six (H100, batch 128 x 64K: 0.092 ms against 0.258; benchmarks/RESULTS.md, 2026-12-05).
-LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = topk_select_sampled
+# read of the scores instead of six (H100, batch 128 x 64K: 0.092 ms against 0.258; benchmarks/RESULTS.md, 2026-12-05),
+# its tail in one launch a row (0.086 ms against 0.093 in five, 2026-12-07).
+LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = partial(topk_select_sampled,
+                                                                                     fused_tail=True)
 
 
 def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: str) -> torch.Tensor | None:

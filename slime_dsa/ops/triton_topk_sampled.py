@@ -6,8 +6,8 @@ which reads the whole row six times. Here one program per row samples 4,096 of t
 24-bit key prefix of a sample rank safely past k's share of the sample. One pass over the row (a program per row
 slice) then keeps the entries (position, key) at or above the floor, in position order, in the slice's own region.
 Four histogram passes and the write, as in the split select, run on the kept entries alone: a few thousand a row
-for decode scores instead of 64K. By default (FUSED_TAIL) one program a row runs them all, its histograms in
-registers, looping over the row's slices in order; otherwise each is a launch over (row, slice) programs adding into
+for decode scores instead of 64K. With fused_tail (the decode indexer's) one program a row runs them all, its
+histograms in registers, looping over the row's slices in order; otherwise each is a launch over (row, slice) programs adding into
 a global histogram, the last histogram pass also counting per slice what the write needs of the slices before it.
 A row that kept fewer than its top k (the sample misjudged the row) reads all its positions in those passes instead,
 so the result is exact for any scores; heavy ties only keep more. No host sync: a CUDA graph can capture it.
@@ -31,12 +31,10 @@ SAMPLE_WARPS = 8
 # count). Such a row falls back to reading everything, still exact; a wider margin only keeps more.
 MARGIN_SIGMAS = 6.0
 MARGIN_MIN = 16
-# The four histogram passes and the write in one launch of a program a row (`_tail_kernel`), instead of five launches
-# over (row, slice) programs; TAIL_BLOCK entries a step, TAIL_WARPS warps.
-FUSED_TAIL = False
+# The four histogram passes and the write in one launch of a program a row (`_tail_kernel`, fused_tail), instead of
+# five launches over (row, slice) programs: TAIL_BLOCK entries a step, TAIL_WARPS warps.
 TAIL_BLOCK = 1024
 TAIL_WARPS = 8
-TAIL_TILE_ENTRIES = 8192  # a row's kept entries held at once (registers) by the tail's one-tile path
 
 
 @triton.jit
@@ -238,37 +236,6 @@ def _slice_count(counts_row, s, start, n, slice_len, full):
 
 
 @triton.jit
-def _exclusive_cumsum_2d(x):
-    """Exclusive prefix sums of (S, T) int32 in row-major order: entries before each one, earlier rows first."""
-    within = tl.cumsum(x, 1) - x
-    per_row = tl.sum(x, 1)
-    return (tl.cumsum(per_row, 0) - per_row)[:, None] + within
-
-
-@triton.jit
-def _tail_in_registers(pos_ptr, key_ptr, counts, o_row, region0, slice_len, need, S_TILE: tl.constexpr,
-                       TILE: tl.constexpr):
-    """The four histogram levels and the write of a row whose slices each kept at most TILE entries, all of them
-    loaded once as an (S_TILE slices, TILE) tile."""
-    ok = tl.arange(0, TILE)[None, :] < counts[:, None]
-    offs = region0 + tl.arange(0, S_TILE)[:, None] * slice_len + tl.arange(0, TILE)[None, :]
-    pos = tl.load(pos_ptr + offs, mask=ok, other=0)
-    key = tl.load(key_ptr + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    prefix = tl.zeros([], tl.int64)
-    for level in tl.static_range(4):
-        shift = 24 - 8 * level  # not annotated constexpr: the unrolled loop assigns it again
-        high = (tl.full([], -1, tl.int64) << (shift + 8)).to(tl.uint32)  # the bytes above this one; none at level 0
-        match = ok & ((key & high) == (prefix.to(tl.uint32) & high))
-        digit = tl.reshape(((key >> shift) & 255).to(tl.int32), [S_TILE * TILE])
-        d, need = _digit_at_rank(tl.histogram(digit, 256, mask=tl.reshape(match, [S_TILE * TILE])), need)
-        prefix = prefix | (d.to(tl.int64) << shift)
-    t = prefix.to(tl.uint32)  # the k-th largest key; `need` of the entries equal to it belong to the top k
-    tie = (ok & (key == t)).to(tl.int32)
-    take = (ok & (key > t)) | ((tie != 0) & (_exclusive_cumsum_2d(tie) < need))
-    tl.store(o_row + _exclusive_cumsum_2d(take.to(tl.int32)), pos.to(tl.int64), mask=take)
-
-
-@triton.jit
 def _tail_in_steps(scores_row, pos_ptr, key_ptr, counts_row, o_row, region0, n, slices, slice_len, need, full,
                    BLOCK: tl.constexpr):
     """The four histogram levels and the write of any row: each a loop over the row's slices in order and over
@@ -304,27 +271,16 @@ def _tail_in_steps(scores_row, pos_ptr, key_ptr, counts_row, o_row, region0, n, 
 @triton.jit(do_not_specialize=["width", "slices"], do_not_specialize_on_alignment=["n_valid_ptr", "out_ptr"])
 def _tail_kernel(
     scores_ptr, n_valid_ptr, pos_ptr, key_ptr, counts_ptr, total_ptr, out_ptr, stride_s, stride_k, stride_o, width, K,
-    slice_len, slices, BLOCK: tl.constexpr, S_TILE: tl.constexpr, TILE: tl.constexpr,
+    slice_len, slices, BLOCK: tl.constexpr,
 ):
-    """One program a row: the four histogram passes (histograms in registers) and the write, on one tile of the
-    row's kept entries where they fit it (S_TILE > 0), else in steps."""
+    """One program a row: the four histogram passes (histograms in registers) and the write, then the padding."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(n_valid_ptr + row).to(tl.int32), width)
     full = tl.load(total_ptr + row) < tl.minimum(n, K)
-    counts_row = counts_ptr + row * slices * 2
-    o_row = out_ptr + row * stride_o
     need = tl.minimum(n, K)
-    if S_TILE > 0:
-        s_idx = tl.arange(0, S_TILE)
-        counts = tl.load(counts_row + s_idx * 2, mask=s_idx < slices, other=0)
-        if full | (tl.max(counts) > TILE):
-            _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_row, o_row, row * stride_k, n, slices,
-                           slice_len, need, full, BLOCK)
-        else:
-            _tail_in_registers(pos_ptr, key_ptr, counts, o_row, row * stride_k, slice_len, need, S_TILE, TILE)
-    else:
-        _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_row, o_row, row * stride_k, n, slices,
-                       slice_len, need, full, BLOCK)
+    o_row = out_ptr + row * stride_o
+    _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_ptr + row * slices * 2, o_row, row * stride_k,
+                   n, slices, slice_len, need, full, BLOCK)
     offs = tl.arange(0, BLOCK)
     for c0 in range(need, K, BLOCK):  # min(n, K) positions in all; the rest is padding
         cols = c0 + offs
@@ -363,20 +319,13 @@ def keep_above_floor(scores: torch.Tensor, n_valid: torch.Tensor, topk: int, sli
     return st
 
 
-def tail_tile(slices: int, topk: int) -> tuple[int, int]:
-    """(S_TILE, TILE) of `_tail_kernel`'s one-tile path: room for twice a slice's share of k in each of the row's
-    slices (the floor keeps ~1.1-1.8 k a row); (0, 16), no such path, where that tile would pass TAIL_TILE_ENTRIES."""
-    s_tile, tile = triton.next_power_of_2(slices), max(64, triton.next_power_of_2(triton.cdiv(2 * topk, slices)))
-    return (s_tile, tile) if s_tile * tile <= TAIL_TILE_ENTRIES else (0, 16)
-
-
 def topk_select_sampled(
     scores: torch.Tensor, n_valid: torch.Tensor, topk: int, slices: int | None = None, block: int = BLOCK,
-    num_warps: int = NUM_WARPS, out: torch.Tensor | None = None, fused_tail: bool | None = None,
+    num_warps: int = NUM_WARPS, out: torch.Tensor | None = None, fused_tail: bool = False,
     tail_block: int = TAIL_BLOCK, tail_warps: int = TAIL_WARPS,
 ) -> torch.Tensor:
     """`topk_select_split`'s result from one full read of each row (sampled floor, then kept entries): (R, topk)
-    int64, written into `out` if given. fused_tail (default FUSED_TAIL): the passes after the compaction in one
+    int64, written into `out` if given. fused_tail: the passes after the compaction in one
     launch of a program a row (tail_warps warps, tail_block entries a step), else five launches over (row, slice)
     programs."""
     scores, n_valid, out = select_operands(scores, n_valid, topk, out)
@@ -386,11 +335,10 @@ def topk_select_sampled(
     st = keep_above_floor(scores, n_valid, topk, min(slices or split_slices(R, W, block, scores.device), MAX_SLICES),
                           block, num_warps)
     grid = (R, st.counts.shape[1])
-    if FUSED_TAIL if fused_tail is None else fused_tail:
-        s_tile, tile = tail_tile(grid[1], topk)
+    if fused_tail:
         _tail_kernel[(R,)](scores, n_valid, st.pos, st.key, st.counts, st.total, out, scores.stride(0),
                            st.pos.stride(0), out.stride(0), W, topk, st.slice_len, grid[1], BLOCK=tail_block,
-                           S_TILE=s_tile, TILE=tile, num_warps=tail_warps)
+                           num_warps=tail_warps)
         return out
     args = (scores, n_valid, st.pos, st.key, st.counts, st.total, st.hist, st.tails)
     for level in range(4):
