@@ -1,6 +1,6 @@
 """The prefill indexer's scoring kernel with (query, head) rows x keys against one (keys x heads) product a query
 (`triton_indexer.SCORES_KEYS_BY_HEADS`), and its select (`triton_topk.topk_select`, a program a row) against the
-sampled select the decode indexer takes (`triton_topk_sampled.topk_select_sampled`), at issue 20's lengths.
+sampled select (`triton_topk_sampled.topk_select_sampled`, its tail in five launches and in one), at issue 20's lengths.
 
     PYTHONPATH=. python benchmarks/indexer_scores_variants.py --lengths 32768 65536
 
@@ -58,13 +58,17 @@ def main() -> None:
         selects.append(time_selects(T, q, k, w, cu, args.budget))
         del q, k, w
         torch.cuda.empty_cache()
-    print("\n| T | radix select, a program a row: ms | sampled select ms | equal |\n|---|---:|---:|---|")
-    for T, (radix_ms, sampled_ms, equal) in zip(args.lengths, selects):
-        print(f"| {T} | {radix_ms:.2f} | {sampled_ms:.2f} | {equal} |")
+    print("\n| T | radix select, a program a row: ms | sampled select, tail in five launches ms | sampled, tail in one "
+          "launch a row ms | equal |\n|---|---:|---:|---:|---|")
+    for T, (radix_ms, sampled_ms, fused_ms, equal) in zip(args.lengths, selects):
+        print(f"| {T} | {radix_ms:.2f} | {sampled_ms:.2f} | {fused_ms:.2f} | {equal} |")
 
 
-def time_selects(T: int, q, k, w, cu, budget_s: float) -> tuple[float, float, bool]:
-    """(radix ms, sampled ms, same positions) of the two selects over every chunk of the indexer's plan."""
+def time_selects(T: int, q, k, w, cu, budget_s: float) -> tuple[float, float, float, bool]:
+    """(radix ms, sampled ms with its tail in five launches, the same with its tail in one launch a row, all three give
+    the same positions) of the selects over every chunk of the indexer's plan."""
+    from functools import partial  # noqa: PLC0415
+
     from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
     from slime_dsa.ops.reference import _query_positions  # noqa: PLC0415
     from slime_dsa.ops.triton_topk import topk_select  # noqa: PLC0415
@@ -73,17 +77,20 @@ def time_selects(T: int, q, k, w, cu, budget_s: float) -> tuple[float, float, bo
     cu_list = cu.tolist()
     block_m = ti.block_queries(q.shape[1], cu_list)
     n_valid = _query_positions(cu, cu, T)[1] + 1
-    radix_ms = sampled_ms = 0.0
+    selects = (topk_select, partial(topk_select_sampled, fused_tail=False),
+               partial(topk_select_sampled, fused_tail=True))
+    total_ms = [0.0] * len(selects)
     equal = True
     for r0, r1, width, blocks in ti._plan_chunks(cu_list, cu_list, TOPK, block_m):
         scores = ti.score_rows(r1 - r0, width, q.device)
         ti.launch_scores(q, k, w, scores, blocks, r0, width, DI**-0.5, block_m)
         rows_valid = n_valid[r0:r1]
         chunk_budget = budget_s * (r1 - r0) / T
-        radix_ms += timed(lambda: topk_select(scores, rows_valid, TOPK), chunk_budget, max_reps=3)
-        sampled_ms += timed(lambda: topk_select_sampled(scores, rows_valid, TOPK), chunk_budget, max_reps=3)
-        equal &= torch.equal(topk_select(scores, rows_valid, TOPK), topk_select_sampled(scores, rows_valid, TOPK))
-    return radix_ms, sampled_ms, equal
+        for i, select in enumerate(selects):
+            total_ms[i] += timed(lambda: select(scores, rows_valid, TOPK), chunk_budget, max_reps=3)
+        want = topk_select(scores, rows_valid, TOPK)
+        equal &= all(torch.equal(want, select(scores, rows_valid, TOPK)) for select in selects[1:])
+    return (*total_ms, equal)
 
 
 if __name__ == "__main__":

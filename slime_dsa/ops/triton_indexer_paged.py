@@ -14,7 +14,6 @@ after the sum over heads: score[n] = key_scales[n] * sum_j w_j scale relu(q_j . 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import triton
@@ -32,10 +31,8 @@ FP8_LAUNCH = (128, 8, 5)
 # batch 128 0.358 -> 0.257 ms; benchmarks/paged_indexer_variants.py); short rows keep the single launch.
 SPLIT_MIN_WIDTH = 8192
 # The select for those rows: `triton_topk_sampled.topk_select_sampled` gives the split select's result from one full
-# read of the scores instead of six (H100, batch 128 x 64K: 0.092 ms against 0.258; benchmarks/RESULTS.md, 2026-12-05),
-# its tail in one launch a row (0.086 ms against 0.093 in five, 2026-12-07).
-LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = partial(topk_select_sampled,
-                                                                                     fused_tail=True)
+# read of the scores instead of six (H100, batch 128 x 64K: 0.092 ms against 0.258; benchmarks/RESULTS.md, 2026-12-05).
+LONG_ROW_SELECT: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = topk_select_sampled
 
 
 def key_scales_arg(keys: torch.Tensor, key_scales: torch.Tensor | None, where: str) -> torch.Tensor | None:
