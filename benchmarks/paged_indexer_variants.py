@@ -19,8 +19,8 @@ fp8-key rows (`_fp8_scores_variant_kernel`, keys in e4m3 with a scale per slot, 
 byte each) are held to the current fp8 launch (`FP8_LAUNCH`) the same way; its e4m3-query variants quantise q, so their
 `rand diff` is the selection that quantising moves, and "torch reference" their difference from the same math in
 float32 torch (`e4m3_query_topk_reference`; Hopper's e4m3 wgmma adds in fewer bits). Times are CUDA-graph replays
-(the engine decodes in graphs), median, L2 flushed before each; the sparse MLA forward at the same batch, the
-goal's yardstick, is timed eagerly as `dsa_kernels.py` does.
+(the engine decodes in graphs), median, L2 flushed before each; so is the sparse MLA forward at the same batch,
+the goal's yardstick.
 """
 
 from __future__ import annotations
@@ -369,9 +369,10 @@ def time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor | None) -> 
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def sparse_mla_ms(case: Case, reps: int) -> float:
+def sparse_mla_ms(case: Case, reps: int, flush: torch.Tensor) -> float:
     """Sparse MLA forward at the same decode shape (64 heads, latent 512 + rope 64) on the current selection, timed
-    eagerly as `dsa_kernels.py` times it: the goal's yardstick (indexer top-k <= 2x this)."""
+    as the indexer rows are (`time_ms`: CUDA-graph replays, as the engine's decode step runs it): the goal's yardstick
+    (indexer top-k <= 2x this)."""
     from slime_dsa.ops.triton_sparse_mla import sparse_mla_attention  # noqa: PLC0415
 
     B, ctx = case.slots.shape
@@ -381,15 +382,7 @@ def sparse_mla_ms(case: Case, reps: int) -> float:
     kv = torch.randn(B * ctx, MLA_D, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(B, MLA_HEADS, MLA_D, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        for _ in range(2):
-            sparse_mla_attention(q, kv, rows, MLA_D**-0.5, MLA_V)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            start.record()
-            sparse_mla_attention(q, kv, rows, MLA_D**-0.5, MLA_V)
-            end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+        return time_ms(lambda: sparse_mla_attention(q, kv, rows, MLA_D**-0.5, MLA_V), reps, flush)
 
 
 def measure(case: Case, score_fn: Callable, select_fn: Callable, reps: int, flush, scale: float) -> dict:
@@ -451,7 +444,7 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
         key_bytes = case.lens.sum().item() * di * case.k_pool.element_size()
         log_kept(case, di**-0.5)
         if not smoke:
-            mla_ms = sparse_mla_ms(case, reps)
+            mla_ms = sparse_mla_ms(case, reps, flush)
             logger.info("| sparse MLA forward (the goal: indexer <= 2x = %.3f ms) | %d | - | - | %.3f | - | - | - |",
                         2 * mla_ms, batch, mla_ms)
         combos = [] if fp8_only else [(variant_name(f), f, topk_select) for f in SCORE_VARIANTS]
