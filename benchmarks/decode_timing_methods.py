@@ -31,28 +31,17 @@ def back_to_back(fn: Callable[[], object], reps: int = 50) -> float:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("decode_timing_methods.py needs a CUDA GPU")
-    from benchmarks.dsa_kernels import DI, HI, TOPK, V_DIM, D, H, graph_timed, timed  # noqa: PLC0415
-    from slime_dsa.ops.fp8_keys import quantize_keys  # noqa: PLC0415
-    from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
+    from benchmarks.dsa_kernels import DI, TOPK, V_DIM, D, decode_case, graph_timed, timed  # noqa: PLC0415
     from slime_dsa.ops.triton_indexer_paged import indexer_topk_paged  # noqa: PLC0415
     from slime_dsa.ops.triton_sparse_mla import sparse_mla_attention  # noqa: PLC0415
 
     batch, ctx = 128, 65536
-    kv = torch.randn(batch * ctx, D, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-    ik = torch.randn(batch * ctx, DI, device="cuda", dtype=torch.bfloat16)
-    iq = torch.randn(batch, HI, DI, device="cuda", dtype=torch.bfloat16)
-    iw = torch.randn(batch, HI, device="cuda")
-    cu_q = torch.arange(batch + 1, device="cuda")
-    cu_k = cu_q * ctx
-    rows = indexer_topk(iq, ik, iw, cu_q, cu_k, TOPK, DI**-0.5) + cu_k[:-1, None]
-    slots = torch.arange(batch * ctx, device="cuda").view(batch, ctx)
-    lens = torch.full((batch,), ctx, device="cuda")
-    fp8 = quantize_keys(ik)
+    c = decode_case(batch, ctx)
     kernels = {
-        "sparse MLA": lambda: sparse_mla_attention(q, kv, rows, D**-0.5, V_DIM),
-        "paged indexer bf16": lambda: indexer_topk_paged(iq, ik, iw, slots, lens, TOPK, DI**-0.5),
-        "paged indexer fp8": lambda: indexer_topk_paged(iq, fp8.values, iw, slots, lens, TOPK, DI**-0.5, fp8.scales),
+        "sparse MLA": lambda: sparse_mla_attention(c.q, c.kv, c.rows, D**-0.5, V_DIM),
+        "paged indexer bf16": lambda: indexer_topk_paged(c.iq, c.ik, c.iw, c.slots, c.lens, TOPK, DI**-0.5),
+        "paged indexer fp8": lambda: indexer_topk_paged(c.iq, c.ik8, c.iw, c.slots, c.lens, TOPK, DI**-0.5,
+                                                        c.key_scales),
     }
     print(f"{torch.cuda.get_device_name()}; batch {batch} x {ctx}; ms\n")
     print("| round | kernel | a sync a repetition | back to back | CUDA-graph replay |\n|---:|---|---:|---:|---:|")

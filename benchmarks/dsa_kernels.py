@@ -59,9 +59,10 @@ def timed(fn, budget_s: float, max_reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_timed(fn, reps: int = 50) -> float:
+def graph_timed(fn, reps: int = 50, flush: torch.Tensor | None = None) -> float:
     """Median milliseconds of a CUDA-graph replay of fn, replays queued back to back: device time alone, as the
-    engine's decode step runs these kernels (`timed`'s sync a repetition also counts the host's launch)."""
+    engine's decode step runs these kernels (`timed`'s sync a repetition also counts the host's launch). flush: a
+    buffer zeroed before each replay (more bytes than the L2 holds: every replay reads from memory)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -71,6 +72,8 @@ def graph_timed(fn, reps: int = 50) -> float:
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
+        if flush is not None:
+            flush.zero_()
         start.record()
         graph.replay()
         end.record()
@@ -409,6 +412,44 @@ def dense_backend_choice(log):
     return best[1]
 
 
+@dataclass
+class DecodeCase:
+    """One decode step's inputs at `batch` requests of `ctx` keys: sparse MLA's (q, kv, rows: the indexer's top-k
+    as kv rows), the packed indexer's (iq, ik, iw, cu_q, cu_k) and the paged one's (slots, lens; ik8 and key_scales:
+    the keys in FP8 with a scale a row, as an engine's FP8 index-key cache holds them)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    rows: torch.Tensor
+    iq: torch.Tensor
+    ik: torch.Tensor
+    iw: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    slots: torch.Tensor
+    lens: torch.Tensor
+    ik8: torch.Tensor
+    key_scales: torch.Tensor
+
+
+def decode_case(batch: int, ctx: int) -> DecodeCase:
+    """Random bf16 decode inputs on the GPU; each request's keys contiguous in the pool."""
+    from slime_dsa.ops.fp8_keys import quantize_keys  # noqa: PLC0415
+    from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
+
+    kv = torch.randn(batch * ctx, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    ik = torch.randn(batch * ctx, DI, device="cuda", dtype=torch.bfloat16)
+    iq = torch.randn(batch, HI, DI, device="cuda", dtype=torch.bfloat16)
+    iw = torch.randn(batch, HI, device="cuda")
+    cu_q = torch.arange(batch + 1, device="cuda")
+    cu_k = cu_q * ctx
+    rows = indexer_topk(iq, ik, iw, cu_q, cu_k, TOPK, DI**-0.5) + cu_k[:-1, None]
+    fp8 = quantize_keys(ik)  # quantised once, outside any timing
+    return DecodeCase(q, kv, rows, iq, ik, iw, cu_q, cu_k, torch.arange(batch * ctx, device="cuda").view(batch, ctx),
+                      torch.full((batch,), ctx, device="cuda"), fp8.values, fp8.scales)
+
+
 def decode_rows(log, batches: list[int]) -> tuple[list[str], dict]:
     """Decode step (one query per request) at a 64K context, per layer: sparse MLA, the indexer top-k before and
     after (packed keys), and the paged indexer (keys read from a pool by slot, as the engine runs it) on bf16 keys and
@@ -417,7 +458,6 @@ def decode_rows(log, batches: list[int]) -> tuple[list[str], dict]:
     (host syncs: no graph) eagerly with a sync a repetition (`timed`), which also counts its host launch."""
     from benchmarks.dsa_kernels_before import indexer_topk_before  # noqa: PLC0415
     from slime_dsa.ops.triton_indexer import indexer_topk  # noqa: PLC0415
-    from slime_dsa.ops.fp8_keys import quantize_keys  # noqa: PLC0415
     from slime_dsa.ops.triton_indexer_paged import indexer_topk_paged  # noqa: PLC0415
     from slime_dsa.ops.triton_sparse_mla import sparse_mla_attention  # noqa: PLC0415
 
@@ -427,31 +467,20 @@ def decode_rows(log, batches: list[int]) -> tuple[list[str], dict]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for batch in batches:
-        kv = torch.randn(batch * ctx, D, device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
-        ik = torch.randn(batch * ctx, DI, device="cuda", dtype=torch.bfloat16)
-        iq = torch.randn(batch, HI, DI, device="cuda", dtype=torch.bfloat16)
-        iw = torch.randn(batch, HI, device="cuda")
-        cu_q = torch.arange(batch + 1, device="cuda")
-        cu_k = cu_q * ctx
-        local = indexer_topk(iq, ik, iw, cu_q, cu_k, TOPK, DI**-0.5)
-        rows = local + cu_k[:-1, None]
+        c = decode_case(batch, ctx)
         with torch.no_grad():
-            mla_ms = graph_timed(lambda: sparse_mla_attention(q, kv, rows, D**-0.5, V_DIM))
-        before_ms = timed(lambda: indexer_topk_before(iq, ik, iw, cu_q, cu_k, TOPK, DI**-0.5), 0.5)
-        after_ms = timed(lambda: indexer_topk(iq, ik, iw, cu_q, cu_k, TOPK, DI**-0.5), 0.5)
-        slots = torch.arange(batch * ctx, device="cuda").view(batch, ctx)
-        lens = torch.full((batch,), ctx, device="cuda")
-        paged_ms = graph_timed(lambda: indexer_topk_paged(iq, ik, iw, slots, lens, TOPK, DI**-0.5))
-        fp8 = quantize_keys(ik)  # as the engine's FP8 cache holds them
-        ik8, key_scales = fp8.values, fp8.scales
-        fp8_ms = graph_timed(lambda: indexer_topk_paged(iq, ik8, iw, slots, lens, TOPK, DI**-0.5, key_scales))
+            mla_ms = graph_timed(lambda: sparse_mla_attention(c.q, c.kv, c.rows, D**-0.5, V_DIM))
+        before_ms = timed(lambda: indexer_topk_before(c.iq, c.ik, c.iw, c.cu_q, c.cu_k, TOPK, DI**-0.5), 0.5)
+        after_ms = timed(lambda: indexer_topk(c.iq, c.ik, c.iw, c.cu_q, c.cu_k, TOPK, DI**-0.5), 0.5)
+        paged_ms = graph_timed(lambda: indexer_topk_paged(c.iq, c.ik, c.iw, c.slots, c.lens, TOPK, DI**-0.5))
+        fp8_ms = graph_timed(lambda: indexer_topk_paged(c.iq, c.ik8, c.iw, c.slots, c.lens, TOPK, DI**-0.5,
+                                                        c.key_scales))
         ratios[batch] = {"packed": after_ms / mla_ms, "paged": paged_ms / mla_ms, "paged_fp8": fp8_ms / mla_ms}
         lines.append(f"| {batch} | {ctx} | {mla_ms:.3f} | {before_ms:.3f} | {after_ms:.3f} | "
                      f"{ratios[batch]['packed']:.2f}x | {paged_ms:.3f} | {ratios[batch]['paged']:.2f}x | "
                      f"{fp8_ms:.3f} | {ratios[batch]['paged_fp8']:.2f}x |")
         log(lines[-1])
-        kv = q = ik = iq = iw = slots = local = rows = ik8 = key_scales = fp8 = None
+        c = None
         torch.cuda.empty_cache()
     return lines, ratios
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import math
-import statistics
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.dsa_kernels import graph_timed
 from slime_dsa.ops import reference
 from slime_dsa.ops.fp8_keys import Fp8Keys, quantize_keys
 from slime_dsa.ops.triton_indexer_paged import FP8_LAUNCH, fp16_queries, paged_scores
@@ -351,22 +351,7 @@ def slot_diff(got: torch.Tensor, want: torch.Tensor, width: int) -> float:
 
 def time_ms(fn: Callable[[], object], reps: int, flush: torch.Tensor | None) -> float:
     """Median ms of a CUDA-graph replay of fn, L2 flushed before each; NaN off CUDA."""
-    if flush is None:
-        return math.nan
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return math.nan if flush is None else graph_timed(fn, reps, flush)
 
 
 def sparse_mla_ms(case: Case, reps: int, flush: torch.Tensor) -> float:
