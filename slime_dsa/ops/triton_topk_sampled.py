@@ -130,6 +130,12 @@ def _compact_kernel(
 
 
 @triton.jit
+def _slice_count(counts_row, s, start, n, slice_len, full):
+    """Entries of the row's slice s (first position `start`): those it kept, or all its positions when full."""
+    return tl.where(full, tl.maximum(tl.minimum(slice_len, n - start), 0), tl.load(counts_row + s * 2))
+
+
+@triton.jit
 def _slice(n_valid_ptr, counts_ptr, total_ptr, width, K, slice_len):
     """(row, slice, n, first position, entries, full) of this program. A slice's entries are its kept positions, or
     all its positions when the row kept fewer than its top k (full)."""
@@ -138,8 +144,8 @@ def _slice(n_valid_ptr, counts_ptr, total_ptr, width, K, slice_len):
     n = tl.minimum(tl.load(n_valid_ptr + row).to(tl.int32), width)
     start = s * slice_len
     full = tl.load(total_ptr + row) < tl.minimum(n, K)
-    kept = tl.load(counts_ptr + (row * tl.num_programs(1) + s) * 2)
-    return row, s, n, start, tl.where(full, tl.maximum(tl.minimum(slice_len, n - start), 0), kept), full
+    count = _slice_count(counts_ptr + row * tl.num_programs(1) * 2, s, start, n, slice_len, full)
+    return row, s, n, start, count, full
 
 
 @triton.jit
@@ -231,12 +237,6 @@ def _write_kernel(
 
 
 @triton.jit
-def _slice_count(counts_row, s, start, n, slice_len, full):
-    """Entries of the row's slice s (first position `start`): those it kept, or all its positions when full."""
-    return tl.where(full, tl.maximum(tl.minimum(slice_len, n - start), 0), tl.load(counts_row + s * 2))
-
-
-@triton.jit
 def _tail_in_steps(scores_row, pos_ptr, key_ptr, counts_row, o_row, region0, n, slices, slice_len, need, full,
                    BLOCK: tl.constexpr):
     """The four histogram levels and the write of any row: each a loop over the row's slices in order and over
@@ -277,8 +277,8 @@ def _tail_kernel(
     """One program a row: the four histogram passes (histograms in registers) and the write, then the padding."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(n_valid_ptr + row).to(tl.int32), width)
-    full = tl.load(total_ptr + row) < tl.minimum(n, K)
     need = tl.minimum(n, K)
+    full = tl.load(total_ptr + row) < need
     o_row = out_ptr + row * stride_o
     _tail_in_steps(scores_ptr + row * stride_s, pos_ptr, key_ptr, counts_ptr + row * slices * 2, o_row, row * stride_k,
                    n, slices, slice_len, need, full, BLOCK)
