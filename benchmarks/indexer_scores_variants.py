@@ -1,38 +1,71 @@
-"""The prefill indexer's scoring kernel with (query, head) rows x keys against one (keys x heads) product a query
-(`triton_indexer.SCORES_KEYS_BY_HEADS`), and its select (`triton_topk.topk_select`, a program a row) against the
-sampled select (`triton_topk_sampled.topk_select_sampled`, its tail in five launches and in one), at issue 20's lengths.
+"""The prefill indexer's scoring kernel in its products and launch shapes (`triton_indexer.SCORES_PRODUCT`,
+ROWS_PER_PROGRAM, BLOCK_N, TILES_PER_PROGRAM, SCORES_WARPS), and its select (`triton_topk.topk_select`, a program a row)
+against the sampled select (`triton_topk_sampled.topk_select_sampled`, its tail in five launches and in one), at issue
+20's lengths.
 
     PYTHONPATH=. python benchmarks/indexer_scores_variants.py --lengths 32768 65536
 
 `dsa_kernels.py`'s indexer inputs (32 heads x 128, top-k 2048, one causal sequence, bf16 random values). Each
-length times the scoring pass alone and the whole `indexer_topk`, the two variants alternating, and compares the
-variant's scores and selection with the current kernel's (a different summation order may move a near-tie). The
-selects run on each chunk's scores in turn (summed over the chunks) and must agree exactly.
+length times the scoring pass alone and the whole `indexer_topk` of every variant, in alternating rounds (each keeps
+its fastest), and compares each variant's selection with the current settings' (a different summation order may move
+a near-tie). The selects run on each chunk's scores in turn (summed over the chunks) and must agree exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 
 import torch
 
 from benchmarks.dsa_kernels import DI, HI, TOPK, indexer_scores_only, tflops, timed
+
+# Module settings of slime_dsa/ops/triton_indexer.py a variant changes; the first is the current one (no change).
+VARIANTS: dict[str, dict] = {
+    "current": {},
+    "(query, head) rows x keys": {"SCORES_PRODUCT": "rows_by_keys"},
+    "keys x heads, a product a query": {"SCORES_PRODUCT": "keys_by_heads"},
+    "keys x (query, head) columns, 4 queries": {"SCORES_PRODUCT": "keys_by_query_heads"},
+    "keys x (query, head) columns, 4 queries, 4 warps": {"SCORES_PRODUCT": "keys_by_query_heads", "SCORES_WARPS": 4},
+    "keys x (query, head) columns, 4 queries, 8 tiles, 3 stages": {
+        "SCORES_PRODUCT": "keys_by_query_heads", "TILES_PER_PROGRAM": 8, "SCORES_STAGES": 3},
+    "keys x (query, head) columns, 8 queries, 64-key tiles x 8": {
+        "SCORES_PRODUCT": "keys_by_query_heads", "ROWS_PER_PROGRAM": 256, "BLOCK_N": 64, "TILES_PER_PROGRAM": 8},
+    "keys x (query, head) columns, 8 queries": {"SCORES_PRODUCT": "keys_by_query_heads", "ROWS_PER_PROGRAM": 256},
+}
+
+
+@contextmanager
+def settings(module, values: dict):
+    """The module's attributes set to `values` inside the block, restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of repetitions per measurement")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--no-selects", action="store_true", help="skip the select comparison")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("indexer_scores_variants.py needs a CUDA GPU")
     from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
 
-    print(f"{torch.cuda.get_device_name()}; `{' '.join(sys.argv)}`\n")
-    default, selects = ti.SCORES_KEYS_BY_HEADS, []
-    print("| T | variant | scoring ms | scoring TFLOP/s | indexer_topk ms | selection differs (share of slots) |")
-    print("|---|---|---:|---:|---:|---:|")
+    names = ["current"] + [n for n in args.variants if n != "current"]
+    print(f"{torch.cuda.get_device_name()}; `{' '.join(sys.argv)}`; current: {ti.SCORES_PRODUCT}, "
+          f"{ti.ROWS_PER_PROGRAM} rows, {ti.BLOCK_N} x {ti.TILES_PER_PROGRAM} keys, {ti.SCORES_WARPS} warps\n")
+    selects = []
+    print("| T | variant | scoring ms | scoring TFLOP/s | indexer_topk ms | / current | selection differs (share of slots) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for T in args.lengths:
         torch.manual_seed(T)
         q = torch.randn(T, HI, DI, device="cuda", dtype=torch.bfloat16)
@@ -40,28 +73,31 @@ def main() -> None:
         w = torch.randn(T, HI, device="cuda") * HI**-0.5
         cu = torch.tensor([0, T], device="cuda")
         flops = 2.0 * HI * DI * T * (T + 1) / 2
-        results, selections = {}, {}
+        results, differs = {}, {}
+        want = ti.indexer_topk(q, k, w, cu, cu, TOPK, DI**-0.5)
         for _ in range(2):  # alternating rounds; each variant keeps its faster round
-            for variant in (False, True):
-                ti.SCORES_KEYS_BY_HEADS = variant
-                score_ms = timed(lambda: indexer_scores_only(q, k, w, cu, TOPK, DI**-0.5), args.budget)
-                topk_ms = timed(lambda: ti.indexer_topk(q, k, w, cu, cu, TOPK, DI**-0.5), args.budget)
-                best = results.get(variant, (float("inf"), float("inf")))
-                results[variant] = (min(best[0], score_ms), min(best[1], topk_ms))
-                selections[variant] = ti.indexer_topk(q, k, w, cu, cu, TOPK, DI**-0.5)
-        ti.SCORES_KEYS_BY_HEADS = default
-        differs = (selections[True] != selections[False]).float().mean().item()
-        for variant, label in ((False, "(query, head) rows x keys"), (True, "keys x heads, a product a query")):
-            score_ms, topk_ms = results[variant]
-            print(f"| {T} | {label} | {score_ms:.2f} | {tflops(flops, score_ms):.0f} | {topk_ms:.2f} | "
-                  f"{'-' if not variant else f'{differs:.2e}'} |", flush=True)
-        selects.append(time_selects(T, q, k, w, cu, args.budget))
-        del q, k, w
+            for name in names:
+                with settings(ti, VARIANTS[name]):
+                    score_ms = timed(lambda: indexer_scores_only(q, k, w, cu, TOPK, DI**-0.5), args.budget)
+                    topk_ms = timed(lambda: ti.indexer_topk(q, k, w, cu, cu, TOPK, DI**-0.5), args.budget)
+                    got = ti.indexer_topk(q, k, w, cu, cu, TOPK, DI**-0.5)
+                best = results.get(name, (float("inf"), float("inf")))
+                results[name] = (min(best[0], score_ms), min(best[1], topk_ms))
+                differs[name] = (got != want).float().mean().item()
+                del got
+        for name in names:
+            score_ms, topk_ms = results[name]
+            print(f"| {T} | {name} | {score_ms:.2f} | {tflops(flops, score_ms):.0f} | {topk_ms:.2f} | "
+                  f"{topk_ms / results['current'][1]:.3f} | {differs[name]:.2e} |", flush=True)
+        if not args.no_selects:
+            selects.append(time_selects(T, q, k, w, cu, args.budget))
+        del q, k, w, want
         torch.cuda.empty_cache()
-    print("\n| T | radix select, a program a row: ms | sampled select, tail in five launches ms | sampled, tail in one "
-          "launch a row ms | equal |\n|---|---:|---:|---:|---|")
-    for T, (radix_ms, sampled_ms, fused_ms, equal) in zip(args.lengths, selects):
-        print(f"| {T} | {radix_ms:.2f} | {sampled_ms:.2f} | {fused_ms:.2f} | {equal} |")
+    if selects:
+        print("\n| T | radix select, a program a row: ms | sampled select, tail in five launches ms | sampled, tail in "
+              "one launch a row ms | equal |\n|---|---:|---:|---:|---|")
+        for T, (radix_ms, sampled_ms, fused_ms, equal) in zip(args.lengths, selects):
+            print(f"| {T} | {radix_ms:.2f} | {sampled_ms:.2f} | {fused_ms:.2f} | {equal} |")
 
 
 def time_selects(T: int, q, k, w, cu, budget_s: float) -> tuple[float, float, float, bool]:

@@ -8,7 +8,8 @@ variants: issue 20 item 4 (indexer top-k <= 2x sparse MLA at batch 128, 64K cont
 Shapes are `dsa_kernels.py`'s decode rows: 32 index heads x 128, top-k 2048, one query per request, every
 request at context 65536, bf16 keys, read through key slots laid out as the engine lays them (pages of 16 slots,
 pages in random pool order). Scoring variants (`_scores_variant_kernel`: tile width, warps, several tiles a
-program, k @ q^T, page-start slot loads) are timed with the current select; select variants (`topk_select`'s kernel
+program, k @ q^T, page-start slot loads) are timed with the product's select for these rows
+(`triton_indexer_paged.LONG_ROW_SELECT`, `current_select` here); select variants (`topk_select`'s kernel
 at other widths, `triton_topk_split.topk_select_split` at several slice counts, `triton_topk_sampled`'s select: one
 full read of the scores, then the entries it keeps, logged; its passes after that in one launch of a program a row,
 `fused_tail`, or in five over (row, slice) programs) on the current scores; "best" joins the fastest of each. A
@@ -40,6 +41,7 @@ import triton.language as tl
 from benchmarks.dsa_kernels import graph_timed
 from slime_dsa.ops import reference
 from slime_dsa.ops.fp8_keys import Fp8Keys, quantize_keys
+from slime_dsa.ops import triton_indexer_paged
 from slime_dsa.ops.triton_indexer_paged import FP8_LAUNCH, fp16_queries, paged_scores
 from slime_dsa.ops.triton_topk import _topk_select_kernel, topk_select
 from slime_dsa.ops.triton_topk_sampled import keep_above_floor, topk_select_sampled
@@ -284,7 +286,7 @@ def sampled_select(block: int, num_warps: int, per_sm: int, tail_warps: int | No
 
 
 SELECT_VARIANTS: dict[str, Callable] = {
-    "radix (current)": topk_select,
+    "radix": topk_select,
     "radix b4096 w16": radix_select(4096, 16),
     "radix b8192 w16": radix_select(8192, 16),
     "radix b1024 w4": radix_select(1024, 4),
@@ -301,6 +303,15 @@ SELECT_VARIANTS: dict[str, Callable] = {
     "sampled fused tail w16": sampled_select(1024, 4, 4, tail_warps=16),
     "sampled fused tail 2/SM w8": sampled_select(1024, 4, 2, tail_warps=8),
 }
+
+
+def current_select(scores: torch.Tensor, n_valid: torch.Tensor, topk: int) -> torch.Tensor:
+    """The product's select for these rows: `triton_indexer_paged.LONG_ROW_SELECT` (read at each call)."""
+    return triton_indexer_paged.LONG_ROW_SELECT(scores, n_valid, topk)
+
+
+def select_name(fn: Callable) -> str:
+    return "current select" if fn is current_select else next(n for n, f in SELECT_VARIANTS.items() if f is fn)
 
 
 def variant_name(fn: Callable, fp8: bool = False) -> str:
@@ -398,7 +409,7 @@ def measure_fp8(case: Case, score_fn: Callable, reps: int, flush, scale: float) 
     c = case
 
     def top(fn, q, keys, w, s):
-        return topk_select(fn(q, keys.values, w, c.slots, c.lens, s, keys.scales), c.lens, c.topk)
+        return current_select(fn(q, keys.values, w, c.slots, c.lens, s, keys.scales), c.lens, c.topk)
 
     got = top(score_fn, c.q, c.k8, c.w, scale)
     row = {"keys": "fp8", "exact": bool(torch.equal(top(score_fn, c.q_int, c.k8_int, c.w_int, 1.0),
@@ -412,7 +423,7 @@ def measure_fp8(case: Case, score_fn: Callable, reps: int, flush, scale: float) 
     scores = score_fn(c.q, c.k8.values, c.w, c.slots, c.lens, scale, c.k8.scales)
     row["score_ms"] = time_ms(lambda: score_fn(c.q, c.k8.values, c.w, c.slots, c.lens, scale, c.k8.scales), reps,
                               flush)
-    row["select_ms"] = time_ms(lambda: topk_select(scores, c.lens, c.topk), reps, flush)
+    row["select_ms"] = time_ms(lambda: current_select(scores, c.lens, c.topk), reps, flush)
     row["total_ms"] = time_ms(lambda: top(score_fn, c.q, c.k8, c.w, scale), reps, flush)
     return row
 
@@ -432,9 +443,8 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
             mla_ms = sparse_mla_ms(case, reps, flush)
             logger.info("| sparse MLA forward (the goal: indexer <= 2x = %.3f ms) | %d | - | - | %.3f | - | - | - |",
                         2 * mla_ms, batch, mla_ms)
-        combos = [] if fp8_only else [(variant_name(f), f, topk_select) for f in SCORE_VARIANTS]
-        combos += [] if fp8_only else [(name, paged_scores, f) for name, f in SELECT_VARIANTS.items()
-                                       if f is not topk_select]
+        combos = [] if fp8_only else [(variant_name(f), f, current_select) for f in SCORE_VARIANTS]
+        combos += [] if fp8_only else [(name, paged_scores, f) for name, f in SELECT_VARIANTS.items()]
         batch_rows = []
         for name, score_fn, select_fn in combos:
             row = {"variant": name, "batch": batch, "context": ctx,
@@ -445,8 +455,7 @@ def run(batches: list[int], ctx: int, hi: int, di: int, topk: int, device: str, 
         if ok and not smoke:
             best_score = min(ok, key=lambda r: r[0]["score_ms"])[1]
             best_select = min(ok, key=lambda r: r[0]["select_ms"])[2]
-            row = {"variant": f"best: {variant_name(best_score)} + "
-                              f"{next(n for n, f in SELECT_VARIANTS.items() if f is best_select)}",
+            row = {"variant": f"best: {variant_name(best_score)} + {select_name(best_select)}",
                    "batch": batch, "context": ctx, **measure(case, best_score, best_select, reps, flush, di**-0.5)}
             batch_rows.append((row, best_score, best_select))
             log_row(row, key_bytes)

@@ -148,17 +148,19 @@ def check_indexer_topk() -> None:
         assert torch.equal(got, want), f"indexer_topk lens_k {lens_k}"
 
 
-def check_indexer_scores_keys_by_heads() -> None:
-    """The scoring variant with one (keys x heads) product a query gives check_indexer_topk's and
-    check_indexer_topk_fp8_keys' selections (bf16-exact integer inputs, ties included)."""
+def check_indexer_scores_products() -> None:
+    """Each scoring product (`triton_indexer.PRODUCTS`) gives check_indexer_topk's and check_indexer_topk_fp8_keys'
+    selections (bf16-exact integer inputs, ties included)."""
     from slime_dsa.ops import triton_indexer as ti  # noqa: PLC0415
 
-    ti.SCORES_KEYS_BY_HEADS = True
+    default = ti.SCORES_PRODUCT
     try:
-        check_indexer_topk()
-        check_indexer_topk_fp8_keys()
+        for product in ti.PRODUCTS:
+            ti.SCORES_PRODUCT = product
+            check_indexer_topk()
+            check_indexer_topk_fp8_keys()
     finally:
-        ti.SCORES_KEYS_BY_HEADS = False
+        ti.SCORES_PRODUCT = default
 
 
 def check_indexer_prefill_sampled_select() -> None:
@@ -573,7 +575,7 @@ def check_masked_ranges() -> None:
 
 
 CHECKS = [check_topk_select, check_topk_select_split, check_topk_select_sampled, check_topk_select_sampled_wide_rows,
-          check_indexer_topk, check_indexer_scores_keys_by_heads, check_indexer_prefill_sampled_select,
+          check_indexer_topk, check_indexer_scores_products, check_indexer_prefill_sampled_select,
           check_indexer_topk_paged, check_indexer_topk_fp8_keys,
           check_indexer_topk_paged_fp8_keys, check_sparse_mla, check_sparse_mla_fwd_variants,
           check_prefill_forward_choice, check_idx_reg_slices, check_sparse_mla_bwd_variants,

@@ -6,8 +6,8 @@ converts them and q to fp16 (exact, `triton_indexer_paged.fp16_queries`) for the
 by its scale after the sum over heads.
 
 Two passes per chunk of query rows, so no T x T score matrix ever exists:
-1. A Triton kernel scores a (queries x keys) tile per program: for each query a (keys x heads) product on the
-   tensor cores (SCORES_KEYS_BY_HEADS; or one (query, head) rows x keys product), relu, weighted sum over heads;
+1. A Triton kernel scores a (queries x keys) tile per program: a product on the tensor cores (SCORES_PRODUCT: keys
+   x (query, head) columns, keys x heads a query, or (query, head) rows x keys), relu, weighted sum over heads;
    non-causal entries are -inf. The chunk's float32 scores (at most CHUNK_ELEMS of them) are the largest buffer.
    A program takes up to BLOCK_M queries of one sequence; at decode (one query per sequence) BLOCK_M is 1, so no
    tile rows are spent on absent queries.
@@ -35,9 +35,14 @@ CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
 ROWS_PER_PROGRAM = 128  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
 BLOCK_N = 128  # keys per tile
 TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them)
-# Each query's heads as the columns of its own (keys x heads) product, so that the sum over heads needs no exchange
-# between warps: H100, 64K tokens, 98 -> 65 ms (benchmarks/indexer_scores_variants.py, RESULTS.md 2026-12-05).
-SCORES_KEYS_BY_HEADS = True
+# The scoring product of a tile (benchmarks/indexer_scores_variants.py times them):
+ROWS_BY_KEYS = 0  # one ((query, head) rows x keys) product: the sum over heads crosses warps (shared memory)
+KEYS_BY_HEADS = 1  # a (keys x heads) product a query: the sum over heads stays in each thread's quad
+KEYS_BY_QUERY_HEADS = 2  # one (keys x (query, head) columns) product: one wide MMA, q read once a program
+PRODUCTS = {"rows_by_keys": ROWS_BY_KEYS, "keys_by_heads": KEYS_BY_HEADS, "keys_by_query_heads": KEYS_BY_QUERY_HEADS}
+# keys_by_heads against rows_by_keys: H100, 64K tokens, 98 -> 65 ms (RESULTS.md 2026-12-05).
+SCORES_PRODUCT = "keys_by_heads"
+SCORES_WARPS, SCORES_STAGES = 8, 2
 # Chunks of rows wider than this take `triton_topk_sampled.topk_select_sampled` (one full read of each row, then a
 # radix select on the entries above a sampled floor; same positions) instead of `topk_select`'s program a row: H100,
 # 64K tokens, 53 -> 20 ms (benchmarks/RESULTS.md, 2026-12-05).
@@ -70,7 +75,7 @@ def _indexer_scores_kernel(
     chunk_q0, width, stride_scores, scale,
     HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_KEY_SCALES: tl.constexpr,
-    KEYS_BY_HEADS: tl.constexpr = False,
+    PRODUCT: tl.constexpr = 0,
 ):
     """One program: BLOCK_M consecutive queries of one sequence x TILES * BLOCK_N keys -> float32 scores.
 
@@ -105,7 +110,7 @@ def _indexer_scores_kernel(
             k_ok = offs_n <= pos_max
             kt = tl.load(k_ptr + (key_start + offs_n)[:, None] * DI + offs_d[None, :],
                          mask=k_ok[:, None] & (offs_d < DI)[None, :], other=0.0)  # (BN, DI)
-            if KEYS_BY_HEADS:  # one (keys x heads) product a query: its sum over heads stays within each thread's quad
+            if PRODUCT == 1:  # KEYS_BY_HEADS: its sum over heads stays within each thread's quad
                 kk = kt.to(qt.dtype)  # a no-op but for fp8 keys (to fp16)
                 sc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for m in tl.static_range(BLOCK_M):
@@ -113,6 +118,10 @@ def _indexer_scores_kernel(
                                           HAS_KEY_SCALES)
                     sm = tl.sum(tl.maximum(tl.dot(kk, tl.trans(qm)), 0.0) * wm[None, :], axis=1)  # (BN,)
                     sc = tl.where((offs_m == m)[:, None], sm[None, :], sc)
+            elif PRODUCT == 2:  # KEYS_BY_QUERY_HEADS: each query's heads are adjacent columns of one product
+                s = tl.dot(kt.to(qt.dtype), tl.trans(qt))  # (BN, ROWS) fp32
+                s = tl.maximum(s, 0.0) * w[None, :]
+                sc = tl.trans(tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, BLOCK_HI)), axis=2))  # (BM, BN)
             else:
                 s = tl.dot(qt, tl.trans(kt.to(qt.dtype)))  # (ROWS, BN) fp32; the cast: see kk above
                 s = tl.maximum(s, 0.0) * w[:, None]
@@ -158,7 +167,7 @@ def launch_scores(q, k, weights, scores, blocks, chunk_q0: int, width: int, scal
         scores.stride(0), scale,
         HI=Hi, DI=Di, BLOCK_HI=triton.next_power_of_2(Hi), BLOCK_DI=max(16, triton.next_power_of_2(Di)),
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, TILES=TILES_PER_PROGRAM, HAS_KEY_SCALES=key_scales is not None,
-        KEYS_BY_HEADS=SCORES_KEYS_BY_HEADS, num_warps=8, num_stages=2,
+        PRODUCT=PRODUCTS[SCORES_PRODUCT], num_warps=SCORES_WARPS, num_stages=SCORES_STAGES,
     )
 
 
