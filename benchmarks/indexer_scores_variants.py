@@ -21,18 +21,28 @@ import torch
 
 from benchmarks.dsa_kernels import DI, HI, TOPK, indexer_scores_only, tflops, timed
 
-# Module settings of slime_dsa/ops/triton_indexer.py a variant changes; the first is the current one (no change).
+def launch(product: str, rows: int = 128, block_n: int = 128, tiles: int = 4, warps: int = 8, stages: int = 2) -> dict:
+    """The module settings of slime_dsa/ops/triton_indexer.py that make one scoring variant."""
+    return {"SCORES_PRODUCT": product, "ROWS_PER_PROGRAM": rows, "BLOCK_N": block_n, "TILES_PER_PROGRAM": tiles,
+            "SCORES_WARPS": warps, "SCORES_STAGES": stages}
+
+
+COLUMNS = "keys x (query, head) columns"
+# "current" changes nothing (the module's defaults); the others set every launch setting.
 VARIANTS: dict[str, dict] = {
     "current": {},
-    "(query, head) rows x keys": {"SCORES_PRODUCT": "rows_by_keys"},
-    "keys x heads, a product a query": {"SCORES_PRODUCT": "keys_by_heads"},
-    "keys x (query, head) columns, 4 queries": {"SCORES_PRODUCT": "keys_by_query_heads"},
-    "keys x (query, head) columns, 4 queries, 4 warps": {"SCORES_PRODUCT": "keys_by_query_heads", "SCORES_WARPS": 4},
-    "keys x (query, head) columns, 4 queries, 8 tiles, 3 stages": {
-        "SCORES_PRODUCT": "keys_by_query_heads", "TILES_PER_PROGRAM": 8, "SCORES_STAGES": 3},
-    "keys x (query, head) columns, 8 queries, 64-key tiles x 8": {
-        "SCORES_PRODUCT": "keys_by_query_heads", "ROWS_PER_PROGRAM": 256, "BLOCK_N": 64, "TILES_PER_PROGRAM": 8},
-    "keys x (query, head) columns, 8 queries": {"SCORES_PRODUCT": "keys_by_query_heads", "ROWS_PER_PROGRAM": 256},
+    "(query, head) rows x keys": launch("rows_by_keys"),
+    "keys x heads, a product a query (the default before 2026-12-07)": launch("keys_by_heads"),
+    f"{COLUMNS}, 4 queries": launch("keys_by_query_heads"),
+    f"{COLUMNS}, 4 queries, 4 warps": launch("keys_by_query_heads", warps=4),
+    f"{COLUMNS}, 4 queries, 8 tiles, 3 stages": launch("keys_by_query_heads", tiles=8, stages=3),
+    f"{COLUMNS}, 8 queries": launch("keys_by_query_heads", rows=256),
+    f"{COLUMNS}, 8 queries, 64-key tiles x 4": launch("keys_by_query_heads", rows=256, block_n=64, tiles=4),
+    f"{COLUMNS}, 8 queries, 64-key tiles x 8": launch("keys_by_query_heads", rows=256, block_n=64, tiles=8),
+    f"{COLUMNS}, 8 queries, 64-key tiles x 16": launch("keys_by_query_heads", rows=256, block_n=64, tiles=16),
+    f"{COLUMNS}, 8 queries, 64-key tiles x 8, 3 stages": launch("keys_by_query_heads", rows=256, block_n=64, tiles=8,
+                                                                  stages=3),
+    f"{COLUMNS}, 16 queries, 64-key tiles x 8": launch("keys_by_query_heads", rows=512, block_n=64, tiles=8),
 }
 
 

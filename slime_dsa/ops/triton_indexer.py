@@ -32,16 +32,17 @@ from slime_dsa.ops.triton_topk import topk_select
 from slime_dsa.ops.triton_topk_sampled import topk_select_sampled
 
 CHUNK_ELEMS = 1 << 28  # float32 scores per chunk (1 GiB)
-ROWS_PER_PROGRAM = 128  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
-BLOCK_N = 128  # keys per tile
-TILES_PER_PROGRAM = 4  # key tiles per program (q stays in registers across them)
 # The scoring product of a tile (benchmarks/indexer_scores_variants.py times them):
 ROWS_BY_KEYS = 0  # one ((query, head) rows x keys) product: the sum over heads crosses warps (shared memory)
 KEYS_BY_HEADS = 1  # a (keys x heads) product a query: the sum over heads stays in each thread's quad
 KEYS_BY_QUERY_HEADS = 2  # one (keys x (query, head) columns) product: one wide MMA, q read once a program
 PRODUCTS = {"rows_by_keys": ROWS_BY_KEYS, "keys_by_heads": KEYS_BY_HEADS, "keys_by_query_heads": KEYS_BY_QUERY_HEADS}
-# keys_by_heads against rows_by_keys: H100, 64K tokens, 98 -> 65 ms (RESULTS.md 2026-12-05).
-SCORES_PRODUCT = "keys_by_heads"
+# keys_by_query_heads over 8 queries and 8 tiles of 64 keys against keys_by_heads over 4 queries and 4 tiles of 128:
+# H100, 128K tokens, scoring 267 -> 178 ms, the same selection (RESULTS.md, 2026-12-07 twenty-first session).
+SCORES_PRODUCT = "keys_by_query_heads"
+ROWS_PER_PROGRAM = 256  # (query, head) rows of one program's tile: BLOCK_M queries x BLOCK_HI heads
+BLOCK_N = 64  # keys per tile
+TILES_PER_PROGRAM = 8  # key tiles per program (q stays on chip across them)
 SCORES_WARPS, SCORES_STAGES = 8, 2
 # Chunks of rows wider than this take `triton_topk_sampled.topk_select_sampled` (one full read of each row, then a
 # radix select on the entries above a sampled floor; same positions) instead of `topk_select`'s program a row: H100,
