@@ -14,8 +14,9 @@ a near-tie). The selects run on each chunk's scores in turn (summed over the chu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -46,17 +47,9 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-@contextmanager
 def settings(module, values: dict):
-    """The module's attributes set to `values` inside the block, restored after."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+    """A context in which the module's attributes take `values` (unittest.mock.patch.multiple; none: no change)."""
+    return mock.patch.multiple(module, **values) if values else contextlib.nullcontext()
 
 
 def main() -> None:

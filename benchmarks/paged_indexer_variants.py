@@ -39,9 +39,8 @@ import triton
 import triton.language as tl
 
 from benchmarks.dsa_kernels import graph_timed
-from slime_dsa.ops import reference
+from slime_dsa.ops import reference, triton_indexer_paged
 from slime_dsa.ops.fp8_keys import Fp8Keys, quantize_keys
-from slime_dsa.ops import triton_indexer_paged
 from slime_dsa.ops.triton_indexer_paged import FP8_LAUNCH, fp16_queries, paged_scores
 from slime_dsa.ops.triton_topk import _topk_select_kernel, topk_select
 from slime_dsa.ops.triton_topk_sampled import keep_above_floor, topk_select_sampled
