@@ -144,6 +144,7 @@ setup)
   stamp installed
   python3 -c "import torch, pyarrow, datasets, ray, pydantic, math_verify, pebble, pybase64, transformers, triton; print('torch', torch.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'ray', ray.__version__, 'pydantic', pydantic.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tail -3
   df -h /dev/shm /tmp | tail -2; nproc; free -g | head -2
+  grep -m1 "model name" /proc/cpuinfo  # the host CPU: a host-bound RL step moves with it as much as with the GPU
   ;;
 test)
   stamp pytest
