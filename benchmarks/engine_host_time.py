@@ -135,11 +135,11 @@ def _instrument(model) -> None:
 
 
 def _engine(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool,
-            overlap: bool) -> engine_module.Engine:
+            overlap: bool, decode_steps: int = 1) -> engine_module.Engine:
     """An engine holding `batch` requests of the rollout path, none stepped yet."""
     engine = engine_module.Engine(model, max_cache_tokens=(-(-(24 + new_tokens) // 16) * batch + 1) * 16,
                                   max_running_requests=batch, block_size=16, tokenizer=tokenizer, keep_indexer_topk=True,
-                                  seed=seed, overlap=overlap)
+                                  seed=seed, overlap=overlap, num_continuous_decode_steps=decode_steps)
     for g, prompt in enumerate(et.make_prompts(batch // group, 24, model.config.vocab_size, seed)):
         for k in range(group):
             params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, stop=["</answer>"], sampling_seed=g * group + k,
@@ -150,13 +150,14 @@ def _engine(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int
 
 
 def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool = False,
-             overlap: bool = False) -> dict[str, float]:
-    """One engine from empty to done over `batch` requests: ms of thread CPU time per step, by phase."""
-    engine = _engine(model, tokenizer, batch, group, new_tokens, seed, ignore_eos, overlap)
-    _compute[0], start, steps = 0.0, clock(), 0
+             overlap: bool = False, decode_steps: int = 1) -> dict[str, float]:
+    """One engine from empty to done over `batch` requests: ms of thread CPU time per step the device runs (with
+    several decode steps a launch, fewer `Engine.step` calls than steps), by phase."""
+    engine = _engine(model, tokenizer, batch, group, new_tokens, seed, ignore_eos, overlap, decode_steps)
+    _compute[0], start = 0.0, clock()
     while engine.has_work:
         engine.step()
-        steps += 1
+    steps = engine.stats["steps"]  # forward steps, each of a launch of several counted
     ms = {name: engine.stats[f"{name}_s"] / steps * 1e3 for name in PHASES}
     ms["compute"] = _compute[0] / steps * 1e3
     ms["launch - compute"] = ms["launch"] - ms["compute"]
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=2, help="fresh engines in a row; the median is printed too")
     parser.add_argument("--ignore-eos", action="store_true", help="requests end by length only (no batch changes)")
     parser.add_argument("--overlap", action="store_true", help="the engine's overlap scheduler (Engine(overlap=True))")
+    parser.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                        help="Engine(num_continuous_decode_steps=...): each value's engines run in turn, one rep each")
     parser.add_argument("--count-ops", action="store_true",
                         help="also count the ATen ops per decode step (one more engine)")
     args = parser.parse_args(argv)
@@ -205,13 +208,16 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(config, dtype=torch.float32, device=torch.device("cpu"), seed=0).eval()
     _instrument(model)
     tokenizer = et.word_tokenizer(config.vocab_size)
-    runs = []
-    for rep in range(args.reps):
-        runs.append(run_once(model, tokenizer, args.batch, args.group_size, args.new_tokens, seed=rep, ignore_eos=args.ignore_eos,
-                             overlap=args.overlap))
-        logger.info("batch %d, run %d, ms per step: %s", args.batch, rep, ", ".join(f"{k} {v:.2f}" for k, v in runs[-1].items()))
-    logger.info("batch %d, median ms per step: %s", args.batch,
-                ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]))
+    runs: dict[int, list[dict[str, float]]] = {steps: [] for steps in args.decode_steps}
+    for rep in range(args.reps):  # the settings interleaved, so the machine's load drifts over all of them alike
+        for steps, done in runs.items():
+            done.append(run_once(model, tokenizer, args.batch, args.group_size, args.new_tokens, seed=rep,
+                                 ignore_eos=args.ignore_eos, overlap=args.overlap, decode_steps=steps))
+            logger.info("batch %d, %d decode steps a launch, run %d, ms per step: %s", args.batch, steps, rep,
+                        ", ".join(f"{k} {v:.2f}" for k, v in done[-1].items()))
+    for steps, done in runs.items():
+        logger.info("batch %d, %d decode steps a launch, median ms per step: %s", args.batch, steps,
+                    ", ".join(f"{k} {statistics.median(r[k] for r in done):.2f}" for k in done[0]))
     if args.count_ops:
         count_ops(model, tokenizer, args.batch, args.group_size, args.new_tokens, args.ignore_eos, args.overlap)
 

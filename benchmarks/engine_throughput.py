@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> str:
                         "before the previous step's tokens reach the host)")
     parser.add_argument("--index-key-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
                         help="the engine's DSA index-key cache (rollout.index_key_cache_dtype)")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="decode steps a launch (rollout.num_continuous_decode_steps; default 1)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if unknown := sorted(set(paths) - {"simple", "rollout"}):
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> str:
         ENGINE_OPTIONS["max_prefill_tokens"] = args.max_prefill_tokens
     ENGINE_OPTIONS["overlap"] = args.overlap
     ENGINE_OPTIONS["index_key_cache_dtype"] = args.index_key_cache_dtype
+    ENGINE_OPTIONS["num_continuous_decode_steps"] = args.decode_steps
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]
@@ -418,7 +421,8 @@ def main(argv: list[str] | None = None) -> str:
         f"- prompts of {max(prompt_len // 2, 1)}-{prompt_len} tokens, {new_tokens} new tokens per request; "
         f"transformers `generate` (greedy, EOS ignored, one left-padded batch, {hf_impl}) at batch "
         f"{', '.join(map(str, sorted(hf_sizes))) or 'none'}; the embedded engine with block size {args.block_size}, "
-        f"overlap scheduler {'on' if args.overlap else 'off'}, index keys cached as {args.index_key_cache_dtype}",
+        f"overlap scheduler {'on' if args.overlap else 'off'}, {args.decode_steps} decode step(s) a launch, index keys "
+        f"cached as {args.index_key_cache_dtype}",
         f"- command: `{command}`",
         "",
     ]

@@ -161,6 +161,8 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
         if args.ours_loop == "async":  # the engine generates while the trainer steps, both on the one GPU
             recipe["cluster"] = {"placement": "disaggregated", "num_gpus_per_engine": 0.5, "num_gpus_per_trainer": 0.5}
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
+    if args.ours_decode_steps is not None:
+        recipe["rollout"]["num_continuous_decode_steps"] = args.ours_decode_steps
     recipe["trainer"]["compile"] = args.ours_compile == "on"
     recipe["rollout"]["prefetch_next_step"] = args.ours_prefetch == "on"
     recipe["logging"]["profile_steps"] = args.profile_steps
@@ -516,7 +518,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
                 f"ours: `run_training`, {loop}, with its defaults and recipes/gpu_single.yaml's resources, 1 embedded "
                 f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
-                f"{placement}overlap scheduler {args.ours_overlap}, prefetch of the next step's calls "
+                f"{placement}overlap scheduler {args.ours_overlap}, {args.ours_decode_steps or 'the default'} decode step(s) a launch, "
+                f"prefetch of the next step's calls "
                 f"{args.ours_prefetch}, trainer.compile {args.ours_compile}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
                 f"TRL: GRPOTrainer in-process on the GPU, model loaded in float32 with bf16=True (accelerate's bf16 "
@@ -689,6 +692,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-overlap", choices=("on", "off"), default="on",
                         help="ours: rollout.overlap_schedule, the engine launches each decode step before it reads "
                              "the previous one's tokens (default on, the recipe's default for embedded engines)")
+    parser.add_argument("--ours-decode-steps", type=int, default=None,
+                        help="ours: rollout.num_continuous_decode_steps, decode steps an engine launches at once while "
+                             "every request decodes (default: the recipe's, 4 for embedded engines)")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "

@@ -8,6 +8,8 @@ sparse selection matters, and IndexShare layers (full, full, shared, full).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -827,6 +829,99 @@ def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
     for rid, out in sync_again.items():
         assert over_again[rid].output_ids == out.output_ids
         assert over_again[rid].cached_tokens == out.cached_tokens > 0, rid
+
+
+def _chain_workload(engine: Engine, requests: list[GenerateRequest], events: dict[int, Callable] | None = None) -> dict:
+    """Step `engine` through `requests` (a third arrives at step 3) and `events` (step -> a call on the engine that
+    returns final outputs); the final outputs by rid."""
+    arrivals, events, finals = {0: requests[: 2 * len(requests) // 3], 3: requests[2 * len(requests) // 3 :]}, dict(events or {}), {}
+    for step in range(500):
+        for req in arrivals.pop(step, []):
+            engine.add_request(req)
+        if step in events:
+            finals.update({out.rid: out for out in events.pop(step)(engine)})
+        finals.update({out.rid: out for out in engine.step() if out.finish_reason is not None})
+        if not (arrivals or events or engine.has_work):
+            break
+    assert engine.blocks.available == engine.blocks.num_blocks
+    return finals
+
+
+def test_continuous_decode_steps_equal_single_steps(model, decode_path):
+    """Several decode steps a launch (num_continuous_decode_steps) against one: the same tokens, finish reasons,
+    versions and replay rows (kept in the cache) and log-probs within 1e-5 (batches differ: a request that ends inside a
+    launch still fills its rows until the launch ends), through block boundaries, token limits, sampled stop tokens,
+    min_new_tokens, a group's forked samples, a late arrival, an abort and a retract."""
+    if decode_path != "paged":
+        pytest.skip("several steps a launch are paged decode steps")
+    rng = np.random.default_rng(11)
+    group = prompts((9,), seed=31) * 4  # one prompt's four samples (forks)
+    ps = group + prompts(rng.integers(3, 14, size=14).tolist(), seed=32)
+    requests = [GenerateRequest(input_ids=p, rid=f"r{i}", return_indexer_topk=i % 3 == 0, stream=False, sampling=SamplingParams(
+        max_new_tokens=int(rng.integers(1, 40)), temperature=0.0 if i % 5 == 0 else 1.0, sampling_seed=i,
+        min_new_tokens=2 if i % 4 == 0 else 0, stop_token_ids=[7] if i % 2 else [])) for i, p in enumerate(ps)]
+    aborted = max(requests, key=lambda r: r.sampling.max_new_tokens).rid
+
+    def retract(engine: Engine) -> list:
+        outputs = engine.pause("retract")
+        engine.resume()
+        return outputs
+
+    events = {6: lambda e: e.abort(aborted), 9: retract}
+
+    def go(steps: int) -> tuple[dict, Engine]:
+        engine = Engine(model, max_cache_tokens=2048, block_size=4, seed=0, eos_token_ids=[], keep_indexer_topk=True,
+                        num_continuous_decode_steps=steps)
+        return _chain_workload(engine, [dataclasses.replace(r) for r in requests], events), engine
+
+    single, _ = go(1)
+    chained, engine = go(4)
+    assert engine.stats["continued_decode_steps"] >= 6
+    assert {o.finish_reason["type"] for o in single.values()} == {"stop", "length", "abort"}
+    for rid, out in single.items():
+        got = chained[rid]
+        if rid == aborted:  # at a step call: a chained engine is further along by then
+            shorter = min(len(got.output_ids), len(out.output_ids))
+            assert got.finish_reason["type"] == "abort" and got.output_ids[:shorter] == out.output_ids[:shorter]
+            continue
+        assert got.output_ids == out.output_ids and got.finish_reason == out.finish_reason, rid
+        assert got.output_token_versions == out.output_token_versions
+        assert np.allclose(got.output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
+        assert np.array_equal(got.indexer_topk, out.indexer_topk) and got.indexer_topk_start == out.indexer_topk_start
+
+
+def test_continuous_decode_steps_with_stop_strings_and_streams(decode_path):
+    """Stop strings end a request at the step whose token completes one, inside a launch of several steps; a streaming
+    request makes the engine launch one step at a time (its streamed states are those of one-step launches)."""
+    if decode_path != "paged":
+        pytest.skip("several steps a launch are paged decode steps")
+    from slime_dsa.checkpoint import build_model
+    from slime_dsa.data.tokenizer import MODEL_VOCAB_SIZE, build_tokenizer
+    from slime_dsa.models import ModelConfig
+
+    tokenizer = build_tokenizer()
+    model = build_model(ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1}), seed=0).eval()
+    prompt = tokenizer.encode("the answer is", add_special_tokens=False)
+    sampling = lambda i: SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i, ignore_eos=True,  # noqa: E731
+                                        stop=["e", "th"], skip_special_tokens=False)
+
+    def go(steps: int, stream: bool) -> tuple[dict, dict]:
+        engine = Engine(model, max_cache_tokens=1024, block_size=4, tokenizer=tokenizer, num_continuous_decode_steps=steps)
+        streamed: dict[str, list] = {}
+        for i in range(8):
+            engine.add_request(GenerateRequest(input_ids=prompt, sampling=sampling(i), rid=str(i), stream=stream and i == 0))
+        while engine.has_work:
+            for out in engine.step():
+                streamed.setdefault(out.rid, []).append((list(out.output_ids), out.finish_reason))
+        return streamed, engine.stats
+
+    single, _ = go(1, False)
+    chained, stats = go(3, False)
+    assert {s[-1][1]["type"] for s in single.values()} >= {"stop"} and stats["continued_decode_steps"] > 0
+    assert chained == single
+    single_streams, _ = go(1, True)
+    chained_streams, stats = go(3, True)
+    assert chained_streams == single_streams and stats["continued_decode_steps"] == 0
 
 
 def test_overlap_engine_drains_before_weight_update_and_abort(checkpoint, tmp_path):

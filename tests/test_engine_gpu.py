@@ -184,6 +184,36 @@ def test_overlap_scheduler_equals_the_synchronous_loop_on_cuda_graphs():
     assert engine.blocks.available == engine.blocks.num_blocks
 
 
+def test_continuous_decode_steps_equal_single_steps_on_cuda_graphs():
+    """Several decode steps a launch (num_continuous_decode_steps) chain graph replays on the device, each fed the last
+    one's sampled tokens. Requests of one length run the same batches either way: the same tokens, log-probs and kept
+    replay rows bit for bit. With stop tokens and mixed lengths a request ends inside a launch: its output stops at the
+    stop token, the later steps' tokens are dropped and every block is freed."""
+    model = _model(0)
+
+    def requests(seed: int, **sampling) -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=r.input_ids, rid=r.rid, stream=False, return_indexer_topk=r.return_indexer_topk,
+                                sampling=SamplingParams(**{"temperature": 1.0, "sampling_seed": 100 + i, **sampling}))
+                for i, r in enumerate(_requests(37, seed=seed))]
+
+    def engine(steps: int) -> Engine:
+        return Engine(model, max_cache_tokens=8192, block_size=16, seed=0, overlap=True, keep_indexer_topk=True,
+                      num_continuous_decode_steps=steps)
+
+    single = _generate(engine(1), requests(0, max_new_tokens=40, ignore_eos=True))
+    chained_engine = engine(4)
+    _assert_same(_generate(chained_engine, requests(0, max_new_tokens=40, ignore_eos=True)), single)
+    assert chained_engine.stats["continued_decode_steps"] >= 20
+    stop_ids = set(range(2, CONFIG["vocab_size"], 7)) | {CONFIG["eos_token_id"]}
+    finals = _generate(chained_engine, requests(1, max_new_tokens=60, stop_token_ids=sorted(stop_ids)))
+    stopped = [o for o in finals.values() if o.finish_reason["type"] == "stop"]
+    assert len(stopped) > 10 and len(finals) == 37
+    for out in finals.values():
+        assert not stop_ids & set(out.output_ids[:-1]) and len(out.output_ids) == len(out.output_token_logprobs)
+        assert out.indexer_topk is None or len(out.indexer_topk) == len(out.output_ids)
+    assert chained_engine.blocks.available == chained_engine.blocks.num_blocks
+
+
 def test_kept_replay_rows_read_at_the_end_equal_each_steps_copy():
     """With keep_indexer_topk, a request's replay rows are read from the cache pool when it ends (one contiguous block,
     copied into pinned memory on a side stream); without, each step copies its own. Same rows, same values."""

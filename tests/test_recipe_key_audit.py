@@ -223,3 +223,12 @@ def test_indexer_warmup_evaluation_keys_without_held_out_prompts_are_refused(key
     validate_recipe({"indexer_warmup": {key: value}, "data": {"tasks": [{"kind": "arithmetic", "eval_size": 8}]}})
     validate_recipe({"indexer_warmup": {key: value, "corpus": "dataset", "dataset_path": "c.jsonl"}})
     validate_recipe({"indexer_warmup": {"eval_every": 0}})
+
+
+@pytest.mark.parametrize("engine", [{"engine": "sglang"}, EXTERNAL])
+def test_num_continuous_decode_steps_for_servers_is_refused(engine):
+    """The embedded engines' decode steps a launch: SGLang and external servers take their own flag."""
+    data = {"rollout": {**engine, "num_continuous_decode_steps": 4}, "cluster": {"num_gpus_per_engine": 1}}
+    assert "rollout.num_continuous_decode_steps applies to embedded engines" in refusal(data)
+    assert validate_recipe({"rollout": {"num_continuous_decode_steps": 4}}).rollout.num_continuous_decode_steps == 4
+    assert "num_continuous_decode_steps" in refusal({"rollout": {"num_continuous_decode_steps": 0}})

@@ -250,6 +250,10 @@ def test_rollout_overlap_schedule_reaches_embedded_engines_and_is_refused_for_ot
     recipe = RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True}})
     setup.create_engines(recipe, tmp_path, use_async=False, access=None, count=1)
     assert engine_actor_kwargs["engine_kwargs"]["overlap"] is True
+    assert engine_actor_kwargs["engine_kwargs"]["num_continuous_decode_steps"] == 4  # null: the RL default
+    recipe = RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"num_continuous_decode_steps": 1}})
+    setup.create_engines(recipe, tmp_path, use_async=False, access=None, count=1)
+    assert engine_actor_kwargs["engine_kwargs"]["num_continuous_decode_steps"] == 1
     with pytest.raises(ValueError, match="rollout.overlap_schedule applies to embedded engines"):
         RecipeConfig.model_validate({**MINIMAL_RECIPE, "rollout": {"overlap_schedule": True, "engine": "external",
                                                          "engine_urls": ["http://127.0.0.1:1"]}})

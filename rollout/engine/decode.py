@@ -102,6 +102,8 @@ class PagedDecoder:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = None
         self._tables: tuple[Hashable, np.ndarray, np.ndarray] | None = None  # (key, (n, width) table, row lengths)
+        # The last step's device inputs, bucket, table width, rows and graph (None: eager): `forward_next` steps on.
+        self._last: tuple[torch.Tensor, int, int, int, _Graph | None] | None = None
         self.sampling = SamplingGraphs(model.lm_head, model.config.vocab_size, self.stats)
 
     def reset(self) -> None:
@@ -110,6 +112,7 @@ class PagedDecoder:
         self.sampling.reset()
         self._pool = None
         self._tables = None
+        self._last = None
 
     def replays(self, n: int) -> bool:
         """Whether a step of n sequences runs from a CUDA graph."""
@@ -161,7 +164,24 @@ class PagedDecoder:
         inputs = inputs.to(self.model.device, non_blocking=True)
         if on_inputs is not None:
             on_inputs(inputs[:B])
+        self._last = (inputs, B, width, n, None)
         hidden, topk, slots = self._run(inputs, B, width)
+        return hidden, None if topk is None else topk[:, :n], slots[:n]
+
+    def forward_next(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step after the last `forward` (or `forward_next`) over the same rows, without the host: `tokens` (n,),
+        the tokens that step sampled on the device, are the inputs, every position moves one on, the block tables stay
+        (the caller gave each row its blocks for these positions). Returns as `forward` does."""
+        if self._last is None:
+            raise RuntimeError("forward_next needs a forward before it")
+        inputs, B, width, n, graph = self._last
+        inputs[:n].copy_(tokens[:n])
+        inputs[B : B + n].add_(1)
+        if graph is not None:
+            graph.graph.replay()
+            hidden, topk, slots = graph.hidden, graph.topk, graph.write_slots
+        else:
+            hidden, topk, slots = self._run(inputs, B, width)
         return hidden, None if topk is None else topk[:, :n], slots[:n]
 
     def _host_inputs(self, input_ids, positions, tables, B: int, width: int, tables_key: Hashable = None,
@@ -221,6 +241,7 @@ class PagedDecoder:
             on_inputs(graph.inputs[:B])
         graph.graph.replay()
         n = len(input_ids)
+        self._last = (graph.inputs, B, width, n, graph)
         return graph.hidden, None if graph.topk is None else graph.topk[:, :n], graph.write_slots[:n]
 
     @torch.inference_mode()

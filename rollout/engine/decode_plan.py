@@ -1,11 +1,10 @@
 """The running requests' decode rows carried from one step to the next, so that a step does not test every request.
 
-A decode row (one new row, its block allocated, no filled block waiting to be offered to the prefix cache, its last
-token not yet in flight) stays one for a number of steps that its counters give: until its block fills, until its
-next block boundary, until its token limit. The plan keeps, per row, the step before which that surely holds; a step
-re-checks only the rows that reach theirs (Engine._schedule). Requests that end leave the plan with their rows; any
-other change of the running requests (an admission, a retract, a drain of the step in flight) drops it, and the next
-step tests every request again.
+A decode row (one new row, its block allocated, its last token not yet in flight) stays one for a number of steps
+that its counters give: until its block fills, until its token limit. The plan keeps, per row, the step before which
+that surely holds; a step re-checks only the rows that reach theirs (Engine._schedule). Requests that end leave the
+plan with their rows; any other change of the running requests (an admission, a retract, a drain of the step in
+flight) drops it, and the next step tests every request again.
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ def steady_steps(seq: Any, block_size: int) -> int:
     """Steps from this one on (this one counted) in which `seq` stays a plain decode row, if only decoding changes it:
     each step adds one row and one token; the tokens in flight stay as many; registered blocks and the block table
     only grow, which can only lengthen the span."""
-    computed = seq.num_computed
-    steps = min(len(seq.blocks) * block_size - computed,
-                (seq.num_registered + 1) * block_size - computed - 1 + seq.inflight)
-    if seq.inflight:  # a row whose last token is in flight takes no step (Engine._schedule)
-        steps = min(steps, seq.stop.max_new_tokens - (len(seq.tokens) - seq.prompt_len))
-    return steps
+    # Its token limit too: a row whose last token is in flight takes no step (Engine._schedule), and one that several
+    # steps a launch (Engine.num_continuous_decode_steps) would take past its limit must be checked first. A block that
+    # fills is offered to the prefix cache when the step that completes its tokens is read (Engine._resolve_step),
+    # so block boundaries need no check.
+    return min(len(seq.blocks) * block_size - seq.num_computed,
+               seq.stop.max_new_tokens - (len(seq.tokens) - seq.prompt_len))
 
 
 @dataclass(eq=False)
@@ -36,6 +35,8 @@ class DecodePlan:
     rows: list[Any]
     until: np.ndarray
     next_check: int  # until.min()
+    chainable: bool = False  # the engine may decode these rows several steps a launch (none streams, none wants
+    # per-step replay rows); rows only leave a plan, so this stays true while it lasts
 
     @classmethod
     def build(cls, rows: list[Any], spans: list[int], step: int) -> "DecodePlan":

@@ -29,6 +29,14 @@ engine's state from outside the step (abort, pause, weight updates, flush and me
 flight (`_drain`). So step() returns the outputs of the step launched by the call before, and requests admitted
 meanwhile join one step later.
 
+Several decode steps a launch (`num_continuous_decode_steps` k, SGLang's flag of that name; RL recipes use 4): when
+the running rows all decode from the decode plan, none streams, none wants per-step replay copies, no request waits,
+and each is k tokens or more from its limit, one launch queues k decode graph replays, each taking the last one's
+sampled tokens and positions one on, on the device; the plan's rows whose blocks end within the k steps get their
+next block first. The host schedules once and books k tokens in flight per row; reading them goes step by step, so a
+request a stop token or string ends at step j takes none of the later steps' tokens (its rows written meanwhile were
+its own blocks, freed as above).
+
 Prefix reuse is content-addressed (hashes of full blocks, blocks.py): the n samples of a prompt and the turns
 of a session share their common prefix without needing `session_id`. Fresh requests admitted in the same step
 with identical tokens go further (a fork): only the first computes the prompt; the others copy its cache rows
@@ -168,6 +176,13 @@ class _Launched:
     device_s: float  # on CPU: the forward (run on this thread); on CUDA: filled in from the events at resolve
     begin: Any = None  # torch.cuda.Event before the step's device work (CUDA only)
     done: Any = None  # torch.cuda.Event after its copy to the host (CUDA only)
+    # The steps queued after this one over the same rows in the same launch (num_continuous_decode_steps), in order.
+    followers: list["_Launched"] = field(default_factory=list)
+
+    @property
+    def last(self) -> "_Launched":
+        """The launch's last step: its tokens are the next launch's inputs."""
+        return self.followers[-1] if self.followers else self
 
     @functools.cached_property
     def row_of(self) -> dict[_Sequence, int]:
@@ -196,6 +211,7 @@ class Engine:
         keep_indexer_topk: bool = False,
         overlap: bool = False,
         index_key_cache_dtype: str = "auto",
+        num_continuous_decode_steps: int = 1,
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place instead of gathering every sequence's keys
         (on CPU too: 15-20% faster decode with 100-token contexts, benchmarks/RESULTS.md); cuda_graphs: and
@@ -203,11 +219,17 @@ class Engine:
         requests may ask for their prompt rows' (exact index replay); overlap: each step is launched before the
         previous step's tokens reach the host, and the host's bookkeeping of that step runs while the device
         computes (module docstring); index_key_cache_dtype: "auto" (the model's dtype) or "fp8_e4m3", the indexer
-        keys cached in FP8 with a scale per row (kv_cache.py), as SGLang's DSA cache holds them."""
+        keys cached in FP8 with a scale per row (kv_cache.py), as SGLang's DSA cache holds them;
+        num_continuous_decode_steps: a decode-only step over the carried decode rows (no request waiting, none
+        streaming, none wanting per-step replay rows, every row that many tokens from its limit) queues that many
+        steps at once, each fed the last one's tokens on the device, so the host schedules and launches once for them
+        (SGLang's --num-continuous-decode-steps); the outputs are the same."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
             raise ValueError(f"max_cache_tokens ({max_cache_tokens}) must hold at least one block of block_size ({block_size}) tokens")
+        if num_continuous_decode_steps < 1:
+            raise ValueError(f"num_continuous_decode_steps must be >= 1, got {num_continuous_decode_steps}")
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_running_requests ({max_running_requests}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
         self.model = model.eval()
@@ -253,12 +275,14 @@ class Engine:
         # positions, and (paged decode steps) the key of its block tables in the decoder.
         self._last_counts: tuple[tuple[int, ...], torch.Tensor, np.ndarray | None, Any] | None = None
         self.overlap = overlap
+        self.num_continuous_decode_steps = num_continuous_decode_steps
+        self._chain = 1  # the steps this schedule's launch may take (_planned_rows)
         self._stream = None  # CUDA: the side stream reading kept replay rows (_read_kept_topk)
         self._pending: _Launched | None = None  # overlap: the step on the device whose tokens the host has not read
         self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
         self._schedules = 0  # _schedule calls: the decode plan's clock
         self._plan: DecodePlan | None = None  # the running decode rows carried between steps (decode_plan.py)
-        self.stats.update({"steps": 0, "paged_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0,
+        self.stats.update({"steps": 0, "paged_decode_steps": 0, "continued_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0,
                            "cached_tokens": 0, "scored_tokens": 0})
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
         # steps, of them waiting on the device, the same for decode-only steps, and the running requests summed over
@@ -596,6 +620,14 @@ class Engine:
         self._account_step(time.perf_counter() - start, None)
 
     def _resolve(self, launched: _Launched) -> list[GenerateOutput]:
+        """Wait for a launch's tokens and apply them, step by step (a request that ends at one step takes none of the
+        later steps' tokens)."""
+        outputs = self._resolve_step(launched)
+        for follower in launched.followers:
+            outputs += self._resolve_step(follower)
+        return outputs
+
+    def _resolve_step(self, launched: _Launched) -> list[GenerateOutput]:
         """Wait for a launched step's tokens and apply them: append, finish, stream, offer newly full blocks.
 
         One pass over the rows stores the tokens; the rows that need more (finished, stop strings, streaming) are
@@ -696,9 +728,10 @@ class Engine:
         stats["step_s"] += seconds
         if launched is None:
             return
-        stats["running_sum"] += len(launched.scheduled)
+        steps = 1 + len(launched.followers)
+        stats["running_sum"] += len(launched.scheduled) * steps
         if launched.decode_only:
-            stats["decode_steps"] += 1
+            stats["decode_steps"] += steps
             stats["decode_step_s"] += seconds
 
     def _account_device(self, launched: _Launched) -> None:
@@ -738,6 +771,7 @@ class Engine:
             return True
 
         self._schedules += 1
+        self._chain = 1
         head = self._queue[0] if self._queue else None
         if head is not None and head.failures and len(self._running) < self.max_running_requests and self._admit(head):
             # A request suspected of breaking a batch runs its next step alone; running requests wait one step.
@@ -780,6 +814,8 @@ class Engine:
                     add(seq, n)
             if all_decode and self._running:
                 self._plan = DecodePlan.build(self._running, spans, self._schedules)
+                self._plan.chainable = self.num_continuous_decode_steps > 1 and not any(
+                    seq.req.stream or (seq.req.return_indexer_topk and not self.cache.keep_topk) for seq in self._running)
         self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -817,21 +853,29 @@ class Engine:
             self._plan = None
             return None
         step, bs = self._schedules, self.block_size
-        due = plan.due(step)
+        # Several steps a launch: the rows whose span ends within them are checked now, and given the blocks for all
+        # of them; rows past their span's end stay plain decode rows throughout.
+        chain = (self.num_continuous_decode_steps if plan.chainable and not self._queue and not self._scoring else 1)
+        due = plan.due(step + chain - 1)
         for row in due:
             seq = plan.rows[row]
             if len(seq.tokens) - seq.num_computed != 1 or _last_in_flight(seq):
                 self._plan = None
                 return None
-            if steady_steps(seq, bs) <= 0:
+            if seq.stop.max_new_tokens - (len(seq.tokens) - seq.prompt_len) < chain:
+                chain = 1  # it would sample past its limit: one step this time
+        for row in due:
+            seq = plan.rows[row]
+            if steady_steps(seq, bs) <= 0 or len(seq.blocks) * bs - seq.num_computed < chain:
                 try:
-                    self._grow(seq, seq.num_computed + 1)
+                    self._grow(seq, seq.num_computed + chain)
                 except Exception:  # noqa: BLE001 - the full pass meets it again and ends that request alone
                     self._plan = None
                     return None
             plan.checked(row, step, bs)
         if due:
             plan.refresh()
+        self._chain = chain
         return plan.rows
 
     def _admit(self, seq: _Sequence, digests: list[bytes] | None = None) -> bool:
@@ -914,7 +958,7 @@ class Engine:
             if begin is not None:
                 begin.record()
             if len(fed):
-                self._feed(ids, fed, fed_seqs, previous)
+                self._feed(ids, fed, fed_seqs, previous.last)
 
         forward_start = time.perf_counter()
         tables_key = None
@@ -960,23 +1004,7 @@ class Engine:
             else:
                 num_output = upload(torch.from_numpy(np.fromiter((len(seq.tokens) - seq.prompt_len for seq in seqs),
                                                                  dtype=np.int64, count=n)), device)
-            table = self._completer_table.table
-            graphed = None
-            if paged and self.decoder.samples_in_graph(n, len(hidden)) and not invariant.is_enabled():
-                # The forward ran from a graph: its sampling does too, over the bucket's rows (hidden is padded).
-                graphed = self.decoder.sample(hidden, rows, num_output, table)
-            if graphed is not None:
-                result, tokens, count = graphed
-                tokens, count = tokens[:n], count[:n]
-                rows.drop_draws()  # served from the hash here: draws made ahead would be a step behind
-            else:
-                # Over the bucket's rows on a paged step, as the graph's (the same GEMM shapes: the same bits).
-                logits = self.model.lm_head(hidden).float()[:n]  # (n, V)
-                uniforms = rows.uniforms(num_output, follows=same_rows or kept, dtype=logits.dtype)
-                # True on-policy: the trainer's op, so its log-probs equal these bit for bit.
-                exact = ([1.0 if seq.req.sampling.greedy else float(seq.req.sampling.temperature) for seq in seqs]
-                         if invariant.is_enabled() else None)
-                result, tokens, count = sample_rows(logits, rows, num_output, uniforms, table, exact)
+            result, tokens, count = self._sample(hidden, rows, num_output, seqs, paged, follows=same_rows or kept)
             if want_topk:
                 wanted = [b for b, seq in enumerate(seqs) if seq.req.return_indexer_topk]
                 picked = upload(torch.tensor(wanted), device) if len(wanted) < len(seqs) else slice(None)
@@ -987,14 +1015,27 @@ class Engine:
         if not on_host:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
+        chain = (self._chain if paged and seqs and not want_topk and not rows.stream_rows and not invariant.is_enabled()
+                 else 1)
+        followers: list[_Launched] = []
+        for j in range(1, chain):
+            follower, count = self._launch_next(seqs, scheduled, rows, tokens, count, positions + j)
+            followers.append(follower)
+            tokens = follower.tokens
+        if followers:
+            self._schedules += chain - 1  # the decode plan's clock counts steps
+            self.stats["steps"] += chain - 1  # each step the device runs counts (perf.py's rates are per step)
+            self.stats["paged_decode_steps"] += chain - 1
+            self.stats["continued_decode_steps"] += chain - 1
         token_index = []
         if decode_only:  # scheduled and seqs are the same sequences
+            placeholders = [IN_FLIGHT] * chain
             for seq in seqs:
-                seq.num_computed += 1
+                seq.num_computed += chain
                 if seq.failures:
                     seq.failures = 0
-                seq.tokens.append(IN_FLIGHT)
-                seq.inflight += 1
+                seq.tokens += placeholders
+                seq.inflight += chain
             token_index = (positions + 1).tolist() if positions is not None else [seq.num_computed for seq in seqs]
         else:
             for seq, n in scheduled:
@@ -1007,11 +1048,61 @@ class Engine:
         launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
                              stream_rows=rows.stream_rows if rows else [],
-                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done)
+                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done,
+                             followers=followers)
         if on_host:
             self._account_device(launched)
+        if positions is not None and chain > 1:
+            positions = positions + (chain - 1)  # the last step's: the next launch's are one on
         self._last_counts = (key, count, positions if decode_only else None, tables_key) if seqs else None
         return launched
+
+    def _sample(self, hidden: torch.Tensor, rows: SamplingRows, num_output: torch.Tensor, seqs: list[_Sequence],
+                paged: bool, follows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row from the step's final hidden states -> (result (3, n) on the device, tokens (n,), output
+        counts with them (n,)); `follows`: num_output is the last sampling's counts (SamplingRows.uniforms)."""
+        n, table = len(seqs), self._completer_table.table
+        if paged and self.decoder.samples_in_graph(n, len(hidden)) and not invariant.is_enabled():
+            # The forward ran from a graph: its sampling does too, over the bucket's rows (hidden is padded).
+            graphed = self.decoder.sample(hidden, rows, num_output, table)
+            if graphed is not None:
+                result, tokens, count = graphed
+                rows.drop_draws()  # served from the hash here: draws made ahead would be a step behind
+                return result, tokens[:n], count[:n]
+        # Over the bucket's rows on a paged step, as the graph's (the same GEMM shapes: the same bits).
+        logits = self.model.lm_head(hidden).float()[:n]  # (n, V)
+        uniforms = rows.uniforms(num_output, follows=follows, dtype=logits.dtype)
+        # True on-policy: the trainer's op, so its log-probs equal these bit for bit.
+        exact = ([1.0 if seq.req.sampling.greedy else float(seq.req.sampling.temperature) for seq in seqs]
+                 if invariant.is_enabled() else None)
+        return sample_rows(logits, rows, num_output, uniforms, table, exact)
+
+    def _launch_next(self, seqs: list[_Sequence], scheduled: list[tuple[_Sequence, int]], rows: SamplingRows,
+                     tokens: torch.Tensor, num_output: torch.Tensor, positions: np.ndarray) -> tuple[_Launched, torch.Tensor]:
+        """Queue the decode step after the one that sampled `tokens` (with output counts `num_output`) over the same
+        rows, fed those tokens on the device (a launch of several steps); `positions`: this step's input positions.
+        Returns the step and its rows' output counts with its tokens."""
+        on_host = self.device.type != "cuda"
+        start = time.perf_counter()
+        begin = done = None
+        if not on_host:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+        hidden, topk_all, write_slots = self.decoder.forward_next(tokens)
+        if self.cache.keep_topk and topk_all is not None:
+            self.cache.store_topk(write_slots, topk_all)
+        result, tokens, count = self._sample(hidden, rows, num_output, seqs, True, follows=True)
+        if not on_host:
+            result = _to_host_async(result)[:, : len(seqs)]
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        launched = _Launched(scheduled=scheduled, sampled=seqs, token_index=(positions + 1).tolist(), tokens=tokens,
+                             result=result, topk=None, wanted=[], stream_rows=[], version=self._version_int,
+                             decode_only=True, device_s=time.perf_counter() - start if on_host else 0.0, begin=begin,
+                             done=done)
+        if on_host:
+            self._account_device(launched)
+        return launched, count
 
     def _feed(self, ids: torch.Tensor, rows: list[int] | range | np.ndarray, seqs: list[_Sequence] | None,
               previous: _Launched) -> None:

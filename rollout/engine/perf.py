@@ -46,7 +46,8 @@ def delta(before: Mapping[str, float] | None, after: Mapping[str, float]) -> dic
 def step_metrics(deltas: Sequence[Mapping[str, float]], max_running: Sequence[int]) -> dict[str, float]:
     """Metrics of one interval over engines (one delta and max_running_requests each); {} when none stepped.
 
-    steps, decode_steps: scheduler iterations (all, and those where every request decoded one token);
+    steps, decode_steps: forward steps (all, and those where every request decoded one token; a launch of several
+    decode steps, Engine.num_continuous_decode_steps, counts each);
     tok_s: generated tokens per second in steps, summed over engines (they run side by side);
     step_ms, decode_step_ms: mean wall time of a step; batch: tokens sampled per step; occupancy: running requests
     per step over max_running_requests; host_gap_s / host_gap_share: time in steps the device is not working

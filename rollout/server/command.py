@@ -42,6 +42,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="the engine's overlap scheduler: each step launches before the previous step's tokens "
                              "reach the host (checked on CPU; not yet measured on a GPU, so off by default)")
+    parser.add_argument("--num-continuous-decode-steps", type=int, default=1, metavar="N",
+                        help="decode steps a launch while every running request decodes, none streams and none is "
+                             "within N tokens of its limit: the host schedules once for N tokens (SGLang's flag of "
+                             "that name); the outputs are the same")
     parser.add_argument("--index-key-cache-dtype", choices=INDEX_KEY_CACHE_DTYPES, default="auto",
                         help="the DSA indexer keys' cache: auto (the model's dtype) or fp8_e4m3 (a float32 scale a "
                              "row, as SGLang's DSA cache: half the bytes the decode indexer reads; top-k selections "
@@ -78,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
           max_running_requests=args.max_running_requests, dtype=args.dtype, device=args.device,
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk,
           preload_weights=args.preload_weights, overlap=args.overlap,
-          index_key_cache_dtype=args.index_key_cache_dtype)
+          index_key_cache_dtype=args.index_key_cache_dtype,
+          num_continuous_decode_steps=args.num_continuous_decode_steps)
     return 0
 
 

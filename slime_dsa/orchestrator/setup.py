@@ -104,6 +104,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
     log_dir: engine i (from `first` on) logs to log_dir/engine_<i>.log (on its node: a shared filesystem brings
     remote engines' logs to the run directory)."""
     from rollout.actors import create_engine_actors  # noqa: PLC0415
+    from rollout.engine.defaults import RL_CONTINUOUS_DECODE_STEPS  # noqa: PLC0415
 
     ro, cl = recipe.rollout, recipe.cluster
     access = access or EngineAccess(None)
@@ -123,6 +124,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
                        "ops_backend": recipe.model.ops_backend, "keep_indexer_topk": ro.return_indexer_topk,
                        "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,
                        "index_key_cache_dtype": ro.index_key_cache_dtype,
+                       "num_continuous_decode_steps": ro.num_continuous_decode_steps or RL_CONTINUOUS_DECODE_STEPS,
                        "tokenizer_path": recipe.model.tokenizer_path,
                        "warmup_max_len": recipe.data.max_prompt_length + ro.max_response_length},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
