@@ -90,7 +90,9 @@ def trainer_logits(model, prompt, output):
 # parity
 
 
-def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint, model, decode_path):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint, model, decode_path, decode_steps):
+    """decode_steps: Engine.num_continuous_decode_steps (several decode steps a launch on the paged path)."""
     _, hf = checkpoint
     lengths, n_new = (3, 7, 12, 5, 17), 20
     ps = prompts(lengths)
@@ -100,14 +102,16 @@ def test_greedy_matches_transformers_generate_with_staggered_arrivals(checkpoint
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0)
         reference.append(out[0, len(p) :].tolist())
     # block_size 4 and an 8-token prefill budget: blocks fill mid-sequence, long prompts prefill in chunks
-    engine = Engine(model, max_cache_tokens=1024, block_size=4, max_prefill_tokens=8)
+    engine = Engine(model, max_cache_tokens=1024, block_size=4, max_prefill_tokens=8,
+                    num_continuous_decode_steps=decode_steps)
     arrivals = {0: [], 2: [], 5: [], 9: []}
     for i, (p, at) in enumerate(zip(ps, (0, 0, 2, 5, 9))):
-        arrivals[at].append(GenerateRequest(input_ids=p, sampling=greedy(n_new), rid=str(i)))
+        arrivals[at].append(GenerateRequest(input_ids=p, sampling=greedy(n_new), rid=str(i), stream=False))
     finals = run(engine, arrivals)
     assert run.peak_running == len(ps)  # they shared the running batch
     paged_steps = engine.stats["paged_decode_steps"]
     assert (paged_steps > n_new // 2) if decode_path == "paged" else paged_steps == 0
+    assert (engine.stats["continued_decode_steps"] > 0) == (decode_path == "paged" and decode_steps > 1)
     for i, ref in enumerate(reference):
         assert finals[str(i)].output_ids == ref, f"request {i} (prompt {lengths[i]} tokens) diverged from transformers"
         assert finals[str(i)].finish_reason == {"type": "length", "length": n_new}
@@ -1015,6 +1019,7 @@ def test_async_engine_streams_cancels_and_updates(checkpoint, tmp_path):
         assert (await gen)[-1].finish_reason["type"] == "length"
         info = engine.server_info()
         assert info["engine"] == "embedded" and info["max_cache_tokens"] == 512
+        assert info["num_continuous_decode_steps"] == 1
         await engine.stop()
         with pytest.raises(EngineStoppedError):
             await collect(GenerateRequest(input_ids=[1, 2]))
