@@ -518,7 +518,8 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
         return ("bf16 mixed precision (float32 master weights and AdamW state on both sides)",
                 f"ours: `run_training`, {loop}, with its defaults and recipes/gpu_single.yaml's resources, 1 embedded "
                 f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
-                f"{placement}overlap scheduler {args.ours_overlap}, {args.ours_decode_steps or 'the default'} decode step(s) a launch, "
+                f"{placement}overlap scheduler {args.ours_overlap}, "
+                f"{args.ours_decode_steps or 'the default'} decode step(s) a launch, "
                 f"prefetch of the next step's calls "
                 f"{args.ours_prefetch}, trainer.compile {args.ours_compile}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "

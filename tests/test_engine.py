@@ -838,7 +838,8 @@ def test_overlap_equals_sync_with_stops_arrivals_replay_and_prefix_reuse(model):
 def _chain_workload(engine: Engine, requests: list[GenerateRequest], events: dict[int, Callable] | None = None) -> dict:
     """Step `engine` through `requests` (a third arrives at step 3) and `events` (step -> a call on the engine that
     returns final outputs); the final outputs by rid."""
-    arrivals, events, finals = {0: requests[: 2 * len(requests) // 3], 3: requests[2 * len(requests) // 3 :]}, dict(events or {}), {}
+    third = 2 * len(requests) // 3
+    arrivals, events, finals = {0: requests[:third], 3: requests[third:]}, dict(events or {}), {}
     for step in range(500):
         for req in arrivals.pop(step, []):
             engine.add_request(req)
@@ -861,9 +862,12 @@ def test_continuous_decode_steps_equal_single_steps(model, decode_path):
     rng = np.random.default_rng(11)
     group = prompts((9,), seed=31) * 4  # one prompt's four samples (forks)
     ps = group + prompts(rng.integers(3, 14, size=14).tolist(), seed=32)
-    requests = [GenerateRequest(input_ids=p, rid=f"r{i}", return_indexer_topk=i % 3 == 0, stream=False, sampling=SamplingParams(
-        max_new_tokens=int(rng.integers(1, 40)), temperature=0.0 if i % 5 == 0 else 1.0, sampling_seed=i,
-        min_new_tokens=2 if i % 4 == 0 else 0, stop_token_ids=[7] if i % 2 else [])) for i, p in enumerate(ps)]
+    requests = [GenerateRequest(input_ids=p, rid=f"r{i}", return_indexer_topk=i % 3 == 0, stream=False,
+                                sampling=SamplingParams(max_new_tokens=int(rng.integers(1, 40)),
+                                                        temperature=0.0 if i % 5 == 0 else 1.0, sampling_seed=i,
+                                                        min_new_tokens=2 if i % 4 == 0 else 0,
+                                                        stop_token_ids=[7] if i % 2 else []))
+                for i, p in enumerate(ps)]
     aborted = max(requests, key=lambda r: r.sampling.max_new_tokens).rid
 
     def retract(engine: Engine) -> list:
@@ -904,16 +908,21 @@ def test_continuous_decode_steps_with_stop_strings_and_streams(decode_path):
     from slime_dsa.models import ModelConfig
 
     tokenizer = build_tokenizer()
-    model = build_model(ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1}), seed=0).eval()
+    config = ModelConfig.from_dict({**TINY, **MODEL, "vocab_size": MODEL_VOCAB_SIZE, "index_topk_freq": 1})
+    model = build_model(config, seed=0).eval()
     prompt = tokenizer.encode("the answer is", add_special_tokens=False)
-    sampling = lambda i: SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i, ignore_eos=True,  # noqa: E731
-                                        stop=["e", "th"], skip_special_tokens=False)
+
+    def sampling(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=24, temperature=1.0, sampling_seed=i, ignore_eos=True, stop=["e", "th"],
+                              skip_special_tokens=False)
 
     def go(steps: int, stream: bool) -> tuple[dict, dict]:
-        engine = Engine(model, max_cache_tokens=1024, block_size=4, tokenizer=tokenizer, num_continuous_decode_steps=steps)
+        engine = Engine(model, max_cache_tokens=1024, block_size=4, tokenizer=tokenizer,
+                        num_continuous_decode_steps=steps)
         streamed: dict[str, list] = {}
         for i in range(8):
-            engine.add_request(GenerateRequest(input_ids=prompt, sampling=sampling(i), rid=str(i), stream=stream and i == 0))
+            engine.add_request(GenerateRequest(input_ids=prompt, sampling=sampling(i), rid=str(i),
+                                               stream=stream and i == 0))
         while engine.has_work:
             for out in engine.step():
                 streamed.setdefault(out.rid, []).append((list(out.output_ids), out.finish_reason))

@@ -192,7 +192,8 @@ def test_continuous_decode_steps_equal_single_steps_on_cuda_graphs():
     model = _model(0)
 
     def requests(seed: int, **sampling) -> list[GenerateRequest]:
-        return [GenerateRequest(input_ids=r.input_ids, rid=r.rid, stream=False, return_indexer_topk=r.return_indexer_topk,
+        return [GenerateRequest(input_ids=r.input_ids, rid=r.rid, stream=False,
+                                return_indexer_topk=r.return_indexer_topk,
                                 sampling=SamplingParams(**{"temperature": 1.0, "sampling_seed": 100 + i, **sampling}))
                 for i, r in enumerate(_requests(37, seed=seed))]
 

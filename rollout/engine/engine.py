@@ -282,7 +282,8 @@ class Engine:
         self._failed_later: list[tuple[_Sequence, Exception]] = []  # scheduling failures of sequences with a token in flight
         self._schedules = 0  # _schedule calls: the decode plan's clock
         self._plan: DecodePlan | None = None  # the running decode rows carried between steps (decode_plan.py)
-        self.stats.update({"steps": 0, "paged_decode_steps": 0, "continued_decode_steps": 0, "prefill_tokens": 0, "generated_tokens": 0,
+        self.stats.update({"steps": 0, "paged_decode_steps": 0, "continued_decode_steps": 0, "prefill_tokens": 0,
+                           "generated_tokens": 0,
                            "cached_tokens": 0, "scored_tokens": 0})
         # Where the step loop's time goes (cumulative; rollout.engine.perf turns two readings into rates): seconds in
         # steps, of them waiting on the device, the same for decode-only steps, and the running requests summed over
@@ -814,8 +815,9 @@ class Engine:
                     add(seq, n)
             if all_decode and self._running:
                 self._plan = DecodePlan.build(self._running, spans, self._schedules)
+                copies = not self.cache.keep_topk  # per-step replay copies: one step a launch
                 self._plan.chainable = self.num_continuous_decode_steps > 1 and not any(
-                    seq.req.stream or (seq.req.return_indexer_topk and not self.cache.keep_topk) for seq in self._running)
+                    seq.req.stream or (seq.req.return_indexer_topk and copies) for seq in self._running)
         self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -1048,8 +1050,8 @@ class Engine:
         launched = _Launched(scheduled=scheduled, sampled=seqs,
                              token_index=token_index, tokens=tokens, result=result, topk=topk_host, wanted=wanted,
                              stream_rows=rows.stream_rows if rows else [],
-                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin, done=done,
-                             followers=followers)
+                             version=self._version_int, decode_only=decode_only, device_s=device_s, begin=begin,
+                             done=done, followers=followers)
         if on_host:
             self._account_device(launched)
         if positions is not None and chain > 1:
@@ -1078,7 +1080,8 @@ class Engine:
         return sample_rows(logits, rows, num_output, uniforms, table, exact)
 
     def _launch_next(self, seqs: list[_Sequence], scheduled: list[tuple[_Sequence, int]], rows: SamplingRows,
-                     tokens: torch.Tensor, num_output: torch.Tensor, positions: np.ndarray) -> tuple[_Launched, torch.Tensor]:
+                     tokens: torch.Tensor, num_output: torch.Tensor,
+                     positions: np.ndarray) -> tuple[_Launched, torch.Tensor]:
         """Queue the decode step after the one that sampled `tokens` (with output counts `num_output`) over the same
         rows, fed those tokens on the device (a launch of several steps); `positions`: this step's input positions.
         Returns the step and its rows' output counts with its tokens."""
