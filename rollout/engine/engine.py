@@ -223,7 +223,7 @@ class Engine:
         num_continuous_decode_steps: a decode-only step over the carried decode rows (no request waiting, none
         streaming, none wanting per-step replay rows, every row that many tokens from its limit) queues that many
         steps at once, each fed the last one's tokens on the device, so the host schedules and launches once for them
-        (SGLang's --num-continuous-decode-steps); the outputs are the same."""
+        (SGLang's --num-continuous-decode-steps); the same tokens (log-probs bit for bit where the batches match)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
@@ -815,9 +815,13 @@ class Engine:
                     add(seq, n)
             if all_decode and self._running:
                 self._plan = DecodePlan.build(self._running, spans, self._schedules)
-                copies = not self.cache.keep_topk  # per-step replay copies: one step a launch
-                self._plan.chainable = self.num_continuous_decode_steps > 1 and not any(
-                    seq.req.stream or (seq.req.return_indexer_topk and copies) for seq in self._running)
+                # Chains replay the decode graph and its sampling: not with per-step replay copies, streams or the
+                # batch-invariant (true on-policy) sampling.
+                copies = not self.cache.keep_topk
+                self._plan.chainable = (self.num_continuous_decode_steps > 1 and self.decoder is not None
+                                        and not invariant.is_enabled() and not any(
+                                            seq.req.stream or (seq.req.return_indexer_topk and copies)
+                                            for seq in self._running))
         self._scheduled_rows += decode_rows
         while self._queue and len(self._running) < self.max_running_requests:
             seq = self._queue[0]
@@ -868,7 +872,7 @@ class Engine:
                 chain = 1  # it would sample past its limit: one step this time
         for row in due:
             seq = plan.rows[row]
-            if steady_steps(seq, bs) <= 0 or len(seq.blocks) * bs - seq.num_computed < chain:
+            if len(seq.blocks) * bs - seq.num_computed < chain:  # its blocks end within the launch's steps
                 try:
                     self._grow(seq, seq.num_computed + chain)
                 except Exception:  # noqa: BLE001 - the full pass meets it again and ends that request alone
@@ -1017,8 +1021,7 @@ class Engine:
         if not on_host:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        chain = (self._chain if paged and seqs and not want_topk and not rows.stream_rows and not invariant.is_enabled()
-                 else 1)
+        chain = self._chain if paged else 1  # > 1 only from a chainable plan (_planned_rows)
         followers: list[_Launched] = []
         for j in range(1, chain):
             follower, count = self._launch_next(seqs, scheduled, rows, tokens, count, positions + j)

@@ -45,7 +45,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-continuous-decode-steps", type=int, default=1, metavar="N",
                         help="decode steps a launch while every running request decodes, none streams and none is "
                              "within N tokens of its limit: the host schedules once for N tokens (SGLang's flag of "
-                             "that name); the outputs are the same")
+                             "that name); the same tokens")
     parser.add_argument("--index-key-cache-dtype", choices=INDEX_KEY_CACHE_DTYPES, default="auto",
                         help="the DSA indexer keys' cache: auto (the model's dtype) or fp8_e4m3 (a float32 scale a "
                              "row, as SGLang's DSA cache: half the bytes the decode indexer reads; top-k selections "

@@ -400,7 +400,7 @@ class RolloutSection(Section):
         description="Embedded engines decode this many steps a launch while every running request decodes (none "
                     "waiting, none streaming, none within that many tokens of its limit): each step takes the last "
                     "one's tokens on the GPU and the host schedules and books once for them (SGLang's "
-                    "--num-continuous-decode-steps); the outputs are the same. null: 4 for embedded engines (at 64 x "
+                    "--num-continuous-decode-steps); the same tokens (log-probs within 1e-5). null: 4 for embedded engines (at 64 x "
                     "16 on an H100 the decode steps' host gap fell from ~37% to ~10%: benchmarks/RESULTS.md); 1 "
                     "launches every step alone. SGLang and external servers set their own (leave it null for them).")
     index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
