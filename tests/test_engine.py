@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import types
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import slime_dsa
 from rollout.engine import AsyncEngine, Engine, EngineStoppedError, GenerateRequest, RequestError, SamplingParams
@@ -229,6 +232,38 @@ def test_samples_of_one_prompt_fork_and_equal_separate_runs(model):
         assert got.output_ids == alone.output_ids, s
         assert np.allclose(got.output_token_logprobs, alone.output_token_logprobs, atol=1e-5), s
         assert np.array_equal(got.indexer_topk, alone.indexer_topk), s
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity, as the engine's sequences
+class _Rows:
+    num_computed: int
+    blocks: list[int]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fork_rows_are_copied_slot_for_slot_from_the_twins_blocks(data):
+    """Engine._copy_fork_rows (vectorised over rows) copies row p of each fork from its twin's row p: the slots of
+    the per-row definition, for forks whose new rows start anywhere and span several blocks."""
+    bs = data.draw(st.sampled_from([1, 4, 16]))
+    copied, forks, scheduled, expect_src, expect_dst = {}, {}, [], [], []
+    engine = types.SimpleNamespace(block_size=bs, _forks=forks, device=torch.device("cpu"), cache=types.SimpleNamespace(
+        copy_rows=lambda src, dst: copied.update(src=src.tolist(), dst=dst.tolist())))
+    ids = iter(range(10**6))
+    for _ in range(data.draw(st.integers(0, 6))):
+        start, n = data.draw(st.integers(0, 40)), data.draw(st.integers(0, 40))
+        blocks = -(-(start + n) // bs) + data.draw(st.integers(0, 2))
+        seq = _Rows(start, [next(ids) for _ in range(blocks)])
+        twin = _Rows(0, [next(ids) for _ in range(blocks)])
+        forks[seq] = twin
+        scheduled.append((seq, n))
+        if data.draw(st.booleans()):
+            scheduled.append((_Rows(0, [next(ids)]), 1))  # not a fork
+        for pos in range(start, start + n):
+            expect_src.append(twin.blocks[pos // bs] * bs + pos % bs)
+            expect_dst.append(seq.blocks[pos // bs] * bs + pos % bs)
+    Engine._copy_fork_rows(engine, scheduled)
+    assert (copied.get("src", []), copied.get("dst", [])) == (expect_src, expect_dst)
 
 
 def test_packed_steps_give_the_indexer_host_offsets_equal_to_the_device_ones(model, monkeypatch):
