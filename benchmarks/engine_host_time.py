@@ -152,9 +152,12 @@ def _engine(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int
 def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: int, ignore_eos: bool = False,
              overlap: bool = False, decode_steps: int = 1) -> dict[str, float]:
     """One engine from empty to done over `batch` requests: ms of thread CPU time per step the device runs (with
-    several decode steps a launch, fewer `Engine.step` calls than steps), by phase."""
+    several decode steps a launch, fewer `Engine.step` calls than steps), by phase; `first step`: the first
+    `Engine.step` call alone (every admission, the prompts' forward and the group samples' fork copies)."""
     engine = _engine(model, tokenizer, batch, group, new_tokens, seed, ignore_eos, overlap, decode_steps)
     _compute[0], start = 0.0, clock()
+    engine.step()  # the admissions of every request, the prompts' prefill and the forks' copies
+    first_step = clock() - start
     while engine.has_work:
         engine.step()
     steps = engine.stats["steps"]  # forward steps, each of a launch of several counted
@@ -163,6 +166,7 @@ def run_once(model, tokenizer, batch: int, group: int, new_tokens: int, seed: in
     ms["launch - compute"] = ms["launch"] - ms["compute"]
     ms["step"] = (clock() - start) / steps * 1e3
     ms["step - compute"] = ms["step"] - ms["compute"]
+    ms["first step"] = first_step * 1e3
     return ms
 
 
