@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import types
 from collections.abc import Callable
 
@@ -927,6 +928,40 @@ def test_continuous_decode_steps_equal_single_steps(model, decode_path):
             shorter = min(len(got.output_ids), len(out.output_ids))
             assert got.finish_reason["type"] == "abort" and got.output_ids[:shorter] == out.output_ids[:shorter]
             continue
+        assert got.output_ids == out.output_ids and got.finish_reason == out.finish_reason, rid
+        assert got.output_token_versions == out.output_token_versions
+        assert np.allclose(got.output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
+        assert np.array_equal(got.indexer_topk, out.indexer_topk) and got.indexer_topk_start == out.indexer_topk_start
+
+
+@settings(max_examples=int(os.environ.get("ENGINE_CHAIN_EXAMPLES", "6")), deadline=None)
+@given(seed=st.integers(0, 2**16), block_size=st.sampled_from([2, 4, 8]), chain=st.integers(2, 5),
+       budget=st.sampled_from([8192, 6]))
+def test_random_workloads_decode_alike_in_chains_and_single_steps(model, decode_path, seed, block_size, chain, budget):
+    """Random workloads (prompt lengths, groups, token limits, stop tokens, temperatures, arrivals) give the same
+    outputs with `chain` decode steps a launch as with one; ENGINE_CHAIN_EXAMPLES sets the examples tried."""
+    if decode_path != "paged":
+        pytest.skip("several steps a launch are paged decode steps")
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 12, size=int(rng.integers(1, 10))).tolist()
+    ps = [p for p, copies in zip(prompts(lengths, seed=seed), rng.integers(1, 4, size=len(lengths))) for _ in
+          range(copies)]  # some prompts sampled several times (forks)
+    requests = [GenerateRequest(input_ids=p, rid=f"r{i}", return_indexer_topk=bool(rng.integers(2)), stream=False,
+                                sampling=SamplingParams(max_new_tokens=int(rng.integers(1, 3 * chain + 4)),
+                                                        temperature=float(rng.choice([0.0, 1.0])), sampling_seed=i,
+                                                        min_new_tokens=int(rng.integers(0, 3)),
+                                                        stop_token_ids=[int(rng.integers(VOCAB))]))
+                for i, p in enumerate(ps)]
+
+    def go(steps: int) -> dict:
+        engine = Engine(model, max_cache_tokens=2048, block_size=block_size, seed=0, eos_token_ids=[],
+                        keep_indexer_topk=True, max_prefill_tokens=budget, num_continuous_decode_steps=steps)
+        return _chain_workload(engine, [dataclasses.replace(r) for r in requests])
+
+    single, chained = go(1), go(chain)
+    assert single.keys() == chained.keys() == {r.rid for r in requests}
+    for rid, out in single.items():
+        got = chained[rid]
         assert got.output_ids == out.output_ids and got.finish_reason == out.finish_reason, rid
         assert got.output_token_versions == out.output_token_versions
         assert np.allclose(got.output_token_logprobs, out.output_token_logprobs, atol=1e-5), rid
