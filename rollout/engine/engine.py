@@ -1213,23 +1213,21 @@ class Engine:
     def _copy_fork_rows(self, scheduled: list[tuple[_Sequence, int]]) -> None:
         """Fill each forked sequence's new cache rows with its twin's (same tokens, same positions, same weights)."""
         bs = self.block_size
-        forks = [(seq, self._forks[seq], seq.num_computed, n) for seq, n in scheduled if n > 0 and seq in self._forks]
+        forks = [(seq, self._forks[seq], n) for seq, n in scheduled if n > 0 and seq in self._forks]
         if not forks:
             return
-        # Vectorised over rows (a step forks ~1,000 sequences): each fork's blocks holding its new rows, and the
+        # Vectorised over rows (a step forks ~1,000 sequences): the blocks holding each fork's new rows, and the
         # twin's at the same indices, flattened; then every row's slot in both.
-        spans = [(start // bs, (start + n - 1) // bs + 1) for _, _, start, n in forks]
+        starts = np.fromiter((seq.num_computed for seq, _, _ in forks), dtype=np.int64, count=len(forks))
+        counts = np.fromiter((n for _, _, n in forks), dtype=np.int64, count=len(forks))
+        first, end = starts // bs, (starts + counts - 1) // bs + 1
+        spans = list(zip(first.tolist(), end.tolist()))
         fork_blocks = np.fromiter(itertools.chain.from_iterable(
-            seq.blocks[a:b] for (seq, _, _, _), (a, b) in zip(forks, spans)), dtype=np.int64)
+            seq.blocks[a:b] for (seq, _, _), (a, b) in zip(forks, spans)), dtype=np.int64)
         twin_blocks = np.fromiter(itertools.chain.from_iterable(
-            twin.blocks[a:b] for (_, twin, _, _), (a, b) in zip(forks, spans)), dtype=np.int64)
-        starts = np.fromiter((start for _, _, start, _ in forks), dtype=np.int64, count=len(forks))
-        counts = np.fromiter((n for _, _, _, n in forks), dtype=np.int64, count=len(forks))
-        first_block = np.fromiter((a for a, _ in spans), dtype=np.int64, count=len(forks))
-        span_offset = np.cumsum([0] + [b - a for a, b in spans[:-1]])  # each fork's first entry in the flat blocks
-        row_offset = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum())) - np.repeat(row_offset - starts, counts)
-        flat = np.repeat(span_offset - first_block, counts) + positions // bs
+            twin.blocks[a:b] for (_, twin, _), (a, b) in zip(forks, spans)), dtype=np.int64)
+        positions = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts - starts, counts)
+        flat = np.repeat(np.cumsum(end - first) - end, counts) + positions // bs  # into the flattened blocks
         src = twin_blocks[flat] * bs + positions % bs
         dst = fork_blocks[flat] * bs + positions % bs
         self.cache.copy_rows(upload(torch.from_numpy(src), self.device), upload(torch.from_numpy(dst), self.device))
