@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="the engine's DSA index-key cache (rollout.index_key_cache_dtype)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="decode steps a launch (rollout.num_continuous_decode_steps; default 1)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="the engine's pointwise chains through torch.compile (rollout.enable_torch_compile)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     if unknown := sorted(set(paths) - {"simple", "rollout"}):
@@ -326,6 +328,7 @@ def main(argv: list[str] | None = None) -> str:
     ENGINE_OPTIONS["overlap"] = args.overlap
     ENGINE_OPTIONS["index_key_cache_dtype"] = args.index_key_cache_dtype
     ENGINE_OPTIONS["num_continuous_decode_steps"] = args.decode_steps
+    ENGINE_OPTIONS["enable_torch_compile"] = args.torch_compile
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     overrides, prompt_len, new_tokens = PRESETS[args.preset]

@@ -163,6 +163,7 @@ def recipe_dict(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
     recipe["rollout"]["overlap_schedule"] = args.ours_overlap == "on"
     if args.ours_decode_steps is not None:
         recipe["rollout"]["num_continuous_decode_steps"] = args.ours_decode_steps
+    recipe["rollout"]["enable_torch_compile"] = args.ours_engine_compile == "on"
     recipe["trainer"]["compile"] = args.ours_compile == "on"
     recipe["rollout"]["prefetch_next_step"] = args.ours_prefetch == "on"
     recipe["logging"]["profile_steps"] = args.profile_steps
@@ -520,6 +521,7 @@ def setup_desc(args: argparse.Namespace) -> tuple[str, str]:
                 f"engine (bf16 weights, CUDA graphs in decode) + 1 FSDP2 trainer rank (trainer.mixed_precision) "
                 f"{placement}overlap scheduler {args.ours_overlap}, "
                 f"{args.ours_decode_steps or 'the default'} decode step(s) a launch, "
+                f"rollout.enable_torch_compile {args.ours_engine_compile}, "
                 f"prefetch of the next step's calls "
                 f"{args.ours_prefetch}, trainer.compile {args.ours_compile}), "
                 f"Triton kernels (ops_backend auto), micro_batch_tokens {args.micro_batch_tokens}; "
@@ -696,6 +698,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours-decode-steps", type=int, default=None,
                         help="ours: rollout.num_continuous_decode_steps, decode steps an engine launches at once while "
                              "every request decodes (default: the recipe's, 4 for embedded engines)")
+    parser.add_argument("--ours-engine-compile", choices=("on", "off"), default="off",
+                        help="ours: rollout.enable_torch_compile, the engine's pointwise chains (norms, rotations, "
+                             "routing) compiled into fused kernels (default off, the recipe default)")
     parser.add_argument("--hook-state", choices=("every", "last"), default=None,
                         help="ours: the weight push reads the weights back for this script's hook at every step "
                              "(default on cpu, as before; ~ms for the quickstart model) or at the last one only "

@@ -232,3 +232,14 @@ def test_num_continuous_decode_steps_for_servers_is_refused(engine):
     assert "rollout.num_continuous_decode_steps applies to embedded engines" in refusal(data)
     assert validate_recipe({"rollout": {"num_continuous_decode_steps": 4}}).rollout.num_continuous_decode_steps == 4
     assert "num_continuous_decode_steps" in refusal({"rollout": {"num_continuous_decode_steps": 0}})
+
+
+@pytest.mark.parametrize("engine", [{"engine": "sglang"}, EXTERNAL])
+def test_enable_torch_compile_for_servers_or_with_true_on_policy_is_refused(engine):
+    """The embedded engines' compiled pointwise chains: servers take their own flag, and batch-invariant ops replace
+    the chains the flag compiles."""
+    data = {"rollout": {**engine, "enable_torch_compile": True}, "cluster": {"num_gpus_per_engine": 1}}
+    assert "rollout.enable_torch_compile applies to embedded engines" in refusal(data)
+    message = refusal({"rollout": {"enable_torch_compile": True}, "model": {"true_on_policy": True}})
+    assert message.startswith("rollout.enable_torch_compile fuses ops that model.true_on_policy's"), message
+    assert validate_recipe({"rollout": {"enable_torch_compile": True}}).rollout.enable_torch_compile

@@ -339,6 +339,7 @@ class AsyncEngine:
             "max_prefill_tokens": engine.max_prefill_tokens,
             "block_size": engine.block_size,
             "num_continuous_decode_steps": engine.num_continuous_decode_steps,
+            "enable_torch_compile": engine.enable_torch_compile,
             "enable_prefix_caching": engine.blocks.enable_prefix_caching,
             "num_running": engine.num_running,
             "num_queued": engine.num_queued,

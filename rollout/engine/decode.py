@@ -31,7 +31,7 @@ from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.rows import SamplingRows
 from rollout.engine.sample_graph import SamplingGraphs
 from slime_dsa import ops
-from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch, fused_pointwise
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,13 @@ class PagedDecoder:
     """Runs decode-only steps through `PagedDecodeBatch`: eagerly, or replaying CUDA graphs on CUDA."""
 
     def __init__(self, model: GlmMoeDsaForCausalLM, cache: PagedKVCache, block_size: int, use_cuda_graphs: bool = True,
-                 stats: dict[str, float] | None = None, max_batch: int = BATCH_BUCKETS[-1]) -> None:
+                 stats: dict[str, float] | None = None, max_batch: int = BATCH_BUCKETS[-1],
+                 fuse_pointwise: bool = False) -> None:
         """stats: where graph_captures and graph_capture_s (cumulative) are counted (the engine's stats). max_batch:
-        the most sequences a step decodes; the first step at a block-table width captures every batch bucket up to it."""
+        the most sequences a step decodes; the first step at a block-table width captures every batch bucket up to it.
+        fuse_pointwise: the model's enabled pointwise chains run compiled in these steps (models/fused_pointwise.py)."""
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.fuse_pointwise = fuse_pointwise
         self.batch_ladder = BATCH_BUCKETS[: bisect_left(BATCH_BUCKETS, min(max_batch, BATCH_BUCKETS[-1])) + 1]
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("graph_captures", 0)
@@ -226,7 +229,8 @@ class PagedDecoder:
     def _run(self, inputs: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         ids, positions, table = inputs[:B], inputs[B : 2 * B], inputs[2 * B :].view(B, width)
         batch = PagedDecodeBatch(positions, table, self.block_size, self.cache)
-        out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
+        with fused_pointwise.fusing(self.fuse_pointwise):  # graphs and eager steps alike: the same bits
+            out = self.model.forward_packed(ids, batch, return_logits=False, return_topk=self.has_topk)
         return out.hidden_states, out.topk_indices, batch.write_slots
 
     def _replay(self, input_ids, positions, tables, B: int, width: int, on_inputs, tables_key: Hashable = None,

@@ -91,7 +91,7 @@ from rollout.engine.stop_chars import StopCompleters
 from rollout.engine.types import GenerateOutput, GenerateRequest, RequestError, SamplingParams
 from slime_dsa.devices import foreach_copy
 from slime_dsa.gc_watch import freeze_after_startup
-from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch
+from slime_dsa.models import GlmMoeDsaForCausalLM, PackedBatch, fused_pointwise
 from slime_dsa.ops import invariant
 from slime_dsa.ops.fp8_keys import FP8_DTYPE
 from slime_dsa.trace_recorder import annotate
@@ -212,6 +212,7 @@ class Engine:
         overlap: bool = False,
         index_key_cache_dtype: str = "auto",
         num_continuous_decode_steps: int = 1,
+        enable_torch_compile: bool = False,
     ) -> None:
         """paged_decode: decode-only steps read the KV pool in place instead of gathering every sequence's keys
         (on CPU too: 15-20% faster decode with 100-token contexts, benchmarks/RESULTS.md); cuda_graphs: and
@@ -223,16 +224,28 @@ class Engine:
         num_continuous_decode_steps: a decode-only step over the carried decode rows (no request waiting, none
         streaming, none wanting per-step replay rows, every row that many tokens from its limit) queues that many
         steps at once, each fed the last one's tokens on the device, so the host schedules and launches once for them
-        (SGLang's --num-continuous-decode-steps); the same tokens (log-probs bit for bit where the batches match)."""
+        (SGLang's --num-continuous-decode-steps); the same tokens (log-probs bit for bit where the batches match);
+        enable_torch_compile: the model's small pointwise chains (norms, rotations, routing, activations) run through
+        torch.compile in this engine's paged decode steps, fused into a few kernels each (models/fused_pointwise.py;
+        SGLang's --enable-torch-compile): fewer kernels in a decode graph, compiled when first met (the warm-up's
+        captures). Prefill steps run the eager ops. The model is the engine's own: its modules are flagged for good."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_cache_tokens < block_size:
             raise ValueError(f"max_cache_tokens ({max_cache_tokens}) must hold at least one block of block_size ({block_size}) tokens")
         if num_continuous_decode_steps < 1:
             raise ValueError(f"num_continuous_decode_steps must be >= 1, got {num_continuous_decode_steps}")
+        if enable_torch_compile and invariant.is_enabled():
+            raise ValueError("enable_torch_compile fuses the model's pointwise ops, which batch-invariant mode (true "
+                             "on-policy) replaces with its own kernels: turn one of them off")
+        if enable_torch_compile and not paged_decode:
+            raise ValueError("enable_torch_compile fuses the paged decode steps' pointwise ops: it needs paged_decode")
         if max_running_requests < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_running_requests ({max_running_requests}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
         self.model = model.eval()
+        self.enable_torch_compile = enable_torch_compile
+        if enable_torch_compile:
+            fused_pointwise.enable(model)
         self.config = model.config
         self.device = model.device
         self.tokenizer = tokenizer
@@ -246,7 +259,8 @@ class Engine:
         self.cache = PagedKVCache(self.config, num_blocks, block_size, model.dtype, self.device, keep_topk=keep_indexer_topk,
                                   index_key_dtype=index_key_dtype(index_key_cache_dtype))
         self.stats: dict[str, float] = {}
-        self.decoder = (PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats, max_running_requests)
+        self.decoder = (PagedDecoder(model, self.cache, block_size, cuda_graphs, self.stats, max_running_requests,
+                                     fuse_pointwise=enable_torch_compile)
                         if paged_decode else None)
         self.n_full_layers = len(self.config.full_layer_ids)
         self._weight_version = str(weight_version)

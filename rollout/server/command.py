@@ -46,6 +46,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps a launch while every running request decodes, none streams and none is "
                              "within N tokens of its limit: the host schedules once for N tokens (SGLang's flag of "
                              "that name); the same tokens")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="decode steps run the model's pointwise chains (norms, rotations, routing, activations) "
+                             "through torch.compile, fused into a few kernels each: fewer kernels a decode graph, "
+                             "compiled when first met (SGLang's flag of that name)")
     parser.add_argument("--index-key-cache-dtype", choices=INDEX_KEY_CACHE_DTYPES, default="auto",
                         help="the DSA indexer keys' cache: auto (the model's dtype) or fp8_e4m3 (a float32 scale a "
                              "row, as SGLang's DSA cache: half the bytes the decode indexer reads; top-k selections "
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, keep_indexer_topk=args.keep_indexer_topk,
           preload_weights=args.preload_weights, overlap=args.overlap,
           index_key_cache_dtype=args.index_key_cache_dtype,
-          num_continuous_decode_steps=args.num_continuous_decode_steps)
+          num_continuous_decode_steps=args.num_continuous_decode_steps,
+          enable_torch_compile=args.enable_torch_compile)
     return 0
 
 

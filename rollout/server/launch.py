@@ -46,6 +46,7 @@ def load_engine(
     index_key_cache_dtype: str = "auto",
     tokenizer_path: str | None = None,
     num_continuous_decode_steps: int = 1,
+    enable_torch_compile: bool = False,
 ) -> tuple[Any, Any]:
     """(AsyncEngine, tokenizer) for an HF-format model directory; the engine is not started yet.
 
@@ -60,7 +61,7 @@ def load_engine(
     (the run's model.tokenizer_path); None: the one saved with the model. The engine stops on the ids SGLang
     stops on (rollout.engine.stop.engine_eos_token_ids): config.json's and generation_config.json's eos_token_id and
     the tokenizer's eos_token. `num_continuous_decode_steps`: decode steps a launch when every running request
-    decodes (Engine).
+    decodes (Engine). `enable_torch_compile`: the model's pointwise chains compiled into fused kernels (Engine).
     """
     import torch
 
@@ -82,7 +83,8 @@ def load_engine(
     engine = Engine(model, max_cache_tokens=max_cache_tokens, max_running_requests=max_running_requests,
                     eos_token_ids=eos_ids, tokenizer=tokenizer, weight_version=weight_version,
                     keep_indexer_topk=keep_indexer_topk, overlap=overlap, index_key_cache_dtype=index_key_cache_dtype,
-                    num_continuous_decode_steps=num_continuous_decode_steps)
+                    num_continuous_decode_steps=num_continuous_decode_steps,
+                    enable_torch_compile=enable_torch_compile)
     if warmup_max_len > 0 and engine.device.type == "cuda":
         from rollout.engine.warmup import warm_up_or_recover
 
@@ -185,6 +187,7 @@ def serve(
     overlap: bool = False,
     index_key_cache_dtype: str = "auto",
     num_continuous_decode_steps: int = 1,
+    enable_torch_compile: bool = False,
 ) -> None:
     """Load `model_dir` and serve it until SIGINT/SIGTERM. Binds 127.0.0.1 unless `host` says otherwise.
 
@@ -197,7 +200,8 @@ def serve(
                                             max_running_requests=max_running_requests, dtype=dtype, device=device,
                                             keep_indexer_topk=keep_indexer_topk, preload_weights=preload_weights,
                                             overlap=overlap, index_key_cache_dtype=index_key_cache_dtype,
-                                            num_continuous_decode_steps=num_continuous_decode_steps)
+                                            num_continuous_decode_steps=num_continuous_decode_steps,
+                                            enable_torch_compile=enable_torch_compile)
     app = create_app(engine, tokenizer, api_key=api_key, max_body_bytes=max_body_bytes,
                      max_prompt_tokens=max_prompt_tokens, model_path=str(model_dir),
                      served_model_name=served_model_name,

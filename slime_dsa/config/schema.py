@@ -403,6 +403,14 @@ class RolloutSection(Section):
                     "--num-continuous-decode-steps); the same tokens (log-probs within 1e-5). null: 4 for embedded engines (at 64 x "
                     "16 on an H100 the decode steps' host gap fell from ~37% to ~10%: benchmarks/RESULTS.md); 1 "
                     "launches every step alone. SGLang and external servers set their own (leave it null for them).")
+    enable_torch_compile: bool = Field(
+        False, description="Embedded engines' decode steps run the model's small pointwise chains (norms, rotations, "
+                           "routing, activations) through torch.compile, fused into a few kernels each, so a decode "
+                           "graph holds fewer kernels (SGLang's --enable-torch-compile); prefill steps stay eager. "
+                           "They compile when first met, in the engines' warm-up on a GPU. Off by default: at 64 x 16 "
+                           "on an H100 the decode step was ~7% faster and the RL step not measurably "
+                           "(benchmarks/RESULTS.md). Not with model.true_on_policy, whose batch-invariant ops replace "
+                           "them; SGLang and external servers set their own.")
     index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="How embedded engines cache the DSA indexer's keys: auto (the model's dtype) or fp8_e4m3 "
                             "(one float32 scale a key row, as DeepSeek's and SGLang's DSA caches hold them: half the "
@@ -1272,6 +1280,14 @@ class RecipeConfig(Section):
             raise RecipeValueError(
                 "rollout.index_key_cache_dtype fp8_e4m3 scores FP8 index keys, which model.true_on_policy's "
                 "batch-invariant ops do not: leave it auto", "rollout.index_key_cache_dtype", "model.true_on_policy")
+        if ro.enable_torch_compile and ro.engine != "embedded":
+            raise RecipeValueError(
+                f"rollout.enable_torch_compile applies to embedded engines; rollout.engine {ro.engine!r} sets its own "
+                "(SGLang: --enable-torch-compile)", "rollout.enable_torch_compile", "rollout.engine")
+        if ro.enable_torch_compile and self.model.true_on_policy:
+            raise RecipeValueError(
+                "rollout.enable_torch_compile fuses ops that model.true_on_policy's batch-invariant kernels replace: "
+                "turn one of them off", "rollout.enable_torch_compile", "model.true_on_policy")
         if ro.num_continuous_decode_steps is not None and ro.engine != "embedded":
             raise RecipeValueError(
                 f"rollout.num_continuous_decode_steps applies to embedded engines; rollout.engine {ro.engine!r} sets "

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slime_dsa import ops
 from slime_dsa.devices import foreach_copy, upload
+from slime_dsa.models import fused_pointwise
 from slime_dsa.models.config import ModelConfig
 from slime_dsa.models.logprobs import chunked_logprobs
 from slime_dsa.models.rope import apply_interleaved_rope, rope_cos_sin, rope_inv_freq
@@ -123,7 +124,15 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _fused(module: nn.Module) -> bool:
+    """Whether `module` runs its pointwise chain compiled now: an engine's model (fused_pointwise.enable) in a decode
+    step (fused_pointwise.fusing)."""
+    return module.fused_pointwise and fused_pointwise.active()
+
+
 class RMSNorm(nn.Module):
+    fused_pointwise = False  # fused_pointwise.enable
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -132,8 +141,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if invariant.is_enabled():
             return invariant.rms_norm(x, self.weight, self.eps)
-        # Fused normalisation in float32, then transformers' rounding: cast to x's dtype before the weight.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if _fused(self):
+            return fused_pointwise.run(rms_norm, x, self.weight, eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fused normalisation in float32, then transformers' rounding: cast to x's dtype before the weight."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class IndexerHead(Linear):
@@ -150,6 +165,8 @@ class IndexerHead(Linear):
 class Indexer(nn.Module):
     """DSA lightning indexer: I[t, s] = sum_j w[t, j] relu(q_j[t] . k[s] / sqrt(Di)), w = weights_proj(x) / sqrt(Hi)."""
 
+    fused_pointwise = False  # fused_pointwise.enable
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
@@ -161,9 +178,9 @@ class Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
 
     def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Unlike MLA, the indexer puts its rope slice first.
-        x_rot, x_pass = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_interleaved_rope(x_rot, cos, sin), x_pass], dim=-1)
+        if _fused(self):
+            return fused_pointwise.run(rope_first, x, cos, sin, rope_dim=self.rope_dim)
+        return rope_first(x, cos, sin, self.rope_dim)
 
     def project(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -176,8 +193,16 @@ class Indexer(nn.Module):
         return q, k, w
 
 
+def rope_first(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """The indexer's rotation: unlike MLA, it puts its rope slice first."""
+    x_rot, x_pass = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+    return torch.cat([apply_interleaved_rope(x_rot, cos, sin), x_pass], dim=-1)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention with DSA sparse selection, computed in absorbed MQA mode."""
+
+    fused_pointwise = False  # fused_pointwise.enable
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -223,8 +248,12 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (T, Dl), (T, Dr)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_rope = apply_interleaved_rope(q_rope, cos, sin)  # (T, H, Dr)
-        k_rope = apply_interleaved_rope(k_rope, cos, sin)  # (T, Dr)
+        if _fused(self):
+            q_rope = fused_pointwise.run(apply_interleaved_rope, q_rope, cos, sin)  # (T, H, Dr)
+            k_rope = fused_pointwise.run(apply_interleaved_rope, k_rope, cos, sin)  # (T, Dr)
+        else:
+            q_rope = apply_interleaved_rope(q_rope, cos, sin)
+            k_rope = apply_interleaved_rope(k_rope, cos, sin)
 
         w_kv = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w_kv[:, : self.nope_dim], w_kv[:, self.nope_dim :]  # (H, Dn, Dl), (H, Dv, Dl)
@@ -278,6 +307,8 @@ class MLAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_pointwise = False  # fused_pointwise.enable
+
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
@@ -287,6 +318,9 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(self):
+            return fused_pointwise.run(gated_mlp, x, self.gate_proj.weight, self.up_proj.weight,
+                                       self.down_proj.weight, act=self.act)
         return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act)
 
 
@@ -301,6 +335,8 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
 class Router(nn.Module):
     """Sigmoid router with a load-balancing bias (selection only) and group-limited top-k. Runs in float32."""
 
+    fused_pointwise = False  # fused_pointwise.enable
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.n_experts = config.num_experts_per_tok, config.n_routed_experts
@@ -311,13 +347,20 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, D) -> routing weights (T, k) float32, expert ids (T, k) ascending."""
-        x32, w32 = x.float(), self.weight.float()
+        settings = dict(top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+                        norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor)
         if invariant.is_enabled():
-            scores = invariant.rowwise(torch.sigmoid, invariant.linear(x32, w32))  # (T, E)
-        else:
-            scores = F.linear(x32, w32).sigmoid()
-        return route(scores, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
-                     self.norm_topk_prob, self.routed_scaling_factor)
+            scores = invariant.rowwise(torch.sigmoid, invariant.linear(x.float(), self.weight.float()))  # (T, E)
+            return route(scores, self.e_score_correction_bias, **settings)
+        if _fused(self):
+            return fused_pointwise.run(score_and_route, x, self.weight, self.e_score_correction_bias, **settings)
+        return score_and_route(x, self.weight, self.e_score_correction_bias, **settings)
+
+
+def score_and_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                    **settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's float32 sigmoid scores of x (T, D), then `route`."""
+    return route(F.linear(x.float(), weight.float()).sigmoid(), bias, **settings)
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,

@@ -125,6 +125,7 @@ def create_engines(recipe: RecipeConfig, model_dir: Path, use_async: bool, acces
                        "true_on_policy": recipe.model.true_on_policy, "overlap": ro.overlap_schedule is not False,
                        "index_key_cache_dtype": ro.index_key_cache_dtype,
                        "num_continuous_decode_steps": ro.num_continuous_decode_steps or RL_CONTINUOUS_DECODE_STEPS,
+                       "enable_torch_compile": ro.enable_torch_compile,
                        "tokenizer_path": recipe.model.tokenizer_path,
                        "warmup_max_len": recipe.data.max_prompt_length + ro.max_response_length},
         server_kwargs={"api_key": access.api_key, "weight_dirs": list(access.weight_dirs)},
