@@ -75,7 +75,7 @@ def test_the_report_has_both_sides_gpu_busy_from_fake_readings(monkeypatch):
                               max_prompt_length=160, seed=7, recompute_old_logprobs=False, hook_state="last",
                               micro_batch_tokens=64, trl_threads=1, ours_kv_cache="auto",
                               ours_overlap="off", ours_decode_steps=None, ours_loop="sync", ours_max_staleness=1,
-                              ours_prefetch="off", ours_compile="off",
+                              ours_prefetch="off", ours_compile="off", ours_engine_compile="off",
                               ours_partial_rollout="retract",
                               trl_micro_batch=256, trl_attn="sdpa")
     text = vs_trl.markdown(args, "m", ours, trl_side, {"initial": 0.1, "ours": 0.2, "trl": 0.2}, True, "v",
