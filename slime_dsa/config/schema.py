@@ -408,8 +408,8 @@ class RolloutSection(Section):
                            "routing, activations) through torch.compile, fused into a few kernels each, so a decode "
                            "graph holds fewer kernels (SGLang's --enable-torch-compile); prefill steps stay eager. "
                            "They compile when first met, in the engines' warm-up on a GPU. Off by default: at 64 x 16 "
-                           "on an H100 the decode step was ~7% faster and the RL step not measurably "
-                           "(benchmarks/RESULTS.md). Not with model.true_on_policy, whose batch-invariant ops replace "
+                           "on an H100 (a first build that fused prefill steps too) the decode step was ~7% faster "
+                           "and the RL step not measurably (benchmarks/RESULTS.md). Not with model.true_on_policy, whose batch-invariant ops replace "
                            "them; SGLang and external servers set their own.")
     index_key_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="How embedded engines cache the DSA indexer's keys: auto (the model's dtype) or fp8_e4m3 "

@@ -7,6 +7,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+from slime_dsa.models.fused_pointwise import allow_compiled_variants
 from slime_dsa.models.glm_moe_dsa import GlmMoeDsaPreTrainedModel, float32_modules
 
 
@@ -29,8 +30,7 @@ def apply_compile(model: GlmMoeDsaPreTrainedModel) -> None:
     # IndexShare), grad mode (the π_old pass runs without), capture (the indexer loss), replay, an index_topk
     # override. The quickstart preset's π_old pass, training and indexer-loss forward took one such piece past
     # dynamo's default limit of 8 variants, past which it runs eagerly, with only a log line (CPU, 2026-12-06).
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), COMPILED_VARIANTS))
+    allow_compiled_variants(COMPILED_VARIANTS)
     # The floats a layer reads (its norms' eps, the router's routed_scaling_factor) as constants of its graphs. Under
     # dynamic=True dynamo otherwise passes each as a 0-d CPU tensor input, and inductor's CUDA code reads it with
     # .item() at every kernel launch that uses it: a host sync each. They never change, so no recompile follows.
