@@ -1,11 +1,15 @@
-"""The GPU-busy share of a benchmark's timed steps: a thread reads the device's utilisation (NVML, device-wide, so
-work in other processes such as Ray actors counts) every ~20 ms; each step's share is the mean of the readings
-taken during it.
+"""The GPU-busy share of a benchmark's timed steps, from NVML (device-wide, so work in other processes such as Ray
+actors counts), two ways:
 
-NVML's utilisation is the percent of its own sample period (1/6 s to 1 s, by product) in which a kernel ran, so
-readings 20 ms apart overlap: a mean over whole steps of a second or more is what it measures well. pynvml comes from
-the `nvidia-ml-py` package and is optional: without it, or without a GPU, there is no source and the report says
-"-".
+- polled: a thread reads the utilisation every ~20 ms. Each reading is NVML's percent of its own trailing sample
+  period (1/6 s to 1 s, by product) in which a kernel ran, so readings overlap and lag: a mean over whole steps of a
+  second or more is what it measures well.
+- driver: the driver's own utilisation samples (`nvmlDeviceGetSamples`), each stamped with the time it was taken, read
+  in batches every ~0.1 s; a step's share is the mean of the samples stamped inside it, so short steps are not
+  smeared into their neighbours. Only where the driver keeps such samples and stamps them on the wall clock.
+
+Each step's share is the mean of the readings taken during it. pynvml comes from the `nvidia-ml-py` package and is
+optional: without it, or without a GPU, there is no source and the report says "-".
 """
 
 from __future__ import annotations
@@ -15,20 +19,26 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-Source = Callable[[], float]  # the device's utilisation now, in percent
+Reading = tuple[float, float]  # (time.perf_counter seconds, percent busy)
+Source = Callable[[], list[Reading]]  # the readings taken since its last call
+READ_EVERY_S = {"polled": 0.02, "driver": 0.1}  # the driver's buffer holds seconds of samples: batches suffice
+MAX_SAMPLE_AGE_S = 10.0  # a newest driver sample older than this: its stamps are not on the wall clock
 
 
-def nvml_source() -> Source | None:
-    """The utilisation of this process's first visible GPU through NVML, or None (no pynvml, no driver, no GPU)."""
+def nvml_sources() -> dict[str, Source]:
+    """NVML's views of this process's first visible GPU: "polled" and, where the driver keeps stamped samples,
+    "driver" (the module docstring says how they differ); {} without pynvml, a driver or a GPU."""
     try:
         import pynvml
     except ImportError:
         logger.info("GPU busy share not measured: pynvml (pip install nvidia-ml-py) is not installed")
-        return None
+        return {}
     try:
         pynvml.nvmlInit()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
@@ -39,12 +49,53 @@ def nvml_source() -> Source | None:
         pynvml.nvmlDeviceGetUtilizationRates(handle)
     except pynvml.NVMLError as e:
         logger.info("GPU busy share not measured: NVML: %s", e)
+        return {}
+    sources: dict[str, Source] = {
+        "polled": lambda: [(time.perf_counter(), float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))]}
+    driver = driver_samples(pynvml, handle)
+    if driver is not None:
+        sources["driver"] = driver
+    return sources
+
+
+def driver_samples(pynvml: Any, handle: Any) -> Source | None:
+    """The driver's utilisation samples newer than the last call's, on the perf_counter clock; None where the driver
+    keeps none or stamps them off the wall clock."""
+    def fetch(after_us: int) -> list[Any]:
+        try:
+            return pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, after_us)[1]
+        except pynvml.NVMLError as e:
+            if e.value == pynvml.NVML_ERROR_NOT_FOUND:  # no sample newer than after_us
+                return []
+            raise
+
+    try:
+        first = fetch(0)
+    except pynvml.NVMLError as e:
+        logger.info("GPU busy from the driver's samples not measured: NVML: %s", e)
         return None
-    return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    wall_to_perf = time.perf_counter() - time.time()
+    # With an empty buffer, samples stamped before now are skipped (and, stamped off the wall clock, never come).
+    last_us = max((s.timeStamp for s in first), default=int(time.time() * 1e6))
+    age_s = time.time() - last_us / 1e6
+    if not -1.0 <= age_s <= MAX_SAMPLE_AGE_S:
+        logger.info("GPU busy from the driver's samples not measured: its newest sample is stamped %.1f s from now",
+                    age_s)
+        return None
+
+    def read() -> list[Reading]:
+        nonlocal last_us
+        samples = fetch(last_us)
+        if samples:
+            last_us = max(s.timeStamp for s in samples)
+        return [(s.timeStamp / 1e6 + wall_to_perf, float(s.sampleValue.uiVal)) for s in samples]
+
+    return read
 
 
 class UtilizationSampler:
-    """Reads `source` every `interval_s` in a daemon thread while running; `samples` holds (perf_counter, percent)."""
+    """Reads `source` every `interval_s` in a daemon thread while running, and once more as it stops (the driver's
+    last batch); `samples` holds (perf_counter, percent)."""
 
     def __init__(self, source: Source, interval_s: float = 0.02) -> None:
         self.source, self.interval_s = source, interval_s
@@ -63,11 +114,14 @@ class UtilizationSampler:
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
+            stopping = self._stop.is_set()
             try:
-                self.samples.append((time.perf_counter(), self.source()))
+                self.samples.extend(self.source())
             except Exception as e:  # noqa: BLE001 (a failed reading ends the sampling, never the benchmark)
                 logger.warning("GPU utilisation reading failed, sampling stops: %s", e)
+                return
+            if stopping:
                 return
             self._stop.wait(self.interval_s)
 
@@ -97,6 +151,25 @@ def busy_after_first(samples: Sequence[tuple[float, float]], steps: Sequence[Win
     later = steps[1:] or steps
     inside = [u for t, u in samples if any(start <= t < end for start, end in later)]
     return statistics.mean(inside) if inside else None
+
+
+@contextmanager
+def sampling(sources: dict[str, Source]) -> Iterator[dict[str, UtilizationSampler]]:
+    """A running UtilizationSampler of each source, by name, for the duration of the block."""
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(UtilizationSampler(source, READ_EVERY_S.get(name, 0.02)))
+               for name, source in sources.items()}
+
+
+def busy_figures(samplers: dict[str, UtilizationSampler], steps: Sequence[Window]) -> dict[str, Any]:
+    """gpu_busy / gpu_busy_steps (polled: the mean over steps 2..N, and per step) and gpu_busy_driver /
+    gpu_busy_driver_steps (the driver's samples): None and [] where not measured."""
+    out: dict[str, Any] = {}
+    for name, key in (("polled", "gpu_busy"), ("driver", "gpu_busy_driver")):
+        sampler = samplers.get(name)
+        out[key] = busy_after_first(sampler.samples, steps) if sampler else None
+        out[f"{key}_steps"] = step_busy(sampler.samples, steps) if sampler else []
+    return out
 
 
 def busy_cell(value: float | None) -> str:

@@ -51,8 +51,9 @@ double-sided IS against the rollout's log-probs, group-centred rewards, no π_ol
 the next steps' rollouts run while the trainer steps. It is not TRL's algorithm; the report says so, and the reward
 verdict is what says whether it learned as well.
 GPU busy (cuda, with pynvml from nvidia-ml-py): a thread in this process reads the device's utilisation through NVML
-every 20 ms while each side trains (device-wide: ours' engine and trainer actors are other processes); the report
-gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). Without pynvml or a GPU: "-".
+every 20 ms while each side trains (device-wide: ours' engine and trainer actors are other processes), and, where the
+driver keeps them, its own time-stamped utilisation samples; the report gives the mean over steps 2..N per side, and
+per step, by each (benchmarks/gpu_busy.py says how they differ). Without pynvml or a GPU: "-".
 
     pip install -e '.[bench]'
     python benchmarks/vs_trl.py --steps 10 --prompts-per-step 8 --group-size 8 --out benchmarks/RESULTS.md
@@ -81,7 +82,6 @@ gives the mean over steps 2..N per side, and per step (benchmarks/gpu_busy.py). 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
@@ -100,7 +100,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_busy import (  # noqa: E402 (after the path)
-    Source, UtilizationSampler, busy_after_first, busy_cell, nvml_source, step_busy, windows,
+    Source, busy_cell, busy_figures, nvml_sources, sampling, windows,
 )
 
 logger = logging.getLogger("vs_trl")
@@ -113,8 +113,9 @@ BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "roll
              "rollout_assemble_s", "rollout_reward_s", "engine_busy_s", "engine_decode_steps", "engine_decode_step_ms",
              "engine_command_s", "engine_gather_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
              "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s")
+# per side, in result.json (TRL's failure, if any)
 RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
-               "gpu_busy_steps", "failed", "grad_norms")  # per side, in result.json (TRL's failure, if any)
+               "gpu_busy_steps", "gpu_busy_driver", "gpu_busy_driver_steps", "failed", "grad_norms")
 
 
 # ---------------------------------------------------------------------------------------------------- shared setup
@@ -262,9 +263,10 @@ def step_times(stamps: list[float]) -> list[float]:
 # ---------------------------------------------------------------------------------------------------- ours
 
 
-def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path, gpu: Source | None = None) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path,
+             gpu: dict[str, Source] | None = None) -> dict[str, Any]:
     """Our synchronous GRPO loop (--ours-engines embedded engines + --ours-workers trainer ranks as Ray actors).
-    gpu: the GPU utilisation source sampled while it runs (None: not measured)."""
+    gpu: the GPU utilisation sources sampled while it runs (gpu_busy.nvml_sources; none: not measured)."""
     import ray
     import yaml
 
@@ -287,7 +289,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path, gpu: Sour
     path.write_text(yaml.safe_dump(recipe_dict(args, model_dir, workdir / "ours")))
     t0 = time.perf_counter()
     try:
-        with sampling(gpu) as sampler:
+        with sampling(gpu or {}) as samplers:
             run_dir = run_training(load_recipe(path), on_weights=on_weights, hook_state=args.hook_state)
     finally:
         if ray.is_initialized():
@@ -310,19 +312,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, workdir: Path, gpu: Sour
     return {"step_times": [end - start for start, end in steps], "cpu_times": step_times(cpu), "rewards": rewards,
             "response_lengths": lengths, "state": final["state"], "total_s": total, "run_dir": run_dir, "parts": parts,
             "breakdown": breakdown,
-            "readback_s": readback, **busy(sampler, steps)}
-
-
-def sampling(gpu: Source | None) -> contextlib.AbstractContextManager[UtilizationSampler | None]:
-    """A running UtilizationSampler of `gpu`, or nothing to sample."""
-    return UtilizationSampler(gpu) if gpu is not None else contextlib.nullcontext()
-
-
-def busy(sampler: UtilizationSampler | None, steps: list[tuple[float, float]]) -> dict[str, Any]:
-    """gpu_busy (mean percent over steps 2..N, None when not measured) and gpu_busy_steps (per step)."""
-    if sampler is None:
-        return {"gpu_busy": None, "gpu_busy_steps": []}
-    return {"gpu_busy": busy_after_first(sampler.samples, steps), "gpu_busy_steps": step_busy(sampler.samples, steps)}
+            "readback_s": readback, **busy_figures(samplers, steps)}
 
 
 # ---------------------------------------------------------------------------------------------------- TRL
@@ -338,7 +328,7 @@ def trl_grpo_settings(max_new_tokens: int, temperature: float = 1.0) -> dict[str
 
 
 def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: list[str],
-            answers: list[str], gpu: Source | None = None) -> dict[str, Any]:
+            answers: list[str], gpu: dict[str, Source] | None = None) -> dict[str, Any]:
     """TRL's GRPOTrainer on --device with the same prompts (in our order), reward and hyper-parameters; `gpu` as
     run_ours'."""
     import datasets
@@ -388,7 +378,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     trainer = GRPOTrainer(model=model, reward_funcs=TRL_REWARDS[args.task], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     failed = None
-    with sampling(gpu) as sampler:
+    with sampling(gpu or {}) as samplers:
         try:
             trainer.train()
         except Exception as err:  # noqa: BLE001 - the steps TRL finished are still measured (and ours' whole run)
@@ -408,7 +398,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, workdir: Path, messages: 
     done = min(len(clock.stamps), len(rewards) + 1)  # stamps of finished steps, after the start's
     return {"step_times": step_times(clock.stamps[:done]), "cpu_times": step_times(clock.cpu[:done]),
             "rewards": rewards[: done - 1], "response_lengths": lengths[: done - 1], "grad_norms": grad_norms,
-            "model_dir": out_dir, "total_s": total, "failed": failed, **busy(sampler, windows(clock.stamps[:done]))}
+            "model_dir": out_dir, "total_s": total, "failed": failed,
+            **busy_figures(samplers, windows(clock.stamps[:done]))}
 
 
 def user_messages(task: Any, prompts: list) -> list[str]:
@@ -541,8 +532,12 @@ def busy_line(ours: dict[str, Any], trl_side: dict[str, Any]) -> str:
     cells = f"{busy_cell(ours.get('gpu_busy'))} / {busy_cell(trl_side.get('gpu_busy'))}"
     if ours.get("gpu_busy") is None and trl_side.get("gpu_busy") is None:
         return f"GPU busy, ours / TRL: {cells} (not measured: no GPU, or no pynvml)"
-    return (f"GPU busy, ours / TRL: **{cells}** (NVML device utilisation read every 20 ms, mean over steps "
+    line = (f"GPU busy, ours / TRL: **{cells}** (NVML device utilisation read every 20 ms, mean over steps "
             f"2..N; device-wide, so ours' engine and trainer actors count)")
+    if ours.get("gpu_busy_driver") is None and trl_side.get("gpu_busy_driver") is None:
+        return line
+    return (f"{line}; by the driver's own time-stamped samples: "
+            f"**{busy_cell(ours.get('gpu_busy_driver'))} / {busy_cell(trl_side.get('gpu_busy_driver'))}**")
 
 
 def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: dict, evals: dict[str, float],
@@ -615,6 +610,9 @@ def markdown(args: argparse.Namespace, model_desc: str, ours: dict, trl_side: di
         "- per-step CPU seconds TRL: " + " ".join(f"{t:.2f}" for t in trl_side["cpu_times"]),
         "- per-step GPU busy ours: " + (" ".join(busy_cell(b) for b in ours.get("gpu_busy_steps", [])) or "-"),
         "- per-step GPU busy TRL: " + (" ".join(busy_cell(b) for b in trl_side.get("gpu_busy_steps", [])) or "-"),
+        *(f"- per-step GPU busy {name}, the driver's samples: " + " ".join(busy_cell(b) for b in per_step)
+          for name, per_step in (("ours", ours.get("gpu_busy_driver_steps")),
+                                 ("TRL", trl_side.get("gpu_busy_driver_steps"))) if per_step),
     ]
     return "\n".join(lines) + "\n"
 
@@ -791,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ids_match:
         logger.warning("TRL's chat-template prompt ids differ from ours for some prompts")
 
-    gpu = nvml_source() if args.device == "cuda" else None
+    gpu = nvml_sources() if args.device == "cuda" else {}
     logger.info("ours: %d steps", args.steps)
     ours = run_ours(args, model_dir, workdir, gpu)
     # Evaluated before TRL runs: an error on TRL's side can leave the CUDA context unusable (a device-side assert).

@@ -21,16 +21,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchmarks.vs_trl as vs_trl  # noqa: E402 (after the path)
-from benchmarks.gpu_busy import busy_cell, nvml_source  # noqa: E402
+from benchmarks.gpu_busy import busy_cell, nvml_sources  # noqa: E402
 
 
 def summary(ours: dict[str, Any]) -> str:
-    """One line: median step of steps 2..N, GPU busy over steps 2..N and per step."""
+    """One line: median step of steps 2..N, GPU busy over steps 2..N and per step (polled, then by the driver's
+    samples where there are any)."""
     steps = ours["step_times"]
     median = statistics.median(steps[1:] or steps)
     per_step = " ".join(busy_cell(b) for b in ours["gpu_busy_steps"]) or "-"
-    return (f"ours: {len(steps)} steps, median step {median:.3f} s (steps 2..N), GPU busy "
+    line = (f"ours: {len(steps)} steps, median step {median:.3f} s (steps 2..N), GPU busy "
             f"{busy_cell(ours['gpu_busy'])} (steps 2..N); per step: {per_step}")
+    if ours.get("gpu_busy_driver_steps"):
+        per_step = " ".join(busy_cell(b) for b in ours["gpu_busy_driver_steps"])
+        line += f"; by the driver's samples {busy_cell(ours['gpu_busy_driver'])}, per step: {per_step}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path("vs_trl_ours")
     work.mkdir(parents=True, exist_ok=True)
     model_dir, _ = vs_trl.resolve_model(args, work)
-    ours = vs_trl.run_ours(args, model_dir, work, nvml_source() if args.device == "cuda" else None)
+    ours = vs_trl.run_ours(args, model_dir, work, nvml_sources() if args.device == "cuda" else {})
     print(summary(ours))
-    keys = ("step_times", "rewards", "response_lengths", "gpu_busy", "gpu_busy_steps", "parts", "breakdown")
+    keys = ("step_times", "rewards", "response_lengths", "gpu_busy", "gpu_busy_steps", "gpu_busy_driver",
+            "gpu_busy_driver_steps", "parts", "breakdown")
     (work / "ours_result.json").write_text(json.dumps({k: ours[k] for k in keys}))
     return 0
 

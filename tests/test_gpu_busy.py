@@ -8,7 +8,10 @@ import time
 
 import pytest
 
-from benchmarks.gpu_busy import UtilizationSampler, busy_after_first, busy_cell, nvml_source, step_busy, windows
+from benchmarks.gpu_busy import (
+    UtilizationSampler, busy_after_first, busy_cell, busy_figures, driver_samples, nvml_sources, sampling, step_busy,
+    windows,
+)
 
 
 def test_windows_leave_out_the_work_the_step_clock_does_not_count():
@@ -29,7 +32,7 @@ def test_busy_is_the_mean_of_the_readings_in_each_step_and_over_steps_2_to_n():
 
 def test_the_sampler_reads_a_fake_source_until_stopped():
     readings = iter(range(1000))
-    with UtilizationSampler(lambda: float(next(readings)), interval_s=0.001) as sampler:
+    with UtilizationSampler(lambda: [(time.perf_counter(), float(next(readings)))], interval_s=0.001) as sampler:
         time.sleep(0.05)
     count = len(sampler.samples)
     assert count >= 3 and [u for _, u in sampler.samples] == list(range(count))
@@ -40,7 +43,7 @@ def test_the_sampler_reads_a_fake_source_until_stopped():
 
 
 def test_a_failing_source_ends_the_sampling_not_the_caller():
-    def broken() -> float:
+    def broken() -> list:
         raise RuntimeError("NVML gone")
 
     with UtilizationSampler(broken, interval_s=0.001) as sampler:
@@ -49,7 +52,71 @@ def test_a_failing_source_ends_the_sampling_not_the_caller():
 
 
 def test_no_nvml_source_on_this_cpu_machine():
-    assert nvml_source() is None  # no pynvml, or no driver: the report then says "-"
+    assert nvml_sources() == {}  # no pynvml, or no driver: the report then says "-"
+
+
+class FakeNVML:
+    """A FAKE pynvml (no NVML here): nvmlDeviceGetSamples over a scripted buffer of (wall-clock us, percent), with
+    NVML's NOT_FOUND when no sample is newer than the one asked after."""
+
+    NVML_GPU_UTILIZATION_SAMPLES = 1
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_ERROR_NOT_SUPPORTED = 3
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(value)
+            self.value = value
+
+    def __init__(self, buffer: list[tuple[int, int]], supported: bool = True) -> None:
+        self.buffer, self.supported, self.asked_after = buffer, supported, []
+
+    def nvmlDeviceGetSamples(self, handle, kind, after_us):
+        assert kind == self.NVML_GPU_UTILIZATION_SAMPLES
+        if not self.supported:
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        self.asked_after.append(after_us)
+        newer = [argparse.Namespace(timeStamp=t, sampleValue=argparse.Namespace(uiVal=u))
+                 for t, u in self.buffer if t > after_us]
+        if not newer:
+            raise self.NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return 1, newer
+
+
+def test_driver_samples_come_once_each_on_the_perf_counter_clock():
+    now_us = int(time.time() * 1e6)
+    fake = FakeNVML([(now_us - 300_000, 10), (now_us - 100_000, 20)])  # samples from before the source: skipped
+    read = driver_samples(fake, handle=None)
+    assert read is not None and read() == [] and fake.asked_after[-1] == now_us - 100_000
+    fake.buffer += [(now_us + 50_000, 70), (now_us + 200_000, 90)]
+    perf_now, wall_now = time.perf_counter(), time.time()
+    got = read()
+    assert [u for _, u in got] == [70.0, 90.0]
+    assert got[0][0] == pytest.approx(perf_now + (now_us + 50_000) / 1e6 - wall_now, abs=0.01)
+    assert got[1][0] - got[0][0] == pytest.approx(0.15)
+    assert read() == [] and fake.asked_after[-1] == now_us + 200_000  # each sample once
+
+
+def test_no_driver_samples_where_the_driver_keeps_none_or_stamps_them_off_the_wall_clock():
+    assert driver_samples(FakeNVML([], supported=False), handle=None) is None
+    assert driver_samples(FakeNVML([(5_000_000, 40)]), handle=None) is None  # stamped 5 s after boot, not the epoch
+    assert driver_samples(FakeNVML([]), handle=None) is not None  # an empty buffer: samples come later
+
+
+def test_both_views_are_sampled_and_aggregated_per_step():
+    polled = iter([50.0] * 10_000)
+    start = time.perf_counter()
+    driver_batches = iter([[(start + 0.001, 30.0), (start + 0.2, 80.0)]])
+    sources = {"polled": lambda: [(time.perf_counter(), next(polled))], "driver": lambda: next(driver_batches, [])}
+    with sampling(sources) as samplers:
+        time.sleep(0.05)
+    assert set(samplers) == {"polled", "driver"} and samplers["driver"].samples[1][1] == 80.0
+    steps = [(start, start + 0.1), (start + 0.1, start + 0.3)]
+    figures = busy_figures(samplers, steps)
+    assert figures["gpu_busy_driver_steps"] == [30.0, 80.0] and figures["gpu_busy_driver"] == 80.0
+    assert figures["gpu_busy_steps"][0] == 50.0
+    assert busy_figures({}, steps) == {"gpu_busy": None, "gpu_busy_steps": [], "gpu_busy_driver": None,
+                                       "gpu_busy_driver_steps": []}
 
 
 def _side(busy, busy_steps, **extra):
@@ -87,6 +154,14 @@ def test_the_report_has_both_sides_gpu_busy_from_fake_readings(monkeypatch):
     cpu_text = vs_trl.markdown(args, "m", {**ours, "gpu_busy": None, "gpu_busy_steps": []}, _side(None, []),
                                {"initial": 0.1, "ours": 0.2, "trl": 0.2}, True, "v", (0.0, 0.0))
     assert "| ours | 1.10 | 1.00 | - |" in cpu_text and "- per-step GPU busy TRL: -\n" in cpu_text
+    ours_driver = {**ours, "gpu_busy_driver": 61.0, "gpu_busy_driver_steps": [9.0, 60.0, 62.0]}
+    trl_driver = {**trl_side, "gpu_busy_driver": 75.0, "gpu_busy_driver_steps": [70.0, 80.0]}
+    with_driver = vs_trl.markdown(args, "m", ours_driver, trl_driver,
+                                  {"initial": 0.1, "ours": 0.2, "trl": 0.2}, True, "v", (0.0, 0.0))
+    assert "2..N; device-wide, so ours' engine and trainer actors count); by the driver's own time-stamped samples: " \
+           "**61% / 75%**" in with_driver
+    assert "- per-step GPU busy ours, the driver's samples: 9% 60% 62%\n" in with_driver
+    assert "driver's" not in text  # no driver samples: the line as before
     unmeasured = vs_trl.busy_line(_side(None, []), _side(None, []))
     assert unmeasured.startswith("GPU busy, ours / TRL: - / - (not measured")
 
@@ -115,5 +190,8 @@ def test_ours_alone_prints_its_median_step_and_busy_share():
     line = summary({"step_times": [2.0, 0.5, 0.3, 0.4], "gpu_busy": 55.4, "gpu_busy_steps": [10.0, 50.0, 60.0, 55.0]})
     assert line == ("ours: 4 steps, median step 0.400 s (steps 2..N), GPU busy 55% (steps 2..N); "
                     "per step: 10% 50% 60% 55%")
+    driver = summary({"step_times": [2.0, 0.5], "gpu_busy": 40.0, "gpu_busy_steps": [10.0, 40.0],
+                      "gpu_busy_driver": 63.0, "gpu_busy_driver_steps": [20.0, 63.0]})
+    assert driver.endswith("; by the driver's samples 63%, per step: 20% 63%")
     assert "GPU busy - (steps 2..N); per step: -" in summary({"step_times": [1.0], "gpu_busy": None,
                                                               "gpu_busy_steps": []})
