@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 Reading = tuple[float, float]  # (time.perf_counter seconds, percent busy)
 Source = Callable[[], list[Reading]]  # the readings taken since its last call
 READ_EVERY_S = {"polled": 0.02, "driver": 0.1}  # the driver's buffer holds seconds of samples: batches suffice
-MAX_SAMPLE_AGE_S = 10.0  # a newest driver sample older than this: its stamps are not on the wall clock
+MAX_SAMPLE_AGE_S = 86_400.0  # a newest driver sample older than a day: its stamps are not on the wall clock
 
 
 def nvml_sources() -> dict[str, Source]:
