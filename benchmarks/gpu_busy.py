@@ -4,9 +4,10 @@ actors counts), two ways:
 - polled: a thread reads the utilisation every ~20 ms. Each reading is NVML's percent of its own trailing sample
   period (1/6 s to 1 s, by product) in which a kernel ran, so readings overlap and lag: a mean over whole steps of a
   second or more is what it measures well.
-- driver: the driver's own utilisation samples (`nvmlDeviceGetSamples`), each stamped with the time it was taken, read
-  in batches every ~0.1 s; a step's share is the mean of the samples stamped inside it, so short steps are not
-  smeared into their neighbours. Only where the driver keeps such samples and stamps them on the wall clock.
+- driver: the driver's own utilisation samples (`nvmlDeviceGetSamples`, slime_dsa/logging/gpu_utilization.py), each
+  stamped with the time it was taken, read in batches every ~0.1 s; a step's share is the mean of the samples stamped
+  inside it, so short steps are not smeared into their neighbours. Only where the driver keeps such samples and
+  stamps them on the wall clock.
 
 Each step's share is the mean of the readings taken during it. pynvml comes from the `nvidia-ml-py` package and is
 optional: without it, or without a GPU, there is no source and the report says "-".
@@ -15,82 +16,38 @@ optional: without it, or without a GPU, there is no source and the report says "
 from __future__ import annotations
 
 import logging
-import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime_dsa.logging.gpu_utilization import Reading, driver_samples, nvml_device  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-Reading = tuple[float, float]  # (time.perf_counter seconds, percent busy)
 Source = Callable[[], list[Reading]]  # the readings taken since its last call
 READ_EVERY_S = {"polled": 0.02, "driver": 0.1}  # the driver's buffer holds seconds of samples: batches suffice
-MAX_SAMPLE_AGE_S = 86_400.0  # a newest driver sample older than a day: its stamps are not on the wall clock
 
 
 def nvml_sources() -> dict[str, Source]:
     """NVML's views of this process's first visible GPU: "polled" and, where the driver keeps stamped samples,
     "driver" (the module docstring says how they differ); {} without pynvml, a driver or a GPU."""
-    try:
-        import pynvml
-    except ImportError:
-        logger.info("GPU busy share not measured: pynvml (pip install nvidia-ml-py) is not installed")
+    device = nvml_device(0)
+    if device is None:
         return {}
-    try:
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        if visible.startswith(("GPU-", "MIG-")):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
-        pynvml.nvmlDeviceGetUtilizationRates(handle)
-    except pynvml.NVMLError as e:
-        logger.info("GPU busy share not measured: NVML: %s", e)
-        return {}
+    pynvml, handle = device
     sources: dict[str, Source] = {
         "polled": lambda: [(time.perf_counter(), float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))]}
     driver = driver_samples(pynvml, handle)
     if driver is not None:
         sources["driver"] = driver
     return sources
-
-
-def driver_samples(pynvml: Any, handle: Any) -> Source | None:
-    """The driver's utilisation samples newer than the last call's, on the perf_counter clock; None where the driver
-    keeps none or stamps them off the wall clock."""
-    def fetch(after_us: int) -> list[Any]:
-        try:
-            return pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, after_us)[1]
-        except pynvml.NVMLError as e:
-            if e.value == pynvml.NVML_ERROR_NOT_FOUND:  # no sample newer than after_us
-                return []
-            raise
-
-    try:
-        first = fetch(0)
-    except pynvml.NVMLError as e:
-        logger.info("GPU busy from the driver's samples not measured: NVML: %s", e)
-        return None
-    wall_to_perf = time.perf_counter() - time.time()
-    # With an empty buffer, samples stamped before now are skipped (and, stamped off the wall clock, never come).
-    last_us = max((s.timeStamp for s in first), default=int(time.time() * 1e6))
-    age_s = time.time() - last_us / 1e6
-    if not -1.0 <= age_s <= MAX_SAMPLE_AGE_S:
-        logger.info("GPU busy from the driver's samples not measured: its newest sample is stamped %.1f s from now",
-                    age_s)
-        return None
-
-    def read() -> list[Reading]:
-        nonlocal last_us
-        samples = fetch(last_us)
-        if samples:
-            last_us = max(s.timeStamp for s in samples)
-        return [(s.timeStamp / 1e6 + wall_to_perf, float(s.sampleValue.uiVal)) for s in samples]
-
-    return read
 
 
 class UtilizationSampler:

@@ -112,7 +112,8 @@ FINAL_STEPS = 3  # "final reward" = mean rollout reward of the last this-many st
 BREAKDOWN = ("rollout_dispatch_s", "rollout_generate_s", "rollout_tail_s", "rollout_call_ms", "rollout_transport_ms",
              "rollout_assemble_s", "rollout_reward_s", "engine_busy_s", "engine_decode_steps", "engine_decode_step_ms",
              "engine_command_s", "engine_gather_s", "engine_graph_captures", "engine_graph_capture_s", "engine_memory_resume_s",
-             "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s")
+             "rollout_sleep_s", "rollout_wake_s", "batch_build_s", "engine_weights_update_s", "weights_readback_s",
+             "trainer_gpu_busy_share")
 # per side, in result.json (TRL's failure, if any)
 RESULT_KEYS = ("step_times", "cpu_times", "rewards", "response_lengths", "total_s", "gpu_busy",
                "gpu_busy_steps", "gpu_busy_driver", "gpu_busy_driver_steps", "failed", "grad_norms")

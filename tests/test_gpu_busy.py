@@ -9,7 +9,7 @@ import time
 import pytest
 
 from benchmarks.gpu_busy import (
-    UtilizationSampler, busy_after_first, busy_cell, busy_figures, driver_samples, nvml_sources, sampling, step_busy,
+    UtilizationSampler, busy_after_first, busy_cell, busy_figures, nvml_sources, sampling, step_busy,
     windows,
 )
 
@@ -53,54 +53,6 @@ def test_a_failing_source_ends_the_sampling_not_the_caller():
 
 def test_no_nvml_source_on_this_cpu_machine():
     assert nvml_sources() == {}  # no pynvml, or no driver: the report then says "-"
-
-
-class FakeNVML:
-    """A FAKE pynvml (no NVML here): nvmlDeviceGetSamples over a scripted buffer of (wall-clock us, percent), with
-    NVML's NOT_FOUND when no sample is newer than the one asked after."""
-
-    NVML_GPU_UTILIZATION_SAMPLES = 1
-    NVML_ERROR_NOT_FOUND = 6
-    NVML_ERROR_NOT_SUPPORTED = 3
-
-    class NVMLError(Exception):
-        def __init__(self, value: int) -> None:
-            super().__init__(value)
-            self.value = value
-
-    def __init__(self, buffer: list[tuple[int, int]], supported: bool = True) -> None:
-        self.buffer, self.supported, self.asked_after = buffer, supported, []
-
-    def nvmlDeviceGetSamples(self, handle, kind, after_us):
-        assert kind == self.NVML_GPU_UTILIZATION_SAMPLES
-        if not self.supported:
-            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
-        self.asked_after.append(after_us)
-        newer = [argparse.Namespace(timeStamp=t, sampleValue=argparse.Namespace(uiVal=u))
-                 for t, u in self.buffer if t > after_us]
-        if not newer:
-            raise self.NVMLError(self.NVML_ERROR_NOT_FOUND)
-        return 1, newer
-
-
-def test_driver_samples_come_once_each_on_the_perf_counter_clock():
-    now_us = int(time.time() * 1e6)
-    fake = FakeNVML([(now_us - 300_000, 10), (now_us - 100_000, 20)])  # samples from before the source: skipped
-    read = driver_samples(fake, handle=None)
-    assert read is not None and read() == [] and fake.asked_after[-1] == now_us - 100_000
-    fake.buffer += [(now_us + 50_000, 70), (now_us + 200_000, 90)]
-    perf_now, wall_now = time.perf_counter(), time.time()
-    got = read()
-    assert [u for _, u in got] == [70.0, 90.0]
-    assert got[0][0] == pytest.approx(perf_now + (now_us + 50_000) / 1e6 - wall_now, abs=0.01)
-    assert got[1][0] - got[0][0] == pytest.approx(0.15)
-    assert read() == [] and fake.asked_after[-1] == now_us + 200_000  # each sample once
-
-
-def test_no_driver_samples_where_the_driver_keeps_none_or_stamps_them_off_the_wall_clock():
-    assert driver_samples(FakeNVML([], supported=False), handle=None) is None
-    assert driver_samples(FakeNVML([(5_000_000, 40)]), handle=None) is None  # stamped 5 s after boot, not the epoch
-    assert driver_samples(FakeNVML([]), handle=None) is not None  # an empty buffer: samples come later
 
 
 def test_both_views_are_sampled_and_aggregated_per_step():

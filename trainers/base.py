@@ -19,9 +19,9 @@ import torch
 from slime_dsa.trace_recorder import ACTIVITIES
 from slime_dsa.weights.payloads import TensorSpec
 
-# Metrics of a whole train call, not of one optimiser step (rank 0's garbage collections and compiles, the call's
-# dispatch): the group keeps them out of the step average and the orchestrator logs them under perf/.
-CALL_METRIC_PREFIXES = ("trainer_gc_", "trainer_dispatch_", "trainer_compiles")
+# Metrics of a whole train call, not of one optimiser step (rank 0's garbage collections, compiles and GPU busy
+# share, the call's dispatch): the group keeps them out of the step average and the orchestrator logs them under perf/.
+CALL_METRIC_PREFIXES = ("trainer_gc_", "trainer_dispatch_", "trainer_compiles", "trainer_gpu_")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.trace_recorder import ACTIVITIES, annotate
 from slime_dsa.devices import upload, upload_many
 from slime_dsa.gc_watch import GcWatch, freeze_after_startup
+from slime_dsa.logging.gpu_utilization import GpuBusyMeter
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
@@ -212,6 +213,8 @@ class TrainerRank:
         self._recorder = None  # a TraceRecorder once start_profile ran
         self._gc_watch: GcWatch | None = None  # once watch_garbage_collector ran (a Ray actor's own process)
         self._kernels_warmed = False  # warm_up compiled the kernels: a later compile is a miss, logged
+        self._gpu_meter: GpuBusyMeter | None = None  # rank 0 on a GPU, opened at its first train call
+        self._gpu_meter_opened = False
 
     @property
     def policy(self) -> Role:
@@ -451,6 +454,9 @@ class TrainerRank:
             metrics[0].update({f"trainer_{k}": v for k, v in self._gc_watch.take().items()})
         if sent_at is not None and metrics:
             metrics[0]["trainer_dispatch_s"] = max(started_at - sent_at, 0.0)
+        busy = self._gpu_busy_share()
+        if busy is not None and metrics:
+            metrics[0]["trainer_gpu_busy_share"] = busy
         if self.config.compile and metrics:
             metrics[0]["trainer_compiles"] = compiles = _compiled_frames() - compiled_before
             if compiles and self._kernels_warmed:
@@ -461,6 +467,17 @@ class TrainerRank:
             logps = steps[0].old_logprobs
             old[0] = torch.cat(logps).cpu() if logps else torch.zeros(0)
         return old, metrics
+
+    def _gpu_busy_share(self) -> float | None:
+        """Rank 0's GPU busy share (0-1, every process on it counted) from its previous train call's end to now, by
+        the driver's samples; None elsewhere, at the first call, or without NVML."""
+        if self.rank != 0 or self.device.type != "cuda":
+            return None
+        if not self._gpu_meter_opened:
+            self._gpu_meter_opened = True
+            self._gpu_meter = GpuBusyMeter.open(self.device.index or 0)
+            return None
+        return self._gpu_meter.take() if self._gpu_meter is not None else None
 
     def train_step(self, batch: TrainBatch, global_loss_tokens: float, global_num_samples: int,
                    detailed_metrics: bool = True, measure_sync: bool = False, role: str = "policy") -> dict[str, float]:

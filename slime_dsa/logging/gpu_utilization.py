@@ -1,0 +1,102 @@
+"""How busy a GPU was, from the NVML driver's own utilisation samples (`nvmlDeviceGetSamples`): each is the percent
+of the driver's sample period (1/6 s to 1 s, by product) in which a kernel ran, stamped with the time it was taken,
+so a window's share is the mean of the samples stamped inside it. Device-wide: every process on the GPU counts (a
+colocated engine's too). pynvml (the `nvidia-ml-py` package) is optional: without it, a driver or a GPU there is
+nothing to read, and callers report nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Reading = tuple[float, float]  # (time.perf_counter seconds, percent busy)
+MAX_SAMPLE_AGE_S = 86_400.0  # a newest sample older than a day: the driver stamps off the wall clock
+
+
+def nvml_device(index: int = 0) -> tuple[Any, Any] | None:
+    """(pynvml, handle) of this process's visible GPU `index` (CUDA_VISIBLE_DEVICES mapped to NVML's numbering), or
+    None without pynvml, a driver or that GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        logger.info("GPU utilisation not measured: pynvml (pip install nvidia-ml-py) is not installed")
+        return None
+    try:
+        pynvml.nvmlInit()
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        name = visible[index] if index < len(visible) else str(index)
+        if name.startswith(("GPU-", "MIG-")):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(name) if name.isdigit() else index)
+        pynvml.nvmlDeviceGetUtilizationRates(handle)
+    except (pynvml.NVMLError, ValueError) as e:
+        logger.info("GPU utilisation not measured: NVML: %s", e)
+        return None
+    return pynvml, handle
+
+
+def driver_samples(pynvml: Any, handle: Any) -> Callable[[], list[Reading]] | None:
+    """A reader of the driver's utilisation samples newer than its last call's (the first call: newer than now), on
+    the perf_counter clock; None where the driver keeps none or stamps them off the wall clock."""
+    def fetch(after_us: int) -> list[Any]:
+        try:
+            return pynvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, after_us)[1]
+        except pynvml.NVMLError as e:
+            if e.value == pynvml.NVML_ERROR_NOT_FOUND:  # no sample newer than after_us
+                return []
+            raise
+
+    try:
+        first = fetch(0)
+    except pynvml.NVMLError as e:
+        logger.info("GPU utilisation from the driver's samples not measured: NVML: %s", e)
+        return None
+    wall_to_perf = time.perf_counter() - time.time()
+    # With an empty buffer, samples stamped before now are skipped (and, stamped off the wall clock, never come).
+    last_us = max((s.timeStamp for s in first), default=int(time.time() * 1e6))
+    age_s = time.time() - last_us / 1e6
+    if not -1.0 <= age_s <= MAX_SAMPLE_AGE_S:
+        logger.info("GPU utilisation from the driver's samples not measured: its newest sample is stamped %.1f s "
+                    "from now", age_s)
+        return None
+
+    def read() -> list[Reading]:
+        nonlocal last_us
+        samples = fetch(last_us)
+        if samples:
+            last_us = max(s.timeStamp for s in samples)
+        return [(s.timeStamp / 1e6 + wall_to_perf, float(s.sampleValue.uiVal)) for s in samples]
+
+    return read
+
+
+class GpuBusyMeter:
+    """The busy share (0-1) of one GPU between successive `take` calls, from the driver's samples."""
+
+    def __init__(self, read: Callable[[], list[Reading]]) -> None:
+        self._read = read
+
+    @classmethod
+    def open(cls, index: int = 0) -> GpuBusyMeter | None:
+        """A meter of visible GPU `index`, or None where NVML or the driver's samples are not there."""
+        device = nvml_device(index)
+        read = driver_samples(*device) if device is not None else None
+        return cls(read) if read is not None else None
+
+    def take(self) -> float | None:
+        """The mean of the samples taken since the last call (those the driver still holds), or None without any;
+        a failing read is logged and gives None."""
+        try:
+            samples = self._read()
+        except Exception as e:  # noqa: BLE001 (a metric's failure never fails the step)
+            logger.warning("GPU utilisation reading failed: %s", e)
+            return None
+        return statistics.mean(u for _, u in samples) / 100.0 if samples else None
