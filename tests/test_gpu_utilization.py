@@ -68,25 +68,50 @@ def test_no_nvml_device_on_this_cpu_machine():
 
 def test_the_meter_gives_the_mean_share_of_the_samples_since_its_last_take():
     batches = iter([[(1.0, 40.0), (1.2, 80.0)], [], [(2.0, 100.0)]])
-    meter = GpuBusyMeter(lambda: next(batches))
+    meter = GpuBusyMeter(lambda: next(batches), poll_s=None)
     assert meter.take() == pytest.approx(0.6)
     assert meter.take() is None  # no sample in between
     assert meter.take() == 1.0
 
 
-def test_a_failing_reading_gives_no_share_and_never_raises(caplog):
+def test_the_meter_polls_so_that_a_long_window_keeps_its_start():
+    """The driver keeps only its last samples: the polling thread collects them as they come, and `take` averages
+    everything read since the last take."""
+    reads = []
+
+    def read():
+        reads.append(len(reads) % 2 * 100.0)  # alternately an idle and a busy sample
+        return [(time.perf_counter(), reads[-1])]
+
+    meter = GpuBusyMeter(read, poll_s=0.001)
+    deadline = time.monotonic() + 5.0
+    while len(reads) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    meter.close()
+    count = len(reads)
+    time.sleep(0.02)
+    assert count >= 4 and len(reads) == count  # closed: the thread reads no more
+    share = meter.take()  # which reads once more itself
+    assert len(reads) == count + 1 and share == pytest.approx(sum(reads) / len(reads) / 100.0)
+
+
+def test_a_failing_reading_gives_no_share_from_then_on_and_never_raises(caplog):
+    calls = []
+
     def broken():
+        calls.append(1)
         raise RuntimeError("NVML gone")
 
-    assert GpuBusyMeter(broken).take() is None
-    assert "GPU utilisation reading failed: NVML gone" in caplog.text
+    meter = GpuBusyMeter(broken, poll_s=None)
+    assert meter.take() is None and meter.take() is None and len(calls) == 1
+    assert "GPU utilisation reading failed, no GPU busy share from here on: NVML gone" in caplog.text
 
 
 def test_rank_0_on_a_gpu_reports_its_busy_share_from_the_second_train_call(monkeypatch):
     batches = iter([[(1.0, 30.0), (1.1, 50.0)]])
     opened = []
     monkeypatch.setattr(GpuBusyMeter, "open", classmethod(
-        lambda cls, index=0: opened.append(index) or cls(lambda: next(batches, []))))
+        lambda cls, index=0: opened.append(index) or cls(lambda: next(batches, []), poll_s=None)))
     rank = TrainerRank(0, 1, RankConfig(roles={}))
     assert rank._gpu_busy_share() is None and opened == []  # a CPU rank: no meter
     rank.device = torch.device("cuda", 3)  # FAKE: the device's type and index are all the meter reads of it
@@ -97,3 +122,4 @@ def test_rank_0_on_a_gpu_reports_its_busy_share_from_the_second_train_call(monke
     other.device = torch.device("cuda", 0)
     assert other._gpu_busy_share() is None and opened == [3]  # only rank 0 measures
     assert "trainer_gpu_busy_share".startswith(CALL_METRIC_PREFIXES)  # a call's metric: logged under perf/ as is
+    rank.shutdown()

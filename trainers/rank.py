@@ -281,6 +281,8 @@ class TrainerRank:
     def shutdown(self) -> None:
         if self._gc_watch is not None:
             self._gc_watch.uninstall()
+        if self._gpu_meter is not None:
+            self._gpu_meter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

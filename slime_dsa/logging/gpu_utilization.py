@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,24 +79,55 @@ def driver_samples(pynvml: Any, handle: Any) -> Callable[[], list[Reading]] | No
 
 
 class GpuBusyMeter:
-    """The busy share (0-1) of one GPU between successive `take` calls, from the driver's samples."""
+    """The busy share (0-1) of one GPU between successive `take` calls, from the driver's samples. A daemon thread
+    reads them every `poll_s` (None: only at `take`), since the driver keeps only its last ~100 or so: a window longer
+    than that would otherwise count only its end."""
 
-    def __init__(self, read: Callable[[], list[Reading]]) -> None:
+    def __init__(self, read: Callable[[], list[Reading]], poll_s: float | None = 1.0) -> None:
         self._read = read
+        self._lock = threading.Lock()
+        self._sum, self._count = 0.0, 0
+        self._failed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if poll_s is not None:
+            self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="gpu-busy-meter", daemon=True)
+            self._thread.start()
 
     @classmethod
-    def open(cls, index: int = 0) -> GpuBusyMeter | None:
+    def open(cls, index: int = 0, poll_s: float | None = 1.0) -> GpuBusyMeter | None:
         """A meter of visible GPU `index`, or None where NVML or the driver's samples are not there."""
         device = nvml_device(index)
         read = driver_samples(*device) if device is not None else None
-        return cls(read) if read is not None else None
+        return cls(read, poll_s) if read is not None else None
 
     def take(self) -> float | None:
-        """The mean of the samples taken since the last call (those the driver still holds), or None without any;
-        a failing read is logged and gives None."""
-        try:
-            samples = self._read()
-        except Exception as e:  # noqa: BLE001 (a metric's failure never fails the step)
-            logger.warning("GPU utilisation reading failed: %s", e)
-            return None
-        return statistics.mean(u for _, u in samples) / 100.0 if samples else None
+        """The mean of the samples taken since the last call, or None without any (or once a read has failed)."""
+        self._collect()
+        with self._lock:
+            share = self._sum / self._count / 100.0 if self._count else None
+            self._sum, self._count = 0.0, 0
+        return share
+
+    def close(self) -> None:
+        """Stop the polling thread (and wait for it: a read in progress ends first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+
+    def _collect(self) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            try:
+                samples = self._read()
+            except Exception as e:  # noqa: BLE001 (a metric's failure never fails the step)
+                logger.warning("GPU utilisation reading failed, no GPU busy share from here on: %s", e)
+                self._failed, self._sum, self._count = True, 0.0, 0
+                return
+            self._sum += sum(u for _, u in samples)
+            self._count += len(samples)
+
+    def _poll(self, every_s: float) -> None:
+        while not self._stop.wait(every_s) and not self._failed:
+            self._collect()
