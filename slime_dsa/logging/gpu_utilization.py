@@ -80,7 +80,7 @@ def driver_samples(pynvml: Any, handle: Any) -> Callable[[], list[Reading]] | No
 
 class GpuBusyMeter:
     """The busy share (0-1) of one GPU between successive `take` calls, from the driver's samples. A daemon thread
-    reads them every `poll_s` (None: only at `take`), since the driver keeps only its last ~100 or so: a window longer
+    reads them every `poll_s` (None: only at `take`), since the driver keeps a bounded buffer of them: a window longer
     than that would otherwise count only its end."""
 
     def __init__(self, read: Callable[[], list[Reading]], poll_s: float | None = 1.0) -> None:
