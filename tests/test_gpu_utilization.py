@@ -123,3 +123,12 @@ def test_rank_0_on_a_gpu_reports_its_busy_share_from_the_second_train_call(monke
     assert other._gpu_busy_share() is None and opened == [3]  # only rank 0 measures
     assert "trainer_gpu_busy_share".startswith(CALL_METRIC_PREFIXES)  # a call's metric: logged under perf/ as is
     rank.shutdown()
+
+
+def test_the_step_line_shows_the_gpu_busy_share_where_there_is_one(capsys):
+    from slime_dsa.orchestrator.step import print_step
+
+    print_step(2, 10, {"rollout/reward_mean": 0.5, "perf/step_time_s": 0.35, "perf/trainer_gpu_busy_share": 0.614})
+    assert "step 2/10  reward 0.5  step s 0.35  GPU busy 61%" in capsys.readouterr().err
+    print_step(1, 10, {"rollout/reward_mean": 0.5})
+    assert "GPU busy" not in capsys.readouterr().err

@@ -372,6 +372,8 @@ def print_step(step: int, total: int, metrics: dict[str, float]) -> None:
             ("critic/explained_variance", "EV"), ("advantage/teacher_reverse_kl", "reverse KL"),
             ("perf/step_time_s", "step s")]
     parts = [f"{label} {metrics[k]:.4g}" for k, label in keys if k in metrics and not _nan(metrics[k])]
+    if "perf/trainer_gpu_busy_share" in metrics:  # on a GPU with nvidia-ml-py
+        parts.append(f"GPU busy {metrics['perf/trainer_gpu_busy_share']:.0%}")
     # soft_wrap: one line per step also when stderr is a file or a narrow terminal
     Console(stderr=True, soft_wrap=True).print(f"[bold]step {step}/{total}[/bold]  " + "  ".join(parts))
 
