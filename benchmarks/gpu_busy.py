@@ -4,7 +4,7 @@ actors counts), two ways:
 - polled: a thread reads the utilisation every ~20 ms. Each reading is NVML's percent of its own trailing sample
   period (1/6 s to 1 s, by product) in which a kernel ran, so readings overlap and lag: a mean over whole steps of a
   second or more is what it measures well.
-- driver: the driver's own utilisation samples (`nvmlDeviceGetSamples`, slime_dsa/logging/gpu_utilization.py), each
+- driver: the driver's own utilisation samples (`nvmlDeviceGetSamples`, slime_dsa/gpu_utilization.py), each
   stamped with the time it was taken, read in batches every ~0.1 s; a step's share is the mean of the samples stamped
   inside it, so short steps are not smeared into their neighbours. Only where the driver keeps such samples and
   stamps them on the wall clock.
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime_dsa.logging.gpu_utilization import Reading, driver_samples, nvml_device  # noqa: E402
+from slime_dsa.gpu_utilization import Reading, driver_samples, nvml_device  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

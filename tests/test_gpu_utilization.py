@@ -1,4 +1,4 @@
-"""slime_dsa/logging/gpu_utilization.py and the trainer rank's perf/trainer_gpu_busy_share on CPU. NVML cannot run
+"""slime_dsa/gpu_utilization.py and the trainer rank's perf/trainer_gpu_busy_share on CPU. NVML cannot run
 here: the driver's samples come from a FAKE pynvml (a scripted buffer), and the rank's meter from a FAKE reader."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from slime_dsa.logging.gpu_utilization import GpuBusyMeter, driver_samples, nvml_device
+from slime_dsa.gpu_utilization import GpuBusyMeter, driver_samples, nvml_device
 from trainers.base import CALL_METRIC_PREFIXES, RankConfig
 from trainers.rank import TrainerRank
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("slime_dsa", "trainers", "rollout")
 SERVICES = ("trainers", "rollout")
 CORE = ("models", "ops", "algorithms", "config", "data", "checkpoint", "weights", "devices", "trace_recorder", "gc_watch",
-        "interrupts", "durable")
+        "gpu_utilization", "interrupts", "durable")
 DRIVERS = (
     "orchestrator", "commands", "cli",  # the Ray driver and the command line
     "sft", "indexer",  # one-process jobs: they train with trainers/ pieces and evaluate with rollout/'s engine

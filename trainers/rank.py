@@ -29,7 +29,7 @@ from slime_dsa.algorithms.indexer_loss import dsa_indexer_loss, group_recall, to
 from slime_dsa.trace_recorder import ACTIVITIES, annotate
 from slime_dsa.devices import upload, upload_many
 from slime_dsa.gc_watch import GcWatch, freeze_after_startup
-from slime_dsa.logging.gpu_utilization import GpuBusyMeter
+from slime_dsa.gpu_utilization import GpuBusyMeter
 from slime_dsa.models import PackedBatch
 from slime_dsa.models.glm_moe_dsa import REPLAY_COMPUTE
 from slime_dsa.models.prefix_sharing import pack_shared_prefixes, shared_prompt_lengths
